@@ -1,0 +1,101 @@
+import { z } from 'zod';
+
+/**
+ * Configuration of the control plane, read once from the environment and
+ * validated with zod. A bad value stops start-up with a message that names
+ * the variable and says what to fix. Every variable is listed, with its
+ * default, in README.md ("Configuration").
+ */
+
+const bool = z
+  .enum(['true', 'false', '1', '0', 'yes', 'no'])
+  .transform((v) => v === 'true' || v === '1' || v === 'yes');
+
+const durationMs = z.coerce.number().int().nonnegative();
+
+export const configSchema = z.object({
+  HOST: z.string().min(1).default('127.0.0.1'),
+  PORT: z.coerce.number().int().min(0).max(65535).default(8080),
+  LOG_LEVEL: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']).default('info'),
+  /** Where the embedded Postgres and generated secrets live. */
+  DATA_DIR: z.string().min(1).default('.data'),
+  /** External Postgres for read models (and events, unless EVENTSTORE_URL is set). Unset: the embedded server. */
+  DATABASE_URL: z.string().url().optional(),
+  /** `esdb://…`: EventStoreDB for events. */
+  EVENTSTORE_URL: z
+    .string()
+    .regex(/^esdb(\+discover)?:\/\//, 'must be an esdb:// or esdb+discover:// connection string')
+    .optional(),
+  EMBEDDED_PG_PORT: z.coerce.number().int().min(1).max(65535).default(54329),
+  /** Base64 of 32 bytes (AES-256-GCM). Unset: generated once into DATA_DIR/secrets.json. */
+  TOKEN_ENCRYPTION_KEY: z
+    .string()
+    .refine((v) => Buffer.from(v, 'base64').length === 32, 'must be base64 of exactly 32 bytes (openssl rand -base64 32)')
+    .optional(),
+  /** Admin bearer key. Unset: generated once into DATA_DIR/secrets.json and printed at start. */
+  ADMIN_API_KEY: z.string().min(16, 'must be at least 16 characters').optional(),
+  /** Tenant keys as `tenant:key,tenant:key`. */
+  API_KEYS: z
+    .string()
+    .default('')
+    .transform((v, ctx) => {
+      const out: Array<{ tenant: string; key: string }> = [];
+      for (const part of v.split(',').map((s) => s.trim()).filter(Boolean)) {
+        const i = part.indexOf(':');
+        const tenant = part.slice(0, i);
+        const key = part.slice(i + 1);
+        if (i <= 0 || !/^[a-z0-9][a-z0-9_-]{0,62}$/.test(tenant) || key.length < 16) {
+          ctx.addIssue({ code: 'custom', message: `entry "${tenant || part.slice(0, 8)}…" must be tenant:key with a lowercase tenant id and a key of at least 16 characters` });
+          return z.NEVER;
+        }
+        out.push({ tenant, key });
+      }
+      return out;
+    }),
+  /** Start one local host agent (process backend) and register it. Default: on with the embedded default. */
+  START_LOCAL_AGENT: bool.optional(),
+  LOCAL_AGENT_PORT: z.coerce.number().int().min(1).max(65535).default(7070),
+  PLACEMENT_POLICY: z.enum(['spread', 'binpack']).default('spread'),
+  EXEC_DEFAULT_TIMEOUT_MS: durationMs.default(30_000),
+  EXEC_MAX_TIMEOUT_MS: durationMs.default(600_000),
+  STARTUP_SCRIPT_TIMEOUT_MS: durationMs.default(30_000),
+  MAX_STARTUP_SCRIPT_TIMEOUT_MS: durationMs.default(50_000),
+  AGENT_CALL_TIMEOUT_MS: durationMs.default(30_000),
+  /** How long `?after=<position>` waits for the read models to catch up. */
+  READ_YOUR_WRITES_TIMEOUT_MS: durationMs.default(5_000),
+});
+
+export type Config = z.infer<typeof configSchema>;
+
+export class ConfigError extends Error {
+  constructor(readonly problems: string[]) {
+    super(`invalid configuration:\n${problems.map((p) => `  - ${p}`).join('\n')}`);
+    this.name = 'ConfigError';
+  }
+}
+
+/** Parses a zod schema over an environment, naming each bad variable. Shared with the host agent's config. */
+export function parseEnv<S extends z.ZodType>(schema: S, env: NodeJS.ProcessEnv): z.infer<S> {
+  // An empty variable means "unset": `FOO= npm start` should not fail on FOO.
+  const cleaned = Object.fromEntries(Object.entries(env).filter(([, v]) => v !== undefined && v !== ''));
+  const result = schema.safeParse(cleaned);
+  if (!result.success) {
+    throw new ConfigError(
+      result.error.issues.map((issue) => {
+        const name = issue.path.join('.') || '(environment)';
+        const value = cleaned[String(issue.path[0])];
+        const shown = value === undefined ? '' : ` (got ${isSecretName(name) ? '<redacted>' : JSON.stringify(value)})`;
+        return `${name}: ${issue.message}${shown}`;
+      }),
+    );
+  }
+  return result.data;
+}
+
+function isSecretName(name: string): boolean {
+  return /KEY|TOKEN|SECRET|PASSWORD|DATABASE_URL/i.test(name);
+}
+
+export function loadConfig(env: NodeJS.ProcessEnv = process.env): Config {
+  return parseEnv(configSchema, env);
+}
