@@ -1,0 +1,105 @@
+import fastifySwagger from '@fastify/swagger';
+import fastifyWebsocket from '@fastify/websocket';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import { jsonSchemaTransform, serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod';
+import { problem, errorHandler } from './problem.js';
+import type { ApiKeys } from './auth.js';
+import type { Metrics } from './metrics.js';
+
+export interface Readiness {
+  /** Name → check; each resolves when its dependency answers. */
+  readonly checks: Record<string, () => Promise<void>>;
+}
+
+export interface AppOptions {
+  /** A pino logger, or false for silence (tests). */
+  readonly logger: FastifyBaseLogger | false;
+  readonly apiKeys: ApiKeys;
+  readonly metrics: Metrics;
+  readonly readiness: Readiness;
+  /** Route plugins, registered after auth and the documentation are in place. */
+  readonly routes: ReadonlyArray<(app: FastifyInstance) => Promise<void> | void>;
+  readonly bodyLimit?: number;
+}
+
+const PUBLIC = new Set(['/healthz', '/readyz', '/metrics', '/openapi.json']);
+
+/** The API as a plugin-built app (fastify/demo style): process concerns live in main.ts. */
+export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
+  const app = Fastify({
+    ...(opts.logger ? { loggerInstance: opts.logger } : { logger: false }),
+    bodyLimit: opts.bodyLimit ?? 64 * 1024 * 1024,
+    // Request ids double as correlation ids in event metadata.
+    genReqId: () => crypto.randomUUID(),
+    requestIdHeader: 'x-request-id',
+    disableRequestLogging: false,
+  }).withTypeProvider<ZodTypeProvider>();
+
+  app.setValidatorCompiler(validatorCompiler);
+  app.setSerializerCompiler(serializerCompiler);
+  app.setErrorHandler(errorHandler);
+  // Unknown routes get the same problem shape as everything else.
+  app.setNotFoundHandler((req, reply) => {
+    void reply.status(404).type('application/problem+json').send(problem(404, 'ROUTE_NOT_FOUND', `no route ${req.method} ${req.url.split('?')[0]}`));
+  });
+  // Any body type fastify does not parse itself arrives as a Buffer (file uploads).
+  app.addContentTypeParser('application/octet-stream', { parseAs: 'buffer' }, (_req, body, done) => done(null, body));
+
+  await app.register(fastifySwagger, {
+    openapi: {
+      openapi: '3.0.3',
+      info: { title: 'Fleet control plane', description: 'Place, boot, exec into, snapshot and destroy sandboxes on a fleet of hosts.', version: '1.0.0' },
+      components: { securitySchemes: { bearer: { type: 'http', scheme: 'bearer' } } },
+      security: [{ bearer: [] }],
+    },
+    transform: jsonSchemaTransform,
+  });
+  await app.register(fastifyWebsocket, { options: { maxPayload: 16 * 1024 * 1024 } });
+
+  app.addHook('onRequest', async (req) => {
+    const path = req.url.split('?')[0]!;
+    if (PUBLIC.has(path)) return;
+    req.caller = opts.apiKeys.authenticate(req);
+  });
+  app.addHook('onResponse', async (req, reply) => {
+    const route = req.routeOptions.url ?? 'unmatched';
+    opts.metrics.httpRequests.inc({ method: req.method, route, status: String(reply.statusCode) });
+    opts.metrics.httpDuration.observe({ method: req.method, route }, reply.elapsedTime / 1000);
+  });
+
+  app.get('/healthz', { schema: { hide: true } }, async () => ({ status: 'ok' }));
+  app.get('/readyz', { schema: { hide: true } }, async (_req, reply) => {
+    const results: Record<string, string> = {};
+    let ready = true;
+    await Promise.all(
+      Object.entries(opts.readiness.checks).map(async ([name, check]) => {
+        try {
+          await withTimeout(check(), 2000);
+          results[name] = 'ok';
+        } catch (err) {
+          ready = false;
+          results[name] = err instanceof Error ? err.message : String(err);
+        }
+      }),
+    );
+    return reply.status(ready ? 200 : 503).send({ status: ready ? 'ready' : 'not ready', checks: results });
+  });
+  app.get('/metrics', { schema: { hide: true } }, async (_req, reply) => {
+    const body = await opts.metrics.registry.metrics();
+    return reply.type(opts.metrics.registry.contentType).send(body);
+  });
+  app.get('/openapi.json', { schema: { hide: true } }, async () => app.swagger());
+
+  for (const routes of opts.routes) await app.register(async (scope) => routes(scope));
+  await app.ready();
+  return app as unknown as FastifyInstance;
+}
+
+async function withTimeout<T>(p: Promise<T>, ms: number): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`no answer within ${ms} ms`)), ms)))]);
+  } finally {
+    if (timer) clearTimeout(timer);
+  }
+}

@@ -1,0 +1,115 @@
+import { randomUUID } from 'node:crypto';
+import type { Decider } from '../domain/decider.js';
+import { ConcurrencyError, type EventMetadata, type EventStore, type ExpectedRevision, type Position, type RecordedEvent } from '../domain/event-store.port.js';
+
+/** Who asked and why: carried into every event's metadata. */
+export interface CommandMeta {
+  readonly correlationId: string;
+  readonly causationId?: string | undefined;
+  readonly tenantId?: string | undefined;
+  readonly actor: string;
+}
+
+export interface DomainEvent {
+  readonly type: string;
+  readonly data: unknown;
+}
+
+export interface Loaded<S> {
+  readonly state: S;
+  /** Revision of the last event read, or 'no_stream'. */
+  readonly revision: bigint | 'no_stream';
+}
+
+export interface Handled<S, E> {
+  readonly state: S;
+  readonly events: readonly E[];
+  /** Position of the last event appended, or undefined when the command changed nothing. */
+  readonly position: Position | undefined;
+  readonly revision: bigint | 'no_stream';
+}
+
+export type Clock = () => Date;
+
+/**
+ * Decodes a stored event into a domain event: the stream is the source of
+ * truth, so an event that fails its own schema is a bug worth stopping for.
+ */
+export type EventCodec<E> = (recorded: RecordedEvent) => E | undefined;
+
+/**
+ * Load → fold → decide → append at the revision read. On a concurrency
+ * conflict the whole cycle reruns (bounded), so the decision is always made
+ * on the state it is appended after: this is how host capacity, tenant quota
+ * and a VM's lifecycle stay consistent under any number of writers.
+ */
+export class CommandHandler {
+  constructor(
+    private readonly store: EventStore,
+    private readonly clock: Clock = () => new Date(),
+    private readonly maxAttempts = 8,
+  ) {}
+
+  async load<C, E, S>(streamId: string, decider: Decider<C, E, S>, decode: EventCodec<E>): Promise<Loaded<S>> {
+    const recorded = await this.store.readStream(streamId);
+    let state = decider.initialState;
+    for (const r of recorded) {
+      const e = decode(r);
+      if (e !== undefined) state = decider.evolve(state, e);
+    }
+    const last = recorded.at(-1);
+    return { state, revision: last ? last.revision : 'no_stream' };
+  }
+
+  /**
+   * Runs `command` (or a function of the loaded state returning one) against
+   * the stream. `onConflict` can veto another attempt (e.g. placement wants to
+   * re-decide elsewhere instead).
+   */
+  async handle<C, E extends DomainEvent, S>(
+    streamId: string,
+    decider: Decider<C, E, S>,
+    decode: EventCodec<E>,
+    command: C | ((state: S) => C),
+    meta: CommandMeta,
+    options: { expected?: ExpectedRevision; onConflict?: (err: ConcurrencyError, attempt: number) => boolean } = {},
+  ): Promise<Handled<S, E>> {
+    for (let attempt = 1; ; attempt++) {
+      const loaded = await this.load(streamId, decider, decode);
+      const cmd = typeof command === 'function' ? (command as (s: S) => C)(loaded.state) : command;
+      const now = this.clock();
+      const events = decider.decide(cmd, loaded.state, { now });
+      if (events.length === 0) return { state: loaded.state, events, position: undefined, revision: loaded.revision };
+      try {
+        const result = await this.store.append(
+          streamId,
+          events.map((e) => ({ id: randomUUID(), type: e.type, data: e.data, metadata: metadataFor(meta, now) })),
+          options.expected ?? loaded.revision,
+        );
+        let state = loaded.state;
+        for (const e of events) state = decider.evolve(state, e);
+        return { state, events, position: result.position, revision: result.nextExpectedRevision };
+      } catch (err) {
+        if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts) throw err;
+        if (options.onConflict && !options.onConflict(err, attempt)) throw err;
+        await jitter(attempt);
+      }
+    }
+  }
+}
+
+export function metadataFor(meta: CommandMeta, now: Date): EventMetadata {
+  return {
+    correlationId: meta.correlationId,
+    causationId: meta.causationId,
+    tenantId: meta.tenantId,
+    actor: meta.actor,
+    recordedAt: now.toISOString(),
+  };
+}
+
+/** Spreads retries of writers that collided so they do not collide again in lockstep. */
+function jitter(attempt: number): Promise<void> {
+  const ms = Math.random() * Math.min(50, 2 ** attempt);
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}

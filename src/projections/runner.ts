@@ -1,0 +1,260 @@
+import type { Pool } from 'pg';
+import { Subscription } from 'rxjs';
+import type { Logger } from 'pino';
+import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
+import { AppError } from '../domain/errors.js';
+import type { Projection, Sql } from './projection.js';
+
+export const CHECKPOINTS_MIGRATION = {
+  id: '0001_projection_checkpoints',
+  sql: `CREATE TABLE IF NOT EXISTS projection_checkpoints (
+          name text PRIMARY KEY,
+          position text,
+          events_applied bigint NOT NULL DEFAULT 0,
+          last_event_at timestamptz,
+          updated_at timestamptz NOT NULL DEFAULT now()
+        );`,
+};
+
+export interface ProjectionStatus {
+  readonly name: string;
+  readonly running: boolean;
+  readonly caughtUp: boolean;
+  readonly position: Position | undefined;
+  readonly eventsApplied: number;
+  /** Seconds between now and the commit time of the newest event not yet applied (0 when caught up). */
+  readonly lagSeconds: number;
+  readonly lastError: string | undefined;
+}
+
+const PAGE = 1000;
+
+/**
+ * Runs projections: each catches up by paging through `readAll` from its
+ * stored checkpoint (pull-based, so a replay of millions of events never
+ * buffers more than a page), then follows the live subscription. Each batch
+ * of events and the new checkpoint commit in ONE transaction, and the
+ * checkpoint row is locked and compared first, so two runners (two replicas,
+ * or a rebuild racing the live runner) can never apply an event twice.
+ */
+export class ProjectionRunner {
+  private readonly states = new Map<string, RunnerState>();
+  private stopped = false;
+
+  constructor(
+    private readonly store: EventStore,
+    private readonly pool: Pool,
+    private readonly projections: readonly Projection[],
+    private readonly logger: Logger,
+  ) {
+    for (const p of projections) {
+      this.states.set(p.name, { projection: p, running: false, caughtUp: false, position: undefined, eventsApplied: 0, lastError: undefined, oldestPendingAt: undefined, sub: undefined, waiters: new Set(), retryTimer: undefined });
+    }
+  }
+
+  get names(): string[] {
+    return this.projections.map((p) => p.name);
+  }
+
+  async start(): Promise<void> {
+    this.stopped = false;
+    await Promise.all([...this.states.values()].map((s) => this.run(s)));
+  }
+
+  async stop(): Promise<void> {
+    this.stopped = true;
+    for (const s of this.states.values()) {
+      s.sub?.unsubscribe();
+      s.sub = undefined;
+      if (s.retryTimer) clearTimeout(s.retryTimer);
+      s.running = false;
+      for (const w of s.waiters) w.reject(new Error('projection runner stopped'));
+      s.waiters.clear();
+    }
+  }
+
+  status(): ProjectionStatus[] {
+    const now = Date.now();
+    return [...this.states.values()].map((s) => ({
+      name: s.projection.name,
+      running: s.running,
+      caughtUp: s.caughtUp,
+      position: s.position,
+      eventsApplied: s.eventsApplied,
+      lagSeconds: s.oldestPendingAt ? Math.max(0, (now - s.oldestPendingAt) / 1000) : 0,
+      lastError: s.lastError,
+    }));
+  }
+
+  /** Resolves once every projection has applied `position` (read-your-writes); rejects after `timeoutMs`. */
+  async waitFor(position: Position, timeoutMs: number): Promise<void> {
+    const pending = [...this.states.values()].filter((s) => !s.position || s.position < position);
+    if (pending.length === 0) return;
+    await Promise.all(
+      pending.map(
+        (s) =>
+          new Promise<void>((resolve, reject) => {
+            const waiter: Waiter = {
+              position,
+              resolve: () => {
+                clearTimeout(timer);
+                resolve();
+              },
+              reject: (err) => {
+                clearTimeout(timer);
+                reject(err);
+              },
+            };
+            const timer = setTimeout(() => {
+              s.waiters.delete(waiter);
+              reject(new ReadModelLagError(position, s.projection.name, s.position));
+            }, timeoutMs);
+            s.waiters.add(waiter);
+          }),
+      ),
+    );
+  }
+
+  private async run(s: RunnerState): Promise<void> {
+    if (this.stopped) return;
+    s.running = true;
+    try {
+      s.position = await this.loadCheckpoint(s.projection.name);
+      // Catch up by pages: each page is one transaction.
+      for (;;) {
+        if (this.stopped) return;
+        const page = await this.store.readAll({ after: s.position, maxCount: PAGE });
+        if (page.length === 0) break;
+        s.oldestPendingAt = page[0]!.created.getTime();
+        await this.applyBatch(s, page);
+        if (page.length < PAGE) break;
+      }
+      s.caughtUp = true;
+      s.oldestPendingAt = undefined;
+      this.logger.info({ projection: s.projection.name, position: s.position, eventsApplied: s.eventsApplied }, 'projection caught up');
+      this.follow(s);
+    } catch (err) {
+      this.fail(s, err);
+    }
+  }
+
+  /** Live: the subscription's events are applied in order, a batch per microtask burst. */
+  private follow(s: RunnerState): void {
+    let queue: RecordedEvent[] = [];
+    let draining: Promise<void> | undefined;
+    const drain = async (): Promise<void> => {
+      while (queue.length > 0 && !this.stopped) {
+        const batch = queue;
+        queue = [];
+        await this.applyBatch(s, batch);
+      }
+      s.oldestPendingAt = undefined;
+    };
+    s.sub = new Subscription();
+    s.sub.add(
+      this.store.subscribeToAll({ after: s.position }).subscribe({
+        next: (item) => {
+          if (item.kind !== 'event') return;
+          queue.push(item.event);
+          s.oldestPendingAt ??= item.event.created.getTime();
+          if (!draining) {
+            draining = drain()
+              .catch((err: unknown) => this.fail(s, err))
+              .finally(() => {
+                draining = undefined;
+              });
+          }
+        },
+        error: (err: unknown) => this.fail(s, err),
+      }),
+    );
+  }
+
+  private fail(s: RunnerState, err: unknown): void {
+    s.sub?.unsubscribe();
+    s.sub = undefined;
+    s.running = false;
+    s.caughtUp = false;
+    s.lastError = err instanceof Error ? err.message : String(err);
+    if (this.stopped) return;
+    this.logger.error({ projection: s.projection.name, err }, 'projection failed; restarting from its checkpoint in 1s');
+    s.retryTimer = setTimeout(() => void this.run(s), 1000);
+    s.retryTimer.unref();
+  }
+
+  private async applyBatch(s: RunnerState, events: readonly RecordedEvent[]): Promise<void> {
+    const client = await this.pool.connect();
+    try {
+      await client.query('BEGIN');
+      const row = await client.query<{ position: string | null }>(
+        `INSERT INTO projection_checkpoints (name) VALUES ($1)
+         ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
+         RETURNING position`,
+        [s.projection.name],
+      );
+      const stored = row.rows[0]?.position ?? undefined;
+      let last: RecordedEvent | undefined;
+      let applied = 0;
+      for (const event of events) {
+        if (stored !== undefined && event.position <= stored) continue; // applied by someone else already
+        await s.projection.apply(client as unknown as Sql, event);
+        last = event;
+        applied++;
+      }
+      if (last) {
+        await client.query(
+          `UPDATE projection_checkpoints
+              SET position = $2, events_applied = events_applied + $3, last_event_at = $4, updated_at = now()
+            WHERE name = $1`,
+          [s.projection.name, last.position, applied, last.created],
+        );
+      }
+      await client.query('COMMIT');
+      const newest = last?.position ?? stored;
+      if (newest !== undefined && (s.position === undefined || newest > s.position)) s.position = newest;
+      s.eventsApplied += applied;
+      s.lastError = undefined;
+      for (const w of s.waiters) {
+        if (s.position !== undefined && s.position >= w.position) {
+          s.waiters.delete(w);
+          w.resolve();
+        }
+      }
+    } catch (err) {
+      await client.query('ROLLBACK').catch(() => undefined);
+      throw err;
+    } finally {
+      client.release();
+    }
+  }
+
+  private async loadCheckpoint(name: string): Promise<Position | undefined> {
+    const { rows } = await this.pool.query<{ position: string | null }>('SELECT position FROM projection_checkpoints WHERE name = $1', [name]);
+    return rows[0]?.position ?? undefined;
+  }
+}
+
+export class ReadModelLagError extends AppError {
+  constructor(position: Position, projection: string, reached: Position | undefined) {
+    super('READ_MODEL_LAGGING', 503, `read model ${projection} has not caught up to position ${position} yet (at ${reached ?? 'start'}); retry shortly`, { projection });
+  }
+}
+
+interface Waiter {
+  readonly position: Position;
+  resolve(): void;
+  reject(err: Error): void;
+}
+
+interface RunnerState {
+  readonly projection: Projection;
+  running: boolean;
+  caughtUp: boolean;
+  position: Position | undefined;
+  eventsApplied: number;
+  lastError: string | undefined;
+  oldestPendingAt: number | undefined;
+  sub: Subscription | undefined;
+  waiters: Set<Waiter>;
+  retryTimer: NodeJS.Timeout | undefined;
+}
