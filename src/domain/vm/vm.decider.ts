@@ -1,0 +1,270 @@
+import { assertNever, type DecideContext, type Decider } from '../decider.js';
+import type { PlacementDecision } from '../placement/placement.js';
+import { toStoredSpec, type StoredVmSpec, type VmSpec } from './spec.js';
+import { VmAlreadyExistsError, VmInvalidStateError, VmNotFoundError } from './vm.errors.js';
+import type { Endpoint, VmEndReason, VmEvent, VmPhase, VmReservation } from './vm.events.js';
+
+// ---------------------------------------------------------------- commands
+
+export type VmCommand =
+  | {
+      readonly type: 'RequestVm';
+      /** `spec` as returned by validateVmSpec (the fleet limits are the command layer's to apply). */
+      readonly data: {
+        readonly vm_id: string;
+        readonly spec: VmSpec;
+        readonly tenant_id: string;
+        readonly task_id?: string | undefined;
+        readonly idempotency_key?: string | undefined;
+      };
+    }
+  | {
+      readonly type: 'PlaceVm';
+      readonly data: { readonly vm_id: string; readonly host_id: string; readonly decision: PlacementDecision; readonly reservation: VmReservation };
+    }
+  | { readonly type: 'StartBoot'; readonly data: { readonly vm_id: string } }
+  | {
+      readonly type: 'CompleteBoot';
+      readonly data: {
+        readonly vm_id: string;
+        readonly url: string;
+        readonly endpoints: readonly Endpoint[];
+        readonly boot_ms: number;
+        readonly auth_token_encrypted?: string | undefined;
+      };
+    }
+  | { readonly type: 'RecordActivity'; readonly data: { readonly vm_id: string } }
+  | { readonly type: 'RequestDestroy'; readonly data: { readonly vm_id: string; readonly reason: VmEndReason } }
+  | { readonly type: 'ConfirmDestroyed'; readonly data: { readonly vm_id: string } }
+  | {
+      readonly type: 'FailVm';
+      readonly data: { readonly vm_id: string; readonly reason: VmEndReason; readonly error: string; readonly error_code?: string | undefined };
+    };
+
+// ---------------------------------------------------------------- state
+
+interface VmCore {
+  readonly vm_id: string;
+  readonly tenant_id: string;
+  readonly task_id: string | undefined;
+  readonly idempotency_key: string | undefined;
+  readonly spec: StoredVmSpec;
+  readonly requested_at: string;
+  /** Time of the last state change: the stuck detector's clock. */
+  readonly transitioned_at: string;
+  /** Last control-plane activity (request, boot, exec, attach): the idle detector's clock. */
+  readonly last_activity_at: string;
+  /** Set from placement on; kept through the end so the capacity can be released. */
+  readonly host_id?: string | undefined;
+  readonly decision?: PlacementDecision | undefined;
+  readonly reservation?: VmReservation | undefined;
+  readonly url?: string | undefined;
+  readonly endpoints: readonly Endpoint[];
+  readonly boot_ms?: number | undefined;
+  readonly auth_token_encrypted?: string | undefined;
+}
+
+interface Placed {
+  readonly host_id: string;
+  readonly decision: PlacementDecision;
+  readonly reservation: VmReservation;
+}
+
+interface Booted {
+  readonly url: string;
+  readonly boot_ms: number;
+}
+
+export type VmState =
+  | { readonly status: 'initial' }
+  | (VmCore & { readonly status: 'requested' })
+  | (VmCore & Placed & { readonly status: 'placed' })
+  | (VmCore & Placed & { readonly status: 'booting' })
+  | (VmCore & Placed & Booted & { readonly status: 'running' })
+  | (VmCore & { readonly status: 'destroying'; readonly destroy_reason: VmEndReason })
+  | (VmCore & { readonly status: 'destroyed'; readonly reason: VmEndReason })
+  | (VmCore & {
+      readonly status: 'failed';
+      readonly reason: VmEndReason;
+      readonly error: string;
+      readonly error_code: string | undefined;
+      readonly phase: VmPhase;
+    });
+
+export type ExistingVmState = Exclude<VmState, { status: 'initial' }>;
+
+export const initialVmState: VmState = { status: 'initial' };
+
+export function isTerminal(status: VmState['status']): status is 'destroyed' | 'failed' {
+  return status === 'destroyed' || status === 'failed';
+}
+
+// ---------------------------------------------------------------- decide
+
+function existing(state: VmState, vmId: string): ExistingVmState {
+  if (state.status === 'initial') throw new VmNotFoundError(vmId);
+  return state;
+}
+
+export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext): VmEvent[] {
+  const at = ctx.now.toISOString();
+  const vm_id = command.data.vm_id;
+  switch (command.type) {
+    case 'RequestVm': {
+      if (state.status !== 'initial') {
+        // A retried create carrying the same key finds its own VM: no second one.
+        if (command.data.idempotency_key !== undefined && command.data.idempotency_key === state.idempotency_key) return [];
+        throw new VmAlreadyExistsError(vm_id);
+      }
+      const d = command.data;
+      return [
+        {
+          type: 'VmRequested',
+          data: { vm_id, spec: toStoredSpec(d.spec), tenant_id: d.tenant_id, task_id: d.task_id, idempotency_key: d.idempotency_key, at },
+        },
+      ];
+    }
+
+    case 'PlaceVm': {
+      const s = existing(state, vm_id);
+      if (s.status === 'placed' && s.host_id === command.data.host_id) return [];
+      if (s.status !== 'requested') {
+        throw new VmInvalidStateError(vm_id, s.status, 'place it', 'release the reservation just made for it');
+      }
+      const { host_id, decision, reservation } = command.data;
+      return [{ type: 'VmPlaced', data: { vm_id, host_id, decision, reservation, at } }];
+    }
+
+    case 'StartBoot': {
+      const s = existing(state, vm_id);
+      if (s.status === 'booting') return [];
+      if (s.status !== 'placed') throw new VmInvalidStateError(vm_id, s.status, 'start booting it');
+      return [{ type: 'VmBootStarted', data: { vm_id, host_id: s.host_id, at } }];
+    }
+
+    case 'CompleteBoot': {
+      const s = existing(state, vm_id);
+      if (s.status === 'running') return [];
+      if (s.status !== 'booting') throw new VmInvalidStateError(vm_id, s.status, 'mark it booted');
+      const d = command.data;
+      return [
+        {
+          type: 'VmBooted',
+          data: { vm_id, url: d.url, endpoints: [...d.endpoints], boot_ms: d.boot_ms, auth_token_encrypted: d.auth_token_encrypted, at },
+        },
+      ];
+    }
+
+    case 'RecordActivity': {
+      const s = existing(state, vm_id);
+      if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'record activity on it');
+      if (at <= s.last_activity_at) return [];
+      return [{ type: 'VmActivityRecorded', data: { vm_id, at } }];
+    }
+
+    case 'RequestDestroy': {
+      const s = existing(state, vm_id);
+      const reason = command.data.reason;
+      switch (s.status) {
+        case 'destroying':
+        case 'destroyed':
+        case 'failed':
+          return [];
+        case 'requested':
+          // Nothing exists on a host yet: it is gone as soon as it is asked to go.
+          return [
+            { type: 'VmDestroyRequested', data: { vm_id, reason, at } },
+            { type: 'VmDestroyed', data: { vm_id, reason, at } },
+          ];
+        case 'placed':
+        case 'booting':
+        case 'running':
+          return [{ type: 'VmDestroyRequested', data: { vm_id, reason, at } }];
+        default:
+          return assertNever(s, 'vm state');
+      }
+    }
+
+    case 'ConfirmDestroyed': {
+      const s = existing(state, vm_id);
+      if (s.status === 'destroyed' || s.status === 'failed') return [];
+      if (s.status !== 'destroying') throw new VmInvalidStateError(vm_id, s.status, 'confirm it destroyed', 'request its destruction first');
+      return [{ type: 'VmDestroyed', data: { vm_id, reason: s.destroy_reason, at } }];
+    }
+
+    case 'FailVm': {
+      const s = existing(state, vm_id);
+      // A late failure report for a VM that already ended changes nothing.
+      if (isTerminal(s.status)) return [];
+      const phase = s.status as VmPhase;
+      const d = command.data;
+      return [{ type: 'VmFailed', data: { vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, at } }];
+    }
+
+    default:
+      return assertNever(command, 'vm command');
+  }
+}
+
+// ---------------------------------------------------------------- evolve
+
+export function evolveVm(state: VmState, event: VmEvent): VmState {
+  if (event.type === 'VmRequested') {
+    const d = event.data;
+    return {
+      status: 'requested',
+      vm_id: d.vm_id,
+      tenant_id: d.tenant_id,
+      task_id: d.task_id,
+      idempotency_key: d.idempotency_key,
+      spec: d.spec,
+      requested_at: d.at,
+      transitioned_at: d.at,
+      last_activity_at: d.at,
+      endpoints: [],
+    };
+  }
+  if (state.status === 'initial') return state;
+  const core: VmCore = state;
+  switch (event.type) {
+    case 'VmPlaced': {
+      const { host_id, decision, reservation, at } = event.data;
+      return { ...core, status: 'placed', host_id, decision, reservation, transitioned_at: at };
+    }
+    case 'VmBootStarted':
+      if (state.status !== 'placed') return state;
+      return { ...state, status: 'booting', transitioned_at: event.data.at };
+    case 'VmBooted': {
+      if (state.status !== 'booting') return state;
+      const d = event.data;
+      return {
+        ...state,
+        status: 'running',
+        url: d.url,
+        endpoints: d.endpoints,
+        boot_ms: d.boot_ms,
+        auth_token_encrypted: d.auth_token_encrypted,
+        transitioned_at: d.at,
+        last_activity_at: d.at,
+      };
+    }
+    case 'VmActivityRecorded':
+      return { ...state, last_activity_at: event.data.at };
+    case 'VmDestroyRequested':
+      return { ...core, status: 'destroying', destroy_reason: event.data.reason, transitioned_at: event.data.at };
+    case 'VmDestroyed':
+      return { ...core, status: 'destroyed', reason: event.data.reason, transitioned_at: event.data.at };
+    case 'VmFailed': {
+      const d = event.data;
+      return { ...core, status: 'failed', reason: d.reason, error: d.error, error_code: d.error_code, phase: d.phase, transitioned_at: d.at };
+    }
+    default:
+      return assertNever(event, 'vm event');
+  }
+}
+
+export const vmDecider: Decider<VmCommand, VmEvent, VmState> = {
+  decide: decideVm,
+  evolve: evolveVm,
+  initialState: initialVmState,
+};

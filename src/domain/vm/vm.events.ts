@@ -1,0 +1,149 @@
+import { z } from 'zod';
+import { AppError } from '../errors.js';
+import { reservationSchema } from '../host/host.events.js';
+import { idSchema } from '../ids.js';
+import { placementDecisionSchema } from '../placement/placement.js';
+import { protocolSchema, storedVmSpecSchema } from './spec.js';
+
+/** Why a VM ended (or is ending): a closed set, so reports and the reconciler can count them. */
+export const vmEndReasonSchema = z.enum([
+  'client',
+  'idle',
+  'max_runtime',
+  'stuck',
+  'orphan',
+  'boot_failure',
+  'host_lost',
+  'missing',
+  'placement',
+  'capacity',
+]);
+export type VmEndReason = z.infer<typeof vmEndReasonSchema>;
+
+export const vmStatusSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying', 'destroyed', 'failed']);
+export type VmStatus = z.infer<typeof vmStatusSchema>;
+
+/** Where a failed VM stopped: the non-terminal state it was in. */
+export const vmPhaseSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying']);
+export type VmPhase = z.infer<typeof vmPhaseSchema>;
+
+export const endpointSchema = z.object({
+  as: z.string(),
+  url: z.string(),
+  port: z.number().int().min(1).max(65535),
+  /** What the agent actually published on; absent reads as tcp. */
+  protocol: protocolSchema.optional(),
+});
+export type Endpoint = z.infer<typeof endpointSchema>;
+
+/** A host reservation as the VM remembers it: enough to release it, and the uuids it is bound to. */
+export const vmReservationSchema = reservationSchema.omit({ vm_id: true });
+export type VmReservation = z.infer<typeof vmReservationSchema>;
+
+const at = z.iso.datetime({ offset: true });
+
+export const vmRequestedSchema = z.object({
+  type: z.literal('VmRequested'),
+  data: z.object({
+    vm_id: idSchema,
+    /** File contents stripped (see storedVmSpecSchema). */
+    spec: storedVmSpecSchema,
+    tenant_id: z.string().min(1),
+    task_id: z.string().optional(),
+    idempotency_key: z.string().optional(),
+    at,
+  }),
+});
+
+export const vmPlacedSchema = z.object({
+  type: z.literal('VmPlaced'),
+  data: z.object({
+    vm_id: idSchema,
+    host_id: idSchema,
+    decision: placementDecisionSchema,
+    reservation: vmReservationSchema,
+    at,
+  }),
+});
+
+export const vmBootStartedSchema = z.object({
+  type: z.literal('VmBootStarted'),
+  data: z.object({ vm_id: idSchema, host_id: idSchema, at }),
+});
+
+export const vmBootedSchema = z.object({
+  type: z.literal('VmBooted'),
+  data: z.object({
+    vm_id: idSchema,
+    url: z.string(),
+    endpoints: z.array(endpointSchema),
+    boot_ms: z.number().int().nonnegative(),
+    /** AES-256-GCM ciphertext of the per-VM token; never the clear token. */
+    auth_token_encrypted: z.string().optional(),
+    at,
+  }),
+});
+
+export const vmActivityRecordedSchema = z.object({
+  type: z.literal('VmActivityRecorded'),
+  data: z.object({ vm_id: idSchema, at }),
+});
+
+export const vmDestroyRequestedSchema = z.object({
+  type: z.literal('VmDestroyRequested'),
+  data: z.object({ vm_id: idSchema, reason: vmEndReasonSchema, at }),
+});
+
+export const vmDestroyedSchema = z.object({
+  type: z.literal('VmDestroyed'),
+  data: z.object({ vm_id: idSchema, reason: vmEndReasonSchema, at }),
+});
+
+export const vmFailedSchema = z.object({
+  type: z.literal('VmFailed'),
+  data: z.object({
+    vm_id: idSchema,
+    reason: vmEndReasonSchema,
+    error: z.string(),
+    /** Stable code of the error that ended it, when there was one (e.g. AGENT_UNAVAILABLE). */
+    error_code: z.string().optional(),
+    phase: vmPhaseSchema,
+    at,
+  }),
+});
+
+export const vmEventSchema = z.discriminatedUnion('type', [
+  vmRequestedSchema,
+  vmPlacedSchema,
+  vmBootStartedSchema,
+  vmBootedSchema,
+  vmActivityRecordedSchema,
+  vmDestroyRequestedSchema,
+  vmDestroyedSchema,
+  vmFailedSchema,
+]);
+export type VmEvent = z.infer<typeof vmEventSchema>;
+export type VmEventType = VmEvent['type'];
+export const VM_EVENT_TYPES: readonly VmEventType[] = vmEventSchema.options.map((o) => o.shape.type.value);
+
+export type VmRequested = z.infer<typeof vmRequestedSchema>;
+export type VmPlaced = z.infer<typeof vmPlacedSchema>;
+export type VmBootStarted = z.infer<typeof vmBootStartedSchema>;
+export type VmBooted = z.infer<typeof vmBootedSchema>;
+export type VmActivityRecorded = z.infer<typeof vmActivityRecordedSchema>;
+export type VmDestroyRequested = z.infer<typeof vmDestroyRequestedSchema>;
+export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
+export type VmFailed = z.infer<typeof vmFailedSchema>;
+
+/** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
+export function parseVmEvent(type: string, data: unknown): VmEvent {
+  const parsed = vmEventSchema.safeParse({ type, data });
+  if (!parsed.success) {
+    throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+  }
+  return parsed.data;
+}
+
+export function isVmEventType(type: string): type is VmEventType {
+  return (VM_EVENT_TYPES as readonly string[]).includes(type);
+}
