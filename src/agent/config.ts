@@ -1,0 +1,136 @@
+import { z } from 'zod';
+import { randomBytes } from 'node:crypto';
+import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { join, resolve } from 'node:path';
+
+/**
+ * The host agent's configuration, read once from the environment. Same
+ * shape of error as the control plane's config ("AGENT_PORT: must be …"),
+ * but its own code: the agent is a separate program that shares only the
+ * domain layer with the control plane.
+ */
+
+const bool = z
+  .enum(['true', 'false', '1', '0', 'yes', 'no'], { message: 'must be true or false' })
+  .transform((v) => v === 'true' || v === '1' || v === 'yes');
+const positiveInt = (what: string) => z.coerce.number({ message: `must be ${what}` }).int(`must be ${what}`).positive(`must be ${what}`);
+
+export const agentConfigSchema = z
+  .object({
+    AGENT_HOST: z.string().min(1).default('127.0.0.1'),
+    AGENT_PORT: z.coerce.number({ message: 'must be a port number 0-65535' }).int().min(0, 'must be a port number 0-65535').max(65535, 'must be a port number 0-65535').default(7070),
+    AGENT_TOKEN: z.string({ message: 'is required: the bearer token the control plane presents (at least 16 characters)' }).min(16, 'must be at least 16 characters'),
+    AGENT_DATA_DIR: z.string().min(1).default('.data/agent'),
+    AGENT_IMAGE_DIR: z.string().min(1).optional(),
+    AGENT_BACKEND: z.enum(['process'], { message: 'must be one of: process' }).default('process'),
+    AGENT_SUBNET: z
+      .string()
+      .regex(/^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})\/(\d{1,2})$/, 'must be an IPv4 CIDR such as 10.88.0.0/16')
+      .refine((v) => {
+        const [ip, bits] = v.split('/') as [string, string];
+        return ip.split('.').every((o) => Number(o) <= 255) && Number(bits) >= 8 && Number(bits) <= 28;
+      }, 'must be an IPv4 CIDR with a prefix between /8 and /28')
+      .default('10.88.0.0/16'),
+    AGENT_LOG_LEVEL: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], { message: 'must be one of fatal, error, warn, info, debug, trace, silent' }).default('info'),
+    AGENT_MAX_VMS: positiveInt('a positive integer').default(64),
+    AGENT_EXEC_DEFAULT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30_000),
+    AGENT_EXEC_MAX_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(600_000),
+    /** Cap per stream (stdout, stderr) of a buffered exec. */
+    AGENT_OUTPUT_CAP_BYTES: positiveInt('a positive number of bytes').default(1024 * 1024),
+    AGENT_MAX_UPLOAD_BYTES: positiveInt('a positive number of bytes').default(1024 * 1024 * 1024),
+    /** HMAC key for artifact grants. Unset: generated once into AGENT_DATA_DIR/grant-secret. */
+    AGENT_GRANT_SECRET: z.string().min(32, 'must be at least 32 characters').optional(),
+    AGENT_ALLOW_CROSS_TENANT: bool.default(false),
+    /** Cap on one artifact pull from a peer. */
+    AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
+  })
+  .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
+    message: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
+    path: ['AGENT_EXEC_DEFAULT_TIMEOUT_MS'],
+  });
+
+type RawAgentConfig = z.infer<typeof agentConfigSchema>;
+
+export interface AgentConfig {
+  host: string;
+  port: number;
+  token: string;
+  dataDir: string;
+  imageDir: string;
+  backend: 'process';
+  subnet: string;
+  logLevel: RawAgentConfig['AGENT_LOG_LEVEL'];
+  maxVms: number;
+  execDefaultTimeoutMs: number;
+  execMaxTimeoutMs: number;
+  outputCapBytes: number;
+  maxUploadBytes: number;
+  grantSecret: Buffer;
+  allowCrossTenant: boolean;
+  pullTimeoutMs: number;
+}
+
+export class AgentConfigError extends Error {
+  constructor(readonly problems: string[]) {
+    super(`invalid host-agent configuration:\n${problems.map((p) => `  - ${p}`).join('\n')}`);
+    this.name = 'AgentConfigError';
+  }
+}
+
+const SECRET_NAME = /TOKEN|SECRET|KEY/i;
+
+export function parseAgentEnv(env: Record<string, string | undefined>): RawAgentConfig {
+  // An empty variable means "unset", as in the control plane's config.
+  const cleaned = Object.fromEntries(Object.entries(env).filter(([k, v]) => k.startsWith('AGENT_') && v !== undefined && v !== ''));
+  const result = agentConfigSchema.safeParse(cleaned);
+  if (!result.success) {
+    throw new AgentConfigError(
+      result.error.issues.map((issue) => {
+        const name = issue.path.join('.') || '(environment)';
+        const value = cleaned[String(issue.path[0])];
+        const shown = value === undefined ? '' : ` (got ${SECRET_NAME.test(name) ? '<redacted>' : JSON.stringify(value)})`;
+        return `${name}: ${issue.message}${shown}`;
+      }),
+    );
+  }
+  return result.data;
+}
+
+/** Reads and validates the environment, creating the data dir and the grant secret if needed. */
+export function loadAgentConfig(env: Record<string, string | undefined> = process.env): AgentConfig {
+  const raw = parseAgentEnv(env);
+  const dataDir = resolve(raw.AGENT_DATA_DIR);
+  mkdirSync(dataDir, { recursive: true, mode: 0o700 });
+  return {
+    host: raw.AGENT_HOST,
+    port: raw.AGENT_PORT,
+    token: raw.AGENT_TOKEN,
+    dataDir,
+    imageDir: resolve(raw.AGENT_IMAGE_DIR ?? join(dataDir, 'images')),
+    backend: raw.AGENT_BACKEND,
+    subnet: raw.AGENT_SUBNET,
+    logLevel: raw.AGENT_LOG_LEVEL,
+    maxVms: raw.AGENT_MAX_VMS,
+    execDefaultTimeoutMs: raw.AGENT_EXEC_DEFAULT_TIMEOUT_MS,
+    execMaxTimeoutMs: raw.AGENT_EXEC_MAX_TIMEOUT_MS,
+    outputCapBytes: raw.AGENT_OUTPUT_CAP_BYTES,
+    maxUploadBytes: raw.AGENT_MAX_UPLOAD_BYTES,
+    grantSecret: raw.AGENT_GRANT_SECRET ? Buffer.from(raw.AGENT_GRANT_SECRET, 'utf8') : grantSecretFor(dataDir),
+    allowCrossTenant: raw.AGENT_ALLOW_CROSS_TENANT,
+    pullTimeoutMs: raw.AGENT_PULL_TIMEOUT_MS,
+  };
+}
+
+// Per data dir, so a restarted agent still honours grants it minted before.
+function grantSecretFor(dataDir: string): Buffer {
+  const file = join(dataDir, 'grant-secret');
+  try {
+    const existing = readFileSync(file);
+    if (existing.length >= 32) return existing;
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
+  }
+  const secret = randomBytes(32);
+  writeFileSync(file, secret, { mode: 0o600 });
+  return secret;
+}

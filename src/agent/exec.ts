@@ -1,0 +1,260 @@
+import type { Readable } from 'node:stream';
+import type { WebSocket } from 'ws';
+import {
+  attachStartSchema,
+  clientFrameSchema,
+  execStreamStartSchema,
+  type ExecResult,
+  type ServerFrame,
+} from '../domain/agent-protocol.js';
+import { AppError, ValidationError } from '../domain/errors.js';
+import type { Backend, ProcessHandle } from './backend.js';
+
+export interface ExecLimits {
+  defaultTimeoutMs: number;
+  maxTimeoutMs: number;
+  outputCapBytes: number;
+}
+
+export function effectiveTimeout(requested: number | undefined, limits: ExecLimits): number {
+  if (!requested) return limits.defaultTimeoutMs;
+  return Math.min(requested, limits.maxTimeoutMs);
+}
+
+/** Collects a stream up to `cap` bytes and keeps draining past it, so the guest never blocks on a full pipe. */
+function capture(stream: Readable, cap: number): { result: () => { data: Buffer; truncated: boolean } } {
+  const chunks: Buffer[] = [];
+  let size = 0;
+  let truncated = false;
+  stream.on('data', (chunk: Buffer) => {
+    if (size >= cap) {
+      truncated = true;
+      return;
+    }
+    const room = cap - size;
+    if (chunk.length > room) {
+      chunks.push(chunk.subarray(0, room));
+      size = cap;
+      truncated = true;
+    } else {
+      chunks.push(chunk);
+      size += chunk.length;
+    }
+  });
+  stream.on('error', () => {});
+  return { result: () => ({ data: Buffer.concat(chunks), truncated }) };
+}
+
+export interface BufferedExec {
+  argv: string[];
+  env: Record<string, string>;
+  cwd?: string | undefined;
+  stdin?: Buffer | undefined;
+  timeoutMs: number;
+  encoding: 'utf8' | 'base64';
+}
+
+/** Runs one command to completion. A non-zero exit and a timeout are results, not errors. */
+export async function runBuffered(backend: Backend, name: string, req: BufferedExec, cap: number, abort: AbortSignal): Promise<ExecResult> {
+  const started = performance.now();
+  const handle = await backend.spawn(name, { argv: req.argv, env: req.env, cwd: req.cwd, stdin: req.stdin !== undefined });
+  if (req.stdin !== undefined) {
+    handle.stdin.on('error', () => {});
+    handle.stdin.end(req.stdin);
+  }
+  const out = capture(handle.stdout, cap);
+  const err = capture(handle.stderr, cap);
+  let timedOut = false;
+  const timer = setTimeout(() => {
+    timedOut = true;
+    handle.kill('SIGKILL');
+  }, req.timeoutMs);
+  const onAbort = () => handle.kill('SIGKILL');
+  abort.addEventListener('abort', onAbort, { once: true });
+  try {
+    const status = await handle.wait();
+    const o = out.result();
+    const e = err.result();
+    return {
+      exit_code: status.exitCode ?? -1,
+      ...(status.signal ? { signal: status.signal } : {}),
+      stdout: o.data.toString(req.encoding),
+      stderr: e.data.toString(req.encoding),
+      encoding: req.encoding,
+      stdout_truncated: o.truncated,
+      stderr_truncated: e.truncated,
+      timed_out: timedOut,
+      duration_ms: Math.round((performance.now() - started) * 100) / 100,
+    };
+  } finally {
+    clearTimeout(timer);
+    abort.removeEventListener('abort', onAbort);
+  }
+}
+
+const START_FRAME_TIMEOUT_MS = 10_000;
+// Past this much unsent output the guest's pipe is paused until the client catches up.
+const HIGH_WATER = 4 * 1024 * 1024;
+
+function sendFrame(ws: WebSocket, frame: ServerFrame): void {
+  if (ws.readyState === ws.OPEN) ws.send(JSON.stringify(frame));
+}
+
+function sendError(ws: WebSocket, err: unknown): void {
+  const code = err instanceof AppError ? err.code : 'AGENT_ERROR';
+  const message = err instanceof AppError && err.status < 500 ? err.message : err instanceof AppError ? err.message : 'internal error';
+  sendFrame(ws, { type: 'error', code, message });
+  ws.close(1011, code.slice(0, 100));
+}
+
+function waitForStart(ws: WebSocket): Promise<unknown> {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => {
+      cleanup();
+      reject(new ValidationError(`send a start frame within ${START_FRAME_TIMEOUT_MS} ms`));
+    }, START_FRAME_TIMEOUT_MS);
+    const onMessage = (data: Buffer) => {
+      cleanup();
+      try {
+        resolve(JSON.parse(data.toString('utf8')));
+      } catch {
+        reject(new ValidationError('the start frame must be a JSON object'));
+      }
+    };
+    const onClose = () => {
+      cleanup();
+      reject(new ValidationError('closed before the start frame'));
+    };
+    const cleanup = () => {
+      clearTimeout(timer);
+      ws.off('message', onMessage);
+      ws.off('close', onClose);
+    };
+    ws.on('message', onMessage);
+    ws.on('close', onClose);
+  });
+}
+
+function parseOrThrow<T>(schema: { safeParse(v: unknown): { success: true; data: T } | { success: false; error: { issues: Array<{ path: PropertyKey[]; message: string }> } } }, value: unknown, what: string): T {
+  const r = schema.safeParse(value);
+  if (r.success) return r.data;
+  const fields = r.error.issues.map((i) => ({ path: i.path.map(String).join('.'), message: i.message }));
+  throw new ValidationError(`invalid ${what}: ${fields.map((f) => `${f.path || '(frame)'}: ${f.message}`).join('; ')}`, fields);
+}
+
+/**
+ * One websocket session: a start frame, then stdin/eof/resize/signal frames
+ * from the client and stdout/stderr/exit frames from the agent. The process
+ * is killed when the socket closes, so a vanished client leaves nothing
+ * running.
+ */
+export async function runSession(
+  backend: Backend,
+  name: string,
+  ws: WebSocket,
+  mode: 'exec' | 'attach',
+  limits: ExecLimits,
+  log: { warn(obj: object, msg: string): void },
+): Promise<void> {
+  let handle: ProcessHandle;
+  let timeoutMs: number | undefined;
+  try {
+    const raw = await waitForStart(ws);
+    if (mode === 'exec') {
+      const start = parseOrThrow(execStreamStartSchema, raw, 'exec start frame');
+      timeoutMs = effectiveTimeout(start.timeout_ms, limits);
+      handle = await backend.spawn(name, { argv: start.argv, env: start.env, cwd: start.cwd, stdin: true });
+    } else {
+      const start = parseOrThrow(attachStartSchema, raw, 'attach start frame');
+      const argv = start.cmd.length > 0 ? start.cmd : ['/bin/sh', '-l'];
+      handle = await backend.spawn(name, {
+        argv,
+        env: start.tty ? { TERM: 'xterm-256color', ...start.env } : start.env,
+        stdin: true,
+        ...(start.tty ? { tty: { rows: start.rows, cols: start.cols } } : {}),
+      });
+    }
+  } catch (err) {
+    sendError(ws, err);
+    return;
+  }
+  sendFrame(ws, { type: 'started' });
+
+  let exited = false;
+  let timedOut = false;
+  const timer = timeoutMs
+    ? setTimeout(() => {
+        timedOut = true;
+        handle.kill('SIGKILL');
+      }, timeoutMs)
+    : undefined;
+
+  const pump = (stream: Readable, type: 'stdout' | 'stderr') => {
+    stream.on('data', (chunk: Buffer) => {
+      sendFrame(ws, { type, data: chunk.toString('base64') });
+      if (ws.bufferedAmount > HIGH_WATER) {
+        stream.pause();
+        const resume = setInterval(() => {
+          if (ws.bufferedAmount < HIGH_WATER / 2 || ws.readyState !== ws.OPEN) {
+            clearInterval(resume);
+            stream.resume();
+          }
+        }, 10);
+      }
+    });
+    stream.on('error', () => {});
+  };
+  pump(handle.stdout, 'stdout');
+  pump(handle.stderr, 'stderr');
+  handle.stdin.on('error', () => {});
+
+  ws.on('message', (data: Buffer) => {
+    let frame;
+    try {
+      frame = clientFrameSchema.parse(JSON.parse(data.toString('utf8')));
+    } catch {
+      // A bad frame mid-session is reported, not fatal: the process keeps running.
+      sendFrame(ws, { type: 'error', code: 'VALIDATION_FAILED', message: 'frames must be {type: stdin|eof|resize|signal, …}' });
+      return;
+    }
+    switch (frame.type) {
+      case 'stdin':
+        handle.stdin.write(Buffer.from(frame.data, 'base64'));
+        break;
+      case 'eof':
+        handle.stdin.end();
+        break;
+      case 'resize':
+        handle.resize(frame.rows, frame.cols);
+        break;
+      case 'signal':
+        handle.kill(frame.signal);
+        break;
+      default: {
+        const never: never = frame;
+        void never;
+      }
+    }
+  });
+  ws.on('close', () => {
+    if (!exited) handle.kill('SIGKILL');
+  });
+
+  try {
+    const status = await handle.wait();
+    exited = true;
+    sendFrame(ws, {
+      type: 'exit',
+      code: status.exitCode ?? -1,
+      ...(status.signal ? { signal: status.signal } : {}),
+      timed_out: timedOut,
+    });
+    ws.close(1000);
+  } catch (err) {
+    exited = true;
+    log.warn({ err, sandbox: name }, 'session wait failed');
+    sendError(ws, err);
+  } finally {
+    if (timer) clearTimeout(timer);
+  }
+}

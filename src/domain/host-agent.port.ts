@@ -1,0 +1,158 @@
+import type {
+  AgentSpec,
+  ArtifactMove,
+  ArtifactMoved,
+  AttachStart,
+  CapacityResponse,
+  Checkpoint,
+  ClientFrame,
+  CreateCheckpointRequest,
+  CreateVmRequest,
+  DestroyVmResponse,
+  ExecRequest,
+  ExecResult,
+  ExecStreamStart,
+  GrantResponse,
+  PruneResponse,
+  ServerFrame,
+  StartAgentResponse,
+  UploadResponse,
+  VmInfo,
+} from './agent-protocol.js';
+import { AppError, NotFoundError, UnavailableError } from './errors.js';
+
+/**
+ * The port the control plane's command handlers drive one host agent
+ * through. The HTTP client (src/adapters/host-agent.client.ts) implements
+ * it; exec and file traffic may later move to a direct channel to the
+ * sandbox behind this same port.
+ *
+ * Errors: every method throws an AppError. Use `classifyHostAgentError` to
+ * decide what to do:
+ * - 'capacity'  — HostCapacityError (HOST_CAPACITY_EXHAUSTED): the host
+ *                 refused for lack of room. Re-place elsewhere; do not count
+ *                 a host failure.
+ * - 'host'      — HostUnreachableError (HOST_UNREACHABLE: network error,
+ *                 timeout) or HostAgentError (AGENT_ERROR: 5xx, malformed
+ *                 answer). Count it, classify it, exclude the host from the
+ *                 retry.
+ * - 'not_found' — NotFoundError with SANDBOX_NOT_FOUND, CHECKPOINT_NOT_FOUND,
+ *                 IMAGE_NOT_FOUND, GUEST_PATH_NOT_FOUND.
+ * - 'rejected'  — any other 4xx AppError (ValidationError VALIDATION_FAILED /
+ *                 INVALID_SANDBOX_SPEC, ConflictError SANDBOX_EXISTS /
+ *                 SANDBOX_NOT_RUNNING / CHECKPOINT_EXISTS, PATH_ESCAPES_SANDBOX,
+ *                 ARTIFACT_DIGEST_MISMATCH (422), ARTIFACT_TRANSFER_FAILED (424:
+ *                 the SOURCE peer failed or refused the grant; this host is
+ *                 fine), GRANT_*): retrying the same call will not help.
+ */
+export interface HostAgent {
+  capacity(opts?: CallOptions): Promise<CapacityResponse>;
+
+  /** Boots a sandbox from `image` or from `checkpoint_id` (in this host's store). */
+  createVm(req: CreateVmRequest, opts?: CallOptions): Promise<VmInfo>;
+  getVm(name: string, opts?: CallOptions): Promise<VmInfo>;
+  listVms(prefix?: string, opts?: CallOptions): Promise<VmInfo[]>;
+  /** Runs the drain command first unless `force`. Idempotent: a missing sandbox is NOT an error (destroyed: false). */
+  destroyVm(name: string, opts?: CallOptions & { force?: boolean }): Promise<DestroyVmResponse>;
+
+  /** A non-zero exit or a timeout is a result (exit_code, timed_out), not an error. */
+  exec(name: string, req: ExecRequest, opts?: CallOptions): Promise<ExecResult>;
+  /** Streaming exec over a websocket: frames in both directions until `exit`. */
+  execStream(name: string, start: ExecStreamStart, opts?: StreamOptions): Promise<AgentStream>;
+  /** Interactive attach (optionally with a TTY; resize with a `resize` frame). */
+  attach(name: string, start: AttachStart, opts?: StreamOptions): Promise<AgentStream>;
+
+  upload(name: string, path: string, data: Uint8Array, opts?: CallOptions & { mode?: string }): Promise<UploadResponse>;
+  download(name: string, path: string, opts?: CallOptions): Promise<Uint8Array>;
+
+  startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse>;
+
+  /** `kind` in the answer is what the backend produced (a live request may come back as disk). */
+  checkpoint(name: string, req: CreateCheckpointRequest, opts?: CallOptions): Promise<Checkpoint>;
+  listCheckpoints(opts?: CallOptions): Promise<Checkpoint[]>;
+  /** Idempotent: deleting a missing checkpoint answers deleted: false. */
+  deleteCheckpoint(id: string, opts?: CallOptions): Promise<{ id: string; deleted: boolean }>;
+
+  /** Mints a short-lived grant a peer presents to read one snapshot's files from THIS host. */
+  grantArtifact(snapshotId: string, ttlSeconds?: number, opts?: CallOptions): Promise<GrantResponse>;
+  /** Asks THIS host to pull a snapshot from `move.from`, verify it and commit it atomically. */
+  pullArtifact(move: ArtifactMove, opts?: CallOptions): Promise<ArtifactMoved>;
+
+  /** Reclaims leftovers (mounts, cgroups, links, dirs) no known sandbox owns. */
+  prune(opts?: CallOptions): Promise<PruneResponse>;
+}
+
+export interface CallOptions {
+  /** Overrides the client's per-call default. */
+  timeoutMs?: number;
+  signal?: AbortSignal;
+}
+
+export interface StreamOptions {
+  /** Bounds only the websocket handshake and the `started`/`error` answer. */
+  connectTimeoutMs?: number;
+  signal?: AbortSignal;
+}
+
+/**
+ * A live exec/attach session. `frames` yields every agent frame and ends
+ * after `exit` (or `error`, or the connection closing); a dropped connection
+ * ends it with a HostUnreachableError. Frames are the protocol's JSON
+ * objects, so a control plane can relay them to its own websocket clients
+ * unchanged.
+ */
+export interface AgentStream {
+  readonly frames: AsyncIterable<ServerFrame>;
+  send(frame: ClientFrame): void;
+  /** Convenience for `send({type:'stdin', data: base64})`. */
+  write(data: Uint8Array | string): void;
+  /** Closes the session; the process inside is killed by the agent. */
+  close(): void;
+}
+
+/** Where a host's agent is and how to authenticate to it. */
+export interface HostAgentEndpoint {
+  hostId: string;
+  url: string;
+  token: string;
+}
+
+/** Builds a HostAgent for one host (the control plane holds many). */
+export interface HostAgentConnector {
+  connect(endpoint: HostAgentEndpoint): HostAgent;
+}
+
+// ---- error classification ---------------------------------------------------
+
+/** The host refused for capacity: re-place elsewhere, not a host failure. */
+export class HostCapacityError extends AppError {
+  constructor(message: string, details?: Record<string, unknown>) {
+    super('HOST_CAPACITY_EXHAUSTED', 507, message, details);
+  }
+}
+
+/** The host could not be reached or did not answer in time. */
+export class HostUnreachableError extends UnavailableError {
+  constructor(message: string, details?: Record<string, unknown>, options?: { cause?: unknown }) {
+    super('HOST_UNREACHABLE', message, details, options);
+  }
+}
+
+/** The host answered but failed (5xx, or a malformed answer). */
+export class HostAgentError extends AppError {
+  constructor(message: string, details?: Record<string, unknown>, options?: { cause?: unknown }) {
+    super('AGENT_ERROR', 502, message, details, options);
+  }
+}
+
+export type HostAgentErrorClass = 'capacity' | 'host' | 'not_found' | 'rejected';
+
+export function classifyHostAgentError(err: unknown): HostAgentErrorClass {
+  if (err instanceof AppError) {
+    if (err.code === 'HOST_CAPACITY_EXHAUSTED') return 'capacity';
+    if (err.code === 'HOST_UNREACHABLE' || err.code === 'AGENT_ERROR' || err.status >= 500) return 'host';
+    if (err instanceof NotFoundError || err.status === 404) return 'not_found';
+    return 'rejected';
+  }
+  return 'host';
+}
