@@ -1,0 +1,80 @@
+/**
+ * `npm test`: one embedded Postgres for the whole run (unless
+ * TEST_DATABASE_URL names a server), then Node's test runner over every
+ * test/**\/*.test.ts, one file at a time. Node 20's `--test` does not expand
+ * globs, so we find the files. Optional arguments keep only the files whose
+ * path contains one of them. Output is the runner's own, so the run ends with
+ * its summary lines; the exit code is the runner's.
+ */
+import { spawn } from 'node:child_process';
+import { promises as fs } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { freePort, startEmbeddedPostgres, type EmbeddedPostgres } from '../src/adapters/postgres/embedded.js';
+
+async function findTests(dir: string): Promise<string[]> {
+  const out: string[] = [];
+  for (const entry of await fs.readdir(dir, { withFileTypes: true })) {
+    const p = path.join(dir, entry.name);
+    if (entry.isDirectory()) {
+      if (entry.name !== 'node_modules' && !entry.name.startsWith('.')) out.push(...(await findTests(p)));
+    } else if (entry.name.endsWith('.test.ts')) {
+      out.push(p);
+    }
+  }
+  return out;
+}
+
+async function main(): Promise<number> {
+  const filters = process.argv.slice(2);
+  const all = (await findTests('test')).sort();
+  const files = filters.length === 0 ? all : all.filter((f) => filters.some((x) => f.includes(x)));
+  if (files.length === 0) {
+    process.stderr.write(`no test files match ${filters.join(' ')}\n`);
+    return 1;
+  }
+
+  let server: EmbeddedPostgres | undefined;
+  const env = { ...process.env };
+  if (!env.TEST_DATABASE_URL) {
+    const dataDir = path.resolve('.tmp', 'test-pg');
+    await fs.rm(dataDir, { recursive: true, force: true });
+    await fs.rm(`${dataDir}.log`, { force: true });
+    const port = await freePort();
+    process.stderr.write(`starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`);
+    server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres' });
+    env.TEST_DATABASE_URL = server.adminUrl;
+  } else {
+    process.stderr.write('using the Postgres server in TEST_DATABASE_URL\n');
+  }
+
+  const child = spawn(process.execPath, ['--import', 'tsx', '--test', '--test-concurrency=1', ...files], { stdio: 'inherit', env });
+  const forward = (signal: NodeJS.Signals): void => {
+    child.kill(signal);
+  };
+  process.on('SIGINT', forward);
+  process.on('SIGTERM', forward);
+  const code = await new Promise<number>((resolve) => {
+    child.on('exit', (c, signal) => resolve(c ?? (signal ? 128 + (os.constants.signals[signal] ?? 0) : 1)));
+    child.on('error', () => resolve(1));
+  });
+  process.removeListener('SIGINT', forward);
+  process.removeListener('SIGTERM', forward);
+  if (server) {
+    try {
+      await server.stop();
+    } catch (err) {
+      process.stderr.write(`could not stop the test Postgres: ${(err as Error).message}\n`);
+      return code === 0 ? 1 : code;
+    }
+  }
+  return code;
+}
+
+main().then(
+  (code) => process.exit(code),
+  (err: unknown) => {
+    process.stderr.write(`test runner failed: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}\n`);
+    process.exit(1);
+  },
+);

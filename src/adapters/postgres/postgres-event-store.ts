@@ -1,0 +1,546 @@
+import { Observable } from 'rxjs';
+import pg from 'pg';
+import { ConflictError, ValidationError } from '../../domain/errors.js';
+import {
+  ConcurrencyError,
+  EventStoreUnavailableError,
+  assertStreamName,
+  formatPosition,
+  parsePositionPair,
+  toJsonValue,
+  validateAppend,
+  type AppendResult,
+  type EventFilter,
+  type EventMetadata,
+  type EventStore,
+  type ExpectedRevision,
+  type JsonValue,
+  type NewEvent,
+  type Position,
+  type ReadAllOptions,
+  type ReadStreamOptions,
+  type RecordedEvent,
+  type SubscribeOptions,
+  type SubscriptionItem,
+} from '../../domain/event-store.port.js';
+import type { Logger } from '../logger.js';
+import { createPool } from './pool.js';
+import { runMigrations } from './migrations.js';
+import { EVENTS_CHANNEL, eventStoreMigrations } from './event-store.schema.js';
+
+export interface PostgresEventStoreOptions {
+  readonly pool: pg.Pool;
+  readonly logger?: Logger | undefined;
+  /** Subscriptions re-read at least this often when no notification arrives. Default 500 ms. */
+  readonly pollIntervalMs?: number | undefined;
+  /** Rows per catch-up page. Default 2000. */
+  readonly batchSize?: number | undefined;
+  /**
+   * `after-commit` (default): the appender sends one coalesced NOTIFY after its
+   * commit. `in-transaction`: the append function NOTIFYs inside the append's
+   * transaction. Postgres serialises the commits of every transaction that
+   * issued NOTIFY (a database-wide lock held through the WAL flush), which
+   * caps concurrent appends at one commit per fsync; see docs/benchmarks.md.
+   */
+  readonly notify?: 'after-commit' | 'in-transaction' | undefined;
+  /** A subscription that cannot read for this long errors with EventStoreUnavailableError. Default 60 s. */
+  readonly subscriptionGiveUpMs?: number | undefined;
+  /** Whether close() ends the pool. Default false (the caller owns it); `open()` sets it. */
+  readonly ownsPool?: boolean | undefined;
+}
+
+interface EventRow {
+  txid: string;
+  seq: string;
+  stream_id: string;
+  revision: string;
+  event_id: string;
+  type: string;
+  data: JsonValue;
+  metadata: EventMetadata | null;
+  created: Date;
+  matched?: boolean;
+}
+
+const COLUMNS = 'txid::text AS txid, seq, stream_id, revision, event_id, type, data, metadata, created';
+const VISIBLE = 'txid < pg_snapshot_xmin(pg_current_snapshot())';
+// matchesFilter (event-store.port.ts) in SQL, so a filtered page needs no data for what it skips: $prefixes and $types are text[]; an empty array means "any".
+const MATCH = (prefixes: string, types: string): string =>
+  `((cardinality(${prefixes}::text[]) = 0 OR EXISTS (SELECT 1 FROM unnest(${prefixes}::text[]) p WHERE starts_with(stream_id, p)))
+    AND (cardinality(${types}::text[]) = 0 OR type = ANY(${types}::text[])))`;
+
+function toEvent(row: EventRow): RecordedEvent {
+  const metadata = row.metadata !== null && typeof row.metadata === 'object' && !Array.isArray(row.metadata) ? row.metadata : {};
+  return {
+    id: row.event_id,
+    streamId: row.stream_id,
+    type: row.type,
+    revision: BigInt(row.revision),
+    position: formatPosition(BigInt(row.txid), BigInt(row.seq)),
+    data: row.data,
+    metadata,
+    created: row.created,
+  };
+}
+
+function positionOf(row: { txid: string; seq: string }): Position {
+  return formatPosition(BigInt(row.txid), BigInt(row.seq));
+}
+
+function checkFilter(filter: EventFilter | undefined): { prefixes: string[]; types: string[] } {
+  if (filter === undefined) return { prefixes: [], types: [] };
+  const list = (value: unknown, path: string): string[] => {
+    if (value === undefined) return [];
+    if (!Array.isArray(value) || !value.every((v) => typeof v === 'string' && v.length > 0)) {
+      throw new ValidationError(`filter.${path} must be an array of non-empty strings`, [{ path: `filter.${path}`, message: 'array of non-empty strings' }], 'INVALID_FILTER');
+    }
+    return [...(value as string[])];
+  };
+  return { prefixes: list(filter.streamPrefixes, 'streamPrefixes'), types: list(filter.eventTypes, 'eventTypes') };
+}
+
+function checkMaxCount(value: unknown): number | undefined {
+  if (value === undefined) return undefined;
+  if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
+    throw new ValidationError(`maxCount must be a non-negative integer, got ${String(value)}`, [{ path: 'maxCount', message: 'non-negative integer' }], 'INVALID_MAX_COUNT');
+  }
+  return value;
+}
+
+/** Errors that mean "the database is not there" rather than "this request is wrong". */
+function isConnectionError(err: unknown): boolean {
+  const e = err as { code?: string; message?: string };
+  if (typeof e?.code === 'string' && (/^(08|57P)/.test(e.code) || ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH'].includes(e.code))) return true;
+  return typeof e?.message === 'string' && /Connection terminated|connection timeout|Client has encountered a connection error|Cannot use a pool after calling end/i.test(e.message);
+}
+
+function unavailable(err: unknown, what: string): unknown {
+  if (isConnectionError(err)) return new EventStoreUnavailableError(`Postgres event store unavailable (${what}): ${(err as Error).message}`, { cause: err });
+  return err;
+}
+
+const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
+
+/**
+ * One LISTEN connection shared by every subscription of a store, held only
+ * while at least one subscription is live. On loss it reconnects with backoff;
+ * meanwhile subscriptions keep polling, and each reconnect wakes them all
+ * (a notification sent while we were away is lost, the rows are not).
+ */
+class NotificationListener {
+  private readonly wakers = new Set<() => void>();
+  private client: pg.Client | undefined;
+  private connecting = false;
+  private retryTimer: NodeJS.Timeout | undefined;
+  private attempt = 0;
+
+  constructor(
+    private readonly config: pg.ClientConfig,
+    private readonly logger: Logger | undefined,
+  ) {}
+
+  add(wake: () => void): () => void {
+    this.wakers.add(wake);
+    if (this.wakers.size === 1) void this.connect();
+    return () => {
+      this.wakers.delete(wake);
+      if (this.wakers.size === 0) this.release();
+    };
+  }
+
+  wakeAll(): void {
+    for (const wake of this.wakers) wake();
+  }
+
+  private async connect(): Promise<void> {
+    if (this.connecting || this.client || this.wakers.size === 0) return;
+    this.connecting = true;
+    const client = new pg.Client({ ...this.config, application_name: 'fleet-event-store-listener' });
+    let failed = false;
+    const onLoss = (err?: Error): void => {
+      if (failed) return;
+      failed = true;
+      if (this.client === client) this.client = undefined;
+      client.removeAllListeners('notification');
+      void client.end().catch(() => undefined);
+      if (this.wakers.size > 0) {
+        this.logger?.warn({ err: err ? { message: err.message } : undefined }, 'event store LISTEN connection lost; reconnecting');
+        this.scheduleReconnect();
+        this.wakeAll();
+      }
+    };
+    client.on('error', onLoss);
+    client.on('end', () => onLoss());
+    client.on('notification', () => this.wakeAll());
+    try {
+      await client.connect();
+      await client.query(`LISTEN ${EVENTS_CHANNEL}`);
+      this.connecting = false;
+      if (failed) return;
+      if (this.wakers.size === 0) {
+        failed = true;
+        await client.end().catch(() => undefined);
+        return;
+      }
+      this.client = client;
+      if (this.attempt > 0) this.wakeAll();
+      this.attempt = 0;
+    } catch (err) {
+      this.connecting = false;
+      onLoss(err as Error);
+    }
+  }
+
+  private scheduleReconnect(): void {
+    if (this.retryTimer) return;
+    const delay = Math.min(10_000, 100 * 2 ** this.attempt) * (0.5 + Math.random() / 2);
+    this.attempt += 1;
+    this.retryTimer = setTimeout(() => {
+      this.retryTimer = undefined;
+      void this.connect();
+    }, delay);
+    this.retryTimer.unref();
+  }
+
+  release(): void {
+    if (this.retryTimer) clearTimeout(this.retryTimer);
+    this.retryTimer = undefined;
+    this.attempt = 0;
+    const client = this.client;
+    this.client = undefined;
+    if (client) {
+      client.removeAllListeners('notification');
+      // Listeners for 'end'/'error' stay: they see wakers empty and do nothing.
+      void client.end().catch(() => undefined);
+    }
+  }
+}
+
+export class PostgresEventStore implements EventStore {
+  readonly name = 'postgres' as const;
+  private readonly pool: pg.Pool;
+  private readonly logger: Logger | undefined;
+  private readonly pollIntervalMs: number;
+  private readonly batchSize: number;
+  private readonly notifyMode: 'after-commit' | 'in-transaction';
+  private readonly giveUpMs: number;
+  private readonly ownsPool: boolean;
+  private readonly listener: NotificationListener;
+  private readonly subscriptions = new Set<() => void>();
+  private notifyInFlight = false;
+  private notifyPending = false;
+  private closed = false;
+
+  constructor(options: PostgresEventStoreOptions) {
+    this.pool = options.pool;
+    this.logger = options.logger;
+    this.pollIntervalMs = options.pollIntervalMs ?? 500;
+    this.batchSize = options.batchSize ?? 2000;
+    this.notifyMode = options.notify ?? 'after-commit';
+    this.giveUpMs = options.subscriptionGiveUpMs ?? 60_000;
+    this.ownsPool = options.ownsPool ?? false;
+    this.listener = new NotificationListener(this.pool.options, this.logger);
+  }
+
+  /** Creates the schema (through runMigrations) on a pool the caller owns. */
+  static async migrate(pool: pg.Pool, logger?: Logger): Promise<void> {
+    await runMigrations(pool, eventStoreMigrations, { logger });
+  }
+
+  /** Opens a pool on `url`, migrates, and returns a store that closes the pool on close(). */
+  static async open(options: Omit<PostgresEventStoreOptions, 'pool' | 'ownsPool'> & { url: string; poolMax?: number }): Promise<PostgresEventStore> {
+    const pool = createPool({ url: options.url, max: options.poolMax ?? 10, applicationName: 'fleet-event-store', logger: options.logger });
+    try {
+      await PostgresEventStore.migrate(pool, options.logger);
+    } catch (err) {
+      await pool.end().catch(() => undefined);
+      throw unavailable(err, 'migrate');
+    }
+    return new PostgresEventStore({ ...options, pool, ownsPool: true });
+  }
+
+  async append(streamId: string, events: readonly NewEvent[], expected: ExpectedRevision): Promise<AppendResult> {
+    const valid = validateAppend(streamId, events, expected);
+    const ids: string[] = [];
+    const types: string[] = [];
+    const data: string[] = [];
+    const metadata: Array<string | null> = [];
+    valid.events.forEach((e, i) => {
+      let meta: JsonValue | undefined;
+      if (e.metadata !== undefined && e.metadata !== null) {
+        if (typeof e.metadata !== 'object' || Array.isArray(e.metadata)) {
+          throw new ValidationError(`events[${i}].metadata must be an object`, [{ path: `events[${i}].metadata`, message: 'must be an object' }], 'INVALID_EVENT_DATA');
+        }
+        meta = toJsonValue(e.metadata, `events[${i}].metadata`);
+      }
+      ids.push(e.id);
+      types.push(e.type);
+      data.push(JSON.stringify(e.data));
+      metadata.push(meta === undefined ? null : JSON.stringify(meta));
+    });
+    const expectedText = typeof valid.expected === 'bigint' ? valid.expected.toString() : valid.expected;
+    let row: { status: string; revision: string | null; txid: string | null; seq: string | null } | undefined;
+    try {
+      const result = await this.pool.query<{ status: string; revision: string | null; txid: string | null; seq: string | null }>({
+        name: 'es_append',
+        text: 'SELECT status, revision, txid, seq FROM es_append($1, $2, $3::uuid[], $4::text[], $5::text[], $6::text[], $7)',
+        values: [valid.streamId, expectedText, ids, types, data, metadata, this.notifyMode === 'in-transaction'],
+      });
+      row = result.rows[0];
+    } catch (err) {
+      throw unavailable(err, 'append');
+    }
+    if (!row) throw new EventStoreUnavailableError('es_append returned no row');
+    switch (row.status) {
+      case 'ok':
+        this.afterCommit();
+        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ txid: row.txid ?? '0', seq: row.seq ?? '0' }) };
+      case 'idempotent':
+        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ txid: row.txid ?? '0', seq: row.seq ?? '0' }) };
+      case 'conflict':
+        throw new ConcurrencyError(valid.streamId, valid.expected, row.revision === null ? 'no_stream' : BigInt(row.revision));
+      case 'partial':
+        throw new ConflictError(
+          'EVENT_ID_CONFLICT',
+          `stream ${valid.streamId}: some of these event ids are already in the stream and some are not; retry with exactly the batch that was written, or with new ids`,
+          { stream: valid.streamId },
+        );
+      default:
+        throw new EventStoreUnavailableError(`es_append returned unknown status ${row.status}`);
+    }
+  }
+
+  /** Wake local subscriptions now, and other processes through one coalesced NOTIFY. */
+  private afterCommit(): void {
+    this.listener.wakeAll();
+    if (this.notifyMode !== 'after-commit' || this.closed) return;
+    if (this.notifyInFlight) {
+      this.notifyPending = true;
+      return;
+    }
+    this.notifyInFlight = true;
+    const send = (): void => {
+      this.notifyPending = false;
+      this.pool
+        .query(`SELECT pg_notify('${EVENTS_CHANNEL}', '')`)
+        .catch((err: Error) => this.logger?.debug({ err: { message: err.message } }, 'event notification failed; subscribers will poll'))
+        .finally(() => {
+          if (this.notifyPending && !this.closed) send();
+          else this.notifyInFlight = false;
+        });
+    };
+    send();
+  }
+
+  async readStream(streamId: string, options: ReadStreamOptions = {}): Promise<RecordedEvent[]> {
+    assertStreamName(streamId);
+    const direction = options.direction ?? 'forwards';
+    if (direction !== 'forwards' && direction !== 'backwards') {
+      throw new ValidationError(`direction must be 'forwards' or 'backwards'`, [{ path: 'direction', message: 'forwards | backwards' }], 'INVALID_DIRECTION');
+    }
+    const from = options.fromRevision;
+    if (from !== undefined && (typeof from !== 'bigint' || from < 0n)) {
+      throw new ValidationError(`fromRevision must be a non-negative bigint`, [{ path: 'fromRevision', message: 'non-negative bigint' }], 'INVALID_REVISION');
+    }
+    const maxCount = checkMaxCount(options.maxCount);
+    if (maxCount === 0) return [];
+    const forwards = direction === 'forwards';
+    const text = `SELECT ${COLUMNS} FROM es_events WHERE stream_id = $1
+      ${from === undefined ? '' : forwards ? 'AND revision >= $2' : 'AND revision <= $2'}
+      ORDER BY revision ${forwards ? 'ASC' : 'DESC'} ${maxCount === undefined ? '' : `LIMIT ${maxCount}`}`;
+    try {
+      const { rows } = await this.pool.query<EventRow>(text, from === undefined ? [streamId] : [streamId, from.toString()]);
+      return rows.map(toEvent);
+    } catch (err) {
+      throw unavailable(err, 'readStream');
+    }
+  }
+
+  async readAll(options: ReadAllOptions = {}): Promise<RecordedEvent[]> {
+    const after = options.after === undefined ? undefined : parsePositionPair(options.after);
+    const maxCount = checkMaxCount(options.maxCount);
+    const { prefixes, types } = checkFilter(options.filter);
+    if (maxCount === 0) return [];
+    const values: unknown[] = [prefixes, types];
+    let where = `${VISIBLE} AND ${MATCH('$1', '$2')}`;
+    if (after) {
+      values.push(after.high.toString(), after.low.toString());
+      where += ' AND (txid, seq) > ($3::text::xid8, $4::bigint)';
+    }
+    const text = `SELECT ${COLUMNS} FROM es_events WHERE ${where} ORDER BY txid, seq ${maxCount === undefined ? '' : `LIMIT ${maxCount}`}`;
+    try {
+      const { rows } = await this.pool.query<EventRow>(text, values);
+      return rows.map(toEvent);
+    } catch (err) {
+      throw unavailable(err, 'readAll');
+    }
+  }
+
+  /**
+   * One page of the global log for a subscription: every visible row after the
+   * cursor (so the cursor advances past non-matching rows), with data only for
+   * the rows that match.
+   */
+  private async page(after: { high: bigint; low: bigint } | undefined, prefixes: string[], types: string[]): Promise<{ rows: EventRow[]; last: Position | undefined; scanned: number }> {
+    const filtered = prefixes.length > 0 || types.length > 0;
+    const values: unknown[] = [];
+    let where = VISIBLE;
+    if (after) {
+      values.push(after.high.toString(), after.low.toString());
+      where += ' AND (txid, seq) > ($1::text::xid8, $2::bigint)';
+    }
+    let text: string;
+    if (filtered) {
+      const p = `$${values.length + 1}`;
+      const t = `$${values.length + 2}`;
+      values.push(prefixes, types);
+      text = `SELECT txid::text AS txid, seq, stream_id, revision, event_id, type,
+          CASE WHEN m THEN data END AS data, CASE WHEN m THEN metadata END AS metadata, created, m AS matched
+        FROM (SELECT *, ${MATCH(p, t)} AS m FROM es_events WHERE ${where} ORDER BY txid, seq LIMIT ${this.batchSize}) page
+        ORDER BY txid, seq`;
+    } else {
+      text = `SELECT ${COLUMNS} FROM es_events WHERE ${where} ORDER BY txid, seq LIMIT ${this.batchSize}`;
+    }
+    const { rows } = await this.pool.query<EventRow>(text, values);
+    const lastRow = rows[rows.length - 1];
+    return { rows: filtered ? rows.filter((r) => r.matched) : rows, last: lastRow ? positionOf(lastRow) : undefined, scanned: rows.length };
+  }
+
+  subscribeToAll(options: SubscribeOptions = {}): Observable<SubscriptionItem> {
+    return new Observable<SubscriptionItem>((subscriber) => {
+      let cursor: { high: bigint; low: bigint } | undefined;
+      let filter: { prefixes: string[]; types: string[] };
+      try {
+        cursor = options.after === undefined ? undefined : parsePositionPair(options.after);
+        filter = checkFilter(options.filter);
+      } catch (err) {
+        subscriber.error(err);
+        return undefined;
+      }
+      if (this.closed) {
+        subscriber.error(new EventStoreUnavailableError('event store is closed'));
+        return undefined;
+      }
+      const filtered = filter.prefixes.length > 0 || filter.types.length > 0;
+      let stopped = false;
+      let dirty = false;
+      let wakeUp: (() => void) | undefined;
+      const wake = (): void => {
+        dirty = true;
+        wakeUp?.();
+      };
+      const stopListening = this.listener.add(wake);
+      const stop = (): void => {
+        stopped = true;
+        stopListening();
+        wake();
+      };
+      const closeFromStore = (): void => {
+        stop();
+        subscriber.complete();
+      };
+      this.subscriptions.add(closeFromStore);
+
+      const waitForWork = (ms: number): Promise<void> =>
+        new Promise<void>((resolve) => {
+          if (dirty || stopped) return resolve();
+          const timer = setTimeout(done, ms);
+          function done(): void {
+            clearTimeout(timer);
+            wakeUp = undefined;
+            resolve();
+          }
+          wakeUp = done;
+        });
+
+      const run = async (): Promise<void> => {
+        let caughtUp = false;
+        let failingSince: number | undefined;
+        let attempt = 0;
+        let position: Position | undefined = options.after;
+        while (!stopped) {
+          dirty = false;
+          let page: Awaited<ReturnType<PostgresEventStore['page']>>;
+          try {
+            page = await this.page(cursor, filter.prefixes, filter.types);
+            failingSince = undefined;
+            attempt = 0;
+          } catch (err) {
+            if (stopped) return;
+            failingSince ??= Date.now();
+            if (Date.now() - failingSince > this.giveUpMs || !isConnectionError(err)) {
+              subscriber.error(isConnectionError(err) ? new EventStoreUnavailableError(`subscription gave up after ${this.giveUpMs} ms: ${(err as Error).message}`, { cause: err }) : err);
+              return;
+            }
+            this.logger?.warn({ err: { message: (err as Error).message }, attempt }, 'subscription read failed; retrying');
+            await waitForWork(Math.min(5_000, 100 * 2 ** attempt++));
+            continue;
+          }
+          if (stopped) return;
+          for (const row of page.rows) {
+            if (stopped) return;
+            subscriber.next({ kind: 'event', event: toEvent(row) });
+          }
+          if (page.last !== undefined) {
+            position = page.last;
+            cursor = parsePositionPair(page.last);
+            if (filtered && page.rows.length === 0) subscriber.next({ kind: 'checkpoint', position: page.last });
+          }
+          if (page.scanned < this.batchSize) {
+            if (!caughtUp) {
+              caughtUp = true;
+              subscriber.next({ kind: 'caught-up', position });
+            }
+            await waitForWork(this.pollIntervalMs);
+          } else {
+            // Let I/O and the consumer breathe between full pages.
+            await new Promise((r) => setImmediate(r));
+          }
+        }
+      };
+      void run().catch((err: unknown) => {
+        if (!stopped) subscriber.error(err);
+      });
+      return () => {
+        this.subscriptions.delete(closeFromStore);
+        stop();
+      };
+    });
+  }
+
+  async headPosition(): Promise<Position | undefined> {
+    try {
+      const { rows } = await this.pool.query<{ txid: string; seq: string }>(`SELECT txid::text AS txid, seq FROM es_events WHERE ${VISIBLE} ORDER BY txid DESC, seq DESC LIMIT 1`);
+      const row = rows[0];
+      return row ? positionOf(row) : undefined;
+    } catch (err) {
+      throw unavailable(err, 'headPosition');
+    }
+  }
+
+  parsePosition(value: string): Position {
+    parsePositionPair(value);
+    return value;
+  }
+
+  async ping(): Promise<void> {
+    if (this.closed) throw new EventStoreUnavailableError('event store is closed');
+    try {
+      await this.pool.query('SELECT 1');
+    } catch (err) {
+      throw new EventStoreUnavailableError(`Postgres event store unavailable: ${(err as Error).message}`, { cause: err });
+    }
+  }
+
+  async close(): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    for (const stop of [...this.subscriptions]) stop();
+    this.subscriptions.clear();
+    this.listener.release();
+    // Let a coalesced NOTIFY in flight finish before the pool goes.
+    for (let i = 0; i < 50 && this.notifyInFlight; i++) await sleep(10);
+    if (this.ownsPool) await this.pool.end();
+  }
+}
+
