@@ -1,0 +1,500 @@
+import {
+  ANY,
+  BACKWARDS,
+  END,
+  EventStoreDBClient,
+  FORWARDS,
+  NO_STREAM,
+  START,
+  STREAM_EXISTS,
+  AccessDeniedError,
+  CancelledError,
+  DeadlineExceededError,
+  InvalidArgumentError,
+  NotLeaderError,
+  StreamNotFoundError,
+  UnavailableError,
+  WrongExpectedVersionError,
+  eventTypeFilter,
+  excludeSystemEvents,
+  jsonEvent,
+  streamNameFilter,
+  type AllStreamResolvedEvent,
+  type AllStreamSubscription,
+  type AppendExpectedRevision,
+  type Filter,
+  type JSONType,
+  type Position as EsdbPosition,
+} from '@eventstore/db-client';
+import type { Logger } from 'pino';
+import { Observable } from 'rxjs';
+import { ValidationError } from '../../domain/errors.js';
+import {
+  ConcurrencyError,
+  EventStoreUnavailableError,
+  assertStreamName,
+  formatPosition,
+  matchesFilter,
+  parsePositionPair,
+  validateAppend,
+  type AppendResult,
+  type EventFilter,
+  type EventMetadata,
+  type EventStore,
+  type ExpectedRevision,
+  type JsonValue,
+  type NewEvent,
+  type Position,
+  type ReadAllOptions,
+  type ReadStreamOptions,
+  type RecordedEvent,
+  type SubscribeOptions,
+  type SubscriptionItem,
+} from '../../domain/event-store.port.js';
+
+/**
+ * The EventStore port on EventStoreDB (≥ 23.10: the adapter relies on the
+ * server's CaughtUp message), through the official gRPC client.
+ * docs/eventstoredb.md says how to run it and which server features it needs.
+ */
+
+export interface EsdbEventStoreOptions {
+  /** `esdb://host:2113?tls=false`, `esdb+discover://…` for a cluster. May hold credentials: never logged. */
+  readonly connectionString: string;
+  readonly logger?: Logger | undefined;
+  /** Resubscription backoff after a drop: doubles from `initialMs` up to `maxMs`, with jitter. */
+  readonly backoff?: { readonly initialMs?: number; readonly maxMs?: number } | undefined;
+  /** How long `ping` waits for an answer. Default 5 s. */
+  readonly pingTimeoutMs?: number | undefined;
+  /** Server-side filter checkpoint multiplier (× the server's 32-event window). Default 1. */
+  readonly checkpointInterval?: number | undefined;
+}
+
+const PAGE = 500;
+/** uint64 max: how an absent position may come back from a server. */
+const NO_POSITION = 0xffffffffffffffffn;
+
+type Marker = { readonly marker: 'checkpoint'; readonly position: EsdbPosition } | { readonly marker: 'caught-up' };
+type SubscriptionChunk = AllStreamResolvedEvent | Marker;
+
+export class EsdbEventStore implements EventStore {
+  readonly name = 'esdb' as const;
+  private readonly client: EventStoreDBClient;
+  private readonly endpoint: string;
+  private readonly logger: Logger | undefined;
+  private readonly backoffInitialMs: number;
+  private readonly backoffMaxMs: number;
+  private readonly pingTimeoutMs: number;
+  private readonly checkpointInterval: number;
+  private readonly live = new Set<() => void>();
+  private closed = false;
+
+  constructor(options: EsdbEventStoreOptions) {
+    this.endpoint = describeEndpoint(options.connectionString);
+    try {
+      this.client = EventStoreDBClient.connectionString(options.connectionString);
+    } catch (err) {
+      throw new ValidationError(
+        `EVENTSTORE_URL is not a valid EventStoreDB connection string (${(err as Error).message}); expected esdb://host:2113?tls=false or esdb+discover://…`,
+        [{ path: 'EVENTSTORE_URL', message: 'invalid connection string' }],
+        'INVALID_EVENTSTORE_URL',
+      );
+    }
+    this.logger = options.logger?.child({ component: 'esdb-event-store', endpoint: this.endpoint });
+    this.backoffInitialMs = options.backoff?.initialMs ?? 100;
+    this.backoffMaxMs = options.backoff?.maxMs ?? 5_000;
+    this.pingTimeoutMs = options.pingTimeoutMs ?? 5_000;
+    this.checkpointInterval = options.checkpointInterval ?? 1;
+  }
+
+  async append(streamId: string, events: readonly NewEvent[], expected: ExpectedRevision): Promise<AppendResult> {
+    const batch = validateAppend(streamId, events, expected);
+    this.assertOpen();
+    const payload = batch.events.map((e) => jsonEvent({ id: e.id, type: e.type, data: e.data as JSONType, metadata: toEsdbMetadata(e.metadata) }));
+    try {
+      const result = await this.client.appendToStream(batch.streamId, payload, { expectedRevision: toEsdbExpected(batch.expected) });
+      let position = result.position;
+      if (!position || position.commit === NO_POSITION || position.commit < 0n) {
+        // Some servers answer an idempotent re-append without a position: take it from the event itself.
+        const [last] = await this.readStream(batch.streamId, { fromRevision: result.nextExpectedRevision, maxCount: 1 });
+        return { nextExpectedRevision: result.nextExpectedRevision, position: last!.position };
+      }
+      return { nextExpectedRevision: result.nextExpectedRevision, position: formatPosition(position.commit, position.prepare) };
+    } catch (err) {
+      if (err instanceof WrongExpectedVersionError) {
+        const actual = err.actualVersion;
+        throw new ConcurrencyError(batch.streamId, batch.expected, typeof actual === 'bigint' ? actual : 'no_stream');
+      }
+      throw this.mapError(err, `append to ${batch.streamId}`);
+    }
+  }
+
+  async readStream(streamId: string, options: ReadStreamOptions = {}): Promise<RecordedEvent[]> {
+    assertStreamName(streamId);
+    const maxCount = checkMaxCount(options.maxCount);
+    if (options.fromRevision !== undefined && (typeof options.fromRevision !== 'bigint' || options.fromRevision < 0n)) {
+      throw new ValidationError('fromRevision must be a non-negative bigint', [{ path: 'fromRevision', message: 'not a non-negative bigint' }], 'INVALID_REVISION');
+    }
+    this.assertOpen();
+    if (maxCount === 0) return [];
+    const backwards = options.direction === 'backwards';
+    const out: RecordedEvent[] = [];
+    try {
+      const events = await drain(
+        this.client.readStream(streamId, {
+          direction: backwards ? BACKWARDS : FORWARDS,
+          fromRevision: options.fromRevision ?? (backwards ? END : START),
+          maxCount: maxCount ?? Number.MAX_SAFE_INTEGER,
+        }),
+      );
+      for (const resolved of events) {
+        const recorded = toRecorded(resolved);
+        if (recorded) out.push(recorded);
+      }
+    } catch (err) {
+      if (err instanceof StreamNotFoundError) return [];
+      throw this.mapError(err, `read ${streamId}`);
+    }
+    return out;
+  }
+
+  async readAll(options: ReadAllOptions = {}): Promise<RecordedEvent[]> {
+    const maxCount = checkMaxCount(options.maxCount) ?? Number.POSITIVE_INFINITY;
+    let from = options.after === undefined ? undefined : toEsdbPosition(options.after);
+    this.assertOpen();
+    const out: RecordedEvent[] = [];
+    // The client reads $all without a server-side filter, from a position inclusively: page, skip, filter here.
+    try {
+      while (out.length < maxCount) {
+        const page = await drain(this.client.readAll({ direction: FORWARDS, fromPosition: from ?? START, maxCount: PAGE }));
+        let last: EsdbPosition | undefined;
+        for (const resolved of page) {
+          const event = resolved.event;
+          if (!event?.position) continue;
+          last = event.position;
+          if (from && comparePos(event.position, from) <= 0) continue;
+          if (!isWanted(event.streamId, event.type, options.filter)) continue;
+          const recorded = toRecorded(resolved);
+          if (recorded && out.length < maxCount) out.push(recorded);
+        }
+        if (page.length < PAGE || !last) break;
+        from = last;
+      }
+    } catch (err) {
+      throw this.mapError(err, 'read $all');
+    }
+    return out;
+  }
+
+  subscribeToAll(options: SubscribeOptions = {}): Observable<SubscriptionItem> {
+    const start = options.after === undefined ? undefined : toEsdbPosition(options.after);
+    const wanted = options.filter;
+    return new Observable<SubscriptionItem>((subscriber) => {
+      if (this.closed) {
+        subscriber.error(new EventStoreUnavailableError('the EventStoreDB event store is closed'));
+        return;
+      }
+      let last = start;
+      let caughtUpSent = false;
+      let attempt = 0;
+      let stopped = false;
+      let current: AllStreamSubscription | undefined;
+      let timer: NodeJS.Timeout | undefined;
+
+      const connect = (): void => {
+        if (stopped) return;
+        let done = false;
+        const sub = this.client.subscribeToAll({ fromPosition: last ?? START, filter: this.serverFilter(wanted) });
+        current = sub;
+        const retry = (why: unknown): void => {
+          if (done || stopped) return;
+          done = true;
+          void sub.unsubscribe().catch(() => undefined);
+          if (isFatal(why)) {
+            stopped = true;
+            subscriber.error(this.mapError(why, 'subscribe to $all'));
+            return;
+          }
+          const delay = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** attempt) * (0.75 + Math.random() * 0.5);
+          attempt++;
+          this.logger?.warn({ attempt, delayMs: Math.round(delay), err: errorText(why), after: last && formatPosition(last.commit, last.prepare) }, 'EventStoreDB subscription dropped; resubscribing');
+          timer = setTimeout(connect, delay);
+        };
+        // Checkpoints and caught-up go through the subscription's own buffer so
+        // they reach the consumer strictly after the events that precede them:
+        // a checkpoint overtaking a buffered event would skip that event on resume.
+        sub.on('caughtUp', () => sub.push({ marker: 'caught-up' } satisfies Marker));
+        sub.on('confirmation', () => {
+          attempt = 0;
+        });
+        sub.on('data', (chunk: SubscriptionChunk) => {
+          if (done || stopped) return;
+          if ('marker' in chunk) {
+            if (chunk.marker === 'caught-up') {
+              if (!caughtUpSent) {
+                caughtUpSent = true;
+                subscriber.next({ kind: 'caught-up', position: last && formatPosition(last.commit, last.prepare) });
+              }
+              return;
+            }
+            if (last && comparePos(chunk.position, last) <= 0) return;
+            last = chunk.position;
+            subscriber.next({ kind: 'checkpoint', position: formatPosition(chunk.position.commit, chunk.position.prepare) });
+            return;
+          }
+          const event = chunk.event;
+          if (!event?.position) return;
+          // After a resubscription the server starts after `last`; this guard keeps delivery exactly-once anyway.
+          if (last && comparePos(event.position, last) <= 0) return;
+          last = event.position;
+          attempt = 0;
+          if (!isWanted(event.streamId, event.type, wanted)) return;
+          const recorded = toRecorded(chunk);
+          if (recorded) subscriber.next({ kind: 'event', event: recorded });
+        });
+        sub.on('error', retry);
+        sub.on('end', () => retry(new Error('subscription ended by the server')));
+      };
+
+      const teardown = (): void => {
+        if (stopped && !current) return;
+        stopped = true;
+        if (timer) clearTimeout(timer);
+        const sub = current;
+        current = undefined;
+        if (sub) void sub.unsubscribe().catch(() => undefined);
+        this.live.delete(complete);
+      };
+      const complete = (): void => {
+        teardown();
+        subscriber.complete();
+      };
+      this.live.add(complete);
+      connect();
+      return teardown;
+    });
+  }
+
+  async headPosition(): Promise<Position | undefined> {
+    this.assertOpen();
+    let from: EsdbPosition | 'end' = END;
+    try {
+      // The newest event a reader of this port can see: system events do not count.
+      for (;;) {
+        const page: AllStreamResolvedEvent[] = await drain(this.client.readAll({ direction: BACKWARDS, fromPosition: from, maxCount: PAGE }));
+        for (const resolved of page) {
+          const event = resolved.event;
+          if (event?.position && !event.type.startsWith('$')) return formatPosition(event.position.commit, event.position.prepare);
+        }
+        const oldest = page.at(-1)?.event?.position;
+        if (page.length < PAGE || !oldest) return undefined;
+        from = oldest;
+      }
+    } catch (err) {
+      throw this.mapError(err, 'read the head of $all');
+    }
+  }
+
+  parsePosition(value: string): Position {
+    parsePositionPair(value);
+    return value;
+  }
+
+  async ping(): Promise<void> {
+    this.assertOpen();
+    const read = this.client.readAll({ direction: BACKWARDS, fromPosition: END, maxCount: 1 });
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new Error(`no answer within ${this.pingTimeoutMs} ms`)), this.pingTimeoutMs);
+    });
+    try {
+      await Promise.race([
+        drain(read),
+        timeout,
+      ]);
+    } catch (err) {
+      void read.cancel().catch(() => undefined);
+      throw this.unavailable(err, 'ping');
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  async close(): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    for (const complete of [...this.live]) complete();
+    await this.client.dispose();
+  }
+
+  // ------------------------------------------------------------ internals
+
+  private serverFilter(wanted: EventFilter | undefined): Filter {
+    const common = {
+      checkpointInterval: this.checkpointInterval,
+      // Marks the checkpoint in the subscription's buffer (see subscribeToAll).
+      checkpointReached: (sub: AllStreamSubscription, position: EsdbPosition) => {
+        (sub as unknown as { push(chunk: Marker): boolean }).push({ marker: 'checkpoint', position });
+      },
+    };
+    // One server-side filter per subscription: by stream prefix if given, else by
+    // event type (prefix match; exact match is rechecked here), else "no system events".
+    if (wanted?.streamPrefixes && wanted.streamPrefixes.length > 0) return streamNameFilter({ prefixes: [...wanted.streamPrefixes], ...common });
+    if (wanted?.eventTypes && wanted.eventTypes.length > 0) return eventTypeFilter({ prefixes: [...wanted.eventTypes], ...common });
+    return excludeSystemEvents(common);
+  }
+
+  private assertOpen(): void {
+    if (this.closed) throw new EventStoreUnavailableError('the EventStoreDB event store is closed');
+  }
+
+  private mapError(err: unknown, what: string): Error {
+    if (err instanceof ValidationError || err instanceof ConcurrencyError || err instanceof EventStoreUnavailableError) return err;
+    if (isUnavailable(err)) return this.unavailable(err, what);
+    if (err instanceof AccessDeniedError) {
+      return new EventStoreUnavailableError(`EventStoreDB at ${this.endpoint} denied access to ${what}: put a user with access in EVENTSTORE_URL`, { cause: err });
+    }
+    return err instanceof Error ? err : new Error(String(err));
+  }
+
+  private unavailable(err: unknown, what: string): EventStoreUnavailableError {
+    return new EventStoreUnavailableError(
+      `EventStoreDB at ${this.endpoint} is unreachable (${what}: ${errorText(err)}); check EVENTSTORE_URL and that the server is running`,
+      { cause: err },
+    );
+  }
+}
+
+// ------------------------------------------------------------ mapping
+
+/**
+ * Reads a client stream to its end. Leaving a `for await` early would leave
+ * the gRPC call unconsumed, and `client.dispose()` then waits for it forever.
+ */
+async function drain<T>(readable: AsyncIterable<T>): Promise<T[]> {
+  const out: T[] = [];
+  for await (const item of readable) out.push(item);
+  return out;
+}
+
+function toEsdbExpected(expected: ExpectedRevision): AppendExpectedRevision {
+  switch (expected) {
+    case 'no_stream':
+      return NO_STREAM;
+    case 'stream_exists':
+      return STREAM_EXISTS;
+    case 'any':
+      return ANY;
+    default:
+      return expected;
+  }
+}
+
+/** EventStoreDB's own convention for correlation and causation (`$correlationId`, `$causationId`), then ours. */
+function toEsdbMetadata(metadata: EventMetadata | undefined): Record<string, string> {
+  const out: Record<string, string> = {};
+  if (!metadata) return out;
+  if (metadata.correlationId !== undefined) out.$correlationId = metadata.correlationId;
+  if (metadata.causationId !== undefined) out.$causationId = metadata.causationId;
+  if (metadata.tenantId !== undefined) out.tenantId = metadata.tenantId;
+  if (metadata.actor !== undefined) out.actor = metadata.actor;
+  if (metadata.recordedAt !== undefined) out.recordedAt = metadata.recordedAt;
+  return out;
+}
+
+function fromEsdbMetadata(raw: unknown): EventMetadata {
+  if (raw === null || typeof raw !== 'object' || raw instanceof Uint8Array) return {};
+  const m = raw as Record<string, unknown>;
+  const str = (v: unknown): string | undefined => (typeof v === 'string' ? v : undefined);
+  const out: { -readonly [K in keyof EventMetadata]: EventMetadata[K] } = {};
+  const correlationId = str(m.$correlationId) ?? str(m.correlationId);
+  const causationId = str(m.$causationId) ?? str(m.causationId);
+  if (correlationId !== undefined) out.correlationId = correlationId;
+  if (causationId !== undefined) out.causationId = causationId;
+  if (str(m.tenantId) !== undefined) out.tenantId = str(m.tenantId);
+  if (str(m.actor) !== undefined) out.actor = str(m.actor);
+  if (str(m.recordedAt) !== undefined) out.recordedAt = str(m.recordedAt);
+  return out;
+}
+
+interface AnyRecorded {
+  readonly event?:
+    | {
+        readonly id: string;
+        readonly streamId: string;
+        readonly type: string;
+        readonly revision: bigint;
+        readonly data: unknown;
+        readonly metadata?: unknown;
+        readonly created: Date;
+        readonly position?: EsdbPosition | undefined;
+      }
+    | undefined;
+}
+
+function toRecorded(resolved: AnyRecorded): RecordedEvent | undefined {
+  const e = resolved.event;
+  if (!e) return undefined;
+  const position = e.position;
+  if (!position) return undefined;
+  let data: JsonValue;
+  if (e.data instanceof Uint8Array) {
+    // Not written by this adapter (binary): hand it over as base64 rather than guess.
+    data = Buffer.from(e.data).toString('base64');
+  } else {
+    data = e.data as JsonValue;
+  }
+  return {
+    id: e.id.toLowerCase(),
+    streamId: e.streamId,
+    type: e.type,
+    revision: e.revision,
+    position: formatPosition(position.commit, position.prepare),
+    data,
+    metadata: fromEsdbMetadata(e.metadata),
+    created: e.created,
+  };
+}
+
+function toEsdbPosition(value: Position): EsdbPosition {
+  const { high, low } = parsePositionPair(value);
+  return { commit: high, prepare: low };
+}
+
+function comparePos(a: EsdbPosition, b: EsdbPosition): number {
+  if (a.commit !== b.commit) return a.commit < b.commit ? -1 : 1;
+  return a.prepare < b.prepare ? -1 : a.prepare > b.prepare ? 1 : 0;
+}
+
+function isWanted(streamId: string, type: string, filter: EventFilter | undefined): boolean {
+  return !type.startsWith('$') && !streamId.startsWith('$') && matchesFilter(filter, streamId, type);
+}
+
+function checkMaxCount(value: number | undefined): number | undefined {
+  if (value === undefined) return undefined;
+  if (!Number.isSafeInteger(value) || value < 0) {
+    throw new ValidationError(`maxCount must be a non-negative integer, got ${String(value)}`, [{ path: 'maxCount', message: 'not a non-negative integer' }], 'INVALID_MAX_COUNT');
+  }
+  return value;
+}
+
+function isUnavailable(err: unknown): boolean {
+  if (err instanceof UnavailableError || err instanceof DeadlineExceededError || err instanceof CancelledError || err instanceof NotLeaderError) return true;
+  const code = (err as { code?: unknown } | null)?.code;
+  if (code === 14 || code === 4) return true; // raw gRPC UNAVAILABLE / DEADLINE_EXCEEDED
+  return err instanceof Error && /discover|ECONNREFUSED|ENOTFOUND|no connection|no answer within/i.test(err.message);
+}
+
+function isFatal(err: unknown): boolean {
+  return err instanceof AccessDeniedError || err instanceof InvalidArgumentError;
+}
+
+function errorText(err: unknown): string {
+  return err instanceof Error ? err.message : String(err);
+}
+
+/** host:port list of a connection string, without credentials or query. */
+function describeEndpoint(connectionString: string): string {
+  const match = /^esdb(?:\+discover)?:\/\/(?:[^@/]*@)?([^/?]+)/.exec(connectionString);
+  return match?.[1] ?? '(unparsable EVENTSTORE_URL)';
+}
