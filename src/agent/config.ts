@@ -31,6 +31,12 @@ export const agentConfigSchema = z
         return ip.split('.').every((o) => Number(o) <= 255) && Number(bits) >= 8 && Number(bits) <= 28;
       }, 'must be an IPv4 CIDR with a prefix between /8 and /28')
       .default('10.88.0.0/16'),
+    /** Names every bridge, veth and cgroup of this agent: two agents on one machine need distinct prefixes. */
+    AGENT_BRIDGE_PREFIX: z.string().regex(/^[a-z0-9]{1,5}$/, 'must be 1-5 lowercase letters or digits').default('fb'),
+    /** Where published endpoints listen on the host. */
+    AGENT_PUBLISH_HOST: z.string().min(1).default('127.0.0.1'),
+    /** The image a create request that names none gets. */
+    AGENT_DEFAULT_IMAGE: z.string().regex(/^[a-z0-9][a-z0-9._-]{0,62}$/, 'must be an image name such as base').default('base'),
     AGENT_LOG_LEVEL: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], { message: 'must be one of fatal, error, warn, info, debug, trace, silent' }).default('info'),
     AGENT_MAX_VMS: positiveInt('a positive integer').default(64),
     AGENT_EXEC_DEFAULT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30_000),
@@ -59,6 +65,9 @@ export interface AgentConfig {
   imageDir: string;
   backend: 'process';
   subnet: string;
+  bridgePrefix: string;
+  publishHost: string;
+  defaultImage: string;
   logLevel: RawAgentConfig['AGENT_LOG_LEVEL'];
   maxVms: number;
   execDefaultTimeoutMs: number;
@@ -109,6 +118,9 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     imageDir: resolve(raw.AGENT_IMAGE_DIR ?? join(dataDir, 'images')),
     backend: raw.AGENT_BACKEND,
     subnet: raw.AGENT_SUBNET,
+    bridgePrefix: raw.AGENT_BRIDGE_PREFIX,
+    publishHost: raw.AGENT_PUBLISH_HOST,
+    defaultImage: raw.AGENT_DEFAULT_IMAGE,
     logLevel: raw.AGENT_LOG_LEVEL,
     maxVms: raw.AGENT_MAX_VMS,
     execDefaultTimeoutMs: raw.AGENT_EXEC_DEFAULT_TIMEOUT_MS,
@@ -119,6 +131,12 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     allowCrossTenant: raw.AGENT_ALLOW_CROSS_TENANT,
     pullTimeoutMs: raw.AGENT_PULL_TIMEOUT_MS,
   };
+}
+
+/** The image directory alone, for `image build` (which needs no token). */
+export function imageDirFromEnv(env: Record<string, string | undefined> = process.env): string {
+  if (env.AGENT_IMAGE_DIR) return resolve(env.AGENT_IMAGE_DIR);
+  return resolve(join(env.AGENT_DATA_DIR || '.data/agent', 'images'));
 }
 
 // Per data dir, so a restarted agent still honours grants it minted before.
