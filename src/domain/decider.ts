@@ -26,3 +26,13 @@ export function fold<C, E, S>(decider: Decider<C, E, S>, events: Iterable<E>, fr
 export function assertNever(value: never, what = 'value'): never {
   throw new Error(`unhandled ${what}: ${JSON.stringify(value)}`);
 }
+
+/**
+ * Drops undefined properties, so a decided event deep-equals the same event
+ * read back from the store (JSON has no undefined).
+ */
+export function compact<T extends object>(value: T): T {
+  const out = {} as T;
+  for (const key of Object.keys(value) as Array<keyof T>) if (value[key] !== undefined) out[key] = value[key];
+  return out;
+}

@@ -40,7 +40,7 @@ export function applyCapacityOverrides(probed: HostCapacity, overrides: Capacity
     cap.mig_profiles = { ...overrides.mig_profiles };
   }
 
-  if (problems.length > 0) throw new ValidationError(`capacity overrides conflict with the host's reported inventory`, problems);
+  if (problems.length > 0) throw new ValidationError(`capacity overrides conflict with the host's reported inventory: ${problems.map((p) => `${p.path}: ${p.message}`).join('; ')}`, problems);
   return cap;
 }
 

@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { hostCapacitySchema, type HostCapacity } from '../capacity.js';
-import { assertNever, type DecideContext, type Decider } from '../decider.js';
+import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
 import { ValidationError } from '../errors.js';
 import { idSchema } from '../ids.js';
 import {
@@ -192,7 +192,7 @@ export function decideHost(command: HostCommand, state: HostState, ctx: DecideCo
     case 'CordonHost': {
       const h = live(state, command.data.host_id, 'cordon');
       if (h.cordoned) return [];
-      return [{ type: 'HostCordoned', data: { host_id: h.host_id, reason: command.data.reason, at } }];
+      return [{ type: 'HostCordoned', data: compact({ host_id: h.host_id, reason: command.data.reason, at }) }];
     }
 
     case 'UncordonHost': {
@@ -263,7 +263,7 @@ function decideReserve(raw: ReserveCapacityData, state: HostState, at: string): 
     throw new GpuBindingUnavailableError(h.host_id, 'uuids given for a reservation without gpus', [...(req.gpu_uuids ?? []), ...(req.mig_instance_uuids ?? [])]);
   }
 
-  const reservation: Reservation = {
+  const reservation: Reservation = compact({
     vm_id: req.vm_id,
     cpus: req.cpus,
     ram_mb: req.ram_mb,
@@ -273,7 +273,7 @@ function decideReserve(raw: ReserveCapacityData, state: HostState, at: string): 
     gpu_profile: req.gpu_profile,
     gpu_uuids: gpuUuids,
     mig_instance_uuids: migUuids,
-  };
+  });
   return [{ type: 'CapacityReserved', data: { ...reservation, host_id: h.host_id, at } }];
 }
 

@@ -1,4 +1,4 @@
-import { assertNever, type DecideContext, type Decider } from '../decider.js';
+import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
 import type { PlacementDecision } from '../placement/placement.js';
 import { toStoredSpec, type StoredVmSpec, type VmSpec } from './spec.js';
 import { VmAlreadyExistsError, VmInvalidStateError, VmNotFoundError } from './vm.errors.js';
@@ -120,7 +120,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmRequested',
-          data: { vm_id, spec: toStoredSpec(d.spec), tenant_id: d.tenant_id, task_id: d.task_id, idempotency_key: d.idempotency_key, at },
+          data: compact({ vm_id, spec: toStoredSpec(d.spec), tenant_id: d.tenant_id, task_id: d.task_id, idempotency_key: d.idempotency_key, at }),
         },
       ];
     }
@@ -132,7 +132,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
         throw new VmInvalidStateError(vm_id, s.status, 'place it', 'release the reservation just made for it');
       }
       const { host_id, decision, reservation } = command.data;
-      return [{ type: 'VmPlaced', data: { vm_id, host_id, decision, reservation, at } }];
+      return [{ type: 'VmPlaced', data: { vm_id, host_id, decision, reservation: compact(reservation), at } }];
     }
 
     case 'StartBoot': {
@@ -150,7 +150,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmBooted',
-          data: { vm_id, url: d.url, endpoints: [...d.endpoints], boot_ms: d.boot_ms, auth_token_encrypted: d.auth_token_encrypted, at },
+          data: compact({ vm_id, url: d.url, endpoints: [...d.endpoints], boot_ms: d.boot_ms, auth_token_encrypted: d.auth_token_encrypted, at }),
         },
       ];
     }
@@ -198,7 +198,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       if (isTerminal(s.status)) return [];
       const phase = s.status as VmPhase;
       const d = command.data;
-      return [{ type: 'VmFailed', data: { vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, at } }];
+      return [{ type: 'VmFailed', data: compact({ vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, at }) }];
     }
 
     default:
