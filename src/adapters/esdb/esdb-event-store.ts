@@ -187,14 +187,19 @@ export class EsdbEventStore implements EventStore {
   }
 
   subscribeToAll(options: SubscribeOptions = {}): Observable<SubscriptionItem> {
-    const start = options.after === undefined ? undefined : toEsdbPosition(options.after);
     const wanted = options.filter;
     return new Observable<SubscriptionItem>((subscriber) => {
       if (this.closed) {
         subscriber.error(new EventStoreUnavailableError('the EventStoreDB event store is closed'));
         return;
       }
-      let last = start;
+      let last: EsdbPosition | undefined;
+      try {
+        last = options.after === undefined ? undefined : toEsdbPosition(options.after);
+      } catch (err) {
+        subscriber.error(err);
+        return;
+      }
       let caughtUpSent = false;
       let attempt = 0;
       let stopped = false;
