@@ -112,6 +112,10 @@ export class FakeEsdbServer {
   private readonly subscriptions = new Set<LiveSubscription>();
   private nextOffset = 0n;
   private readonly batchAppend: boolean;
+  /** Where each `$all` subscription started (`start`, `end` or after a position): lets tests see resubscriptions. */
+  readonly subscriptionStarts: Array<'start' | 'end' | { commit: bigint; prepare: bigint }> = [];
+  /** Calls per gRPC method, e.g. `Streams.BatchAppend`: lets tests see which path the client took. */
+  readonly calls = new Map<string, number>();
 
   private constructor(options: FakeEsdbOptions) {
     this.boundPort = options.port ?? 0;
@@ -162,14 +166,14 @@ export class FakeEsdbServer {
     if (this.server) return;
     const server = new grpc.Server();
     server.addService(streamsGrpc.StreamsService, {
-      read: (call: grpc.ServerWritableStream<ReadReq, ReadResp>) => this.onRead(call),
-      append: (call: grpc.ServerReadableStream<AppendReq, unknown>, callback: grpc.sendUnaryData<unknown>) => this.onAppend(call, callback),
-      batchAppend: (call: grpc.ServerDuplexStream<BatchAppendReq, BatchAppendResp>) => this.onBatchAppend(call),
+      read: (call: grpc.ServerWritableStream<ReadReq, ReadResp>) => this.count('Streams.Read') && this.onRead(call),
+      append: (call: grpc.ServerReadableStream<AppendReq, unknown>, callback: grpc.sendUnaryData<unknown>) => this.count('Streams.Append') && this.onAppend(call, callback),
+      batchAppend: (call: grpc.ServerDuplexStream<BatchAppendReq, BatchAppendResp>) => this.count('Streams.BatchAppend') && this.onBatchAppend(call),
       delete: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(unimplemented('Streams.Delete')),
       tombstone: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(unimplemented('Streams.Tombstone')),
     } as unknown as grpc.UntypedServiceImplementation);
     server.addService(featuresGrpc.ServerFeaturesService, {
-      getSupportedMethods: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(null, this.supportedMethods()),
+      getSupportedMethods: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => this.count('ServerFeatures.GetSupportedMethods') && callback(null, this.supportedMethods()),
     } as unknown as grpc.UntypedServiceImplementation);
     this.boundPort = await new Promise<number>((resolve, reject) =>
       server.bindAsync(`127.0.0.1:${this.boundPort}`, grpc.ServerCredentials.createInsecure(), (err, port) => (err ? reject(err) : resolve(port))),
@@ -197,6 +201,11 @@ export class FakeEsdbServer {
       sub.call.emit('error', { code: grpc.status.UNAVAILABLE, details: 'subscription dropped by the EventStoreDB test double' });
     }
     return dropped.length;
+  }
+
+  private count(method: string): true {
+    this.calls.set(method, (this.calls.get(method) ?? 0) + 1);
+    return true;
   }
 
   // ------------------------------------------------------------ features
@@ -524,6 +533,7 @@ export class FakeEsdbServer {
   ): void {
     // A subscription from a position starts after it (exclusive), unlike a read.
     const next = all.hasPosition() ? this.indexAfter(positionOf(all.getPosition()!)) : all.hasEnd() ? this.log.length : 0;
+    this.subscriptionStarts.push(all.hasPosition() ? positionOf(all.getPosition()!) : all.hasEnd() ? 'end' : 'start');
     const sub: LiveSubscription = { call, next, filter, checkpointEvery, scanned: 0, caughtUp: false };
     const confirmation = new ReadRespMessage();
     const c = new streamsPb.ReadResp.SubscriptionConfirmation();
