@@ -248,8 +248,8 @@ export class PostgresEventStore implements EventStore {
   }
 
   /** Opens a pool on `url`, migrates, and returns a store that closes the pool on close(). */
-  static async open(options: Omit<PostgresEventStoreOptions, 'pool' | 'ownsPool'> & { url: string; poolMax?: number }): Promise<PostgresEventStore> {
-    const pool = createPool({ url: options.url, max: options.poolMax ?? 10, applicationName: 'fleet-event-store', logger: options.logger });
+  static async open(options: Omit<PostgresEventStoreOptions, 'pool' | 'ownsPool'> & { url: string; poolMax?: number; applicationName?: string }): Promise<PostgresEventStore> {
+    const pool = createPool({ url: options.url, max: options.poolMax ?? 10, applicationName: options.applicationName ?? 'fleet-event-store', logger: options.logger });
     try {
       await PostgresEventStore.migrate(pool, options.logger);
     } catch (err) {
