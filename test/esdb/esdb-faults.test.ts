@@ -4,6 +4,9 @@ import { createServer } from 'node:net';
 import { after, describe, it } from 'node:test';
 import type { Subscription } from 'rxjs';
 import { EsdbEventStore } from '../../src/adapters/esdb/esdb-event-store.js';
+import { ApiKeys } from '../../src/adapters/http/auth.js';
+import { buildApp } from '../../src/adapters/http/app.js';
+import { Metrics } from '../../src/adapters/http/metrics.js';
 import { ConcurrencyError, EventStoreUnavailableError, formatPosition, type NewEvent, type SubscriptionItem } from '../../src/domain/event-store.port.js';
 import { FakeEsdbServer } from './fake-esdb-server.js';
 
@@ -147,6 +150,25 @@ describe('EventStoreDB adapter under faults (real client → gRPC test double)',
     assert.deepEqual(eventNumbers(items), range(20));
     assert.deepEqual(errors, []);
     assert.equal(items.filter((i) => i.kind === 'caught-up').length, 1);
+  });
+
+  it('/readyz is 503 naming the event store while EventStoreDB is unreachable, 200 once it is up', { timeout: 30_000 }, async () => {
+    const port = await freePort();
+    const fake = FakeEsdbServer.create({ port });
+    cleanups.push(() => fake.stop());
+    const store = new EsdbEventStore({ connectionString: `esdb://127.0.0.1:${port}?tls=false`, pingTimeoutMs: 1_500 });
+    cleanups.push(() => store.close());
+    const app = await buildApp({ logger: false, apiKeys: new ApiKeys([]), metrics: new Metrics({ defaultMetrics: false }), readiness: { checks: { eventStore: () => store.ping() } }, routes: [] });
+    cleanups.push(() => app.close());
+    const down = await app.inject({ method: 'GET', url: '/readyz' });
+    assert.equal(down.statusCode, 503);
+    const body = down.json<{ checks: Record<string, string> }>();
+    assert.match(body.checks.eventStore ?? '', /EventStoreDB at 127\.0\.0\.1:\d+ is unreachable/);
+    await fake.start();
+    await retrying(async () => {
+      const up = await app.inject({ method: 'GET', url: '/readyz' });
+      assert.equal(up.statusCode, 200, up.body);
+    }, '/readyz 200');
   });
 
   it('survives a server restart mid-subscription: catches up on what was written meanwhile, exactly once', { timeout: 60_000 }, async () => {
