@@ -140,6 +140,12 @@ describe('host: probe, cordon, reachability', () => {
     ]);
   });
 
+  test('a probe that reports GPUs on a non-qemu host is refused like a registration', () => {
+    given(hostDecider, history(registration()))
+      .when({ type: 'ProbeHostCapacity', data: { host_id: 'h1', probed_capacity: cap({ gpu_devices: [{ uuid: 'GPU-1' }] }) } })
+      .thenThrows('HOST_GPU_REQUIRES_QEMU', 400);
+  });
+
   test('a probe of an unregistered host is HOST_NOT_FOUND; of a deregistered one HOST_DEREGISTERED', () => {
     given(hostDecider).when({ type: 'ProbeHostCapacity', data: { host_id: 'h1', probed_capacity: cap() } }).thenThrows('HOST_NOT_FOUND', 404);
     given(hostDecider, history(registration(), { type: 'DeregisterHost', data: { host_id: 'h1' } }))
