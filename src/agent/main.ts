@@ -81,7 +81,8 @@ async function serve(): Promise<void> {
   const app = await buildAgentApp({ backend, config, logger, version: VERSION });
   const url = await app.listen({ host: config.host, port: config.port });
   const { port } = app.server.address() as { port: number };
-  logger.info({ url, port, backend: backend.kind, data_dir: config.dataDir }, 'host agent listening');
+  // Always printed, whatever the level: supervisors and tests read the port from it.
+  logger.child({}, { level: 'info' }).info({ url, port, backend: backend.kind, data_dir: config.dataDir }, 'host agent listening');
 
   let closing = false;
   const shutdown = (signal: string) => {

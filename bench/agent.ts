@@ -1,0 +1,139 @@
+import { createHash } from 'node:crypto';
+import { createReadStream, createWriteStream } from 'node:fs';
+import { mkdtemp, rm, stat } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { Transform } from 'node:stream';
+import { pipeline } from 'node:stream/promises';
+import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../test/agent/harness.js';
+
+/**
+ * `npm run bench -- agent [--runs N] [--execs N] [--gib N]`
+ *
+ * Two real agents (process backend) on this machine:
+ * 1. sandbox create → first successful exec, p50/p99 over N runs (default 50);
+ * 2. exec round trip of `true`, p50 over --execs (default 200);
+ * 3. artifact pull of a --gib GiB (default 1) checkpoint from A to B, with
+ *    sha256 verification, in MB/s, beside a plain streamed copy of the same
+ *    file (read + write, no hashing) and a copy that also hashes, measured
+ *    in the same run.
+ */
+export default async function agentBench(args: string[]): Promise<void> {
+  const opt = (name: string, dflt: number) => {
+    const i = args.indexOf(`--${name}`);
+    return i >= 0 ? Number(args[i + 1]) : dflt;
+  };
+  const runs = opt('runs', 50);
+  const execs = opt('execs', 200);
+  const gib = opt('gib', 1);
+
+  const missing = await missingPrerequisite();
+  if (missing) throw new Error(`cannot run the agent benchmark: ${missing}`);
+  const images = await prepareImages();
+  if ('skip' in images) throw new Error(`cannot run the agent benchmark: ${images.skip}`);
+  const dirs = [images.imageDir];
+  const agents: RunningAgent[] = [];
+  const log = (s: string) => process.stdout.write(`${s}\n`);
+  try {
+    const mk = async () => {
+      const dataDir = await mkdtemp(join(tmpdir(), 'bench-agent-'));
+      dirs.push(dataDir);
+      const agent = await startAgent({ dataDir, imageDir: images.imageDir, subnet: uniqueSubnet(), bridgePrefix: uniquePrefix(), env: { AGENT_LOG_LEVEL: 'warn' } }, 60_000);
+      agents.push(agent);
+      return agent;
+    };
+    const a = await mk();
+    const b = await mk();
+    log(`agents: A ${a.url}, B ${b.url}`);
+
+    // 1. create → first successful exec
+    const createMs: number[] = [];
+    for (let i = 0; i < runs; i++) {
+      const name = `bench-${i}`;
+      const t0 = performance.now();
+      await a.client.createVm({ name, image: 'base' });
+      for (;;) {
+        const r = await a.client.exec(name, { argv: ['true'] }).catch(() => undefined);
+        if (r?.exit_code === 0) break;
+      }
+      createMs.push(performance.now() - t0);
+      await a.client.destroyVm(name, { force: true });
+      if ((i + 1) % 10 === 0) log(`  create→exec ${i + 1}/${runs}: last ${createMs.at(-1)!.toFixed(1)} ms`);
+    }
+    log(`create → first exec: p50 ${pct(createMs, 50).toFixed(1)} ms, p99 ${pct(createMs, 99).toFixed(1)} ms (n=${runs})`);
+
+    // 2. exec round trip
+    await a.client.createVm({ name: 'bench-exec', image: 'base' });
+    for (let i = 0; i < 10; i++) await a.client.exec('bench-exec', { argv: ['true'] });
+    const execMs: number[] = [];
+    for (let i = 0; i < execs; i++) {
+      const t0 = performance.now();
+      const r = await a.client.exec('bench-exec', { argv: ['true'] });
+      execMs.push(performance.now() - t0);
+      if (r.exit_code !== 0) throw new Error(`exec of true exited ${r.exit_code}`);
+    }
+    log(`exec round trip of true: p50 ${pct(execMs, 50).toFixed(2)} ms, p99 ${pct(execMs, 99).toFixed(2)} ms (n=${execs})`);
+
+    // 3. artifact pull of a large checkpoint
+    const bytes = Math.round(gib * 1024 * 1024 * 1024);
+    log(`writing ${gib} GiB of random data in a sandbox…`);
+    await a.client.exec('bench-exec', { argv: ['sh', '-c', `head -c ${bytes} /dev/urandom > /big.bin`], timeout_ms: 600_000 }, { timeoutMs: 660_000 });
+    log('checkpointing…');
+    let t0 = performance.now();
+    const cp = await a.client.checkpoint('bench-exec', { comment: 'bench' }, { timeoutMs: 600_000 });
+    log(`checkpoint: ${mb(cp.size_bytes)} MB in ${((performance.now() - t0) / 1000).toFixed(2)} s`);
+
+    const src = join(a.opts.dataDir, 'checkpoints', cp.id, 'rootfs.tar');
+    const copyDst = join(b.opts.dataDir, 'plain-copy.tar');
+    t0 = performance.now();
+    await pipeline(createReadStream(src, { highWaterMark: 1024 * 1024 }), createWriteStream(copyDst));
+    const copyS = (performance.now() - t0) / 1000;
+    const copySize = (await stat(copyDst)).size;
+    await rm(copyDst);
+    t0 = performance.now();
+    const h = createHash('sha256');
+    await pipeline(
+      createReadStream(src, { highWaterMark: 1024 * 1024 }),
+      new Transform({
+        transform(c: Buffer, _e, cb) {
+          h.update(c);
+          cb(null, c);
+        },
+      }),
+      createWriteStream(copyDst),
+    );
+    const hashCopyS = (performance.now() - t0) / 1000;
+    await rm(copyDst);
+
+    const grant = await a.client.grantArtifact(cp.id, 600);
+    t0 = performance.now();
+    const moved = await b.client.pullArtifact({ snapshot_id: cp.id, digest: cp.digest, from: { url: a.url, grant: grant.grant } }, { timeoutMs: 900_000 });
+    const pullS = (performance.now() - t0) / 1000;
+    const copyRate = copySize / 1e6 / copyS;
+    const hashRate = copySize / 1e6 / hashCopyS;
+    const pullRate = moved.size_bytes / 1e6 / pullS;
+    log(`plain copy (read+write): ${mb(copySize)} MB in ${copyS.toFixed(2)} s = ${copyRate.toFixed(0)} MB/s`);
+    log(`copy with sha256:        ${mb(copySize)} MB in ${hashCopyS.toFixed(2)} s = ${hashRate.toFixed(0)} MB/s`);
+    log(`artifact pull A→B (HTTP, sha256-verified, atomic commit): ${mb(moved.size_bytes)} MB in ${pullS.toFixed(2)} s = ${pullRate.toFixed(0)} MB/s = ${((pullRate / copyRate) * 100).toFixed(0)}% of the plain copy`);
+  } finally {
+    for (const agent of agents) {
+      try {
+        for (const vm of await agent.client.listVms()) await agent.client.destroyVm(vm.name, { force: true });
+        await agent.client.prune();
+      } catch (err) {
+        process.stderr.write(`cleanup failed: ${String(err)}\n`);
+      }
+      await agent.stop();
+    }
+    for (const d of dirs) await rm(d, { recursive: true, force: true }).catch(() => {});
+  }
+}
+
+function pct(xs: number[], p: number): number {
+  const s = [...xs].sort((x, y) => x - y);
+  return s[Math.min(s.length - 1, Math.ceil((p / 100) * s.length) - 1)] ?? NaN;
+}
+
+function mb(n: number): string {
+  return (n / 1e6).toFixed(0);
+}

@@ -1,0 +1,192 @@
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { access, mkdtemp } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { HostAgentClient } from '../../src/adapters/host-agent.client.js';
+import { buildImage } from '../../src/agent/images.js';
+import { AppError } from '../../src/domain/errors.js';
+
+/**
+ * Starts real host-agent processes (`node --import tsx src/agent/main.ts`)
+ * for integration tests and benchmarks, each with its own data directory,
+ * bridge prefix and subnet, on a free port the agent picks itself (port 0,
+ * read back from its "listening" log line).
+ */
+
+export const REPO_ROOT = join(dirname(fileURLToPath(import.meta.url)), '..', '..');
+
+export interface AgentOptions {
+  dataDir: string;
+  imageDir: string;
+  /** Distinct per agent on one machine: bridges, routes and cgroups are host-global. */
+  subnet: string;
+  bridgePrefix: string;
+  token?: string;
+  env?: Record<string, string>;
+}
+
+export interface RunningAgent {
+  readonly url: string;
+  readonly port: number;
+  readonly token: string;
+  readonly opts: AgentOptions;
+  readonly client: HostAgentClient;
+  readonly proc: ChildProcess;
+  output(): string;
+  /** SIGTERM, bounded; SIGKILL if it does not exit in time. */
+  stop(): Promise<void>;
+  /** SIGKILL, as a crash would. */
+  kill(): Promise<void>;
+}
+
+export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): Promise<RunningAgent> {
+  const token = opts.token ?? `tok-${randomBytes(16).toString('hex')}`;
+  const proc = spawn(process.execPath, ['--import', 'tsx', join(REPO_ROOT, 'src/agent/main.ts')], {
+    cwd: REPO_ROOT,
+    env: {
+      ...process.env,
+      AGENT_TOKEN: token,
+      AGENT_HOST: '127.0.0.1',
+      AGENT_PORT: '0',
+      AGENT_DATA_DIR: opts.dataDir,
+      AGENT_IMAGE_DIR: opts.imageDir,
+      AGENT_SUBNET: opts.subnet,
+      AGENT_BRIDGE_PREFIX: opts.bridgePrefix,
+      AGENT_LOG_LEVEL: 'info',
+      ...opts.env,
+    },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let out = '';
+  const exited = new Promise<void>((resolve) => proc.once('exit', () => resolve()));
+  const port = await new Promise<number>((resolve, reject) => {
+    const timer = setTimeout(() => {
+      proc.kill('SIGKILL');
+      reject(new Error(`agent did not start within ${startTimeoutMs} ms:\n${out}`));
+    }, startTimeoutMs);
+    let buf = '';
+    proc.stdout!.on('data', (chunk: Buffer) => {
+      out += chunk.toString();
+      buf += chunk.toString();
+      let nl: number;
+      while ((nl = buf.indexOf('\n')) >= 0) {
+        const line = buf.slice(0, nl);
+        buf = buf.slice(nl + 1);
+        try {
+          const rec = JSON.parse(line) as { msg?: string; port?: number };
+          if (rec.msg === 'host agent listening' && typeof rec.port === 'number') {
+            clearTimeout(timer);
+            resolve(rec.port);
+          }
+        } catch {
+          /* not a log line */
+        }
+      }
+    });
+    proc.stderr!.on('data', (chunk: Buffer) => {
+      out += chunk.toString();
+    });
+    proc.once('exit', (code, signal) => {
+      clearTimeout(timer);
+      reject(new AgentStartError(`agent exited (${code ?? signal}) before listening:\n${out}`, out));
+    });
+  });
+  // Keep draining the pipes so a chatty agent never blocks on a full pipe.
+  const url = `http://127.0.0.1:${port}`;
+  const client = new HostAgentClient({ hostId: `test-${opts.bridgePrefix}`, url, token, timeoutMs: 60_000, attempts: 2, backoffMs: 50 });
+  const waitExit = async (ms: number) => {
+    if (proc.exitCode !== null || proc.signalCode !== null) return true;
+    return Promise.race([exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), ms))]);
+  };
+  return {
+    url,
+    port,
+    token,
+    opts,
+    client,
+    proc,
+    output: () => out,
+    async stop() {
+      if (proc.exitCode !== null || proc.signalCode !== null) return;
+      proc.kill('SIGTERM');
+      if (!(await waitExit(12_000))) {
+        proc.kill('SIGKILL');
+        await waitExit(5_000);
+      }
+    },
+    async kill() {
+      if (proc.exitCode !== null || proc.signalCode !== null) return;
+      proc.kill('SIGKILL');
+      await waitExit(5_000);
+    },
+  };
+}
+
+export class AgentStartError extends Error {
+  constructor(
+    message: string,
+    readonly output: string,
+  ) {
+    super(message);
+  }
+}
+
+/** Why the process-backend tests cannot run here, or undefined when they can. */
+export async function missingPrerequisite(): Promise<string | undefined> {
+  if (process.platform !== 'linux') return `the process backend needs Linux (this is ${process.platform})`;
+  if (process.getuid?.() !== 0) return 'the process backend needs root (namespaces, mounts, cgroups)';
+  for (const [path, feature] of [
+    ['/bin/busybox', 'busybox-static (apt-get install busybox-static) for the base image'],
+    ['/proc/self/ns/pid', 'pid namespaces'],
+  ] as const) {
+    try {
+      await access(path);
+    } catch {
+      return `missing kernel/host feature: ${feature}`;
+    }
+  }
+  return undefined;
+}
+
+/** Builds the base image once into a fresh directory; a missing feature becomes a skip reason. */
+export async function prepareImages(): Promise<{ imageDir: string } | { skip: string }> {
+  const imageDir = await mkdtemp(join(tmpdir(), 'agent-images-'));
+  try {
+    await buildImage(imageDir, 'base');
+  } catch (err) {
+    if (err instanceof AppError && err.code === 'HOST_FEATURE_MISSING') return { skip: err.message };
+    throw err;
+  }
+  return { imageDir };
+}
+
+/** A HOST_FEATURE_MISSING from the agent, as a skip reason naming the feature. */
+export function featureSkip(err: unknown): string | undefined {
+  if (err instanceof AppError && err.code === 'HOST_FEATURE_MISSING') return err.message;
+  if (err instanceof AgentStartError) {
+    const m = /host feature missing: [^"\n]*/.exec(err.output);
+    if (m) return m[0];
+  }
+  return undefined;
+}
+
+export function uniquePrefix(): string {
+  return `t${randomBytes(2).toString('hex')}`;
+}
+
+/** A /24 in 10.<200-249>.<0-255>: distinct per agent, used only inside this machine's own namespaces. */
+export function uniqueSubnet(): string {
+  const b = randomBytes(2);
+  return `10.${200 + ((b[0] ?? 0) % 50)}.${b[1] ?? 0}.0/24`;
+}
+
+export async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} took longer than ${ms} ms`)), ms)))]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
