@@ -1,0 +1,205 @@
+import { spawn } from 'node:child_process';
+import { createHash, randomBytes } from 'node:crypto';
+import { createReadStream, createWriteStream } from 'node:fs';
+import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import { pipeline } from 'node:stream/promises';
+import { z } from 'zod';
+import { AppError } from '../../../domain/errors.js';
+import { BackendErrorCode, checkpointNotFound, invalidSpec, sandboxFailed, type Checkpoint } from '../../backend.js';
+
+/**
+ * Disk checkpoints: `<dataDir>/checkpoints/<id>/{manifest.json,rootfs.tar}`
+ * (layout documented in backend.ts). A checkpoint is written under a
+ * `.tmp-` name and renamed into place, manifest last, so a directory with a
+ * manifest is always complete.
+ */
+
+export const checkpointIdRe = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$/;
+
+export const manifestSchema = z.object({
+  id: z.string().regex(checkpointIdRe),
+  comment: z.string(),
+  kind: z.enum(['disk', 'live']),
+  size_bytes: z.number().int().nonnegative(),
+  digest: z.string().regex(/^[0-9a-f]{64}$/),
+  created_at: z.string(),
+  image: z.string().min(1),
+  files: z.record(z.string(), z.string()),
+  parent: z.string(),
+});
+
+export const ROOTFS = 'rootfs.tar';
+export const MANIFEST = 'manifest.json';
+
+// Only the overlay xattrs that carry meaning in a portable upper layer (opaque
+// directories); origin/impure/index handles point at this host's lower fs.
+const TAR_XATTRS = ['--xattrs', '--xattrs-include=trusted.overlay.opaque', '--xattrs-include=user.*', '--xattrs-include=security.capability'];
+
+export function validateCheckpointId(id: string): void {
+  if (!checkpointIdRe.test(id)) {
+    throw invalidSpec(`checkpoint id "${id}" is invalid: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit`, [{ path: 'id', message: 'invalid checkpoint id' }]);
+  }
+}
+
+export class CheckpointStore {
+  constructor(readonly dir: string, readonly staging: string) {}
+
+  async init(): Promise<void> {
+    await mkdir(this.dir, { recursive: true });
+    await mkdir(this.staging, { recursive: true });
+  }
+
+  path(id: string): string {
+    validateCheckpointId(id);
+    return join(this.dir, id);
+  }
+
+  async get(id: string): Promise<Checkpoint> {
+    const dir = this.path(id);
+    let raw: string;
+    try {
+      raw = await readFile(join(dir, MANIFEST), 'utf8');
+    } catch {
+      throw checkpointNotFound(id);
+    }
+    const parsed = manifestSchema.safeParse(JSON.parse(raw));
+    if (!parsed.success) throw new AppError(BackendErrorCode.CheckpointCorrupt, 500, `checkpoint "${id}" has an invalid manifest`, { id });
+    return parsed.data;
+  }
+
+  async list(): Promise<Checkpoint[]> {
+    const names = await readdir(this.dir).catch(() => [] as string[]);
+    const out: Checkpoint[] = [];
+    for (const n of names) {
+      if (!checkpointIdRe.test(n)) continue;
+      try {
+        out.push(await this.get(n));
+      } catch {
+        /* incomplete or foreign directory */
+      }
+    }
+    return out.sort((a, b) => a.created_at.localeCompare(b.created_at) || a.id.localeCompare(b.id));
+  }
+
+  async delete(id: string): Promise<void> {
+    const dir = this.path(id);
+    // Rename first so a concurrent reader never sees a half-deleted checkpoint.
+    const trash = join(this.dir, `.del-${id}-${randomBytes(4).toString('hex')}`);
+    try {
+      await rename(dir, trash);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === 'ENOENT') return;
+      throw err;
+    }
+    await rm(trash, { recursive: true, force: true });
+  }
+
+  /** Archives `upperDir` into a new checkpoint, hashing the bytes as they are written. */
+  async write(upperDir: string, meta: { id?: string; comment: string; image: string; now: Date }): Promise<Checkpoint> {
+    const id = meta.id ?? `ckpt-${meta.now.getTime().toString(36)}-${randomBytes(6).toString('hex')}`;
+    validateCheckpointId(id);
+    if (await stat(join(this.dir, id)).then(() => true, () => false)) {
+      throw new AppError(BackendErrorCode.CheckpointExists, 409, `checkpoint "${id}" already exists on this host; pick another id`, { id });
+    }
+    const tmp = join(this.dir, `.tmp-${id}-${randomBytes(4).toString('hex')}`);
+    await mkdir(tmp);
+    try {
+      const hash = createHash('sha256');
+      let size = 0;
+      const tar = spawn('tar', [...TAR_XATTRS, '--numeric-owner', '-C', upperDir, '-cf', '-', '.'], { stdio: ['ignore', 'pipe', 'pipe'] });
+      let stderr = '';
+      tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+      const exit = new Promise<number | null>((resolve, reject) => {
+        tar.once('error', reject);
+        tar.once('close', resolve);
+      });
+      tar.stdout.on('data', (chunk: Buffer) => {
+        hash.update(chunk);
+        size += chunk.length;
+      });
+      await pipeline(tar.stdout, createWriteStream(join(tmp, ROOTFS)));
+      const code = await exit;
+      if (code !== 0) throw sandboxFailed(`tar of the writable layer failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
+      const checkpoint: Checkpoint = { id, comment: meta.comment, kind: 'disk', size_bytes: size, digest: hash.digest('hex'), created_at: meta.now.toISOString(), image: meta.image, files: {}, parent: '' };
+      await writeFile(join(tmp, MANIFEST), JSON.stringify(checkpoint, null, 2));
+      await rename(tmp, join(this.dir, id));
+      return checkpoint;
+    } catch (err) {
+      await rm(tmp, { recursive: true, force: true });
+      throw err;
+    }
+  }
+
+  /** Extracts a checkpoint's layer into `upperDir`, checking the digest of the bytes it read. */
+  async extract(id: string, upperDir: string): Promise<Checkpoint> {
+    const cp = await this.get(id);
+    const hash = createHash('sha256');
+    const tar = spawn('tar', [...TAR_XATTRS, '--numeric-owner', '-C', upperDir, '-xpf', '-'], { stdio: ['pipe', 'ignore', 'pipe'] });
+    let stderr = '';
+    tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+    const exit = new Promise<number | null>((resolve, reject) => {
+      tar.once('error', reject);
+      tar.once('close', resolve);
+    });
+    const src = createReadStream(join(this.path(id), ROOTFS));
+    src.on('data', (chunk) => hash.update(chunk as Buffer));
+    await pipeline(src, tar.stdin);
+    const code = await exit;
+    if (code !== 0) throw sandboxFailed(`restoring checkpoint "${id}" failed (tar exit ${code}): ${stderr.trim().slice(0, 300)}`);
+    const digest = hash.digest('hex');
+    if (digest !== cp.digest) {
+      throw new AppError(BackendErrorCode.CheckpointCorrupt, 500, `checkpoint "${id}" is corrupt: rootfs.tar hashes to ${digest}, its manifest says ${cp.digest}`, { id });
+    }
+    return cp;
+  }
+
+  async hashFile(path: string): Promise<{ digest: string; size: number }> {
+    const hash = createHash('sha256');
+    let size = 0;
+    for await (const chunk of createReadStream(path)) {
+      hash.update(chunk as Buffer);
+      size += (chunk as Buffer).length;
+    }
+    return { digest: hash.digest('hex'), size };
+  }
+
+  /** Validates a staged checkpoint directory and renames it into place; removes it on any failure. */
+  async import(stagingPath: string, opts: { verifyDigest?: boolean } = {}): Promise<Checkpoint> {
+    try {
+      let raw: string;
+      try {
+        raw = await readFile(join(stagingPath, MANIFEST), 'utf8');
+      } catch {
+        throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged checkpoint at ${stagingPath} has no ${MANIFEST}`);
+      }
+      let json: unknown;
+      try {
+        json = JSON.parse(raw);
+      } catch {
+        throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged ${MANIFEST} is not JSON`);
+      }
+      const parsed = manifestSchema.safeParse(json);
+      if (!parsed.success) throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged ${MANIFEST} is invalid: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+      const cp = parsed.data;
+      if (opts.verifyDigest !== false) {
+        const { digest, size } = await this.hashFile(join(stagingPath, ROOTFS));
+        if (digest !== cp.digest || size !== cp.size_bytes) {
+          throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged ${ROOTFS} does not match its manifest (sha256 ${digest}, ${size} bytes; expected ${cp.digest}, ${cp.size_bytes} bytes)`, { id: cp.id });
+        }
+      }
+      try {
+        // rename(2) onto an existing non-empty directory fails, so a taken id is never overwritten.
+        await rename(stagingPath, join(this.dir, cp.id));
+      } catch (err) {
+        const code = (err as NodeJS.ErrnoException).code;
+        if (code === 'ENOTEMPTY' || code === 'EEXIST') throw new AppError(BackendErrorCode.CheckpointExists, 409, `checkpoint "${cp.id}" already exists on this host`, { id: cp.id });
+        throw err;
+      }
+      return cp;
+    } catch (err) {
+      await rm(stagingPath, { recursive: true, force: true });
+      throw err;
+    }
+  }
+}

@@ -1,0 +1,78 @@
+import { spawn } from 'node:child_process';
+import { readFile } from 'node:fs/promises';
+import { sandboxFailed } from '../../backend.js';
+
+export interface RunResult {
+  readonly stdout: string;
+  readonly stderr: string;
+  readonly code: number | null;
+}
+
+/** Runs a host tool with a bounded time; never throws for a non-zero exit. */
+export function runTool(cmd: string, args: readonly string[], opts: { input?: string; timeoutMs?: number; env?: NodeJS.ProcessEnv } = {}): Promise<RunResult> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'pipe'], env: opts.env ?? { PATH: process.env.PATH ?? '/usr/sbin:/usr/bin:/sbin:/bin' } });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
+    child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+    const timer = setTimeout(() => child.kill('SIGKILL'), opts.timeoutMs ?? 30_000);
+    child.on('error', (err) => {
+      clearTimeout(timer);
+      reject(err);
+    });
+    child.on('close', (code) => {
+      clearTimeout(timer);
+      resolve({ stdout, stderr, code });
+    });
+    child.stdin.on('error', () => undefined);
+    child.stdin.end(opts.input ?? '');
+  });
+}
+
+/** Runs a host tool and throws SANDBOX_FAILED (naming the tool and its stderr) on failure. */
+export async function mustRun(cmd: string, args: readonly string[], opts: { input?: string; timeoutMs?: number } = {}): Promise<string> {
+  let res: RunResult;
+  try {
+    res = await runTool(cmd, args, opts);
+  } catch (err) {
+    throw sandboxFailed(`could not run ${cmd}: ${(err as Error).message}`, { cmd }, err);
+  }
+  if (res.code !== 0) {
+    throw sandboxFailed(`${cmd} ${args.slice(0, 4).join(' ')} failed (exit ${res.code}): ${res.stderr.trim().slice(0, 500)}`, { cmd });
+  }
+  return res.stdout;
+}
+
+/** Serializes async work per key (a sandbox name, a bridge). */
+export class KeyedMutex {
+  private readonly tails = new Map<string, Promise<unknown>>();
+
+  async run<T>(key: string, fn: () => Promise<T>): Promise<T> {
+    const prev = this.tails.get(key) ?? Promise.resolve();
+    const next = prev.then(fn, fn);
+    const tail = next.catch(() => undefined);
+    this.tails.set(key, tail);
+    try {
+      return await next;
+    } finally {
+      if (this.tails.get(key) === tail) this.tails.delete(key);
+    }
+  }
+}
+
+export const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
+
+/** Start time (clock ticks since boot) of a pid, or null if it is gone: guards against pid reuse. */
+export async function processStartTime(pid: number): Promise<string | null> {
+  if (!Number.isInteger(pid) || pid <= 0) return null;
+  try {
+    const stat = await readFile(`/proc/${pid}/stat`, 'utf8');
+    // comm may contain spaces and parens: fields are counted after the last ')'.
+    const rest = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+    if (rest[0] === 'Z' || rest[0] === 'X') return null;
+    return rest[19] ?? null;
+  } catch {
+    return null;
+  }
+}

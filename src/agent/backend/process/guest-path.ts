@@ -1,0 +1,64 @@
+import { lstat, readlink } from 'node:fs/promises';
+import { AppError } from '../../../domain/errors.js';
+import { guestPathNotFound, invalidSpec, pathEscapes } from '../../backend.js';
+
+const MAX_LINKS = 40;
+
+/**
+ * Resolves a guest path to a host path under `root` (the sandbox's root as
+ * the host sees it), the way the guest would: symlinks are followed
+ * component by component with absolute targets re-rooted at the sandbox
+ * root. Any ".." that would climb above the root — written in the request
+ * or inside a symlink's target — is refused rather than clamped: a path
+ * that means to leave the sandbox is an error, not a request for "/".
+ * The answer is free of symlinks and "..", so the host-side open that
+ * follows cannot be redirected out (short of a race with the guest
+ * replacing a component after this check, which needs a live attacker
+ * inside the sandbox and only reaches what the agent's open reaches).
+ */
+export async function resolveInRoot(root: string, guestPath: string, opts: { forWrite: boolean }): Promise<{ hostPath: string; guestPath: string }> {
+  if (guestPath.length === 0 || guestPath.includes('\0')) {
+    throw invalidSpec('a guest path must be non-empty and contain no NUL byte', [{ path: 'path', message: 'invalid path' }]);
+  }
+  const resolved: string[] = [];
+  // Work list of components still to walk, front first.
+  let pending = guestPath.split('/').filter((c) => c !== '' && c !== '.');
+  let links = 0;
+  while (pending.length > 0) {
+    const comp = pending.shift()!;
+    if (comp === '..') {
+      if (resolved.length === 0) throw pathEscapes(guestPath);
+      resolved.pop();
+      continue;
+    }
+    const candidate = [...resolved, comp];
+    const hostPath = `${root}/${candidate.join('/')}`;
+    let st;
+    try {
+      st = await lstat(hostPath);
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      if (code === 'ENOENT' || code === 'ENOTDIR') {
+        // A missing last component is fine for a write; a missing parent never is.
+        if (opts.forWrite && pending.length === 0) {
+          resolved.push(comp);
+          break;
+        }
+        throw guestPathNotFound(guestPath);
+      }
+      throw err;
+    }
+    if (st.isSymbolicLink()) {
+      if (++links > MAX_LINKS) throw new AppError('GUEST_PATH_LOOP', 400, `too many symlinks resolving "${guestPath}"`, { path: guestPath });
+      const target = await readlink(hostPath);
+      const targetComps = target.split('/').filter((c) => c !== '' && c !== '.');
+      if (target.startsWith('/')) resolved.length = 0;
+      pending = [...targetComps, ...pending];
+      continue;
+    }
+    if (pending.length > 0 && !st.isDirectory()) throw guestPathNotFound(guestPath);
+    resolved.push(comp);
+  }
+  const rel = resolved.join('/');
+  return { hostPath: rel ? `${root}/${rel}` : root, guestPath: `/${rel}` };
+}

@@ -1,0 +1,111 @@
+import { spawn } from 'node:child_process';
+import { constants as osConstants } from 'node:os';
+import { PassThrough, Writable } from 'node:stream';
+import { featureMissing, sandboxFailed, type ExitStatus, type ProcessHandle } from '../../backend.js';
+
+/**
+ * A process running inside a sandbox, seen from the host. The host-side
+ * chain (sh → setpriv → nsenter → guest) is started in its own process
+ * group, so kill() reaches nsenter and the guest process together; nsenter
+ * re-raises its child's fatal signal, so the exit status is the guest's.
+ */
+
+type PtyModule = typeof import('node-pty');
+let ptyModule: Promise<PtyModule | null> | undefined;
+
+/** node-pty is an optional dependency (native build): without it a TTY spawn is HOST_FEATURE_MISSING. */
+function loadPty(): Promise<PtyModule | null> {
+  ptyModule ??= import('node-pty').then(
+    (m) => ((m as { default?: PtyModule }).default ?? m) as PtyModule,
+    () => null,
+  );
+  return ptyModule;
+}
+
+const signalNames = new Map<number, NodeJS.Signals>(
+  Object.entries(osConstants.signals).map(([name, num]) => [num, name as NodeJS.Signals]),
+);
+
+export function spawnPiped(argv: readonly string[], env: Record<string, string>, withStdin: boolean): ProcessHandle {
+  const [cmd, ...args] = argv;
+  const child = spawn(cmd!, args, { detached: true, stdio: [withStdin ? 'pipe' : 'ignore', 'pipe', 'pipe'], env });
+  const stdin = child.stdin ?? endedWritable();
+  stdin.on('error', () => undefined);
+  const exited = new Promise<ExitStatus>((resolve, reject) => {
+    child.once('error', (err) => reject(sandboxFailed(`could not start the process: ${err.message}`, {}, err)));
+    child.once('close', (code, signal) => resolve({ exitCode: code, signal }));
+  });
+  exited.catch(() => undefined);
+  return {
+    stdout: child.stdout!,
+    stderr: child.stderr!,
+    stdin,
+    resize: () => undefined,
+    kill: (signal = 'SIGKILL') => killGroup(child.pid, signal),
+    wait: () => exited,
+  };
+}
+
+export async function spawnPty(argv: readonly string[], env: Record<string, string>, size: { rows: number; cols: number }): Promise<ProcessHandle> {
+  const pty = await loadPty();
+  if (!pty) throw featureMissing('node-pty', 'a TTY needs the optional node-pty module: run `npm install` with a C++ toolchain (build-essential, python3)');
+  const [cmd, ...args] = argv;
+  const term = pty.spawn(cmd!, args, { name: env.TERM ?? 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env, encoding: null } as Parameters<PtyModule['spawn']>[2]);
+  const stdout = new PassThrough();
+  const stderr = new PassThrough();
+  stderr.end();
+  term.onData((d: string | Buffer) => stdout.write(typeof d === 'string' ? Buffer.from(d, 'utf8') : d));
+  const exited = new Promise<ExitStatus>((resolve) => {
+    term.onExit(({ exitCode, signal }) => {
+      // Let the last output drain from the pty before ending the stream.
+      setTimeout(() => {
+        stdout.end();
+        resolve(signal ? { exitCode: null, signal: signalNames.get(signal) ?? 'SIGKILL' } : { exitCode, signal: null });
+      }, 20);
+    });
+  });
+  const stdin = new Writable({
+    write(chunk: Buffer, _enc, cb) {
+      try {
+        term.write(chunk as unknown as string);
+        cb();
+      } catch (err) {
+        cb(err as Error);
+      }
+    },
+  });
+  stdin.on('error', () => undefined);
+  return {
+    stdout,
+    stderr,
+    stdin,
+    resize: (rows, cols) => {
+      try {
+        term.resize(Math.max(1, cols), Math.max(1, rows));
+      } catch {
+        /* exited */
+      }
+    },
+    kill: (signal = 'SIGKILL') => killGroup(term.pid, signal),
+    wait: () => exited,
+  };
+}
+
+function killGroup(pid: number | undefined, signal: NodeJS.Signals): void {
+  if (pid === undefined) return;
+  try {
+    process.kill(-pid, signal);
+  } catch {
+    try {
+      process.kill(pid, signal);
+    } catch {
+      /* already gone */
+    }
+  }
+}
+
+function endedWritable(): Writable {
+  const w = new Writable({ write: (_c, _e, cb) => cb() });
+  w.end();
+  return w;
+}

@@ -1,0 +1,184 @@
+import { spawn } from 'node:child_process';
+import { closeSync, existsSync, openSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
+import { featureMissing, sandboxFailed } from '../../backend.js';
+import { processStartTime, sleep } from './exec-util.js';
+
+/**
+ * How a sandbox starts, and how a process enters it.
+ *
+ * The init is started detached (own session, stdio on the console log), so
+ * it outlives the agent; nothing about it lives in the agent's memory that a
+ * restart cannot find again from state.json and /proc.
+ *
+ * Capabilities: sandbox processes run as uid 0 but with Docker's default
+ * bounding set minus CAP_MKNOD and CAP_SYS_CHROOT (and without
+ * CAP_SYS_ADMIN/NET_ADMIN), so they cannot mount, create devices, chroot out
+ * of the pivoted root, or change their routes. Setting up needs
+ * CAP_SYS_ADMIN after the bounding set is dropped (pivot_root, umount), so it
+ * is carried in the inheritable+ambient sets across that exec and cleared by
+ * the last exec — by the host's static busybox, bind-mounted read-only at
+ * /dev/.fleet/busybox, because after the pivot no host binary is reachable.
+ * The inheritable set must be raised before the bounding set is dropped
+ * (capset refuses otherwise), hence two setpriv calls.
+ */
+
+export interface HostTools {
+  readonly setpriv: string;
+  readonly nsenter: string;
+  readonly unshare: string;
+  readonly busybox: string;
+}
+
+/** Absolute paths of the host tools the backend needs, or HOST_FEATURE_MISSING naming the package. */
+export function findHostTools(busybox = '/bin/busybox'): HostTools {
+  const find = (name: string, pkg: string): string => {
+    for (const dir of ['/usr/bin', '/usr/sbin', '/bin', '/sbin']) {
+      if (existsSync(`${dir}/${name}`)) return `${dir}/${name}`;
+    }
+    throw featureMissing(name, `install ${pkg}`);
+  };
+  find('ip', 'iproute2');
+  find('tar', 'tar');
+  if (!existsSync(busybox)) throw featureMissing('busybox', `${busybox} is absent: run \`apt-get install busybox-static\``);
+  return { setpriv: find('setpriv', 'util-linux'), nsenter: find('nsenter', 'util-linux'), unshare: find('unshare', 'util-linux'), busybox };
+}
+
+export const GUEST_BUSYBOX = '/dev/.fleet/busybox';
+const BOUNDING = '-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,+net_bind_service,+net_raw,+audit_write,+setfcap';
+
+/** Outer: runs on the host, joins the cgroup (so everything after is limited), then creates the namespaces. */
+const OUTER = `set -eu
+n=$1; shift
+i=0
+for f in "$@"; do
+  i=$((i+1)); [ "$i" -gt "$n" ] && break
+  echo $$ > "$f"
+done
+shift "$n"
+exec unshare --pid --mount --uts --ipc --net --fork --propagation private -- /bin/sh -c "$STAGE2" stage2 "$@"
+`;
+
+/** Stage 2: pid 1 of the new namespaces, still on the host's root, in a private mount namespace. */
+const STAGE2 = `set -eu
+unset STAGE2
+img=$1 upper=$2 work=$3 root=$4 host=$5 bb=$6
+mount -t overlay overlay -o "lowerdir=$img,upperdir=$upper,workdir=$work,index=off,metacopy=off,redirect_dir=off" "$root"
+if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
+for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
+mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
+mount --bind "$root/proc/sys" "$root/proc/sys"
+mount -o remount,bind,ro "$root/proc/sys"
+for f in sysrq-trigger kcore; do if [ -e "$root/proc/$f" ]; then mount --bind /dev/null "$root/proc/$f"; fi; done
+mount -t tmpfs -o mode=755,size=4m,nosuid tmpfs "$root/dev"
+for n in null zero full random urandom tty; do : > "$root/dev/$n"; mount --bind "/dev/$n" "$root/dev/$n"; done
+ln -s /proc/self/fd "$root/dev/fd"
+ln -s /proc/self/fd/0 "$root/dev/stdin"; ln -s /proc/self/fd/1 "$root/dev/stdout"; ln -s /proc/self/fd/2 "$root/dev/stderr"
+mkdir "$root/dev/pts" "$root/dev/shm"
+mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" && ln -s pts/ptmx "$root/dev/ptmx" || true
+mount -t tmpfs -o mode=1777,size=64m,nosuid,nodev tmpfs "$root/dev/shm"
+mkdir "$root/dev/.fleet"; : > "$root/dev/.fleet/busybox"
+mount --bind "$bb" "$root/dev/.fleet/busybox"
+mount -o remount,bind,ro "$root/dev/.fleet/busybox"
+hostname "$host"
+cd "$root"
+exec setpriv --inh-caps=+sys_admin --ambient-caps=+sys_admin -- setpriv --bounding-set=${BOUNDING} -- /bin/sh -c 'pivot_root . . && umount -l . && cd / && echo ready >&3 && exec 3>&- && exec ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin --ambient-caps=-sys_admin -- /sbin/init'
+`;
+
+export interface LaunchOptions {
+  readonly imageDir: string;
+  readonly upper: string;
+  readonly work: string;
+  readonly rootMount: string;
+  readonly hostname: string;
+  readonly busybox: string;
+  readonly cgroupProcs: readonly string[];
+  readonly consoleLog: string;
+  readonly timeoutMs?: number;
+}
+
+export interface Launched {
+  /** Host pid of the sandbox's pid 1. */
+  readonly initPid: number;
+  readonly initStart: string;
+  /** Host pid of unshare, the init's parent. */
+  readonly unsharePid: number;
+}
+
+export async function launchInit(opts: LaunchOptions): Promise<Launched> {
+  const log = openSync(opts.consoleLog, 'a');
+  let child;
+  try {
+    child = spawn('/bin/sh', ['-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.busybox], {
+      detached: true,
+      stdio: ['ignore', log, log, 'pipe'],
+      env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2 },
+    });
+  } finally {
+    closeSync(log);
+  }
+  const unsharePid = child.pid;
+  if (unsharePid === undefined) throw sandboxFailed('could not start the sandbox init (spawn failed)');
+  const ready = new Promise<void>((resolve, reject) => {
+    let got = '';
+    const timer = setTimeout(() => reject(new Error(`no ready signal within ${opts.timeoutMs ?? 15_000} ms`)), opts.timeoutMs ?? 15_000);
+    const pipe = child.stdio[3] as NodeJS.ReadableStream | null;
+    pipe?.setEncoding('utf8');
+    pipe?.on('data', (d: string) => {
+      got += d;
+      if (got.includes('ready')) {
+        clearTimeout(timer);
+        resolve();
+      }
+    });
+    child.once('exit', (code, signal) => {
+      clearTimeout(timer);
+      reject(new Error(`init setup exited (${signal ?? `code ${code}`}) before it was ready`));
+    });
+  });
+  try {
+    await ready;
+  } catch (err) {
+    try {
+      process.kill(-unsharePid, 'SIGKILL');
+    } catch {
+      /* gone */
+    }
+    const tail = (await readFile(opts.consoleLog, 'utf8').catch(() => '')).trim().split('\n').slice(-5).join(' | ');
+    throw sandboxFailed(`sandbox init failed to start: ${(err as Error).message}; console: ${tail}`, {}, err);
+  } finally {
+    (child.stdio[3] as NodeJS.ReadableStream & { destroy?: () => void } | null)?.destroy?.();
+    child.unref();
+  }
+  const initPid = await childOf(unsharePid);
+  const initStart = await processStartTime(initPid);
+  if (initStart === null) throw sandboxFailed('sandbox init exited right after start; see its console log');
+  return { initPid, initStart, unsharePid };
+}
+
+async function childOf(pid: number): Promise<number> {
+  for (let i = 0; i < 200; i++) {
+    const text = await readFile(`/proc/${pid}/task/${pid}/children`, 'utf8').catch(() => '');
+    const first = text.trim().split(/\s+/)[0];
+    if (first) return Number(first);
+    await sleep(5);
+  }
+  throw sandboxFailed(`could not find the sandbox init under unshare pid ${pid}`);
+}
+
+/**
+ * The argv that runs `argv` inside a sandbox: join its cgroups, enter its
+ * namespaces and root (nsenter -r: the init's pivoted root), with the
+ * sandbox's capability set. -W changes directory inside the namespace, as
+ * the guest would (nsenter's -w would open the path on the host).
+ */
+export function enterArgv(opts: { initPid: number; cgroupProcs: readonly string[]; cwd: string; argv: readonly string[]; tools: HostTools }): string[] {
+  const script = `set -e
+n=$1; shift
+i=0
+for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done
+shift "$n"
+cwd=$1; shift
+exec ${opts.tools.setpriv} --inh-caps=+sys_admin,+sys_chroot --ambient-caps=+sys_admin,+sys_chroot -- ${opts.tools.setpriv} --bounding-set=${BOUNDING} -- ${opts.tools.nsenter} -t ${opts.initPid} -m -u -i -n -p -r -W "$cwd" -- ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin,-sys_chroot --ambient-caps=-sys_admin,-sys_chroot -- "$@"`;
+  return ['/bin/sh', '-c', script, 'enter', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.cwd, ...opts.argv];
+}

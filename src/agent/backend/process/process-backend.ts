@@ -1,0 +1,626 @@
+import { existsSync } from 'node:fs';
+import { mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import type { Logger } from 'pino';
+import { z } from 'zod';
+import { AppError } from '../../../domain/errors.js';
+import type { HostCapacity } from '../../../domain/capacity.js';
+import {
+  capacityExhausted,
+  featureMissing,
+  invalidSpec,
+  sandboxExists,
+  sandboxFailed,
+  sandboxNotFound,
+  sandboxNotRunning,
+  type Backend,
+  type Checkpoint,
+  type CheckpointOptions,
+  type CreateSpec,
+  type DestroyOptions,
+  type Endpoint,
+  type ProcessHandle,
+  type PruneReport,
+  type SandboxInfo,
+  type SpawnOptions,
+} from '../../backend.js';
+import { resolveImage } from '../../images.js';
+import { probeCapacity } from '../host-capacity.js';
+import { Cgroups } from './cgroups.js';
+import { CheckpointStore } from './checkpoints.js';
+import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
+import { resolveInRoot } from './guest-path.js';
+import { spawnPiped, spawnPty } from './guest-process.js';
+import { enterArgv, findHostTools, launchInit, type HostTools } from './launch.js';
+import { attachSandbox, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
+import { startProxy, type Proxy } from './proxy.js';
+
+/**
+ * The `process` backend: each sandbox is a set of Linux namespaces (pid,
+ * mount, uts, ipc, net) around an overlayfs root (read-only image + its own
+ * writable layer), on a per-tenant bridge, limited by cgroups. See
+ * launch.ts (start, capabilities), network.ts (isolation), cgroups.ts,
+ * checkpoints.ts. Everything a restarted agent needs is on disk:
+ *
+ *   <dataDir>/sandboxes/<name>/state.json   what was created, init pid + start time
+ *   <dataDir>/sandboxes/<name>/upper/       the writable layer (what a checkpoint archives)
+ *   <dataDir>/sandboxes/<name>/work/        overlayfs work dir
+ *   <dataDir>/sandboxes/<name>/root/        mount point (mounted only inside the sandbox's mount namespace)
+ *   <dataDir>/sandboxes/<name>/console.log  serial-style log of the init's output
+ */
+
+export const optionsSchema = z.object({
+  dataDir: z.string().min(1),
+  imageDir: z.string().min(1),
+  subnet: z.string().default('10.213.0.0/16'),
+  bridgePrefix: z.string().regex(/^[a-z][a-z0-9]{0,4}$/, 'bridgePrefix must be 1-5 of [a-z0-9], starting with a letter').default('fb'),
+  maxSandboxes: z.number().int().positive().default(64),
+  allowCrossTenant: z.boolean().default(false),
+  publishHost: z.string().default('127.0.0.1'),
+  /** Host written into endpoint URLs; default publishHost (127.0.0.1 when publishing on 0.0.0.0). */
+  advertiseHost: z.string().optional(),
+  defaultImage: z.string().default('base'),
+  defaultPidsMax: z.number().int().positive().default(1024),
+  busybox: z.string().default('/bin/busybox'),
+  cgroupRoot: z.string().default('/sys/fs/cgroup'),
+});
+export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
+
+const nameRe = /^[a-z0-9][a-z0-9-]{0,62}$/;
+const tenantRe = /^[a-z0-9][a-z0-9_-]{0,62}$/;
+const envKeyRe = /^[A-Za-z_][A-Za-z0-9_]*$/;
+
+const exposeSchema = z.object({
+  port: z.number().int().min(1).max(65535),
+  as: z.string().min(1).max(63),
+  protocol: z.enum(['tcp', 'udp']).optional(),
+});
+
+const createSpecSchema = z.object({
+  name: z.string().regex(nameRe, 'a sandbox name is 1-63 of [a-z0-9-], starting with a letter or digit'),
+  image: z.string().min(1).optional(),
+  checkpointId: z.string().min(1).optional(),
+  cpus: z.number().positive().max(1024),
+  ram_mb: z.number().int().min(16, 'at least 16 MiB').max(16 * 1024 * 1024),
+  pids_max: z.number().int().min(8).max(4_194_304).optional(),
+  tenant: z.string().regex(tenantRe, 'a tenant id is 1-63 of [a-z0-9_-], starting with a letter or digit'),
+  ipHint: z.string().optional(),
+  expose: z.array(exposeSchema).max(64).optional(),
+  env: z.record(z.string().regex(envKeyRe, 'an environment variable name'), z.string().refine((v) => !v.includes('\0'), 'no NUL bytes')).optional(),
+});
+
+const persistedSchema = z.object({
+  version: z.literal(1),
+  name: z.string(),
+  status: z.enum(['creating', 'running']),
+  tenant: z.string(),
+  image: z.string(),
+  checkpoint_id: z.string(),
+  ip: z.string(),
+  mac: z.string(),
+  bridge: z.string(),
+  veth: z.string(),
+  cpus: z.number(),
+  ram_mb: z.number(),
+  pids_max: z.number(),
+  created_at: z.string(),
+  init_pid: z.number(),
+  init_start: z.string(),
+  env: z.record(z.string(), z.string()),
+  expose: z.array(exposeSchema),
+  /** Host port per expose entry (same order), so a restarted agent republishes on the same ports. */
+  host_ports: z.array(z.number()),
+});
+type Persisted = z.infer<typeof persistedSchema>;
+
+interface SandboxRecord {
+  state: Persisted;
+  proxies: Proxy[];
+}
+
+const DEFAULT_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin';
+
+export class ProcessBackend implements Backend {
+  readonly kind = 'process' as const;
+  private readonly records = new Map<string, SandboxRecord>();
+  private readonly locks = new KeyedMutex();
+  private readonly checkpoints: CheckpointStore;
+  private readonly sandboxesDir: string;
+  private closed = false;
+
+  private constructor(
+    private readonly opts: z.output<typeof optionsSchema>,
+    private readonly subnet: Subnet,
+    private readonly cgroups: Cgroups,
+    private readonly tools: HostTools,
+    private readonly log: Logger | undefined,
+  ) {
+    this.sandboxesDir = join(opts.dataDir, 'sandboxes');
+    this.checkpoints = new CheckpointStore(join(opts.dataDir, 'checkpoints'), join(opts.dataDir, 'staging'));
+  }
+
+  /** Checks the host (tools, overlayfs, cgroups), creates the data directories and recovers surviving sandboxes. */
+  static async open(options: ProcessBackendOptions): Promise<ProcessBackend> {
+    const { logger, ...rest } = options;
+    const parsed = optionsSchema.safeParse(rest);
+    if (!parsed.success) {
+      throw invalidSpec(`invalid process backend options: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+    }
+    const opts = parsed.data;
+    const subnet = parseSubnet(opts.subnet);
+    await assertHostFeatures();
+    const tools = findHostTools(opts.busybox);
+    const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
+    await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
+    await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
+    await mkdir(opts.imageDir, { recursive: true });
+    const backend = new ProcessBackend(opts, subnet, cgroups, tools, logger);
+    await backend.checkpoints.init();
+    await backend.recover();
+    return backend;
+  }
+
+  get cgroupVersion(): 1 | 2 {
+    return this.cgroups.version;
+  }
+
+  /** Kernel-reported limits of a sandbox's cgroup (diagnostics and tests). */
+  async cgroupLimits(name: string): ReturnType<Cgroups['readLimits']> {
+    this.must(name);
+    return this.cgroups.readLimits(name);
+  }
+
+  sandboxDir(name: string): string {
+    return join(this.sandboxesDir, name);
+  }
+
+  async capacity(): Promise<HostCapacity> {
+    return probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes });
+  }
+
+  async create(input: CreateSpec): Promise<SandboxInfo> {
+    this.assertOpen();
+    const parsed = createSpecSchema.safeParse(input);
+    if (!parsed.success) {
+      throw invalidSpec(
+        `invalid sandbox spec: ${parsed.error.issues.map((i) => `${i.path.join('.') || '(spec)'}: ${i.message}`).join('; ')}`,
+        parsed.error.issues.map((i) => ({ path: i.path.join('.'), message: i.message })),
+      );
+    }
+    const spec = parsed.data;
+    return this.locks.run(`sb:${spec.name}`, async () => {
+      let image = spec.image ?? this.opts.defaultImage;
+      let checkpointId = '';
+      if (spec.checkpointId) {
+        const cp = await this.checkpoints.get(spec.checkpointId);
+        if (spec.image && spec.image !== cp.image) {
+          throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", not "${spec.image}": omit image or name the checkpoint's`, [{ path: 'image', message: 'conflicts with the checkpoint' }]);
+        }
+        image = cp.image;
+        checkpointId = cp.id;
+      }
+      const imagePath = await resolveImage(this.opts.imageDir, image);
+      // From here to records.set nothing awaits: the name, the slot and the address are taken atomically.
+      if (this.records.has(spec.name)) throw sandboxExists(spec.name);
+      if (this.records.size >= this.opts.maxSandboxes) {
+        throw capacityExhausted(`${this.records.size} of ${this.opts.maxSandboxes} sandboxes are in use`, { max: this.opts.maxSandboxes });
+      }
+      const taken = new Set([...this.records.values()].map((r) => r.state.ip));
+      const { ip, mac } = reserve(this.subnet, spec.name, spec.ipHint, taken);
+      const state: Persisted = {
+        version: 1,
+        name: spec.name,
+        status: 'creating',
+        tenant: spec.tenant,
+        image,
+        checkpoint_id: checkpointId,
+        ip,
+        mac,
+        bridge: bridgeName(this.opts.bridgePrefix, spec.tenant, this.opts.allowCrossTenant),
+        veth: vethName(this.opts.bridgePrefix, spec.name),
+        cpus: spec.cpus,
+        ram_mb: spec.ram_mb,
+        pids_max: spec.pids_max ?? this.opts.defaultPidsMax,
+        created_at: new Date().toISOString(),
+        init_pid: 0,
+        init_start: '',
+        env: spec.env ?? {},
+        expose: spec.expose ?? [],
+        host_ports: [],
+      };
+      const record: SandboxRecord = { state, proxies: [] };
+      this.records.set(spec.name, record);
+      try {
+        const dir = this.sandboxDir(spec.name);
+        // A directory nobody owns (a crash between mkdir and state.json) is garbage.
+        await rm(dir, { recursive: true, force: true });
+        for (const d of ['upper', 'work', 'root']) await mkdir(join(dir, d), { recursive: true });
+        await this.persist(state);
+        if (checkpointId) await this.checkpoints.extract(checkpointId, join(dir, 'upper'));
+        await this.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
+        const launched = await launchInit({
+          imageDir: imagePath,
+          upper: join(dir, 'upper'),
+          work: join(dir, 'work'),
+          rootMount: join(dir, 'root'),
+          hostname: spec.name,
+          busybox: this.tools.busybox,
+          cgroupProcs: this.cgroups.procsFiles(spec.name),
+          consoleLog: join(dir, 'console.log'),
+        });
+        state.init_pid = launched.initPid;
+        state.init_start = launched.initStart;
+        await this.persist(state);
+        await this.locks.run(`br:${state.bridge}`, async () => {
+          await ensureBridge(state.bridge, this.subnet);
+          await attachSandbox({ bridge: state.bridge, veth: state.veth, initPid: state.init_pid, ip, mac, subnet: this.subnet });
+        });
+        await this.publish(record);
+        state.status = 'running';
+        await this.persist(state);
+      } catch (err) {
+        await this.teardown(record, {}).catch((e: unknown) => this.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'));
+        throw err instanceof AppError ? err : sandboxFailed(`creating sandbox "${spec.name}" failed: ${(err as Error).message}`, { name: spec.name }, err);
+      }
+      this.log?.info({ sandbox: spec.name, ip, image, checkpoint: checkpointId || undefined }, 'sandbox created');
+      return this.info(record);
+    });
+  }
+
+  async get(name: string): Promise<SandboxInfo> {
+    return this.info(this.must(name));
+  }
+
+  async list(prefix = ''): Promise<SandboxInfo[]> {
+    const out: SandboxInfo[] = [];
+    for (const r of this.records.values()) {
+      if (r.state.status === 'running' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
+    }
+    return out.sort((a, b) => a.name.localeCompare(b.name));
+  }
+
+  async destroy(name: string, opts: DestroyOptions = {}): Promise<void> {
+    if (!nameRe.test(name)) return;
+    await this.locks.run(`sb:${name}`, async () => {
+      let record = this.records.get(name);
+      if (!record) {
+        const state = await this.readState(name);
+        if (!state) {
+          await rm(this.sandboxDir(name), { recursive: true, force: true });
+          return;
+        }
+        record = { state, proxies: [] };
+      }
+      await this.teardown(record, opts);
+      this.log?.info({ sandbox: name }, 'sandbox destroyed');
+    });
+  }
+
+  async spawn(name: string, opts: SpawnOptions): Promise<ProcessHandle> {
+    const record = this.must(name);
+    if (!Array.isArray(opts.argv) || opts.argv.length === 0 || opts.argv.some((a) => typeof a !== 'string' || a.includes('\0'))) {
+      throw invalidSpec('argv must be a non-empty list of strings without NUL bytes', [{ path: 'argv', message: 'invalid argv' }]);
+    }
+    const env: Record<string, string> = { PATH: DEFAULT_PATH, HOME: '/root', HOSTNAME: name, ...record.state.env, ...(opts.env ?? {}) };
+    for (const [k, v] of Object.entries(env)) {
+      if (!envKeyRe.test(k) || v.includes('\0')) throw invalidSpec(`environment variable "${k}" is invalid`, [{ path: `env.${k}`, message: 'invalid name or value' }]);
+    }
+    const cwd = opts.cwd ?? '/';
+    if (!cwd.startsWith('/') || cwd.includes('\0')) throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
+    await this.assertRunning(record);
+    const argv = enterArgv({ initPid: record.state.init_pid, cgroupProcs: this.cgroups.procsFiles(name), cwd, argv: opts.argv, tools: this.tools });
+    if (opts.tty) {
+      env.TERM ??= 'xterm-256color';
+      return spawnPty(argv, env, { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) });
+    }
+    return spawnPiped(argv, env, opts.stdin);
+  }
+
+  async resolveGuestPath(name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string> {
+    const record = this.must(name);
+    await this.assertRunning(record);
+    const { hostPath } = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, opts);
+    return hostPath;
+  }
+
+  async checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
+    const record = this.must(name);
+    return this.locks.run(`sb:${name}`, async () => {
+      const running = await this.isAlive(record.state);
+      // Frozen while archived, so the layer is one instant of the guest, not a smear across the copy.
+      if (running) await this.cgroups.setFrozen(name, true);
+      try {
+        const cp = await this.checkpoints.write(join(this.sandboxDir(name), 'upper'), {
+          ...(opts.id ? { id: opts.id } : {}),
+          comment: opts.comment ?? '',
+          image: record.state.image,
+          now: new Date(),
+        });
+        if (opts.live) this.log?.info({ sandbox: name, checkpoint: cp.id }, 'live checkpoint requested: the process backend cannot capture memory, took a disk checkpoint');
+        return cp;
+      } finally {
+        if (running) await this.cgroups.setFrozen(name, false);
+      }
+    });
+  }
+
+  listCheckpoints(): Promise<Checkpoint[]> {
+    return this.checkpoints.list();
+  }
+
+  getCheckpoint(id: string): Promise<Checkpoint> {
+    return this.checkpoints.get(id);
+  }
+
+  deleteCheckpoint(id: string): Promise<void> {
+    return this.checkpoints.delete(id);
+  }
+
+  async checkpointDir(id: string): Promise<string> {
+    await this.checkpoints.get(id);
+    return this.checkpoints.path(id);
+  }
+
+  stagingDir(): string {
+    return this.checkpoints.staging;
+  }
+
+  importCheckpoint(stagingPath: string, opts: { verifyDigest?: boolean } = {}): Promise<Checkpoint> {
+    return this.checkpoints.import(stagingPath, opts);
+  }
+
+  async recover(): Promise<SandboxInfo[]> {
+    const names = await readdir(this.sandboxesDir).catch(() => [] as string[]);
+    for (const name of names) {
+      if (!nameRe.test(name) || this.records.has(name)) continue;
+      await this.locks.run(`sb:${name}`, async () => {
+        const state = await this.readState(name);
+        if (!state) return; // not ours to judge here: prune() removes it
+        const record: SandboxRecord = { state, proxies: [] };
+        if (state.status === 'creating') {
+          // The agent died mid-create: nothing was handed out, so undo it.
+          await this.teardown(record, {}).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not undo a half-created sandbox'));
+          return;
+        }
+        this.records.set(name, record);
+        if (await this.isAlive(state)) {
+          await this.publish(record).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not republish endpoints'));
+          await this.persist(state);
+        }
+      });
+    }
+    const infos = await this.list();
+    this.log?.info({ sandboxes: infos.length }, 'sandboxes recovered');
+    return infos;
+  }
+
+  async prune(): Promise<PruneReport> {
+    const report: PruneReport = { bridges: [], veths: [], mounts: [], directories: [], cgroups: [], processes: [], errors: [] };
+    const known = new Map([...this.records.values()].map((r) => [r.state.name, r.state]));
+    const note = (what: string, err: unknown): void => {
+      report.errors.push(`${what}: ${(err as Error).message ?? String(err)}`);
+    };
+    // Mounts under the data dir: by design every sandbox mount lives in the sandbox's own namespace.
+    const mountinfo = await readFile('/proc/self/mountinfo', 'utf8').catch(() => '');
+    const mounts = mountinfo
+      .split('\n')
+      .map((l) => l.split(' ')[4])
+      .filter((m): m is string => !!m && (m === this.opts.dataDir || m.startsWith(`${this.opts.dataDir}/`)))
+      .sort((a, b) => b.length - a.length);
+    for (const m of mounts) {
+      const res = await runTool('umount', ['-l', m]);
+      if (res.code === 0) report.mounts.push(m);
+      else note(`umount ${m}`, new Error(res.stderr.trim()));
+    }
+    for (const name of await this.cgroups.list()) {
+      if (known.has(name)) continue;
+      try {
+        report.processes.push(...(await this.cgroups.remove(name)));
+        report.cgroups.push(name);
+      } catch (err) {
+        note(`cgroup ${name}`, err);
+      }
+    }
+    const dirs = await readdir(this.sandboxesDir).catch(() => [] as string[]);
+    for (const name of dirs) {
+      if (known.has(name)) continue;
+      await this.locks.run(`sb:${name}`, async () => {
+        if (this.records.has(name)) return;
+        try {
+          const state = await this.readState(name);
+          if (state) await this.teardown({ state, proxies: [] }, {});
+          else await rm(this.sandboxDir(name), { recursive: true, force: true });
+          report.directories.push(this.sandboxDir(name));
+        } catch (err) {
+          note(`directory ${name}`, err);
+        }
+      });
+    }
+    for (const entry of await readdir(this.checkpoints.dir).catch(() => [] as string[])) {
+      if (entry.startsWith('.tmp-') || entry.startsWith('.del-')) {
+        await rm(join(this.checkpoints.dir, entry), { recursive: true, force: true });
+        report.directories.push(join(this.checkpoints.dir, entry));
+      }
+    }
+    const prefix = this.opts.bridgePrefix;
+    const liveVeths = new Set([...this.records.values()].map((r) => r.state.veth));
+    for (const veth of await listLinks('veth')) {
+      if (veth.startsWith(`${prefix}v`) && !liveVeths.has(veth)) {
+        if (await deleteLink(veth)) report.veths.push(veth);
+        else note(`veth ${veth}`, new Error('ip link del failed'));
+      }
+    }
+    const liveBridges = new Set([...this.records.values()].map((r) => r.state.bridge));
+    const liveIps = new Set([...this.records.values()].map((r) => r.state.ip));
+    for (const bridge of await listLinks('bridge')) {
+      if (!bridge.startsWith(`${prefix}b`)) continue;
+      await this.locks.run(`br:${bridge}`, async () => {
+        if (!liveBridges.has(bridge) && ![...this.records.values()].some((r) => r.state.bridge === bridge)) {
+          if (await deleteLink(bridge)) report.bridges.push(bridge);
+          else note(`bridge ${bridge}`, new Error('ip link del failed'));
+          return;
+        }
+        for (const ip of await listRoutes(bridge)) {
+          if (!liveIps.has(ip)) await runTool('ip', ['route', 'del', `${ip}/32`, 'dev', bridge]);
+        }
+      });
+    }
+    this.log?.info({ report }, 'prune finished');
+    return report;
+  }
+
+  async close(): Promise<void> {
+    this.closed = true;
+    for (const r of this.records.values()) await this.unpublish(r);
+  }
+
+  // ---- internals ----
+
+  private assertOpen(): void {
+    if (this.closed) throw new AppError('BACKEND_CLOSED', 503, 'the backend is shutting down');
+  }
+
+  private must(name: string): SandboxRecord {
+    const r = this.records.get(name);
+    if (!r || r.state.status !== 'running') throw sandboxNotFound(name);
+    return r;
+  }
+
+  private async isAlive(state: Persisted): Promise<boolean> {
+    if (!state.init_pid) return false;
+    return (await processStartTime(state.init_pid)) === state.init_start;
+  }
+
+  private async assertRunning(record: SandboxRecord): Promise<void> {
+    if (!(await this.isAlive(record.state))) throw sandboxNotRunning(record.state.name);
+  }
+
+  private async info(record: SandboxRecord): Promise<SandboxInfo> {
+    const s = record.state;
+    const alive = await this.isAlive(s);
+    return {
+      name: s.name,
+      state: alive ? 'running' : 'stopped',
+      tenant: s.tenant,
+      image: s.image,
+      checkpoint_id: s.checkpoint_id,
+      ip: s.ip,
+      mac: s.mac,
+      cpus: s.cpus,
+      ram_mb: s.ram_mb,
+      pids_max: s.pids_max,
+      created_at: s.created_at,
+      init_pid: alive ? s.init_pid : 0,
+      endpoints: alive ? this.endpoints(record) : [],
+      console_log: join(this.sandboxDir(s.name), 'console.log'),
+    };
+  }
+
+  private endpoints(record: SandboxRecord): Endpoint[] {
+    const host = this.opts.advertiseHost ?? (this.opts.publishHost === '0.0.0.0' ? '127.0.0.1' : this.opts.publishHost);
+    return record.state.expose.flatMap((e, i) => {
+      const proxy = record.proxies[i];
+      if (!proxy) return [];
+      const protocol = e.protocol ?? 'tcp';
+      const scheme = protocol === 'udp' ? 'udp' : /http/i.test(e.as) ? 'http' : 'tcp';
+      return [{ as: e.as, url: `${scheme}://${host}:${proxy.hostPort}`, port: e.port, protocol, host_port: proxy.hostPort }];
+    });
+  }
+
+  private async publish(record: SandboxRecord): Promise<void> {
+    const s = record.state;
+    const ports: number[] = [];
+    for (const [i, e] of s.expose.entries()) {
+      const protocol = e.protocol ?? 'tcp';
+      const want = s.host_ports[i] ?? 0;
+      const base = { protocol, listenHost: this.opts.publishHost, targetHost: s.ip, targetPort: e.port } as const;
+      let proxy: Proxy;
+      try {
+        proxy = await startProxy({ ...base, listenPort: want });
+      } catch (err) {
+        if (want === 0) throw new AppError('EXPOSE_PORT_UNAVAILABLE', 500, `could not publish ${protocol} port ${e.port}: ${(err as Error).message}`);
+        // The old host port was taken while the agent was down: publish anew rather than not at all.
+        this.log?.warn({ sandbox: s.name, port: want }, 'previous host port taken; publishing on a new one');
+        proxy = await startProxy({ ...base, listenPort: 0 });
+      }
+      record.proxies.push(proxy);
+      ports.push(proxy.hostPort);
+    }
+    s.host_ports = ports;
+  }
+
+  private async unpublish(record: SandboxRecord): Promise<void> {
+    const proxies = record.proxies.splice(0);
+    await Promise.all(proxies.map((p) => p.close().catch(() => undefined)));
+  }
+
+  private async teardown(record: SandboxRecord, opts: DestroyOptions): Promise<void> {
+    const s = record.state;
+    const graceMs = opts.graceMs ?? 5000;
+    const alive = await this.isAlive(s);
+    if (alive && opts.drainCommand) {
+      try {
+        const h = await this.spawn(s.name, { argv: ['/bin/sh', '-c', opts.drainCommand], stdin: false }).catch(() => null);
+        if (h) {
+          h.stdout.resume();
+          h.stderr.resume();
+          const timer = setTimeout(() => h.kill('SIGKILL'), graceMs);
+          await h.wait().finally(() => clearTimeout(timer));
+        }
+      } catch (err) {
+        this.log?.warn({ err, sandbox: s.name }, 'drain command failed');
+      }
+    }
+    await this.unpublish(record);
+    if (alive) {
+      // Killing a pid namespace's init kills every process in it; its mounts go with it.
+      try {
+        process.kill(s.init_pid, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+      for (let i = 0; i < 500 && (await this.isAlive(s)); i++) await sleep(5);
+    }
+    await this.cgroups.remove(s.name);
+    await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
+    this.records.delete(s.name);
+    await this.locks.run(`br:${s.bridge}`, async () => {
+      if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) await deleteLink(s.bridge);
+    });
+    await rm(this.sandboxDir(s.name), { recursive: true, force: true });
+  }
+
+  private async persist(state: Persisted): Promise<void> {
+    const file = join(this.sandboxDir(state.name), 'state.json');
+    await writeFile(`${file}.tmp`, JSON.stringify(state, null, 2), { mode: 0o600 });
+    await rename(`${file}.tmp`, file);
+  }
+
+  private async readState(name: string): Promise<Persisted | null> {
+    try {
+      const parsed = persistedSchema.safeParse(JSON.parse(await readFile(join(this.sandboxDir(name), 'state.json'), 'utf8')));
+      return parsed.success && parsed.data.name === name ? parsed.data : null;
+    } catch {
+      return null;
+    }
+  }
+}
+
+function clampSize(n: number, fallback: number): number {
+  return Number.isInteger(n) && n > 0 && n <= 1000 ? n : fallback;
+}
+
+async function assertHostFeatures(): Promise<void> {
+  if (process.platform !== 'linux') throw featureMissing('Linux', 'the process backend runs sandboxes with Linux namespaces');
+  if (typeof process.getuid === 'function' && process.getuid() !== 0) throw featureMissing('root', 'the process backend must run as root (namespaces, mounts, cgroups, bridges)');
+  const fss = await readFile('/proc/filesystems', 'utf8').catch(() => '');
+  if (!/\toverlay$/m.test(fss)) {
+    // The module may simply not be loaded yet.
+    await runTool('modprobe', ['overlay']).catch(() => undefined);
+    const again = await readFile('/proc/filesystems', 'utf8').catch(() => '');
+    if (!/\toverlay$/m.test(again)) throw featureMissing('overlayfs', 'load the overlay kernel module (modprobe overlay)');
+  }
+  for (const ns of ['pid', 'mnt', 'uts', 'ipc', 'net']) {
+    if (!existsSync(`/proc/self/ns/${ns}`)) throw featureMissing(`${ns} namespaces`, 'use a kernel built with namespaces');
+  }
+}
