@@ -78,7 +78,11 @@ describe('EventStoreDB adapter under faults (real client → gRPC test double)',
     let drops = 0;
     for (let i = 50; i < 250; i++) {
       await store.append(`${c}-${i % 5}`, [ev(i)], 'any');
-      if (i % 40 === 0) drops += fake.dropSubscriptions();
+      if (i % 40 === 0) {
+        // Drop only a live subscription: one still in its backoff would make this a no-op.
+        await until(() => fake.liveSubscriptionCount === 1, 'a live subscription to drop');
+        drops += fake.dropSubscriptions();
+      }
     }
     await until(() => eventNumbers(items).length >= 250, 'all 250 events', 20_000);
     await new Promise((r) => setTimeout(r, 200)); // room for a duplicate to show up, were there one
