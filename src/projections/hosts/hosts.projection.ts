@@ -138,7 +138,7 @@ async function touch(sql: Sql, hostId: string, rev: string, at: Date, set: strin
     [hostId, rev, at, ...params],
   );
   await sql.query(
-    `UPDATE hosts SET state = CASE WHEN deregistered THEN 'deregistered' WHEN cordoned THEN 'cordoned' WHEN NOT reachable THEN 'unreachable' ELSE 'active' END WHERE id = $1`,
+    `UPDATE hosts SET state = CASE WHEN deregistered THEN 'deregistered' WHEN NOT reachable THEN 'unreachable' WHEN cordoned THEN 'cordoned' ELSE 'active' END WHERE id = $1`,
     [hostId],
   );
 }

@@ -1,0 +1,240 @@
+import type { FastifyInstance, FastifyRequest } from 'fastify';
+import type { ZodTypeProvider } from 'fastify-type-provider-zod';
+import type { Pool } from 'pg';
+import type { WebSocket } from 'ws';
+import { z } from 'zod';
+import type { Actor, VmCommands } from '../../commands/vm-commands.js';
+import { attachStartSchema, clientFrameSchema, execResultSchema, execStreamStartSchema } from '../../domain/agent-protocol.js';
+import type { AgentStream } from '../../domain/host-agent.port.js';
+import { AppError, NotFoundError } from '../../domain/errors.js';
+import { placementDecisionSchema } from '../../domain/placement/placement.js';
+import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
+import { vmSpecSchema } from '../../domain/vm/spec.js';
+import { vmStatusSchema } from '../../domain/vm/vm.events.js';
+import type { ProjectionRunner } from '../../projections/runner.js';
+import { getVm, listVms, type VmRow } from '../../projections/vms/vms.queries.js';
+import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
+import { decodeCursor, encodeCursor, pageQuery } from './pagination.js';
+import { problem } from './problem.js';
+
+const endpointOut = z.object({ as: z.string(), url: z.string(), port: z.number(), protocol: z.string().optional() });
+
+export const vmSchema = z.object({
+  id: z.string(),
+  tenant_id: z.string(),
+  task_id: z.string().nullable(),
+  state: z.string(),
+  host_id: z.string().nullable(),
+  url: z.string().nullable(),
+  endpoints: z.array(endpointOut),
+  spec: z.record(z.string(), z.unknown()),
+  reason: z.string().nullable(),
+  error: z.string().nullable(),
+  error_code: z.string().nullable(),
+  boot_ms: z.number().nullable(),
+  created_at: z.string(),
+  updated_at: z.string(),
+});
+type VmOut = z.infer<typeof vmSchema>;
+
+const vmCommandResult = vmSchema.extend({ position: z.string().nullable() });
+
+function fromRow(r: VmRow): VmOut {
+  return { id: r.id, tenant_id: r.tenant_id, task_id: r.task_id, state: r.state, host_id: r.host_id, url: r.url, endpoints: r.endpoints, spec: r.spec, reason: r.reason, error: r.error, error_code: r.error_code, boot_ms: r.boot_ms, created_at: r.created_at, updated_at: r.updated_at };
+}
+
+export function fromState(s: ExistingVmState): VmOut {
+  return {
+    id: s.vm_id,
+    tenant_id: s.tenant_id,
+    task_id: s.task_id ?? null,
+    state: s.status,
+    host_id: s.host_id ?? null,
+    url: s.url ?? null,
+    endpoints: [...s.endpoints],
+    spec: s.spec as Record<string, unknown>,
+    reason: s.status === 'destroyed' || s.status === 'failed' ? s.reason : s.status === 'destroying' ? s.destroy_reason : null,
+    error: s.status === 'failed' ? s.error : null,
+    error_code: s.status === 'failed' ? (s.error_code ?? null) : null,
+    boot_ms: s.boot_ms ?? null,
+    created_at: s.requested_at,
+    updated_at: s.transitioned_at,
+  };
+}
+
+export interface VmRoutesDeps {
+  readonly vms: VmCommands;
+  readonly pool: Pool;
+  readonly runner: ProjectionRunner;
+  readonly readYourWritesTimeoutMs: number;
+}
+
+export function actorOf(req: FastifyRequest): Actor {
+  return { ...commandMeta(req), tenantId: req.caller.tenantId, admin: req.caller.admin };
+}
+
+/** Tenants see and touch only their own VMs; another tenant's id is a 404 (its existence is not revealed). */
+export function vmRoutes(deps: VmRoutesDeps) {
+  return async (scope: FastifyInstance): Promise<void> => {
+    const app = scope.withTypeProvider<ZodTypeProvider>();
+    const params = z.object({ id: z.string().min(1).max(64) });
+    const readScope = (req: FastifyRequest): string | undefined => (req.caller.admin ? undefined : req.caller.tenantId);
+
+    app.post('/v1/vms', {
+      schema: {
+        tags: ['vms'],
+        summary: 'Create a VM: place it, boot it, and answer when it runs',
+        body: vmSpecSchema,
+        headers: z.object({ 'idempotency-key': z.string().min(1).max(200).optional() }).passthrough(),
+        response: { 201: vmCommandResult, 200: vmCommandResult, ...problemResponses },
+      },
+    }, async (req, reply) => {
+      const r = await deps.vms.create(req.body, actorOf(req), req.headers['idempotency-key']);
+      return reply.status(r.position ? 201 : 200).send({ ...fromState(r.vm), position: r.position ?? null });
+    });
+
+    app.get('/v1/vms', {
+      schema: {
+        tags: ['vms'],
+        summary: 'List VMs (newest first)',
+        querystring: z.object({ ...pageQuery, state: vmStatusSchema.optional(), task_id: z.string().max(200).optional(), host_id: z.string().max(64).optional(), after: positionSchema.optional() }),
+        response: { 200: z.object({ vms: z.array(vmSchema), next_cursor: z.string().nullable() }), ...problemResponses },
+      },
+    }, async (req) => {
+      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+      const after = decodeCursor(req.query.cursor, z.object({ created_at: z.string(), id: z.string() }));
+      const rows = await listVms(deps.pool, { tenantId: readScope(req), state: req.query.state, taskId: req.query.task_id, hostId: req.query.host_id, limit: req.query.limit, after });
+      const last = rows.at(-1);
+      return { vms: rows.map(fromRow), next_cursor: rows.length === req.query.limit && last ? encodeCursor({ created_at: last.created_at, id: last.id }) : null };
+    });
+
+    app.get('/v1/vms/:id', {
+      schema: { tags: ['vms'], summary: 'Get a VM', params, querystring: z.object({ after: positionSchema.optional() }), response: { 200: vmSchema, ...problemResponses } },
+    }, async (req) => {
+      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+      const row = await getVm(deps.pool, req.params.id, readScope(req));
+      if (!row) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} does not exist`, { vm_id: req.params.id });
+      return fromRow(row);
+    });
+
+    app.delete('/v1/vms/:id', {
+      schema: { tags: ['vms'], summary: 'Destroy a VM (idempotent)', params, response: { 200: vmCommandResult, ...problemResponses } },
+    }, async (req) => {
+      const r = await deps.vms.destroy(req.params.id, actorOf(req));
+      return { ...fromState(r.vm), position: r.position ?? null };
+    });
+
+    app.get('/v1/vms/:id/placement', {
+      schema: { tags: ['vms'], summary: 'Why the VM is where it is', params, response: { 200: placementDecisionSchema, ...problemResponses } },
+    }, async (req) => {
+      const vm = await deps.vms.get(req.params.id, actorOf(req));
+      if (!vm.decision) throw new AppError('VM_NOT_PLACED', 409, `vm ${req.params.id} has not been placed (it is ${vm.status})`);
+      return vm.decision;
+    });
+
+    app.post('/v1/vms/:id/exec', {
+      schema: {
+        tags: ['vms'],
+        summary: 'Run a command in the VM; a non-zero exit code is a result, not an error',
+        params,
+        body: z.object({
+          argv: z.array(z.string().max(64 * 1024)).min(1, 'argv needs at least the program to run').max(4096),
+          env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'an environment variable name'), z.string()).optional(),
+          cwd: z.string().startsWith('/', 'cwd must be an absolute path').optional(),
+          timeout_ms: z.number().int().nonnegative().optional(),
+          stdin: z.string().base64('stdin must be base64').optional(),
+        }),
+        response: { 200: execResultSchema, ...problemResponses },
+      },
+    }, async (req) => deps.vms.exec(req.params.id, req.body, actorOf(req)));
+
+    app.put('/v1/vms/:id/files', {
+      schema: { tags: ['vms'], summary: 'Upload a file into the VM (body: the bytes)', params, querystring: z.object({ path: z.string().min(1).max(4096) }), response: { 200: z.object({ path: z.string(), size_bytes: z.number() }), ...problemResponses } },
+    }, async (req) => {
+      const body = req.body;
+      const data = Buffer.isBuffer(body) ? body : typeof body === 'string' ? Buffer.from(body) : Buffer.from(JSON.stringify(body ?? ''));
+      return deps.vms.upload(req.params.id, req.query.path, data, actorOf(req));
+    });
+
+    app.get('/v1/vms/:id/files', {
+      schema: { tags: ['vms'], summary: 'Download a file from the VM', params, querystring: z.object({ path: z.string().min(1).max(4096) }) },
+    }, async (req, reply) => {
+      const bytes = await deps.vms.download(req.params.id, req.query.path, actorOf(req));
+      return reply.type('application/octet-stream').send(Buffer.from(bytes));
+    });
+
+    for (const mode of ['exec', 'attach'] as const) {
+      app.route({
+        method: 'GET',
+        url: `/v1/vms/:id/${mode}`,
+        schema: { tags: ['vms'], summary: mode === 'exec' ? 'Streaming exec (websocket)' : 'Attach a session, optionally with a TTY (websocket)', params },
+        handler: async () => {
+          throw new AppError('WEBSOCKET_REQUIRED', 400, `${mode} streams over a websocket: connect with an Upgrade: websocket request`);
+        },
+        wsHandler: (socket, req) => {
+          void relay(socket, req as FastifyRequest<{ Params: { id: string } }>, mode, deps.vms);
+        },
+      });
+    }
+  };
+}
+
+/**
+ * Relays one websocket session to the VM's host agent. The first client
+ * frame is the start frame; every later frame is checked before it is
+ * forwarded, and agent frames come back unchanged.
+ */
+async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: string } }>, mode: 'exec' | 'attach', vms: VmCommands): Promise<void> {
+  const sendError = (code: string, message: string): void => {
+    if (socket.readyState === socket.OPEN) socket.send(JSON.stringify({ type: 'error', code, message }));
+    socket.close(1008);
+  };
+  let stream: AgentStream | undefined;
+  const pending: string[] = [];
+  socket.on('close', () => stream?.close());
+  socket.on('message', (raw) => {
+    if (!stream) {
+      pending.push(raw.toString());
+      if (pending.length === 1) void start();
+      return;
+    }
+    forward(raw.toString());
+  });
+  const forward = (text: string): void => {
+    let frame: unknown;
+    try {
+      frame = JSON.parse(text);
+    } catch {
+      return sendError('VALIDATION_FAILED', 'frames are JSON text');
+    }
+    const parsed = clientFrameSchema.safeParse(frame);
+    if (!parsed.success) return sendError('VALIDATION_FAILED', `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+    stream?.send(parsed.data);
+  };
+  const start = async (): Promise<void> => {
+    try {
+      const first = JSON.parse(pending.shift()!) as unknown;
+      const actor = actorOf(req);
+      if (mode === 'exec') {
+        const s = execStreamStartSchema.safeParse(first);
+        if (!s.success) return sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+        stream = await vms.execStream(req.params.id, s.data, actor);
+      } else {
+        const s = attachStartSchema.safeParse(first);
+        if (!s.success) return sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+        stream = await vms.attach(req.params.id, s.data, actor);
+      }
+      for (const text of pending.splice(0)) forward(text);
+      for await (const frame of stream.frames) {
+        if (socket.readyState !== socket.OPEN) break;
+        socket.send(JSON.stringify(frame));
+      }
+      socket.close(1000);
+    } catch (err) {
+      const e = err instanceof AppError ? err : undefined;
+      if (!e) req.log.error({ err }, `${mode} relay failed`);
+      const p = e ? problem(e.status, e.code, e.message) : problem(500, 'INTERNAL', 'internal error');
+      sendError(p.code, p.detail);
+    }
+  };
+}

@@ -1,0 +1,76 @@
+import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import type { Logger } from 'pino';
+
+const ROOT = resolve(fileURLToPath(new URL('../..', import.meta.url)));
+const AGENT_MAIN = join(ROOT, 'src/agent/main.ts');
+
+export interface LocalAgent {
+  readonly url: string;
+  stop(): Promise<void>;
+}
+
+/**
+ * The embedded default's one host: a host agent child process on loopback,
+ * with its data under DATA_DIR/agent. It builds the base image on first
+ * start. Its sandboxes outlive it (as on any host): stopping the service
+ * leaves VMs running, and the next start finds them again.
+ */
+export async function startLocalAgent(opts: { dataDir: string; port: number; token: string; logger: Logger }): Promise<LocalAgent> {
+  const dataDir = resolve(opts.dataDir, 'agent');
+  const env = { ...process.env, AGENT_PORT: String(opts.port), AGENT_TOKEN: opts.token, AGENT_DATA_DIR: dataDir, AGENT_HOST: '127.0.0.1', AGENT_LOG_LEVEL: process.env.AGENT_LOG_LEVEL ?? 'info' };
+  if (!existsSync(join(dataDir, 'images', 'base'))) {
+    opts.logger.info('building the base sandbox image (first start)…');
+    await runToEnd(process.execPath, ['--import', 'tsx', AGENT_MAIN, 'image', 'build', 'base'], env, opts.logger);
+  }
+  const child = spawn(process.execPath, ['--import', 'tsx', AGENT_MAIN, 'serve'], { env, stdio: ['ignore', 'inherit', 'inherit'] });
+  const url = `http://127.0.0.1:${opts.port}`;
+  const exited = new Promise<number | null>((res) => child.once('exit', (code) => res(code)));
+  await waitHealthy(url, child, exited);
+  opts.logger.info({ url }, 'local host agent is up');
+  return {
+    url,
+    async stop() {
+      if (child.exitCode !== null) return;
+      child.kill('SIGTERM');
+      const t = setTimeout(() => child.kill('SIGKILL'), 10_000);
+      await exited;
+      clearTimeout(t);
+    },
+  };
+}
+
+async function waitHealthy(url: string, child: ChildProcess, exited: Promise<number | null>): Promise<void> {
+  let done = false;
+  void exited.then(() => (done = true));
+  const deadline = Date.now() + 60_000;
+  while (Date.now() < deadline) {
+    if (done) throw new Error(`the local host agent exited during start (code ${child.exitCode}); see its log above`);
+    try {
+      const r = await fetch(`${url}/healthz`, { signal: AbortSignal.timeout(1000) });
+      if (r.ok) return;
+    } catch {
+      /* not yet */
+    }
+    await new Promise((r) => setTimeout(r, 200));
+  }
+  child.kill('SIGKILL');
+  throw new Error('the local host agent did not become healthy within 60 s');
+}
+
+function runToEnd(cmd: string, args: string[], env: NodeJS.ProcessEnv, logger: Logger): Promise<void> {
+  return new Promise((resolvePromise, reject) => {
+    const child = spawn(cmd, args, { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    let out = '';
+    child.stdout.on('data', (d: Buffer) => (out += d.toString()));
+    child.stderr.on('data', (d: Buffer) => (out += d.toString()));
+    child.on('error', reject);
+    child.on('exit', (code) => {
+      if (code === 0) return resolvePromise();
+      logger.error({ output: out.slice(-2000) }, 'image build failed');
+      reject(new Error(`building the base image failed (exit ${code}): ${out.trim().split('\n').at(-1) ?? ''}`));
+    });
+  });
+}

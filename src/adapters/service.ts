@@ -1,0 +1,151 @@
+import type { FastifyInstance } from 'fastify';
+import type { Logger } from 'pino';
+import { CommandHandler } from '../commands/command-handler.js';
+import { HostCommands } from '../commands/host-commands.js';
+import { PlacementView } from '../commands/placement-view.js';
+import { VmCommands } from '../commands/vm-commands.js';
+import type { EventStore } from '../domain/event-store.port.js';
+import type { HostAgentConnector } from '../domain/host-agent.port.js';
+import { DEFAULT_SPEC_LIMITS } from '../domain/vm/spec.js';
+import { hostsProjection } from '../projections/hosts/hosts.projection.js';
+import { allocationByHost, listSchedulableHostIds } from '../projections/hosts/hosts.queries.js';
+import type { Projection } from '../projections/projection.js';
+import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../projections/runner.js';
+import { vmsProjection } from '../projections/vms/vms.projection.js';
+import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
+import type { Config } from './config.js';
+import { AesGcmSecretBox } from './crypto.js';
+import { EsdbEventStore } from './esdb/esdb-event-store.js';
+import { HostAgentClientFactory } from './host-agent.client.js';
+import { buildApp } from './http/app.js';
+import { ApiKeys, ADMIN_TENANT, type ApiKey } from './http/auth.js';
+import { hostRoutes } from './http/hosts.routes.js';
+import { Metrics } from './http/metrics.js';
+import { vmRoutes } from './http/vms.routes.js';
+import { runMigrations } from './postgres/migrations.js';
+import { createPool } from './postgres/pool.js';
+import { PostgresEventStore } from './postgres/postgres-event-store.js';
+
+/** Every read model the service keeps. */
+export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection];
+
+export interface ServiceOptions {
+  readonly config: Config;
+  readonly logger: Logger;
+  /** Postgres for read models (and events unless config.EVENTSTORE_URL is set). */
+  readonly databaseUrl: string;
+  readonly tokenEncryptionKey: Buffer;
+  readonly apiKeys: readonly ApiKey[];
+  /** Tests may pass their own connector (still a real HTTP client, e.g. with shorter timeouts). */
+  readonly connector?: HostAgentConnector;
+  /** False in tests that run many services: prom-client's default process metrics are global. */
+  readonly defaultMetrics?: boolean;
+  readonly httpLogger?: boolean;
+}
+
+export interface Service {
+  readonly app: FastifyInstance;
+  readonly store: EventStore;
+  readonly runner: ProjectionRunner;
+  readonly hosts: HostCommands;
+  readonly vms: VmCommands;
+  readonly pool: import('pg').Pool;
+  close(): Promise<void>;
+}
+
+/** Wires the control plane: stores, read models, command handlers, API. Process concerns stay in main.ts. */
+export async function startService(opts: ServiceOptions): Promise<Service> {
+  const { config, logger } = opts;
+  const pool = createPool({ url: opts.databaseUrl, max: 20, applicationName: 'fleet-control-plane', logger });
+  const closers: Array<() => Promise<void>> = [async () => void (await pool.end())];
+  const close = async (): Promise<void> => {
+    for (const c of closers.reverse()) await c().catch((err: unknown) => logger.warn({ err }, 'shutdown step failed'));
+  };
+  try {
+    let store: EventStore;
+    if (config.EVENTSTORE_URL) {
+      store = new EsdbEventStore({ connectionString: config.EVENTSTORE_URL, logger });
+    } else {
+      await PostgresEventStore.migrate(pool, logger);
+      store = new PostgresEventStore({ pool, logger });
+    }
+    closers.push(() => store.close());
+    await runMigrations(pool, [CHECKPOINTS_MIGRATION, ...PROJECTIONS.flatMap((p) => p.migrations)], { logger });
+
+    const runner = new ProjectionRunner(store, pool, PROJECTIONS, logger);
+    closers.push(() => runner.stop());
+    await runner.start();
+
+    const handler = new CommandHandler(store);
+    const secretBox = new AesGcmSecretBox(opts.tokenEncryptionKey);
+    const connector = opts.connector ?? new HostAgentClientFactory({ timeoutMs: config.AGENT_CALL_TIMEOUT_MS, logger });
+    const hosts = new HostCommands(handler, connector, secretBox);
+    const view = new PlacementView(hosts, () => listSchedulableHostIds(pool));
+    const vms = new VmCommands(
+      handler,
+      hosts,
+      view,
+      secretBox,
+      {
+        limits: { ...DEFAULT_SPEC_LIMITS, maxStartupScriptTimeoutMs: config.MAX_STARTUP_SCRIPT_TIMEOUT_MS },
+        policy: config.PLACEMENT_POLICY,
+        execDefaultTimeoutMs: config.EXEC_DEFAULT_TIMEOUT_MS,
+        execMaxTimeoutMs: config.EXEC_MAX_TIMEOUT_MS,
+        startupScriptTimeoutMs: config.STARTUP_SCRIPT_TIMEOUT_MS,
+      },
+      logger,
+    );
+
+    const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
+    metrics.gauge('fleet_projection_lag_seconds', 'Seconds the read model is behind the newest event it has been handed', ['projection'], async () =>
+      runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
+    );
+    metrics.gauge('fleet_projection_events_applied', 'Events applied by this process per read model', ['projection'], async () =>
+      runner.status().map((s) => ({ labels: { projection: s.name }, value: s.eventsApplied })),
+    );
+    metrics.gauge('fleet_vms', 'VMs by state and host (read model)', ['state', 'host'], async () =>
+      (await countVmsByStateAndHost(pool)).map((r) => ({ labels: { state: r.state, host: r.host_id }, value: r.count })),
+    );
+    metrics.gauge('fleet_host_capacity', 'Host capacity: total and allocated by resource', ['host', 'resource', 'kind'], async () =>
+      (await allocationByHost(pool)).flatMap((h) => [
+        { labels: { host: h.id, resource: 'cpus', kind: 'total' }, value: h.capacity.cpus },
+        { labels: { host: h.id, resource: 'cpus', kind: 'allocated' }, value: h.allocated.cpus },
+        { labels: { host: h.id, resource: 'ram_mb', kind: 'total' }, value: h.capacity.ram_mb },
+        { labels: { host: h.id, resource: 'ram_mb', kind: 'allocated' }, value: h.allocated.ram_mb },
+        { labels: { host: h.id, resource: 'vm_count', kind: 'total' }, value: h.capacity.vm_count },
+        { labels: { host: h.id, resource: 'vm_count', kind: 'allocated' }, value: h.allocated.vm_count },
+      ]),
+    );
+
+    const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
+    const app = await buildApp({
+      logger: opts.httpLogger === false ? false : logger,
+      apiKeys: new ApiKeys(opts.apiKeys),
+      metrics,
+      readiness: {
+        checks: {
+          event_store: () => store.ping(),
+          database: async () => void (await pool.query('SELECT 1')),
+          projections: async () => {
+            const down = runner.status().filter((s) => !s.running);
+            if (down.length > 0) throw new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`);
+          },
+        },
+      },
+      routes: [
+        hostRoutes({ hosts, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        vmRoutes({ vms, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+      ],
+    });
+    closers.push(() => app.close());
+    return { app, store, runner, hosts, vms, pool, close };
+  } catch (err) {
+    await close();
+    throw err;
+  }
+}
+
+/** API keys from config: the admin key, then tenant keys. */
+export function apiKeysFrom(adminKey: string, tenantKeys: ReadonlyArray<{ tenant: string; key: string }>): ApiKey[] {
+  return [{ key: adminKey, tenant: ADMIN_TENANT, admin: true }, ...tenantKeys.map((k) => ({ key: k.key, tenant: k.tenant, admin: false }))];
+}

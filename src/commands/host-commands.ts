@@ -1,0 +1,114 @@
+import { z } from 'zod';
+import { capacityOverridesSchema, hostBackendSchema, labelsSchema, parseHostEvent, isHostEventType, type HostEvent } from '../domain/host/host.events.js';
+import { hostDecider, type HostCommand, type HostState } from '../domain/host/host.decider.js';
+import { hostStream, idSchema } from '../domain/ids.js';
+import { AppError, NotFoundError } from '../domain/errors.js';
+import type { HostAgent, HostAgentConnector } from '../domain/host-agent.port.js';
+import type { SecretBox } from '../domain/secret-box.port.js';
+import type { CapacityResponse } from '../domain/agent-protocol.js';
+import type { HostCapacity } from '../domain/capacity.js';
+import type { Position, RecordedEvent } from '../domain/event-store.port.js';
+import { CommandHandler, type CommandMeta, type Handled } from './command-handler.js';
+
+export const registerHostRequestSchema = z.object({
+  id: idSchema,
+  url: z.string().url().refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
+  token: z.string().min(16, 'the host agent bearer token: at least 16 characters'),
+  region: z.string().max(64).default(''),
+  backend: hostBackendSchema.default('process'),
+  labels: labelsSchema.default({}),
+  /** Operator overrides applied over what the agent reports (e.g. to hold back headroom, or declare GPU kind). */
+  capacity_overrides: capacityOverridesSchema.default({}),
+});
+export type RegisterHostRequest = z.input<typeof registerHostRequestSchema>;
+
+export function decodeHostEvent(r: RecordedEvent): HostEvent | undefined {
+  return isHostEventType(r.type) ? parseHostEvent(r.type, r.data) : undefined;
+}
+
+/** Token context binds a sealed host token to its host: copied onto another host's record it does not open. */
+export const hostTokenContext = (hostId: string): string => `host:${hostId}`;
+
+export interface HostResult {
+  readonly state: HostState;
+  readonly position: Position | undefined;
+}
+
+/**
+ * Host registry commands (admin only, checked at the edge). The agent's
+ * token is sealed before it enters an event; every later call opens it to
+ * build the host's client (the seed's HostProviderFactory, from events).
+ */
+export class HostCommands {
+  private readonly agents = new Map<string, { sealed: string; url: string; agent: HostAgent }>();
+
+  constructor(
+    private readonly handler: CommandHandler,
+    private readonly connector: HostAgentConnector,
+    private readonly secrets: SecretBox,
+  ) {}
+
+  async register(input: unknown, meta: CommandMeta): Promise<HostResult> {
+    const req = registerHostRequestSchema.parse(input);
+    // Probe first: a host whose agent does not answer with this token is not registered at all.
+    const agent = this.connector.connect({ hostId: req.id, url: req.url, token: req.token });
+    const probed = toHostCapacity(await agent.capacity({ timeoutMs: 10_000 }));
+    const sealed = this.secrets.seal(req.token, hostTokenContext(req.id));
+    const r = await this.run(req.id, { type: 'RegisterHost', data: { host_id: req.id, url: req.url, region: req.region, backend: req.backend, labels: req.labels, probed_capacity: probed, overrides: req.capacity_overrides, token_encrypted: sealed } }, meta);
+    this.agents.delete(req.id);
+    return r;
+  }
+
+  async probe(hostId: string, meta: CommandMeta): Promise<HostResult> {
+    const agent = await this.agentFor(hostId);
+    const probed = toHostCapacity(await agent.capacity());
+    return this.run(hostId, { type: 'ProbeHostCapacity', data: { host_id: hostId, probed_capacity: probed } }, meta);
+  }
+
+  cordon(hostId: string, reason: string | undefined, meta: CommandMeta): Promise<HostResult> {
+    return this.run(hostId, { type: 'CordonHost', data: { host_id: hostId, reason } }, meta);
+  }
+
+  uncordon(hostId: string, meta: CommandMeta): Promise<HostResult> {
+    return this.run(hostId, { type: 'UncordonHost', data: { host_id: hostId } }, meta);
+  }
+
+  deregister(hostId: string, force: boolean, meta: CommandMeta): Promise<HostResult> {
+    return this.run(hostId, { type: 'DeregisterHost', data: { host_id: hostId, force } }, meta);
+  }
+
+  async load(hostId: string): Promise<{ state: HostState; revision: bigint | 'no_stream' }> {
+    return this.handler.load(hostStream(hostId), hostDecider, decodeHostEvent);
+  }
+
+  /** The agent client for a registered host, rebuilt from its events after a restart. */
+  async agentFor(hostId: string): Promise<HostAgent> {
+    const { state } = await this.load(hostId);
+    if (state.status === 'unregistered') throw new NotFoundError('HOST_NOT_FOUND', `host ${hostId} is not registered`, { host_id: hostId });
+    return this.agentForState(state);
+  }
+
+  agentForState(state: Exclude<HostState, { status: 'unregistered' }>): HostAgent {
+    const cached = this.agents.get(state.host_id);
+    if (cached && cached.sealed === state.token_encrypted && cached.url === state.url) return cached.agent;
+    let token: string;
+    try {
+      token = this.secrets.open(state.token_encrypted, hostTokenContext(state.host_id));
+    } catch {
+      throw new AppError('HOST_TOKEN_UNREADABLE', 500, `host ${state.host_id}: its stored token does not decrypt with the configured TOKEN_ENCRYPTION_KEY; re-register the host`);
+    }
+    const agent = this.connector.connect({ hostId: state.host_id, url: state.url, token });
+    this.agents.set(state.host_id, { sealed: state.token_encrypted, url: state.url, agent });
+    return agent;
+  }
+
+  private async run(hostId: string, command: HostCommand, meta: CommandMeta): Promise<HostResult> {
+    const r: Handled<HostState, HostEvent> = await this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, command, meta);
+    return { state: r.state, position: r.position };
+  }
+}
+
+export function toHostCapacity(c: CapacityResponse): HostCapacity {
+  const { backend: _b, vms_running: _v, ...capacity } = c;
+  return capacity;
+}

@@ -1,0 +1,347 @@
+import { createHash, randomBytes } from 'node:crypto';
+import type { Logger } from 'pino';
+import type { AgentSpec, AttachStart, ExecResult, ExecStreamStart } from '../domain/agent-protocol.js';
+import { AppError, NotFoundError, ValidationError } from '../domain/errors.js';
+import type { Position, RecordedEvent } from '../domain/event-store.port.js';
+import { classifyHostAgentError, type AgentStream, type HostAgent } from '../domain/host-agent.port.js';
+import { hostStream, vmStream } from '../domain/ids.js';
+import { hostDecider } from '../domain/host/host.decider.js';
+import { place, type PlacementPolicy } from '../domain/placement/placement.js';
+import { placementRequestOf, RESERVED_GUEST_DIR, validateVmSpec, type SpecLimits, type VmSpec } from '../domain/vm/spec.js';
+import { vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
+import { isVmEventType, parseVmEvent, type Endpoint, type VmEndReason, type VmEvent } from '../domain/vm/vm.events.js';
+import type { SecretBox } from '../domain/secret-box.port.js';
+import type { CommandHandler, CommandMeta } from './command-handler.js';
+import { decodeHostEvent, type HostCommands } from './host-commands.js';
+import type { PlacementView } from './placement-view.js';
+
+export function decodeVmEvent(r: RecordedEvent): VmEvent | undefined {
+  return isVmEventType(r.type) ? parseVmEvent(r.type, r.data) : undefined;
+}
+
+/** Sandboxes the fleet owns carry this prefix on their host, so the reconciler can tell ours from anything else. */
+export const SANDBOX_PREFIX = 'fl-';
+export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
+export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
+
+export interface VmCommandsConfig {
+  readonly limits: SpecLimits;
+  readonly policy: PlacementPolicy;
+  readonly execDefaultTimeoutMs: number;
+  readonly execMaxTimeoutMs: number;
+  readonly startupScriptTimeoutMs: number;
+  /** Bounded re-decisions when a reservation loses a race for a host. */
+  readonly maxPlacementAttempts?: number;
+  /** Exec/attach activity is recorded at most this often per VM (idle expiry needs minutes, not every call). */
+  readonly activityCoalesceMs?: number;
+}
+
+export interface VmResult {
+  readonly vm: ExistingVmState;
+  readonly position: Position | undefined;
+}
+
+/** A caller: the tenant from its key, or an admin that may touch any tenant's VM. */
+export interface Actor extends CommandMeta {
+  readonly tenantId: string;
+  readonly admin: boolean;
+}
+
+/**
+ * The VM lifecycle: create (validate → requested → place and reserve on the
+ * host stream → placed → drive the agent → running | failed with the
+ * capacity released), destroy, exec, files, streaming exec and attach.
+ */
+export class VmCommands {
+  private readonly lastActivity = new Map<string, number>();
+
+  constructor(
+    private readonly handler: CommandHandler,
+    private readonly hosts: HostCommands,
+    private readonly view: PlacementView,
+    private readonly secrets: SecretBox,
+    private readonly config: VmCommandsConfig,
+    private readonly logger: Logger,
+  ) {}
+
+  /**
+   * Creates a VM and waits for it to run. With an idempotency key the VM id
+   * is derived from (tenant, key), so a retry lands on the same stream and
+   * returns the same VM instead of making a second one.
+   */
+  async create(input: unknown, actor: Actor, idempotencyKey?: string): Promise<VmResult> {
+    const spec = validateVmSpec(input, this.config.limits);
+    if (idempotencyKey !== undefined && !/^[\x21-\x7e]{1,200}$/.test(idempotencyKey)) {
+      throw new ValidationError('Idempotency-Key must be 1-200 printable ASCII characters', [{ path: 'headers.idempotency-key', message: 'invalid' }]);
+    }
+    const vmId = idempotencyKey
+      ? createHash('sha256').update(`${actor.tenantId}\0${idempotencyKey}`).digest('hex').slice(0, 24)
+      : randomBytes(12).toString('hex');
+    const requested = await this.run(vmId, { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } }, actor);
+    if (requested.vm.status !== 'requested') {
+      // A retry: the first request owns the work; answer with where it got to.
+      if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
+      return requested;
+    }
+    return this.placeAndBoot(requested.vm, spec, actor);
+  }
+
+  private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor): Promise<VmResult> {
+    const vmId = vm.vm_id;
+    const started = Date.now();
+    // Place: decide on the view, reserve on the host stream at the revision decided on; a lost race re-decides.
+    let placed: VmResult;
+    let hostId: string;
+    try {
+      ({ placed, hostId } = await this.reserve(vmId, spec, actor));
+    } catch (err) {
+      const reason: VmEndReason = err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED' ? 'capacity' : 'placement';
+      await this.fail(vmId, reason, err, actor);
+      throw err;
+    }
+    const agentFor = async (): Promise<HostAgent> => this.hosts.agentFor(hostId);
+    let created = false;
+    try {
+      await this.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
+      const agent = await agentFor();
+      const name = sandboxName(vmId);
+      const info = await agent.createVm({
+        name,
+        image: spec.image,
+        checkpoint_id: spec.seed_snapshot_id,
+        cpus: spec.cpus,
+        ram_mb: spec.ram_mb,
+        storage_gb: spec.storage_gb,
+        tenant: vm.tenant_id,
+      });
+      created = true;
+      // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
+      const token = randomBytes(32).toString('base64url');
+      const dirs = new Set([RESERVED_GUEST_DIR, ...Object.keys(spec.files ?? {}).map((p) => p.slice(0, p.lastIndexOf('/')) || '/')]);
+      const mkdir = await agent.exec(name, { argv: ['mkdir', '-p', ...dirs], timeout_ms: 10_000 });
+      if (mkdir.exit_code !== 0) throw new AppError('GUEST_SETUP_FAILED', 502, `could not create guest directories: ${tail(mkdir.stderr)}`);
+      await agent.upload(name, `${RESERVED_GUEST_DIR}/token`, Buffer.from(token), { mode: '0600' });
+      for (const [path, content] of Object.entries(spec.files ?? {})) {
+        await agent.upload(name, path, Buffer.from(content, 'base64'));
+      }
+      if (spec.startup_script) {
+        const timeoutMs = spec.startup_script_timeout_s !== undefined ? spec.startup_script_timeout_s * 1000 : this.config.startupScriptTimeoutMs;
+        await agent.upload(name, `${RESERVED_GUEST_DIR}/startup.sh`, Buffer.from(spec.startup_script), { mode: '0755' });
+        const r = await agent.exec(name, { argv: ['/bin/sh', `${RESERVED_GUEST_DIR}/startup.sh`], timeout_ms: timeoutMs }, { timeoutMs: timeoutMs + 10_000 });
+        if (r.timed_out) throw new AppError('STARTUP_SCRIPT_TIMEOUT', 504, `startup script did not finish within ${timeoutMs} ms`);
+        if (r.exit_code !== 0) {
+          throw new AppError('STARTUP_SCRIPT_FAILED', 422, `startup script exited with code ${r.exit_code}: ${tail(r.stderr || r.stdout)}`, { exit_code: r.exit_code });
+        }
+      }
+      let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+      const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
+      if (spec.agent || expose.length > 0) {
+        const agentSpec: AgentSpec = {
+          files: spec.agent?.files ?? {},
+          // Ports published without a guest daemon of ours still need the agent's publisher; `true` starts nothing.
+          command: spec.agent?.command ?? 'true',
+          drain_command: spec.agent?.drain_command ?? '',
+          expose,
+        };
+        const started = await agent.startAgent(name, agentSpec);
+        endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+      }
+      const url = info.ip ? `http://${info.ip}` : '';
+      return await this.run(
+        vmId,
+        { type: 'CompleteBoot', data: { vm_id: vmId, url, endpoints, boot_ms: Date.now() - started, auth_token_encrypted: this.secrets.seal(token, vmTokenContext(vmId)) } },
+        actor,
+      );
+    } catch (err) {
+      const cls = classifyHostAgentError(err);
+      const reason: VmEndReason = cls === 'capacity' ? 'capacity' : cls === 'host' ? 'host_lost' : 'boot_failure';
+      this.logger.warn({ vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } }, 'boot failed');
+      await this.fail(vmId, reason === 'host_lost' ? 'boot_failure' : reason, err, actor);
+      // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
+      if (created || cls !== 'capacity') {
+        await agentFor()
+          .then((a) => a.destroyVm(sandboxName(vmId), { force: true, timeoutMs: 10_000 }))
+          .catch((e: unknown) => this.logger.warn({ vm_id: vmId, err: { message: (e as Error).message } }, 'could not destroy the sandbox of a failed boot; the reconciler will'));
+      }
+      await this.releaseCapacity(hostId, vmId, actor);
+      throw err;
+    }
+  }
+
+  /** Chooses a host and reserves on its stream; re-decides on a lost race (bounded). */
+  private async reserve(vmId: string, spec: VmSpec, actor: Actor): Promise<{ placed: VmResult; hostId: string }> {
+    const request = placementRequestOf(spec);
+    const attempts = this.config.maxPlacementAttempts ?? 32;
+    for (let attempt = 1; ; attempt++) {
+      const hosts = await this.view.snapshot();
+      const choice = place(request, hosts, { policy: this.config.policy });
+      const hostId = choice.decision.host_id;
+      try {
+        const reserved = await this.handler.handle(
+          hostStream(hostId),
+          hostDecider,
+          decodeHostEvent,
+          {
+            type: 'ReserveCapacity',
+            data: {
+              host_id: hostId,
+              vm_id: vmId,
+              cpus: spec.cpus,
+              ram_mb: spec.ram_mb,
+              storage_gb: spec.storage_gb,
+              gpus: spec.gpus,
+              gpu_kind: spec.gpu_kind,
+              gpu_profile: spec.gpu_profile,
+              gpu_uuids: choice.gpu_uuids.length ? choice.gpu_uuids : undefined,
+              mig_instance_uuids: choice.mig_instance_uuids.length ? choice.mig_instance_uuids : undefined,
+            },
+          },
+          actor,
+          { expected: choice.revision, onConflict: () => false },
+        );
+        this.view.set(hostId, reserved.state, reserved.revision);
+        const r = reserved.events[0]?.type === 'CapacityReserved' ? reserved.events[0].data : undefined;
+        const held = r ?? (reserved.state.status !== 'unregistered' ? reserved.state.reservations.get(vmId) : undefined);
+        if (!held) throw new AppError('INTERNAL', 500, `reservation for vm ${vmId} on host ${hostId} vanished`);
+        const placed = await this.run(
+          vmId,
+          {
+            type: 'PlaceVm',
+            data: {
+              vm_id: vmId,
+              host_id: hostId,
+              decision: choice.decision,
+              reservation: {
+                cpus: held.cpus,
+                ram_mb: held.ram_mb,
+                storage_gb: held.storage_gb,
+                gpus: held.gpus,
+                gpu_kind: held.gpu_kind,
+                gpu_profile: held.gpu_profile,
+                gpu_uuids: held.gpu_uuids,
+                mig_instance_uuids: held.mig_instance_uuids,
+              },
+            },
+          },
+          actor,
+        );
+        return { placed, hostId };
+      } catch (err) {
+        const lostRace = err instanceof AppError && (err.code === 'CONCURRENCY_CONFLICT' || err.code === 'HOST_CAPACITY_EXHAUSTED' || err.code.startsWith('HOST_') || err.code === 'GPU_BINDING_UNAVAILABLE');
+        if (!lostRace || attempt >= attempts) throw err;
+        await this.view.refresh(hostId);
+      }
+    }
+  }
+
+  async destroy(vmId: string, actor: Actor, reason: VmEndReason = 'client'): Promise<VmResult> {
+    const current = await this.get(vmId, actor);
+    if (current.status === 'destroyed' || current.status === 'failed') return { vm: current, position: undefined };
+    const requested = await this.run(vmId, { type: 'RequestDestroy', data: { vm_id: vmId, reason } }, actor);
+    if (requested.vm.status !== 'destroying') return requested;
+    const hostId = requested.vm.host_id;
+    if (hostId) {
+      const agent = await this.hosts.agentFor(hostId);
+      await agent.destroyVm(sandboxName(vmId));
+      await this.releaseCapacity(hostId, vmId, actor);
+    }
+    this.lastActivity.delete(vmId);
+    return this.run(vmId, { type: 'ConfirmDestroyed', data: { vm_id: vmId } }, actor);
+  }
+
+  /** The VM as its stream says, for this caller: another tenant's VM does not exist (404, not 403). */
+  async get(vmId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingVmState> {
+    if (!/^[a-z0-9-]{1,64}$/.test(vmId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
+    const { state } = await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent);
+    if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`, { vm_id: vmId });
+    return state;
+  }
+
+  async exec(vmId: string, req: { argv: string[]; env?: Record<string, string>; cwd?: string; timeout_ms?: number; stdin?: string }, actor: Actor): Promise<ExecResult> {
+    const { vm, agent } = await this.running(vmId, actor);
+    const timeoutMs = Math.min(req.timeout_ms && req.timeout_ms > 0 ? req.timeout_ms : this.config.execDefaultTimeoutMs, this.config.execMaxTimeoutMs);
+    this.touch(vm, actor);
+    return agent.exec(sandboxName(vmId), { argv: req.argv, env: req.env ?? {}, cwd: req.cwd, timeout_ms: timeoutMs, stdin: req.stdin }, { timeoutMs: timeoutMs + 15_000 });
+  }
+
+  async execStream(vmId: string, start: ExecStreamStart, actor: Actor): Promise<AgentStream> {
+    const { vm, agent } = await this.running(vmId, actor);
+    const timeoutMs = Math.min(start.timeout_ms && start.timeout_ms > 0 ? start.timeout_ms : this.config.execDefaultTimeoutMs, this.config.execMaxTimeoutMs);
+    this.touch(vm, actor);
+    return agent.execStream(sandboxName(vmId), { ...start, timeout_ms: timeoutMs });
+  }
+
+  async attach(vmId: string, start: AttachStart, actor: Actor): Promise<AgentStream> {
+    const { vm, agent } = await this.running(vmId, actor);
+    this.touch(vm, actor);
+    return agent.attach(sandboxName(vmId), start);
+  }
+
+  async upload(vmId: string, path: string, data: Uint8Array, actor: Actor): Promise<{ path: string; size_bytes: number }> {
+    assertCallerPath(path);
+    const { agent } = await this.running(vmId, actor);
+    return agent.upload(sandboxName(vmId), path, data);
+  }
+
+  async download(vmId: string, path: string, actor: Actor): Promise<Uint8Array> {
+    assertNormalisedPath(path);
+    const { agent } = await this.running(vmId, actor);
+    return agent.download(sandboxName(vmId), path);
+  }
+
+  private async running(vmId: string, actor: Actor): Promise<{ vm: ExistingVmState; agent: HostAgent }> {
+    const vm = await this.get(vmId, actor);
+    if (vm.status !== 'running' || !vm.host_id) {
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: exec, attach and files need a running VM`, { vm_id: vmId, status: vm.status });
+    }
+    return { vm, agent: await this.hosts.agentFor(vm.host_id) };
+  }
+
+  /** Idle expiry reads control-plane activity; coalesced so a busy VM does not write an event per exec. */
+  private touch(vm: ExistingVmState, actor: Actor): void {
+    const now = Date.now();
+    const last = this.lastActivity.get(vm.vm_id) ?? Date.parse(vm.last_activity_at);
+    if (now - last < (this.config.activityCoalesceMs ?? 60_000)) return;
+    this.lastActivity.set(vm.vm_id, now);
+    this.run(vm.vm_id, { type: 'RecordActivity', data: { vm_id: vm.vm_id } }, actor).catch((err: unknown) =>
+      this.logger.debug({ vm_id: vm.vm_id, err: { message: (err as Error).message } }, 'activity not recorded'),
+    );
+  }
+
+  private async fail(vmId: string, reason: VmEndReason, err: unknown, actor: Actor): Promise<void> {
+    const e = err instanceof AppError ? err : undefined;
+    await this.run(vmId, { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as Error).message ?? String(err), error_code: e?.code } }, actor).catch((failErr: unknown) =>
+      this.logger.error({ vm_id: vmId, err: failErr }, 'could not record a VM failure; the reconciler will'),
+    );
+  }
+
+  async releaseCapacity(hostId: string, vmId: string, meta: CommandMeta): Promise<void> {
+    const r = await this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, { type: 'ReleaseCapacity', data: { host_id: hostId, vm_id: vmId } }, meta);
+    this.view.set(hostId, r.state, r.revision);
+  }
+
+  private async run(vmId: string, command: VmCommand, meta: CommandMeta): Promise<VmResult> {
+    const r = await this.handler.handle<VmCommand, VmEvent, VmState>(vmStream(vmId), vmDecider, decodeVmEvent, command, meta);
+    if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} has no state after ${command.type}`);
+    return { vm: r.state, position: r.position };
+  }
+}
+
+function tail(s: string, n = 500): string {
+  return s.length > n ? `…${s.slice(-n)}` : s;
+}
+
+/** Client paths for uploads: absolute, normalised, never under the fleet's reserved directory. */
+function assertNormalisedPath(path: string): void {
+  const segments = path.slice(1).split('/');
+  if (!path.startsWith('/') || path.includes('\0') || segments.some((s) => s === '' || s === '.' || s === '..')) {
+    throw new ValidationError(`path ${JSON.stringify(path)} must be absolute and normalised (no "..", ".", or empty segments)`, [{ path: 'querystring.path', message: 'not an absolute normalised path' }], 'INVALID_GUEST_PATH');
+  }
+}
+
+function assertCallerPath(path: string): void {
+  assertNormalisedPath(path);
+  if (path === RESERVED_GUEST_DIR || path.startsWith(`${RESERVED_GUEST_DIR}/`)) {
+    throw new ValidationError(`${path} is under ${RESERVED_GUEST_DIR}, reserved for the fleet's own files`, [{ path: 'querystring.path', message: 'reserved' }], 'RESERVED_GUEST_PATH');
+  }
+}

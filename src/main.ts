@@ -1,0 +1,90 @@
+import { mkdir } from 'node:fs/promises';
+import { resolve, join } from 'node:path';
+import { ConfigError, loadConfig } from './adapters/config.js';
+import { startLocalAgent, type LocalAgent } from './adapters/local-agent.js';
+import { createLogger } from './adapters/logger.js';
+import { startEmbeddedPostgres, type EmbeddedPostgres } from './adapters/postgres/embedded.js';
+import { loadOrCreateSecrets } from './adapters/secrets.js';
+import { apiKeysFrom, startService, type Service } from './adapters/service.js';
+
+/**
+ * The control plane process: config, the embedded Postgres when nothing else
+ * is configured, the service, one local host agent on the embedded default,
+ * and graceful shutdown on SIGINT/SIGTERM with nothing of ours left running.
+ */
+async function main(): Promise<void> {
+  let config;
+  try {
+    config = loadConfig();
+  } catch (err) {
+    if (err instanceof ConfigError) {
+      process.stderr.write(`${err.message}\n`);
+      process.exit(2);
+    }
+    throw err;
+  }
+  const logger = createLogger(config.LOG_LEVEL, 'fleet');
+  const dataDir = resolve(config.DATA_DIR);
+  await mkdir(dataDir, { recursive: true });
+  const secrets = await loadOrCreateSecrets(dataDir);
+  const embedded = !config.DATABASE_URL;
+
+  const stops: Array<() => Promise<void>> = [];
+  let stopping = false;
+  const shutdown = async (signal: string, code = 0): Promise<void> => {
+    if (stopping) return;
+    stopping = true;
+    logger.info({ signal }, 'shutting down');
+    for (const stop of stops.reverse()) await stop().catch((err: unknown) => logger.warn({ err }, 'shutdown step failed'));
+    logger.info('stopped');
+    logger.flush?.();
+    process.exit(code);
+  };
+  process.on('SIGINT', () => void shutdown('SIGINT'));
+  process.on('SIGTERM', () => void shutdown('SIGTERM'));
+
+  try {
+    let databaseUrl = config.DATABASE_URL;
+    if (!databaseUrl) {
+      logger.info({ dataDir: join(dataDir, 'pg') }, 'starting the embedded Postgres');
+      const pg: EmbeddedPostgres = await startEmbeddedPostgres({ dataDir: join(dataDir, 'pg'), port: config.EMBEDDED_PG_PORT, logger });
+      stops.push(() => pg.stop());
+      databaseUrl = pg.url;
+    }
+    const adminKey = config.ADMIN_API_KEY ?? secrets.admin_api_key;
+    const tenantKeys = config.API_KEYS.length > 0 || !embedded ? config.API_KEYS : [{ tenant: 'demo', key: secrets.demo_api_key }];
+    const service: Service = await startService({
+      config,
+      logger,
+      databaseUrl,
+      tokenEncryptionKey: Buffer.from(config.TOKEN_ENCRYPTION_KEY ?? secrets.token_encryption_key, 'base64'),
+      apiKeys: apiKeysFrom(adminKey, tenantKeys),
+    });
+    stops.push(() => service.close());
+    await service.app.listen({ host: config.HOST, port: config.PORT });
+    const apiUrl = `http://${config.HOST}:${config.PORT}`;
+
+    if (config.START_LOCAL_AGENT ?? embedded) {
+      const agent: LocalAgent = await startLocalAgent({ dataDir, port: config.LOCAL_AGENT_PORT, token: secrets.local_agent_token, logger });
+      stops.push(() => agent.stop());
+      await service.hosts.register(
+        { id: 'local', url: agent.url, token: secrets.local_agent_token, backend: 'process', region: 'local' },
+        { correlationId: 'startup', actor: 'system', tenantId: 'admin' },
+      );
+      logger.info({ host: 'local', url: agent.url }, 'local host registered');
+    }
+    if (!config.ADMIN_API_KEY) {
+      // Printed so a newcomer can follow the README; stored in DATA_DIR/secrets.json (mode 0600).
+      process.stdout.write(
+        `\nFleet control plane on ${apiUrl}\n  admin key:  ${adminKey}\n` +
+          (embedded && config.API_KEYS.length === 0 ? `  demo tenant key: ${secrets.demo_api_key}\n` : '') +
+          `  (kept in ${join(dataDir, 'secrets.json')})\n\n`,
+      );
+    }
+  } catch (err) {
+    logger.fatal({ err }, 'start-up failed');
+    await shutdown('startup-failure', 1);
+  }
+}
+
+void main();
