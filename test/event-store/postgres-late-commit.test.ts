@@ -173,6 +173,47 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
     }
   });
 
+  it('global order holds where transaction ids gain a decimal digit (9999 → 10000)', { timeout: 60_000 }, async (t) => {
+    const client = new pg.Client({ connectionString: db.url });
+    await client.connect();
+    try {
+      const now = BigInt((await client.query<{ t: string }>('SELECT pg_current_xact_id()::text AS t')).rows[0]?.t ?? '0');
+      const boundary = 10n ** BigInt(now.toString().length);
+      const burn = boundary - now - 3n;
+      if (burn > 150_000n) {
+        // npm test starts a fresh server (ids in the thousands); a long-lived one may be far from the next digit.
+        t.skip(`transaction id ${now} is too far from ${boundary} to reach quickly; run on a fresh server (npm test)`);
+        return;
+      }
+      if (burn > 0n) {
+        // Each loop iteration is its own transaction and takes one id; no fsync wait for them.
+        await client.query('SET synchronous_commit = off');
+        await client.query(`DO $$ BEGIN FOR i IN 1..${burn} LOOP PERFORM pg_current_xact_id(); COMMIT; END LOOP; END $$`);
+      }
+    } finally {
+      await client.end();
+    }
+    const c = cat();
+    const live = record(store, { filter: { streamPrefixes: [`${c}-`] } });
+    try {
+      await until('caught-up', () => live.items.some((i) => i.kind === 'caught-up'));
+      const appended: string[] = [];
+      for (let i = 0; i < 8; i++) {
+        const e = ev(i);
+        appended.push(e.id);
+        await store.append(`${c}-1`, [e], 'any');
+      }
+      const all = await store.readAll({ filter: { streamPrefixes: [`${c}-`] } });
+      assert.deepEqual(all.map((e) => e.id), appended, 'readAll in append order across the boundary');
+      await until('every event', () => eventsOf(live.items).length >= appended.length);
+      assert.deepEqual(eventsOf(live.items).map((e) => e.id), appended, 'subscription in append order across the boundary');
+      const head = await store.headPosition();
+      assert.equal(head, all.at(-1)?.position, 'headPosition is the last event, not the largest txid as text');
+    } finally {
+      live.sub.unsubscribe();
+    }
+  });
+
   it('50 concurrent appends at the same expected revision: exactly one wins', { timeout: 30_000 }, async () => {
     const raceStore = await PostgresEventStore.open({ url: db.url, poolMax: 25 });
     try {

@@ -50,7 +50,7 @@ export interface PostgresEventStoreOptions {
 }
 
 interface EventRow {
-  txid: string;
+  tx: string;
   seq: string;
   stream_id: string;
   revision: string;
@@ -62,7 +62,8 @@ interface EventRow {
   matched?: boolean;
 }
 
-const COLUMNS = 'txid::text AS txid, seq, stream_id, revision, event_id, type, data, metadata, created';
+// The text form of txid is aliased `tx`, never `txid`: ORDER BY txid would then sort the text ("999" > "1000").
+const COLUMNS = 'txid::text AS tx, seq, stream_id, revision, event_id, type, data, metadata, created';
 const VISIBLE = 'txid < pg_snapshot_xmin(pg_current_snapshot())';
 // matchesFilter (event-store.port.ts) in SQL, so a filtered page needs no data for what it skips: $prefixes and $types are text[]; an empty array means "any".
 const MATCH = (prefixes: string, types: string): string =>
@@ -76,15 +77,15 @@ function toEvent(row: EventRow): RecordedEvent {
     streamId: row.stream_id,
     type: row.type,
     revision: BigInt(row.revision),
-    position: formatPosition(BigInt(row.txid), BigInt(row.seq)),
+    position: formatPosition(BigInt(row.tx), BigInt(row.seq)),
     data: row.data,
     metadata,
     created: row.created,
   };
 }
 
-function positionOf(row: { txid: string; seq: string }): Position {
-  return formatPosition(BigInt(row.txid), BigInt(row.seq));
+function positionOf(row: { tx: string; seq: string }): Position {
+  return formatPosition(BigInt(row.tx), BigInt(row.seq));
 }
 
 function checkFilter(filter: EventFilter | undefined): { prefixes: string[]; types: string[] } {
@@ -294,9 +295,9 @@ export class PostgresEventStore implements EventStore {
     switch (row.status) {
       case 'ok':
         this.afterCommit();
-        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ txid: row.txid ?? '0', seq: row.seq ?? '0' }) };
+        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }) };
       case 'idempotent':
-        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ txid: row.txid ?? '0', seq: row.seq ?? '0' }) };
+        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }) };
       case 'conflict':
         throw new ConcurrencyError(valid.streamId, valid.expected, row.revision === null ? 'no_stream' : BigInt(row.revision));
       case 'partial':
@@ -394,7 +395,7 @@ export class PostgresEventStore implements EventStore {
       const p = `$${values.length + 1}`;
       const t = `$${values.length + 2}`;
       values.push(prefixes, types);
-      text = `SELECT txid::text AS txid, seq, stream_id, revision, event_id, type,
+      text = `SELECT txid::text AS tx, seq, stream_id, revision, event_id, type,
           CASE WHEN m THEN data END AS data, CASE WHEN m THEN metadata END AS metadata, created, m AS matched
         FROM (SELECT *, ${MATCH(p, t)} AS m FROM es_events WHERE ${where} ORDER BY txid, seq LIMIT ${this.batchSize}) page
         ORDER BY txid, seq`;
@@ -510,7 +511,7 @@ export class PostgresEventStore implements EventStore {
 
   async headPosition(): Promise<Position | undefined> {
     try {
-      const { rows } = await this.pool.query<{ txid: string; seq: string }>(`SELECT txid::text AS txid, seq FROM es_events WHERE ${VISIBLE} ORDER BY txid DESC, seq DESC LIMIT 1`);
+      const { rows } = await this.pool.query<{ tx: string; seq: string }>(`SELECT txid::text AS tx, seq FROM es_events WHERE ${VISIBLE} ORDER BY txid DESC, seq DESC LIMIT 1`);
       const row = rows[0];
       return row ? positionOf(row) : undefined;
     } catch (err) {

@@ -1,0 +1,210 @@
+/**
+ * `npm run bench -- eventstore [--seconds N] [--events N] [--keep]`
+ *
+ * The Postgres adapter on a fresh embedded server: single-event appends/s
+ * with 1, 8 and 32 concurrent writers (one stream each), their p50/p99
+ * latency, events/s for batches of 100, then read-all and catch-up
+ * subscription events/s over the whole log (at least --events, default
+ * 200,000). Progress goes to stderr, the table to stdout.
+ */
+import { execFileSync } from 'node:child_process';
+import { randomUUID } from 'node:crypto';
+import { promises as fs } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import pg from 'pg';
+import { freePort, startEmbeddedPostgres } from '../src/adapters/postgres/embedded.js';
+import { PostgresEventStore } from '../src/adapters/postgres/postgres-event-store.js';
+import type { NewEvent, Position } from '../src/domain/event-store.port.js';
+
+interface Row {
+  readonly name: string;
+  readonly rate: string;
+  readonly p50?: string;
+  readonly p99?: string;
+  readonly note?: string;
+}
+
+const progress = (msg: string): void => {
+  process.stderr.write(`[bench ${new Date().toISOString().slice(11, 19)}] ${msg}\n`);
+};
+
+function option(args: string[], name: string, fallback: number): number {
+  const i = args.indexOf(`--${name}`);
+  if (i < 0) return fallback;
+  const v = Number(args[i + 1]);
+  if (!Number.isFinite(v) || v <= 0) throw new Error(`--${name} needs a positive number`);
+  return v;
+}
+
+function percentile(sorted: number[], p: number): number {
+  if (sorted.length === 0) return Number.NaN;
+  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))] as number;
+}
+
+function event(i: number): NewEvent {
+  return {
+    id: randomUUID(),
+    type: 'VmBenchmarked',
+    data: { vmId: `vm-${i}`, hostId: 'host-bench-1', cpus: 2, memoryMb: 2048, labels: { tier: 'bench', zone: 'a' }, note: 'x'.repeat(64) },
+    metadata: { correlationId: randomUUID(), tenantId: 'tenant-bench', actor: 'bench', recordedAt: new Date().toISOString() },
+  };
+}
+
+const fmt = (n: number): string => Math.round(n).toLocaleString('en-US');
+const ms = (n: number): string => `${n.toFixed(2)} ms`;
+
+/** `writers` concurrent loops, each appending to its own stream for `seconds`. */
+async function appendLoad(store: PostgresEventStore, label: string, writers: number, batch: number, seconds: number): Promise<{ events: number; perSecond: number; latencies: number[] }> {
+  const latencies: number[] = [];
+  let events = 0;
+  const started = performance.now();
+  const deadline = started + seconds * 1000;
+  const ticker = setInterval(() => progress(`${label}: ${fmt(events)} events so far`), 1000);
+  const prefix = `bench${Math.random().toString(36).slice(2, 8)}`;
+  try {
+    await Promise.all(
+      Array.from({ length: writers }, async (_, w) => {
+        const stream = `${prefix}-w${w}`;
+        let expected: bigint | 'no_stream' = 'no_stream';
+        while (performance.now() < deadline) {
+          const evs = Array.from({ length: batch }, (_, i) => event(events + i));
+          const t0 = performance.now();
+          const r = await store.append(stream, evs, expected);
+          latencies.push(performance.now() - t0);
+          expected = r.nextExpectedRevision;
+          events += batch;
+        }
+      }),
+    );
+  } finally {
+    clearInterval(ticker);
+  }
+  const elapsed = (performance.now() - started) / 1000;
+  latencies.sort((a, b) => a - b);
+  return { events, perSecond: events / elapsed, latencies };
+}
+
+function machine(pgVersion: string): string {
+  let cpu = 'unknown CPU';
+  try {
+    cpu = /model name\s*:\s*(.+)/.exec(execFileSync('cat', ['/proc/cpuinfo']).toString())?.[1] ?? cpu;
+  } catch {
+    cpu = os.cpus()[0]?.model ?? cpu;
+  }
+  return `${os.availableParallelism()} cores (nproc), ${cpu}, ${Math.round(os.totalmem() / 2 ** 30)} GiB RAM, ${os.type()} ${os.release()}, Node ${process.version}, ${pgVersion}`;
+}
+
+export default async function eventstoreBench(args: string[]): Promise<void> {
+  const seconds = option(args, 'seconds', 5);
+  const target = option(args, 'events', 200_000);
+  const root = await fs.mkdtemp(path.join(os.tmpdir(), 'fleet-bench-pg-'));
+  progress(`starting embedded Postgres in ${root}`);
+  const server = await startEmbeddedPostgres({ dataDir: path.join(root, 'data'), port: await freePort(), database: 'bench' });
+  const rows: Row[] = [];
+  let store: PostgresEventStore | undefined;
+  let admin: pg.Pool | undefined;
+  try {
+    store = await PostgresEventStore.open({ url: server.url, poolMax: 40 });
+    admin = new pg.Pool({ connectionString: server.url, max: 1 });
+    const version = (await admin.query<{ v: string }>("SELECT current_setting('server_version') AS v")).rows[0]?.v ?? '?';
+    const pgVersion = `PostgreSQL ${version}`;
+
+    for (const writers of [1, 8, 32]) {
+      const label = `single-event appends, ${writers} writer${writers > 1 ? 's' : ''}`;
+      progress(`${label} for ${seconds}s`);
+      const r = await appendLoad(store, label, writers, 1, seconds);
+      rows.push({ name: label, rate: `${fmt(r.perSecond)} appends/s`, p50: ms(percentile(r.latencies, 50)), p99: ms(percentile(r.latencies, 99)) });
+    }
+
+    // The same 32 writers with the NOTIFY inside each append's transaction, to show why it is not the default.
+    const inTx = await PostgresEventStore.open({ url: server.url, poolMax: 40, notify: 'in-transaction' });
+    try {
+      const label = 'single-event appends, 32 writers, NOTIFY in the transaction';
+      progress(`${label} for ${seconds}s`);
+      const r = await appendLoad(inTx, label, 32, 1, seconds);
+      rows.push({ name: label, rate: `${fmt(r.perSecond)} appends/s`, p50: ms(percentile(r.latencies, 50)), p99: ms(percentile(r.latencies, 99)), note: 'not the default' });
+    } finally {
+      await inTx.close();
+    }
+
+    for (const writers of [1, 8]) {
+      const label = `batches of 100, ${writers} writer${writers > 1 ? 's' : ''}`;
+      progress(`${label} for ${seconds}s`);
+      const r = await appendLoad(store, label, writers, 100, seconds);
+      rows.push({ name: label, rate: `${fmt(r.perSecond)} events/s`, p50: ms(percentile(r.latencies, 50)), p99: ms(percentile(r.latencies, 99)) });
+    }
+
+    let total = Number((await admin.query<{ n: string }>('SELECT count(*) AS n FROM es_events')).rows[0]?.n ?? 0);
+    if (total < target) {
+      progress(`filling the log to ${fmt(target)} events (now ${fmt(total)})`);
+      const ticker = setInterval(() => progress(`fill: ${fmt(total)} events`), 2000);
+      try {
+        const per = 8;
+        const need = target - total;
+        await Promise.all(
+          Array.from({ length: per }, async (_, w) => {
+            let expected: bigint | 'no_stream' = 'no_stream';
+            for (let done = 0; done < need / per; done += 500) {
+              const r = await store!.append(`fill-w${w}`, Array.from({ length: 500 }, (_, i) => event(i)), expected);
+              expected = r.nextExpectedRevision;
+              total += 500;
+            }
+          }),
+        );
+      } finally {
+        clearInterval(ticker);
+      }
+    }
+    await admin.query('VACUUM ANALYZE es_events');
+
+    progress(`readAll over ${fmt(total)} events`);
+    {
+      const t0 = performance.now();
+      let after: Position | undefined;
+      let n = 0;
+      for (;;) {
+        const page = await store.readAll({ after, maxCount: 5000 });
+        if (page.length === 0) break;
+        n += page.length;
+        after = page[page.length - 1]?.position;
+        if (n % 50_000 < 5000) progress(`readAll: ${fmt(n)} events`);
+      }
+      const s = (performance.now() - t0) / 1000;
+      rows.push({ name: `readAll, pages of 5,000 (${fmt(n)} events)`, rate: `${fmt(n / s)} events/s` });
+    }
+
+    progress(`catch-up subscription over ${fmt(total)} events`);
+    {
+      const t0 = performance.now();
+      const n = await new Promise<number>((resolve, reject) => {
+        let count = 0;
+        const sub = store!.subscribeToAll().subscribe({
+          next: (item) => {
+            if (item.kind === 'event') {
+              count += 1;
+              if (count % 50_000 === 0) progress(`subscription: ${fmt(count)} events`);
+            } else if (item.kind === 'caught-up') {
+              queueMicrotask(() => sub.unsubscribe());
+              resolve(count);
+            }
+          },
+          error: reject,
+        });
+      });
+      const s = (performance.now() - t0) / 1000;
+      rows.push({ name: `catch-up subscription (${fmt(n)} events)`, rate: `${fmt(n / s)} events/s` });
+    }
+
+    const widths = [Math.max(...rows.map((r) => r.name.length), 9), Math.max(...rows.map((r) => r.rate.length), 10), 10, 10];
+    const line = (cells: string[]): string => cells.map((c, i) => (i === 0 ? c.padEnd(widths[i] as number) : c.padStart(widths[i] as number))).join('  ');
+    process.stdout.write(`\nEvent store benchmark (Postgres adapter, embedded server)\n${machine(pgVersion)}\n\n`);
+    process.stdout.write(`${line(['benchmark', 'throughput', 'p50', 'p99'])}\n${'-'.repeat(widths.reduce((a, b) => a + b + 2, 0))}\n`);
+    for (const r of rows) process.stdout.write(`${line([r.name, r.rate, r.p50 ?? '', r.p99 ?? ''])}${r.note ? `  (${r.note})` : ''}\n`);
+  } finally {
+    await store?.close();
+    await admin?.end();
+    await server.stop();
+    if (!args.includes('--keep')) await fs.rm(root, { recursive: true, force: true });
+  }
+}
