@@ -124,6 +124,7 @@ export default async function agentBench(args: string[]): Promise<void> {
         process.stderr.write(`cleanup failed: ${String(err)}\n`);
       }
       await agent.stop();
+      await agent.cleanupHost();
     }
     for (const d of dirs) await rm(d, { recursive: true, force: true }).catch(() => {});
   }

@@ -141,7 +141,8 @@ export class HostAgentClient implements HostAgent {
       schema: execResultSchema,
       idempotent: false,
       opts,
-      extraTimeoutMs: req.timeout_ms ?? 0,
+      // The agent's default exec timeout is 30 s; the call must outlive the command it waits for.
+      extraTimeoutMs: req.timeout_ms || 30_000,
     });
   }
 
@@ -246,7 +247,8 @@ export class HostAgentClient implements HostAgent {
   }
 
   async #once(spec: RequestSpec<z.ZodType>): Promise<unknown> {
-    const timeoutMs = (spec.opts?.timeoutMs ?? this.#timeoutMs) + (spec.extraTimeoutMs ?? 0);
+    // An explicit per-call timeout bounds the whole call; the default stretches by the command's own timeout.
+    const timeoutMs = spec.opts?.timeoutMs ?? this.#timeoutMs + (spec.extraTimeoutMs ?? 0);
     const signals = [AbortSignal.timeout(timeoutMs)];
     if (spec.opts?.signal) signals.push(spec.opts.signal);
     const signal = AbortSignal.any(signals);
@@ -406,8 +408,7 @@ export function errorFromAgent(status: number, body: { code: string; message: st
     return new HostAgentError(`${what} failed with ${status}${code ? ` ${code}` : ''}: ${message}`, { ...details, agent_code: code, agent_status: status });
   }
   // The agent refusing our token means the host is misregistered, not that the control plane's caller is unauthorized.
-  if (status === 401 || status === 403) {
-    if (code.startsWith('GRANT_')) return new AppError(code, status, message, details);
+  if (status === 401 && code === 'UNAUTHORIZED') {
     return new HostAgentError(`${what} was refused: the host agent did not accept the control plane's token`, { ...details, agent_code: code, agent_status: status });
   }
   if (status === 404) return new NotFoundError(code, message, details);

@@ -32,7 +32,7 @@ export const agentConfigSchema = z
       }, 'must be an IPv4 CIDR with a prefix between /8 and /28')
       .default('10.88.0.0/16'),
     /** Names every bridge, veth and cgroup of this agent: two agents on one machine need distinct prefixes. */
-    AGENT_BRIDGE_PREFIX: z.string().regex(/^[a-z0-9]{1,5}$/, 'must be 1-5 lowercase letters or digits').default('fb'),
+    AGENT_BRIDGE_PREFIX: z.string().regex(/^[a-z][a-z0-9]{0,4}$/, 'must be 1-5 lowercase letters or digits, starting with a letter').default('fb'),
     /** Where published endpoints listen on the host. */
     AGENT_PUBLISH_HOST: z.string().min(1).default('127.0.0.1'),
     /** The image a create request that names none gets. */

@@ -24,26 +24,9 @@ const VERSION = (() => {
   }
 })();
 
-interface ProcessBackendModule {
-  ProcessBackend: {
-    open(opts: {
-      dataDir: string;
-      imageDir: string;
-      subnet: string;
-      bridgePrefix: string;
-      maxSandboxes: number;
-      allowCrossTenant: boolean;
-      publishHost: string;
-      defaultImage: string;
-      logger?: Logger;
-    }): Promise<Backend>;
-  };
-}
-
 async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend> {
   // Loaded lazily: `image build` must work on a host where the backend's kernel features are missing.
-  const modulePath = './backend/process/process-backend.js';
-  const { ProcessBackend } = (await import(modulePath)) as ProcessBackendModule;
+  const { ProcessBackend } = await import('./backend/process/process-backend.js');
   return ProcessBackend.open({
     dataDir: config.dataDir,
     imageDir: config.imageDir,

@@ -1,6 +1,6 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { access, mkdtemp } from 'node:fs/promises';
+import { access, mkdtemp, readdir, rmdir } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -37,6 +37,8 @@ export interface RunningAgent {
   output(): string;
   /** SIGTERM, bounded; SIGKILL if it does not exit in time. */
   stop(): Promise<void>;
+  /** After stop(): removes this agent's empty host-global leftovers (cgroup parents). */
+  cleanupHost(): Promise<void>;
   /** SIGKILL, as a crash would. */
   kill(): Promise<void>;
 }
@@ -115,6 +117,13 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
         proc.kill('SIGKILL');
         await waitExit(5_000);
       }
+    },
+    async cleanupHost() {
+      // The backend's per-agent cgroup parents outlive the agent when empty; remove ours (rmdir only succeeds when empty).
+      const root = '/sys/fs/cgroup';
+      const controllers = await readdir(root).catch(() => [] as string[]);
+      for (const c of controllers) await rmdir(join(root, c, `fleet-${opts.bridgePrefix}`)).catch(() => {});
+      await rmdir(join(root, `fleet-${opts.bridgePrefix}`)).catch(() => {});
     },
     async kill() {
       if (proc.exitCode !== null || proc.signalCode !== null) return;

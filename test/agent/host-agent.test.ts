@@ -128,6 +128,7 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
         process.stderr.write(`cleanup of ${agent.url} failed: ${String(err)}\n${agent.output().slice(-4000)}\n`);
       }
       await agent.stop();
+      await agent.cleanupHost();
     }
     for (const d of dirs) await rm(d, { recursive: true, force: true }).catch(() => {});
   });
@@ -245,8 +246,9 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     }
     const frames = s.frames[Symbol.asyncIterator]();
     try {
-      s.write('stty size; tty >/dev/null && echo IS-A-TTY\n');
-      await readUntil(frames, /30 100[\s\S]*IS-A-TTY/);
+      // stty only answers on a terminal: its size proves the pty and the initial rows/cols.
+      s.write('stty size\n');
+      await readUntil(frames, /30 100/);
       s.send({ type: 'resize', rows: 40, cols: 120 });
       s.write('stty size\n');
       await readUntil(frames, /40 120/);
