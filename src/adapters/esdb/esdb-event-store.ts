@@ -91,14 +91,11 @@ export class EsdbEventStore implements EventStore {
 
   constructor(options: EsdbEventStoreOptions) {
     this.endpoint = describeEndpoint(options.connectionString);
+    checkOptionKeys(options.connectionString);
     try {
       this.client = EventStoreDBClient.connectionString(options.connectionString);
     } catch (err) {
-      throw new ValidationError(
-        `EVENTSTORE_URL is not a valid EventStoreDB connection string (${(err as Error).message}); expected esdb://host:2113?tls=false or esdb+discover://…`,
-        [{ path: 'EVENTSTORE_URL', message: 'invalid connection string' }],
-        'INVALID_EVENTSTORE_URL',
-      );
+      throw invalidUrl(redactCredentials((err as Error).message, options.connectionString));
     }
     this.logger = options.logger?.child({ component: 'esdb-event-store', endpoint: this.endpoint });
     this.backoffInitialMs = options.backoff?.initialMs ?? 100;
@@ -113,11 +110,12 @@ export class EsdbEventStore implements EventStore {
     const payload = batch.events.map((e) => jsonEvent({ id: e.id, type: e.type, data: e.data as JSONType, metadata: toEsdbMetadata(e.metadata) }));
     try {
       const result = await this.client.appendToStream(batch.streamId, payload, { expectedRevision: toEsdbExpected(batch.expected) });
-      let position = result.position;
+      const position = result.position;
       if (!position || position.commit === NO_POSITION || position.commit < 0n) {
         // Some servers answer an idempotent re-append without a position: take it from the event itself.
         const [last] = await this.readStream(batch.streamId, { fromRevision: result.nextExpectedRevision, maxCount: 1 });
-        return { nextExpectedRevision: result.nextExpectedRevision, position: last!.position };
+        if (!last) throw new EventStoreUnavailableError(`EventStoreDB at ${this.endpoint} acknowledged ${batch.streamId}@${result.nextExpectedRevision} but the event cannot be read back`);
+        return { nextExpectedRevision: result.nextExpectedRevision, position: last.position };
       }
       return { nextExpectedRevision: result.nextExpectedRevision, position: formatPosition(position.commit, position.prepare) };
     } catch (err) {
@@ -496,6 +494,44 @@ function isFatal(err: unknown): boolean {
 
 function errorText(err: unknown): string {
   return err instanceof Error ? err.message : String(err);
+}
+
+/** Options the client understands (lowercase), minus those that would change the adapter's contract. */
+const KNOWN_OPTIONS = new Set(
+  ['connectionName', 'defaultDeadline', 'discoveryInterval', 'dnsDiscover', 'gossipTimeout', 'keepAliveInterval', 'keepAliveTimeout', 'maxDiscoverAttempts', 'nodePreference', 'tls', 'tlsCAFile', 'tlsVerifyCert', 'userCertFile', 'userKeyFile'].map((k) => k.toLowerCase()),
+);
+
+/**
+ * The client only warns about an unknown option, and its warning prints the
+ * whole connection string, password included; so unknown options are refused
+ * here, by name. `throwOnAppendFailure=false` would turn conflicts into
+ * silent non-appends.
+ */
+function checkOptionKeys(connectionString: string): void {
+  const query = connectionString.split('?')[1];
+  if (query === undefined) return;
+  for (const pair of query.split('&')) {
+    const key = pair.split('=')[0] ?? '';
+    if (key === '') continue;
+    if (key.toLowerCase() === 'throwonappendfailure') throw invalidUrl('the option throwOnAppendFailure is not supported: the adapter needs conflicts as errors');
+    if (!KNOWN_OPTIONS.has(key.toLowerCase())) throw invalidUrl(`unknown option ${JSON.stringify(key.slice(0, 40))}`);
+  }
+}
+
+function invalidUrl(why: string): ValidationError {
+  return new ValidationError(
+    `EVENTSTORE_URL is not a valid EventStoreDB connection string: ${why}; expected esdb://host:2113?tls=false or esdb+discover://host1:2113,host2:2113`,
+    [{ path: 'EVENTSTORE_URL', message: why }],
+    'INVALID_EVENTSTORE_URL',
+  );
+}
+
+function redactCredentials(message: string, connectionString: string): string {
+  const userinfo = /^esdb(?:\+discover)?:\/\/([^@/]*)@/.exec(connectionString)?.[1];
+  if (!userinfo) return message;
+  let out = message;
+  for (const secret of [userinfo, ...userinfo.split(':')]) if (secret.length >= 3) out = out.split(secret).join('***');
+  return out;
 }
 
 /** host:port list of a connection string, without credentials or query. */
