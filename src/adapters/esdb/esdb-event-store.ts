@@ -257,6 +257,7 @@ export class EsdbEventStore implements EventStore {
         });
         sub.on('error', retry);
         sub.on('end', () => retry(new Error('subscription ended by the server')));
+        sub.on('close', () => retry(new Error('subscription closed')));
       };
 
       const teardown = (): void => {
