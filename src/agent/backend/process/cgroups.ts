@@ -165,6 +165,21 @@ export class Cgroups {
     return killed;
   }
 
+  /** Removes our parent group(s) if nothing is left under them; create() makes them again. */
+  async removeParentIfEmpty(): Promise<boolean> {
+    const parents = this.version === 2 ? [join(this.root, this.parent)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent));
+    let removed = false;
+    for (const p of parents) {
+      try {
+        await rmdir(p);
+        removed = true;
+      } catch {
+        /* absent, or still has children */
+      }
+    }
+    return removed;
+  }
+
   /** Names of the sandbox groups under our parent, across hierarchies. */
   async list(): Promise<string[]> {
     const parents = this.version === 2 ? [join(this.root, this.parent)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent));

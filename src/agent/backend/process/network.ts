@@ -95,7 +95,7 @@ export async function ensureBridge(bridge: string, subnet: Subnet): Promise<void
     if (add.code !== 0 && !/File exists/.test(add.stderr)) await mustRun('ip', ['link', 'add', 'name', bridge, 'type', 'bridge']);
   }
   const addr = await runTool('ip', ['addr', 'add', `${subnet.gateway}/32`, 'dev', bridge]);
-  if (addr.code !== 0 && !/File exists/.test(addr.stderr)) throw new Error(addr.stderr);
+  if (addr.code !== 0 && !/File exists|already assigned/.test(addr.stderr)) throw new Error(`ip addr add on ${bridge} failed: ${addr.stderr.trim()}`);
   await mustRun('ip', ['link', 'set', bridge, 'up']);
 }
 

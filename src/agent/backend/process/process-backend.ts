@@ -421,6 +421,7 @@ export class ProcessBackend implements Backend {
         note(`cgroup ${name}`, err);
       }
     }
+    if (this.records.size === 0 && (await this.cgroups.removeParentIfEmpty())) report.cgroups.push(this.cgroups.parent);
     const dirs = await readdir(this.sandboxesDir).catch(() => [] as string[]);
     for (const name of dirs) {
       if (known.has(name)) continue;
