@@ -22,6 +22,7 @@ export async function startLocalAgent(opts: { dataDir: string; port: number; tok
   const dataDir = resolve(opts.dataDir, 'agent');
   const env = { ...process.env, AGENT_PORT: String(opts.port), AGENT_TOKEN: opts.token, AGENT_DATA_DIR: dataDir, AGENT_HOST: '127.0.0.1', AGENT_LOG_LEVEL: process.env.AGENT_LOG_LEVEL ?? 'info' };
   if (!existsSync(join(dataDir, 'images', 'base'))) {
+    await ensureBusybox(opts.logger);
     opts.logger.info('building the base sandbox image (first start)…');
     await runToEnd(process.execPath, ['--import', 'tsx', AGENT_MAIN, 'image', 'build', 'base'], env, opts.logger);
   }
@@ -69,8 +70,26 @@ function runToEnd(cmd: string, args: string[], env: NodeJS.ProcessEnv, logger: L
     child.on('error', reject);
     child.on('exit', (code) => {
       if (code === 0) return resolvePromise();
-      logger.error({ output: out.slice(-2000) }, 'image build failed');
-      reject(new Error(`building the base image failed (exit ${code}): ${out.trim().split('\n').at(-1) ?? ''}`));
+      logger.error({ output: out.slice(-2000) }, `${args.join(' ')} failed`);
+      reject(new Error(`${args.slice(-3).join(' ')} failed (exit ${code}): ${out.trim().split('\n').at(-1) ?? ''}`));
     });
+  });
+}
+
+/**
+ * The base image is built from a static busybox. On a fresh Debian machine,
+ * run as root, the embedded default installs Debian's busybox-static itself
+ * (and says so), so `npm install && npm start` needs nothing else; anywhere
+ * else it stops with the command to run.
+ */
+async function ensureBusybox(logger: Logger): Promise<void> {
+  if (existsSync('/bin/busybox')) return;
+  const canInstall = process.getuid?.() === 0 && existsSync('/usr/bin/apt-get');
+  if (!canInstall) throw new Error('the base sandbox image needs a static busybox: install it (Debian: apt-get install busybox-static) and start again');
+  logger.info('installing Debian busybox-static for the base sandbox image (apt-get)…');
+  const env = { ...process.env, DEBIAN_FRONTEND: 'noninteractive' };
+  await runToEnd('apt-get', ['install', '-y', '-q', 'busybox-static'], env, logger).catch(async () => {
+    await runToEnd('apt-get', ['update', '-q'], env, logger);
+    await runToEnd('apt-get', ['install', '-y', '-q', 'busybox-static'], env, logger);
   });
 }
