@@ -1,6 +1,6 @@
 import { spawn } from 'node:child_process';
 import { closeSync, existsSync, openSync } from 'node:fs';
-import { readFile } from 'node:fs/promises';
+import { readFile, readlink } from 'node:fs/promises';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { processStartTime, sleep } from './exec-util.js';
 
@@ -47,7 +47,12 @@ export function findHostTools(busybox = '/bin/busybox'): HostTools {
 export const GUEST_BUSYBOX = '/dev/.fleet/busybox';
 const BOUNDING = '-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,+net_bind_service,+net_raw,+audit_write,+setfcap';
 
-/** Outer: runs on the host, joins the cgroup (so everything after is limited), then creates the namespaces. */
+/**
+ * Outer: runs on the host, joins the cgroup (so everything after is limited),
+ * then creates the namespaces. The scripts run under the host's static
+ * busybox sh: its applets (mount, mkdir, ip…) start without an exec of a
+ * dynamic binary, which is most of a create's latency on a busy host.
+ */
 const OUTER = `set -eu
 n=$1; shift
 i=0
@@ -56,33 +61,48 @@ for f in "$@"; do
   echo $$ > "$f"
 done
 shift "$n"
-exec unshare --pid --mount --uts --ipc --net --fork --propagation private -- /bin/sh -c "$STAGE2" stage2 "$@"
+exec "$UNSHARE" --pid --mount --uts --ipc --net --fork --propagation private -- "$BB" sh -c "$STAGE2" stage2 "$@"
 `;
 
-/** Stage 2: pid 1 of the new namespaces, still on the host's root, in a private mount namespace. */
+/**
+ * Stage 2: pid 1 of the new namespaces, still on the host's root, in a
+ * private mount namespace. It waits for the agent to move eth0 into its
+ * network namespace and configures it, so the guest is reachable the
+ * moment it reports ready.
+ */
 const STAGE2 = `set -eu
-unset STAGE2
-img=$1 upper=$2 work=$3 root=$4 host=$5 bb=$6
+unset STAGE2 UNSHARE BB SETPRIV
+img=$1 upper=$2 work=$3 root=$4 host=$5 bb=$6 addr=$7 gw=$8 setpriv=$9
 mount -t overlay overlay -o "lowerdir=$img,upperdir=$upper,workdir=$work,index=off,metacopy=off,redirect_dir=off" "$root"
 if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
 for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
-mount --bind "$root/proc/sys" "$root/proc/sys"
+mount -o bind "$root/proc/sys" "$root/proc/sys"
 mount -o remount,bind,ro "$root/proc/sys"
-for f in sysrq-trigger kcore; do if [ -e "$root/proc/$f" ]; then mount --bind /dev/null "$root/proc/$f"; fi; done
-mount -t tmpfs -o mode=755,size=4m,nosuid tmpfs "$root/dev"
-for n in null zero full random urandom tty; do : > "$root/dev/$n"; mount --bind "/dev/$n" "$root/dev/$n"; done
-ln -s /proc/self/fd "$root/dev/fd"
-ln -s /proc/self/fd/0 "$root/dev/stdin"; ln -s /proc/self/fd/1 "$root/dev/stdout"; ln -s /proc/self/fd/2 "$root/dev/stderr"
-mkdir "$root/dev/pts" "$root/dev/shm"
-mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" && ln -s pts/ptmx "$root/dev/ptmx" || true
-mount -t tmpfs -o mode=1777,size=64m,nosuid,nodev tmpfs "$root/dev/shm"
-mkdir "$root/dev/.fleet"; : > "$root/dev/.fleet/busybox"
-mount --bind "$bb" "$root/dev/.fleet/busybox"
-mount -o remount,bind,ro "$root/dev/.fleet/busybox"
+for f in sysrq-trigger kcore; do if [ -e "$root/proc/$f" ]; then mount -o bind /dev/null "$root/proc/$f"; fi; done
+mount -t tmpfs -o mode=755,size=64m,nosuid tmpfs "$root/dev"
+cd "$root/dev"
+mknod -m 666 null c 1 3; mknod -m 666 zero c 1 5; mknod -m 666 full c 1 7
+mknod -m 666 random c 1 8; mknod -m 666 urandom c 1 9; mknod -m 666 tty c 5 0
+ln -s /proc/self/fd fd; ln -s /proc/self/fd/0 stdin; ln -s /proc/self/fd/1 stdout; ln -s /proc/self/fd/2 stderr
+mkdir pts shm .fleet
+chmod 1777 shm
+mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts pts && ln -s pts/ptmx ptmx || true
+: > .fleet/busybox
+mount -o bind "$bb" .fleet/busybox
+mount -o remount,bind,ro .fleet/busybox
 hostname "$host"
+ip link set lo up
+i=0
+until ip link show eth0 >/dev/null 2>&1; do
+  i=$((i+1)); if [ "$i" -gt 2000 ]; then echo "fleet: eth0 never arrived" >&2; exit 66; fi
+  usleep 2000
+done
+ip addr add "$addr" dev eth0
+ip link set eth0 up
+ip route add default via "$gw" dev eth0
 cd "$root"
-exec setpriv --inh-caps=+sys_admin --ambient-caps=+sys_admin -- setpriv --bounding-set=${BOUNDING} -- /bin/sh -c 'pivot_root . . && umount -l . && cd / && echo ready >&3 && exec 3>&- && exec ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin --ambient-caps=-sys_admin -- /sbin/init'
+exec setpriv --inh-caps=+sys_admin --ambient-caps=+sys_admin -- "$setpriv" --bounding-set=${BOUNDING} -- "$bb" sh -c 'pivot_root . . && umount -l . && cd / && echo ready >&3 && exec 3>&- && exec ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin --ambient-caps=-sys_admin -- /sbin/init'
 `;
 
 export interface LaunchOptions {
@@ -94,6 +114,12 @@ export interface LaunchOptions {
   readonly busybox: string;
   readonly cgroupProcs: readonly string[];
   readonly consoleLog: string;
+  /** Guest address with prefix length, e.g. 10.213.0.2/16, and its gateway. */
+  readonly address: string;
+  readonly gateway: string;
+  readonly tools: HostTools;
+  /** Called once the namespaces exist (with a pid inside them), to move eth0 in; runs while stage 2 mounts. */
+  readonly attachNetwork: (nsPid: number) => Promise<void>;
   readonly timeoutMs?: number;
 }
 
@@ -109,11 +135,15 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   const log = openSync(opts.consoleLog, 'a');
   let child;
   try {
-    child = spawn('/bin/sh', ['-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.busybox], {
-      detached: true,
-      stdio: ['ignore', log, log, 'pipe'],
-      env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2 },
-    });
+    child = spawn(
+      opts.tools.busybox,
+      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.tools.busybox, opts.address, opts.gateway, opts.tools.setpriv],
+      {
+        detached: true,
+        stdio: ['ignore', log, log, 'pipe'],
+        env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2, UNSHARE: opts.tools.unshare, BB: opts.tools.busybox },
+      },
+    );
   } finally {
     closeSync(log);
   }
@@ -137,7 +167,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
     });
   });
   try {
-    await ready;
+    await Promise.all([ready, waitForNetns(unsharePid).then(() => opts.attachNetwork(unsharePid))]);
   } catch (err) {
     try {
       process.kill(-unsharePid, 'SIGKILL');
@@ -154,6 +184,18 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   const initStart = await processStartTime(initPid);
   if (initStart === null) throw sandboxFailed('sandbox init exited right after start; see its console log');
   return { initPid, initStart, unsharePid };
+}
+
+/** unshare(1) moves itself into the new namespaces before it forks pid 1: wait until its netns is not ours. */
+async function waitForNetns(pid: number): Promise<void> {
+  const own = await readlink('/proc/self/ns/net');
+  for (let i = 0; i < 2000; i++) {
+    const [theirs, exe] = await Promise.all([readlink(`/proc/${pid}/ns/net`).catch(() => null), readlink(`/proc/${pid}/exe`).catch(() => null)]);
+    if (theirs === null) throw new Error('the sandbox init exited before its network namespace existed');
+    if (theirs !== own && exe !== null && exe.endsWith('/unshare')) return;
+    await sleep(2);
+  }
+  throw new Error('the sandbox network namespace did not appear within 4 s');
 }
 
 async function childOf(pid: number): Promise<number> {
@@ -173,12 +215,13 @@ async function childOf(pid: number): Promise<number> {
  * the guest would (nsenter's -w would open the path on the host).
  */
 export function enterArgv(opts: { initPid: number; cgroupProcs: readonly string[]; cwd: string; argv: readonly string[]; tools: HostTools }): string[] {
+  // Under busybox sh the loop and the first setpriv are applets: no dynamic binary starts until the bounding-set setpriv.
   const script = `set -e
 n=$1; shift
 i=0
 for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done
 shift "$n"
 cwd=$1; shift
-exec ${opts.tools.setpriv} --inh-caps=+sys_admin,+sys_chroot --ambient-caps=+sys_admin,+sys_chroot -- ${opts.tools.setpriv} --bounding-set=${BOUNDING} -- ${opts.tools.nsenter} -t ${opts.initPid} -m -u -i -n -p -r -W "$cwd" -- ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin,-sys_chroot --ambient-caps=-sys_admin,-sys_chroot -- "$@"`;
-  return ['/bin/sh', '-c', script, 'enter', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.cwd, ...opts.argv];
+exec setpriv --inh-caps=+sys_admin,+sys_chroot --ambient-caps=+sys_admin,+sys_chroot -- ${opts.tools.setpriv} --bounding-set=${BOUNDING} -- ${opts.tools.nsenter} -t ${opts.initPid} -m -u -i -n -p -r -W "$cwd" -- ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin,-sys_chroot --ambient-caps=-sys_admin,-sys_chroot -- "$@"`;
+  return [opts.tools.busybox, 'sh', '-c', script, 'enter', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.cwd, ...opts.argv];
 }

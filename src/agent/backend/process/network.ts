@@ -99,22 +99,18 @@ export async function ensureBridge(bridge: string, subnet: Subnet): Promise<void
   await mustRun('ip', ['link', 'set', bridge, 'up']);
 }
 
-/** Creates the veth pair with its guest end inside the sandbox's network namespace, and the host route to it. */
-export async function attachSandbox(opts: { bridge: string; veth: string; initPid: number; ip: string; mac: string; subnet: Subnet }): Promise<void> {
-  const { bridge, veth, initPid, ip, mac, subnet } = opts;
+/**
+ * Creates the veth pair with its guest end (eth0, with the sandbox's MAC)
+ * inside the network namespace of `nsPid`, and the host route to it. The
+ * guest configures its own address from inside (launch.ts).
+ */
+export async function attachSandbox(opts: { bridge: string; veth: string; nsPid: number; ip: string; mac: string; subnet: Subnet }): Promise<void> {
+  const { bridge, veth, nsPid, ip, mac, subnet } = opts;
   await mustRun('ip', ['-batch', '-'], {
     input: [
-      `link add ${veth} type veth peer name eth0 netns ${initPid} address ${mac}`,
+      `link add ${veth} type veth peer name eth0 netns ${nsPid} address ${mac}`,
       `link set ${veth} master ${bridge} up`,
       `route replace ${ip}/32 dev ${bridge} src ${subnet.gateway}`,
-    ].join('\n') + '\n',
-  });
-  await mustRun('nsenter', ['-t', String(initPid), '-n', '--', 'ip', '-batch', '-'], {
-    input: [
-      'link set lo up',
-      `addr add ${ip}/${subnet.prefixLen} dev eth0`,
-      'link set eth0 up',
-      `route add default via ${subnet.gateway} dev eth0`,
     ].join('\n') + '\n',
   });
 }

@@ -124,6 +124,7 @@ export class ProcessBackend implements Backend {
   readonly kind = 'process' as const;
   private readonly records = new Map<string, SandboxRecord>();
   private readonly locks = new KeyedMutex();
+  private readonly bridgesReady = new Set<string>();
   private readonly checkpoints: CheckpointStore;
   private readonly sandboxesDir: string;
   private closed = false;
@@ -230,14 +231,28 @@ export class ProcessBackend implements Backend {
       };
       const record: SandboxRecord = { state, proxies: [] };
       this.records.set(spec.name, record);
+      const t0 = performance.now();
+      const phases: Record<string, number> = {};
+      const mark = (phase: string): void => {
+        phases[phase] = Math.round((performance.now() - t0) * 10) / 10;
+      };
       try {
         const dir = this.sandboxDir(spec.name);
         // A directory nobody owns (a crash between mkdir and state.json) is garbage.
         await rm(dir, { recursive: true, force: true });
         for (const d of ['upper', 'work', 'root']) await mkdir(join(dir, d), { recursive: true });
         await this.persist(state);
+        mark('dirs');
         if (checkpointId) await this.checkpoints.extract(checkpointId, join(dir, 'upper'));
         await this.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
+        mark('cgroup');
+        await this.locks.run(`br:${state.bridge}`, async () => {
+          // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
+          if (this.bridgesReady.has(state.bridge) && existsSync(`/sys/class/net/${state.bridge}`)) return;
+          await ensureBridge(state.bridge, this.subnet);
+          this.bridgesReady.add(state.bridge);
+        });
+        mark('bridge');
         const launched = await launchInit({
           imageDir: imagePath,
           upper: join(dir, 'upper'),
@@ -247,22 +262,27 @@ export class ProcessBackend implements Backend {
           busybox: this.tools.busybox,
           cgroupProcs: this.cgroups.procsFiles(spec.name),
           consoleLog: join(dir, 'console.log'),
+          address: `${ip}/${this.subnet.prefixLen}`,
+          gateway: this.subnet.gateway,
+          tools: this.tools,
+          // A concurrent teardown never deletes this bridge: this record, on it, is already in `records`.
+          attachNetwork: (nsPid) => attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip, mac, subnet: this.subnet }),
         });
+        mark('init');
         state.init_pid = launched.initPid;
         state.init_start = launched.initStart;
         await this.persist(state);
-        await this.locks.run(`br:${state.bridge}`, async () => {
-          await ensureBridge(state.bridge, this.subnet);
-          await attachSandbox({ bridge: state.bridge, veth: state.veth, initPid: state.init_pid, ip, mac, subnet: this.subnet });
-        });
+        mark('network');
         await this.publish(record);
         state.status = 'running';
         await this.persist(state);
+        mark('done');
       } catch (err) {
         await this.teardown(record, {}).catch((e: unknown) => this.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'));
         throw err instanceof AppError ? err : sandboxFailed(`creating sandbox "${spec.name}" failed: ${(err as Error).message}`, { name: spec.name }, err);
       }
       this.log?.info({ sandbox: spec.name, ip, image, checkpoint: checkpointId || undefined }, 'sandbox created');
+      this.log?.debug({ sandbox: spec.name, phases_ms: phases }, 'create timings');
       return this.info(record);
     });
   }
@@ -457,6 +477,7 @@ export class ProcessBackend implements Backend {
       if (!bridge.startsWith(`${prefix}b`)) continue;
       await this.locks.run(`br:${bridge}`, async () => {
         if (!liveBridges.has(bridge) && ![...this.records.values()].some((r) => r.state.bridge === bridge)) {
+          this.bridgesReady.delete(bridge);
           if (await deleteLink(bridge)) report.bridges.push(bridge);
           else note(`bridge ${bridge}`, new Error('ip link del failed'));
           return;
@@ -586,7 +607,10 @@ export class ProcessBackend implements Backend {
     await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
     this.records.delete(s.name);
     await this.locks.run(`br:${s.bridge}`, async () => {
-      if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) await deleteLink(s.bridge);
+      if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) {
+        this.bridgesReady.delete(s.bridge);
+        await deleteLink(s.bridge);
+      }
     });
     await rm(this.sandboxDir(s.name), { recursive: true, force: true });
   }
