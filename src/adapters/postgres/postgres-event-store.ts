@@ -41,8 +41,9 @@ export interface PostgresEventStoreOptions {
    * transaction. Postgres serialises the commits of every transaction that
    * issued NOTIFY (a database-wide lock held through the WAL flush), which
    * caps concurrent appends at one commit per fsync; see docs/benchmarks.md.
+   * `off`: no NOTIFY; other processes' subscriptions find new events by polling.
    */
-  readonly notify?: 'after-commit' | 'in-transaction' | undefined;
+  readonly notify?: 'after-commit' | 'in-transaction' | 'off' | undefined;
   /** A subscription that cannot read for this long errors with EventStoreUnavailableError. Default 60 s. */
   readonly subscriptionGiveUpMs?: number | undefined;
   /** Whether close() ends the pool. Default false (the caller owns it); `open()` sets it. */
@@ -223,7 +224,7 @@ export class PostgresEventStore implements EventStore {
   private readonly logger: Logger | undefined;
   private readonly pollIntervalMs: number;
   private readonly batchSize: number;
-  private readonly notifyMode: 'after-commit' | 'in-transaction';
+  private readonly notifyMode: 'after-commit' | 'in-transaction' | 'off';
   private readonly giveUpMs: number;
   private readonly ownsPool: boolean;
   private readonly listener: NotificationListener;
@@ -322,8 +323,9 @@ export class PostgresEventStore implements EventStore {
     this.notifyInFlight = true;
     const send = (): void => {
       this.notifyPending = false;
+      // A lost wake-up costs one poll interval, so this commit need not wait for the WAL flush.
       this.pool
-        .query(`SELECT pg_notify('${EVENTS_CHANNEL}', '')`)
+        .query(`SELECT set_config('synchronous_commit', 'off', true), pg_notify('${EVENTS_CHANNEL}', '')`)
         .catch((err: Error) => this.logger?.debug({ err: { message: err.message } }, 'event notification failed; subscribers will poll'))
         .finally(() => {
           if (this.notifyPending && !this.closed) send();
@@ -459,11 +461,15 @@ export class PostgresEventStore implements EventStore {
         let failingSince: number | undefined;
         let attempt = 0;
         let position: Position | undefined = options.after;
+        type Page = Awaited<ReturnType<PostgresEventStore['page']>>;
+        let prefetched: Promise<Page> | undefined;
         while (!stopped) {
           dirty = false;
-          let page: Awaited<ReturnType<PostgresEventStore['page']>>;
+          let page: Page;
           try {
-            page = await this.page(cursor, filter.prefixes, filter.types);
+            const next = prefetched ?? this.page(cursor, filter.prefixes, filter.types);
+            prefetched = undefined;
+            page = await next;
             failingSince = undefined;
             attempt = 0;
           } catch (err) {
@@ -478,6 +484,11 @@ export class PostgresEventStore implements EventStore {
             continue;
           }
           if (stopped) return;
+          // Catching up: ask for the next page before decoding this one, so Postgres and we work at once.
+          if (page.scanned === this.batchSize && page.last !== undefined) {
+            prefetched = this.page(parsePositionPair(page.last), filter.prefixes, filter.types);
+            prefetched.catch(() => undefined); // observed when awaited; this only stops an unhandled-rejection crash
+          }
           for (const row of page.rows) {
             if (stopped) return;
             subscriber.next({ kind: 'event', event: toEvent(row) });
