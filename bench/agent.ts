@@ -85,36 +85,54 @@ export default async function agentBench(args: string[]): Promise<void> {
 
     const src = join(a.opts.dataDir, 'checkpoints', cp.id, 'rootfs.tar');
     const copyDst = join(b.opts.dataDir, 'plain-copy.tar');
-    t0 = performance.now();
-    await pipeline(createReadStream(src, { highWaterMark: 1024 * 1024 }), createWriteStream(copyDst));
-    const copyS = (performance.now() - t0) / 1000;
-    const copySize = (await stat(copyDst)).size;
-    await rm(copyDst);
-    t0 = performance.now();
-    const h = createHash('sha256');
-    await pipeline(
-      createReadStream(src, { highWaterMark: 1024 * 1024 }),
-      new Transform({
-        transform(c: Buffer, _e, cb) {
-          h.update(c);
-          cb(null, c);
-        },
-      }),
-      createWriteStream(copyDst),
-    );
-    const hashCopyS = (performance.now() - t0) / 1000;
-    await rm(copyDst);
-
-    const grant = await a.client.grantArtifact(cp.id, 600);
-    t0 = performance.now();
-    const moved = await b.client.pullArtifact({ snapshot_id: cp.id, digest: cp.digest, from: { url: a.url, grant: grant.grant } }, { timeoutMs: 900_000 });
-    const pullS = (performance.now() - t0) / 1000;
-    const copyRate = copySize / 1e6 / copyS;
-    const hashRate = copySize / 1e6 / hashCopyS;
-    const pullRate = moved.size_bytes / 1e6 / pullS;
-    log(`plain copy (read+write): ${mb(copySize)} MB in ${copyS.toFixed(2)} s = ${copyRate.toFixed(0)} MB/s`);
-    log(`copy with sha256:        ${mb(copySize)} MB in ${hashCopyS.toFixed(2)} s = ${hashRate.toFixed(0)} MB/s`);
-    log(`artifact pull A→B (HTTP, sha256-verified, atomic commit): ${mb(moved.size_bytes)} MB in ${pullS.toFixed(2)} s = ${pullRate.toFixed(0)} MB/s = ${((pullRate / copyRate) * 100).toFixed(0)}% of the plain copy`);
+    const plainCopy = async (hash: boolean): Promise<number> => {
+      const t = performance.now();
+      const h = createHash('sha256');
+      const stages = [
+        createReadStream(src, { highWaterMark: 1024 * 1024 }),
+        ...(hash
+          ? [
+              new Transform({
+                transform(c: Buffer, _e, cb) {
+                  h.update(c);
+                  cb(null, c);
+                },
+              }),
+            ]
+          : []),
+        createWriteStream(copyDst),
+      ] as const;
+      await (pipeline as (...s: unknown[]) => Promise<void>)(...stages);
+      const secs = (performance.now() - t) / 1000;
+      const size = (await stat(copyDst)).size;
+      await rm(copyDst);
+      return size / 1e6 / secs;
+    };
+    // Interleaved and repeated: on a shared 2-core machine one sample of either is mostly noise.
+    const copyRates: number[] = [];
+    const hashRates: number[] = [];
+    const pullRates: number[] = [];
+    for (let round = 1; round <= 2; round++) {
+      copyRates.push(await plainCopy(false));
+      hashRates.push(await plainCopy(true));
+      const grant = await a.client.grantArtifact(cp.id, 600);
+      t0 = performance.now();
+      const moved = await b.client.pullArtifact(
+        { snapshot_id: `${cp.id}-pull${round}`, source_snapshot_id: cp.id, digest: cp.digest, from: { url: a.url, grant: grant.grant } },
+        { timeoutMs: 900_000 },
+      );
+      const pullS = (performance.now() - t0) / 1000;
+      pullRates.push(moved.size_bytes / 1e6 / pullS);
+      log(
+        `  round ${round}: plain copy ${copyRates.at(-1)!.toFixed(0)} MB/s, copy+sha256 ${hashRates.at(-1)!.toFixed(0)} MB/s, ` +
+          `pull ${mb(moved.size_bytes)} MB in ${pullS.toFixed(2)} s = ${pullRates.at(-1)!.toFixed(0)} MB/s`,
+      );
+      await b.client.deleteCheckpoint(moved.snapshot_id);
+    }
+    const copyRate = Math.max(...copyRates);
+    const pullRate = Math.max(...pullRates);
+    log(`plain copy (read+write, best of 2): ${copyRate.toFixed(0)} MB/s; copy with sha256: ${Math.max(...hashRates).toFixed(0)} MB/s`);
+    log(`artifact pull A→B (HTTP, sha256-verified, atomic commit; best of 2): ${pullRate.toFixed(0)} MB/s = ${((pullRate / copyRate) * 100).toFixed(0)}% of the plain copy`);
   } finally {
     for (const agent of agents) {
       try {

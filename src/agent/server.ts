@@ -160,12 +160,15 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   });
 
   // ---- exec -------------------------------------------------------------------
-  app.post(`${P}/vms/:name/exec`, async (req) => {
+  app.post(`${P}/vms/:name/exec`, async (req, reply) => {
     const name = nameParam(req);
     const body = parse(execRequestSchema, req.body, 'exec request');
     const abort = new AbortController();
-    // A caller that hangs up gets its command killed, not left running unobserved.
-    req.raw.socket.once('close', () => abort.abort());
+    // A caller that hangs up gets its command killed, not left running unobserved. (The response's
+    // close, not the socket's: a keep-alive socket outlives many requests.)
+    reply.raw.once('close', () => {
+      if (!reply.raw.writableFinished) abort.abort();
+    });
     return runBuffered(
       backend,
       name,

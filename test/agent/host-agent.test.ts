@@ -141,6 +141,8 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const err = await expectCode(wrong.listVms(), 'AGENT_ERROR');
     assert.equal(classifyHostAgentError(err), 'host');
     assert.ok(!err.message.includes('not-the-token-at-all'));
+    const wsErr = await expectCode(wrong.execStream('a1', { type: 'start', argv: ['true'] }), 'AGENT_ERROR');
+    assert.equal(wsErr.details?.agent_status, 401);
     assert.ok(!a!.output().includes(a!.token), 'the token never reaches a log line');
   });
 
