@@ -172,6 +172,24 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.deepEqual(await b.list('zzz'), []);
   });
 
+  test('parallel creates get distinct addresses; a failed create leaves nothing behind', async () => {
+    const names = ['par-1', 'par-2', 'par-3', 'par-4'];
+    const infos = await Promise.all(names.map((name) => b.create({ name, cpus: 1, ram_mb: 64, tenant: 'acme' })));
+    assert.equal(new Set(infos.map((i) => i.ip)).size, 4);
+    const outs = await Promise.all(names.map((n) => sh(b, n, 'hostname')));
+    assert.deepEqual(outs.map((o) => o.stdout.trim()), names);
+    await Promise.all(names.map((n) => b.destroy(n)));
+
+    await mkdir(join(imageDir, 'noinit', 'bin'), { recursive: true });
+    await rejectsWithCode(b.create({ name: 'broken', image: 'noinit', cpus: 1, ram_mb: 64, tenant: 'acme' }), 'SANDBOX_FAILED');
+    assert.ok(!existsSync(join(opts.dataDir, 'sandboxes', 'broken')), 'sandbox directory left behind');
+    assert.ok(!existsSync(`/sys/fs/cgroup/memory/fleet-${opts.bridgePrefix}/broken`) && !existsSync(`/sys/fs/cgroup/fleet-${opts.bridgePrefix}/broken`), 'cgroup left behind');
+    await rejectsWithCode(b.get('broken'), 'SANDBOX_NOT_FOUND');
+    const again = await b.create({ name: 'after-broken', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    assert.equal(again.ip, infos.map((i) => i.ip).sort()[0], 'the failed create released its address');
+    await b.destroy('after-broken');
+  });
+
   test('limits are applied through cgroups', async () => {
     await b.create({ name: 'limited', cpus: 0.5, ram_mb: 96, pids_max: 64, tenant: 'acme' });
     const limits = await b.cgroupLimits('limited');
