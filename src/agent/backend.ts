@@ -12,15 +12,17 @@ import type { HostCapacity } from '../domain/capacity.js';
  *   const backend = await ProcessBackend.open({
  *     dataDir,            // AGENT_DATA_DIR: sandboxes/, checkpoints/, staging/ live here
  *     imageDir,           // AGENT_IMAGE_DIR: one directory per image name (see src/agent/images.ts)
- *     subnet,             // AGENT_SUBNET, IPv4 CIDR, e.g. "10.88.0.0/16"; .1 is the gateway
+ *     subnet,             // AGENT_SUBNET, IPv4 CIDR, default "10.213.0.0/16"; the first address is the gateway
  *     bridgePrefix,       // AGENT_BRIDGE_PREFIX, [a-z0-9]{1,5}, e.g. "fb"; names every bridge, veth and cgroup
  *     maxSandboxes,       // AGENT_MAX_SANDBOXES: capacity().vm_count, and create refuses beyond it
  *     allowCrossTenant,   // AGENT_ALLOW_CROSS_TENANT: all tenants share one bridge when true
  *     publishHost,        // AGENT_PUBLISH_HOST: where endpoint proxies listen, default "127.0.0.1"
+ *     advertiseHost,      // optional: host written into endpoint URLs (default publishHost, 127.0.0.1 for 0.0.0.0)
  *     defaultImage,       // AGENT_DEFAULT_IMAGE: image used when a spec names none, default "base"
  *     logger,             // optional pino logger
  *   });
  *   // open() calls recover(): sandboxes that survived an agent crash are listed again.
+ *   // Design, isolation model and host requirements: src/agent/backend/process/README.md
  *
  * Two agents on one machine (the integration tests) MUST use distinct dataDir,
  * subnet and bridgePrefix: bridges, routes and cgroups are host-global.
@@ -259,7 +261,8 @@ export interface Backend {
   checkpointDir(id: string): Promise<string>;
   /** Where to stage pulled checkpoints (same filesystem as checkpoints/). */
   stagingDir(): string;
-  importCheckpoint(stagingPath: string): Promise<Checkpoint>;
+  /** verifyDigest: false skips re-hashing rootfs.tar when the caller verified it while streaming. */
+  importCheckpoint(stagingPath: string, opts?: { verifyDigest?: boolean }): Promise<Checkpoint>;
   prune(): Promise<PruneReport>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;
