@@ -110,6 +110,31 @@ describe('process backend: pure parts', () => {
   });
 });
 
+describe('process backend: cgroup v2 layout', () => {
+  // This host mounts v1; a fake v2 tree (plain files) checks the names and formats the kernel expects.
+  test('limits and controller delegation are written the v2 way', async () => {
+    const fake = await mkdtemp(join(tmpdir(), 'pb-cg2-'));
+    try {
+      await writeFile(join(fake, 'cgroup.controllers'), 'cpuset cpu io memory pids\n');
+      await writeFile(join(fake, 'cgroup.subtree_control'), '');
+      const { Cgroups } = await import('../../src/agent/backend/process/cgroups.js');
+      const cg = Cgroups.detect('fleet-v2t', fake);
+      assert.equal(cg.version, 2);
+      await mkdir(join(fake, 'fleet-v2t'), { recursive: true });
+      await writeFile(join(fake, 'fleet-v2t', 'cgroup.subtree_control'), '');
+      await cg.create('sb', { cpus: 1.5, ramMb: 256, pidsMax: 100 });
+      assert.equal(await readFile(join(fake, 'fleet-v2t', 'sb', 'cpu.max'), 'utf8'), '150000 100000');
+      assert.equal(await readFile(join(fake, 'fleet-v2t', 'sb', 'memory.max'), 'utf8'), String(256 * 1024 * 1024));
+      assert.equal(await readFile(join(fake, 'fleet-v2t', 'sb', 'pids.max'), 'utf8'), '100');
+      assert.deepEqual(cg.procsFiles('sb'), [join(fake, 'fleet-v2t', 'sb', 'cgroup.procs')]);
+      assert.deepEqual(await cg.readLimits('sb'), { cpuQuotaUs: 150000, cpuPeriodUs: 100000, memoryBytes: 256 * 1024 * 1024, pidsMax: 100 });
+      assert.deepEqual(await cg.list(), ['sb']);
+    } finally {
+      await rm(fake, { recursive: true, force: true });
+    }
+  });
+});
+
 describe('process backend: real sandboxes', { skip: skip ? `host feature missing: ${skip}` : false, timeout: 180_000 }, () => {
   let root: string;
   let imageDir: string;
@@ -415,6 +440,23 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     await small.create({ name: 'only', cpus: 1, ram_mb: 64, tenant: 'acme' });
     await rejectsWithCode(small.create({ name: 'second', cpus: 1, ram_mb: 64, tenant: 'acme' }), 'HOST_CAPACITY_EXHAUSTED');
     await small.destroy('only');
+  });
+
+  test('create → first successful exec latency (20 runs, reported as a diagnostic)', async (t) => {
+    const lat: number[] = [];
+    for (let i = 0; i < 20; i++) {
+      const t0 = performance.now();
+      await b.create({ name: `lat-${i}`, cpus: 1, ram_mb: 64, tenant: 'acme' });
+      const r = await sh(b, `lat-${i}`, 'true');
+      assert.equal(r.exitCode, 0);
+      lat.push(performance.now() - t0);
+      await b.destroy(`lat-${i}`);
+    }
+    lat.sort((x, y) => x - y);
+    const p50 = lat[Math.floor(lat.length / 2)]!;
+    t.diagnostic(`create→first exec: p50 ${p50.toFixed(1)} ms, max ${lat[lat.length - 1]!.toFixed(1)} ms over ${lat.length} runs`);
+    // Loose on purpose (shared CI cores); a regression to seconds still fails.
+    assert.ok(p50 < 2000, `p50 ${p50} ms`);
   });
 
   test('sandboxes survive SIGKILL of the agent process; a fresh backend recovers them and republishes endpoints', async () => {

@@ -80,6 +80,7 @@ mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
 mount -o bind "$root/proc/sys" "$root/proc/sys"
 mount -o remount,bind,ro "$root/proc/sys"
 for f in sysrq-trigger kcore; do if [ -e "$root/proc/$f" ]; then mount -o bind /dev/null "$root/proc/$f"; fi; done
+if [ -d "$root/sys" ]; then mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"; fi
 mount -t tmpfs -o mode=755,size=64m,nosuid tmpfs "$root/dev"
 cd "$root/dev"
 mknod -m 666 null c 1 3; mknod -m 666 zero c 1 5; mknod -m 666 full c 1 7
