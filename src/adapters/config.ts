@@ -63,6 +63,24 @@ export const configSchema = z.object({
   AGENT_CALL_TIMEOUT_MS: durationMs.default(30_000),
   /** How long `?after=<position>` waits for the read models to catch up. */
   READ_YOUR_WRITES_TIMEOUT_MS: durationMs.default(5_000),
+  /** Reconciler: one cycle over every host this often (seed FleetConfig.ReconcileInterval). */
+  RECONCILE_INTERVAL_MS: z.coerce.number().int().min(100, 'at least 100 ms').default(30_000),
+  /** A running VM with no state change for this long is failed as stuck; a spec's max_runtime_s overrides it. 0 disables. */
+  TASK_STUCK_TIMEOUT_MS: durationMs.default(2 * 60 * 60_000),
+  /** Idle expiry (no exec, no attach) for VMs whose spec sets no idle_timeout_s. 0 (default) disables. */
+  DEFAULT_IDLE_TIMEOUT_MS: durationMs.default(0),
+  /** Consecutive failed destroys of an orphan before it is dead-lettered. */
+  ORPHAN_DESTROY_MAX_RETRIES: z.coerce.number().int().min(1).max(1000).default(5),
+  /** Consecutive reconcile cycles a host's agent may not answer before the host is marked unreachable. */
+  HOST_UNREACHABLE_AFTER_CYCLES: z.coerce.number().int().min(1).max(1000).default(3),
+  /** Age after which a VM left requested/placed/booting/destroying counts as abandoned by a crashed control plane. Keep above the slowest create. */
+  RECONCILE_GRACE_MS: durationMs.default(5 * 60_000),
+  /** Per agent call made by the reconciler. */
+  RECONCILE_AGENT_TIMEOUT_MS: z.coerce.number().int().min(100).default(10_000),
+  /** Run the reconciler on this replica when it holds the lease. false: never (e.g. an API-only replica). */
+  RECONCILER_ENABLED: bool.default(true),
+  /** How often a standby replica tries to take the reconciler lease, and the holder checks it still has it. */
+  LEASE_POLL_MS: z.coerce.number().int().min(50).default(1_000),
 });
 
 export type Config = z.infer<typeof configSchema>;

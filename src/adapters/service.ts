@@ -4,6 +4,13 @@ import { CommandHandler } from '../commands/command-handler.js';
 import { HostCommands } from '../commands/host-commands.js';
 import { PlacementView } from '../commands/placement-view.js';
 import { VmCommands } from '../commands/vm-commands.js';
+import { Reconciler, type ReconcileSummary } from '../commands/reconciler.js';
+import { deadLettersProjection } from '../projections/dead-letters/dead-letters.projection.js';
+import { countDeadLettersByState } from '../projections/dead-letters/dead-letters.queries.js';
+import { Counter } from 'prom-client';
+import { deadLetterRoutes } from './http/dead-letters.routes.js';
+import { PgAdvisoryLease } from './lease.js';
+import { parseAgentDelayHook, TEST_HOOK_AGENT_DELAY, withAgentDelays } from './test-hooks.js';
 import type { EventStore } from '../domain/event-store.port.js';
 import type { HostAgentConnector } from '../domain/host-agent.port.js';
 import { DEFAULT_SPEC_LIMITS } from '../domain/vm/spec.js';
@@ -13,6 +20,7 @@ import type { Projection } from '../projections/projection.js';
 import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../projections/runner.js';
 import { vmsProjection } from '../projections/vms/vms.projection.js';
 import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
+import { listLiveVmHints } from '../projections/dead-letters/live-vms.queries.js';
 import type { Config } from './config.js';
 import { AesGcmSecretBox } from './crypto.js';
 import { EsdbEventStore } from './esdb/esdb-event-store.js';
@@ -27,7 +35,7 @@ import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
 
 /** Every read model the service keeps. */
-export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection];
+export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection, deadLettersProjection];
 
 export interface ServiceOptions {
   readonly config: Config;
@@ -49,6 +57,9 @@ export interface Service {
   readonly runner: ProjectionRunner;
   readonly hosts: HostCommands;
   readonly vms: VmCommands;
+  readonly reconciler: Reconciler;
+  /** Whether this replica holds the reconciler lease. */
+  isReconcilerLeader(): boolean;
   readonly pool: import('pg').Pool;
   close(): Promise<void>;
 }
@@ -78,7 +89,12 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
 
     const handler = new CommandHandler(store);
     const secretBox = new AesGcmSecretBox(opts.tokenEncryptionKey);
-    const connector = opts.connector ?? new HostAgentClientFactory({ timeoutMs: config.AGENT_CALL_TIMEOUT_MS, logger });
+    let connector = opts.connector ?? new HostAgentClientFactory({ timeoutMs: config.AGENT_CALL_TIMEOUT_MS, logger });
+    const delays = parseAgentDelayHook(process.env[TEST_HOOK_AGENT_DELAY]);
+    if (delays) {
+      logger.warn({ hook: TEST_HOOK_AGENT_DELAY, delays: Object.fromEntries(delays) }, 'TEST HOOK active: agent calls are delayed');
+      connector = withAgentDelays(connector, delays);
+    }
     const hosts = new HostCommands(handler, connector, secretBox);
     const view = new PlacementView(hosts, () => listSchedulableHostIds(pool));
     const vms = new VmCommands(
@@ -117,6 +133,51 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       ]),
     );
 
+    // Reconciler: runs on the one replica holding the lease. Projections run on every replica:
+    // their checkpoint row is locked per batch, so they are already safe side by side, and each
+    // replica needs its own runner caught up for read-your-writes.
+    const reconcileCycles = new Counter({ name: 'fleet_reconcile_cycles_total', help: 'Reconcile cycles completed by this replica', registers: [metrics.registry] });
+    const reconcileActions = new Counter({ name: 'fleet_reconcile_actions_total', help: 'Reconciler findings and actions by kind (ReconcileSummary fields), summed over cycles', labelNames: ['kind'], registers: [metrics.registry] });
+    const onCycle = (summary: ReconcileSummary): void => {
+      reconcileCycles.inc();
+      for (const [k, v] of Object.entries(summary)) if (typeof v === 'number' && k !== 'cycle' && k !== 'duration_ms' && v > 0) reconcileActions.inc({ kind: k }, v);
+    };
+    const reconciler = new Reconciler(
+      handler,
+      hosts,
+      vms,
+      {
+        hostIds: async () => (await listSchedulableHostIds(pool)).map((h) => h.id),
+        liveVms: () => listLiveVmHints(pool),
+      },
+      {
+        intervalMs: config.RECONCILE_INTERVAL_MS,
+        taskStuckTimeoutMs: config.TASK_STUCK_TIMEOUT_MS,
+        defaultIdleTimeoutMs: config.DEFAULT_IDLE_TIMEOUT_MS,
+        orphanDestroyMaxRetries: config.ORPHAN_DESTROY_MAX_RETRIES,
+        hostUnreachableAfterCycles: config.HOST_UNREACHABLE_AFTER_CYCLES,
+        halfDoneGraceMs: config.RECONCILE_GRACE_MS,
+        agentTimeoutMs: config.RECONCILE_AGENT_TIMEOUT_MS,
+      },
+      logger.child({ component: 'reconciler' }),
+      onCycle,
+    );
+    const lease = new PgAdvisoryLease({
+      databaseUrl: opts.databaseUrl,
+      name: 'reconciler',
+      pollMs: config.LEASE_POLL_MS,
+      logger,
+      onAcquired: () => reconciler.start(),
+      onLost: () => reconciler.stop(),
+    });
+    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], async () => [{ labels: {}, value: lease.held ? 1 : 0 }]);
+    metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], async () =>
+      Object.entries(reconciler.lastSummary ?? {}).flatMap(([k, v]) => (typeof v === 'number' ? [{ labels: { field: k }, value: v }] : [])),
+    );
+    metrics.gauge('fleet_dead_letters', 'Dead letters by state and kind (read model)', ['state', 'kind'], async () =>
+      (await countDeadLettersByState(pool)).map((r) => ({ labels: { state: r.state, kind: r.kind }, value: r.count })),
+    );
+
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
     const app = await buildApp({
       logger: opts.httpLogger === false ? false : logger,
@@ -135,10 +196,18 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       routes: [
         hostRoutes({ hosts, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         vmRoutes({ vms, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        deadLetterRoutes({ reconciler, pool, runner, readYourWritesTimeoutMs: rywTimeout, isLeader: () => lease.held, intervalMs: config.RECONCILE_INTERVAL_MS }),
       ],
     });
     closers.push(() => app.close());
-    return { app, store, runner, hosts, vms, pool, close };
+    if (config.RECONCILER_ENABLED) {
+      closers.push(async () => {
+        await lease.stop();
+        await reconciler.stop();
+      });
+      lease.start();
+    }
+    return { app, store, runner, hosts, vms, reconciler, isReconcilerLeader: () => lease.held, pool, close };
   } catch (err) {
     await close();
     throw err;

@@ -1,0 +1,526 @@
+import { createHash, randomUUID } from 'node:crypto';
+import type { Logger } from 'pino';
+import { deadLetterDecider, type DeadLetterCommand, type DeadLetterState } from '../domain/deadletter/deadletter.decider.js';
+import { DEADLETTER_STREAM_PREFIX, isDeadLetterEventType, parseDeadLetterEvent, type DeadLetterEvent } from '../domain/deadletter/deadletter.events.js';
+import { AppError, NotFoundError } from '../domain/errors.js';
+import type { RecordedEvent } from '../domain/event-store.port.js';
+import { classifyHostAgentError, type HostAgent } from '../domain/host-agent.port.js';
+import { hostDecider, type HostCommand } from '../domain/host/host.decider.js';
+import { hostStream, isValidId, vmStream } from '../domain/ids.js';
+import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
+import type { VmEndReason, VmEvent } from '../domain/vm/vm.events.js';
+import type { CommandHandler, CommandMeta } from './command-handler.js';
+import { decodeHostEvent, type HostCommands } from './host-commands.js';
+import { decodeVmEvent, SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from './vm-commands.js';
+
+/** The fleet's reconcile settings (the seed's FleetConfig). */
+export interface ReconcilerConfig {
+  readonly intervalMs: number;
+  /** Leak ceiling for a running VM with no state change; a spec's max_runtime_s overrides it. 0 disables. */
+  readonly taskStuckTimeoutMs: number;
+  /** Idle expiry for VMs whose spec sets no idle_timeout_s. 0 disables. */
+  readonly defaultIdleTimeoutMs: number;
+  readonly orphanDestroyMaxRetries: number;
+  readonly hostUnreachableAfterCycles: number;
+  /**
+   * How old a VM left in requested/placed/booting/destroying must be before it
+   * counts as abandoned by a crashed control plane. Longer than the slowest
+   * live create (startup script included), or the reconciler races it.
+   */
+  readonly halfDoneGraceMs: number;
+  /** Per call to an agent from the reconciler. */
+  readonly agentTimeoutMs: number;
+}
+
+/** A non-terminal VM as the `vms` read model lists it: only a hint; every action re-reads the stream. */
+export interface LiveVmHint {
+  readonly id: string;
+  readonly state: string;
+  readonly host_id: string | null;
+  readonly state_changed_at: Date;
+  readonly last_activity_at: Date;
+  readonly max_runtime_s: number | null;
+  readonly idle_timeout_s: number | null;
+}
+
+/** What the reconciler reads from the read models (wired by the service; commands never touch a driver). */
+export interface ReconcileReadModel {
+  /** Every host not deregistered. */
+  hostIds(): Promise<string[]>;
+  /** Every VM not destroyed or failed. */
+  liveVms(): Promise<LiveVmHint[]>;
+}
+
+/** One cycle's outcome (the seed's ReconcileSummary). */
+export interface ReconcileSummary {
+  cycle: number;
+  started_at: string;
+  duration_ms: number;
+  hosts_checked: number;
+  hosts_unanswered: number;
+  hosts_marked_unreachable: number;
+  hosts_recovered: number;
+  tracked_vms: number;
+  provider_vms: number;
+  orphans_destroyed: number;
+  orphans_failed: number;
+  orphans_dead_lettered: number;
+  orphans_skipped: number;
+  stuck_tasks_suspected: number;
+  stuck_tasks_failed: number;
+  idle_vms_suspected: number;
+  idle_vms_failed: number;
+  vms_missing_provider: number;
+  half_done_rolled_back: number;
+  half_done_completed: number;
+  capacity_released: number;
+  errors: number;
+}
+
+export type SummaryCounter = Exclude<keyof ReconcileSummary, 'cycle' | 'started_at' | 'duration_ms'>;
+
+function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
+  return {
+    cycle,
+    started_at: startedAt.toISOString(),
+    duration_ms: 0,
+    hosts_checked: 0,
+    hosts_unanswered: 0,
+    hosts_marked_unreachable: 0,
+    hosts_recovered: 0,
+    tracked_vms: 0,
+    provider_vms: 0,
+    orphans_destroyed: 0,
+    orphans_failed: 0,
+    orphans_dead_lettered: 0,
+    orphans_skipped: 0,
+    stuck_tasks_suspected: 0,
+    stuck_tasks_failed: 0,
+    idle_vms_suspected: 0,
+    idle_vms_failed: 0,
+    vms_missing_provider: 0,
+    half_done_rolled_back: 0,
+    half_done_completed: 0,
+    capacity_released: 0,
+    errors: 0,
+  };
+}
+
+/** The id of the dead letter for one (kind, host, entity): stable, so a recurring failure is one record. */
+export function deadLetterId(kind: string, hostId: string, entity: string): string {
+  return createHash('sha256').update(`${kind}\0${hostId}\0${entity}`).digest('hex').slice(0, 24);
+}
+
+export function deadLetterStream(id: string): string {
+  if (!isValidId(id)) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`);
+  return DEADLETTER_STREAM_PREFIX + id;
+}
+
+function decodeDeadLetterEvent(r: RecordedEvent): DeadLetterEvent | undefined {
+  return isDeadLetterEventType(r.type) ? parseDeadLetterEvent(r.type, r.data) : undefined;
+}
+
+const SYSTEM: Actor = { correlationId: 'reconciler', actor: 'reconciler', tenantId: 'system', admin: true };
+
+interface Failure {
+  count: number;
+  firstAt: string;
+  lastError: string;
+  lastCode: string | undefined;
+}
+
+/**
+ * The reconcile loop: every interval, per host, compares what the streams
+ * say with what the agent lists and repairs the difference — orphans
+ * destroyed (dead-lettered after repeated failures), missing VMs failed,
+ * stuck and idle VMs ended, work a crashed control plane left half done
+ * rolled back or completed, reservations of VMs that no longer hold a
+ * sandbox released, unanswering hosts marked unreachable and back.
+ *
+ * It keeps no state that matters across restarts: everything is re-read
+ * from the streams each cycle (counters of consecutive failures restart at
+ * zero on another replica, which only delays a dead letter). Every action is
+ * a command appended at the revision it was decided on, so a second
+ * reconciler or a racing API call costs a retry, never a wrong state.
+ */
+export class Reconciler {
+  private timer: NodeJS.Timeout | undefined;
+  private running: Promise<void> | undefined;
+  private active = false;
+  private cycleNo = 0;
+  private last: ReconcileSummary | undefined;
+  private readonly orphanFailures = new Map<string, Failure>();
+  private readonly hostMisses = new Map<string, number>();
+
+  constructor(
+    private readonly handler: CommandHandler,
+    private readonly hosts: HostCommands,
+    private readonly vms: VmCommands,
+    private readonly readModel: ReconcileReadModel,
+    private readonly config: ReconcilerConfig,
+    private readonly logger: Logger,
+    private readonly onCycle: (summary: ReconcileSummary) => void = () => undefined,
+    private readonly clock: () => Date = () => new Date(),
+  ) {}
+
+  get isActive(): boolean {
+    return this.active;
+  }
+
+  get lastSummary(): ReconcileSummary | undefined {
+    return this.last;
+  }
+
+  /** Starts cycling (first cycle at once). Called when this replica takes the lease. */
+  start(): void {
+    if (this.active) return;
+    this.active = true;
+    this.logger.info({ interval_ms: this.config.intervalMs }, 'reconciler started');
+    this.schedule(0);
+  }
+
+  /** Stops cycling and waits for a cycle in flight. Called on shutdown or when the lease is lost. */
+  async stop(): Promise<void> {
+    if (!this.active) return;
+    this.active = false;
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = undefined;
+    await this.running?.catch(() => undefined);
+    this.logger.info('reconciler stopped');
+  }
+
+  private schedule(ms: number): void {
+    this.timer = setTimeout(() => {
+      this.running = this.reconcileOnce()
+        .then(() => undefined)
+        .catch((err: unknown) => this.logger.error({ err }, 'reconcile cycle failed'))
+        .finally(() => {
+          this.running = undefined;
+          if (this.active) this.schedule(this.config.intervalMs);
+        });
+    }, ms);
+    this.timer.unref();
+  }
+
+  /** One full cycle over every host. Public for tests and for an operator-triggered run. */
+  async reconcileOnce(): Promise<ReconcileSummary> {
+    const started = this.clock();
+    const s = emptySummary(++this.cycleNo, started);
+    const meta: CommandMeta = { correlationId: `reconcile-${randomUUID()}`, actor: 'reconciler', tenantId: 'system' };
+    const actor: Actor = { ...SYSTEM, correlationId: meta.correlationId };
+
+    // Read the hints BEFORE listing agents: a VM running before a listing must appear in it.
+    const [hostIds, live] = await Promise.all([this.readModel.hostIds(), this.readModel.liveVms()]);
+    s.tracked_vms = live.length;
+    const byHost = new Map<string, LiveVmHint[]>();
+    for (const v of live) {
+      if (!v.host_id) continue;
+      const list = byHost.get(v.host_id) ?? [];
+      list.push(v);
+      byHost.set(v.host_id, list);
+    }
+
+    await this.abandonedRequests(live, s, actor);
+    await Promise.all(
+      hostIds.map((hostId) =>
+        this.reconcileHost(hostId, byHost.get(hostId) ?? [], s, actor).catch((err: unknown) => {
+          s.errors++;
+          this.logger.warn({ host_id: hostId, err: errInfo(err) }, 'reconcile of host failed');
+        }),
+      ),
+    );
+    s.duration_ms = this.clock().getTime() - started.getTime();
+    this.last = s;
+    const acted = (Object.keys(s) as Array<keyof ReconcileSummary>).some((k) => k !== 'cycle' && k !== 'started_at' && k !== 'duration_ms' && k !== 'hosts_checked' && k !== 'tracked_vms' && k !== 'provider_vms' && s[k] !== 0);
+    this.logger[acted ? 'info' : 'debug']({ summary: s }, 'reconcile cycle');
+    this.onCycle(s);
+    return s;
+  }
+
+  /** VMs still `requested` past the grace: the control plane died before (or while) reserving. */
+  private async abandonedRequests(live: readonly LiveVmHint[], s: ReconcileSummary, actor: Actor): Promise<void> {
+    const now = this.clock().getTime();
+    for (const hint of live) {
+      if (hint.state !== 'requested' || now - hint.state_changed_at.getTime() < this.config.halfDoneGraceMs) continue;
+      try {
+        const vm = await this.loadVm(hint.id);
+        if (vm.status !== 'requested' || now - Date.parse(vm.transitioned_at) < this.config.halfDoneGraceMs) continue;
+        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'placement', error: 'the control plane stopped before this VM was placed; the reconciler rolled the request back', error_code: 'INTERRUPTED' } }, actor);
+        s.half_done_rolled_back++;
+        // A reservation may have landed before the crash: the per-host sweep releases it (the VM is now terminal).
+      } catch (err) {
+        s.errors++;
+        this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'could not roll back an abandoned request');
+      }
+    }
+  }
+
+  private async reconcileHost(hostId: string, hints: readonly LiveVmHint[], s: ReconcileSummary, actor: Actor): Promise<void> {
+    const { state: host } = await this.hosts.load(hostId);
+    if (host.status === 'unregistered' || host.status === 'deregistered') return;
+    s.hosts_checked++;
+    const agent = this.hosts.agentForState(host);
+
+    const listStarted = this.clock().getTime();
+    let listed: Set<string>;
+    try {
+      const vms = await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs });
+      listed = new Set(vms.map((v) => v.name).filter((n) => n.startsWith(SANDBOX_PREFIX)));
+    } catch (err) {
+      s.hosts_unanswered++;
+      const misses = (this.hostMisses.get(hostId) ?? 0) + 1;
+      this.hostMisses.set(hostId, misses);
+      this.logger.warn({ host_id: hostId, misses, err: errInfo(err) }, 'host agent did not answer the reconciler');
+      if (misses >= this.config.hostUnreachableAfterCycles && host.reachable) {
+        await this.runHost(hostId, { type: 'MarkHostUnreachable', data: { host_id: hostId, reason: `agent did not answer ${misses} reconcile cycles in a row: ${(err as Error).message}` } }, actor);
+        s.hosts_marked_unreachable++;
+        this.logger.warn({ host_id: hostId, misses }, 'host marked unreachable');
+      }
+      return;
+    }
+    this.hostMisses.delete(hostId);
+    if (!host.reachable) {
+      await this.runHost(hostId, { type: 'MarkHostReachable', data: { host_id: hostId } }, actor);
+      s.hosts_recovered++;
+      this.logger.info({ host_id: hostId }, 'host answers again: marked reachable');
+    }
+    s.provider_vms += listed.size;
+    const gone = new Set<string>();
+    const now = this.clock().getTime();
+
+    // Orphans: a listed sandbox whose VM is not live on this host.
+    const liveHere = new Set(hints.map((h) => sandboxName(h.id)));
+    for (const name of listed) {
+      if (liveHere.has(name)) continue;
+      const vmId = name.slice(SANDBOX_PREFIX.length);
+      const vm = isValidId(vmId) ? await this.loadVm(vmId) : ({ status: 'initial' } as const);
+      if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === hostId) continue; // ours, the hint lagged
+      if (vm.status === 'requested') continue;
+      if (await this.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor)) gone.add(name);
+    }
+
+    for (const hint of hints) {
+      try {
+        await this.reconcileVm(hostId, agent, hint, listed, listStarted, now, gone, s, actor);
+      } catch (err) {
+        s.errors++;
+        this.logger.warn({ vm_id: hint.id, host_id: hostId, err: errInfo(err) }, 'reconcile of vm failed');
+      }
+    }
+
+    await this.releaseStaleReservations(hostId, listed, gone, s, actor);
+  }
+
+  private async reconcileVm(
+    hostId: string,
+    agent: HostAgent,
+    hint: LiveVmHint,
+    listed: ReadonlySet<string>,
+    listStarted: number,
+    now: number,
+    gone: Set<string>,
+    s: ReconcileSummary,
+    actor: Actor,
+  ): Promise<void> {
+    const name = sandboxName(hint.id);
+    const age = now - hint.state_changed_at.getTime();
+    const grace = this.config.halfDoneGraceMs;
+
+    if (hint.state === 'running') {
+      if (!listed.has(name)) {
+        const vm = await this.loadVm(hint.id);
+        // Running before the listing started, yet not listed: the sandbox is gone.
+        if (vm.status === 'running' && vm.host_id === hostId && Date.parse(vm.transitioned_at) < listStarted) {
+          await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'missing', error: `host ${hostId} no longer lists sandbox ${name}`, error_code: 'SANDBOX_MISSING' } }, actor);
+          s.vms_missing_provider++;
+          gone.add(name);
+          this.logger.warn({ vm_id: hint.id, host_id: hostId }, 'running vm missing from its host: failed');
+        }
+        return;
+      }
+      const maxRuntimeMs = hint.max_runtime_s ? hint.max_runtime_s * 1000 : this.config.taskStuckTimeoutMs;
+      if (maxRuntimeMs > 0 && age > maxRuntimeMs) {
+        s.stuck_tasks_suspected++;
+        const vm = await this.loadVm(hint.id);
+        if (vm.status !== 'running' || now - Date.parse(vm.transitioned_at) <= maxRuntimeMs) return;
+        const reason: VmEndReason = hint.max_runtime_s ? 'max_runtime' : 'stuck';
+        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason, error: `no state change for ${Math.round(age / 1000)} s (limit ${Math.round(maxRuntimeMs / 1000)} s)`, error_code: 'VM_STUCK' } }, actor);
+        s.stuck_tasks_failed++;
+        this.logger.warn({ vm_id: hint.id, host_id: hostId, reason }, 'stuck vm failed; destroying its sandbox');
+        if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
+        return;
+      }
+      const idleMs = hint.idle_timeout_s ? hint.idle_timeout_s * 1000 : this.config.defaultIdleTimeoutMs;
+      if (idleMs > 0 && now - hint.last_activity_at.getTime() > idleMs) {
+        s.idle_vms_suspected++;
+        const vm = await this.loadVm(hint.id);
+        if (vm.status !== 'running' || now - Date.parse(vm.last_activity_at) <= idleMs) return;
+        this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: now - Date.parse(vm.last_activity_at) }, 'idle vm: destroying');
+        try {
+          await this.vms.destroy(hint.id, actor, 'idle');
+          s.idle_vms_failed++;
+          gone.add(name);
+        } catch (err) {
+          // Left `destroying`: completed by a later cycle once the grace has passed.
+          s.errors++;
+          this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'idle destroy did not finish');
+        }
+      }
+      return;
+    }
+
+    if (age < grace || (hint.state !== 'placed' && hint.state !== 'booting' && hint.state !== 'destroying')) return;
+    const vm = await this.loadVm(hint.id);
+    if (vm.status === 'initial' || vm.host_id !== hostId || now - Date.parse(vm.transitioned_at) < grace) return;
+
+    if (vm.status === 'destroying') {
+      if (!(await this.tryDestroy(agent, name, hint.id, hostId))) return;
+      gone.add(name);
+      await this.vms.releaseCapacity(hostId, hint.id, actor);
+      await this.runVm(hint.id, { type: 'ConfirmDestroyed', data: { vm_id: hint.id } }, actor);
+      s.half_done_completed++;
+      this.logger.info({ vm_id: hint.id, host_id: hostId }, 'half-done destroy completed');
+      return;
+    }
+    if (vm.status === 'placed' || vm.status === 'booting') {
+      const got = vm.status === 'placed' ? 'capacity was reserved but the boot had not started' : listed.has(name) ? 'the sandbox was created but the boot did not finish' : 'the boot had started but no sandbox was created';
+      await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'boot_failure', error: `the control plane stopped while this VM was ${vm.status}: ${got}; the reconciler rolled it back`, error_code: 'INTERRUPTED' } }, actor);
+      s.half_done_rolled_back++;
+      this.logger.warn({ vm_id: hint.id, host_id: hostId, phase: vm.status, sandbox: listed.has(name) }, 'half-done create rolled back');
+      if (!listed.has(name) || (await this.tryDestroy(agent, name, hint.id, hostId))) gone.add(name);
+    }
+  }
+
+  /** Releases every reservation on this host whose VM is gone, ended, or placed elsewhere — once no sandbox of it is listed. */
+  private async releaseStaleReservations(hostId: string, listed: ReadonlySet<string>, gone: ReadonlySet<string>, s: ReconcileSummary, actor: Actor): Promise<void> {
+    const { state: host } = await this.hosts.load(hostId);
+    if (host.status === 'unregistered' || host.status === 'deregistered') return;
+    for (const vmId of host.reservations.keys()) {
+      const name = sandboxName(vmId);
+      if (listed.has(name) && !gone.has(name)) continue;
+      const vm = await this.loadVm(vmId);
+      const stale = vm.status === 'initial' || isTerminal(vm.status) || (vm.status !== 'requested' && vm.host_id !== hostId);
+      if (!stale) continue;
+      try {
+        await this.vms.releaseCapacity(hostId, vmId, actor);
+        s.capacity_released++;
+        this.logger.info({ vm_id: vmId, host_id: hostId, vm_status: vm.status }, 'released the reservation of a vm that no longer holds a sandbox');
+      } catch (err) {
+        s.errors++;
+        this.logger.warn({ vm_id: vmId, host_id: hostId, err: errInfo(err) }, 'could not release a stale reservation');
+      }
+    }
+  }
+
+  /** Returns true when the orphan is gone. Consecutive failures dead-letter it; a dead letter is skipped until an operator acts. */
+  private async destroyOrphan(hostId: string, agent: HostAgent, name: string, vmId: string | undefined, s: ReconcileSummary, actor: Actor): Promise<boolean> {
+    const key = `${hostId}/${name}`;
+    const id = deadLetterId('orphan_destroy', hostId, name);
+    const letter = await this.loadDeadLetter(id);
+    if (letter.status === 'open' || letter.status === 'discarded') {
+      s.orphans_skipped++;
+      return false;
+    }
+    try {
+      await agent.destroyVm(name, { force: true, timeoutMs: this.config.agentTimeoutMs });
+      this.orphanFailures.delete(key);
+      s.orphans_destroyed++;
+      this.logger.info({ host_id: hostId, sandbox: name, vm_id: vmId }, 'orphan sandbox destroyed');
+      if (letter.status === 'retrying') await this.runDeadLetter(id, { type: 'ResolveDeadLetter', data: { id, outcome: 'succeeded' } }, actor);
+      return true;
+    } catch (err) {
+      s.orphans_failed++;
+      const prev = this.orphanFailures.get(key);
+      const f: Failure = { count: (prev?.count ?? 0) + 1, firstAt: prev?.firstAt ?? this.clock().toISOString(), lastError: (err as Error).message, lastCode: err instanceof AppError ? err.code : undefined };
+      this.orphanFailures.set(key, f);
+      this.logger.warn({ host_id: hostId, sandbox: name, failures: f.count, err: errInfo(err) }, 'orphan destroy failed');
+      if (f.count >= this.config.orphanDestroyMaxRetries) {
+        await this.runDeadLetter(
+          id,
+          {
+            type: 'RecordDeadLetter',
+            data: { id, kind: 'orphan_destroy', entity_id: name, host_id: hostId, vm_id: vmId, reason: f.lastError, error_code: f.lastCode, retry_count: f.count, first_failed_at: f.firstAt },
+          },
+          actor,
+        );
+        this.orphanFailures.delete(key);
+        s.orphans_dead_lettered++;
+        this.logger.error({ host_id: hostId, sandbox: name, dead_letter: id, failures: f.count }, 'orphan destroy dead-lettered: skipped until an operator retries or discards it');
+      }
+      return false;
+    }
+  }
+
+  /**
+   * An operator's retry: marks the dead letter retrying, then tries the work
+   * at once. Success resolves it; failure leaves it retrying, and the
+   * reconciler keeps trying (and dead-letters it again after the same count).
+   */
+  async retryDeadLetter(id: string, meta: CommandMeta): Promise<{ state: DeadLetterState; error?: { code: string; message: string } }> {
+    const stream = deadLetterStream(id);
+    const retried = await this.handler.handle(stream, deadLetterDecider, decodeDeadLetterEvent, { type: 'RetryDeadLetter', data: { id, actor: meta.actor } }, meta);
+    const letter = retried.state;
+    if (letter.status !== 'retrying') return { state: letter };
+    for (const key of this.orphanFailures.keys()) if (key === `${letter.host_id}/${letter.entity_id}`) this.orphanFailures.delete(key);
+    try {
+      const vmId = letter.entity_id.startsWith(SANDBOX_PREFIX) ? letter.entity_id.slice(SANDBOX_PREFIX.length) : undefined;
+      if (vmId && isValidId(vmId)) {
+        const vm = await this.loadVm(vmId);
+        if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === letter.host_id) {
+          // The sandbox belongs to a live VM after all: nothing to destroy.
+          const r = await this.handler.handle(stream, deadLetterDecider, decodeDeadLetterEvent, { type: 'ResolveDeadLetter', data: { id, outcome: 'gone' } }, meta);
+          return { state: r.state };
+        }
+      }
+      const agent = await this.hosts.agentFor(letter.host_id);
+      const res = await agent.destroyVm(letter.entity_id, { force: true, timeoutMs: this.config.agentTimeoutMs });
+      const r = await this.handler.handle(stream, deadLetterDecider, decodeDeadLetterEvent, { type: 'ResolveDeadLetter', data: { id, outcome: res.destroyed ? 'succeeded' : 'gone' } }, meta);
+      this.logger.info({ dead_letter: id, host_id: letter.host_id, sandbox: letter.entity_id }, 'dead letter retried: resolved');
+      return { state: r.state };
+    } catch (err) {
+      this.logger.warn({ dead_letter: id, err: errInfo(err) }, 'dead letter retry failed; the reconciler keeps retrying');
+      return { state: letter, error: { code: err instanceof AppError ? err.code : 'INTERNAL', message: (err as Error).message } };
+    }
+  }
+
+  async discardDeadLetter(id: string, note: string | undefined, meta: CommandMeta): Promise<DeadLetterState> {
+    const r = await this.handler.handle(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent, { type: 'DiscardDeadLetter', data: { id, actor: meta.actor, note } }, meta);
+    return r.state;
+  }
+
+  private async tryDestroy(agent: HostAgent, name: string, vmId: string, hostId: string): Promise<boolean> {
+    try {
+      await agent.destroyVm(name, { force: true, timeoutMs: this.config.agentTimeoutMs });
+      return true;
+    } catch (err) {
+      // The VM is terminal now: the next cycle sees the sandbox as an orphan and retries (and dead-letters) it.
+      this.logger.warn({ vm_id: vmId, host_id: hostId, class: classifyHostAgentError(err), err: errInfo(err) }, 'sandbox destroy failed; retried as an orphan');
+      return false;
+    }
+  }
+
+  private async loadVm(vmId: string): Promise<VmState> {
+    return (await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent)).state;
+  }
+
+  private async loadDeadLetter(id: string): Promise<DeadLetterState> {
+    return (await this.handler.load(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent)).state;
+  }
+
+  private async runVm(vmId: string, command: VmCommand, meta: CommandMeta): Promise<ExistingVmState | undefined> {
+    const r = await this.handler.handle<VmCommand, VmEvent, VmState>(vmStream(vmId), vmDecider, decodeVmEvent, command, meta);
+    return r.state.status === 'initial' ? undefined : r.state;
+  }
+
+  private async runHost(hostId: string, command: HostCommand, meta: CommandMeta): Promise<void> {
+    await this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, command, meta);
+  }
+
+  private async runDeadLetter(id: string, command: DeadLetterCommand, meta: CommandMeta): Promise<void> {
+    await this.handler.handle(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent, command, meta);
+  }
+}
+
+function errInfo(err: unknown): { message: string; code?: string } {
+  return err instanceof AppError ? { message: err.message, code: err.code } : { message: err instanceof Error ? err.message : String(err) };
+}
