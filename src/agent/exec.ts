@@ -107,32 +107,64 @@ function sendError(ws: WebSocket, err: unknown): void {
   ws.close(1011, code.slice(0, 100));
 }
 
-function waitForStart(ws: WebSocket): Promise<unknown> {
-  return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => {
-      cleanup();
-      reject(new ValidationError(`send a start frame within ${START_FRAME_TIMEOUT_MS} ms`));
-    }, START_FRAME_TIMEOUT_MS);
-    const onMessage = (data: Buffer) => {
-      cleanup();
-      try {
-        resolve(JSON.parse(data.toString('utf8')));
-      } catch {
-        reject(new ValidationError('the start frame must be a JSON object'));
-      }
-    };
-    const onClose = () => {
-      cleanup();
-      reject(new ValidationError('closed before the start frame'));
-    };
-    const cleanup = () => {
-      clearTimeout(timer);
-      ws.off('message', onMessage);
-      ws.off('close', onClose);
-    };
-    ws.on('message', onMessage);
-    ws.on('close', onClose);
-  });
+/**
+ * One listener from the first moment: frames that arrive while the process
+ * is still being spawned (a client may send stdin right behind its start
+ * frame, even in the same TCP segment) are queued, never dropped.
+ */
+class Inbox {
+  #queue: Buffer[] = [];
+  #waiter: ((d: Buffer | null) => void) | null = null;
+  #closed = false;
+  #deliver: ((d: Buffer) => void) | null = null;
+
+  constructor(ws: WebSocket) {
+    ws.on('message', (data: Buffer) => {
+      if (this.#deliver) this.#deliver(data);
+      else if (this.#waiter) {
+        const w = this.#waiter;
+        this.#waiter = null;
+        w(data);
+      } else this.#queue.push(data);
+    });
+    ws.on('close', () => {
+      this.#closed = true;
+      this.#waiter?.(null);
+      this.#waiter = null;
+    });
+  }
+
+  next(timeoutMs: number): Promise<Buffer | null> {
+    const queued = this.#queue.shift();
+    if (queued) return Promise.resolve(queued);
+    if (this.#closed) return Promise.resolve(null);
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.#waiter = null;
+        reject(new ValidationError(`send a start frame within ${timeoutMs} ms`));
+      }, timeoutMs);
+      this.#waiter = (d) => {
+        clearTimeout(timer);
+        resolve(d);
+      };
+    });
+  }
+
+  /** From now on every frame (queued ones first) goes to `fn`. */
+  drainTo(fn: (d: Buffer) => void): void {
+    for (const d of this.#queue.splice(0)) fn(d);
+    this.#deliver = fn;
+  }
+}
+
+async function waitForStart(inbox: Inbox): Promise<unknown> {
+  const data = await inbox.next(START_FRAME_TIMEOUT_MS);
+  if (data === null) throw new ValidationError('closed before the start frame');
+  try {
+    return JSON.parse(data.toString('utf8'));
+  } catch {
+    throw new ValidationError('the start frame must be a JSON object');
+  }
 }
 
 function parseOrThrow<T>(schema: { safeParse(v: unknown): { success: true; data: T } | { success: false; error: { issues: Array<{ path: PropertyKey[]; message: string }> } } }, value: unknown, what: string): T {
@@ -158,8 +190,9 @@ export async function runSession(
 ): Promise<void> {
   let handle: ProcessHandle;
   let timeoutMs: number | undefined;
+  const inbox = new Inbox(ws);
   try {
-    const raw = await waitForStart(ws);
+    const raw = await waitForStart(inbox);
     if (mode === 'exec') {
       const start = parseOrThrow(execStreamStartSchema, raw, 'exec start frame');
       timeoutMs = effectiveTimeout(start.timeout_ms, limits);
@@ -208,7 +241,7 @@ export async function runSession(
   pump(handle.stderr, 'stderr');
   handle.stdin.on('error', () => {});
 
-  ws.on('message', (data: Buffer) => {
+  inbox.drainTo((data: Buffer) => {
     let frame;
     try {
       frame = clientFrameSchema.parse(JSON.parse(data.toString('utf8')));
@@ -239,6 +272,8 @@ export async function runSession(
   ws.on('close', () => {
     if (!exited) handle.kill('SIGKILL');
   });
+  // The client may have gone while the process was being spawned: its 'close' has already fired.
+  if (ws.readyState !== ws.OPEN) handle.kill('SIGKILL');
 
   try {
     const status = await handle.wait();

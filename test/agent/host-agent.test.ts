@@ -5,6 +5,7 @@ import { createServer, connect, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
+import WebSocket from 'ws';
 import { HostAgentClient } from '../../src/adapters/host-agent.client.js';
 import type { ServerFrame } from '../../src/domain/agent-protocol.js';
 import { AppError } from '../../src/domain/errors.js';
@@ -234,6 +235,27 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     assert.equal(rt.exit?.timed_out, true);
 
     await expectCode(a!.client.execStream('nope', { type: 'start', argv: ['true'] }), 'SANDBOX_NOT_FOUND');
+
+    // A raw client that sends stdin right behind the start frame, before "started": nothing is lost.
+    const raw = new WebSocket(`ws://127.0.0.1:${a!.port}/v1/vms/a1/exec`, { headers: { authorization: `Bearer ${a!.token}` } });
+    const frames: ServerFrame[] = [];
+    await withTimeout(
+      new Promise<void>((resolve, reject) => {
+        raw.on('open', () => {
+          raw.send(JSON.stringify({ type: 'start', argv: ['cat'] }));
+          raw.send(JSON.stringify({ type: 'stdin', data: Buffer.from('early bytes').toString('base64') }));
+          raw.send(JSON.stringify({ type: 'eof' }));
+        });
+        raw.on('message', (d: Buffer) => frames.push(JSON.parse(d.toString()) as ServerFrame));
+        raw.on('close', () => resolve());
+        raw.on('error', reject);
+      }),
+      10_000,
+      'raw websocket exec',
+    );
+    const echoed = frames.flatMap((f) => (f.type === 'stdout' ? [Buffer.from(f.data, 'base64').toString()] : [])).join('');
+    assert.equal(echoed, 'early bytes');
+    assert.deepEqual(frames.at(-1), { type: 'exit', code: 0, timed_out: false });
   });
 
   it('attaches with a TTY and follows resize frames', async (t) => {
