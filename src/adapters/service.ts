@@ -19,6 +19,9 @@ import { allocationByHost, listSchedulableHostIds } from '../projections/hosts/h
 import type { Projection } from '../projections/projection.js';
 import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../projections/runner.js';
 import { vmsProjection } from '../projections/vms/vms.projection.js';
+import { billingProjection } from '../projections/billing/billing.projection.js';
+import { metricsProjection } from '../projections/metrics/metrics.projection.js';
+import { registerConsumerMetrics } from './http/consumer-metrics.js';
 import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
 import { listLiveVmHints } from '../projections/dead-letters/live-vms.queries.js';
 import type { Config } from './config.js';
@@ -30,12 +33,15 @@ import { ApiKeys, ADMIN_TENANT, type ApiKey } from './http/auth.js';
 import { hostRoutes } from './http/hosts.routes.js';
 import { Metrics } from './http/metrics.js';
 import { vmRoutes } from './http/vms.routes.js';
+import { usageRoutes } from './http/usage.routes.js';
+import { eventsRoutes, FeedStats } from './http/events.routes.js';
+import { auditRoutes } from './http/audit.routes.js';
 import { runMigrations } from './postgres/migrations.js';
 import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
 
 /** Every read model the service keeps. */
-export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection, deadLettersProjection];
+export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection, billingProjection, metricsProjection, deadLettersProjection];
 
 export interface ServiceOptions {
   readonly config: Config;
@@ -133,6 +139,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       ]),
     );
 
+    const feedStats = new FeedStats();
+    registerConsumerMetrics(metrics, { pool, store, runner, feed: feedStats });
+
     // Reconciler: runs on the one replica holding the lease. Projections run on every replica:
     // their checkpoint row is locked per batch, so they are already safe side by side, and each
     // replica needs its own runner caught up for read-your-writes.
@@ -195,8 +204,11 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       },
       routes: [
         hostRoutes({ hosts, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
-        vmRoutes({ vms, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        vmRoutes({ vms, pool, runner, readYourWritesTimeoutMs: rywTimeout, store }),
         deadLetterRoutes({ reconciler, pool, runner, readYourWritesTimeoutMs: rywTimeout, isLeader: () => lease.held, intervalMs: config.RECONCILE_INTERVAL_MS }),
+        usageRoutes({ pool }),
+        eventsRoutes({ store, logger, stats: feedStats }),
+        auditRoutes({ store }),
       ],
     });
     closers.push(() => app.close());

@@ -37,4 +37,27 @@ export class Metrics {
       },
     });
   }
+
+  /**
+   * A metric of any type (histogram, counter) whose samples are computed at
+   * scrape time, e.g. from an event-derived table: prom-client's own types
+   * keep state in this process, which a restart or another replica would not share.
+   */
+  custom(name: string, help: string, type: 'counter' | 'gauge' | 'histogram', collect: () => Promise<Array<{ suffix?: string; labels: Record<string, string | number>; value: number }>>): void {
+    const metric = {
+      name,
+      help,
+      type,
+      aggregator: 'sum',
+      reset: () => undefined,
+      get: async () => ({
+        name,
+        help,
+        type,
+        aggregator: 'sum',
+        values: (await collect()).map((v) => ({ metricName: `${name}${v.suffix ?? ''}`, labels: v.labels, value: v.value })),
+      }),
+    };
+    this.registry.registerMetric(metric as never);
+  }
 }

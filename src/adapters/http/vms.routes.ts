@@ -13,6 +13,8 @@ import { vmSpecSchema } from '../../domain/vm/spec.js';
 import { vmStatusSchema } from '../../domain/vm/vm.events.js';
 import type { ProjectionRunner } from '../../projections/runner.js';
 import { getVm, listVms, type VmRow } from '../../projections/vms/vms.queries.js';
+import type { EventStore } from '../../domain/event-store.port.js';
+import { parseAsOf, vmAsOf } from './audit.routes.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
 import { decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { problem } from './problem.js';
@@ -67,6 +69,8 @@ export interface VmRoutesDeps {
   readonly pool: Pool;
   readonly runner: ProjectionRunner;
   readonly readYourWritesTimeoutMs: number;
+  /** For `?as_of=`: the VM's own events are folded up to that point. */
+  readonly store?: EventStore | undefined;
 }
 
 export function actorOf(req: FastifyRequest): Actor {
@@ -109,8 +113,13 @@ export function vmRoutes(deps: VmRoutesDeps) {
     });
 
     app.get('/v1/vms/:id', {
-      schema: { tags: ['vms'], summary: 'Get a VM', params, querystring: z.object({ after: positionSchema.optional() }), response: { 200: vmSchema, ...problemResponses } },
+      schema: { tags: ['vms'], summary: 'Get a VM (as_of: as it was at that time or position, folded from its events)', params, querystring: z.object({ after: positionSchema.optional(), as_of: z.string().min(1).optional() }), response: { 200: vmSchema, ...problemResponses } },
     }, async (req) => {
+      if (req.query.as_of !== undefined && deps.store) {
+        const then = await vmAsOf(deps.store, req.params.id, parseAsOf(deps.store, req.query.as_of));
+        if (!then || (!req.caller.admin && then.state.tenant_id !== req.caller.tenantId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} did not exist at ${req.query.as_of}`, { vm_id: req.params.id });
+        return fromState(then.state);
+      }
       await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
       const row = await getVm(deps.pool, req.params.id, readScope(req));
       if (!row) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} does not exist`, { vm_id: req.params.id });

@@ -1,0 +1,241 @@
+import type { ServerResponse } from 'node:http';
+import type { FastifyInstance } from 'fastify';
+import type { ZodTypeProvider } from 'fastify-type-provider-zod';
+import type { Logger } from 'pino';
+import type { Subscription } from 'rxjs';
+import { z } from 'zod';
+import { ForbiddenError } from '../../domain/errors.js';
+import type { EventStore, Position, RecordedEvent } from '../../domain/event-store.port.js';
+import { vmEventSchema, type VmEvent, type VmStatus } from '../../domain/vm/vm.events.js';
+import { problemResponses } from './common.js';
+
+/** The seed's EnvironmentEvent: one VM lifecycle change as a client sees it. */
+export interface EnvironmentEvent {
+  /** The event's global position: also its SSE id, so `Last-Event-ID` resumes right after it. */
+  readonly id: Position;
+  readonly event: string;
+  readonly vm_id: string;
+  readonly state: VmStatus;
+  readonly url?: string;
+  readonly error?: string;
+  readonly updated_at: string;
+}
+
+const FEED: Partial<Record<VmEvent['type'], { event: string; state: VmStatus }>> = {
+  VmRequested: { event: 'vm.requested', state: 'requested' },
+  VmPlaced: { event: 'vm.placed', state: 'placed' },
+  VmBootStarted: { event: 'vm.booting', state: 'booting' },
+  VmBooted: { event: 'vm.booted', state: 'running' },
+  VmDestroyRequested: { event: 'vm.destroying', state: 'destroying' },
+  VmDestroyed: { event: 'vm.destroyed', state: 'destroyed' },
+  VmFailed: { event: 'vm.failed', state: 'failed' },
+};
+const FEED_TYPES = Object.keys(FEED);
+
+/** Maps a stored VM event to the feed's shape; undefined for events the feed does not carry. */
+export function toEnvironmentEvent(recorded: RecordedEvent): EnvironmentEvent | undefined {
+  const kind = FEED[recorded.type as VmEvent['type']];
+  if (!kind) return undefined;
+  const parsed = vmEventSchema.safeParse({ type: recorded.type, data: recorded.data });
+  if (!parsed.success) return undefined;
+  const e = parsed.data;
+  return {
+    id: recorded.position,
+    event: kind.event,
+    vm_id: e.data.vm_id,
+    state: kind.state,
+    ...(e.type === 'VmBooted' ? { url: e.data.url } : {}),
+    ...(e.type === 'VmFailed' ? { error: e.data.error } : {}),
+    updated_at: e.data.at,
+  };
+}
+
+/** A VM's tenant never changes, so it is cached; a miss reads the stream's first event (VmRequested). */
+export class VmTenants {
+  private readonly cache = new Map<string, string>();
+  constructor(private readonly store: EventStore, private readonly max = 200_000) {}
+
+  remember(streamId: string, tenant: string): void {
+    if (this.cache.size >= this.max) this.cache.clear();
+    this.cache.set(streamId, tenant);
+  }
+
+  async of(recorded: RecordedEvent): Promise<string | undefined> {
+    if (recorded.type === 'VmRequested') {
+      const t = (recorded.data as { tenant_id?: unknown } | null)?.tenant_id;
+      if (typeof t === 'string') {
+        this.remember(recorded.streamId, t);
+        return t;
+      }
+    }
+    const hit = this.cache.get(recorded.streamId);
+    if (hit !== undefined) return hit;
+    const [first] = await this.store.readStream(recorded.streamId, { maxCount: 1 });
+    const t = first?.type === 'VmRequested' ? (first.data as { tenant_id?: unknown } | null)?.tenant_id : undefined;
+    if (typeof t !== 'string') return undefined;
+    this.remember(recorded.streamId, t);
+    return t;
+  }
+}
+
+/** Live state of the feed's connections, for /metrics (consumer lag). */
+export class FeedStats {
+  readonly clients = new Set<{ queued(): number; bufferedBytes(): number; oldestPendingMs(): number | undefined }>();
+  readonly disconnects = new Map<string, number>();
+  countDisconnect(reason: string): void {
+    this.disconnects.set(reason, (this.disconnects.get(reason) ?? 0) + 1);
+  }
+}
+
+export interface EventsRoutesDeps {
+  readonly store: EventStore;
+  readonly logger?: Logger | undefined;
+  readonly stats?: FeedStats | undefined;
+  readonly heartbeatMs?: number | undefined;
+  /** Bytes written but not yet taken by the client; past this the client is cut off. */
+  readonly maxBufferBytes?: number | undefined;
+  /** Events received from the store but not yet written; past this the client is cut off. */
+  readonly maxQueuedEvents?: number | undefined;
+  /** Grace for the closing error frame to drain before the socket is destroyed. */
+  readonly closeGraceMs?: number | undefined;
+}
+
+/**
+ * `GET /v1/events`: the caller's VM lifecycle as Server-Sent Events. The SSE
+ * id is the event's position, so a reconnect with `Last-Event-ID` catches up
+ * from the store exactly after it and then goes live: no loss, no repeats.
+ * Memory per client is bounded: a client that does not read is cut off with
+ * an `event: error` frame naming why, never buffered without end.
+ */
+export function eventsRoutes(deps: EventsRoutesDeps) {
+  const tenants = new VmTenants(deps.store);
+  const heartbeatMs = deps.heartbeatMs ?? 15_000;
+  const maxBufferBytes = deps.maxBufferBytes ?? 1024 * 1024;
+  const maxQueued = deps.maxQueuedEvents ?? 10_000;
+  const closeGraceMs = deps.closeGraceMs ?? 5_000;
+  return async (scope: FastifyInstance): Promise<void> => {
+    const app = scope.withTypeProvider<ZodTypeProvider>();
+    // Open feeds would keep the server from closing: end them first, with a reason.
+    const open = new Set<() => void>();
+    app.addHook('preClose', async () => {
+      for (const end of [...open]) end();
+    });
+    app.get('/v1/events', {
+      schema: {
+        tags: ['events'],
+        summary: 'Live VM lifecycle events (text/event-stream); resume with Last-Event-ID',
+        querystring: z.object({ tenant: z.string().min(1).max(200).optional(), last_event_id: z.string().optional() }),
+        headers: z.object({ 'last-event-id': z.string().optional() }).passthrough(),
+        response: { ...problemResponses },
+      },
+    }, async (req, reply) => {
+      const resumeFrom = req.headers['last-event-id'] ?? req.query.last_event_id;
+      const after = resumeFrom !== undefined && resumeFrom !== '' ? deps.store.parsePosition(resumeFrom) : undefined;
+      let tenantScope: string | undefined;
+      if (req.caller.admin) tenantScope = req.query.tenant;
+      else {
+        if (req.query.tenant !== undefined && req.query.tenant !== req.caller.tenantId) throw new ForbiddenError('a tenant key watches its own events only; leave out tenant= or use the admin key');
+        tenantScope = req.caller.tenantId;
+      }
+
+      reply.hijack();
+      const res: ServerResponse = reply.raw;
+      res.writeHead(200, {
+        'content-type': 'text/event-stream; charset=utf-8',
+        'cache-control': 'no-cache, no-transform',
+        connection: 'keep-alive',
+        'x-accel-buffering': 'no',
+      });
+      res.write('retry: 2000\n\n');
+
+      const queue: Array<RecordedEvent | { comment: string }> = [];
+      let draining = false;
+      let closed = false;
+      let sub: Subscription | undefined;
+      const client = {
+        queued: () => queue.length,
+        bufferedBytes: () => res.writableLength,
+        oldestPendingMs: () => {
+          const head = queue.find((q): q is RecordedEvent => !('comment' in q));
+          return head?.created.getTime();
+        },
+      };
+      deps.stats?.clients.add(client);
+      const heartbeat = setInterval(() => {
+        if (!closed) res.write(`: heartbeat ${new Date().toISOString()}\n\n`);
+      }, heartbeatMs);
+      heartbeat.unref();
+
+      const cleanup = (reason: string): void => {
+        if (closed) return;
+        closed = true;
+        clearInterval(heartbeat);
+        sub?.unsubscribe();
+        queue.length = 0;
+        deps.stats?.clients.delete(client);
+        deps.stats?.countDisconnect(reason);
+      };
+      const fail = (code: string, message: string): void => {
+        if (closed) return;
+        cleanup(code.toLowerCase());
+        res.write(`event: error\ndata: ${JSON.stringify({ code, message })}\n\n`);
+        res.end();
+        // A client that reads nothing would hold the socket (and the frame) forever.
+        setTimeout(() => res.destroy(), closeGraceMs).unref();
+      };
+      res.on('close', () => cleanup('client_closed'));
+      const onShutdown = (): void => fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume');
+      open.add(onShutdown);
+      res.on('close', () => open.delete(onShutdown));
+
+      const drain = async (): Promise<void> => {
+        if (draining) return;
+        draining = true;
+        try {
+          while (queue.length > 0 && !closed) {
+            const recorded = queue.shift()!;
+            if ('comment' in recorded) {
+              res.write(`: ${recorded.comment}\n\n`);
+              continue;
+            }
+            const env = toEnvironmentEvent(recorded);
+            if (!env) continue;
+            if (tenantScope !== undefined) {
+              const owner = await tenants.of(recorded);
+              if (owner !== tenantScope) continue;
+            } else if (recorded.type === 'VmRequested') void tenants.of(recorded);
+            if (closed) return;
+            res.write(`id: ${env.id}\ndata: ${JSON.stringify(env)}\n\n`);
+            if (res.writableLength > maxBufferBytes) {
+              fail('SLOW_CONSUMER', `disconnected: more than ${maxBufferBytes} bytes were waiting for this client to read; reconnect with Last-Event-ID ${env.id} to resume`);
+              return;
+            }
+          }
+        } catch (err) {
+          deps.logger?.warn({ err }, 'event feed failed');
+          fail('FEED_FAILED', 'the event feed failed; reconnect with Last-Event-ID to resume');
+        } finally {
+          draining = false;
+        }
+      };
+
+      sub = deps.store.subscribeToAll({ after, filter: { streamPrefixes: ['vm-'], eventTypes: FEED_TYPES } }).subscribe({
+        next: (item) => {
+          if (closed) return;
+          if (item.kind === 'checkpoint') return;
+          queue.push(item.kind === 'event' ? item.event : { comment: `caught-up ${item.position ?? ''}` });
+          if (queue.length > maxQueued) {
+            fail('SLOW_CONSUMER', `disconnected: more than ${maxQueued} events were waiting to be sent to this client; reconnect with Last-Event-ID to resume`);
+            return;
+          }
+          void drain();
+        },
+        error: (err: unknown) => {
+          deps.logger?.warn({ err }, 'event feed subscription failed');
+          fail('EVENT_STORE_UNAVAILABLE', 'the event store subscription failed; reconnect with Last-Event-ID to resume');
+        },
+        complete: () => fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume'),
+      });
+    });
+  };
+}

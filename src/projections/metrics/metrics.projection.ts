@@ -1,0 +1,115 @@
+import type { RecordedEvent } from '../../domain/event-store.port.js';
+import { parseVmEvent } from '../../domain/vm/vm.events.js';
+import type { Projection, Sql } from '../projection.js';
+
+/** Upper bounds (seconds) of the boot duration histogram; +Inf is implied. */
+export const BOOT_BUCKETS_S = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300] as const;
+
+/**
+ * Event-derived metrics: counts that are facts about the log, not about this
+ * process, so they survive restarts and agree across replicas (a scrape of
+ * any replica reads the same table). Buckets are stored non-cumulative; the
+ * exposition accumulates them.
+ *
+ * `metrics_counters` is where reconcile summaries (`ReconcileCompleted`) and
+ * snapshot events add their counts once those events exist; the metric names
+ * they feed are defined in `EVENT_COUNTERS` now so dashboards can be built
+ * against them.
+ */
+export const metricsProjection: Projection = {
+  name: 'metrics',
+  migrations: [
+    {
+      id: 'metrics_0001',
+      sql: `
+        CREATE TABLE IF NOT EXISTS metrics_boot_buckets (
+          le double precision PRIMARY KEY,
+          observations bigint NOT NULL,
+          sum_ms bigint NOT NULL
+        );
+        CREATE TABLE IF NOT EXISTS metrics_counters (
+          name text NOT NULL,
+          labels text NOT NULL DEFAULT '',
+          value double precision NOT NULL,
+          PRIMARY KEY (name, labels)
+        );`,
+    },
+  ],
+  tables: [
+    { name: 'metrics_boot_buckets', key: ['le'] },
+    { name: 'metrics_counters', key: ['name', 'labels'] },
+  ],
+  async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
+    if (recorded.type !== 'VmBooted' || !recorded.streamId.startsWith('vm-')) return;
+    const e = parseVmEvent(recorded.type, recorded.data);
+    if (e.type !== 'VmBooted') return;
+    const seconds = e.data.boot_ms / 1000;
+    const le = BOOT_BUCKETS_S.find((b) => seconds <= b) ?? Number.POSITIVE_INFINITY;
+    await sql.query(
+      `INSERT INTO metrics_boot_buckets (le, observations, sum_ms) VALUES ($1, 1, $2)
+       ON CONFLICT (le) DO UPDATE SET observations = metrics_boot_buckets.observations + 1, sum_ms = metrics_boot_buckets.sum_ms + EXCLUDED.sum_ms`,
+      [le === Number.POSITIVE_INFINITY ? 'Infinity' : le, e.data.boot_ms],
+    );
+  },
+};
+
+/**
+ * Counters fed by later events (reconcile summaries after the seed's
+ * ReconcileSummary, snapshot lifecycle after SnapshotCountKey): name → help
+ * and the label sets published at zero until the events land.
+ */
+export const EVENT_COUNTERS = {
+  fleet_reconcile_runs_total: { help: 'Reconcile cycles completed (ReconcileCompleted events)', labels: [{}] },
+  fleet_reconcile_items_total: {
+    help: 'Reconcile outcomes summed over cycles, by kind (fields of the seed ReconcileSummary)',
+    labels: [
+      'orphans_destroyed',
+      'orphans_failed',
+      'orphans_dead_lettered',
+      'stuck_tasks_suspected',
+      'stuck_tasks_failed',
+      'idle_vms_suspected',
+      'idle_vms_failed',
+      'vms_missing_provider',
+      'health_checked',
+      'health_failing',
+      'egress_checked',
+      'egress_unhealthy',
+    ].map((kind) => ({ kind })),
+  },
+  fleet_reconcile_duration_seconds_total: { help: 'Seconds spent in reconcile cycles', labels: [{}] },
+  fleet_snapshot_transitions_total: { help: 'Snapshot state transitions by state and mode (snapshot events)', labels: [] as Array<Record<string, string>> },
+  fleet_egress_failures_total: { help: 'Egress provision/teardown failures by provider and operation', labels: [] as Array<Record<string, string>> },
+} as const satisfies Record<string, { help: string; labels: ReadonlyArray<Record<string, string>> }>;
+
+export interface BootHistogram {
+  /** Cumulative counts per upper bound, ending with +Inf. */
+  readonly buckets: Array<{ le: number; count: number }>;
+  readonly count: number;
+  readonly sumSeconds: number;
+}
+
+export async function bootHistogram(sql: Sql): Promise<BootHistogram> {
+  const { rows } = await sql.query<{ le: number; observations: string; sum_ms: string }>('SELECT le, observations, sum_ms FROM metrics_boot_buckets');
+  const by = new Map(rows.map((r) => [Number(r.le), r]));
+  let cumulative = 0;
+  let sumMs = 0;
+  const buckets: Array<{ le: number; count: number }> = [];
+  for (const le of [...BOOT_BUCKETS_S, Number.POSITIVE_INFINITY]) {
+    const r = by.get(le);
+    cumulative += Number(r?.observations ?? 0);
+    sumMs += Number(r?.sum_ms ?? 0);
+    buckets.push({ le, count: cumulative });
+  }
+  return { buckets, count: cumulative, sumSeconds: sumMs / 1000 };
+}
+
+/** Stored counter values; labels are stored as canonical `k=v,k=v` text. */
+export async function eventCounters(sql: Sql): Promise<Array<{ name: string; labels: Record<string, string>; value: number }>> {
+  const { rows } = await sql.query<{ name: string; labels: string; value: number }>('SELECT name, labels, value FROM metrics_counters ORDER BY name, labels');
+  return rows.map((r) => ({
+    name: r.name,
+    value: Number(r.value),
+    labels: Object.fromEntries(r.labels ? r.labels.split(',').map((kv) => kv.split('=') as [string, string]) : []),
+  }));
+}
