@@ -11,7 +11,7 @@ import { after, before, describe, test } from 'node:test';
 import { AppError } from '../../src/domain/errors.js';
 import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
-import { generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
+import { bridgeForwarding, bridgeName, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
 import { parseGpuCsv, parseMigList } from '../../src/agent/backend/host-capacity.js';
 import { buildImage } from '../../src/agent/images.js';
 
@@ -262,6 +262,9 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     // Changing routes to go through the gateway needs CAP_NET_ADMIN, which sandboxes lack.
     const route = await sh(b, 'net-a1', `ip route add ${b1.ip}/32 via ${parseSubnet(opts.subnet!).gateway} 2>&1`);
     assert.notEqual(route.exitCode, 0);
+    // With ip_forward on, a raw frame to the gateway could still be routed to another bridge: forwarding is off on ours.
+    assert.equal(await bridgeForwarding(bridgeName(opts.bridgePrefix!, 'alpha', false)), '0');
+    assert.equal(await bridgeForwarding(bridgeName(opts.bridgePrefix!, 'beta', false)), '0');
     for (const n of ['net-a1', 'net-a2', 'net-b1']) await b.destroy(n);
 
     const { backend: open } = await openBackend({ allowCrossTenant: true });

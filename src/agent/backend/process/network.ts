@@ -1,4 +1,5 @@
 import { createHash } from 'node:crypto';
+import { readFile, writeFile } from 'node:fs/promises';
 import { capacityExhausted, invalidSpec } from '../../backend.js';
 import { mustRun, runTool } from './exec-util.js';
 
@@ -16,7 +17,9 @@ import { mustRun, runTool } from './exec-util.js';
  *   peers on its own bridge answer, and the host does no proxy ARP. It
  *   cannot route around that through the gateway: sandboxes have no
  *   CAP_NET_ADMIN to change their routes, and the host does not forward
- *   unless the operator turned ip_forward on.
+ *   even where the operator turned ip_forward on: forwarding is off on
+ *   every sandbox bridge (a sandbox keeps CAP_NET_RAW and could otherwise
+ *   hand the gateway a frame for another tenant).
  */
 
 export interface Subnet {
@@ -96,7 +99,15 @@ export async function ensureBridge(bridge: string, subnet: Subnet): Promise<void
   }
   const addr = await runTool('ip', ['addr', 'add', `${subnet.gateway}/32`, 'dev', bridge]);
   if (addr.code !== 0 && !/File exists|already assigned/.test(addr.stderr)) throw new Error(`ip addr add on ${bridge} failed: ${addr.stderr.trim()}`);
+  // Never route what a sandbox sends, even where the operator turned ip_forward on: a sandbox keeps
+  // CAP_NET_RAW, so it could address a frame to the gateway's MAC with another tenant's IP in it.
+  // (Writing the global ip_forward later resets this; every create checks it and calls ensureBridge again.)
+  await writeFile(`/proc/sys/net/ipv4/conf/${bridge}/forwarding`, '0').catch(() => undefined);
   await mustRun('ip', ['link', 'set', bridge, 'up']);
+}
+
+export async function bridgeForwarding(bridge: string): Promise<string> {
+  return (await readFile(`/proc/sys/net/ipv4/conf/${bridge}/forwarding`, 'utf8')).trim();
 }
 
 /**

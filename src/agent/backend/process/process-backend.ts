@@ -32,7 +32,7 @@ import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, launchInit, type HostTools } from './launch.js';
-import { attachSandbox, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
+import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
 
 /**
@@ -248,7 +248,7 @@ export class ProcessBackend implements Backend {
         mark('cgroup');
         await this.locks.run(`br:${state.bridge}`, async () => {
           // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
-          if (this.bridgesReady.has(state.bridge) && existsSync(`/sys/class/net/${state.bridge}`)) return;
+          if (this.bridgesReady.has(state.bridge) && (await bridgeForwarding(state.bridge).catch(() => null)) === '0') return;
           await ensureBridge(state.bridge, this.subnet);
           this.bridgesReady.add(state.bridge);
         });
