@@ -7,6 +7,7 @@ import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import WebSocket from 'ws';
 import { HostAgentClient } from '../../src/adapters/host-agent.client.js';
+import { listLinks, vethName } from '../../src/agent/backend/process/network.js';
 import type { ServerFrame } from '../../src/domain/agent-protocol.js';
 import { AppError } from '../../src/domain/errors.js';
 import { classifyHostAgentError, type AgentStream } from '../../src/domain/host-agent.port.js';
@@ -463,6 +464,33 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     assert.ok(names.includes('a1') && names.includes('a2'), `rediscovered ${names.join(',')}`);
     const r = await a.client.exec('a1', { argv: ['cat', '/root/state.txt'] });
     assert.equal(r.stdout, 'persisted-state\n');
+  });
+
+  it('an agent SIGKILLed in the middle of creates: after restart and prune, every host resource belongs to a listed sandbox', async (t) => {
+    if (guard(t)) return;
+    const prefix = aOpts.bridgePrefix;
+    // Creates in flight at staggered points, then a crash.
+    const inflight = [0, 1, 2, 3].map((i) => a!.client.createVm({ name: `crash${i}`, image: 'base' }, { timeoutMs: 20_000 }).catch(() => undefined));
+    await new Promise((r) => setTimeout(r, 60));
+    await a!.kill();
+    await Promise.all(inflight);
+    a = await startAgent(aOpts);
+    await a.client.prune();
+    const listed = new Set((await a.client.listVms()).map((v) => v.name));
+    assert.ok(listed.has('a1') && listed.has('a2'), 'the sandboxes that ran before survive');
+
+    const dirs = await readdir(join(aOpts.dataDir, 'sandboxes')).catch(() => [] as string[]);
+    assert.deepEqual(dirs.filter((d) => !listed.has(d)), [], 'no sandbox directory without a sandbox');
+    const cg = await readdir(`/sys/fs/cgroup/pids/fleet-${prefix}`, { withFileTypes: true }).catch(() => []);
+    const cgNames = cg.filter((e) => e.isDirectory()).map((e) => e.name);
+    assert.deepEqual(cgNames.filter((n) => !listed.has(n)), [], 'no cgroup without a sandbox');
+    const veths = (await listLinks('veth')).filter((l) => l.startsWith(`${prefix}v`));
+    const owned = new Set([...listed].map((n) => vethName(prefix, n)));
+    assert.deepEqual(veths.filter((v) => !owned.has(v)), [], 'no veth without a sandbox');
+    for (const name of listed) {
+      const info = await a.client.getVm(name);
+      if (info.state === 'running') assert.equal((await a.client.exec(name, { argv: ['true'] })).exit_code, 0, `${name} runs`);
+    }
   });
 
   it('prune reclaims leftovers that no known sandbox owns, and spares the running ones', async (t) => {
