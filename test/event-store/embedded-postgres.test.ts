@@ -107,6 +107,18 @@ describe('embedded Postgres', { timeout: 180_000 }, () => {
     await s2.stop();
   });
 
+  it('a data directory in use by a running instance is refused, and that instance is left alone', { timeout: 60_000 }, async () => {
+    const dataDir = path.join(root, 'busy');
+    const running = await startEmbeddedPostgres({ dataDir, port: await freePort() });
+    try {
+      await assert.rejects(startEmbeddedPostgres({ dataDir, port: await freePort() }), (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_IN_USE');
+      const { rows } = await query(running.url, 'SELECT 1 AS ok');
+      assert.deepEqual(rows, [{ ok: 1 }]);
+    } finally {
+      await running.stop();
+    }
+  });
+
   it('a taken port is a clear error', { timeout: 30_000 }, async () => {
     const blocker = net.createServer();
     await new Promise<void>((r) => blocker.listen(0, '127.0.0.1', () => r()));

@@ -177,6 +177,11 @@ async function clearStaleLock(dataDir: string, logger: Logger | undefined): Prom
     }
     const ours = cmdline.includes('postgres') && cmdline.includes(dataDir);
     if (ours) {
+      // Reparented to init means its parent died; a live parent is another running instance, not ours to stop.
+      const ppid = await fs.readFile(`/proc/${pid}/stat`, 'utf8').then((st) => Number.parseInt(st.slice(st.lastIndexOf(')') + 2).split(' ')[1] ?? '', 10), () => 1);
+      if (ppid !== 1 && processAlive(ppid)) {
+        throw new EmbeddedPostgresError('EMBEDDED_PG_IN_USE', `${dataDir} is in use by a running Postgres (pid ${pid}) started by process ${ppid}; stop that process or use another data directory`);
+      }
       logger?.warn({ postgresPid: pid, dataDir }, 'an orphaned embedded Postgres from an earlier run holds this data directory; stopping it');
       process.kill(pid, 'SIGINT'); // fast shutdown: roll back, checkpoint, exit
       if (!(await waitForExit(pid, 15_000))) {
