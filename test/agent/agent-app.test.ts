@@ -1,4 +1,5 @@
 import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
 import { mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -208,6 +209,25 @@ describe('artifact grants', () => {
     assert.deepEqual(verifyGrant(SECRET, tampered, 'a', 1000), { ok: false, reason: 'invalid' });
     assert.deepEqual(verifyGrant(SECRET, `${payload}.`, 'a', 1000), { ok: false, reason: 'invalid' });
     assert.deepEqual(verifyGrant(SECRET, 'garbage', 'a', 1000), { ok: false, reason: 'invalid' });
+  });
+});
+
+describe('fleet-agent bin', { timeout: 30_000 }, () => {
+  it('starts the agent program and refuses a bad configuration by name, without echoing the token', () => {
+    const bin = join(import.meta.dirname, '..', '..', 'bin', 'fleet-agent.mjs');
+    const help = spawnSync(process.execPath, [bin, '--help'], { encoding: 'utf8', cwd: tmpdir(), timeout: 20_000 });
+    assert.equal(help.status, 0);
+    assert.match(help.stdout, /usage: fleet-agent/);
+    const bad = spawnSync(process.execPath, [bin], {
+      encoding: 'utf8',
+      cwd: tmpdir(),
+      timeout: 20_000,
+      env: { ...process.env, AGENT_TOKEN: 'shorttoken', AGENT_PORT: 'x' },
+    });
+    assert.equal(bad.status, 2);
+    assert.match(bad.stderr, /AGENT_TOKEN: must be at least 16 characters/);
+    assert.match(bad.stderr, /AGENT_PORT: must be a port number/);
+    assert.ok(!bad.stderr.includes('shorttoken'));
   });
 });
 

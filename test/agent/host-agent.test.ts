@@ -360,6 +360,7 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const r = await b!.client.exec('b1', { argv: ['cat', '/root/state.txt'] });
     assert.equal(r.stdout, 'persisted-state\n');
 
+    for (const agent of [a!, b!]) assert.ok(!agent.output().includes(grant.grant), 'a grant never reaches a log line');
     // Range reads are served under the grant.
     const part = await fetch(`${a!.url}/v1/artifacts/${state.cpId}/files/rootfs.tar`, { headers: { authorization: `Bearer ${grant.grant}`, range: 'bytes=0-99' } });
     assert.equal(part.status, 206);
@@ -509,6 +510,22 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     assert.deepEqual(again.reclaimed, [], 'a second prune finds nothing');
     const r = await b!.client.exec('b1', { argv: ['true'] });
     assert.equal(r.exit_code, 0, 'running sandboxes survive prune');
+  });
+
+  it('SIGTERM shuts the agent down gracefully with a stream open; its sandboxes keep running', async (t) => {
+    if (guard(t)) return;
+    const s = await b!.client.execStream('b1', { type: 'start', argv: ['sleep', '30'] });
+    const ended = collect(s, 15_000).catch((err: unknown) => err);
+    const t0 = Date.now();
+    const bOpts = b!.opts;
+    b!.proc.kill('SIGTERM');
+    const code = await withTimeout(new Promise<number | null>((r) => b!.proc.once('exit', (c) => r(c))), 12_000, 'graceful shutdown');
+    assert.equal(code, 0);
+    assert.ok(Date.now() - t0 < 11_000);
+    await ended;
+    assert.ok(!b!.output().includes(b!.token), 'the token never reaches a log line');
+    b = await startAgent(bOpts);
+    assert.equal((await b.client.exec('b1', { argv: ['cat', '/root/state.txt'] })).stdout, 'persisted-state\n');
   });
 });
 
