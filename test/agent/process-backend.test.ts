@@ -411,26 +411,45 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     }
   });
 
-  test('tty: the process sees a terminal of the asked size, and resize reaches it', async (t) => {
+  async function ttyRoundTrip(backend: ProcessBackend, name: string): Promise<{ out: string; exitCode: number | null }> {
+    const h = await backend.spawn(name, { argv: ['/bin/sh', '-c', 'stty size; read x; stty size; exit 4'], stdin: true, tty: { rows: 30, cols: 100 } });
+    let out = '';
+    h.stdout.setEncoding('utf8').on('data', (d: string) => (out += d));
+    for (let i = 0; i < 100 && !out.includes('30 100'); i++) await new Promise((r) => setTimeout(r, 20));
+    h.resize(40, 120);
+    await new Promise((r) => setTimeout(r, 200));
+    h.stdin.write('go\r');
+    const timer = setTimeout(() => h.kill('SIGKILL'), 10_000);
+    const st = await h.wait().finally(() => clearTimeout(timer));
+    return { out, exitCode: st.exitCode };
+  }
+
+  test('tty (node-pty): the process sees a terminal of the asked size, and resize reaches it', async (t) => {
     await b.create({ name: 'tty', cpus: 1, ram_mb: 64, tenant: 'acme' });
     try {
-      let h: ProcessHandle;
+      let res;
       try {
-        h = await b.spawn('tty', { argv: ['/bin/sh', '-c', 'stty size; read x; stty size'], stdin: true, tty: { rows: 30, cols: 100 } });
+        res = await ttyRoundTrip(b, 'tty');
       } catch (err) {
         if (err instanceof AppError && err.code === 'HOST_FEATURE_MISSING') return t.skip(err.message);
         throw err;
       }
-      let out = '';
-      h.stdout.setEncoding('utf8').on('data', (d: string) => (out += d));
-      for (let i = 0; i < 50 && !out.includes('30 100'); i++) await new Promise((r) => setTimeout(r, 20));
-      h.resize(40, 120);
-      h.stdin.write('go\r');
-      const st = await h.wait();
-      assert.equal(st.exitCode, 0);
-      assert.match(out, /30 100[\s\S]*40 120/);
+      assert.equal(res.exitCode, 4);
+      assert.match(res.out, /30 100[\s\S]*40 120/);
     } finally {
       await b.destroy('tty');
+    }
+  });
+
+  test('tty (script(1) fallback, for hosts without node-pty): size, resize, exit code', async () => {
+    const { backend: s } = await openBackend({ pty: 'script' });
+    await s.create({ name: 'tty2', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    try {
+      const res = await ttyRoundTrip(s, 'tty2');
+      assert.equal(res.exitCode, 4);
+      assert.match(res.out, /30 100[\s\S]*40 120/);
+    } finally {
+      await s.destroy('tty2');
     }
   });
 

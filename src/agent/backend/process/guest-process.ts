@@ -1,7 +1,10 @@
 import { spawn } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { readFile, readlink } from 'node:fs/promises';
 import { constants as osConstants } from 'node:os';
 import { PassThrough, Writable } from 'node:stream';
 import { featureMissing, sandboxFailed, type ExitStatus, type ProcessHandle } from '../../backend.js';
+import { runTool } from './exec-util.js';
 
 /**
  * A process running inside a sandbox, seen from the host. The host-side
@@ -46,9 +49,15 @@ export function spawnPiped(argv: readonly string[], env: Record<string, string>,
   };
 }
 
-export async function spawnPty(argv: readonly string[], env: Record<string, string>, size: { rows: number; cols: number }): Promise<ProcessHandle> {
-  const pty = await loadPty();
-  if (!pty) throw featureMissing('node-pty', 'a TTY needs the optional node-pty module: run `npm install` with a C++ toolchain (build-essential, python3)');
+/**
+ * A TTY process: node-pty when it is installed (an optional native module),
+ * else script(1) from util-linux, which makes the pty itself. With script,
+ * resizes go through `stty -F` on the pty's slave, which makes the kernel
+ * signal SIGWINCH to the foreground process exactly as a terminal would.
+ */
+export async function spawnPty(argv: readonly string[], env: Record<string, string>, size: { rows: number; cols: number }, impl: 'auto' | 'script' = 'auto'): Promise<ProcessHandle> {
+  const pty = impl === 'script' ? null : await loadPty();
+  if (!pty) return spawnScriptPty(argv, env, size);
   const [cmd, ...args] = argv;
   const term = pty.spawn(cmd!, args, { name: env.TERM ?? 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env, encoding: null } as Parameters<PtyModule['spawn']>[2]);
   const stdout = new PassThrough();
@@ -87,6 +96,47 @@ export async function spawnPty(argv: readonly string[], env: Record<string, stri
       }
     },
     kill: (signal = 'SIGKILL') => killGroup(term.pid, signal),
+    wait: () => exited,
+  };
+}
+
+const shq = (a: string): string => `'${a.replace(/'/g, `'\\''`)}'`;
+
+function spawnScriptPty(argv: readonly string[], env: Record<string, string>, size: { rows: number; cols: number }): ProcessHandle {
+  if (!existsSync('/usr/bin/script')) throw featureMissing('pty', 'a TTY needs node-pty (npm install with build-essential and python3) or script(1) from util-linux');
+  // The -c command runs on the host inside the new pty: size it there, then enter the sandbox.
+  const command = `stty rows ${size.rows} cols ${size.cols} 2>/dev/null; exec ${argv.map(shq).join(' ')}`;
+  const child = spawn('/usr/bin/script', ['-q', '-e', '-f', '-c', command, '/dev/null'], { detached: true, stdio: ['pipe', 'pipe', 'pipe'], env: { ...env, SHELL: '/bin/sh' } });
+  child.stdin.on('error', () => undefined);
+  const exited = new Promise<ExitStatus>((resolve, reject) => {
+    child.once('error', (err) => reject(sandboxFailed(`could not start script(1): ${err.message}`, {}, err)));
+    child.once('close', (code, signal) => resolve({ exitCode: code, signal }));
+  });
+  exited.catch(() => undefined);
+  // The process inside the pty leads its own session: find it through script's children.
+  const inner = async (): Promise<number | null> => {
+    const text = await readFile(`/proc/${child.pid}/task/${child.pid}/children`, 'utf8').catch(() => '');
+    const pid = Number(text.trim().split(/\s+/)[0]);
+    return Number.isInteger(pid) && pid > 0 ? pid : null;
+  };
+  return {
+    stdout: child.stdout,
+    stderr: child.stderr,
+    stdin: child.stdin,
+    resize: (rows, cols) => {
+      void (async () => {
+        const pid = await inner();
+        if (!pid) return;
+        const tty = await readlink(`/proc/${pid}/fd/0`).catch(() => null);
+        if (tty?.startsWith('/dev/pts/')) await runTool('stty', ['-F', tty, 'rows', String(Math.max(1, rows)), 'cols', String(Math.max(1, cols))]).catch(() => undefined);
+      })();
+    },
+    kill: (signal = 'SIGKILL') => {
+      void inner().then((pid) => {
+        if (pid) killGroup(pid, signal);
+        killGroup(child.pid, signal);
+      });
+    },
     wait: () => exited,
   };
 }

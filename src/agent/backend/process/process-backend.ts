@@ -63,6 +63,8 @@ export const optionsSchema = z.object({
   defaultPidsMax: z.number().int().positive().default(1024),
   busybox: z.string().default('/bin/busybox'),
   cgroupRoot: z.string().default('/sys/fs/cgroup'),
+  /** TTY implementation: node-pty when installed, else script(1); 'script' forces the fallback. */
+  pty: z.enum(['auto', 'script']).default('auto'),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -331,7 +333,7 @@ export class ProcessBackend implements Backend {
     const argv = enterArgv({ initPid: record.state.init_pid, cgroupProcs: this.cgroups.procsFiles(name), cwd, argv: opts.argv, tools: this.tools });
     if (opts.tty) {
       env.TERM ??= 'xterm-256color';
-      return spawnPty(argv, env, { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) });
+      return spawnPty(argv, env, { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) }, this.opts.pty);
     }
     return spawnPiped(argv, env, opts.stdin);
   }
