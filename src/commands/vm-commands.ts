@@ -6,7 +6,7 @@ import type { Position, RecordedEvent } from '../domain/event-store.port.js';
 import { classifyHostAgentError, type AgentStream, type HostAgent } from '../domain/host-agent.port.js';
 import { hostStream, vmStream } from '../domain/ids.js';
 import { hostDecider } from '../domain/host/host.decider.js';
-import type { PlacementPolicy } from '../domain/placement/placement.js';
+import type { Placement, PlacementPolicy } from '../domain/placement/placement.js';
 import { placementRequestOf, RESERVED_GUEST_DIR, validateVmSpec, type SpecLimits, type VmSpec } from '../domain/vm/spec.js';
 import { vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
 import { isVmEventType, parseVmEvent, type Endpoint, type VmEndReason, type VmEvent } from '../domain/vm/vm.events.js';
@@ -182,9 +182,20 @@ export class VmCommands {
   private async reserve(vmId: string, spec: VmSpec, actor: Actor): Promise<{ placed: VmResult; hostId: string }> {
     const request = placementRequestOf(spec);
     const attempts = this.config.maxPlacementAttempts ?? 32;
+    let reloaded = false;
     for (let attempt = 1; ; attempt++) {
       await this.view.fresh();
-      const choice = this.view.placeAndHold(vmId, request, { policy: this.config.policy });
+      let choice: Placement;
+      try {
+        choice = this.view.placeAndHold(vmId, request, { policy: this.config.policy });
+      } catch (err) {
+        // A cached view may predate a host just registered or capacity released elsewhere: refuse only on a fresh one.
+        if (reloaded || !(err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED')) throw err;
+        reloaded = true;
+        this.view.invalidate();
+        await this.view.fresh();
+        choice = this.view.placeAndHold(vmId, request, { policy: this.config.policy });
+      }
       const hostId = choice.decision.host_id;
       try {
         const reserved = await this.onHost(hostId, () =>
