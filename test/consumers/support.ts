@@ -111,3 +111,69 @@ export async function waitUntil(what: string, check: () => Promise<boolean> | bo
 export function auth(key: string): Record<string, string> {
   return { authorization: `Bearer ${key}` };
 }
+
+export interface SseFrame {
+  readonly id?: string;
+  readonly event?: string;
+  readonly data?: string;
+}
+
+export interface SseClient {
+  readonly status: number;
+  readonly frames: SseFrame[];
+  readonly comments: string[];
+  readonly res: import('node:http').IncomingMessage;
+  /** Resolves when the server ends the stream. */
+  readonly ended: Promise<void>;
+  waitFor(what: string, check: () => boolean, timeoutMs?: number): Promise<void>;
+  close(): void;
+}
+
+/** A minimal Server-Sent Events client over node:http that keeps every frame and comment it parses. */
+export async function openSse(url: string, headers: Record<string, string>, opts: { paused?: boolean } = {}): Promise<SseClient> {
+  const http = await import('node:http');
+  return new Promise((resolve, reject) => {
+    const req = http.get(url, { headers: { accept: 'text/event-stream', ...headers } }, (res) => {
+      const frames: SseFrame[] = [];
+      const comments: string[] = [];
+      let buf = '';
+      let endedResolve!: () => void;
+      const ended = new Promise<void>((r) => (endedResolve = r));
+      res.setEncoding('utf8');
+      res.on('data', (chunk: string) => {
+        buf += chunk;
+        let idx: number;
+        while ((idx = buf.indexOf('\n\n')) >= 0) {
+          const block = buf.slice(0, idx);
+          buf = buf.slice(idx + 2);
+          const frame: { id?: string; event?: string; data?: string } = {};
+          let isFrame = false;
+          for (const line of block.split('\n')) {
+            if (line.startsWith(':')) comments.push(line.slice(1).trim());
+            else if (line.startsWith('id: ')) ((frame.id = line.slice(4)), (isFrame = true));
+            else if (line.startsWith('event: ')) ((frame.event = line.slice(7)), (isFrame = true));
+            else if (line.startsWith('data: ')) ((frame.data = (frame.data === undefined ? '' : `${frame.data}\n`) + line.slice(6)), (isFrame = true));
+          }
+          if (isFrame && frame.data !== undefined) frames.push(frame);
+        }
+      });
+      res.on('end', () => endedResolve());
+      res.on('close', () => endedResolve());
+      res.on('error', () => endedResolve());
+      if (opts.paused) res.pause();
+      resolve({
+        status: res.statusCode ?? 0,
+        frames,
+        comments,
+        res,
+        ended,
+        waitFor: (what, check, timeoutMs = 10_000) => waitUntil(what, check, timeoutMs),
+        close: () => {
+          req.destroy();
+          res.destroy();
+        },
+      });
+    });
+    req.on('error', reject);
+  });
+}

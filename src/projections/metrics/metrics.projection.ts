@@ -11,10 +11,10 @@ export const BOOT_BUCKETS_S = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300
  * any replica reads the same table). Buckets are stored non-cumulative; the
  * exposition accumulates them.
  *
- * `metrics_counters` is where reconcile summaries (`ReconcileCompleted`) and
- * snapshot events add their counts once those events exist; the metric names
- * they feed are defined in `EVENT_COUNTERS` now so dashboards can be built
- * against them.
+ * `metrics_counters` is where snapshot and egress events add their counts
+ * once those events exist; the metric names they feed are defined in
+ * `EVENT_COUNTERS` now so dashboards can be built against them. (Reconcile
+ * summaries are counted by the reconciler's own fleet_reconcile_* metrics.)
  */
 export const metricsProjection: Projection = {
   name: 'metrics',
@@ -54,32 +54,16 @@ export const metricsProjection: Projection = {
 };
 
 /**
- * Counters fed by later events (reconcile summaries after the seed's
- * ReconcileSummary, snapshot lifecycle after SnapshotCountKey): name → help
- * and the label sets published at zero until the events land.
+ * Counters fed by later events (snapshot lifecycle after the seed's
+ * SnapshotCountKey, egress failures after EgressMetrics): name → help and the
+ * label sets published at zero until the events land.
  */
 export const EVENT_COUNTERS = {
-  fleet_reconcile_runs_total: { help: 'Reconcile cycles completed (ReconcileCompleted events)', labels: [{}] },
-  fleet_reconcile_items_total: {
-    help: 'Reconcile outcomes summed over cycles, by kind (fields of the seed ReconcileSummary)',
-    labels: [
-      'orphans_destroyed',
-      'orphans_failed',
-      'orphans_dead_lettered',
-      'stuck_tasks_suspected',
-      'stuck_tasks_failed',
-      'idle_vms_suspected',
-      'idle_vms_failed',
-      'vms_missing_provider',
-      'health_checked',
-      'health_failing',
-      'egress_checked',
-      'egress_unhealthy',
-    ].map((kind) => ({ kind })),
+  fleet_snapshot_transitions_total: {
+    help: 'Snapshot state transitions by state and mode (snapshot events; SnapshotCountKey)',
+    labels: ['creating', 'ready', 'restoring', 'failed'].flatMap((state) => ['manual', 'build'].map((mode) => ({ state, mode }))),
   },
-  fleet_reconcile_duration_seconds_total: { help: 'Seconds spent in reconcile cycles', labels: [{}] },
-  fleet_snapshot_transitions_total: { help: 'Snapshot state transitions by state and mode (snapshot events)', labels: [] as Array<Record<string, string>> },
-  fleet_egress_failures_total: { help: 'Egress provision/teardown failures by provider and operation', labels: [] as Array<Record<string, string>> },
+  fleet_egress_failures_total: { help: 'Egress provision/teardown failures by provider and operation (EgressMetrics)', labels: [] as Array<Record<string, string>> },
 } as const satisfies Record<string, { help: string; labels: ReadonlyArray<Record<string, string>> }>;
 
 export interface BootHistogram {
