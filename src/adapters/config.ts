@@ -81,6 +81,20 @@ export const configSchema = z.object({
   RECONCILER_ENABLED: bool.default(true),
   /** How often a standby replica tries to take the reconciler lease, and the holder checks it still has it. */
   LEASE_POLL_MS: z.coerce.number().int().min(50).default(1_000),
+  /** Snapshots created without a retention window expire this long after creation. 0: kept until deleted. */
+  DEFAULT_SNAPSHOT_RETENTION_MS: durationMs.default(0),
+  /** Snapshots (creating/ready/restoring, build artifacts excluded) per tenant. 0 disables. */
+  SNAPSHOT_QUOTA_MAX_COUNT: z.coerce.number().int().nonnegative().default(0),
+  /** Aggregate bytes of those snapshots per tenant. 0 disables. */
+  SNAPSHOT_QUOTA_MAX_BYTES: z.coerce.number().int().nonnegative().default(0),
+  /** Bounds one host-to-host artifact transfer. 0: the agent call timeout. */
+  ARTIFACT_PULL_TIMEOUT_MS: durationMs.default(0),
+  /** Layer artifacts unused this long are collected. 0 (default) disables idle collection. */
+  ARTIFACT_IDLE_TTL_MS: durationMs.default(0),
+  /** Ready layer artifacts one tenant may keep; least recently used evicted. 0 disables. */
+  ARTIFACT_MAX_PER_TENANT: z.coerce.number().int().nonnegative().default(0),
+  /** How often the snapshot collector looks for expired snapshots and idle layers. */
+  SNAPSHOT_GC_INTERVAL_MS: z.coerce.number().int().min(100, 'at least 100 ms').default(60_000),
 });
 
 export type Config = z.infer<typeof configSchema>;

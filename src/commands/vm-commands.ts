@@ -41,6 +41,23 @@ export interface VmResult {
   readonly position: Position | undefined;
 }
 
+/**
+ * Where a seed snapshot's artifact is and how it gets to a host (the
+ * snapshot commands implement it): placement prefers holders, and the
+ * winner is given a copy before boot when it has none.
+ */
+export interface SeedArtifacts {
+  /** Hosts holding the seed for this caller; SNAPSHOT_NOT_FOUND for another tenant's or a missing one. */
+  holders(snapshotId: string, actor: Actor): Promise<ReadonlySet<string>>;
+  /** Moves the artifact onto `hostId` unless it already holds it; records the move. */
+  ensureOn(snapshotId: string, hostId: string, actor: Actor): Promise<void>;
+}
+
+/** For flows built on create (fork, migrate): hosts to avoid. */
+export interface CreateOptions {
+  readonly excludeHosts?: ReadonlySet<string> | undefined;
+}
+
 /** A caller: the tenant from its key, or an admin that may touch any tenant's VM. */
 export interface Actor extends CommandMeta {
   readonly tenantId: string;
@@ -55,6 +72,7 @@ export interface Actor extends CommandMeta {
 export class VmCommands {
   private readonly lastActivity = new Map<string, number>();
   private readonly hostQueues = new Map<string, Promise<void>>();
+  private seeds: SeedArtifacts | undefined;
 
   constructor(
     private readonly handler: CommandHandler,
@@ -70,8 +88,14 @@ export class VmCommands {
    * is derived from (tenant, key), so a retry lands on the same stream and
    * returns the same VM instead of making a second one.
    */
-  async create(input: unknown, actor: Actor, idempotencyKey?: string): Promise<VmResult> {
+  setSeedArtifacts(seeds: SeedArtifacts): void {
+    this.seeds = seeds;
+  }
+
+  async create(input: unknown, actor: Actor, idempotencyKey?: string, opts: CreateOptions = {}): Promise<VmResult> {
     const spec = validateVmSpec(input, this.config.limits);
+    // Resolved before anything is written: an unknown or foreign seed is a 404, not a failed VM.
+    const artifactHosts = spec.seed_snapshot_id && this.seeds ? await this.seeds.holders(spec.seed_snapshot_id, actor) : undefined;
     if (idempotencyKey !== undefined && !/^[\x21-\x7e]{1,200}$/.test(idempotencyKey)) {
       throw new ValidationError('Idempotency-Key must be 1-200 printable ASCII characters', [{ path: 'headers.idempotency-key', message: 'invalid' }]);
     }
@@ -84,17 +108,17 @@ export class VmCommands {
       if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
       return requested;
     }
-    return this.placeAndBoot(requested.vm, spec, actor);
+    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts });
   }
 
-  private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor): Promise<VmResult> {
+  private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<VmResult> {
     const vmId = vm.vm_id;
     const started = Date.now();
     // Place: decide on the view, reserve on the host stream at the revision decided on; a lost race re-decides.
     let placed: VmResult;
     let hostId: string;
     try {
-      ({ placed, hostId } = await this.reserve(vmId, spec, actor));
+      ({ placed, hostId } = await this.reserve(vmId, spec, actor, where));
     } catch (err) {
       const reason: VmEndReason = err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED' ? 'capacity' : 'placement';
       await this.fail(vmId, reason, err, actor);
@@ -104,6 +128,7 @@ export class VmCommands {
     let created = false;
     try {
       await this.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
+      if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
       const agent = await agentFor();
       const name = sandboxName(vmId);
       const info = await agent.createVm({
@@ -179,7 +204,8 @@ export class VmCommands {
    * own revision instead made every concurrent create after the first fail
    * its append: 500 creates on 20 hosts placed 35.
    */
-  private async reserve(vmId: string, spec: VmSpec, actor: Actor): Promise<{ placed: VmResult; hostId: string }> {
+  private async reserve(vmId: string, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<{ placed: VmResult; hostId: string }> {
+    const placeOpts = { policy: this.config.policy, hints: { artifactHosts: where.artifactHosts }, excludeHosts: where.excludeHosts };
     const request = placementRequestOf(spec);
     const attempts = this.config.maxPlacementAttempts ?? 32;
     let reloaded = false;
@@ -187,14 +213,14 @@ export class VmCommands {
       await this.view.fresh();
       let choice: Placement;
       try {
-        choice = this.view.placeAndHold(vmId, request, { policy: this.config.policy });
+        choice = this.view.placeAndHold(vmId, request, placeOpts);
       } catch (err) {
         // A cached view may predate a host just registered or capacity released elsewhere: refuse only on a fresh one.
         if (reloaded || !(err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED')) throw err;
         reloaded = true;
         this.view.invalidate();
         await this.view.fresh();
-        choice = this.view.placeAndHold(vmId, request, { policy: this.config.policy });
+        choice = this.view.placeAndHold(vmId, request, placeOpts);
       }
       const hostId = choice.decision.host_id;
       try {
@@ -365,6 +391,11 @@ export class VmCommands {
     if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} has no state after ${command.type}`);
     return { vm: r.state, position: r.position };
   }
+}
+
+interface PlaceHints {
+  readonly artifactHosts?: ReadonlySet<string> | undefined;
+  readonly excludeHosts?: ReadonlySet<string> | undefined;
 }
 
 function tail(s: string, n = 500): string {
