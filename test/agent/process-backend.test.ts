@@ -242,10 +242,13 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
       mount -t tmpfs t /mnt 2>/dev/null && echo "MOU""NTED"
       mknod /tmp/disk b 8 0 2>/dev/null && echo "MK""NOD"
       chroot / true 2>/dev/null && echo "CHRO""OTED"
+      mv /dev/.fleet /dev/.moved 2>/dev/null && echo "SWA""PPED"
+      touch /dev/.fleet/x 2>/dev/null && echo "SWA""PPED"
+      cp /bin/sh /dev/.fleet/busybox 2>/dev/null && echo "SWA""PPED"
       tr '\\0' ' ' < /proc/1/cmdline`);
     assert.match(r.stdout, /wrote-inside/);
     assert.ok(!existsSync(`/tmp/${marker}`), 'a write climbing out with .. landed on the host');
-    assert.ok(!/MOUNTED|MKNOD|CHROOTED/.test(r.stdout), `privileged operation allowed: ${r.stdout}`);
+    assert.ok(!/MOUNTED|MKNOD|CHROOTED|SWAPPED/.test(r.stdout), `privileged operation allowed: ${r.stdout}`);
     assert.match(r.stdout, /init/);
     await b.destroy('iso');
   });

@@ -19,6 +19,9 @@ import { processStartTime, sleep } from './exec-util.js';
  * is carried in the inheritable+ambient sets across that exec and cleared by
  * the last exec — by the host's static busybox, bind-mounted read-only at
  * /dev/.fleet/busybox, because after the pivot no host binary is reachable.
+ * Every exec runs that binary with CAP_SYS_ADMIN still ambient, so the guest
+ * must not be able to swap it: /dev/.fleet is its own read-only mount (a
+ * mount point cannot be renamed, and sandboxes cannot unmount).
  * The inheritable set must be raised before the bounding set is dropped
  * (capset refuses otherwise), hence two setpriv calls.
  */
@@ -89,9 +92,11 @@ ln -s /proc/self/fd fd; ln -s /proc/self/fd/0 stdin; ln -s /proc/self/fd/1 stdou
 mkdir pts shm .fleet
 chmod 1777 shm
 mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts pts && ln -s pts/ptmx ptmx || true
+mount -t tmpfs -o size=16k,mode=755 fleet .fleet
 : > .fleet/busybox
 mount -o bind "$bb" .fleet/busybox
 mount -o remount,bind,ro .fleet/busybox
+mount -o remount,ro .fleet
 hostname "$host"
 ip link set lo up
 i=0

@@ -350,7 +350,15 @@ export class ProcessBackend implements Backend {
     return this.locks.run(`sb:${name}`, async () => {
       const running = await this.isAlive(record.state);
       // Frozen while archived, so the layer is one instant of the guest, not a smear across the copy.
-      if (running) await this.cgroups.setFrozen(name, true);
+      if (running) {
+        try {
+          await this.cgroups.setFrozen(name, true);
+        } catch (err) {
+          // Never leave the guest half-frozen (FREEZING) because the freeze did not settle.
+          await this.cgroups.setFrozen(name, false).catch(() => undefined);
+          throw sandboxFailed(`could not freeze sandbox "${name}" for a consistent checkpoint: ${(err as Error).message}`, { name }, err);
+        }
+      }
       try {
         const cp = await this.checkpoints.write(join(this.sandboxDir(name), 'upper'), {
           ...(opts.id ? { id: opts.id } : {}),
