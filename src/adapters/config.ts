@@ -75,6 +75,8 @@ export const configSchema = z.object({
   HOST_UNREACHABLE_AFTER_CYCLES: z.coerce.number().int().min(1).max(1000).default(3),
   /** Age after which a VM left requested/placed/booting/destroying counts as abandoned by a crashed control plane. Keep above the slowest create. */
   RECONCILE_GRACE_MS: durationMs.default(5 * 60_000),
+  /** Exec/attach activity is written to a VM's stream at most this often; idle expiry allows this much slack. */
+  ACTIVITY_COALESCE_MS: durationMs.default(60_000),
   /** Per agent call made by the reconciler. */
   RECONCILE_AGENT_TIMEOUT_MS: z.coerce.number().int().min(100).default(10_000),
   /** Run the reconciler on this replica when it holds the lease. false: never (e.g. an API-only replica). */

@@ -114,6 +114,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         execDefaultTimeoutMs: config.EXEC_DEFAULT_TIMEOUT_MS,
         execMaxTimeoutMs: config.EXEC_MAX_TIMEOUT_MS,
         startupScriptTimeoutMs: config.STARTUP_SCRIPT_TIMEOUT_MS,
+        activityCoalesceMs: config.ACTIVITY_COALESCE_MS,
       },
       logger,
     );
@@ -167,6 +168,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         hostUnreachableAfterCycles: config.HOST_UNREACHABLE_AFTER_CYCLES,
         halfDoneGraceMs: config.RECONCILE_GRACE_MS,
         agentTimeoutMs: config.RECONCILE_AGENT_TIMEOUT_MS,
+        activityCoalesceMs: config.ACTIVITY_COALESCE_MS,
       },
       logger.child({ component: 'reconciler' }),
       onCycle,

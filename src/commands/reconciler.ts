@@ -30,6 +30,12 @@ export interface ReconcilerConfig {
   readonly halfDoneGraceMs: number;
   /** Per call to an agent from the reconciler. */
   readonly agentTimeoutMs: number;
+  /**
+   * VmCommands records exec/attach activity at most this often, so the
+   * recorded time may trail the real one by this much: idle expiry waits it
+   * out, or a VM in use could be taken for idle.
+   */
+  readonly activityCoalesceMs: number;
 }
 
 /** A non-terminal VM as the `vms` read model lists it: only a hint; every action re-reads the stream. */
@@ -351,10 +357,10 @@ export class Reconciler {
         return;
       }
       const idleMs = hint.idle_timeout_s ? hint.idle_timeout_s * 1000 : this.config.defaultIdleTimeoutMs;
-      if (idleMs > 0 && now - hint.last_activity_at.getTime() > idleMs) {
+      if (idleMs > 0 && now - hint.last_activity_at.getTime() > idleMs + this.config.activityCoalesceMs) {
         s.idle_vms_suspected++;
         const vm = await this.loadVm(hint.id);
-        if (vm.status !== 'running' || now - Date.parse(vm.last_activity_at) <= idleMs) return;
+        if (vm.status !== 'running' || now - Date.parse(vm.last_activity_at) <= idleMs + this.config.activityCoalesceMs) return;
         this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: now - Date.parse(vm.last_activity_at) }, 'idle vm: destroying');
         try {
           await this.vms.destroy(hint.id, actor, 'idle');

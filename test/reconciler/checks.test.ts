@@ -1,0 +1,152 @@
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import { pino } from 'pino';
+import { configSchema } from '../../src/adapters/config.js';
+import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
+import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
+import { ADMIN_KEY, AgentFaultProxy, prepareTestImages, skipReason, sleep, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
+
+/**
+ * The per-VM and per-host checks, one reconcile cycle at a time (in
+ * process, real agents): missing, max runtime, idle, and an agent that
+ * hangs (the fault proxy accepts and never answers) — its calls time out,
+ * the host is marked unreachable after HOST_UNREACHABLE_AFTER_CYCLES,
+ * creates go to the other host, and it is marked reachable when it answers.
+ */
+const prereq = await skipReason();
+
+describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout: 300_000 }, () => {
+  let images: { imageDir: string } | { skip: string };
+  let a: TestAgent | undefined;
+  let b: TestAgent | undefined;
+  let proxy: AgentFaultProxy | undefined;
+  let db: TestDatabase | undefined;
+  let svc: Service | undefined;
+  const inject = async (method: 'GET' | 'POST' | 'DELETE', url: string, payload?: unknown) => {
+    const r = await svc!.app.inject({ method, url, headers: { authorization: `Bearer ${ADMIN_KEY}` }, ...(payload !== undefined ? { payload: payload as object } : {}) });
+    return { status: r.statusCode, body: r.json() };
+  };
+  const create = async (spec: Record<string, unknown>): Promise<{ id: string; host_id: string }> => {
+    const r = await inject('POST', '/v1/vms', { cpus: 1, ram_mb: 128, ...spec });
+    assert.equal(r.status, 201, JSON.stringify(r.body));
+    return r.body;
+  };
+  const reservations = async (host: string): Promise<string[]> => {
+    const { state } = await svc!.hosts.load(host);
+    return state.status === 'unregistered' ? [] : [...state.reservations.keys()];
+  };
+  const vmState = (id: string) => svc!.vms.get(id, { tenantId: 'admin', admin: true });
+
+  before(async () => {
+    images = await prepareTestImages();
+    if ('skip' in images) return;
+    a = await startTestAgent(images.imageDir);
+    b = await startTestAgent(images.imageDir);
+    proxy = await AgentFaultProxy.start(b.url);
+    db = await createTestDatabase('rec_checks');
+    svc = await startService({
+      config: configSchema.parse({
+        RECONCILER_ENABLED: 'false',
+        HOST_UNREACHABLE_AFTER_CYCLES: '2',
+        RECONCILE_AGENT_TIMEOUT_MS: '1000',
+        AGENT_CALL_TIMEOUT_MS: '15000',
+        READ_YOUR_WRITES_TIMEOUT_MS: '10000',
+        ACTIVITY_COALESCE_MS: '200',
+      }),
+      logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
+      databaseUrl: db.url,
+      tokenEncryptionKey: Buffer.from(TOKEN_KEY, 'base64'),
+      apiKeys: apiKeysFrom(ADMIN_KEY, []),
+      defaultMetrics: false,
+      httpLogger: false,
+    });
+    const meta = { correlationId: 't', actor: 'test' };
+    // Declared room for a few small sandboxes each: CI machines have 2 cores, and these barely use any.
+    const capacity_overrides = { cpus: 8, ram_mb: 4096 };
+    await svc.hosts.register({ id: 'h1', url: a.url, token: a.token, backend: 'process', capacity_overrides }, meta);
+    await svc.hosts.register({ id: 'h2', url: proxy.url, token: b.token, backend: 'process', capacity_overrides }, meta);
+    await waitFor('hosts in the read model', 10_000, async () => (await inject('GET', '/v1/hosts')).body.hosts?.length === 2);
+  });
+
+  after(async () => {
+    await svc?.close();
+    await proxy?.close();
+    await a?.dispose();
+    await b?.dispose();
+    await db?.drop();
+  });
+
+  test('a running VM whose sandbox vanished is failed `missing` and its capacity released', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const vm = await create({ host_id: 'h1' });
+    await waitFor('running in the read model', 10_000, async () => (await inject('GET', `/v1/vms/${vm.id}`)).body.state === 'running');
+    const quiet = await svc!.reconciler.reconcileOnce();
+    assert.equal(quiet.vms_missing_provider, 0, 'a healthy VM is left alone');
+    assert.equal(quiet.orphans_destroyed, 0);
+
+    await a!.client.destroyVm(`fl-${vm.id}`, { force: true });
+    const s = await svc!.reconciler.reconcileOnce();
+    assert.equal(s.vms_missing_provider, 1);
+    assert.equal(s.capacity_released, 1);
+    const v = await vmState(vm.id);
+    assert.ok(v.status === 'failed' && v.reason === 'missing', JSON.stringify(v));
+    assert.deepEqual(await reservations('h1'), []);
+  });
+
+  test('a VM past its max_runtime_s is failed and destroyed; an idle one past idle_timeout_s is destroyed with reason idle', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const stuck = await create({ host_id: 'h1', max_runtime_s: 2 });
+    const idle = await create({ host_id: 'h1', idle_timeout_s: 2 });
+    const busy = await create({ host_id: 'h1', idle_timeout_s: 2 });
+    await waitFor('running in the read model', 10_000, async () => (await inject('GET', `/v1/vms/${busy.id}`)).body.state === 'running');
+    const early = await svc!.reconciler.reconcileOnce();
+    assert.equal(early.stuck_tasks_failed + early.idle_vms_failed, 0, 'nothing expires early');
+
+    await sleep(1200);
+    // Activity keeps `busy` alive (exec is recorded as activity, at most every ACTIVITY_COALESCE_MS).
+    const ex = await inject('POST', `/v1/vms/${busy.id}/exec`, { argv: ['true'] });
+    assert.equal(ex.status, 200, JSON.stringify(ex.body));
+    await waitFor('activity in the read model', 10_000, async () => Date.parse((await inject('GET', `/v1/vms/${busy.id}`)).body.updated_at) > Date.now() - 3000);
+    await sleep(1500);
+
+    const s = await svc!.reconciler.reconcileOnce();
+    assert.equal(s.stuck_tasks_failed, 1);
+    assert.equal(s.idle_vms_failed, 1);
+    const sv = await vmState(stuck.id);
+    assert.ok(sv.status === 'failed' && sv.reason === 'max_runtime', JSON.stringify(sv));
+    const iv = await vmState(idle.id);
+    assert.ok(iv.status === 'destroyed' && iv.reason === 'idle', JSON.stringify(iv));
+    assert.equal((await vmState(busy.id)).status, 'running', 'a VM with recent activity is not idle');
+    const listed = (await a!.client.listVms('fl-')).map((v) => v.name);
+    assert.ok(!listed.includes(`fl-${stuck.id}`) && !listed.includes(`fl-${idle.id}`));
+    assert.deepEqual(await reservations('h1'), [busy.id]);
+    await inject('DELETE', `/v1/vms/${busy.id}`);
+  });
+
+  test('a hung agent: calls time out, the host is marked unreachable, creates go elsewhere, and it recovers when it answers', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const onB = await create({ host_id: 'h2' });
+    proxy!.mode = 'hang';
+    const t0 = Date.now();
+    const first = await svc!.reconciler.reconcileOnce();
+    const took = Date.now() - t0;
+    t.diagnostic(`a cycle with one hung host took ${took} ms`);
+    assert.equal(first.hosts_unanswered, 1);
+    assert.equal(first.hosts_marked_unreachable, 0, 'one miss is not enough');
+    assert.ok(took < 15_000, 'the hung host bounds the cycle by its call timeout');
+    const second = await svc!.reconciler.reconcileOnce();
+    assert.equal(second.hosts_marked_unreachable, 1, JSON.stringify(second));
+    await waitFor('h2 unreachable in the read model', 10_000, async () => (await inject('GET', '/v1/hosts/h2')).body.state === 'unreachable');
+
+    const placed = [await create({}), await create({})];
+    assert.deepEqual(placed.map((p) => p.host_id), ['h1', 'h1'], 'placement skips the unreachable host');
+
+    proxy!.mode = 'pass';
+    proxy!.release();
+    const back = await svc!.reconciler.reconcileOnce();
+    assert.equal(back.hosts_recovered, 1);
+    await waitFor('h2 active again', 10_000, async () => (await inject('GET', '/v1/hosts/h2')).body.state === 'active');
+    assert.equal((await vmState(onB.id)).status, 'running', 'a VM on a host that came back is untouched');
+    for (const p of [...placed, onB]) await inject('DELETE', `/v1/vms/${p.id}`);
+  });
+});
