@@ -603,26 +603,45 @@ export class ProcessBackend implements Backend {
         this.log?.warn({ err, sandbox: s.name }, 'drain command failed');
       }
     }
-    await this.unpublish(record);
-    if (alive) {
-      // Killing a pid namespace's init kills every process in it; its mounts go with it.
+    // Every step runs even if an earlier one failed, and the record is always dropped: what a failed
+    // step leaves behind is prune()'s, and state.json (removed last) lets a second destroy retry.
+    const failures: string[] = [];
+    const step = async (what: string, fn: () => Promise<unknown>): Promise<void> => {
       try {
-        process.kill(s.init_pid, 'SIGKILL');
-      } catch {
-        /* gone */
+        await fn();
+      } catch (err) {
+        failures.push(`${what}: ${(err as Error).message}`);
       }
-      for (let i = 0; i < 500 && (await this.isAlive(s)); i++) await sleep(5);
+    };
+    await step('endpoints', () => this.unpublish(record));
+    if (alive) {
+      await step('init', async () => {
+        // Killing a pid namespace's init kills every process in it; its mounts go with it.
+        try {
+          process.kill(s.init_pid, 'SIGKILL');
+        } catch {
+          /* gone */
+        }
+        for (let i = 0; i < 500 && (await this.isAlive(s)); i++) await sleep(5);
+        if (await this.isAlive(s)) throw new Error(`init ${s.init_pid} survived SIGKILL for 2.5 s`);
+      });
     }
-    await this.cgroups.remove(s.name);
-    await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
-    this.records.delete(s.name);
-    await this.locks.run(`br:${s.bridge}`, async () => {
-      if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) {
-        this.bridgesReady.delete(s.bridge);
-        await deleteLink(s.bridge);
-      }
-    });
-    await rm(this.sandboxDir(s.name), { recursive: true, force: true });
+    await step('cgroup', () => this.cgroups.remove(s.name));
+    await step('network', () => detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip }));
+    if (this.records.get(s.name) === record) this.records.delete(s.name);
+    await step('bridge', () =>
+      this.locks.run(`br:${s.bridge}`, async () => {
+        if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) {
+          this.bridgesReady.delete(s.bridge);
+          await deleteLink(s.bridge);
+        }
+      }),
+    );
+    await step('directory', () => rm(this.sandboxDir(s.name), { recursive: true, force: true }));
+    if (failures.length > 0) {
+      this.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');
+      throw sandboxFailed(`tearing down sandbox "${s.name}" was incomplete (${failures.join('; ')}); destroy again or prune`, { name: s.name });
+    }
   }
 
   private async persist(state: Persisted): Promise<void> {
