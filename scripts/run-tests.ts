@@ -10,6 +10,7 @@ import { spawn } from 'node:child_process';
 import { promises as fs } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
+import { createLogger } from '../src/adapters/logger.js';
 import { freePort, startEmbeddedPostgres, type EmbeddedPostgres } from '../src/adapters/postgres/embedded.js';
 
 async function findTests(dir: string): Promise<string[]> {
@@ -42,7 +43,7 @@ async function main(): Promise<number> {
     await fs.rm(`${dataDir}.log`, { force: true });
     const port = await freePort();
     process.stderr.write(`starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`);
-    server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres' });
+    server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres', logger: createLogger('warn', 'test-runner') });
     env.TEST_DATABASE_URL = server.adminUrl;
   } else {
     process.stderr.write('using the Postgres server in TEST_DATABASE_URL\n');

@@ -1,4 +1,5 @@
 import { randomBytes } from 'node:crypto';
+import { promises as fs } from 'node:fs';
 import path from 'node:path';
 import pg from 'pg';
 import { freePort, startEmbeddedPostgres, type EmbeddedPostgres } from '../../src/adapters/postgres/embedded.js';
@@ -7,8 +8,9 @@ import { freePort, startEmbeddedPostgres, type EmbeddedPostgres } from '../../sr
  * One fresh database per test file, on the server the test runner started
  * (TEST_DATABASE_URL, a URL of a maintenance database such as `postgres`).
  * Run a file on its own (`node --import tsx --test test/x.test.ts`) and this
- * starts an embedded server itself, kept in .tmp/test-pg-standalone and
- * stopped when the last database of the process is dropped.
+ * starts an embedded server of its own in .tmp/test-pg-<pid> (files run in
+ * parallel must not share a data directory), stopped and removed when the
+ * process is about to exit.
  */
 export interface TestDatabase {
   readonly url: string;
@@ -18,14 +20,22 @@ export interface TestDatabase {
 }
 
 let standalone: Promise<EmbeddedPostgres> | undefined;
-let live = 0;
 
 async function serverUrl(): Promise<string> {
   const fromEnv = process.env.TEST_DATABASE_URL;
   if (fromEnv) return fromEnv;
   standalone ??= (async () => {
-    const dataDir = path.resolve('.tmp', 'test-pg-standalone');
-    return startEmbeddedPostgres({ dataDir, port: await freePort(), database: 'postgres' });
+    const dataDir = path.resolve('.tmp', `test-pg-${process.pid}`);
+    // Unref'd so the test process can finish; beforeExit then stops and removes it (and if the
+    // process exits another way, embedded.ts still takes the server down with it).
+    const server = await startEmbeddedPostgres({ dataDir, port: await freePort(), database: 'postgres', unref: true });
+    process.once('beforeExit', () => {
+      void server
+        .stop()
+        .then(() => fs.rm(dataDir, { recursive: true, force: true }))
+        .then(() => fs.rm(`${dataDir}.log`, { force: true }));
+    });
+    return server;
   })();
   return (await standalone).adminUrl;
 }
@@ -37,7 +47,6 @@ function withDatabase(url: string, database: string): string {
 }
 
 export async function createTestDatabase(prefix = 'test'): Promise<TestDatabase> {
-  live += 1;
   let admin: pg.Client | undefined;
   try {
     const base = await serverUrl();
@@ -58,32 +67,18 @@ export async function createTestDatabase(prefix = 'test'): Promise<TestDatabase>
       async drop(): Promise<void> {
         if (dropped) return;
         dropped = true;
+        await pool.end().catch(() => undefined);
+        const client = new pg.Client({ connectionString: base });
+        await client.connect();
         try {
-          await pool.end().catch(() => undefined);
-          const client = new pg.Client({ connectionString: base });
-          await client.connect();
-          try {
-            await client.query(`DROP DATABASE IF EXISTS ${client.escapeIdentifier(name)} WITH (FORCE)`);
-          } finally {
-            await client.end();
-          }
+          await client.query(`DROP DATABASE IF EXISTS ${client.escapeIdentifier(name)} WITH (FORCE)`);
         } finally {
-          await release();
+          await client.end();
         }
       },
     };
   } catch (err) {
     await admin?.end().catch(() => undefined);
-    await release();
     throw err;
-  }
-}
-
-async function release(): Promise<void> {
-  live -= 1;
-  if (live === 0 && standalone) {
-    const server = standalone;
-    standalone = undefined;
-    await server.then((s) => s.stop(), () => undefined);
   }
 }

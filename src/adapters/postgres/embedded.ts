@@ -30,6 +30,8 @@ export interface EmbeddedPostgresOptions {
   readonly logFile?: string | undefined;
   /** How long start may take. Default 60 s. */
   readonly startTimeoutMs?: number | undefined;
+  /** Let our process exit while the server runs (stop it from a `beforeExit` handler). Default false. */
+  readonly unref?: boolean | undefined;
 }
 
 export interface EmbeddedPostgres {
@@ -342,22 +344,23 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
     };
     const args = ['-D', dataDir, '-p', String(options.port), ...Object.entries(settings).flatMap(([k, v]) => ['-c', `${k}=${v}`])];
     const child = spawnLogged(bin.postgres, args, runAs, logFd);
+    // If our process dies without calling stop(), do not leave the server behind.
+    const onExit = (): void => {
+      if (child.exitCode === null && child.signalCode === null) child.kill('SIGQUIT');
+    };
+    process.once('exit', onExit);
     const base = `postgres://${USER}:${PASSWORD}@127.0.0.1:${options.port}`;
     const adminUrl = `${base}/postgres`;
     try {
       await waitUntilReady(adminUrl, child, logFile, options.startTimeoutMs ?? 60_000);
       await ensureDatabase(adminUrl, database);
     } catch (err) {
+      process.removeListener('exit', onExit);
       await stopChild(child);
       throw err;
     }
     logger?.info({ port: options.port, dataDir, postgresPid: child.pid }, 'embedded Postgres started');
-
-    // If our process dies without calling stop(), do not leave the server behind.
-    const onExit = (): void => {
-      if (child.exitCode === null && child.signalCode === null) child.kill('SIGQUIT');
-    };
-    process.once('exit', onExit);
+    if (options.unref) child.unref();
     let stopping: Promise<void> | undefined;
     return {
       url: `${base}/${encodeURIComponent(database)}`,
@@ -367,6 +370,7 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
       stop(): Promise<void> {
         stopping ??= (async () => {
           process.removeListener('exit', onExit);
+          child.ref(); // an unref'd server must still hold the process open until it has stopped
           await stopChild(child);
           await logFd.close().catch(() => undefined);
           logger?.info({ port: options.port }, 'embedded Postgres stopped');
