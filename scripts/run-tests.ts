@@ -64,6 +64,8 @@ async function main(): Promise<number> {
   if (server) {
     try {
       await server.stop();
+      // The log stays for a post-mortem; the data directory goes.
+      await fs.rm(path.resolve('.tmp', 'test-pg'), { recursive: true, force: true });
     } catch (err) {
       process.stderr.write(`could not stop the test Postgres: ${(err as Error).message}\n`);
       return code === 0 ? 1 : code;

@@ -135,6 +135,8 @@ class NotificationListener {
   private connecting = false;
   private retryTimer: NodeJS.Timeout | undefined;
   private attempt = 0;
+  // Clients we ended on purpose: their 'end' is not a loss to recover from.
+  private readonly retired = new WeakSet<pg.Client>();
 
   constructor(
     private readonly config: pg.ClientConfig,
@@ -160,7 +162,7 @@ class NotificationListener {
     const client = new pg.Client({ ...this.config, application_name: 'fleet-event-store-listener' });
     let failed = false;
     const onLoss = (err?: Error): void => {
-      if (failed) return;
+      if (failed || this.retired.has(client)) return;
       failed = true;
       if (this.client === client) this.client = undefined;
       client.removeAllListeners('notification');
@@ -211,6 +213,7 @@ class NotificationListener {
     const client = this.client;
     this.client = undefined;
     if (client) {
+      this.retired.add(client);
       client.removeAllListeners('notification');
       // Listeners for 'end'/'error' stay: they see wakers empty and do nothing.
       void client.end().catch(() => undefined);
