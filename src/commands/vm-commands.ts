@@ -103,12 +103,24 @@ export class VmCommands {
       ? createHash('sha256').update(`${actor.tenantId}\0${idempotencyKey}`).digest('hex').slice(0, 24)
       : randomBytes(12).toString('hex');
     const requested = await this.run(vmId, { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } }, actor);
-    if (requested.vm.status !== 'requested') {
-      // A retry: the first request owns the work; answer with where it got to.
+    if (requested.position === undefined) {
+      // A retry (or a concurrent twin): the request that wrote VmRequested owns the work. Driving it here too would
+      // boot the sandbox twice and fail the VM on SANDBOX_EXISTS; wait (bounded) for where the owner gets to.
       if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
-      return requested;
+      return this.settled(vmId, requested);
     }
     return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts });
+  }
+
+  private async settled(vmId: string, first: VmResult): Promise<VmResult> {
+    const deadline = Date.now() + this.config.startupScriptTimeoutMs + 60_000;
+    let vm = first.vm;
+    while ((vm.status === 'requested' || vm.status === 'placed' || vm.status === 'booting') && Date.now() < deadline) {
+      await new Promise((resolve) => setTimeout(resolve, 100));
+      const { state } = await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent);
+      if (state.status !== 'initial') vm = state;
+    }
+    return { vm, position: undefined };
   }
 
   private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<VmResult> {
