@@ -71,7 +71,7 @@ export function hostRoutes(deps: HostRoutesDeps) {
 
     for (const action of ['cordon', 'uncordon', 'probe'] as const) {
       app.post(`/v1/hosts/:id/${action}`, {
-        schema: { tags: ['hosts'], summary: `${action[0]!.toUpperCase()}${action.slice(1)} a host`, params, body: z.object({ reason: z.string().max(500).optional() }).optional(), response: { 200: commandResult, ...problemResponses } },
+        schema: { tags: ['hosts'], summary: `${action[0]!.toUpperCase()}${action.slice(1)} a host`, params, body: z.object({ reason: z.string().max(500).optional() }).strict().nullish(), response: { 200: commandResult, ...problemResponses } },
       }, async (req) => {
         const meta = commandMeta(req);
         const r =
