@@ -314,12 +314,13 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal(manifest.digest, cp.digest);
     assert.ok((await b.listCheckpoints()).some((c) => c.id === cp.id));
     // The source keeps running after the freeze/thaw.
-    assert.equal((await sh(b, 'ck-src', 'echo alive')).stdout, 'alive\n');
+    const alive = await sh(b, 'ck-src', 'echo alive');
+    assert.equal(alive.stdout, 'alive\n', JSON.stringify(alive));
 
     const restored = await b.create({ name: 'ck-dst', checkpointId: cp.id, cpus: 1, ram_mb: 64, tenant: 'acme' });
     assert.equal(restored.checkpoint_id, cp.id);
     const r = await sh(b, 'ck-dst', 'cat /srv/state; test -e /etc/hosts && echo hosts-back; ls /opq');
-    assert.equal(r.stdout, 'persisted\na\n', 'file present, deletion (whiteout) preserved');
+    assert.equal(r.stdout, 'persisted\na\n', `file present, deletion (whiteout) preserved: ${JSON.stringify(r)}`);
     await rejectsWithCode(b.create({ name: 'ck-bad', checkpointId: 'no-such', cpus: 1, ram_mb: 64, tenant: 'acme' }), 'CHECKPOINT_NOT_FOUND');
     await rejectsWithCode(b.checkpoint('ck-src', { id: cp.id }), 'CHECKPOINT_EXISTS');
 
