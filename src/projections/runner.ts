@@ -193,14 +193,14 @@ export class ProjectionRunner {
         [s.projection.name],
       );
       const stored = row.rows[0]?.position ?? undefined;
-      let last: RecordedEvent | undefined;
-      let applied = 0;
-      for (const event of events) {
-        if (stored !== undefined && event.position <= stored) continue; // applied by someone else already
-        await s.projection.apply(client as unknown as Sql, event);
-        last = event;
-        applied++;
+      const fresh = stored === undefined ? events : events.filter((e) => e.position > stored); // older ones: applied by someone else already
+      if (s.projection.applyBatch) {
+        if (fresh.length > 0) await s.projection.applyBatch(client as unknown as Sql, fresh);
+      } else {
+        for (const event of fresh) await s.projection.apply(client as unknown as Sql, event);
       }
+      const last: RecordedEvent | undefined = fresh.at(-1);
+      const applied = fresh.length;
       if (last) {
         await client.query(
           `UPDATE projection_checkpoints

@@ -132,6 +132,16 @@ describe('billing usage', { timeout: 120_000 }, () => {
       await fresh.drop();
     }
 
+    // One event at a time through `apply` lands on the same rows as the runner's batches.
+    const single = await createTestDatabase('billing_single');
+    try {
+      await runMigrations(single.pool, billingProjection.migrations, { logger: pino({ level: 'silent' }) });
+      for (const e of await h.service.store.readAll()) await billingProjection.apply(single.pool, e);
+      assert.deepEqual(await dump(single.pool), live);
+    } finally {
+      await single.drop();
+    }
+
     const report = await rebuildProjection(h.service.store, h.db.pool, billingProjection, { verify: true });
     assert.ok(report.events > 20);
     for (const d of report.drift) assert.deepEqual([d.table, d.onlyLive, d.onlyRebuilt], [d.table, 0, 0]);

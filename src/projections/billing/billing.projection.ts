@@ -96,62 +96,127 @@ export const billingProjection: Projection = {
     { name: 'billing_open_snapshots', key: ['snapshot_id'] },
   ],
   async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
-    if (!recorded.streamId.startsWith('vm-')) return;
-    switch (recorded.type) {
-      case 'VmRequested':
-      case 'VmPlaced':
-      case 'VmBooted':
-      case 'VmDestroyed':
-      case 'VmFailed':
-        break;
-      default:
-        return; // the common case on replay: no query at all
-    }
-    if (!isVmEventType(recorded.type)) return;
-    const event = parseVmEvent(recorded.type, recorded.data);
-    const id = event.data.vm_id;
-    switch (event.type) {
-      case 'VmRequested': {
-        const s = event.data.spec;
-        await sql.query(
-          `INSERT INTO billing_vms (vm_id, tenant_id, cpus, ram_mb, gpus, gpu_kind) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (vm_id) DO NOTHING`,
-          [id, event.data.tenant_id, s.cpus, s.ram_mb, s.gpus, s.gpus > 0 ? (s.gpu_kind ?? '') : ''],
-        );
-        return;
-      }
-      case 'VmPlaced': {
-        // What the host actually reserved is what is billed (a spec may ask for "any" GPU kind).
-        const r = event.data.reservation;
-        const kind = r.gpus > 0 ? (r.gpu_profile ? `${r.gpu_kind ?? 'unknown'}/${r.gpu_profile}` : (r.gpu_kind ?? '')) : '';
-        await sql.query(`UPDATE billing_vms SET cpus = $2, ram_mb = $3, gpus = $4, gpu_kind = $5 WHERE vm_id = $1`, [id, r.cpus, r.ram_mb, r.gpus, kind]);
-        return;
-      }
-      case 'VmBooted':
-        await sql.query(`UPDATE billing_vms SET started_at = $2 WHERE vm_id = $1 AND started_at IS NULL`, [id, event.data.at]);
-        return;
-      case 'VmDestroyed':
-      case 'VmFailed': {
-        const { rows } = await sql.query<{ tenant_id: string; cpus: number; ram_mb: number; gpus: number; gpu_kind: string; started_at: Date | null }>(
-          `DELETE FROM billing_vms WHERE vm_id = $1 RETURNING tenant_id, cpus, ram_mb, gpus, gpu_kind, started_at`,
-          [id],
-        );
-        const open = rows[0];
-        if (!open?.started_at) return; // never booted: nothing ran, nothing billed
-        await addUsage(sql, open.tenant_id, splitUsage(open, open.started_at.getTime(), Date.parse(event.data.at)));
-        return;
-      }
-      default:
-        return;
-    }
+    await applyBillingBatch(sql, [recorded]);
   },
+  applyBatch: (sql: Sql, events: readonly RecordedEvent[]) => applyBillingBatch(sql, events),
 };
 
-async function addUsage(sql: Sql, tenantId: string, pieces: readonly UsagePiece[]): Promise<void> {
-  if (pieces.length === 0) return;
-  await sql.query(
-    `INSERT INTO billing_usage (tenant_id, hour, metric, kind, quantity)
-     SELECT $1, u.h, u.m, u.k, u.q::numeric / 1000 FROM unnest($2::timestamptz[], $3::text[], $4::text[], $5::text[]) AS u(h, m, k, q)
-     ON CONFLICT (tenant_id, hour, metric, kind) DO UPDATE SET quantity = billing_usage.quantity + EXCLUDED.quantity`,
-    [tenantId, pieces.map((p) => new Date(p.hourMs).toISOString()), pieces.map((p) => p.metric), pieces.map((p) => p.kind), pieces.map((p) => p.milli.toString())],
+const BILLED_TYPES = new Set(['VmRequested', 'VmPlaced', 'VmBooted', 'VmDestroyed', 'VmFailed']);
+
+interface OpenRow {
+  tenant_id: string;
+  cpus: number;
+  ram_mb: number;
+  gpus: number;
+  gpu_kind: string;
+  /** As stored (text round-trips exactly) and in ms for the arithmetic. */
+  started: { text: string; ms: number } | null;
+  inDb: boolean;
+  changed: boolean;
+}
+
+/**
+ * Applies events in order against an in-memory copy of the rows they touch,
+ * then writes the result in at most four statements (read, delete, upsert,
+ * usage): a replay costs a few round trips per page, not one per event. The
+ * end state is the same as applying the events one by one, and usage sums
+ * are exact integers of milli-units either way.
+ */
+async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  const relevant = events.filter((e) => BILLED_TYPES.has(e.type) && e.streamId.startsWith('vm-') && isVmEventType(e.type)).map((e) => parseVmEvent(e.type, e.data));
+  if (relevant.length === 0) return;
+  const rows = new Map<string, OpenRow | null>();
+  const ids = [...new Set(relevant.map((e) => e.data.vm_id))];
+  const loaded = await sql.query<{ vm_id: string; tenant_id: string; cpus: number; ram_mb: number; gpus: number; gpu_kind: string; started_at: Date | null; started_text: string | null }>(
+    `SELECT vm_id, tenant_id, cpus, ram_mb, gpus, gpu_kind, started_at, started_at::text AS started_text FROM billing_vms WHERE vm_id = ANY($1::text[])`,
+    [ids],
   );
+  for (const r of loaded.rows) {
+    rows.set(r.vm_id, {
+      tenant_id: r.tenant_id,
+      cpus: r.cpus,
+      ram_mb: r.ram_mb,
+      gpus: r.gpus,
+      gpu_kind: r.gpu_kind,
+      started: r.started_at && r.started_text ? { text: r.started_text, ms: r.started_at.getTime() } : null,
+      inDb: true,
+      changed: false,
+    });
+  }
+  const deleted = new Set<string>();
+  const usage = new Map<string, { tenant: string; piece: UsagePiece; milli: bigint }>();
+  for (const event of relevant) {
+    const id = event.data.vm_id;
+    const row = rows.get(id);
+    switch (event.type) {
+      case 'VmRequested': {
+        if (row) break; // already known: the insert is idempotent
+        const sp = event.data.spec;
+        rows.set(id, { tenant_id: event.data.tenant_id, cpus: sp.cpus, ram_mb: sp.ram_mb, gpus: sp.gpus, gpu_kind: sp.gpus > 0 ? (sp.gpu_kind ?? '') : '', started: null, inDb: deleted.has(id), changed: true });
+        break;
+      }
+      case 'VmPlaced': {
+        if (!row) break;
+        // What the host actually reserved is what is billed (a spec may ask for "any" GPU kind).
+        const r = event.data.reservation;
+        Object.assign(row, { cpus: r.cpus, ram_mb: r.ram_mb, gpus: r.gpus, gpu_kind: r.gpus > 0 ? (r.gpu_profile ? `${r.gpu_kind ?? 'unknown'}/${r.gpu_profile}` : (r.gpu_kind ?? '')) : '', changed: true });
+        break;
+      }
+      case 'VmBooted':
+        if (row && !row.started) Object.assign(row, { started: { text: event.data.at, ms: Date.parse(event.data.at) }, changed: true });
+        break;
+      case 'VmDestroyed':
+      case 'VmFailed': {
+        if (!row) break;
+        if (row.inDb) deleted.add(id);
+        rows.set(id, null);
+        if (!row.started) break; // never booted: nothing ran, nothing billed
+        for (const piece of splitUsage(row, row.started.ms, Date.parse(event.data.at))) {
+          const key = `${row.tenant_id}\0${piece.hourMs}\0${piece.metric}\0${piece.kind}`;
+          const acc = usage.get(key);
+          if (acc) acc.milli += piece.milli;
+          else usage.set(key, { tenant: row.tenant_id, piece, milli: piece.milli });
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  }
+
+  const gone = [...deleted].filter((id) => rows.get(id) === null);
+  if (gone.length > 0) await sql.query('DELETE FROM billing_vms WHERE vm_id = ANY($1::text[])', [gone]);
+  const upserts = [...rows].filter((e): e is [string, OpenRow] => e[1] !== null && e[1].changed);
+  if (upserts.length > 0) {
+    await sql.query(
+      `INSERT INTO billing_vms (vm_id, tenant_id, cpus, ram_mb, gpus, gpu_kind, started_at)
+       SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::int[], $5::int[], $6::text[], $7::timestamptz[])
+       ON CONFLICT (vm_id) DO UPDATE SET tenant_id = EXCLUDED.tenant_id, cpus = EXCLUDED.cpus, ram_mb = EXCLUDED.ram_mb, gpus = EXCLUDED.gpus, gpu_kind = EXCLUDED.gpu_kind, started_at = EXCLUDED.started_at`,
+      [
+        upserts.map(([id]) => id),
+        upserts.map(([, r]) => r.tenant_id),
+        upserts.map(([, r]) => r.cpus),
+        upserts.map(([, r]) => r.ram_mb),
+        upserts.map(([, r]) => r.gpus),
+        upserts.map(([, r]) => r.gpu_kind),
+        upserts.map(([, r]) => r.started?.text ?? null),
+      ],
+    );
+  }
+  if (usage.size > 0) {
+    const all = [...usage.values()];
+    await sql.query(
+      `INSERT INTO billing_usage (tenant_id, hour, metric, kind, quantity)
+       SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::text[], $5::numeric[])
+       ON CONFLICT (tenant_id, hour, metric, kind) DO UPDATE SET quantity = billing_usage.quantity + EXCLUDED.quantity`,
+      [all.map((u) => u.tenant), all.map((u) => new Date(u.piece.hourMs).toISOString()), all.map((u) => u.piece.metric), all.map((u) => u.piece.kind), all.map((u) => milliToDecimal(u.milli))],
+    );
+  }
+}
+
+/** Integer thousandths as an exact decimal with three places (`1500` → `1.500`). */
+export function milliToDecimal(milli: bigint): string {
+  const neg = milli < 0n;
+  const abs = neg ? -milli : milli;
+  return `${neg ? '-' : ''}${abs / 1000n}.${(abs % 1000n).toString().padStart(3, '0')}`;
 }

@@ -40,18 +40,33 @@ export const metricsProjection: Projection = {
     { name: 'metrics_counters', key: ['name', 'labels'] },
   ],
   async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
-    if (recorded.type !== 'VmBooted' || !recorded.streamId.startsWith('vm-')) return;
-    const e = parseVmEvent(recorded.type, recorded.data);
-    if (e.type !== 'VmBooted') return;
-    const seconds = e.data.boot_ms / 1000;
-    const le = BOOT_BUCKETS_S.find((b) => seconds <= b) ?? Number.POSITIVE_INFINITY;
-    await sql.query(
-      `INSERT INTO metrics_boot_buckets (le, observations, sum_ms) VALUES ($1, 1, $2)
-       ON CONFLICT (le) DO UPDATE SET observations = metrics_boot_buckets.observations + 1, sum_ms = metrics_boot_buckets.sum_ms + EXCLUDED.sum_ms`,
-      [le === Number.POSITIVE_INFINITY ? 'Infinity' : le, e.data.boot_ms],
-    );
+    await applyMetricsBatch(sql, [recorded]);
   },
+  applyBatch: (sql: Sql, events: readonly RecordedEvent[]) => applyMetricsBatch(sql, events),
 };
+
+/** Sums the batch's boots per bucket in memory: one statement per batch. */
+async function applyMetricsBatch(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  const buckets = new Map<number, { n: number; ms: number }>();
+  for (const recorded of events) {
+    if (recorded.type !== 'VmBooted' || !recorded.streamId.startsWith('vm-')) continue;
+    const e = parseVmEvent(recorded.type, recorded.data);
+    if (e.type !== 'VmBooted') continue;
+    const le = BOOT_BUCKETS_S.find((b) => e.data.boot_ms / 1000 <= b) ?? Number.POSITIVE_INFINITY;
+    const b = buckets.get(le) ?? { n: 0, ms: 0 };
+    b.n += 1;
+    b.ms += e.data.boot_ms;
+    buckets.set(le, b);
+  }
+  if (buckets.size === 0) return;
+  const all = [...buckets];
+  await sql.query(
+    `INSERT INTO metrics_boot_buckets (le, observations, sum_ms)
+     SELECT * FROM unnest($1::float8[], $2::bigint[], $3::bigint[])
+     ON CONFLICT (le) DO UPDATE SET observations = metrics_boot_buckets.observations + EXCLUDED.observations, sum_ms = metrics_boot_buckets.sum_ms + EXCLUDED.sum_ms`,
+    [all.map(([le]) => (le === Number.POSITIVE_INFINITY ? 'Infinity' : le)), all.map(([, b]) => b.n), all.map(([, b]) => b.ms)],
+  );
+}
 
 /**
  * Counters fed by later events (snapshot lifecycle after the seed's
