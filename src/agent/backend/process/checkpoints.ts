@@ -142,9 +142,25 @@ export class CheckpointStore {
       tar.once('error', reject);
       tar.once('close', resolve);
     });
-    const src = createReadStream(join(this.path(id), ROOTFS));
-    src.on('data', (chunk) => hash.update(chunk as Buffer));
-    await pipeline(src, tar.stdin);
+    // GNU tar stops reading at the end-of-archive marker and exits, leaving the record padding
+    // unread: writing the rest then fails with EPIPE (a "Premature close" pipeline). So feed tar
+    // while it reads, and keep hashing to the last byte whatever tar does.
+    tar.stdin.on('error', () => {});
+    for await (const chunk of createReadStream(join(this.path(id), ROOTFS), { highWaterMark: 1024 * 1024 })) {
+      hash.update(chunk as Buffer);
+      if (tar.stdin.writable && !tar.stdin.write(chunk)) {
+        await new Promise<void>((resolve) => {
+          const done = () => {
+            tar.stdin.off('drain', done);
+            tar.stdin.off('close', done);
+            resolve();
+          };
+          tar.stdin.once('drain', done);
+          tar.stdin.once('close', done);
+        });
+      }
+    }
+    tar.stdin.end();
     const code = await exit;
     if (code !== 0) throw sandboxFailed(`restoring checkpoint "${id}" failed (tar exit ${code}): ${stderr.trim().slice(0, 300)}`);
     const digest = hash.digest('hex');
