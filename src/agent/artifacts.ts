@@ -175,7 +175,17 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
     );
     // Every byte was hashed on its way to disk above; a backend that can skip re-reading 1 GiB to check it again may.
     const importCheckpoint = backend.importCheckpoint.bind(backend) as (path: string, opts?: { verifyDigest?: boolean }) => Promise<Checkpoint>;
-    const committed = await importCheckpoint(staging, { verifyDigest: false });
+    let committed: Checkpoint;
+    try {
+      committed = await importCheckpoint(staging, { verifyDigest: false });
+    } catch (err) {
+      // A concurrent pull of the same bytes won the rename: same outcome, not a conflict.
+      if (err instanceof AppError && err.code === 'CHECKPOINT_EXISTS') {
+        const winner = await backend.getCheckpoint(req.snapshotId).catch(() => undefined);
+        if (winner?.digest === req.digest) return { snapshot_id: winner.id, size_bytes: total, kind: winner.kind };
+      }
+      throw err;
+    }
     return { snapshot_id: committed.id, size_bytes: total, kind: committed.kind };
   } catch (err) {
     await rm(staging, { recursive: true, force: true }).catch(() => {});

@@ -317,7 +317,7 @@ export type ArtifactManifest = z.infer<typeof artifactManifestSchema>;
 
 /** The seed's ArtifactEndpoint, as the receiver sees it: where to pull from and under which grant. */
 export const artifactEndpointSchema = z.object({
-  url: z.string().url(),
+  url: z.string().url().regex(/^https?:\/\//, 'the peer agent\'s http(s) base URL'),
   grant: z.string().min(1),
   host_id: z.string().optional(),
 });

@@ -148,6 +148,7 @@ describe('host agent HTTP edge', { timeout: 30_000 }, () => {
     { method: 'POST', url: '/v1/artifacts/pull', body: {} },
     { method: 'POST', url: '/v1/artifacts/pull', body: { snapshot_id: 'c1', digest: 'abc', from: { url: 'http://127.0.0.1:1', grant: 'g' } } },
     { method: 'POST', url: '/v1/artifacts/pull', body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'not a url', grant: 'g' } } },
+    { method: 'POST', url: '/v1/artifacts/pull', body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'file:///etc/passwd', grant: 'g' } } },
     {
       method: 'POST',
       url: '/v1/artifacts/pull',

@@ -356,6 +356,15 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const again = await b!.client.pullArtifact({ snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: grant.grant } });
     assert.equal(again.snapshot_id, state.cpId);
 
+    // Two pulls of the same snapshot at once: both succeed, one copy is kept.
+    const twin = { snapshot_id: `${state.cpId}-twin`, source_snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: grant.grant } };
+    const [p1, p2] = await Promise.all([b!.client.pullArtifact(twin), b!.client.pullArtifact(twin)]);
+    assert.equal(p1.snapshot_id, twin.snapshot_id);
+    assert.equal(p2.snapshot_id, twin.snapshot_id);
+    assert.equal((await b!.client.listCheckpoints()).filter((x) => x.id === twin.snapshot_id).length, 1);
+    assert.deepEqual(await b!.client.deleteCheckpoint(twin.snapshot_id), { id: twin.snapshot_id, deleted: true });
+    assert.deepEqual(await b!.client.deleteCheckpoint(twin.snapshot_id), { id: twin.snapshot_id, deleted: false });
+
     await b!.client.createVm({ name: 'b1', checkpoint_id: state.cpId });
     const r = await b!.client.exec('b1', { argv: ['cat', '/root/state.txt'] });
     assert.equal(r.stdout, 'persisted-state\n');
