@@ -77,6 +77,8 @@ export interface ReconcileSummary {
   idle_vms_suspected: number;
   idle_vms_failed: number;
   vms_missing_provider: number;
+  /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
+  vms_host_lost: number;
   half_done_rolled_back: number;
   half_done_completed: number;
   capacity_released: number;
@@ -105,6 +107,7 @@ function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     idle_vms_suspected: 0,
     idle_vms_failed: 0,
     vms_missing_provider: 0,
+    vms_host_lost: 0,
     half_done_rolled_back: 0,
     half_done_completed: 0,
     capacity_released: 0,
@@ -227,6 +230,7 @@ export class Reconciler {
     }
 
     await this.abandonedRequests(live, s, actor);
+    await this.vmsOfDeregisteredHosts(live, new Set(hostIds), s, actor);
     await Promise.all(
       hostIds.map((hostId) =>
         this.reconcileHost(hostId, byHost.get(hostId) ?? [], s, actor).catch((err: unknown) => {
@@ -257,6 +261,30 @@ export class Reconciler {
       } catch (err) {
         s.errors++;
         this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'could not roll back an abandoned request');
+      }
+    }
+  }
+
+  /** A host deregistered (forced) while VMs were on it: they cannot come back; end them so they stop counting as live. */
+  private async vmsOfDeregisteredHosts(live: readonly LiveVmHint[], hostIds: ReadonlySet<string>, s: ReconcileSummary, actor: Actor): Promise<void> {
+    const checked = new Map<string, boolean>();
+    for (const hint of live) {
+      if (!hint.host_id || hostIds.has(hint.host_id)) continue;
+      try {
+        let gone = checked.get(hint.host_id);
+        if (gone === undefined) {
+          const { state } = await this.hosts.load(hint.host_id);
+          gone = state.status === 'deregistered';
+          checked.set(hint.host_id, gone);
+        }
+        if (!gone) continue;
+        const vm = await this.loadVm(hint.id);
+        if (vm.status === 'initial' || isTerminal(vm.status) || vm.host_id !== hint.host_id) continue;
+        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'host_lost', error: `host ${hint.host_id} was deregistered`, error_code: 'HOST_DEREGISTERED' } }, actor);
+        s.vms_host_lost++;
+      } catch (err) {
+        s.errors++;
+        this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'could not end a vm of a deregistered host');
       }
     }
   }

@@ -149,4 +149,17 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     assert.equal((await vmState(onB.id)).status, 'running', 'a VM on a host that came back is untouched');
     for (const p of [...placed, onB]) await inject('DELETE', `/v1/vms/${p.id}`);
   });
+
+  test('VMs of a host deregistered by force are failed host_lost', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const vm = await create({ host_id: 'h2' });
+    const dereg = await inject('DELETE', '/v1/hosts/h2?force=true');
+    assert.equal(dereg.status, 200, JSON.stringify(dereg.body));
+    await waitFor('h2 deregistered in the read model', 10_000, async () => (await inject('GET', '/v1/hosts')).body.hosts?.length === 1);
+    const s = await svc!.reconciler.reconcileOnce();
+    assert.equal(s.vms_host_lost, 1);
+    const v = await vmState(vm.id);
+    assert.ok(v.status === 'failed' && v.reason === 'host_lost', JSON.stringify(v));
+    assert.equal((await svc!.reconciler.reconcileOnce()).vms_host_lost, 0, 'once');
+  });
 });
