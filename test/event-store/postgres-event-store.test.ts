@@ -76,6 +76,15 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
     await store.append(`${cat()}-2`, [a], 'no_stream');
   });
 
+  it('revisions beyond bigint: a conflict on append, the stream\'s end on read', async () => {
+    const s = `${cat()}-1`;
+    await store.append(s, [ev(), ev()], 'no_stream');
+    await assert.rejects(store.append(s, [ev()], 2n ** 64n), (err: Error & { code?: string; actual?: unknown }) => err.code === 'CONCURRENCY_CONFLICT' && err.actual === 1n);
+    assert.deepEqual(await store.readStream(s, { fromRevision: 2n ** 64n }), []);
+    assert.deepEqual((await store.readStream(s, { direction: 'backwards', fromRevision: 2n ** 64n, maxCount: 1 })).map((e) => e.revision), [1n]);
+    assert.equal((await store.readStream(s)).length, 2);
+  });
+
   it('a filtered subscription reports checkpoints across pages with no match', async () => {
     const small = await PostgresEventStore.open({ url: db.url, batchSize: 5, pollIntervalMs: 100 });
     const wanted = `Wanted${randomBytes(3).toString('hex')}`;

@@ -121,6 +121,8 @@ function unavailable(err: unknown, what: string): unknown {
   return err;
 }
 
+const INT8_MAX = 9_223_372_036_854_775_807n;
+
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
 /**
@@ -283,6 +285,11 @@ export class PostgresEventStore implements EventStore {
       data.push(JSON.stringify(e.data));
       metadata.push(meta === undefined ? null : JSON.stringify(meta));
     });
+    if (typeof valid.expected === 'bigint' && valid.expected > INT8_MAX) {
+      // No stream reaches a revision beyond int8: a conflict, reported with the stream's real revision.
+      const [last] = await this.readStream(valid.streamId, { direction: 'backwards', maxCount: 1 });
+      throw new ConcurrencyError(valid.streamId, valid.expected, last ? last.revision : 'no_stream');
+    }
     const expectedText = typeof valid.expected === 'bigint' ? valid.expected.toString() : valid.expected;
     let row: { status: string; revision: string | null; txid: string | null; seq: string | null } | undefined;
     try {
@@ -351,6 +358,10 @@ export class PostgresEventStore implements EventStore {
     const maxCount = checkMaxCount(options.maxCount);
     if (maxCount === 0) return [];
     const forwards = direction === 'forwards';
+    if (from !== undefined && from > INT8_MAX) {
+      if (forwards) return [];
+      return this.readStream(streamId, { direction, maxCount });
+    }
     const text = `SELECT ${COLUMNS} FROM es_events WHERE stream_id = $1
       ${from === undefined ? '' : forwards ? 'AND revision >= $2' : 'AND revision <= $2'}
       ORDER BY revision ${forwards ? 'ASC' : 'DESC'} ${maxCount === undefined ? '' : `LIMIT ${maxCount}`}`;
