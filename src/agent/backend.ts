@@ -252,6 +252,21 @@ export interface Backend {
    * sandbox runs.
    */
   resolveGuestPath(name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string>;
+  /**
+   * Writes a file from inside the sandbox (temp file + rename, in the
+   * guest's own view of its filesystem), after the same confinement check as
+   * resolveGuestPath. Prefer it to writing through a resolveGuestPath host
+   * path: a guest process racing to swap a path component for a symlink
+   * cannot redirect a write made from inside its root. Beyond maxBytes:
+   * PAYLOAD_TOO_LARGE, and nothing is left behind.
+   */
+  writeGuestFile(name: string, guestPath: string, data: Readable, opts?: { mode?: number; maxBytes?: number }): Promise<{ path: string; bytes: number }>;
+  /**
+   * Streams a regular file from inside the sandbox (GUEST_PATH_NOT_A_FILE for
+   * anything else). `done` settles when the stream has ended, rejecting if
+   * the read failed part-way.
+   */
+  readGuestFile(name: string, guestPath: string): Promise<{ path: string; size: number; stream: Readable; done: Promise<void> }>;
   checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint>;
   listCheckpoints(): Promise<Checkpoint[]>;
   getCheckpoint(id: string): Promise<Checkpoint>;

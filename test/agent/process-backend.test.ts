@@ -7,6 +7,7 @@ import { mkdir, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { Readable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
 import { AppError } from '../../src/domain/errors.js';
 import type { ProcessHandle } from '../../src/agent/backend.js';
@@ -295,6 +296,28 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal((await sh(b, 'paths', 'cat /data/new')).stdout, 'uploaded');
     await rejectsWithCode(b.resolveGuestPath('paths', '/nope/file', { forWrite: true }), 'GUEST_PATH_NOT_FOUND');
     await rejectsWithCode(b.resolveGuestPath('paths', '/data/missing', { forWrite: false }), 'GUEST_PATH_NOT_FOUND');
+
+    // In-sandbox file I/O: the guest's own view resolves every component, so a race cannot leave the root.
+    const payload = randomBytes(200_000);
+    const wrote = await b.writeGuestFile('paths', '/tmp/abs/fleet-upload.bin', Readable.from([payload]), { mode: 0o600 });
+    assert.deepEqual(wrote, { path: '/etc/fleet-upload.bin', bytes: payload.length });
+    const perms = await sh(b, 'paths', 'stat -c %a /etc/fleet-upload.bin; ls /etc | grep -c upload');
+    assert.equal(perms.stdout, '600\n1\n', 'mode applied, no temp file left');
+    const read = await b.readGuestFile('paths', '/etc/fleet-upload.bin');
+    assert.equal(read.size, payload.length);
+    const chunks: Buffer[] = [];
+    for await (const c of read.stream) chunks.push(c as Buffer);
+    await read.done;
+    assert.ok(Buffer.concat(chunks).equals(payload), 'bytes read back differ');
+    const empty = await b.writeGuestFile('paths', '/data/empty', Readable.from([]));
+    assert.equal(empty.bytes, 0);
+    assert.equal((await b.readGuestFile('paths', '/data/empty')).size, 0);
+    await rejectsWithCode(b.writeGuestFile('paths', '/tmp/up/x', Readable.from([Buffer.from('x')])), 'PATH_ESCAPES_SANDBOX');
+    await rejectsWithCode(b.writeGuestFile('paths', '/data', Readable.from([Buffer.from('x')])), 'GUEST_PATH_NOT_A_FILE');
+    await rejectsWithCode(b.readGuestFile('paths', '/data'), 'GUEST_PATH_NOT_A_FILE');
+    await rejectsWithCode(b.writeGuestFile('paths', '/data/big', Readable.from([randomBytes(70_000), randomBytes(70_000)]), { maxBytes: 100_000 }), 'PAYLOAD_TOO_LARGE');
+    const leftovers = await sh(b, 'paths', 'ls -a /data');
+    assert.ok(!/big/.test(leftovers.stdout), `an oversized upload left ${leftovers.stdout}`);
     await b.destroy('paths');
   });
 

@@ -1,6 +1,9 @@
 import { existsSync } from 'node:fs';
 import { mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
+import { Transform, type Readable } from 'node:stream';
+import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
 import { z } from 'zod';
 import { AppError } from '../../../domain/errors.js';
@@ -31,7 +34,7 @@ import { CheckpointStore } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
-import { enterArgv, findHostTools, launchInit, type HostTools } from './launch.js';
+import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, type HostTools } from './launch.js';
 import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
 
@@ -343,6 +346,91 @@ export class ProcessBackend implements Backend {
     await this.assertRunning(record);
     const { hostPath } = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, opts);
     return hostPath;
+  }
+
+  async writeGuestFile(name: string, guestPath: string, data: Readable, opts: { mode?: number; maxBytes?: number } = {}): Promise<{ path: string; bytes: number }> {
+    const record = this.must(name);
+    await this.assertRunning(record);
+    const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: true });
+    const mode = (opts.mode ?? 0o644).toString(8);
+    if (!/^[0-7]{1,4}$/.test(mode)) throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
+    // Runs as the guest, with the trusted busybox: the rename happens in the guest's view of its root.
+    const script = `b=${GUEST_BUSYBOX}; t="$1.upload-$2"
+if [ -d "$1" ]; then echo "is a directory" >&2; exit 21; fi
+if $b cat > "$t" && $b chmod "$3" "$t" && $b mv -f "$t" "$1"; then exit 0; fi
+$b rm -f "$t"; exit 1`;
+    const h = await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', script, 'sh', resolved.guestPath, randomBytes(6).toString('hex'), mode], stdin: true });
+    let bytes = 0;
+    let tooLarge = false;
+    let stderr = '';
+    h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+    h.stdout.resume();
+    const counter = new Transform({
+      transform(chunk: Buffer, _enc, cb) {
+        bytes += chunk.length;
+        if (opts.maxBytes !== undefined && bytes > opts.maxBytes) {
+          tooLarge = true;
+          cb(new Error('too large'));
+        } else cb(null, chunk);
+      },
+    });
+    let pipeErr: unknown;
+    try {
+      await pipeline(data, counter, h.stdin);
+    } catch (err) {
+      pipeErr = err;
+      // Killing the group leaves the temp file: remove it from inside below.
+      h.kill('SIGKILL');
+    }
+    const st = await h.wait();
+    if (tooLarge || pipeErr !== undefined || st.exitCode !== 0) {
+      if (pipeErr !== undefined) {
+        await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', `${GUEST_BUSYBOX} rm -f "$1".upload-*`, 'sh', resolved.guestPath], stdin: false })
+          .then((c) => { c.stdout.resume(); c.stderr.resume(); return c.wait(); })
+          .catch(() => undefined);
+      }
+      if (tooLarge) throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: resolved.guestPath });
+      if (st.exitCode === 21) throw new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is a directory in the sandbox; give a file path`, { path: resolved.guestPath });
+      if (pipeErr !== undefined) throw pipeErr instanceof AppError ? pipeErr : sandboxFailed(`writing "${resolved.guestPath}" failed: ${(pipeErr as Error).message}`, { path: resolved.guestPath }, pipeErr);
+      throw sandboxFailed(`writing "${resolved.guestPath}" in the sandbox failed: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, { path: resolved.guestPath });
+    }
+    return { path: resolved.guestPath, bytes };
+  }
+
+  async readGuestFile(name: string, guestPath: string): Promise<{ path: string; size: number; stream: Readable; done: Promise<void> }> {
+    const record = this.must(name);
+    await this.assertRunning(record);
+    const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: false });
+    // First line: the size, from the same process that then streams the bytes.
+    const script = `b=${GUEST_BUSYBOX}
+if [ ! -f "$1" ]; then echo "not a regular file" >&2; exit 21; fi
+$b stat -c %s "$1" && exec $b cat "$1"`;
+    const h = await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', script, 'sh', resolved.guestPath], stdin: false });
+    let stderr = '';
+    h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+    const size = await new Promise<number>((resolve, reject) => {
+      let head = Buffer.alloc(0);
+      const onData = (chunk: Buffer): void => {
+        head = Buffer.concat([head, chunk]);
+        const nl = head.indexOf(10);
+        if (nl < 0) return;
+        h.stdout.off('data', onData);
+        h.stdout.pause();
+        const rest = head.subarray(nl + 1);
+        if (rest.length > 0) h.stdout.unshift(rest);
+        resolve(Number(head.subarray(0, nl).toString()));
+      };
+      h.stdout.on('data', onData);
+      h.wait().then((st) => {
+        if (st.exitCode === 21) reject(new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is not a regular file in the sandbox`, { path: resolved.guestPath }));
+        else reject(sandboxFailed(`reading "${resolved.guestPath}" failed: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, { path: resolved.guestPath }));
+      }, reject);
+    });
+    const done = h.wait().then((st) => {
+      if (st.exitCode !== 0) throw sandboxFailed(`reading "${resolved.guestPath}" failed part-way: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, { path: resolved.guestPath });
+    });
+    done.catch(() => undefined);
+    return { path: resolved.guestPath, size, stream: h.stdout, done };
   }
 
   async checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
