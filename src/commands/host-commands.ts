@@ -19,7 +19,7 @@ export const registerHostRequestSchema = z.object({
   labels: labelsSchema.default({}),
   /** Operator overrides applied over what the agent reports (e.g. to hold back headroom, or declare GPU kind). */
   capacity_overrides: capacityOverridesSchema.default({}),
-});
+}).strict();
 export type RegisterHostRequest = z.input<typeof registerHostRequestSchema>;
 
 export function decodeHostEvent(r: RecordedEvent): HostEvent | undefined {

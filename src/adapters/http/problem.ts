@@ -37,6 +37,15 @@ function titleFor(status: number): string {
   }
 }
 
+/** Fastify's own client errors under our names: a framework upgrade must not change a code clients match on. */
+const FASTIFY_CODES: Record<string, string> = {
+  FST_ERR_CTP_INVALID_JSON_BODY: 'MALFORMED_JSON',
+  FST_ERR_CTP_EMPTY_JSON_BODY: 'EMPTY_BODY',
+  FST_ERR_CTP_INVALID_MEDIA_TYPE: 'UNSUPPORTED_MEDIA_TYPE',
+  FST_ERR_CTP_BODY_TOO_LARGE: 'PAYLOAD_TOO_LARGE',
+  FST_ERR_CTP_INVALID_CONTENT_LENGTH: 'INVALID_CONTENT_LENGTH',
+};
+
 /**
  * The one error handler. Typed errors become their problem; fastify's own
  * client errors (bad JSON, wrong content type, body too large) keep their
@@ -70,7 +79,7 @@ export function errorHandler(err: FastifyError | Error, req: FastifyRequest, rep
   }
   const fe = err as FastifyError;
   if (typeof fe.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
-    send(problem(fe.statusCode, fe.code ? fe.code.replace(/^FST_ERR_/, '') : 'BAD_REQUEST', fe.message));
+    send(problem(fe.statusCode, (fe.code && FASTIFY_CODES[fe.code]) ?? (fe.code ? fe.code.replace(/^FST_ERR_/, '') : 'BAD_REQUEST'), fe.message));
     return;
   }
   req.log.error({ err }, 'unhandled error');

@@ -152,7 +152,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
           cwd: z.string().startsWith('/', 'cwd must be an absolute path').optional(),
           timeout_ms: z.number().int().nonnegative().optional(),
           stdin: z.string().base64('stdin must be base64').optional(),
-        }),
+        }).strict(),
         response: { 200: execResultSchema, ...problemResponses },
       },
     }, async (req) => deps.vms.exec(req.params.id, req.body, actorOf(req)));
