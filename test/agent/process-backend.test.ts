@@ -480,6 +480,24 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     }
   });
 
+  test('a sandbox whose init died is listed stopped, refuses exec, and destroys cleanly', async () => {
+    const info = await b.create({ name: 'dies', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    process.kill(info.init_pid, 'SIGKILL');
+    for (let i = 0; i < 100 && (await b.get('dies')).state === 'running'; i++) await new Promise((r) => setTimeout(r, 20));
+    const got = await b.get('dies');
+    assert.equal(got.state, 'stopped');
+    assert.equal(got.init_pid, 0);
+    assert.deepEqual((await b.list('dies')).map((s) => s.state), ['stopped']);
+    await rejectsWithCode(b.spawn('dies', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_RUNNING');
+    await rejectsWithCode(b.resolveGuestPath('dies', '/etc', { forWrite: false }), 'SANDBOX_NOT_RUNNING');
+    // Its layer is still there to checkpoint.
+    const cp = await b.checkpoint('dies', { comment: 'post-mortem' });
+    assert.equal(cp.kind, 'disk');
+    await b.deleteCheckpoint(cp.id);
+    await b.destroy('dies');
+    await rejectsWithCode(b.get('dies'), 'SANDBOX_NOT_FOUND');
+  });
+
   test('capacity refuses with HOST_CAPACITY_EXHAUSTED beyond maxSandboxes', async () => {
     const { backend: small } = await openBackend({ maxSandboxes: 1 });
     const cap = await small.capacity();
