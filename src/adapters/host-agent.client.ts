@@ -133,6 +133,19 @@ export class HostAgentClient implements HostAgent {
     });
   }
 
+  /** The tail of the sandbox's serial-style init log (not part of the HostAgent port). */
+  async consoleLog(name: string, tailBytes?: number, opts?: CallOptions): Promise<string> {
+    const bytes = await this.#bytes({
+      method: 'GET',
+      path: `/vms/${seg(name)}/console`,
+      query: { tail_bytes: tailBytes === undefined ? undefined : String(tailBytes) },
+      schema: null,
+      idempotent: true,
+      opts,
+    });
+    return Buffer.from(bytes).toString('utf8');
+  }
+
   exec(name: string, req: ExecRequest, opts?: CallOptions): Promise<ExecResult> {
     return this.#call({
       method: 'POST',

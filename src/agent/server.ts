@@ -1,6 +1,6 @@
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
 import { createReadStream, createWriteStream } from 'node:fs';
-import { chmod, rename, rm, stat, writeFile } from 'node:fs/promises';
+import { chmod, open, rename, rm, stat, writeFile } from 'node:fs/promises';
 import type { IncomingMessage } from 'node:http';
 import { posix } from 'node:path';
 import { Transform } from 'node:stream';
@@ -14,6 +14,7 @@ import {
   artifactFileNameSchema,
   artifactMoveSchema,
   checkpointIdSchema,
+  consoleQuerySchema,
   createCheckpointRequestSchema,
   createGrantRequestSchema,
   createVmRequestSchema,
@@ -157,6 +158,24 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
     await backend.destroy(name, { drainCommand: drain, ...(force ? { graceMs: 500 } : {}) });
     await guestAgents.forget(name);
     return { name, destroyed: true, drained: drain !== '' };
+  });
+
+  // The serial-style log of the sandbox's init: its tail, as text.
+  app.get(`${P}/vms/:name/console`, async (req, reply) => {
+    const name = nameParam(req);
+    const q = parse(consoleQuerySchema, req.query, 'query');
+    const info = await backend.get(name);
+    const fh = await open(info.console_log, 'r').catch(() => undefined);
+    if (!fh) return reply.type('text/plain; charset=utf-8').send('');
+    try {
+      const size = (await fh.stat()).size;
+      const len = Math.min(size, q.tail_bytes);
+      const buf = Buffer.alloc(len);
+      await fh.read(buf, 0, len, size - len);
+      return reply.type('text/plain; charset=utf-8').send(buf);
+    } finally {
+      await fh.close();
+    }
   });
 
   // ---- exec -------------------------------------------------------------------

@@ -149,6 +149,11 @@ export const destroyVmQuerySchema = z.object({
 export const destroyVmResponseSchema = z.object({ name: z.string(), destroyed: z.boolean(), drained: z.boolean() });
 export type DestroyVmResponse = z.infer<typeof destroyVmResponseSchema>;
 
+/** `GET /v1/vms/:name/console`: the tail of the sandbox's serial-style init log, as text. */
+export const consoleQuerySchema = z.object({
+  tail_bytes: z.coerce.number().int().min(1).max(16 * 1024 * 1024).default(64 * 1024),
+});
+
 // ---- exec ------------------------------------------------------------------
 
 export const outputEncodingSchema = z.enum(['utf8', 'base64']);

@@ -156,6 +156,9 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     assert.equal(vm.image, 'base');
     assert.ok((await c.listVms('a')).some((v) => v.name === 'a1'));
     assert.deepEqual(await c.listVms('zz'), []);
+    const console1 = await c.consoleLog('a1');
+    assert.ok(console1.length > 0, 'the init wrote to its serial-style log');
+    assert.equal((await c.consoleLog('a1', 5)).length <= 5, true);
 
     const r = await c.exec('a1', { argv: ['sh', '-c', 'echo hi; echo err >&2; exit 3'] });
     assert.equal(r.exit_code, 3, 'a non-zero exit is a result');
