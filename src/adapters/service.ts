@@ -9,6 +9,8 @@ import { deadLettersProjection } from '../projections/dead-letters/dead-letters.
 import { countDeadLettersByState } from '../projections/dead-letters/dead-letters.queries.js';
 import { Counter } from 'prom-client';
 import { deadLetterRoutes } from './http/dead-letters.routes.js';
+import { vmHealthRoutes } from './http/vm-health.routes.js';
+import { vmHealthProjection } from '../projections/vm-health/vm-health.projection.js';
 import { PgAdvisoryLease } from './lease.js';
 import { parseAgentDelayHook, TEST_HOOK_AGENT_DELAY, withAgentDelays } from './test-hooks.js';
 import type { EventStore } from '../domain/event-store.port.js';
@@ -21,6 +23,11 @@ import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../projections/runner.j
 import { vmsProjection } from '../projections/vms/vms.projection.js';
 import { billingProjection } from '../projections/billing/billing.projection.js';
 import { metricsProjection } from '../projections/metrics/metrics.projection.js';
+import { snapshotsProjection } from '../projections/snapshots/snapshots.projection.js';
+import * as snapshotQueries from '../projections/snapshots/snapshots.queries.js';
+import { SnapshotCommands } from '../commands/snapshot-commands.js';
+import { ForkMigrate } from '../commands/fork-migrate.js';
+import { snapshotRoutes } from './http/snapshots.routes.js';
 import { registerConsumerMetrics } from './http/consumer-metrics.js';
 import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
 import { listLiveVmHints } from '../projections/dead-letters/live-vms.queries.js';
@@ -41,7 +48,7 @@ import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
 
 /** Every read model the service keeps. */
-export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection, billingProjection, metricsProjection, deadLettersProjection];
+export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection, billingProjection, metricsProjection, deadLettersProjection, vmHealthProjection, snapshotsProjection];
 
 export interface ServiceOptions {
   readonly config: Config;
@@ -64,6 +71,7 @@ export interface Service {
   readonly hosts: HostCommands;
   readonly vms: VmCommands;
   readonly reconciler: Reconciler;
+  readonly snapshots: SnapshotCommands;
   /** Whether this replica holds the reconciler lease. */
   isReconcilerLeader(): boolean;
   readonly pool: import('pg').Pool;
@@ -118,6 +126,34 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       },
       logger,
     );
+
+    const snapshots = new SnapshotCommands(
+      handler,
+      hosts,
+      vms,
+      {
+        latestReadyOfVm: (vmId) => snapshotQueries.latestReadySnapshotOfVm(pool, vmId),
+        dependentsOf: (id) => snapshotQueries.dependentsOf(pool, id),
+        expired: (now) => snapshotQueries.expiredSnapshots(pool, now),
+        idleLayers: (before) => snapshotQueries.idleLayers(pool, before),
+        layersOverCap: (max) => snapshotQueries.layersOverCap(pool, max),
+        liveVmsSeededFrom: (id) => snapshotQueries.liveVmsSeededFrom(pool, id),
+        deletedWithHolders: () => snapshotQueries.deletedWithHolders(pool),
+      },
+      {
+        defaultRetentionMs: config.DEFAULT_SNAPSHOT_RETENTION_MS,
+        quota: { max_count: config.SNAPSHOT_QUOTA_MAX_COUNT, max_bytes: config.SNAPSHOT_QUOTA_MAX_BYTES },
+        pullTimeoutMs: config.ARTIFACT_PULL_TIMEOUT_MS,
+        checkpointTimeoutMs: Math.max(config.AGENT_CALL_TIMEOUT_MS, 120_000),
+        idleTtlMs: config.ARTIFACT_IDLE_TTL_MS,
+        maxPerTenant: config.ARTIFACT_MAX_PER_TENANT,
+        gcIntervalMs: config.SNAPSHOT_GC_INTERVAL_MS,
+      },
+      logger.child({ component: 'snapshots' }),
+      new CommandHandler(store, undefined, 200),
+    );
+    vms.setSeedArtifacts(snapshots);
+    const forkMigrate = new ForkMigrate(handler, hosts, view, vms, snapshots, config.PLACEMENT_POLICY, logger.child({ component: 'migrate' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
     metrics.gauge('fleet_projection_lag_seconds', 'Seconds the read model is behind the newest event it has been handed', ['projection'], async () =>
@@ -207,10 +243,12 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       routes: [
         hostRoutes({ hosts, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         vmRoutes({ vms, pool, runner, readYourWritesTimeoutMs: rywTimeout, store }),
+        vmHealthRoutes({ vms, pool }),
         deadLetterRoutes({ reconciler, pool, runner, readYourWritesTimeoutMs: rywTimeout, isLeader: () => lease.held, intervalMs: config.RECONCILE_INTERVAL_MS }),
         usageRoutes({ pool }),
         eventsRoutes({ store, logger, stats: feedStats }),
         auditRoutes({ store }),
+        snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
       ],
     });
     closers.push(() => app.close());
@@ -220,8 +258,11 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         await reconciler.stop();
       });
       lease.start();
+      // Retention and layer collection: idempotent per snapshot (the delete is an event first), so replicas may overlap.
+      snapshots.start();
+      closers.push(() => snapshots.stop());
     }
-    return { app, store, runner, hosts, vms, reconciler, isReconcilerLeader: () => lease.held, pool, close };
+    return { app, store, runner, hosts, vms, reconciler, snapshots, isReconcilerLeader: () => lease.held, pool, close };
   } catch (err) {
     await close();
     throw err;

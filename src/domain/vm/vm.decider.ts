@@ -37,6 +37,19 @@ export type VmCommand =
   | { readonly type: 'RequestDestroy'; readonly data: { readonly vm_id: string; readonly reason: VmEndReason } }
   | { readonly type: 'ConfirmDestroyed'; readonly data: { readonly vm_id: string } }
   | {
+      readonly type: 'CompleteMigration';
+      readonly data: {
+        readonly vm_id: string;
+        readonly from_host_id: string;
+        readonly host_id: string;
+        readonly decision: PlacementDecision;
+        readonly reservation: VmReservation;
+        readonly snapshot_id: string;
+        readonly url: string;
+        readonly endpoints: readonly Endpoint[];
+      };
+    }
+  | {
       readonly type: 'FailVm';
       readonly data: { readonly vm_id: string; readonly reason: VmEndReason; readonly error: string; readonly error_code?: string | undefined };
     };
@@ -192,6 +205,14 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [{ type: 'VmDestroyed', data: { vm_id, reason: s.destroy_reason, at } }];
     }
 
+    case 'CompleteMigration': {
+      const s = existing(state, vm_id);
+      if (s.status === 'running' && s.host_id === command.data.host_id) return [];
+      if (s.status !== 'running' || s.host_id !== command.data.from_host_id) throw new VmInvalidStateError(vm_id, s.status, 'complete its migration', 'it must still run on the source host');
+      const d = command.data;
+      return [{ type: 'VmMigrated', data: { ...d, endpoints: [...d.endpoints], reservation: compact(d.reservation), at } }];
+    }
+
     case 'FailVm': {
       const s = existing(state, vm_id);
       // A late failure report for a VM that already ended changes nothing.
@@ -254,6 +275,11 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
       return { ...core, status: 'destroying', destroy_reason: event.data.reason, transitioned_at: event.data.at };
     case 'VmDestroyed':
       return { ...core, status: 'destroyed', reason: event.data.reason, transitioned_at: event.data.at };
+    case 'VmMigrated': {
+      if (state.status !== 'running') return state;
+      const d = event.data;
+      return { ...state, host_id: d.host_id, decision: d.decision, reservation: d.reservation, url: d.url, endpoints: d.endpoints, last_activity_at: d.at };
+    }
     case 'VmFailed': {
       const d = event.data;
       return { ...core, status: 'failed', reason: d.reason, error: d.error, error_code: d.error_code, phase: d.phase, transitioned_at: d.at };

@@ -112,6 +112,22 @@ export const vmFailedSchema = z.object({
   }),
 });
 
+/** A cold migration finished: the VM, same id, now runs on `host_id` (booted from `snapshot_id`). */
+export const vmMigratedSchema = z.object({
+  type: z.literal('VmMigrated'),
+  data: z.object({
+    vm_id: idSchema,
+    from_host_id: idSchema,
+    host_id: idSchema,
+    decision: placementDecisionSchema,
+    reservation: vmReservationSchema,
+    snapshot_id: z.string(),
+    url: z.string(),
+    endpoints: z.array(endpointSchema),
+    at,
+  }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -121,6 +137,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmDestroyRequestedSchema,
   vmDestroyedSchema,
   vmFailedSchema,
+  vmMigratedSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];

@@ -77,6 +77,9 @@ export const vmsProjection: Projection = {
       case 'VmDestroyed':
         await update(sql, id, rev, at, `state = 'destroyed', reason = $4, state_changed_at = $3`, [event.data.reason]);
         return;
+      case 'VmMigrated':
+        await update(sql, id, rev, at, `host_id = $4, placement = $5, url = $6, endpoints = $7`, [event.data.host_id, JSON.stringify(event.data.decision), event.data.url, JSON.stringify(event.data.endpoints)]);
+        return;
       case 'VmFailed':
         await update(sql, id, rev, at, `state = 'failed', reason = $4, error = $5, error_code = $6, failed_phase = $7, state_changed_at = $3`, [event.data.reason, event.data.error, event.data.error_code ?? null, event.data.phase]);
         return;

@@ -1,0 +1,209 @@
+import type { Logger } from 'pino';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
+import type { Position } from '../domain/event-store.port.js';
+import { hostDecider } from '../domain/host/host.decider.js';
+import { hostStream, vmStream } from '../domain/ids.js';
+import { migrationRecorder, type MigrationCommand, type MigrationStep } from '../domain/snapshot/migration.events.js';
+import { placementRequestOf, type StoredVmSpec } from '../domain/vm/spec.js';
+import { vmDecider, type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
+import type { Endpoint } from '../domain/vm/vm.events.js';
+import type { AgentSpec } from '../domain/agent-protocol.js';
+import type { PlacementPolicy } from '../domain/placement/placement.js';
+import type { CommandHandler } from './command-handler.js';
+import { decodeHostEvent, type HostCommands } from './host-commands.js';
+import type { PlacementView } from './placement-view.js';
+import type { SnapshotCommands } from './snapshot-commands.js';
+import { decodeVmEvent, sandboxName, type Actor, type VmCommands } from './vm-commands.js';
+
+export interface ForkResult {
+  readonly vm: ExistingVmState;
+  readonly position: Position | undefined;
+  readonly snapshotId: string;
+}
+
+export interface MigrateResult extends ForkResult {
+  readonly fromHostId: string;
+}
+
+/** Backends whose agents can capture guest memory (seed: live migration needs firecracker). */
+const LIVE_CAPABLE_BACKENDS: ReadonlySet<string> = new Set(['firecracker']);
+
+/**
+ * Fork (a new VM seeded from a snapshot of the source, with its own
+ * credentials) and cold migration (disk snapshot → move → boot on the
+ * target → destroy the source; the VM keeps its id).
+ */
+export class ForkMigrate {
+  constructor(
+    private readonly handler: CommandHandler,
+    private readonly hosts: HostCommands,
+    private readonly view: PlacementView,
+    private readonly vms: VmCommands,
+    private readonly snapshots: SnapshotCommands,
+    private readonly policy: PlacementPolicy,
+    private readonly logger: Logger,
+  ) {}
+
+  async fork(vmId: string, opts: { comment?: string | undefined; reuse_snapshot_id?: string | undefined }, actor: Actor): Promise<ForkResult> {
+    const src = await this.vms.get(vmId, actor);
+    let snapshotId: string;
+    if (opts.reuse_snapshot_id) {
+      const s = await this.snapshots.get(opts.reuse_snapshot_id, actor);
+      if (s.vm_id !== vmId) throw new ConflictError('SNAPSHOT_NOT_OF_VM', `snapshot ${s.snapshot_id} is of vm ${s.vm_id}, not ${vmId}`, { snapshot_id: s.snapshot_id });
+      if (s.status !== 'ready') throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${s.snapshot_id} is ${s.status}`, { snapshot_id: s.snapshot_id });
+      snapshotId = s.snapshot_id;
+    } else {
+      const r = await this.snapshots.create(vmId, { mode: 'manual', comment: opts.comment ?? `fork of ${vmId}`, metadata: { fork_of: vmId } }, actor);
+      snapshotId = r.snapshot.snapshot_id;
+    }
+    // The create flow mints a fresh per-VM token and overwrites the copied one before the fork runs anything.
+    const r = await this.vms.create(forkSpec(src.spec, snapshotId), actor);
+    return { vm: r.vm, position: r.position, snapshotId };
+  }
+
+  async migrate(vmId: string, opts: { target_host_id?: string | undefined; live: boolean; lazy?: boolean | undefined }, actor: Actor): Promise<MigrateResult> {
+    const vm = await this.vms.get(vmId, actor);
+    if (vm.status !== 'running' || !vm.host_id) throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be migrated`, { vm_id: vmId, status: vm.status });
+    const fromHostId = vm.host_id;
+    const { state: source } = await this.hosts.load(fromHostId);
+    const backend = source.status === 'unregistered' ? 'unknown' : source.backend;
+    if (opts.lazy && !opts.live) throw new ValidationError('lazy needs live: true', [{ path: 'lazy', message: 'needs live' }]);
+    if (opts.live && !LIVE_CAPABLE_BACKENDS.has(backend)) {
+      // Never a silent cold fallback: the caller asked for processes to survive and hears, while the source still runs, that they would not.
+      throw new ConflictError('LIVE_MIGRATION_UNSUPPORTED', `live migration needs a backend that captures guest memory; host ${fromHostId} runs the ${backend} backend. The VM is still running on ${fromHostId}; migrate with live: false for a cold migration`, {
+        vm_id: vmId,
+        host_id: fromHostId,
+        backend,
+      });
+    }
+    if (opts.live) throw new AppError('LIVE_MIGRATION_UNSUPPORTED', 501, `live migration is not implemented by this control plane yet; vm ${vmId} is still running on ${fromHostId}`, { vm_id: vmId });
+    if (opts.target_host_id !== undefined) {
+      if (opts.target_host_id === fromHostId) throw new ValidationError(`target_host_id ${fromHostId} is the VM's own host: pick another`, [{ path: 'target_host_id', message: 'same as the source host' }], 'MIGRATION_TARGET_IS_SOURCE');
+      const { state: t } = await this.hosts.load(opts.target_host_id);
+      if (t.status === 'unregistered') throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
+    }
+
+    await this.record(vmId, { type: 'VmMigrationStarted', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } }, actor);
+    let step: MigrationStep = 'snapshot';
+    let snapshotId: string | undefined;
+    let targetId: string | undefined;
+    let reserved = false;
+    let booted = false;
+    try {
+      const snap = await this.snapshots.create(vmId, { mode: 'migrate', no_lineage: true, comment: `migrate ${vmId} from ${fromHostId}` }, actor);
+      snapshotId = snap.snapshot.snapshot_id;
+      await this.stepDone(vmId, 'snapshot', { snapshot_id: snapshotId, kind: snap.snapshot.kind, size_bytes: String(snap.snapshot.size_bytes) }, actor);
+
+      step = 'place';
+      const request = { ...placementRequestOf(vm.spec), host_id: undefined, pinned_host_id: undefined, ...(opts.target_host_id ? { host_id: opts.target_host_id } : {}) };
+      const placeOpts = { policy: this.policy, excludeHosts: new Set([fromHostId]), hints: { artifactHosts: new Set(snap.snapshot.holders) } };
+      let choice;
+      try {
+        await this.view.fresh();
+        choice = this.view.placeAndHold(`${vmId}-migrate`, request, placeOpts);
+      } catch (err) {
+        if (!(err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED')) throw err;
+        // The cached view may predate an uncordon or a release: decide once more on every host re-read from its stream.
+        for (const h of await this.view.snapshot()) await this.view.refresh(h.id);
+        choice = this.view.placeAndHold(`${vmId}-migrate`, request, placeOpts);
+      }
+      this.view.release(`${vmId}-migrate`);
+      targetId = choice.decision.host_id;
+      const spec = vm.spec;
+      const res = await this.handler.handle(hostStream(targetId), hostDecider, decodeHostEvent, {
+        type: 'ReserveCapacity',
+        data: { host_id: targetId, vm_id: vmId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, gpus: spec.gpus, gpu_kind: spec.gpu_kind, gpu_profile: spec.gpu_profile, gpu_uuids: choice.gpu_uuids.length ? choice.gpu_uuids : undefined, mig_instance_uuids: choice.mig_instance_uuids.length ? choice.mig_instance_uuids : undefined },
+      }, actor);
+      reserved = true;
+      this.view.set(targetId, res.state, res.revision);
+      const held = res.state.status !== 'unregistered' ? res.state.reservations.get(vmId) : undefined;
+      if (!held) throw new AppError('INTERNAL', 500, `reservation for vm ${vmId} on host ${targetId} vanished`);
+      await this.stepDone(vmId, 'place', { host_id: targetId, artifact_local: String(choice.decision.artifact_local) }, actor);
+
+      step = 'move';
+      await this.snapshots.ensureOn(snapshotId, targetId, actor);
+      await this.stepDone(vmId, 'move', { host_id: targetId, transferred: String(!choice.decision.artifact_local) }, actor);
+
+      step = 'boot';
+      const agent = await this.hosts.agentFor(targetId);
+      const name = sandboxName(vmId);
+      const info = await agent.createVm({ name, checkpoint_id: snapshotId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, tenant: vm.tenant_id });
+      booted = true;
+      let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+      const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
+      if (spec.agent || expose.length > 0) {
+        const agentSpec: AgentSpec = { files: {}, command: spec.agent?.command ?? 'true', drain_command: spec.agent?.drain_command ?? '', expose };
+        const started = await agent.startAgent(name, agentSpec);
+        endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+      }
+      await this.stepDone(vmId, 'boot', { host_id: targetId }, actor);
+
+      step = 'switch';
+      const decision = choice.decision;
+      const reservation = { cpus: held.cpus, ram_mb: held.ram_mb, storage_gb: held.storage_gb, gpus: held.gpus, gpu_kind: held.gpu_kind, gpu_profile: held.gpu_profile, gpu_uuids: held.gpu_uuids, mig_instance_uuids: held.mig_instance_uuids };
+      const switched = await this.handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, {
+        type: 'CompleteMigration',
+        data: { vm_id: vmId, from_host_id: fromHostId, host_id: targetId, decision, reservation, snapshot_id: snapshotId, url: info.ip ? `http://${info.ip}` : '', endpoints },
+      } satisfies VmCommand, actor);
+      if (switched.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} vanished`);
+      let position = switched.position;
+      let final = switched.state;
+      booted = false;
+      reserved = false;
+
+      // From here the VM runs on the target: a failure only leaves garbage on the source, which the reconciler collects.
+      step = 'destroy_source';
+      try {
+        const src = await this.hosts.agentFor(fromHostId);
+        await src.destroyVm(name, { force: true });
+        await this.vms.releaseCapacity(fromHostId, vmId, actor);
+        await this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor);
+      } catch (err) {
+        this.logger.warn({ vm_id: vmId, host_id: fromHostId, err: { message: (err as Error).message } }, 'migrated, but the source sandbox was not destroyed; the reconciler will');
+      }
+      step = 'cleanup';
+      await this.snapshots.delete(snapshotId, actor, { force: true, reason: 'migrate' }).catch((err: unknown) => this.logger.warn({ snapshot_id: snapshotId, err: { message: (err as Error).message } }, 'migrate snapshot not deleted'));
+      const done = await this.stepDone(vmId, 'cleanup', { snapshot_id: snapshotId }, actor);
+      position = done ?? position;
+      const reread = await this.vms.get(vmId, actor);
+      final = reread;
+      return { vm: final, position, snapshotId, fromHostId };
+    } catch (err) {
+      const e = err instanceof AppError ? err : undefined;
+      // Undo on the target only: the source was never touched and still runs.
+      if (booted && targetId) {
+        await this.hosts.agentFor(targetId).then((a) => a.destroyVm(sandboxName(vmId), { force: true })).catch(() => undefined);
+      }
+      if (reserved && targetId) await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
+      if (snapshotId) await this.snapshots.delete(snapshotId, actor, { force: true, reason: 'migrate' }).catch(() => undefined);
+      await this.record(vmId, { type: 'VmMigrationFailed', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
+      throw new AppError(
+        'MIGRATION_FAILED',
+        e && e.status < 500 ? e.status : 502,
+        `migration of vm ${vmId} stopped at step "${step}": ${(err as Error).message}. The VM is still running on ${fromHostId}`,
+        { vm_id: vmId, step, from_host_id: fromHostId, target_host_id: targetId, cause_code: e?.code },
+        { cause: err },
+      );
+    }
+  }
+
+  private async stepDone(vmId: string, step: MigrationStep, detail: Record<string, string>, actor: Actor): Promise<Position | undefined> {
+    return this.record(vmId, { type: 'VmMigrationStepCompleted', data: { vm_id: vmId, step, detail } }, actor);
+  }
+
+  private async record(vmId: string, command: MigrationCommand, actor: Actor): Promise<Position | undefined> {
+    const r = await this.handler.handle(vmStream(vmId), migrationRecorder, () => undefined, command, actor, { expected: 'any' });
+    return r.position;
+  }
+}
+
+/** A fork's spec: the source's shape, seeded from the snapshot; what the disk already carries is not replayed. */
+export function forkSpec(src: StoredVmSpec, snapshotId: string): Record<string, unknown> {
+  const { image: _i, file_paths: _f, startup_script: _s, startup_script_timeout_s: _t, host_id: _h, pinned_host_id: _p, seed_snapshot_id: _seed, name: _n, agent, ...rest } = src;
+  const out: Record<string, unknown> = { ...rest, seed_snapshot_id: snapshotId };
+  if (agent) {
+    const { file_paths: _af, ...a } = agent;
+    out.agent = a;
+  }
+  return out;
+}

@@ -1,0 +1,417 @@
+import { randomBytes } from 'node:crypto';
+import type { Logger } from 'pino';
+import { z } from 'zod';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
+import type { Position, RecordedEvent } from '../domain/event-store.port.js';
+import { classifyHostAgentError } from '../domain/host-agent.port.js';
+import { idSchema } from '../domain/ids.js';
+import { snapshotDecider, type ExistingSnapshot, type SnapshotAggregate, type SnapshotCommand } from '../domain/snapshot/snapshot.decider.js';
+import {
+  isSnapshotEventType,
+  layerKeySchema,
+  parseSnapshotEvent,
+  SNAPSHOT_STREAM_PREFIX,
+  snapshotModeSchema,
+  TENANT_STREAM_PREFIX,
+  type SnapshotDeleteReason,
+  type SnapshotEvent,
+} from '../domain/snapshot/snapshot.events.js';
+import { isTenantEventType, parseTenantEvent, tenantDecider, type QuotaLimits, type TenantCommand, type TenantEvent } from '../domain/tenant/tenant.decider.js';
+import { validationErrorFromZod } from '../domain/vm/spec.js';
+import { CommandHandler, type CommandMeta } from './command-handler.js';
+import type { HostCommands } from './host-commands.js';
+import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from './vm-commands.js';
+
+export const snapshotStream = (id: string): string => `${SNAPSHOT_STREAM_PREFIX}${id}`;
+export const tenantStream = (tenantId: string): string => `${TENANT_STREAM_PREFIX}${tenantId}`;
+
+export function decodeSnapshotEvent(r: RecordedEvent): SnapshotEvent | undefined {
+  return isSnapshotEventType(r.type) ? parseSnapshotEvent(r.type, r.data) : undefined;
+}
+export function decodeTenantEvent(r: RecordedEvent): TenantEvent | undefined {
+  return isTenantEventType(r.type) ? parseTenantEvent(r.type, r.data) : undefined;
+}
+
+/** Metadata keys the service writes itself; a caller may not set them. */
+export const RESERVED_METADATA_KEYS = ['comment', 'vm_id', 'mode', 'host_id', 'arch', 'layer_key', 'tenant_id', 'kind'] as const;
+
+export const createSnapshotRequestSchema = z
+  .object({
+    mode: snapshotModeSchema.default('manual'),
+    comment: z.string().max(1024).default(''),
+    metadata: z.record(z.string().regex(/^[A-Za-z0-9_.-]{1,64}$/, 'a metadata key of 1-64 letters, digits, _ . -'), z.string().max(4096)).default({}),
+    /** Absolute expiry; or retention_s from now; neither: the fleet default. */
+    retention_until: z.iso.datetime({ offset: true }).optional(),
+    retention_s: z.number().int().positive().optional(),
+    no_lineage: z.boolean().default(false),
+    live: z.boolean().default(false),
+    diff: z.boolean().default(false),
+    keep_paused: z.boolean().default(false),
+    shrink: z.boolean().default(false),
+    layer_key: layerKeySchema.optional(),
+    exports: z.array(z.object({ destination: z.string().min(1).max(2048) })).max(16).default([]),
+  })
+  .strict()
+  .superRefine((r, ctx) => {
+    for (const k of Object.keys(r.metadata)) {
+      if ((RESERVED_METADATA_KEYS as readonly string[]).includes(k)) ctx.addIssue({ code: 'custom', path: ['metadata', k], message: `"${k}" is reserved: the service sets it` });
+    }
+    if (r.retention_until !== undefined && r.retention_s !== undefined) ctx.addIssue({ code: 'custom', path: ['retention_s'], message: 'give retention_until or retention_s, not both' });
+    if (r.diff && !r.live) ctx.addIssue({ code: 'custom', path: ['diff'], message: 'a diff snapshot needs live: true' });
+    if (r.keep_paused && !r.diff) ctx.addIssue({ code: 'custom', path: ['keep_paused'], message: 'keep_paused applies to a diff snapshot only' });
+    if (r.layer_key !== undefined && r.mode !== 'build') ctx.addIssue({ code: 'custom', path: ['layer_key'], message: 'a layer is a build artifact: set mode "build" with layer_key' });
+  });
+export type CreateSnapshotRequest = z.input<typeof createSnapshotRequestSchema>;
+
+/** Read-model queries the snapshot commands use for candidate selection (they may lag; the streams decide). */
+export interface SnapshotReads {
+  latestReadyOfVm(vmId: string): Promise<{ id: string } | undefined>;
+  dependentsOf(snapshotId: string): Promise<string[]>;
+  expired(now: Date): Promise<Array<{ id: string; tenant_id: string }>>;
+  idleLayers(before: Date): Promise<Array<{ id: string; tenant_id: string }>>;
+  layersOverCap(max: number): Promise<Array<{ id: string; tenant_id: string }>>;
+  /** VMs not yet ended whose spec seeds from this snapshot. */
+  liveVmsSeededFrom(snapshotId: string): Promise<string[]>;
+  /** Deleted snapshots some host still holds (a delete the agent did not finish). */
+  deletedWithHolders(): Promise<Array<{ id: string; tenant_id: string }>>;
+}
+
+export interface SnapshotConfig {
+  readonly defaultRetentionMs: number;
+  readonly quota: QuotaLimits;
+  /** 0: the agent client's default. */
+  readonly pullTimeoutMs: number;
+  readonly checkpointTimeoutMs: number;
+  readonly idleTtlMs: number;
+  readonly maxPerTenant: number;
+  readonly gcIntervalMs: number;
+}
+
+export interface SnapshotResult {
+  readonly snapshot: ExistingSnapshot;
+  readonly position: Position | undefined;
+}
+
+const SYSTEM: CommandMeta = { correlationId: 'snapshot-gc', actor: 'system:snapshot-gc' };
+
+/**
+ * Snapshots of running VMs (`snapshot-<id>`), the per-tenant quota
+ * (`tenant-<id>`), artifact moves between hosts, and their collection.
+ */
+export class SnapshotCommands implements SeedArtifacts {
+  private readonly tenantQueues = new Map<string, Promise<void>>();
+  /** Quota reservations retry many times: losing a race to a sibling is the normal case, not an error. */
+  private readonly quotaHandler: CommandHandler;
+  private timer: NodeJS.Timeout | undefined;
+  private collecting: Promise<void> | undefined;
+
+  constructor(
+    private readonly handler: CommandHandler,
+    private readonly hosts: HostCommands,
+    private readonly vms: VmCommands,
+    private readonly reads: SnapshotReads,
+    private readonly config: SnapshotConfig,
+    private readonly logger: Logger,
+    quotaHandler?: CommandHandler,
+  ) {
+    this.quotaHandler = quotaHandler ?? handler;
+  }
+
+  // ---------------------------------------------------------------- create
+
+  async create(vmId: string, input: unknown, actor: Actor, now = new Date()): Promise<SnapshotResult> {
+    const parsed = createSnapshotRequestSchema.safeParse(input ?? {});
+    if (!parsed.success) throw validationErrorFromZod(parsed.error, 'snapshot request');
+    const req = parsed.data;
+    const vm = await this.vms.get(vmId, actor);
+    if (vm.status !== 'running' || !vm.host_id) {
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be snapshotted`, { vm_id: vmId, status: vm.status });
+    }
+    const hostId = vm.host_id;
+    const { state: host } = await this.hosts.load(hostId);
+    const arch = host.status === 'unregistered' ? '' : (host.capacity.arch ?? '');
+    const snapshotId = `snap-${randomBytes(10).toString('hex')}`;
+    // A layer is filed under the caller's tenant (from its key) so a later build of the same tenant can hit;
+    // every other snapshot belongs to its VM's tenant.
+    const tenantId = req.layer_key !== undefined ? actor.tenantId : vm.tenant_id;
+    const counted = req.mode !== 'build';
+    const retentionUntil =
+      req.retention_until ??
+      (req.retention_s !== undefined
+        ? new Date(now.getTime() + req.retention_s * 1000).toISOString()
+        : this.config.defaultRetentionMs > 0
+          ? new Date(now.getTime() + this.config.defaultRetentionMs).toISOString()
+          : undefined);
+    const parent = req.no_lineage ? undefined : (await this.reads.latestReadyOfVm(vmId))?.id;
+    const metadata: Record<string, string> = { ...req.metadata, comment: req.comment, vm_id: vmId, mode: req.mode, host_id: hostId, arch };
+    if (req.layer_key !== undefined) metadata.layer_key = req.layer_key;
+
+    if (counted) await this.reserveQuota(tenantId, snapshotId, actor);
+    let requested;
+    try {
+      requested = await this.run(snapshotId, {
+        type: 'RequestSnapshot',
+        data: {
+          snapshot_id: snapshotId,
+          vm_id: vmId,
+          tenant_id: tenantId,
+          task_id: vm.task_id,
+          host_id: hostId,
+          arch,
+          mode: req.mode,
+          comment: req.comment,
+          metadata,
+          retention_until: retentionUntil,
+          parent_snapshot_id: parent,
+          layer_key: req.layer_key,
+          ask: { live: req.live, diff: req.diff, keep_paused: req.keep_paused, shrink: req.shrink },
+          quota_counted: counted,
+        },
+      }, actor);
+    } catch (err) {
+      if (counted) await this.releaseQuota(tenantId, snapshotId, actor);
+      throw err;
+    }
+    void requested;
+    try {
+      const agent = await this.hosts.agentFor(hostId);
+      // The protocol carries `live` only; diff/keep_paused/shrink are recorded as asked, and the kind is what came back.
+      const cp = await agent.checkpoint(sandboxName(vmId), { id: snapshotId, comment: req.comment, live: req.live }, { timeoutMs: this.config.checkpointTimeoutMs });
+      const done = await this.run(snapshotId, { type: 'CompleteSnapshot', data: { snapshot_id: snapshotId, digest: cp.digest, size_bytes: cp.size_bytes, kind: cp.kind, files: cp.files } }, actor);
+      if (counted) await this.onTenant(tenantId, () => this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'SizeSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes } } satisfies TenantCommand, actor));
+      let last = done;
+      for (const e of req.exports) last = await this.run(snapshotId, { type: 'RequestExport', data: { snapshot_id: snapshotId, destination: e.destination } }, actor);
+      return last;
+    } catch (err) {
+      const e = err instanceof AppError ? err : undefined;
+      this.logger.warn({ snapshot_id: snapshotId, vm_id: vmId, code: e?.code, err: { message: (err as Error).message } }, 'snapshot failed');
+      await this.run(snapshotId, { type: 'FailSnapshot', data: { snapshot_id: snapshotId, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
+      if (counted) await this.releaseQuota(tenantId, snapshotId, actor).catch(() => undefined);
+      throw err;
+    }
+  }
+
+  // ---------------------------------------------------------------- read, delete, export
+
+  /** The snapshot as its stream says, for this caller: another tenant's snapshot does not exist (404). */
+  async get(snapshotId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingSnapshot> {
+    if (!idSchema.safeParse(snapshotId).success) throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`);
+    const { state } = await this.handler.load(snapshotStream(snapshotId), snapshotDecider, decodeSnapshotEvent);
+    if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`, { snapshot_id: snapshotId });
+    return state;
+  }
+
+  /**
+   * Refused while a live snapshot's lineage names this one, unless forced.
+   * The event comes first, then the agents' deletes: a delete the agent did
+   * not finish leaves a holder that the collector retries.
+   */
+  async delete(snapshotId: string, actor: Actor, opts: { force?: boolean; reason?: SnapshotDeleteReason } = {}): Promise<SnapshotResult> {
+    const s = await this.get(snapshotId, actor);
+    if (s.status === 'deleted') return { snapshot: s, position: undefined };
+    if (!opts.force) {
+      const deps = await this.reads.dependentsOf(snapshotId);
+      if (deps.length > 0) {
+        throw new ConflictError('SNAPSHOT_HAS_DEPENDENTS', `snapshot ${snapshotId} is the lineage parent of ${deps.join(', ')}: delete those first, or pass force=true`, { snapshot_id: snapshotId, dependents: deps });
+      }
+    }
+    const r = await this.run(snapshotId, { type: 'DeleteSnapshot', data: { snapshot_id: snapshotId, reason: opts.reason ?? 'client', forced: opts.force ?? false } }, actor);
+    if (s.quota_counted) await this.releaseQuota(s.tenant_id, snapshotId, actor);
+    const dropped = await this.dropCopies(r.snapshot, actor);
+    return dropped ?? r;
+  }
+
+  async requestExport(snapshotId: string, destination: string, actor: Actor): Promise<SnapshotResult> {
+    await this.get(snapshotId, actor);
+    return this.run(snapshotId, { type: 'RequestExport', data: { snapshot_id: snapshotId, destination } }, actor);
+  }
+
+  async updateExport(snapshotId: string, destination: string, status: 'pending' | 'running' | 'done' | 'failed', error: string | undefined, actor: Actor): Promise<SnapshotResult> {
+    await this.get(snapshotId, actor);
+    return this.run(snapshotId, { type: 'UpdateExport', data: { snapshot_id: snapshotId, destination, status, error } }, actor);
+  }
+
+  /** A layer-cache hit counts as use (idle collection reads it). */
+  async recordUse(snapshotId: string, meta: CommandMeta): Promise<void> {
+    await this.run(snapshotId, { type: 'RecordUse', data: { snapshot_id: snapshotId } }, meta).catch((err: unknown) =>
+      this.logger.debug({ snapshot_id: snapshotId, err: { message: (err as Error).message } }, 'use not recorded'),
+    );
+  }
+
+  private async dropCopies(s: ExistingSnapshot, meta: CommandMeta): Promise<SnapshotResult | undefined> {
+    let last: SnapshotResult | undefined;
+    for (const hostId of s.holders) {
+      try {
+        const agent = await this.hosts.agentFor(hostId);
+        await agent.deleteCheckpoint(s.snapshot_id);
+        last = await this.run(s.snapshot_id, { type: 'DropArtifact', data: { snapshot_id: s.snapshot_id, host_id: hostId } }, meta);
+      } catch (err) {
+        this.logger.warn({ snapshot_id: s.snapshot_id, host_id: hostId, err: { message: (err as Error).message } }, 'artifact not deleted on its host; the collector retries');
+      }
+    }
+    return last;
+  }
+
+  // ---------------------------------------------------------------- seeds and moves
+
+  async holders(snapshotId: string, actor: Actor): Promise<ReadonlySet<string>> {
+    const s = await this.get(snapshotId, actor);
+    if (s.status !== 'ready') throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}: only a ready snapshot can seed a VM`, { snapshot_id: snapshotId, state: s.status });
+    if (s.holders.length === 0) throw new ConflictError('SNAPSHOT_NOT_HELD', `no host holds snapshot ${snapshotId} any more`, { snapshot_id: snapshotId });
+    return new Set(s.holders);
+  }
+
+  /**
+   * Gives `hostId` a copy: a grant on a holder, a pull on the target (the
+   * target verifies the sha256 and commits atomically), bounded by
+   * ARTIFACT_PULL_TIMEOUT; then the move is an event and the target a holder.
+   */
+  async ensureOn(snapshotId: string, hostId: string, actor: Actor): Promise<void> {
+    const s = await this.get(snapshotId, actor);
+    if (s.status !== 'ready') throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}`, { snapshot_id: snapshotId, state: s.status });
+    if (s.holders.includes(hostId)) {
+      await this.recordUse(snapshotId, actor);
+      return;
+    }
+    await this.move(s, hostId, actor);
+  }
+
+  async move(s: ExistingSnapshot, toHostId: string, meta: CommandMeta): Promise<void> {
+    const fromHostId = s.holders[0];
+    if (!fromHostId) throw new ConflictError('SNAPSHOT_NOT_HELD', `no host holds snapshot ${s.snapshot_id}`, { snapshot_id: s.snapshot_id });
+    if (!s.digest || !/^[0-9a-f]{64}$/.test(s.digest)) {
+      throw new ConflictError('ARTIFACT_DIGEST_UNKNOWN', `snapshot ${s.snapshot_id} has no recorded digest, so a copy could not be verified: it stays on ${fromHostId}`, { snapshot_id: s.snapshot_id });
+    }
+    const started = Date.now();
+    try {
+      const { state: from } = await this.hosts.load(fromHostId);
+      if (from.status === 'unregistered') throw new NotFoundError('HOST_NOT_FOUND', `host ${fromHostId} is not registered`);
+      const src = this.hosts.agentForState(from);
+      const dst = await this.hosts.agentFor(toHostId);
+      const timeoutMs = this.config.pullTimeoutMs > 0 ? this.config.pullTimeoutMs : undefined;
+      const ttl = Math.max(60, Math.ceil((timeoutMs ?? 300_000) / 1000) + 30);
+      const grant = await src.grantArtifact(s.snapshot_id, Math.min(3600, ttl));
+      const moved = await dst.pullArtifact(
+        { snapshot_id: s.snapshot_id, digest: s.digest, from: { url: from.url, grant: grant.grant, host_id: fromHostId }, files: { ...s.files } },
+        timeoutMs !== undefined ? { timeoutMs } : {},
+      );
+      await this.run(s.snapshot_id, { type: 'RecordArtifactMoved', data: { snapshot_id: s.snapshot_id, from_host_id: fromHostId, to_host_id: toHostId, size_bytes: moved.size_bytes, kind: moved.kind, duration_ms: Date.now() - started } }, meta);
+    } catch (err) {
+      const e = err instanceof AppError ? err : undefined;
+      await this.run(s.snapshot_id, { type: 'RecordArtifactMoveFailed', data: { snapshot_id: s.snapshot_id, from_host_id: fromHostId, to_host_id: toHostId, error: (err as Error).message, error_code: e?.code } }, meta).catch(() => undefined);
+      const timedOut = e?.code === 'HOST_UNREACHABLE' && /time/i.test(e.message);
+      throw new AppError(
+        timedOut ? 'ARTIFACT_PULL_TIMEOUT' : 'ARTIFACT_MOVE_FAILED',
+        timedOut ? 504 : classifyHostAgentError(err) === 'host' ? 502 : (e?.status ?? 502),
+        `moving snapshot ${s.snapshot_id} from ${fromHostId} to ${toHostId} failed${timedOut ? ` (ARTIFACT_PULL_TIMEOUT_MS=${this.config.pullTimeoutMs})` : ''}: ${(err as Error).message}`,
+        { snapshot_id: s.snapshot_id, from_host_id: fromHostId, to_host_id: toHostId, cause_code: e?.code },
+        { cause: err },
+      );
+    }
+  }
+
+  // ---------------------------------------------------------------- quota
+
+  private async reserveQuota(tenantId: string, snapshotId: string, meta: CommandMeta): Promise<void> {
+    await this.onTenant(tenantId, () =>
+      this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'ReserveSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, limits: this.config.quota } } satisfies TenantCommand, meta),
+    );
+  }
+
+  private async releaseQuota(tenantId: string, snapshotId: string, meta: CommandMeta): Promise<void> {
+    await this.onTenant(tenantId, () =>
+      this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'ReleaseSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId } } satisfies TenantCommand, meta),
+    );
+  }
+
+  async quotaUsage(tenantId: string): Promise<{ count: number; bytes: number; max_count: number; max_bytes: number }> {
+    const { state } = await this.quotaHandler.load(tenantStream(tenantId), tenantDecider, decodeTenantEvent);
+    let bytes = 0;
+    for (const b of state.reservations.values()) bytes += b;
+    return { count: state.reservations.size, bytes, max_count: this.config.quota.max_count, max_bytes: this.config.quota.max_bytes };
+  }
+
+  /** Writers of one tenant stream in this process go one at a time; other processes lose a revision conflict and retry. */
+  private async onTenant<T>(tenantId: string, fn: () => Promise<T>): Promise<T> {
+    const prev = this.tenantQueues.get(tenantId) ?? Promise.resolve();
+    const run = prev.then(fn, fn);
+    const tail = run.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.tenantQueues.set(tenantId, tail);
+    try {
+      return await run;
+    } finally {
+      if (this.tenantQueues.get(tenantId) === tail) this.tenantQueues.delete(tenantId);
+    }
+  }
+
+  // ---------------------------------------------------------------- collection
+
+  start(): void {
+    if (this.timer) return;
+    this.timer = setInterval(() => void this.collect().catch((err: unknown) => this.logger.warn({ err: { message: (err as Error).message } }, 'snapshot collection failed')), this.config.gcIntervalMs);
+    this.timer.unref();
+  }
+
+  async stop(): Promise<void> {
+    if (this.timer) clearInterval(this.timer);
+    this.timer = undefined;
+    await this.collecting?.catch(() => undefined);
+  }
+
+  /**
+   * One collection pass: snapshots past retention_until; layer artifacts idle
+   * past ARTIFACT_IDLE_TTL; the LRU beyond ARTIFACT_MAX_PER_TENANT; unfinished
+   * agent deletes. Never one a live VM seeds from or a lineage names.
+   */
+  async collect(now = new Date()): Promise<{ expired: number; idle: number; evicted: number; retried: number }> {
+    if (this.collecting) {
+      await this.collecting.catch(() => undefined);
+    }
+    const out = { expired: 0, idle: 0, evicted: 0, retried: 0 };
+    const run = (async () => {
+      for (const s of await this.reads.expired(now)) if (await this.collectOne(s, 'retention')) out.expired++;
+      if (this.config.idleTtlMs > 0) for (const s of await this.reads.idleLayers(new Date(now.getTime() - this.config.idleTtlMs))) if (await this.collectOne(s, 'idle')) out.idle++;
+      if (this.config.maxPerTenant > 0) for (const s of await this.reads.layersOverCap(this.config.maxPerTenant)) if (await this.collectOne(s, 'lru')) out.evicted++;
+      for (const s of await this.reads.deletedWithHolders()) {
+        const { state } = await this.handler.load(snapshotStream(s.id), snapshotDecider, decodeSnapshotEvent);
+        if (state.status === 'deleted' && state.holders.length > 0) {
+          await this.dropCopies(state, SYSTEM);
+          out.retried++;
+        }
+      }
+    })();
+    this.collecting = run;
+    try {
+      await run;
+    } finally {
+      if (this.collecting === run) this.collecting = undefined;
+    }
+    return out;
+  }
+
+  private async collectOne(row: { id: string; tenant_id: string }, reason: SnapshotDeleteReason): Promise<boolean> {
+    try {
+      const users = await this.reads.liveVmsSeededFrom(row.id);
+      if (users.length > 0) return false;
+      if ((await this.reads.dependentsOf(row.id)).length > 0) return false;
+      await this.delete(row.id, { ...SYSTEM, tenantId: row.tenant_id, admin: true }, { reason });
+      return true;
+    } catch (err) {
+      this.logger.warn({ snapshot_id: row.id, reason, err: { message: (err as Error).message } }, 'snapshot not collected');
+      return false;
+    }
+  }
+
+  private async run(snapshotId: string, command: SnapshotCommand, meta: CommandMeta): Promise<SnapshotResult> {
+    const r = await this.handler.handle<SnapshotCommand, SnapshotEvent, SnapshotAggregate>(snapshotStream(snapshotId), snapshotDecider, decodeSnapshotEvent, command, meta);
+    if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `snapshot ${snapshotId} has no state after ${command.type}`);
+    return { snapshot: r.state, position: r.position };
+  }
+}
+
+export function assertLayerKey(key: string): void {
+  if (!layerKeySchema.safeParse(key).success) throw new ValidationError(`layer key ${JSON.stringify(key.slice(0, 80))} is invalid: use 1-200 letters, digits, ".", "_", ":" or "-"`, [{ path: 'params.key', message: 'invalid layer key' }], 'INVALID_LAYER_KEY');
+}
