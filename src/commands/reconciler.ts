@@ -6,6 +6,8 @@ import { AppError, NotFoundError } from '../domain/errors.js';
 import type { RecordedEvent } from '../domain/event-store.port.js';
 import { classifyHostAgentError, type HostAgent } from '../domain/host-agent.port.js';
 import { hostDecider, type HostCommand } from '../domain/host/host.decider.js';
+import { HEALTH_DEFAULTS, healthDecider, nextHealth, type HealthcheckSpec, type VmHealthState } from '../domain/health/health.decider.js';
+import { isHealthEventType, parseHealthEvent, VM_HEALTH_STREAM_PREFIX, type HealthEvent } from '../domain/health/health.events.js';
 import { hostStream, isValidId, vmStream } from '../domain/ids.js';
 import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
 import type { VmEndReason, VmEvent } from '../domain/vm/vm.events.js';
@@ -47,6 +49,13 @@ export interface LiveVmHint {
   readonly last_activity_at: Date;
   readonly max_runtime_s: number | null;
   readonly idle_timeout_s: number | null;
+  /** The spec's healthcheck, when it declared one. */
+  readonly healthcheck?: VmHealthcheck | null | undefined;
+}
+
+export interface VmHealthcheck extends HealthcheckSpec {
+  readonly http?: { readonly port: number; readonly path?: string | undefined } | undefined;
+  readonly exec?: readonly string[] | undefined;
 }
 
 /** What the reconciler reads from the read models (wired by the service; commands never touch a driver). */
@@ -79,6 +88,9 @@ export interface ReconcileSummary {
   vms_missing_provider: number;
   /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
   vms_host_lost: number;
+  /** VMs whose healthcheck gave a verdict this cycle, and how many of those failed. Neither causes a teardown. */
+  health_checked: number;
+  health_failing: number;
   half_done_rolled_back: number;
   half_done_completed: number;
   capacity_released: number;
@@ -108,6 +120,8 @@ function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     idle_vms_failed: 0,
     vms_missing_provider: 0,
     vms_host_lost: 0,
+    health_checked: 0,
+    health_failing: 0,
     half_done_rolled_back: 0,
     half_done_completed: 0,
     capacity_released: 0,
@@ -160,6 +174,7 @@ export class Reconciler {
   private last: ReconcileSummary | undefined;
   private readonly orphanFailures = new Map<string, Failure>();
   private readonly hostMisses = new Map<string, number>();
+  private readonly probes = new Map<string, { lastAt: number; failures: number; state: VmHealthState['status'] }>();
 
   constructor(
     private readonly handler: CommandHandler,
@@ -221,6 +236,8 @@ export class Reconciler {
     // Read the hints BEFORE listing agents: a VM running before a listing must appear in it.
     const [hostIds, live] = await Promise.all([this.readModel.hostIds(), this.readModel.liveVms()]);
     s.tracked_vms = live.length;
+    const liveIds = new Set(live.map((v) => v.id));
+    for (const id of this.probes.keys()) if (!liveIds.has(id)) this.probes.delete(id);
     const byHost = new Map<string, LiveVmHint[]>();
     for (const v of live) {
       if (!v.host_id) continue;
@@ -343,6 +360,58 @@ export class Reconciler {
     }
 
     await this.releaseStaleReservations(hostId, listed, gone, s, actor);
+
+    const probed = hints.filter((h) => h.state === 'running' && h.healthcheck && listed.has(sandboxName(h.id)) && !gone.has(sandboxName(h.id)));
+    await Promise.all(
+      probed.map((h) =>
+        this.probeHealth(agent, h, s, actor).catch((err: unknown) => {
+          s.errors++;
+          this.logger.warn({ vm_id: h.id, err: errInfo(err) }, 'health probe could not be recorded');
+        }),
+      ),
+    );
+  }
+
+  /**
+   * Runs a VM's declared healthcheck inside it (exec, or an HTTP GET by the
+   * guest's own wget against its loopback) at most every interval_seconds —
+   * no more often than the reconcile cycle — and records the verdict only
+   * when it changes. A failing probe reports; it never destroys.
+   */
+  private async probeHealth(agent: HostAgent, hint: LiveVmHint, s: ReconcileSummary, actor: Actor): Promise<void> {
+    const hc = hint.healthcheck!;
+    const now = this.clock().getTime();
+    let p = this.probes.get(hint.id);
+    if (!p) {
+      const { state } = await this.handler.load(VM_HEALTH_STREAM_PREFIX + hint.id, healthDecider, decodeHealthEvent);
+      p = { lastAt: 0, failures: state.status === 'unknown' ? 0 : state.failures, state: state.status };
+      this.probes.set(hint.id, p);
+    }
+    if (now - p.lastAt < (hc.interval_seconds ?? HEALTH_DEFAULTS.interval_seconds) * 1000) return;
+    p.lastAt = now;
+    const timeoutS = hc.timeout_seconds ?? HEALTH_DEFAULTS.timeout_seconds;
+    const argv = hc.exec ? [...hc.exec] : ['wget', '-q', '-O', '/dev/null', '-T', String(timeoutS), `http://127.0.0.1:${hc.http!.port}${hc.http!.path ?? '/'}`];
+    let passed: boolean;
+    let message = '';
+    try {
+      const r = await agent.exec(sandboxName(hint.id), { argv, timeout_ms: timeoutS * 1000 }, { timeoutMs: timeoutS * 1000 + this.config.agentTimeoutMs });
+      passed = r.exit_code === 0 && !r.timed_out;
+      if (!passed) message = r.timed_out ? `probe timed out after ${timeoutS} s` : `probe exited ${r.exit_code}: ${(r.stderr || r.stdout).slice(-500)}`;
+    } catch (err) {
+      // The agent, not the guest, failed: no verdict this cycle.
+      this.logger.debug({ vm_id: hint.id, err: errInfo(err) }, 'health probe not run');
+      p.lastAt = 0;
+      return;
+    }
+    s.health_checked++;
+    p.failures = passed ? 0 : p.failures + 1;
+    if (!passed) s.health_failing++;
+    const next = nextHealth(p.state, passed, p.failures, hc, now - hint.state_changed_at.getTime());
+    if (next !== p.state) {
+      await this.handler.handle(VM_HEALTH_STREAM_PREFIX + hint.id, healthDecider, decodeHealthEvent, { type: 'RecordHealthVerdict', data: { vm_id: hint.id, state: next, failures: p.failures, message } }, actor);
+      this.logger.info({ vm_id: hint.id, health: next, failures: p.failures, message }, 'vm health changed');
+      p.state = next;
+    }
   }
 
   private async reconcileVm(
@@ -553,6 +622,10 @@ export class Reconciler {
   private async runDeadLetter(id: string, command: DeadLetterCommand, meta: CommandMeta): Promise<void> {
     await this.handler.handle(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent, command, meta);
   }
+}
+
+function decodeHealthEvent(r: RecordedEvent): HealthEvent | undefined {
+  return isHealthEventType(r.type) ? parseHealthEvent(r.type, r.data) : undefined;
 }
 
 function errInfo(err: unknown): { message: string; code?: string } {

@@ -150,6 +150,40 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     for (const p of [...placed, onB]) await inject('DELETE', `/v1/vms/${p.id}`);
   });
 
+  test('a declared healthcheck is probed; its verdict is recorded only when it changes, and a failing probe never destroys', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const vm = await create({ host_id: 'h1', healthcheck: { exec: ['test', '-f', '/tmp/ok'], interval_seconds: 1, timeout_seconds: 5, retries: 1 } });
+    const health = async () => (await inject('GET', `/v1/vms/${vm.id}/health`)).body;
+    assert.equal((await health()).state, 'none');
+    const cycle = async () => {
+      await sleep(1050); // interval_seconds
+      return svc!.reconciler.reconcileOnce();
+    };
+    const s1 = await cycle();
+    assert.equal(s1.health_checked, 1);
+    assert.equal(s1.health_failing, 1);
+    await waitFor('starting', 10_000, async () => (await health()).state === 'starting');
+    await inject('POST', `/v1/vms/${vm.id}/exec`, { argv: ['touch', '/tmp/ok'] });
+    await cycle();
+    await waitFor('healthy', 10_000, async () => (await health()).state === 'healthy');
+    await cycle(); // still healthy: nothing recorded
+    await inject('POST', `/v1/vms/${vm.id}/exec`, { argv: ['rm', '/tmp/ok'] });
+    await cycle(); // 1 failure: within retries, still healthy
+    assert.equal((await health()).state, 'healthy');
+    const s5 = await cycle(); // 2 failures > retries
+    assert.equal(s5.health_failing, 1);
+    const h = await waitFor('unhealthy', 10_000, async () => {
+      const x = await health();
+      return x.state === 'unhealthy' ? x : undefined;
+    });
+    assert.equal(h.failures, 2);
+    assert.match(h.message, /exited 1/);
+    const events = await svc!.store.readStream(`vmhealth-${vm.id}`);
+    assert.deepEqual(events.map((e) => (e.data as { state: string }).state), ['starting', 'healthy', 'unhealthy'], 'one event per change, none per probe');
+    assert.equal((await vmState(vm.id)).status, 'running', 'a failing probe reports; it does not destroy');
+    await inject('DELETE', `/v1/vms/${vm.id}`);
+  });
+
   test('VMs of a host deregistered by force are failed host_lost', async (t) => {
     if ('skip' in images) return t.skip(images.skip);
     const vm = await create({ host_id: 'h2' });
