@@ -67,9 +67,18 @@ export class Cgroups {
     await writeFile(join(pidsDir!, 'pids.max'), pids);
   }
 
+  /** HOST_FEATURE_MISSING unless the controllers the limits need are there (checked at open, not at the first create). */
+  async verify(): Promise<void> {
+    if (this.version === 1) return;
+    const available = (await readFile(join(this.root, 'cgroup.controllers'), 'utf8').catch(() => '')).split(/\s+/);
+    const missing = ['cpu', 'memory', 'pids'].filter((c) => !available.includes(c));
+    if (missing.length > 0) throw featureMissing(`cgroup v2 controller${missing.length > 1 ? 's' : ''} ${missing.join(', ')}`, `enable them in ${this.root}/cgroup.controllers (they may be bound to a v1 hierarchy)`);
+  }
+
   private async enableV2Controllers(): Promise<void> {
     const parentDir = join(this.root, this.parent);
     await mkdir(parentDir, { recursive: true });
+    await this.verify();
     for (const dir of [this.root, parentDir]) {
       const enabled = await readFile(join(dir, 'cgroup.subtree_control'), 'utf8').catch(() => '');
       for (const c of ['cpu', 'memory', 'pids']) {

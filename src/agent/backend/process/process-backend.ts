@@ -157,6 +157,7 @@ export class ProcessBackend implements Backend {
     await assertHostFeatures();
     const tools = findHostTools(opts.busybox);
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
+    await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
     await mkdir(opts.imageDir, { recursive: true });
