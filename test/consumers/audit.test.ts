@@ -89,6 +89,13 @@ describe('audit and replay', { timeout: 120_000 }, () => {
     assert.match(bad.json().detail, /neither a position .* nor an ISO-8601 time/);
   });
 
+  it('documents the consumer routes in the OpenAPI document', async () => {
+    const r = await h.service.app.inject({ url: '/openapi.json' });
+    assert.equal(r.statusCode, 200);
+    const paths = Object.keys(r.json().paths);
+    for (const p of ['/v1/audit/streams/{stream}', '/v1/usage', '/v1/events']) assert.ok(paths.includes(p), `${p} in ${paths.join(', ')}`);
+  });
+
   it('npm run fleet -- audit / vm --as-of print the same, readably', async () => {
     const env = { ...process.env, DATABASE_URL: h.db.url, LOG_LEVEL: 'silent' };
     const cli = (args: string[]) => run(process.execPath, ['--import', 'tsx', 'src/cli/fleet.ts', ...args], { env, timeout: 60_000 });
