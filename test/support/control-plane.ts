@@ -138,6 +138,8 @@ export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise
 export interface AgentFleet {
   readonly agents: RunningAgent[];
   start(opts?: { env?: Record<string, string> }): Promise<RunningAgent>;
+  /** Starts a stopped or killed agent again on its own data directory, port aside (it picks a new one). */
+  restart(agent: RunningAgent): Promise<RunningAgent>;
   /** Destroys every sandbox, prunes, stops the agents and removes their directories. Never throws. */
   close(): Promise<void>;
 }
@@ -164,6 +166,12 @@ export async function prepareAgents(): Promise<AgentFleet | { skip: string }> {
         60_000,
       );
       agents.push(agent);
+      return agent;
+    },
+    async restart(old) {
+      await old.kill();
+      const agent = await startAgent({ ...old.opts, token: old.token }, 60_000);
+      agents[agents.indexOf(old)] = agent;
       return agent;
     },
     async close() {
