@@ -1,5 +1,6 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
+import { readdirSync, rmdirSync, rmSync } from 'node:fs';
 import { access, mkdtemp, readdir, rmdir } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
@@ -16,6 +17,27 @@ import { AppError } from '../../src/domain/errors.js';
  */
 
 export const REPO_ROOT = join(dirname(fileURLToPath(import.meta.url)), '..', '..');
+
+// A safety net for callers whose cleanup did not run (a failed before(), a cancelled test):
+// at process exit, agents still running are killed and image dirs and empty cgroup parents removed.
+const atExit = { procs: new Set<ChildProcess>(), dirs: new Set<string>(), prefixes: new Set<string>() };
+process.once('exit', () => {
+  for (const p of atExit.procs) if (p.exitCode === null && p.signalCode === null) p.kill('SIGKILL');
+  for (const d of atExit.dirs) rmSync(d, { recursive: true, force: true });
+  for (const prefix of atExit.prefixes) {
+    try {
+      for (const c of readdirSync('/sys/fs/cgroup')) {
+        try {
+          rmdirSync(join('/sys/fs/cgroup', c, `fleet-${prefix}`));
+        } catch {
+          /* absent or still in use */
+        }
+      }
+    } catch {
+      /* no cgroup fs */
+    }
+  }
+});
 
 export interface AgentOptions {
   dataDir: string;
@@ -61,6 +83,9 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
     },
     stdio: ['ignore', 'pipe', 'pipe'],
   });
+  atExit.procs.add(proc);
+  atExit.prefixes.add(opts.bridgePrefix);
+  proc.once('exit', () => atExit.procs.delete(proc));
   let out = '';
   const exited = new Promise<void>((resolve) => proc.once('exit', () => resolve()));
   const port = await new Promise<number>((resolve, reject) => {
@@ -162,6 +187,7 @@ export async function missingPrerequisite(): Promise<string | undefined> {
 /** Builds the base image once into a fresh directory; a missing feature becomes a skip reason. */
 export async function prepareImages(): Promise<{ imageDir: string } | { skip: string }> {
   const imageDir = await mkdtemp(join(tmpdir(), 'agent-images-'));
+  atExit.dirs.add(imageDir);
   try {
     await buildImage(imageDir, 'base');
   } catch (err) {
