@@ -1,7 +1,7 @@
 import { existsSync } from 'node:fs';
 import { mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
-import { join } from 'node:path';
+import { join, resolve } from 'node:path';
 import { Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
@@ -152,7 +152,8 @@ export class ProcessBackend implements Backend {
     if (!parsed.success) {
       throw invalidSpec(`invalid process backend options: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
     }
-    const opts = parsed.data;
+    // Absolute paths: they go into mount options and are compared with /proc/self/mountinfo.
+    const opts = { ...parsed.data, dataDir: resolve(parsed.data.dataDir), imageDir: resolve(parsed.data.imageDir) };
     const subnet = parseSubnet(opts.subnet);
     await assertHostFeatures();
     const tools = findHostTools(opts.busybox);
