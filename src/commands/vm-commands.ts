@@ -143,6 +143,8 @@ export class VmCommands {
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
       const agent = await agentFor();
       const name = sandboxName(vmId);
+      // Ports are published when the sandbox is made; the in-guest agent only reports them.
+      const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
       const info = await agent.createVm({
         name,
         image: spec.image,
@@ -151,6 +153,7 @@ export class VmCommands {
         ram_mb: spec.ram_mb,
         storage_gb: spec.storage_gb,
         tenant: vm.tenant_id,
+        expose,
       });
       created = true;
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
@@ -172,13 +175,11 @@ export class VmCommands {
         }
       }
       let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
-      const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
-      if (spec.agent || expose.length > 0) {
+      if (spec.agent) {
         const agentSpec: AgentSpec = {
-          files: spec.agent?.files ?? {},
-          // Ports published without a guest daemon of ours still need the agent's publisher; `true` starts nothing.
-          command: spec.agent?.command ?? 'true',
-          drain_command: spec.agent?.drain_command ?? '',
+          files: spec.agent.files ?? {},
+          command: spec.agent.command,
+          drain_command: spec.agent.drain_command ?? '',
           expose,
         };
         const started = await agent.startAgent(name, agentSpec);
