@@ -203,7 +203,7 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
             if (tenantScope !== undefined) {
               const owner = await tenants.of(recorded);
               if (owner !== tenantScope) continue;
-            } else if (recorded.type === 'VmRequested') void tenants.of(recorded);
+            }
             if (closed) return;
             res.write(`id: ${env.id}\ndata: ${JSON.stringify(env)}\n\n`);
             if (res.writableLength > maxBufferBytes) {
