@@ -14,6 +14,7 @@ import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { bridgeForwarding, bridgeName, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
 import { parseGpuCsv, parseMigList } from '../../src/agent/backend/host-capacity.js';
+import { resolveInRoot } from '../../src/agent/backend/process/guest-path.js';
 import { buildImage } from '../../src/agent/images.js';
 
 /**
@@ -97,6 +98,35 @@ describe('process backend: pure parts', () => {
     const full = new Set(['10.9.9.2', '10.9.9.3', '10.9.9.4', '10.9.9.5', '10.9.9.6']);
     assert.throws(() => reserve(tiny, 'x', undefined, full), (e: unknown) => e instanceof AppError && e.code === 'HOST_CAPACITY_EXHAUSTED');
     assert.throws(() => parseSubnet('10.0.0.0'), (e: unknown) => e instanceof AppError && e.code === 'INVALID_SANDBOX_SPEC');
+  });
+
+  test('guest path resolution on a plain directory: .., relative and absolute symlinks, loops', async () => {
+    const rootDir = await mkdtemp(join(tmpdir(), 'pb-paths-'));
+    try {
+      await mkdir(join(rootDir, 'etc'));
+      await writeFile(join(rootDir, 'etc', 'passwd'), 'guest');
+      await mkdir(join(rootDir, 'a', 'b'), { recursive: true });
+      const { symlink } = await import('node:fs/promises');
+      await symlink('/etc', join(rootDir, 'a', 'abs'));
+      await symlink('../../etc', join(rootDir, 'a', 'b', 'rel'));
+      await symlink('../../../../etc', join(rootDir, 'a', 'out'));
+      await symlink('loop2', join(rootDir, 'a', 'loop1'));
+      await symlink('loop1', join(rootDir, 'a', 'loop2'));
+      const r = (p: string, forWrite = false) => resolveInRoot(rootDir, p, { forWrite });
+      assert.equal((await r('/a/abs/passwd')).hostPath, join(rootDir, 'etc', 'passwd'));
+      assert.equal((await r('a/b/rel/passwd')).guestPath, '/etc/passwd');
+      assert.equal((await r('/a/b/../../etc/passwd')).guestPath, '/etc/passwd');
+      assert.equal((await r('/a/abs/new', true)).guestPath, '/etc/new');
+      for (const bad of ['/..', '../etc/passwd', '/a/../../etc', '/a/out/passwd', '/a/out/new']) {
+        await rejectsWithCode(r(bad, bad.endsWith('new')), 'PATH_ESCAPES_SANDBOX');
+      }
+      await rejectsWithCode(r('/a/loop1'), 'GUEST_PATH_LOOP');
+      await rejectsWithCode(r('/etc/passwd/x'), 'GUEST_PATH_NOT_FOUND');
+      await rejectsWithCode(r('/missing/new', true), 'GUEST_PATH_NOT_FOUND');
+      await rejectsWithCode(r('/bad\0path'), 'INVALID_SANDBOX_SPEC');
+    } finally {
+      await rm(rootDir, { recursive: true, force: true });
+    }
   });
 
   test('nvidia-smi output parses into devices and MIG instances', () => {
