@@ -142,7 +142,8 @@ export class SnapshotCommands implements SeedArtifacts {
         : this.config.defaultRetentionMs > 0
           ? new Date(now.getTime() + this.config.defaultRetentionMs).toISOString()
           : undefined);
-    const parent = req.no_lineage ? undefined : (await this.reads.latestReadyOfVm(vmId))?.id;
+    // A layer is found by its key, not by a VM's history: it takes no lineage link (which would pin its predecessor).
+    const parent = req.no_lineage || req.layer_key !== undefined ? undefined : (await this.reads.latestReadyOfVm(vmId))?.id;
     const metadata: Record<string, string> = { ...req.metadata, comment: req.comment, vm_id: vmId, mode: req.mode, host_id: hostId, arch };
     if (req.layer_key !== undefined) metadata.layer_key = req.layer_key;
 

@@ -4,7 +4,11 @@ import type { RunningAgent } from '../agent/harness.js';
 import { rebuildProjection } from '../../src/projections/rebuild.js';
 import { snapshotsProjection } from '../../src/projections/snapshots/snapshots.projection.js';
 import { findSnapshotByLayerKey, listSnapshotsByDigest } from '../../src/projections/snapshots/snapshots.queries.js';
-import { prepareAgents, problemOf, registerHost, startCheckedAgent, startControlPlane, type AgentFleet, type ControlPlane, type Reply } from '../support/control-plane.js';
+import { pino } from 'pino';
+import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
+import type { Actor } from '../../src/commands/vm-commands.js';
+import { AppError } from '../../src/domain/errors.js';
+import { ADMIN_KEY, eventually, prepareAgents, problemOf, registerHost, startCheckedAgent, startControlPlane, type AgentFleet, type ControlPlane, type Reply } from '../support/control-plane.js';
 
 /**
  * Snapshots, quota, the artifact index, moves, the layer cache, fork and
@@ -56,7 +60,9 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     ok(await registerHost(cp, 'h2', agents[1]!), 201);
   });
 
+  let second: Service | undefined;
   after(async () => {
+    await second?.close();
     await cp?.close();
     await fleet?.close();
   });
@@ -273,6 +279,55 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     ok(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'globex', body: {} }), 201);
     expectProblem(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'globex', body: {} }), 429, 'QUOTA_EXCEEDED');
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'globex' }));
+  });
+
+  it('quota across two control-plane processes sharing one event store: still exactly 10 of 50', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    // A second replica: its own in-process queues, so the tenant stream's expected revision is the only guard between the two.
+    second = await startService({
+      config: { ...c.config, ARTIFACT_MAX_PER_TENANT: 1, ARTIFACT_IDLE_TTL_MS: 3_600_000, RECONCILER_ENABLED: false },
+      logger: pino({ level: 'silent' }),
+      databaseUrl: c.db.url,
+      tokenEncryptionKey: c.tokenKey,
+      apiKeys: apiKeysFrom(ADMIN_KEY, []),
+      defaultMetrics: false,
+      httpLogger: false,
+    });
+    const actor: Actor = { correlationId: 'quota-race-2', actor: 'admin', tenantId: 'admin', admin: true };
+    const vm = await c.service.vms.create({ cpus: 1, ram_mb: 256 }, actor);
+    const services = [c.service, second];
+    const results = await Promise.allSettled(Array.from({ length: 50 }, (_, i) => services[i % 2]!.snapshots.create(vm.vm.vm_id, { no_lineage: true, comment: `r${i}` }, actor)));
+    const codes = results.map((r) => (r.status === 'fulfilled' ? 'ok' : r.reason instanceof AppError ? r.reason.code : String(r.reason)));
+    assert.equal(codes.filter((x) => x === 'ok').length, 10, codes.join(','));
+    assert.equal(codes.filter((x) => x === 'QUOTA_EXCEEDED').length, 40, codes.join(','));
+    assert.equal((await c.service.store.readStream('tenant-admin')).filter((e) => e.type === 'SnapshotQuotaReserved').length, 10);
+    await c.service.vms.destroy(vm.vm.vm_id, actor);
+  });
+
+  it('layer garbage: LRU beyond ARTIFACT_MAX_PER_TENANT, idle past ARTIFACT_IDLE_TTL, never one a live VM seeds from', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const s = second!;
+    const layers = ok(await c.request('GET', `/v1/snapshots?mode=build&state=ready`, { as: 'acme' })).snapshots.filter((x: any) => x.layer_key === 'recipe:k1');
+    assert.equal(layers.length, 2);
+    const [newer, older] = layers;
+    // A cache hit is use: the layer it serves is the most recently used.
+    const hit = await c.request('GET', `/v1/layers/recipe:k1?arch=${st.arch}`, { as: 'acme' });
+    assert.equal(ok(hit).id, newer.id);
+    const r1 = await s.snapshots.collect(new Date());
+    assert.equal(r1.evicted, 1, JSON.stringify(r1));
+    await eventually(async () => ok(await c.request('GET', `/v1/snapshots/${older.id}`, { as: 'acme' })).state === 'deleted', 10_000, 'older layer deleted');
+    assert.equal(ok(await c.request('GET', `/v1/snapshots/${newer.id}`, { as: 'acme' })).state, 'ready');
+    const seeded = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: newer.id, cpus: 1, ram_mb: 256 } }), 201);
+    await c.service.runner.waitFor(seeded.position, 10_000);
+    const later = new Date(Date.now() + 2 * 3_600_000);
+    assert.equal((await s.snapshots.collect(later)).idle, 0, 'a live VM seeds from it');
+    const destroyed = ok(await c.request('DELETE', `/v1/vms/${seeded.id}`, { as: 'acme' }));
+    await c.service.runner.waitFor(destroyed.position, 10_000);
+    assert.equal((await s.snapshots.collect(later)).idle, 1);
+    const evs = (await c.service.store.readStream(`snapshot-${newer.id}`)).filter((e) => e.type === 'SnapshotDeleted').map((e) => (e.data as any).reason);
+    assert.deepEqual(evs, ['idle']);
   });
 
   it('retention: a snapshot past retention_until is collected (an event, then the agent delete)', async (t) => {

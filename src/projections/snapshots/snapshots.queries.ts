@@ -114,7 +114,7 @@ export async function snapshotQuotaUsage(sql: Sql, tenantId: string): Promise<{ 
 
 /** The VM's newest ready snapshot with lineage semantics (what a new snapshot's parent is). */
 export async function latestReadySnapshotOfVm(sql: Sql, vmId: string): Promise<SnapshotRow | undefined> {
-  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM snapshots WHERE vm_id = $1 AND state = 'ready' AND mode IN ('manual', 'build') ORDER BY created_at DESC, id DESC LIMIT 1`, [vmId]);
+  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM snapshots WHERE vm_id = $1 AND state = 'ready' AND mode IN ('manual', 'build') AND layer_key IS NULL ORDER BY created_at DESC, id DESC LIMIT 1`, [vmId]);
   return rows[0] ? toRow(rows[0]) : undefined;
 }
 
