@@ -199,12 +199,21 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
     socket.close(1008);
   };
   let stream: AgentStream | undefined;
+  let starting = false;
+  let clientGone = false;
   const pending: string[] = [];
-  socket.on('close', () => stream?.close());
+  socket.on('close', () => {
+    clientGone = true;
+    stream?.close();
+  });
   socket.on('message', (raw) => {
     if (!stream) {
       pending.push(raw.toString());
-      if (pending.length === 1) void start();
+      // Frames that arrive while the agent session opens wait behind the start frame; they must not start a second one.
+      if (!starting) {
+        starting = true;
+        void start();
+      }
       return;
     }
     forward(raw.toString());
@@ -233,6 +242,8 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
         if (!s.success) return sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
         stream = await vms.attach(req.params.id, s.data, actor);
       }
+      // The client left while the session opened: close it, or its process would run on unattended.
+      if (clientGone) return stream.close();
       for (const text of pending.splice(0)) forward(text);
       for await (const frame of stream.frames) {
         if (socket.readyState !== socket.OPEN) break;
