@@ -570,33 +570,41 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     const scriptPath = join(root, 'crash-agent.mts');
     await writeFile(scriptPath, script);
     const child = spawn(process.execPath, ['--import', 'tsx', scriptPath], { stdio: ['ignore', 'pipe', 'inherit'] });
-    let line = '';
-    const created = await new Promise<{ init_pid: number; endpoints: Array<{ host_port: number; url: string }> }>((resolve, reject) => {
-      const timer = setTimeout(() => reject(new Error('the agent child did not create its sandbox within 30 s')), 30_000);
-      child.stdout.setEncoding('utf8').on('data', (d: string) => {
-        line += d;
-        if (line.includes('\n')) {
-          clearTimeout(timer);
-          resolve(JSON.parse(line.split('\n')[0]!));
-        }
+    const childGone = new Promise((r) => child.once('exit', r));
+    let fresh: ProcessBackend | undefined;
+    try {
+      let line = '';
+      const created = await new Promise<{ init_pid: number; endpoints: Array<{ host_port: number; url: string }> }>((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error('the agent child did not create its sandbox within 30 s')), 30_000);
+        child.stdout.setEncoding('utf8').on('data', (d: string) => {
+          line += d;
+          if (line.includes('\n')) {
+            clearTimeout(timer);
+            resolve(JSON.parse(line.split('\n')[0]!));
+          }
+        });
+        child.once('exit', (code) => reject(new Error(`agent child exited early (${code})`)));
       });
-      child.once('exit', (code) => reject(new Error(`agent child exited early (${code})`)));
-    });
-    child.kill('SIGKILL');
-    await new Promise((r) => child.once('exit', r));
-    assert.ok(existsSync(`/proc/${created.init_pid}`), 'the sandbox died with its agent');
+      child.kill('SIGKILL');
+      await childGone;
+      assert.ok(existsSync(`/proc/${created.init_pid}`), 'the sandbox died with its agent');
 
-    const fresh = await ProcessBackend.open(options);
-    backends.push(fresh);
-    const listed = await fresh.list();
-    assert.deepEqual(listed.map((s) => [s.name, s.state, s.init_pid]), [['survivor', 'running', created.init_pid]]);
-    assert.equal(listed[0]!.endpoints[0]!.host_port, created.endpoints[0]!.host_port, 'republished on the same host port');
-    const r = await sh(fresh, 'survivor', 'mkdir -p /w && echo back > /w/index.html && httpd -p 8080 -h /w && echo ok');
-    assert.equal(r.stdout, 'ok\n');
-    const res = await fetch(`${listed[0]!.endpoints[0]!.url}/index.html`, { signal: AbortSignal.timeout(5000) });
-    assert.equal(await res.text(), 'back\n');
-    await fresh.destroy('survivor');
-    assert.ok(!existsSync(`/proc/${created.init_pid}`) || (await readFile(`/proc/${created.init_pid}/stat`, 'utf8').catch(() => '')).includes(') Z'));
+      fresh = await ProcessBackend.open(options);
+      backends.push(fresh);
+      const listed = await fresh.list();
+      assert.deepEqual(listed.map((s) => [s.name, s.state, s.init_pid]), [['survivor', 'running', created.init_pid]]);
+      assert.equal(listed[0]!.endpoints[0]!.host_port, created.endpoints[0]!.host_port, 'republished on the same host port');
+      const r = await sh(fresh, 'survivor', 'mkdir -p /w && echo back > /w/index.html && httpd -p 8080 -h /w && echo ok');
+      assert.equal(r.stdout, 'ok\n');
+      const res = await fetch(`${listed[0]!.endpoints[0]!.url}/index.html`, { signal: AbortSignal.timeout(5000) });
+      assert.equal(await res.text(), 'back\n');
+      await fresh.destroy('survivor');
+      assert.ok(!existsSync(`/proc/${created.init_pid}`) || (await readFile(`/proc/${created.init_pid}/stat`, 'utf8').catch(() => '')).includes(') Z'));
+    } finally {
+      child.kill('SIGKILL');
+      // Whatever failed above, a backend on that data directory owns the survivor: after() destroys it.
+      if (!fresh) backends.push(await ProcessBackend.open(options));
+    }
   });
 
   test('prune reclaims a stray veth, bridge, cgroup (with its process) and directory, and spares live sandboxes', async () => {
