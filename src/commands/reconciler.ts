@@ -6,6 +6,8 @@ import { AppError, NotFoundError } from '../domain/errors.js';
 import type { RecordedEvent } from '../domain/event-store.port.js';
 import { classifyHostAgentError, type HostAgent } from '../domain/host-agent.port.js';
 import { hostDecider, type HostCommand } from '../domain/host/host.decider.js';
+import type { Decider } from '../domain/decider.js';
+import { migrationEventSchema, type MigrationEvent } from '../domain/snapshot/migration.events.js';
 import { HEALTH_DEFAULTS, healthDecider, nextHealth, type HealthcheckSpec, type VmHealthState } from '../domain/health/health.decider.js';
 import { isHealthEventType, parseHealthEvent, VM_HEALTH_STREAM_PREFIX, type HealthEvent } from '../domain/health/health.events.js';
 import { hostStream, isValidId, vmStream } from '../domain/ids.js';
@@ -318,6 +320,12 @@ export class Reconciler {
       const vms = await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs });
       listed = new Set(vms.map((v) => v.name).filter((n) => n.startsWith(SANDBOX_PREFIX)));
     } catch (err) {
+      if (classifyHostAgentError(err) !== 'host') {
+        // It answered, with a refusal (a token that no longer matches, an agent without the route): reachable, but nothing to compare.
+        s.errors++;
+        this.logger.error({ host_id: hostId, err: errInfo(err) }, 'host agent refused the reconciler listing; host skipped this cycle');
+        return;
+      }
       s.hosts_unanswered++;
       const misses = (this.hostMisses.get(hostId) ?? 0) + 1;
       this.hostMisses.set(hostId, misses);
@@ -344,9 +352,11 @@ export class Reconciler {
     for (const name of listed) {
       if (liveHere.has(name)) continue;
       const vmId = name.slice(SANDBOX_PREFIX.length);
-      const vm = isValidId(vmId) ? await this.loadVm(vmId) : ({ status: 'initial' } as const);
+      const view = isValidId(vmId) ? await this.loadVmView(vmId) : undefined;
+      const vm = view?.vm ?? ({ status: 'initial' } as const);
       if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === hostId) continue; // ours, the hint lagged
       if (vm.status === 'requested') continue;
+      if (view && this.migratingTo(view, hostId, now)) continue; // the target of a migration in flight
       if (await this.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor)) gone.add(name);
     }
 
@@ -501,8 +511,9 @@ export class Reconciler {
     for (const vmId of host.reservations.keys()) {
       const name = sandboxName(vmId);
       if (listed.has(name) && !gone.has(name)) continue;
-      const vm = await this.loadVm(vmId);
-      const stale = vm.status === 'initial' || isTerminal(vm.status) || (vm.status !== 'requested' && vm.host_id !== hostId);
+      const view = await this.loadVmView(vmId);
+      const vm = view.vm;
+      const stale = vm.status === 'initial' || isTerminal(vm.status) || (vm.status !== 'requested' && vm.host_id !== hostId && !this.migratingTo(view, hostId, this.clock().getTime()));
       if (!stale) continue;
       try {
         await this.vms.releaseCapacity(hostId, vmId, actor);
@@ -603,7 +614,24 @@ export class Reconciler {
   }
 
   private async loadVm(vmId: string): Promise<VmState> {
-    return (await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent)).state;
+    return (await this.loadVmView(vmId)).vm;
+  }
+
+  /** The VM's state plus any migration in flight (its steps are on the VM stream, ignored by the VM decider). */
+  private async loadVmView(vmId: string): Promise<VmView> {
+    return (await this.handler.load(vmStream(vmId), vmViewDecider, decodeVmViewEvent)).state;
+  }
+
+  /**
+   * A live VM migrating to `hostId`, with its last step younger than the
+   * grace: its reservation and sandbox there are the migration's, not
+   * leftovers. Past the grace the migration is abandoned (its control plane
+   * died) and both are collected; the VM keeps running on its source.
+   */
+  private migratingTo(view: VmView, hostId: string, now: number): boolean {
+    const m = view.migrating;
+    // Before its `place` step names the target, a migration may already hold a reservation anywhere.
+    return !!m && (m.target === undefined || m.target === hostId) && view.vm.status === 'running' && now - m.lastStepAt < this.config.halfDoneGraceMs;
   }
 
   private async loadDeadLetter(id: string): Promise<DeadLetterState> {
@@ -622,6 +650,41 @@ export class Reconciler {
   private async runDeadLetter(id: string, command: DeadLetterCommand, meta: CommandMeta): Promise<void> {
     await this.handler.handle(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent, command, meta);
   }
+}
+
+interface VmView {
+  readonly vm: VmState;
+  readonly migrating?: { readonly target: string | undefined; readonly lastStepAt: number } | undefined;
+}
+
+type VmViewEvent = VmEvent | MigrationEvent;
+
+const vmViewDecider: Decider<never, VmViewEvent, VmView> = {
+  decide: () => [],
+  initialState: { vm: vmDecider.initialState },
+  evolve(view, e) {
+    switch (e.type) {
+      case 'VmMigrationStarted':
+        return { ...view, migrating: { target: e.data.target_host_id, lastStepAt: Date.parse(e.data.at) } };
+      case 'VmMigrationStepCompleted':
+        if (!view.migrating) return view;
+        return { ...view, migrating: { target: e.data.step === 'place' ? (e.data.detail.host_id ?? view.migrating.target) : view.migrating.target, lastStepAt: Date.parse(e.data.at) } };
+      case 'VmMigrationFailed':
+        return { ...view, migrating: undefined };
+      case 'VmMigrated':
+        return { vm: vmDecider.evolve(view.vm, e), migrating: undefined };
+      default:
+        return { ...view, vm: vmDecider.evolve(view.vm, e) };
+    }
+  },
+};
+
+function decodeVmViewEvent(r: RecordedEvent): VmViewEvent | undefined {
+  if (r.type.startsWith('VmMigration')) {
+    const parsed = migrationEventSchema.safeParse({ type: r.type, data: r.data });
+    return parsed.success ? parsed.data : undefined;
+  }
+  return decodeVmEvent(r);
 }
 
 function decodeHealthEvent(r: RecordedEvent): HealthEvent | undefined {

@@ -3,6 +3,11 @@ import { after, before, describe, test } from 'node:test';
 import { pino } from 'pino';
 import { configSchema } from '../../src/adapters/config.js';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
+import { CommandHandler } from '../../src/commands/command-handler.js';
+import { decodeHostEvent } from '../../src/commands/host-commands.js';
+import { hostDecider } from '../../src/domain/host/host.decider.js';
+import { hostStream, vmStream } from '../../src/domain/ids.js';
+import { migrationRecorder } from '../../src/domain/snapshot/migration.events.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 import { ADMIN_KEY, AgentFaultProxy, prepareTestImages, skipReason, sleep, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
 
@@ -52,6 +57,7 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
         AGENT_CALL_TIMEOUT_MS: '15000',
         READ_YOUR_WRITES_TIMEOUT_MS: '10000',
         ACTIVITY_COALESCE_MS: '200',
+        RECONCILE_GRACE_MS: '3000',
       }),
       logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
       databaseUrl: db.url,
@@ -181,6 +187,34 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     const events = await svc!.store.readStream(`vmhealth-${vm.id}`);
     assert.deepEqual(events.map((e) => (e.data as { state: string }).state), ['starting', 'healthy', 'unhealthy'], 'one event per change, none per probe');
     assert.equal((await vmState(vm.id)).status, 'running', 'a failing probe reports; it does not destroy');
+    await inject('DELETE', `/v1/vms/${vm.id}`);
+  });
+
+  test('a migration in flight keeps its target reservation and sandbox; abandoned past the grace, both are collected and the VM runs on', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const vm = await create({ host_id: 'h1' });
+    const handler = new CommandHandler(svc!.store);
+    const meta = { correlationId: 'migrate', actor: 'test' };
+    // What a control plane dying mid-migration leaves: the steps on the VM stream, a reservation and a sandbox on the target.
+    await handler.handle(vmStream(vm.id), migrationRecorder, () => undefined, { type: 'VmMigrationStarted', data: { vm_id: vm.id, from_host_id: 'h1', live: false } }, meta, { expected: 'any' });
+    await handler.handle(hostStream('h2'), hostDecider, decodeHostEvent, { type: 'ReserveCapacity', data: { host_id: 'h2', vm_id: vm.id, cpus: 1, ram_mb: 128, storage_gb: 1, gpus: 0 } }, meta);
+    await handler.handle(vmStream(vm.id), migrationRecorder, () => undefined, { type: 'VmMigrationStepCompleted', data: { vm_id: vm.id, step: 'place', detail: { host_id: 'h2' } } }, meta, { expected: 'any' });
+    await b!.client.createVm({ name: `fl-${vm.id}`, image: 'base' });
+
+    const during = await svc!.reconciler.reconcileOnce();
+    assert.equal(during.orphans_destroyed, 0, 'the target sandbox of a live migration is not an orphan');
+    assert.equal(during.capacity_released, 0, 'nor is its reservation stale');
+    assert.ok((await reservations('h2')).includes(vm.id));
+
+    await sleep(3100); // past RECONCILE_GRACE_MS since the last step
+    const after = await svc!.reconciler.reconcileOnce();
+    assert.equal(after.orphans_destroyed, 1);
+    assert.equal(after.capacity_released, 1);
+    assert.ok(!(await reservations('h2')).includes(vm.id));
+    assert.ok(!(await b!.client.listVms('fl-')).some((v) => v.name === `fl-${vm.id}`));
+    const v = await vmState(vm.id);
+    assert.ok(v.status === 'running' && v.host_id === 'h1', 'the VM runs on at its source');
+    assert.ok((await reservations('h1')).includes(vm.id));
     await inject('DELETE', `/v1/vms/${vm.id}`);
   });
 
