@@ -1,8 +1,9 @@
 import { spawn } from 'node:child_process';
 import { closeSync, existsSync, openSync } from 'node:fs';
-import { readFile, readlink } from 'node:fs/promises';
+import { chmod, copyFile, mkdir, readFile, readlink, rename, rm, stat, symlink } from 'node:fs/promises';
+import { join } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
-import { processStartTime, sleep } from './exec-util.js';
+import { mustRun, processStartTime, sleep } from './exec-util.js';
 
 /**
  * How a sandbox starts, and how a process enters it.
@@ -17,11 +18,15 @@ import { processStartTime, sleep } from './exec-util.js';
  * of the pivoted root, or change their routes. Setting up needs
  * CAP_SYS_ADMIN after the bounding set is dropped (pivot_root, umount), so it
  * is carried in the inheritable+ambient sets across that exec and cleared by
- * the last exec — by the host's static busybox, bind-mounted read-only at
- * /dev/.fleet/busybox, because after the pivot no host binary is reachable.
+ * the last exec — by a copy of the host's static busybox, bind-mounted
+ * read-only at /dev/.fleet/busybox, because after the pivot no host binary
+ * is reachable.
  * Every exec runs that binary with CAP_SYS_ADMIN still ambient, so the guest
  * must not be able to swap it: /dev/.fleet is its own read-only mount (a
  * mount point cannot be renamed, and sandboxes cannot unmount).
+ *
+ * /dev is a fresh tmpfs filled by one copy of a template made at open
+ * (prepareRuntime), rather than a dozen mknod/ln calls per create.
  * The inheritable set must be raised before the bounding set is dropped
  * (capset refuses otherwise), hence two setpriv calls.
  */
@@ -45,6 +50,45 @@ export function findHostTools(busybox = '/bin/busybox'): HostTools {
   find('tar', 'tar');
   if (!existsSync(busybox)) throw featureMissing('busybox', `${busybox} is absent: run \`apt-get install busybox-static\``);
   return { setpriv: find('setpriv', 'util-linux'), nsenter: find('nsenter', 'util-linux'), unshare: find('unshare', 'util-linux'), busybox };
+}
+
+const DEV_NODES: ReadonlyArray<[string, number, number]> = [
+  ['null', 1, 3],
+  ['zero', 1, 5],
+  ['full', 1, 7],
+  ['random', 1, 8],
+  ['urandom', 1, 9],
+  ['tty', 5, 0],
+];
+
+/**
+ * `<dataDir>/runtime/{dev,helper}`: the guest /dev template and the helper
+ * directory (busybox alone). Built under a temporary name and renamed, and
+ * never deleted while the agent runs: live sandboxes have the helper
+ * directory mounted.
+ */
+export async function prepareRuntime(dataDir: string, busybox: string): Promise<string> {
+  const dir = join(dataDir, 'runtime');
+  const helper = join(dir, 'helper', 'busybox');
+  const want = (await stat(busybox)).size;
+  const have = await stat(helper).then((s) => s.size, () => -1);
+  if (have === want && existsSync(join(dir, 'dev', 'null'))) return dir;
+  const tmp = `${dir}.tmp-${process.pid}`;
+  await rm(tmp, { recursive: true, force: true });
+  await mkdir(join(tmp, 'helper'), { recursive: true });
+  await copyFile(busybox, join(tmp, 'helper', 'busybox'));
+  await chmod(join(tmp, 'helper', 'busybox'), 0o755);
+  const dev = join(tmp, 'dev');
+  for (const d of ['pts', 'shm', '.fleet']) await mkdir(join(dev, d), { recursive: true });
+  await chmod(join(dev, 'shm'), 0o1777);
+  for (const [name, major, minor] of DEV_NODES) await mustRun('mknod', ['-m', '666', join(dev, name), 'c', String(major), String(minor)]);
+  for (const [name, target] of [['fd', '/proc/self/fd'], ['stdin', '/proc/self/fd/0'], ['stdout', '/proc/self/fd/1'], ['stderr', '/proc/self/fd/2'], ['ptmx', 'pts/ptmx']] as const) {
+    await symlink(target, join(dev, name));
+  }
+  // A previous runtime may be mounted by live sandboxes: move it aside rather than delete it.
+  if (existsSync(dir)) await rename(dir, `${dir}.old-${Date.now()}`);
+  await rename(tmp, dir);
+  return dir;
 }
 
 export const GUEST_BUSYBOX = '/dev/.fleet/busybox';
@@ -75,7 +119,8 @@ exec "$UNSHARE" --pid --mount --uts --ipc --net --fork --propagation private -- 
  */
 const STAGE2 = `set -eu
 unset STAGE2 UNSHARE BB SETPRIV
-img=$1 upper=$2 work=$3 root=$4 host=$5 bb=$6 addr=$7 gw=$8 setpriv=$9
+img=$1 upper=$2 work=$3 root=$4 host=$5 runtime=$6 addr=$7 gw=$8 setpriv=$9
+bb=$runtime/helper/busybox
 mount -t overlay overlay -o "lowerdir=$img,upperdir=$upper,workdir=$work,index=off,metacopy=off,redirect_dir=off" "$root"
 if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
 for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
@@ -85,18 +130,10 @@ mount -o remount,bind,ro "$root/proc/sys"
 for f in sysrq-trigger kcore; do if [ -e "$root/proc/$f" ]; then mount -o bind /dev/null "$root/proc/$f"; fi; done
 if [ -d "$root/sys" ]; then mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"; fi
 mount -t tmpfs -o mode=755,size=64m,nosuid tmpfs "$root/dev"
-cd "$root/dev"
-mknod -m 666 null c 1 3; mknod -m 666 zero c 1 5; mknod -m 666 full c 1 7
-mknod -m 666 random c 1 8; mknod -m 666 urandom c 1 9; mknod -m 666 tty c 5 0
-ln -s /proc/self/fd fd; ln -s /proc/self/fd/0 stdin; ln -s /proc/self/fd/1 stdout; ln -s /proc/self/fd/2 stderr
-mkdir pts shm .fleet
-chmod 1777 shm
-mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts pts && ln -s pts/ptmx ptmx || true
-mount -t tmpfs -o size=16k,mode=755 fleet .fleet
-: > .fleet/busybox
-mount -o bind "$bb" .fleet/busybox
-mount -o remount,bind,ro .fleet/busybox
-mount -o remount,ro .fleet
+cp -a "$runtime/dev/." "$root/dev/"
+mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" || true
+mount -o bind "$runtime/helper" "$root/dev/.fleet"
+mount -o remount,bind,ro "$root/dev/.fleet"
 hostname "$host"
 ip link set lo up
 i=0
@@ -117,7 +154,8 @@ export interface LaunchOptions {
   readonly work: string;
   readonly rootMount: string;
   readonly hostname: string;
-  readonly busybox: string;
+  /** From prepareRuntime(): the /dev template and the helper directory. */
+  readonly runtimeDir: string;
   readonly cgroupProcs: readonly string[];
   readonly consoleLog: string;
   /** Guest address with prefix length, e.g. 10.213.0.2/16, and its gateway. */
@@ -143,7 +181,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   try {
     child = spawn(
       opts.tools.busybox,
-      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.tools.busybox, opts.address, opts.gateway, opts.tools.setpriv],
+      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.runtimeDir, opts.address, opts.gateway, opts.tools.setpriv],
       {
         detached: true,
         stdio: ['ignore', log, log, 'pipe'],

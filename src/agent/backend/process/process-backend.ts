@@ -34,7 +34,7 @@ import { CheckpointStore } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
-import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, type HostTools } from './launch.js';
+import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, prepareRuntime, type HostTools } from './launch.js';
 import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
 
@@ -139,6 +139,7 @@ export class ProcessBackend implements Backend {
     private readonly subnet: Subnet,
     private readonly cgroups: Cgroups,
     private readonly tools: HostTools,
+    private readonly runtimeDir: string,
     private readonly log: Logger | undefined,
   ) {
     this.sandboxesDir = join(opts.dataDir, 'sandboxes');
@@ -162,7 +163,8 @@ export class ProcessBackend implements Backend {
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
     await mkdir(opts.imageDir, { recursive: true });
-    const backend = new ProcessBackend(opts, subnet, cgroups, tools, logger);
+    const runtimeDir = await prepareRuntime(opts.dataDir, tools.busybox);
+    const backend = new ProcessBackend(opts, subnet, cgroups, tools, runtimeDir, logger);
     await backend.checkpoints.init();
     await backend.recover();
     return backend;
@@ -266,7 +268,7 @@ export class ProcessBackend implements Backend {
           work: join(dir, 'work'),
           rootMount: join(dir, 'root'),
           hostname: spec.name,
-          busybox: this.tools.busybox,
+          runtimeDir: this.runtimeDir,
           cgroupProcs: this.cgroups.procsFiles(spec.name),
           consoleLog: join(dir, 'console.log'),
           address: `${ip}/${this.subnet.prefixLen}`,
@@ -556,6 +558,15 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
           note(`directory ${name}`, err);
         }
       });
+    }
+    if (this.records.size === 0) {
+      // Superseded runtime directories (the host's busybox changed) are mounted by no sandbox once none runs.
+      for (const entry of await readdir(this.opts.dataDir).catch(() => [] as string[])) {
+        if (entry.startsWith('runtime.old-') || entry.startsWith('runtime.tmp-')) {
+          await rm(join(this.opts.dataDir, entry), { recursive: true, force: true });
+          report.directories.push(join(this.opts.dataDir, entry));
+        }
+      }
     }
     for (const entry of await readdir(this.checkpoints.dir).catch(() => [] as string[])) {
       if (entry.startsWith('.tmp-') || entry.startsWith('.del-')) {
