@@ -67,7 +67,9 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     const states: Record<string, string> = {};
     const listed = new Set(await sandboxes());
     let running = 0;
-    for (const id of ids) {
+    // Every VM the fleet knows, not only the ones this step made.
+    const all = (await api(cp.url, 'GET', '/v1/vms?limit=500')).body.vms as Array<{ id: string }>;
+    for (const id of new Set([...ids, ...all.map((v) => v.id)])) {
       const v = await vm(cp, id);
       if (v.state === 'running') {
         if (!listed.has(`fl-${id}`)) return undefined;
