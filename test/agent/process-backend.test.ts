@@ -617,6 +617,9 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal(spawnSync('ip', ['link', 'add', strayBridge, 'type', 'bridge']).status, 0);
     const strayDir = join(options.dataDir, 'sandboxes', 'ghost');
     await mkdir(join(strayDir, 'upper'), { recursive: true });
+    await mkdir(join(strayDir, 'root'), { recursive: true });
+    // A host-side mount a crashed agent could leave (by design the backend mounts only inside sandboxes).
+    assert.equal(spawnSync('mount', ['-t', 'tmpfs', 'stray', join(strayDir, 'root')]).status, 0);
     const v2 = p.cgroupVersion === 2;
     const cgDirs = v2 ? [`/sys/fs/cgroup/fleet-${prefix}/ghost`] : ['cpu', 'memory', 'pids', 'freezer'].map((c) => `/sys/fs/cgroup/${c}/fleet-${prefix}/ghost`);
     for (const d of cgDirs) await mkdir(d, { recursive: true });
@@ -630,6 +633,7 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.ok(report.cgroups.includes('ghost'), JSON.stringify(report));
     assert.ok(report.processes.includes(sleeper.pid!), JSON.stringify(report));
     assert.ok(report.directories.includes(strayDir), JSON.stringify(report));
+    assert.ok(report.mounts.includes(join(strayDir, 'root')), JSON.stringify(report));
     await sleeperGone;
     assert.ok(!existsSync(strayDir));
     for (const d of cgDirs) assert.ok(!existsSync(d));
