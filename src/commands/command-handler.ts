@@ -44,21 +44,45 @@ export type EventCodec<E> = (recorded: RecordedEvent) => E | undefined;
  * and a VM's lifecycle stay consistent under any number of writers.
  */
 export class CommandHandler {
+  /**
+   * Folded states by stream, so a load reads only the events after the cached
+   * revision. Without it every reservation re-read and re-folded the host's
+   * whole history (each reservation and release stays in `host-<id>`
+   * forever): a create's cost grew with every VM the host had ever run.
+   * Stale is safe: the read goes forward from the cached revision, and an
+   * append still expects the revision the decision was made on.
+   */
+  private readonly states = new Map<string, { decider: unknown; state: unknown; revision: bigint }>();
+
   constructor(
     private readonly store: EventStore,
     private readonly clock: Clock = () => new Date(),
     private readonly maxAttempts = 8,
+    private readonly maxCachedStreams = 10_000,
   ) {}
 
   async load<C, E, S>(streamId: string, decider: Decider<C, E, S>, decode: EventCodec<E>): Promise<Loaded<S>> {
-    const recorded = await this.store.readStream(streamId);
-    let state = decider.initialState;
+    const cached = this.states.get(streamId);
+    const hit = cached !== undefined && cached.decider === decider;
+    let state = hit ? (cached.state as S) : decider.initialState;
+    let revision: bigint | 'no_stream' = hit ? cached.revision : 'no_stream';
+    const recorded = await this.store.readStream(streamId, revision === 'no_stream' ? undefined : { fromRevision: revision + 1n });
     for (const r of recorded) {
       const e = decode(r);
       if (e !== undefined) state = decider.evolve(state, e);
+      revision = r.revision;
     }
-    const last = recorded.at(-1);
-    return { state, revision: last ? last.revision : 'no_stream' };
+    this.remember(streamId, decider, state, revision);
+    return { state, revision };
+  }
+
+  private remember(streamId: string, decider: unknown, state: unknown, revision: bigint | 'no_stream'): void {
+    if (revision === 'no_stream') return;
+    const cur = this.states.get(streamId);
+    if (cur && cur.decider === decider && cur.revision > revision) return;
+    this.states.delete(streamId);
+    this.states.set(streamId, { decider, state, revision });
+    if (this.states.size > this.maxCachedStreams) this.states.delete(this.states.keys().next().value!);
   }
 
   /**
@@ -88,6 +112,7 @@ export class CommandHandler {
         );
         let state = loaded.state;
         for (const e of events) state = decider.evolve(state, e);
+        this.remember(streamId, decider, state, result.nextExpectedRevision);
         return { state, events, position: result.position, revision: result.nextExpectedRevision };
       } catch (err) {
         if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts) throw err;
