@@ -300,7 +300,7 @@ export class SnapshotCommands implements SeedArtifacts {
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
       await this.run(s.snapshot_id, { type: 'RecordArtifactMoveFailed', data: { snapshot_id: s.snapshot_id, from_host_id: fromHostId, to_host_id: toHostId, error: (err as Error).message, error_code: e?.code } }, meta).catch(() => undefined);
-      const timedOut = e?.code === 'HOST_UNREACHABLE' && /time/i.test(e.message);
+      const timedOut = e?.code === 'HOST_UNREACHABLE' && typeof e.details?.timeout_ms === 'number';
       throw new AppError(
         timedOut ? 'ARTIFACT_PULL_TIMEOUT' : 'ARTIFACT_MOVE_FAILED',
         timedOut ? 504 : classifyHostAgentError(err) === 'host' ? 502 : (e?.status ?? 502),

@@ -330,6 +330,36 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     assert.deepEqual(evs, ['idle']);
   });
 
+  it('ARTIFACT_PULL_TIMEOUT bounds a move: the create fails with ARTIFACT_PULL_TIMEOUT and the failed move is an event', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const third = await startService({
+      config: { ...c.config, ARTIFACT_PULL_TIMEOUT_MS: 1, RECONCILER_ENABLED: false },
+      logger: pino({ level: 'silent' }),
+      databaseUrl: c.db.url,
+      tokenEncryptionKey: c.tokenKey,
+      apiKeys: apiKeysFrom(ADMIN_KEY, []),
+      defaultMetrics: false,
+      httpLogger: false,
+    });
+    try {
+      if (st.seeded) ok(await c.request('DELETE', `/v1/vms/${st.seeded}`, { as: 'acme' })); // room on h2
+      const s2 = ok(await c.request('GET', `/v1/snapshots/${st.s2.id}`, { as: 'acme' }));
+      assert.deepEqual(s2.holders, ['h1']);
+      const actor: Actor = { correlationId: 'pull-timeout', actor: 'tenant:acme', tenantId: 'acme', admin: false };
+      await assert.rejects(third.vms.create({ seed_snapshot_id: st.s2.id, host_id: 'h2', cpus: 1, ram_mb: 256 }, actor), (err: unknown) => {
+        assert.ok(err instanceof AppError);
+        assert.equal(err.code, 'ARTIFACT_PULL_TIMEOUT', err.message);
+        assert.match(err.message, /ARTIFACT_PULL_TIMEOUT_MS=1/);
+        return true;
+      });
+      const evs = (await c.service.store.readStream(`snapshot-${st.s2.id}`)).map((e) => e.type);
+      assert.equal(evs.at(-1), 'SnapshotArtifactMoveFailed');
+    } finally {
+      await third.close();
+    }
+  });
+
   it('retention: a snapshot past retention_until is collected (an event, then the agent delete)', async (t) => {
     if (guard(t)) return;
     const c = cp!;
