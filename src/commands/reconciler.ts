@@ -176,6 +176,8 @@ export class Reconciler {
   private last: ReconcileSummary | undefined;
   private readonly orphanFailures = new Map<string, Failure>();
   private readonly hostMisses = new Map<string, number>();
+  /** VMs seen absent from their host's listing: failed `missing` only on the second listing in a row. */
+  private readonly absent = new Map<string, number>();
   private readonly probes = new Map<string, { lastAt: number; failures: number; state: VmHealthState['status'] }>();
 
   constructor(
@@ -240,6 +242,7 @@ export class Reconciler {
     s.tracked_vms = live.length;
     const liveIds = new Set(live.map((v) => v.id));
     for (const id of this.probes.keys()) if (!liveIds.has(id)) this.probes.delete(id);
+    for (const id of this.absent.keys()) if (!liveIds.has(id)) this.absent.delete(id);
     const byHost = new Map<string, LiveVmHint[]>();
     for (const v of live) {
       if (!v.host_id) continue;
@@ -442,8 +445,16 @@ export class Reconciler {
     if (hint.state === 'running') {
       if (!listed.has(name)) {
         const vm = await this.loadVm(hint.id);
-        // Running before the listing started, yet not listed: the sandbox is gone.
+        // Running before the listing started, yet not listed: the sandbox is gone. Twice in a row, so an agent
+        // still recovering its sandboxes after a restart (or a clock skewed between replicas) costs a cycle, not a VM.
         if (vm.status === 'running' && vm.host_id === hostId && Date.parse(vm.transitioned_at) < listStarted) {
+          const seen = (this.absent.get(hint.id) ?? 0) + 1;
+          this.absent.set(hint.id, seen);
+          if (seen < 2) {
+            this.logger.info({ vm_id: hint.id, host_id: hostId }, 'running vm not listed by its host; failed as missing if still absent next cycle');
+            return;
+          }
+          this.absent.delete(hint.id);
           await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'missing', error: `host ${hostId} no longer lists sandbox ${name}`, error_code: 'SANDBOX_MISSING' } }, actor);
           s.vms_missing_provider++;
           gone.add(name);
@@ -451,6 +462,7 @@ export class Reconciler {
         }
         return;
       }
+      this.absent.delete(hint.id);
       const maxRuntimeMs = hint.max_runtime_s ? hint.max_runtime_s * 1000 : this.config.taskStuckTimeoutMs;
       if (maxRuntimeMs > 0 && age > maxRuntimeMs) {
         s.stuck_tasks_suspected++;

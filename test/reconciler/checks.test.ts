@@ -91,6 +91,8 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     assert.equal(quiet.orphans_destroyed, 0);
 
     await a!.client.destroyVm(`fl-${vm.id}`, { force: true });
+    const once = await svc!.reconciler.reconcileOnce();
+    assert.equal(once.vms_missing_provider, 0, 'one absent listing is not enough (an agent may still be recovering)');
     const s = await svc!.reconciler.reconcileOnce();
     assert.equal(s.vms_missing_provider, 1);
     assert.equal(s.capacity_released, 1);
