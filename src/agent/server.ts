@@ -1,10 +1,9 @@
-import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
-import { createReadStream, createWriteStream } from 'node:fs';
-import { chmod, open, rename, rm, stat, writeFile } from 'node:fs/promises';
+import { createHash, timingSafeEqual } from 'node:crypto';
+import { createReadStream } from 'node:fs';
+import { open, stat } from 'node:fs/promises';
 import type { IncomingMessage } from 'node:http';
 import { posix } from 'node:path';
-import { Transform } from 'node:stream';
-import { pipeline } from 'node:stream/promises';
+import { Readable } from 'node:stream';
 import websocket from '@fastify/websocket';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify';
 import { z } from 'zod';
@@ -232,26 +231,9 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
       if (!body || typeof (body as { pipe?: unknown }).pipe !== 'function') {
         throw new AppError('UNSUPPORTED_MEDIA_TYPE', 415, 'send the file as the raw body with Content-Type: application/octet-stream');
       }
-      const hostPath = await backend.resolveGuestPath(name, q.path, { forWrite: true });
-      const existing = await stat(hostPath).catch(() => undefined);
-      if (existing?.isDirectory()) throw new AppError('GUEST_PATH_IS_DIRECTORY', 400, `"${q.path}" is a directory in the sandbox; give a file path`, { path: q.path });
-      const tmp = `${hostPath}.upload-${randomBytes(6).toString('hex')}`;
-      let size = 0;
-      const cap = new Transform({
-        transform(chunk: Buffer, _enc, cb) {
-          size += chunk.length;
-          if (size > config.maxUploadBytes) cb(new AppError('PAYLOAD_TOO_LARGE', 413, `uploads are limited to ${config.maxUploadBytes} bytes`));
-          else cb(null, chunk);
-        },
-      });
-      try {
-        await pipeline(body, cap, createWriteStream(tmp, { flags: 'wx', mode: q.mode ? parseInt(q.mode, 8) : 0o644 }));
-        if (q.mode) await chmod(tmp, parseInt(q.mode, 8));
-        await rename(tmp, hostPath);
-      } catch (err) {
-        await rm(tmp, { force: true });
-        throw err;
-      }
+      // Written from inside the sandbox: a guest racing to swap a path component for a symlink cannot redirect it.
+      const written = await backend.writeGuestFile(name, q.path, body, { maxBytes: config.maxUploadBytes, ...(q.mode ? { mode: parseInt(q.mode, 8) } : {}) });
+      const size = written.bytes;
       return { path: q.path, size_bytes: size };
     } finally {
       // An early refusal must not leave the client blocked on an unread body.
@@ -262,10 +244,9 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   app.get(`${P}/vms/:name/files`, async (req, reply) => {
     const name = nameParam(req);
     const q = parse(filePathQuerySchema, req.query, 'query');
-    const hostPath = await backend.resolveGuestPath(name, q.path, { forWrite: false });
-    const st = await stat(hostPath);
-    if (!st.isFile()) throw new AppError('GUEST_PATH_IS_DIRECTORY', 400, `"${q.path}" is not a regular file in the sandbox`, { path: q.path });
-    return reply.type('application/octet-stream').header('content-length', st.size).send(createReadStream(hostPath));
+    const file = await backend.readGuestFile(name, q.path);
+    file.done.catch((err: unknown) => req.log.warn({ err: { message: (err as Error).message }, path: q.path }, 'download failed part-way'));
+    return reply.type('application/octet-stream').header('content-length', file.size).send(file.stream);
   });
 
   // ---- in-guest agent -----------------------------------------------------------
@@ -290,13 +271,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
       const dirs = [...new Set(files.map(([p]) => posix.dirname(posix.normalize(p))))];
       await checkedRun(name, ['mkdir', '-p', ...dirs], 'create the directories of the agent files');
       for (const [path, b64] of files) {
-        const hostPath = await backend.resolveGuestPath(name, path, { forWrite: true });
-        const tmp = `${hostPath}.upload-${randomBytes(6).toString('hex')}`;
-        await writeFile(tmp, Buffer.from(b64, 'base64'), { mode: 0o755 });
-        await rename(tmp, hostPath).catch(async (err: unknown) => {
-          await rm(tmp, { force: true });
-          throw err;
-        });
+        await backend.writeGuestFile(name, path, Readable.from([Buffer.from(b64, 'base64')]), { mode: 0o755 });
       }
     }
     // Detached from this exec (own session, output to a guest log), so it outlives the request and the agent.

@@ -53,7 +53,7 @@ export const AgentErrorCode = {
   imageNotFound: 'IMAGE_NOT_FOUND',
   guestPathNotFound: 'GUEST_PATH_NOT_FOUND',
   pathEscapesSandbox: 'PATH_ESCAPES_SANDBOX',
-  isDirectory: 'GUEST_PATH_IS_DIRECTORY',
+  notAFile: 'GUEST_PATH_NOT_A_FILE',
   checkpointNotFound: 'CHECKPOINT_NOT_FOUND',
   checkpointExists: 'CHECKPOINT_EXISTS',
   checkpointCorrupt: 'CHECKPOINT_CORRUPT',

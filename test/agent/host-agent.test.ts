@@ -197,7 +197,7 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     await expectCode(c.download('a1', '/tmp/up/passwd'), 'PATH_ESCAPES_SANDBOX');
     await expectCode(c.upload('a1', '/tmp/up/evil', Buffer.from('x')), 'PATH_ESCAPES_SANDBOX');
     await expectCode(c.download('a1', '/no/such/file'), 'GUEST_PATH_NOT_FOUND');
-    await expectCode(c.download('a1', '/tmp'), 'GUEST_PATH_IS_DIRECTORY');
+    await expectCode(c.download('a1', '/tmp'), 'GUEST_PATH_NOT_A_FILE');
   });
 
   it('maps refusals to typed errors with the right class', async (t) => {
