@@ -43,7 +43,7 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     proxy = await AgentFaultProxy.start(agent.url);
     db = await createTestDatabase('rec_dl');
     svc = await startService({
-      config: configSchema.parse({ RECONCILER_ENABLED: 'false', ORPHAN_DESTROY_MAX_RETRIES: '3', RECONCILE_AGENT_TIMEOUT_MS: '3000', RECONCILE_GRACE_MS: '300', AGENT_CALL_TIMEOUT_MS: '5000' }),
+      config: configSchema.parse({ RECONCILER_ENABLED: 'false', ORPHAN_DESTROY_MAX_RETRIES: '3', RECONCILE_AGENT_TIMEOUT_MS: '3000', RECONCILE_GRACE_MS: '2000', AGENT_CALL_TIMEOUT_MS: '5000' }),
       logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
       databaseUrl: db.url,
       tokenEncryptionKey: Buffer.from(TOKEN_KEY, 'base64'),
@@ -137,7 +137,7 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     assert.ok(held.state.status !== 'unregistered' && held.state.reservations.has(vmId));
 
     await waitFor('the read model lists the requested VM', 10_000, async () => (await inject('GET', `/v1/vms/${vmId}`)).body.state === 'requested');
-    await sleep(400); // past RECONCILE_GRACE_MS
+    await sleep(2100); // past RECONCILE_GRACE_MS
     const s = await svc!.reconciler.reconcileOnce();
     assert.equal(s.half_done_rolled_back, 1);
     assert.equal(s.capacity_released, 1);
@@ -146,5 +146,37 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     assert.ok(vm.status === 'failed' && vm.reason === 'placement' && vm.error_code === 'INTERRUPTED' && vm.phase === 'requested');
     const host = await svc!.hosts.load('h1');
     assert.ok(host.state.status !== 'unregistered' && host.state.reservations.size === 0, 'no capacity held for the abandoned VM');
+  });
+
+  test('a VM left placed (crash after placement, before the boot started) is rolled back, its reservation released', async (t) => {
+    if ('skip' in images) return t.skip(images.skip);
+    const handler = new CommandHandler(svc!.store);
+    const meta = { correlationId: 'crashed', actor: 'test' };
+    const vmId = 'abandoned0000000000000002';
+    const spec = validateVmSpec({ cpus: 1, ram_mb: 256 }, DEFAULT_SPEC_LIMITS);
+    await handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: 'acme' } }, meta);
+    const reserved = await handler.handle(hostStream('h1'), hostDecider, decodeHostEvent, { type: 'ReserveCapacity', data: { host_id: 'h1', vm_id: vmId, cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0 } }, meta);
+    const held = reserved.state;
+    if (held.status === 'unregistered') throw new Error('host h1 not registered');
+    const { vm_id: _v, ...reservation } = held.reservations.get(vmId)!;
+    const decision = { host_id: 'h1', policy: 'spread' as const, candidates: 1, headroom_cpus: 0, headroom_ram: 0, artifact_local: false, artifact_holders: 0 };
+    await handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, { type: 'PlaceVm', data: { vm_id: vmId, host_id: 'h1', decision, reservation } }, meta);
+    const placedAt = Date.now();
+
+    await waitFor('the read model lists the placed VM', 10_000, async () => (await inject('GET', `/v1/vms/${vmId}`)).body.state === 'placed');
+    if (Date.now() - placedAt < 1500) {
+      const early = await svc!.reconciler.reconcileOnce();
+      assert.equal(early.half_done_rolled_back, 0, 'inside the grace a live create is left alone');
+      assert.equal(early.capacity_released, 0);
+    }
+    await sleep(Math.max(0, placedAt + 2100 - Date.now()));
+    const s = await svc!.reconciler.reconcileOnce();
+    assert.equal(s.half_done_rolled_back, 1);
+    assert.equal(s.capacity_released, 1);
+    const vm = await svc!.vms.get(vmId, { tenantId: 'admin', admin: true });
+    assert.ok(vm.status === 'failed' && vm.reason === 'boot_failure' && vm.error_code === 'INTERRUPTED' && vm.phase === 'placed', JSON.stringify(vm));
+    assert.match(vm.status === 'failed' ? vm.error : '', /capacity was reserved but the boot had not started/);
+    const host = await svc!.hosts.load('h1');
+    assert.ok(host.state.status !== 'unregistered' && host.state.reservations.size === 0);
   });
 });
