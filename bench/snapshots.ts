@@ -74,6 +74,39 @@ async function indexBench(rows: number, lookups: number, log: (s: string) => voi
     }
     log(`artifact index by digest: ${lookups} lookups, p50 ${pct(digestMs, 50).toFixed(3)} ms, p99 ${pct(digestMs, 99).toFixed(3)} ms, max ${Math.max(...digestMs).toFixed(3)} ms (hits ${digestHits})`);
     log(`layer cache by key+arch:  ${lookups} lookups, p50 ${pct(layerMs, 50).toFixed(3)} ms, p99 ${pct(layerMs, 99).toFixed(3)} ms, max ${Math.max(...layerMs).toFixed(3)} ms (hits ${layerHits})`);
+    // The same lookups timed inside the server (plpgsql, clock_timestamp around each query): what the index costs
+    // without the client round trip and the Node event loop, which on a loaded shared machine dominate the tail.
+    const client = await pool.connect();
+    try {
+      await client.query(`CREATE FUNCTION pg_temp.bench_lookups(n int, nrows int, layer boolean) RETURNS SETOF float8 AS $fn$
+        DECLARE i int; g int; t0 timestamptz;
+        BEGIN
+          FOR i IN 1..n LOOP
+            IF layer THEN
+              g := 10 * (1 + floor(random() * (nrows / 10))::int);
+              t0 := clock_timestamp();
+              PERFORM id FROM snapshots WHERE tenant_id = 't' || (g % ${TENANTS}) AND layer_key = 'layer-' || (g % ${LAYER_KEYS})
+                AND arch = CASE WHEN g % 3 = 0 THEN 'arm64' ELSE 'amd64' END AND state = 'ready' AND layer_key IS NOT NULL
+                ORDER BY created_at DESC, id DESC LIMIT 1;
+            ELSE
+              g := 1 + floor(random() * nrows)::int;
+              t0 := clock_timestamp();
+              PERFORM id FROM snapshots WHERE tenant_id = 't' || (g % ${TENANTS}) AND digest = encode(sha256(g::text::bytea), 'hex') AND state = 'ready';
+            END IF;
+            RETURN NEXT extract(epoch FROM clock_timestamp() - t0) * 1000;
+          END LOOP;
+        END $fn$ LANGUAGE plpgsql`);
+      for (const layer of [false, true]) {
+        const r = await client.query<{ p50: number; p99: number; max: number }>(
+          `SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms) AS p50, percentile_cont(0.99) WITHIN GROUP (ORDER BY ms) AS p99, max(ms) AS max FROM pg_temp.bench_lookups($1, $2, $3) AS ms`,
+          [lookups, rows, layer],
+        );
+        const x = r.rows[0]!;
+        log(`${layer ? 'layer cache, in-server ' : 'artifact index, in-server'}: ${lookups} lookups, p50 ${x.p50.toFixed(3)} ms, p99 ${x.p99.toFixed(3)} ms, max ${x.max.toFixed(3)} ms`);
+      }
+    } finally {
+      client.release();
+    }
     const g = 4242;
     const digest = (await pool.query<{ d: string }>(`SELECT encode(sha256($1::text::bytea), 'hex') AS d`, [String(g)])).rows[0]!.d;
     for (const [what, q, params] of [
@@ -119,9 +152,13 @@ async function forkBench(runs: number, mib: number, log: (s: string) => void): P
       if (e.status !== 200 || (e.body as { exit_code: number }).exit_code !== 0) throw new Error(`first exec: ${JSON.stringify(e.body)}`);
       const ms = performance.now() - t0;
       total.push(ms);
-      log(`fork ${i + 1}: request → fork running ${(tFork - t0).toFixed(0)} ms, → first exec ${ms.toFixed(0)} ms`);
+      const snapId = (f.body as { seed_snapshot_id: string }).seed_snapshot_id;
+      const evs = await cp.service.store.readStream(`snapshot-${snapId}`);
+      const at = (type: string): number => Date.parse((evs.find((e) => e.type === type)?.data as { at: string }).at);
+      const cpMs = at('SnapshotTaken') - at('SnapshotRequested');
+      log(`fork ${i + 1}: request → fork running ${(tFork - t0).toFixed(0)} ms (checkpoint ${cpMs} ms, boot from it ${(f.body as { boot_ms: number }).boot_ms} ms), → first exec ${ms.toFixed(0)} ms`);
       await cp.request('DELETE', `/v1/vms/${fid}`, { as: 'acme' });
-      await cp.request('DELETE', `/v1/snapshots/${(f.body as { seed_snapshot_id: string }).seed_snapshot_id}?force=true`, { as: 'acme' });
+      await cp.request('DELETE', `/v1/snapshots/${snapId}?force=true`, { as: 'acme' });
     }
     log(`fork of a ${mib} MiB writable layer, request → first exec: p50 ${pct(total, 50).toFixed(0)} ms, max ${Math.max(...total).toFixed(0)} ms over ${runs} runs`);
   } finally {

@@ -214,8 +214,13 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       name: 'reconciler',
       pollMs: config.LEASE_POLL_MS,
       logger,
-      onAcquired: () => reconciler.start(),
-      onLost: () => reconciler.stop(),
+      onAcquired: () => {
+        reconciler.start();
+        snapshots.start();
+      },
+      onLost: async () => {
+        await Promise.all([reconciler.stop(), snapshots.stop()]);
+      },
     });
     metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], async () => [{ labels: {}, value: lease.held ? 1 : 0 }]);
     metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], async () =>
@@ -258,8 +263,6 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         await reconciler.stop();
       });
       lease.start();
-      // Retention and layer collection: idempotent per snapshot (the delete is an event first), so replicas may overlap.
-      snapshots.start();
       closers.push(() => snapshots.stop());
     }
     return { app, store, runner, hosts, vms, reconciler, snapshots, isReconcilerLeader: () => lease.held, pool, close };

@@ -376,6 +376,23 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     assert.ok(!(await holder.client.listCheckpoints()).some((cp) => cp.id === s.id));
   });
 
+  it('a checkpoint the agent cannot take: the snapshot is failed with the reason and its quota slot released', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h1', cpus: 1, ram_mb: 256 } }), 201);
+    const before = ok(await c.request('GET', '/v1/snapshot-quota', { as: 'acme' }));
+    await agents[0]!.client.destroyVm(`fl-${vm.id}`, { force: true }); // gone behind the control plane's back
+    const r = await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { comment: 'doomed' } });
+    expectProblem(r, 404, 'SANDBOX_NOT_FOUND');
+    const failed = await eventually(async () => {
+      const rows = ok(await c.request('GET', `/v1/snapshots?vm_id=${vm.id}&state=failed`, { as: 'acme' })).snapshots;
+      return rows.length === 1 ? rows[0] : undefined;
+    }, 10_000, 'failed snapshot listed');
+    assert.match(failed.last_error, /no sandbox named/);
+    assert.deepEqual(ok(await c.request('GET', '/v1/snapshot-quota', { as: 'acme' })).count, before.count);
+    await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' });
+  });
+
   it('a rebuilt snapshots read model equals the live one', async (t) => {
     if (guard(t)) return;
     const c = cp!;
