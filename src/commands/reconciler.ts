@@ -172,6 +172,8 @@ export class Reconciler {
   private timer: NodeJS.Timeout | undefined;
   private running: Promise<void> | undefined;
   private active = false;
+  /** Bumped by each start(): a cycle of an earlier run must not reschedule itself (a lease lost and re-won mid-cycle). */
+  private generation = 0;
   private cycleNo = 0;
   private last: ReconcileSummary | undefined;
   private readonly orphanFailures = new Map<string, Failure>();
@@ -203,8 +205,9 @@ export class Reconciler {
   start(): void {
     if (this.active) return;
     this.active = true;
+    const generation = ++this.generation;
     this.logger.info({ interval_ms: this.config.intervalMs }, 'reconciler started');
-    this.schedule(0);
+    void (this.running ?? Promise.resolve()).then(() => this.schedule(0, generation));
   }
 
   /** Stops cycling and waits for a cycle in flight. Called on shutdown or when the lease is lost. */
@@ -217,14 +220,15 @@ export class Reconciler {
     this.logger.info('reconciler stopped');
   }
 
-  private schedule(ms: number): void {
+  private schedule(ms: number, generation: number): void {
+    if (!this.active || generation !== this.generation) return;
     this.timer = setTimeout(() => {
       this.running = this.reconcileOnce()
         .then(() => undefined)
         .catch((err: unknown) => this.logger.error({ err }, 'reconcile cycle failed'))
         .finally(() => {
           this.running = undefined;
-          if (this.active) this.schedule(this.config.intervalMs);
+          this.schedule(this.config.intervalMs, generation);
         });
     }, ms);
     this.timer.unref();
