@@ -76,6 +76,11 @@ export class CommandHandler {
     return { state, revision };
   }
 
+  private cached<S>(streamId: string, decider: unknown): Loaded<S> | undefined {
+    const c = this.states.get(streamId);
+    return c && c.decider === decider ? { state: c.state as S, revision: c.revision } : undefined;
+  }
+
   private remember(streamId: string, decider: unknown, state: unknown, revision: bigint | 'no_stream'): void {
     if (revision === 'no_stream') return;
     const cur = this.states.get(streamId);
@@ -98,12 +103,29 @@ export class CommandHandler {
     meta: CommandMeta,
     options: { expected?: ExpectedRevision; onConflict?: (err: ConcurrencyError, attempt: number) => boolean } = {},
   ): Promise<Handled<S, E>> {
+    // A cached state is tried without a read: a stale one loses the append (expected revision) and is re-read.
+    // Only a state just read may answer "nothing to do" or refuse: a stale cache must not decide those.
+    let trustCache = options.expected === undefined;
     for (let attempt = 1; ; attempt++) {
-      const loaded = await this.load(streamId, decider, decode);
+      const cached = trustCache ? this.cached<S>(streamId, decider) : undefined;
+      const loaded = cached ?? (await this.load(streamId, decider, decode));
       const cmd = typeof command === 'function' ? (command as (s: S) => C)(loaded.state) : command;
       const now = this.clock();
-      const events = decider.decide(cmd, loaded.state, { now });
-      if (events.length === 0) return { state: loaded.state, events, position: undefined, revision: loaded.revision };
+      let events: readonly E[];
+      try {
+        events = decider.decide(cmd, loaded.state, { now });
+      } catch (err) {
+        if (!cached) throw err;
+        trustCache = false;
+        attempt--;
+        continue;
+      }
+      if (events.length === 0) {
+        if (!cached) return { state: loaded.state, events, position: undefined, revision: loaded.revision };
+        trustCache = false;
+        attempt--;
+        continue;
+      }
       try {
         const result = await this.store.append(
           streamId,
@@ -115,6 +137,12 @@ export class CommandHandler {
         this.remember(streamId, decider, state, result.nextExpectedRevision);
         return { state, events, position: result.position, revision: result.nextExpectedRevision };
       } catch (err) {
+        trustCache = false;
+        if (cached && err instanceof ConcurrencyError) {
+          // Our cache was behind, not a race: re-read without counting an attempt or asking onConflict.
+          attempt--;
+          continue;
+        }
         if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts) throw err;
         if (options.onConflict && !options.onConflict(err, attempt)) throw err;
         await jitter(attempt);
