@@ -2,12 +2,12 @@ import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import type { Actor } from '../../src/commands/vm-commands.js';
 import { decodeVmEvent } from '../../src/commands/vm-commands.js';
-import type { EventStore, RecordedEvent } from '../../src/domain/event-store.port.js';
-import { hostAllocation, hostDecider, type HostState } from '../../src/domain/host/host.decider.js';
-import { isHostEventType, parseHostEvent } from '../../src/domain/host/host.events.js';
+import type { RecordedEvent } from '../../src/domain/event-store.port.js';
+import { hostAllocation } from '../../src/domain/host/host.decider.js';
 import { vmDecider, type VmState } from '../../src/domain/vm/vm.decider.js';
 import { startService, apiKeysFrom, type Service } from '../../src/adapters/service.js';
-import { ADMIN_KEY, eventually, startControlPlane, type ControlPlane } from '../support/control-plane.js';
+import { ADMIN_KEY, startControlPlane, type ControlPlane } from '../support/control-plane.js';
+import { foldHosts, readSettledLog } from './host-streams.js';
 import { startStubAgents, type StubAgents } from './stub-agent.js';
 import { pino } from 'pino';
 
@@ -25,33 +25,6 @@ const HOSTS = 20;
 const SIZES = Array.from({ length: HOSTS }, (_, i) => 10 + (i % 5) * 5);
 const TOTAL = SIZES.reduce((a, b) => a + b, 0);
 const SPEC = { image: 'base', cpus: 1, ram_mb: 512, storage_gb: 1 };
-
-async function readAllEvents(store: EventStore): Promise<RecordedEvent[]> {
-  const out: RecordedEvent[] = [];
-  for (;;) {
-    const page = await store.readAll({ after: out.at(-1)?.position, maxCount: 5000 });
-    out.push(...page);
-    if (page.length < 5000) return out;
-  }
-}
-
-/** Folds every host stream from the log, checking after EVERY event that nothing exceeds capacity. */
-function foldHosts(events: readonly RecordedEvent[]): Map<string, HostState> {
-  const hosts = new Map<string, HostState>();
-  for (const e of events) {
-    if (!e.streamId.startsWith('host-') || !isHostEventType(e.type)) continue;
-    const s = hostDecider.evolve(hosts.get(e.streamId) ?? hostDecider.initialState, parseHostEvent(e.type, e.data));
-    hosts.set(e.streamId, s);
-    if (s.status === 'unregistered') continue;
-    const a = hostAllocation(s);
-    const c = s.capacity;
-    assert.ok(
-      a.cpus <= c.cpus && a.ram_mb <= c.ram_mb && a.storage_gb <= c.storage_gb && a.vm_count <= c.vm_count,
-      `${e.streamId} over-committed at revision ${e.revision}: ${JSON.stringify(a)} of ${JSON.stringify(c)}`,
-    );
-  }
-  return hosts;
-}
 
 /** The VMs one race asked for: their events carry the race's correlation id. */
 function foldVms(events: readonly RecordedEvent[], correlationId: string): Map<string, VmState> {
@@ -91,13 +64,7 @@ function tally(results: PromiseSettledResult<{ vm: { status: string } }>[]): Rec
 /** The stream-level verdict: who holds what, and that failed VMs hold nothing. */
 async function verifyFromStreams(cp: ControlPlane, stub: StubAgents, prefix: string, race: string): Promise<void> {
   const store = cp.service.store;
-  // The global read shows only what every earlier transaction has settled (read models write in the same
-  // Postgres): wait until it holds every stored event before judging from it.
-  const events = await eventually(async () => {
-    const all = await readAllEvents(store);
-    const { rows } = await cp.service.pool.query<{ n: string }>('SELECT count(*)::text AS n FROM es_events');
-    return all.length === Number(rows[0]!.n) && all;
-  }, 60_000, 'the whole log visible to a global read');
+  const events = await readSettledLog(store, cp.service.pool);
   const hosts = foldHosts(events);
   const vms = foldVms(events, race);
   let reserved = 0;

@@ -1,0 +1,162 @@
+import { cpus, loadavg } from 'node:os';
+import type { Actor } from '../src/commands/vm-commands.js';
+import { hostAllocation } from '../src/domain/host/host.decider.js';
+import { emptyAllocation } from '../src/domain/placement/fit.js';
+import { place, type PlacementHost, type PlacementRequest } from '../src/domain/placement/placement.js';
+import { foldHosts, readSettledLog } from '../test/control-plane/host-streams.js';
+import { startStubAgents } from '../test/control-plane/stub-agent.js';
+import { startControlPlane } from '../test/support/control-plane.js';
+
+/**
+ * `npm run bench -- control-plane [--hosts N] [--decisions N] [--creates N] [--race N]`
+ *
+ * 1. placement: `place()` over --hosts (10,000) hosts, --decisions (2,000)
+ *    decisions, p50/p99 decision time;
+ * 2. the race: --race (500) concurrent CreateVm against 20 hosts that fit
+ *    400, with the outcome checked by folding every host stream;
+ * 3. control-plane overhead of one create, --creates (300) sequential creates
+ *    through the API (`app.inject`) against the STUB AGENT test double
+ *    (test/control-plane/stub-agent.ts), which answers at once: what is
+ *    measured is everything but the agent's own work (validation, events,
+ *    placement, reservation, the agent calls over loopback HTTP).
+ *
+ * Postgres: the embedded server of test/support/postgres.ts (TEST_DATABASE_URL
+ * if set, else one started in .tmp/test-pg-standalone), a fresh database.
+ */
+export default async function controlPlaneBench(args: string[]): Promise<void> {
+  const opt = (name: string, dflt: number): number => {
+    const i = args.indexOf(`--${name}`);
+    return i >= 0 ? Number(args[i + 1]) : dflt;
+  };
+  const log = (s: string): void => void process.stdout.write(`${s}\n`);
+  log(`machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+
+  benchPlacement(opt('hosts', 10_000), opt('decisions', 2_000), log);
+  await benchRace(opt('race', 500), log);
+  await benchOverhead(opt('creates', 300), log);
+  log(`load at the end: ${loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+}
+
+function pct(sorted: readonly number[], p: number): number {
+  return sorted[Math.min(sorted.length - 1, Math.floor(sorted.length * p))] ?? NaN;
+}
+const ms = (v: number): string => `${v.toFixed(3)} ms`;
+
+function benchPlacement(n: number, decisions: number, log: (s: string) => void): void {
+  log(`\n[1/3] placement over ${n.toLocaleString('en')} hosts, ${decisions} decisions`);
+  const hosts: PlacementHost[] = [];
+  for (let i = 0; i < n; i++) {
+    hosts.push({
+      id: `h${String(i).padStart(5, '0')}`,
+      state: i % 50 === 0 ? 'cordoned' : 'active',
+      backend: 'process',
+      arch: i % 7 === 0 ? 'arm64' : undefined,
+      labels: { zone: `z${i % 3}`, tier: i % 2 ? 'a' : 'b' },
+      capacity: { cpus: 32, ram_mb: 131_072, storage_gb: 1000, vm_count: 64, gpus: i % 10 === 0 ? 4 : 0, gpu_kind: i % 10 === 0 ? 'a100' : undefined },
+      allocated: { ...emptyAllocation(), cpus: i % 32, ram_mb: (i * 1024) % 131_072, storage_gb: i % 1000, vm_count: i % 64 },
+      revision: 3n,
+    });
+  }
+  const artifactHosts = new Set(hosts.filter((_, i) => i % 97 === 0).map((h) => h.id));
+  const requests: PlacementRequest[] = [
+    { cpus: 2, ram_mb: 2048, storage_gb: 5 },
+    { cpus: 2, ram_mb: 2048, storage_gb: 5, arch: 'amd64', labels: { zone: 'z1' } },
+    { cpus: 4, ram_mb: 8192, storage_gb: 20, gpus: 1, gpu_kind: 'a100' },
+  ];
+  for (let i = 0; i < 50; i++) place(requests[i % 3]!, hosts, { hints: { artifactHosts } });
+  const times: number[] = [];
+  for (let i = 0; i < decisions; i++) {
+    const t = process.hrtime.bigint();
+    place(requests[i % 3]!, hosts, { policy: i % 2 ? 'binpack' : 'spread', hints: { artifactHosts } });
+    times.push(Number(process.hrtime.bigint() - t) / 1e6);
+    if ((i + 1) % 500 === 0) log(`  ${i + 1}/${decisions}`);
+  }
+  times.sort((a, b) => a - b);
+  log(`placement: p50 ${ms(pct(times, 0.5))}, p99 ${ms(pct(times, 0.99))}, max ${ms(times.at(-1)!)} (aim: p99 < 5 ms)`);
+}
+
+async function benchRace(creates: number, log: (s: string) => void): Promise<void> {
+  const HOSTS = 20;
+  const sizes = Array.from({ length: HOSTS }, (_, i) => 10 + (i % 5) * 5);
+  const total = sizes.reduce((a, b) => a + b, 0);
+  log(`\n[2/3] ${creates} concurrent CreateVm against ${HOSTS} hosts that fit ${total} (stub agent)`);
+  const stub = await startStubAgents();
+  const cp = await startControlPlane();
+  try {
+    const meta = { correlationId: 'bench', actor: 'admin', tenantId: 'admin' };
+    let last: string | undefined;
+    for (let i = 0; i < HOSTS; i++) {
+      const { url, token } = stub.add(`r${i}`, i % 2 === 0 ? { vm_count: sizes[i]! } : { vm_count: 64, cpus: sizes[i]! });
+      last = (await cp.service.hosts.register({ id: `r${i}`, url, token, backend: 'process' }, meta)).position;
+    }
+    await cp.service.runner.waitFor(last!, 30_000);
+    const actor: Actor = { correlationId: 'race', actor: 'tenant:bench', tenantId: 'bench', admin: false };
+    const lat: number[] = [];
+    let done = 0;
+    const t0 = performance.now();
+    const results = await Promise.allSettled(
+      Array.from({ length: creates }, async () => {
+        const s = performance.now();
+        try {
+          return await cp.service.vms.create({ image: 'base', cpus: 1, ram_mb: 512, storage_gb: 1 }, actor);
+        } finally {
+          lat.push(performance.now() - s);
+          if (++done % 100 === 0) log(`  ${done}/${creates} answered`);
+        }
+      }),
+    );
+    const wall = performance.now() - t0;
+    const tally: Record<string, number> = {};
+    for (const r of results) {
+      const k = r.status === 'fulfilled' ? r.value.vm.status : String((r.reason as { code?: string }).code);
+      tally[k] = (tally[k] ?? 0) + 1;
+    }
+    lat.sort((a, b) => a - b);
+    const folded = foldHosts(await readSettledLog(cp.service.store, cp.service.pool));
+    let reserved = 0;
+    for (const s of folded.values()) reserved += hostAllocation(s).vm_count;
+    const overCommits = [...stub.hosts.values()].reduce((a, h) => a + h.overCommits, 0);
+    log(`race: ${JSON.stringify(tally)} in ${(wall / 1000).toFixed(2)} s (${(creates / (wall / 1000)).toFixed(0)} creates/s answered)`);
+    log(`race: per-create latency p50 ${ms(pct(lat, 0.5))}, p99 ${ms(pct(lat, 0.99))}`);
+    log(`race: host streams hold ${reserved} reservations for ${total} slots, never over capacity at any event; stub refusals for lack of room: ${overCommits}`);
+    if (tally.running !== total || tally.CAPACITY_EXHAUSTED !== creates - total || reserved !== total) log('race: UNEXPECTED OUTCOME');
+  } finally {
+    await cp.close();
+    await stub.close();
+  }
+}
+
+async function benchOverhead(creates: number, log: (s: string) => void): Promise<void> {
+  log(`\n[3/3] control-plane overhead: ${creates} sequential creates through the API (stub agent answers at once)`);
+  const stub = await startStubAgents();
+  const cp = await startControlPlane();
+  try {
+    const { url, token } = stub.add('h1', { vm_count: 100_000, cpus: 100_000, ram_mb: 100_000_000, storage_gb: 1_000_000 });
+    const reg = await cp.request('POST', '/v1/hosts', { body: { id: 'h1', url, token } });
+    await cp.service.runner.waitFor(reg.body.position, 30_000);
+    const body = { image: 'base', cpus: 1, ram_mb: 512 };
+    for (let i = 0; i < 20; i++) await cp.request('POST', '/v1/vms', { as: 'acme', body });
+    const times: number[] = [];
+    const destroys: number[] = [];
+    for (let i = 0; i < creates; i++) {
+      const t = performance.now();
+      const r = await cp.request('POST', '/v1/vms', { as: 'acme', body });
+      times.push(performance.now() - t);
+      if (r.status !== 201) throw new Error(`create answered ${r.status}: ${JSON.stringify(r.body)}`);
+      if (i % 3 === 0) {
+        const d = performance.now();
+        await cp.request('DELETE', `/v1/vms/${r.body.id}`, { as: 'acme' });
+        destroys.push(performance.now() - d);
+      }
+      if ((i + 1) % 100 === 0) log(`  ${i + 1}/${creates}`);
+    }
+    times.sort((a, b) => a - b);
+    destroys.sort((a, b) => a - b);
+    log(`create (everything but the agent's work): p50 ${ms(pct(times, 0.5))}, p99 ${ms(pct(times, 0.99))} (aim: p50 < 10 ms)`);
+    log(`destroy: p50 ${ms(pct(destroys, 0.5))}, p99 ${ms(pct(destroys, 0.99))} over ${destroys.length}`);
+    log(`agent calls per create: ${((stub.calls.creates + stub.calls.execs + stub.calls.uploads) / (creates + 20)).toFixed(1)} (create, mkdir exec, token upload)`);
+  } finally {
+    await cp.close();
+    await stub.close();
+  }
+}
