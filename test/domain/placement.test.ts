@@ -252,8 +252,9 @@ describe('placement: artifact locality', () => {
   });
 });
 
-describe('placement: performance', () => {
-  test('10,000 hosts: p99 decision time well under 5 ms', () => {
+// Decision time over 10,000 hosts is measured by `npm run bench -- control-plane` (docs/benchmarks.md), not asserted here.
+describe('placement: a large fleet', () => {
+  test('10,000 hosts: the decision passes every gate and prefers an artifact holder', () => {
     const hosts: PlacementHost[] = [];
     for (let i = 0; i < 10_000; i++) {
       hosts.push(
@@ -267,22 +268,16 @@ describe('placement: performance', () => {
     }
     const artifactHosts = new Set(hosts.filter((_, i) => i % 97 === 0).map((h) => h.id));
     const req: PlacementRequest = { cpus: 2, ram_mb: 2048, storage_gb: 5, arch: 'amd64', labels: { zone: 'z1' } };
-    for (let i = 0; i < 20; i++) place(req, hosts, { hints: { artifactHosts } });
-    const measure = (): { p50: number; p99: number } => {
-      const times: number[] = [];
-      for (let i = 0; i < 300; i++) {
-        const t = process.hrtime.bigint();
-        place(req, hosts, { policy: i % 2 ? 'binpack' : 'spread', hints: { artifactHosts } });
-        times.push(Number(process.hrtime.bigint() - t) / 1e6);
-      }
-      times.sort((a, b) => a - b);
-      return { p50: times[Math.floor(times.length * 0.5)]!, p99: times[Math.floor(times.length * 0.99)]! };
-    };
-    // The CI box is shared: a run disturbed by a neighbour is measured again (at most 3 times); a slow algorithm stays slow.
-    let { p50, p99 } = measure();
-    for (let attempt = 1; attempt < 3 && p99 >= 5; attempt++) ({ p50, p99 } = measure());
-    console.log(`# placement over 10,000 hosts: p50 ${p50.toFixed(3)} ms, p99 ${p99.toFixed(3)} ms`);
-    assert.ok(p99 < 5, `p99 ${p99.toFixed(3)} ms`);
+    for (const policy of ['spread', 'binpack'] as const) {
+      const { decision } = place(req, hosts, { policy, hints: { artifactHosts } });
+      const chosen = hosts.find((h) => h.id === decision.host_id)!;
+      assert.equal(chosen.state, 'active');
+      assert.equal(chosen.labels.zone, 'z1');
+      assert.notEqual(chosen.arch, 'arm64');
+      assert.ok(chosen.capacity.cpus - chosen.allocated.cpus >= 2 && chosen.capacity.ram_mb - chosen.allocated.ram_mb >= 2048);
+      assert.equal(decision.artifact_local, true);
+      assert.ok(decision.artifact_holders > 0 && decision.candidates >= decision.artifact_holders);
+    }
   });
 });
 
