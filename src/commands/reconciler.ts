@@ -267,8 +267,7 @@ export class Reconciler {
     );
     s.duration_ms = this.clock().getTime() - started.getTime();
     this.last = s;
-    const acted = (Object.keys(s) as Array<keyof ReconcileSummary>).some((k) => k !== 'cycle' && k !== 'started_at' && k !== 'duration_ms' && k !== 'hosts_checked' && k !== 'tracked_vms' && k !== 'provider_vms' && s[k] !== 0);
-    this.logger[acted ? 'info' : 'debug']({ summary: s }, 'reconcile cycle');
+    this.logger[s.errors > 0 ? 'warn' : 'info']({ summary: s }, 'reconcile cycle');
     this.onCycle(s);
     return s;
   }
