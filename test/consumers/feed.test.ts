@@ -110,7 +110,7 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
   it('cuts a slow consumer off with an error frame instead of buffering without bound', async () => {
     const stats = new FeedStats();
     const bound = 64 * 1024;
-    const app = await feedApp({ maxBufferBytes: bound, closeGraceMs: 60_000, stats });
+    const app = await feedApp({ maxBufferBytes: bound, closeGraceMs: 60_000, stallTimeoutMs: 2_000, stats });
     try {
       const slow = await openSse(`${app.url}/v1/events`, auth(KEYS.acme), { paused: true });
       open.push(slow);
@@ -130,7 +130,7 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
       assert.equal(error.event, 'error');
       const body = JSON.parse(error.data!);
       assert.equal(body.code, 'SLOW_CONSUMER');
-      assert.match(body.message, /more than 65536 bytes.*Last-Event-ID/);
+      assert.match(body.message, /(more than 65536 bytes|took nothing for 2000 ms).*Last-Event-ID/);
       const received = slow.frames.reduce((n, f) => n + f.data!.length, 0);
       assert.ok(received < total / 2, `the server sent ${received} of ${total} bytes: it should have stopped early`);
     } finally {
@@ -138,8 +138,24 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
     }
   });
 
+  it('catches a reading client up over a history far larger than the bound, without cutting it off', async () => {
+    const stats = new FeedStats();
+    const app = await feedApp({ maxBufferBytes: 64 * 1024, stats });
+    try {
+      const reader = await openSse(`${app.url}/v1/events`, auth(KEYS.acme));
+      open.push(reader);
+      await reader.waitFor('caught up', () => caughtUp(reader), 30_000);
+      const expected = await expectedFor(h, 'acme');
+      assert.ok(reader.frames.reduce((n, f) => n + f.data!.length, 0) > 20 * 64 * 1024, 'the history is many times the bound');
+      assert.deepEqual(ids(reader), expected);
+      assert.equal(stats.disconnects.size, 0);
+    } finally {
+      await app.close();
+    }
+  });
+
   /** A second API on the same store with tighter feed limits. */
-  async function feedApp(opts: { heartbeatMs?: number; maxBufferBytes?: number; closeGraceMs?: number; stats?: FeedStats }): Promise<{ url: string; close(): Promise<void> }> {
+  async function feedApp(opts: { heartbeatMs?: number; maxBufferBytes?: number; closeGraceMs?: number; stallTimeoutMs?: number; stats?: FeedStats }): Promise<{ url: string; close(): Promise<void> }> {
     const app: FastifyInstance = await buildApp({
       logger: false,
       apiKeys: new ApiKeys([{ key: ADMIN_KEY, tenant: 'admin', admin: true }, { key: KEYS.acme, tenant: 'acme', admin: false }]),

@@ -98,14 +98,18 @@ export interface EventsRoutesDeps {
   readonly maxQueuedEvents?: number | undefined;
   /** Grace for the closing error frame to drain before the socket is destroyed. */
   readonly closeGraceMs?: number | undefined;
+  /** During catch-up the feed waits for the client to take what was sent; a client that takes nothing for this long is cut off. */
+  readonly stallTimeoutMs?: number | undefined;
 }
 
 /**
  * `GET /v1/events`: the caller's VM lifecycle as Server-Sent Events. The SSE
  * id is the event's position, so a reconnect with `Last-Event-ID` catches up
  * from the store exactly after it and then goes live: no loss, no repeats.
- * Memory per client is bounded: a client that does not read is cut off with
- * an `event: error` frame naming why, never buffered without end.
+ * Catch-up pulls pages and waits for the socket to drain between them, so a
+ * long history costs no more memory than a page; live events are pushed, and
+ * a client that cannot take them is cut off with an `event: error` frame
+ * naming why, never buffered without end.
  */
 export function eventsRoutes(deps: EventsRoutesDeps) {
   const tenants = new VmTenants(deps.store);
@@ -113,6 +117,8 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
   const maxBufferBytes = deps.maxBufferBytes ?? 1024 * 1024;
   const maxQueued = deps.maxQueuedEvents ?? 10_000;
   const closeGraceMs = deps.closeGraceMs ?? 5_000;
+  const stallTimeoutMs = deps.stallTimeoutMs ?? 60_000;
+  const filter = { streamPrefixes: ['vm-'], eventTypes: FEED_TYPES };
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
     // Open feeds would keep the server from closing: end them first, with a reason.
@@ -148,17 +154,14 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
       });
       res.write('retry: 2000\n\n');
 
-      const queue: Array<RecordedEvent | { comment: string }> = [];
+      const queue: RecordedEvent[] = [];
       let draining = false;
       let closed = false;
       let sub: Subscription | undefined;
       const client = {
         queued: () => queue.length,
         bufferedBytes: () => res.writableLength,
-        oldestPendingMs: () => {
-          const head = queue.find((q): q is RecordedEvent => !('comment' in q));
-          return head?.created.getTime();
-        },
+        oldestPendingMs: () => queue[0]?.created.getTime(),
       };
       deps.stats?.clients.add(client);
       const heartbeat = setInterval(() => {
@@ -194,20 +197,9 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         try {
           while (queue.length > 0 && !closed) {
             const recorded = queue.shift()!;
-            if ('comment' in recorded) {
-              res.write(`: ${recorded.comment}\n\n`);
-              continue;
-            }
-            const env = toEnvironmentEvent(recorded);
-            if (!env) continue;
-            if (tenantScope !== undefined) {
-              const owner = await tenants.of(recorded);
-              if (owner !== tenantScope) continue;
-            }
-            if (closed) return;
-            res.write(`id: ${env.id}\ndata: ${JSON.stringify(env)}\n\n`);
+            await send(recorded);
             if (res.writableLength > maxBufferBytes) {
-              fail('SLOW_CONSUMER', `disconnected: more than ${maxBufferBytes} bytes were waiting for this client to read; reconnect with Last-Event-ID ${env.id} to resume`);
+              fail('SLOW_CONSUMER', `disconnected: more than ${maxBufferBytes} bytes were waiting for this client to read; reconnect with the last Last-Event-ID received to resume`);
               return;
             }
           }
@@ -219,11 +211,57 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         }
       };
 
-      sub = deps.store.subscribeToAll({ after, filter: { streamPrefixes: ['vm-'], eventTypes: FEED_TYPES } }).subscribe({
+      /** Writes one event if the caller may see it. */
+      const send = async (recorded: RecordedEvent): Promise<void> => {
+        const env = toEnvironmentEvent(recorded);
+        if (!env) return;
+        if (tenantScope !== undefined && (await tenants.of(recorded)) !== tenantScope) return;
+        if (!closed) res.write(`id: ${env.id}\ndata: ${JSON.stringify(env)}\n\n`);
+      };
+      const drained = (): Promise<boolean> =>
+        new Promise((resolve) => {
+          const done = (ok: boolean): void => {
+            clearTimeout(timer);
+            res.off('drain', onDrain);
+            res.off('close', onClose);
+            resolve(ok);
+          };
+          const onDrain = (): void => done(true);
+          const onClose = (): void => done(false);
+          const timer = setTimeout(() => done(false), stallTimeoutMs);
+          res.on('drain', onDrain);
+          res.on('close', onClose);
+        });
+
+      let position = after;
+      try {
+        for (;;) {
+          const page = await deps.store.readAll({ after: position, maxCount: 500, filter });
+          for (const e of page) {
+            if (closed) return;
+            await send(e);
+            position = e.position;
+          }
+          if (closed) return;
+          if (res.writableLength > maxBufferBytes / 2 && !(await drained())) {
+            fail('SLOW_CONSUMER', `disconnected: the client took nothing for ${stallTimeoutMs} ms while catching up; reconnect with the last Last-Event-ID received to resume`);
+            return;
+          }
+          if (page.length < 500) break;
+        }
+      } catch (err) {
+        deps.logger?.warn({ err }, 'event feed catch-up failed');
+        fail('FEED_FAILED', 'the event feed failed; reconnect with Last-Event-ID to resume');
+        return;
+      }
+      if (closed) return;
+      res.write(`: caught-up ${position ?? ''}\n\n`);
+
+      sub = deps.store.subscribeToAll({ after: position, filter }).subscribe({
         next: (item) => {
           if (closed) return;
-          if (item.kind === 'checkpoint') return;
-          queue.push(item.kind === 'event' ? item.event : { comment: `caught-up ${item.position ?? ''}` });
+          if (item.kind !== 'event') return;
+          queue.push(item.event);
           if (queue.length > maxQueued) {
             fail('SLOW_CONSUMER', `disconnected: more than ${maxQueued} events were waiting to be sent to this client; reconnect with Last-Event-ID to resume`);
             return;
@@ -236,6 +274,7 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         },
         complete: () => fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume'),
       });
+      if (closed) sub.unsubscribe();
     });
   };
 }
