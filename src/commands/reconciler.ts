@@ -526,9 +526,9 @@ export class Reconciler {
     for (const vmId of host.reservations.keys()) {
       const name = sandboxName(vmId);
       if (listed.has(name) && !gone.has(name)) continue;
-      const view = await this.loadVmView(vmId);
-      const vm = view.vm;
-      const stale = vm.status === 'initial' || isTerminal(vm.status) || (vm.status !== 'requested' && vm.host_id !== hostId && !this.migratingTo(view, hostId, this.clock().getTime()));
+      const vm = await this.loadVm(vmId);
+      const elsewhere = vm.status !== 'initial' && !isTerminal(vm.status) && vm.status !== 'requested' && vm.host_id !== hostId;
+      const stale = vm.status === 'initial' || isTerminal(vm.status) || (elsewhere && !this.migratingTo(await this.loadVmView(vmId), hostId, this.clock().getTime()));
       if (!stale) continue;
       try {
         await this.vms.releaseCapacity(hostId, vmId, actor);
@@ -628,8 +628,9 @@ export class Reconciler {
     }
   }
 
+  /** Through the VM decider, so it shares the command handler's state cache with VmCommands. */
   private async loadVm(vmId: string): Promise<VmState> {
-    return (await this.loadVmView(vmId)).vm;
+    return (await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent)).state;
   }
 
   /** The VM's state plus any migration in flight (its steps are on the VM stream, ignored by the VM decider). */
