@@ -179,7 +179,7 @@ export class ForkMigrate {
       await this.record(vmId, { type: 'VmMigrationFailed', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
       throw new AppError(
         'MIGRATION_FAILED',
-        e && e.status < 500 ? e.status : 502,
+        e?.status ?? 502,
         `migration of vm ${vmId} stopped at step "${step}": ${(err as Error).message}. The VM is still running on ${fromHostId}`,
         { vm_id: vmId, step, from_host_id: fromHostId, target_host_id: targetId, cause_code: e?.code },
         { cause: err },

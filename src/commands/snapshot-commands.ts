@@ -148,9 +148,8 @@ export class SnapshotCommands implements SeedArtifacts {
     if (req.layer_key !== undefined) metadata.layer_key = req.layer_key;
 
     if (counted) await this.reserveQuota(tenantId, snapshotId, actor);
-    let requested;
     try {
-      requested = await this.run(snapshotId, {
+      await this.run(snapshotId, {
         type: 'RequestSnapshot',
         data: {
           snapshot_id: snapshotId,
@@ -173,7 +172,6 @@ export class SnapshotCommands implements SeedArtifacts {
       if (counted) await this.releaseQuota(tenantId, snapshotId, actor);
       throw err;
     }
-    void requested;
     try {
       const agent = await this.hosts.agentFor(hostId);
       // The protocol carries `live` only; diff/keep_paused/shrink are recorded as asked, and the kind is what came back.

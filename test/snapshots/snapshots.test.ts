@@ -355,6 +355,21 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
       });
       const evs = (await c.service.store.readStream(`snapshot-${st.s2.id}`)).map((e) => e.type);
       assert.equal(evs.at(-1), 'SnapshotArtifactMoveFailed');
+
+      // A migration whose move times out stops at "move": the VM still runs where it was, and says so.
+      const vm = ok(await c.request('GET', `/v1/vms/${st.vm}`, { as: 'acme' }));
+      const r = await third.app.inject({ method: 'POST', url: `/v1/vms/${st.vm}/migrate`, headers: { authorization: `Bearer ${ADMIN_KEY}`, 'content-type': 'application/json' }, payload: '{}' });
+      const body = r.json();
+      assert.equal(r.statusCode, 504, JSON.stringify(body));
+      assert.equal(body.code, 'MIGRATION_FAILED');
+      assert.equal(body.details.step, 'move');
+      assert.equal(body.details.cause_code, 'ARTIFACT_PULL_TIMEOUT');
+      assert.match(body.detail, new RegExp(`still running on ${vm.host_id}`));
+      const after = ok(await c.request('GET', `/v1/vms/${st.vm}`, { as: 'acme' }));
+      assert.equal(after.host_id, vm.host_id);
+      assert.equal((await exec(st.vm!, 'cat /root/marker')).stdout.trim(), 'hello-from-source');
+      const types = (await c.service.store.readStream(`vm-${st.vm}`)).map((e) => e.type);
+      assert.equal(types.at(-1), 'VmMigrationFailed');
     } finally {
       await third.close();
     }
