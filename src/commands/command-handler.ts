@@ -126,6 +126,9 @@ export class CommandHandler {
         attempt--;
         continue;
       }
+      // An event that does not read back through its own schema is never stored: once in the log it
+      // would stop every projection at it, on every replica, until someone hand-edits history.
+      for (const e of events) decode({ id: '', streamId, type: e.type, revision: 0n, position: '', data: e.data as never, metadata: {}, created: now });
       try {
         const result = await this.store.append(
           streamId,
