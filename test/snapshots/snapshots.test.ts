@@ -175,6 +175,22 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     st.seeded = vm.id;
   });
 
+  it('two seeded creates racing onto the same host: both boot, one move recorded, one new holder', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    if (st.seeded) ok(await c.request('DELETE', `/v1/vms/${st.seeded}`, { as: 'acme' })); // room on h2
+    st.seeded = undefined;
+    const [a, b] = await Promise.all([0, 1].map(() => c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: st.s3.id, host_id: 'h2', cpus: 1, ram_mb: 256 } })));
+    const va = ok(a!, 201);
+    const vb = ok(b!, 201);
+    for (const v of [va, vb]) assert.equal((await exec(v.id, 'cat /root/marker')).stdout.trim(), 'hello-from-source');
+    const moves = (await c.service.store.readStream(`snapshot-${st.s3.id}`)).filter((e) => e.type === 'SnapshotArtifactMoved');
+    assert.equal(moves.length, 1, 'one move recorded');
+    const s3 = ok(await c.request('GET', `/v1/snapshots/${st.s3.id}?after=${vb.position}`, { as: 'acme' }));
+    assert.deepEqual(s3.holders, ['h1', 'h2']);
+    for (const v of [va, vb]) ok(await c.request('DELETE', `/v1/vms/${v.id}`, { as: 'acme' }));
+  });
+
   it('delete: refused while a later snapshot depends on it, forced then; the agents drop their copies', async (t) => {
     if (guard(t)) return;
     const c = cp!;
