@@ -72,7 +72,8 @@ export interface ControlPlane {
 
 export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise<ControlPlane> {
   const db = await createTestDatabase('cp');
-  const config = configSchema.parse({ READ_YOUR_WRITES_TIMEOUT_MS: '10000', AGENT_CALL_TIMEOUT_MS: '20000', ...opts.env });
+  // The reconciler acts on its own schedule; API tests that assert the event log must ask for it explicitly.
+  const config = configSchema.parse({ READ_YOUR_WRITES_TIMEOUT_MS: '10000', AGENT_CALL_TIMEOUT_MS: '20000', RECONCILER_ENABLED: 'false', ...opts.env });
   const logger = pino({ level: opts.logLevel ?? process.env.FLEET_TEST_LOG ?? 'silent' });
   const tokenKey = randomBytes(32);
   let service: Service;
