@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { AppError } from '../errors.js';
+import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 
 /**
@@ -58,9 +58,5 @@ export function isDeadLetterEventType(type: string): type is DeadLetterEventType
 }
 
 export function parseDeadLetterEvent(type: string, data: unknown): DeadLetterEvent {
-  const parsed = deadLetterEventSchema.safeParse({ type, data });
-  if (!parsed.success) {
-    throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-  }
-  return parsed.data;
+  return parseStoredEvent(deadLetterEventSchema, type, data);
 }

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { AppError } from '../errors.js';
+import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 
 /**
@@ -34,7 +34,5 @@ export function isHealthEventType(type: string): type is HealthEvent['type'] {
 }
 
 export function parseHealthEvent(type: string, data: unknown): HealthEvent {
-  const parsed = vmHealthChangedSchema.safeParse({ type, data });
-  if (!parsed.success) throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-  return parsed.data;
+  return parseStoredEvent(vmHealthChangedSchema, type, data);
 }

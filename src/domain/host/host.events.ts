@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { hostCapacitySchema } from '../capacity.js';
-import { AppError } from '../errors.js';
+import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 
 export const hostBackendSchema = z.enum(['firecracker', 'qemu', 'process']);
@@ -139,11 +139,7 @@ export type CapacityReleased = z.infer<typeof capacityReleasedSchema>;
 
 /** Parses a stored event (type + data) back into a typed host event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseHostEvent(type: string, data: unknown): HostEvent {
-  const parsed = hostEventSchema.safeParse({ type, data });
-  if (!parsed.success) {
-    throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-  }
-  return parsed.data;
+  return parseStoredEvent(hostEventSchema, type, data);
 }
 
 export function isHostEventType(type: string): type is HostEventType {

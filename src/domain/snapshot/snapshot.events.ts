@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { AppError } from '../errors.js';
+import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 
 export const snapshotModeSchema = z.enum(['manual', 'build', 'checkpoint', 'migrate']);
@@ -139,11 +139,7 @@ export function isSnapshotEventType(type: string): type is SnapshotEventType {
 }
 
 export function parseSnapshotEvent(type: string, data: unknown): SnapshotEvent {
-  const parsed = snapshotEventSchema.safeParse({ type, data });
-  if (!parsed.success) {
-    throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-  }
-  return parsed.data;
+  return parseStoredEvent(snapshotEventSchema, type, data);
 }
 
 export const SNAPSHOT_STREAM_PREFIX = 'snapshot-';

@@ -1,6 +1,7 @@
 import { z } from 'zod';
 import { assertNever, type DecideContext, type Decider } from '../decider.js';
 import { AppError } from '../errors.js';
+import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 
 /**
@@ -35,9 +36,7 @@ export function isTenantEventType(type: string): type is TenantEvent['type'] {
 }
 
 export function parseTenantEvent(type: string, data: unknown): TenantEvent {
-  const parsed = tenantEventSchema.safeParse({ type, data });
-  if (!parsed.success) throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-  return parsed.data;
+  return parseStoredEvent(tenantEventSchema, type, data);
 }
 
 export interface QuotaLimits {

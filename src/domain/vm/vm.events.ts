@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { AppError } from '../errors.js';
+import { parseStoredEvent } from '../stored-event.js';
 import { reservationSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
 import { placementDecisionSchema } from '../placement/placement.js';
@@ -154,11 +154,7 @@ export type VmFailed = z.infer<typeof vmFailedSchema>;
 
 /** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseVmEvent(type: string, data: unknown): VmEvent {
-  const parsed = vmEventSchema.safeParse({ type, data });
-  if (!parsed.success) {
-    throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-  }
-  return parsed.data;
+  return parseStoredEvent(vmEventSchema, type, data);
 }
 
 export function isVmEventType(type: string): type is VmEventType {
