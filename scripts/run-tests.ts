@@ -38,7 +38,8 @@ async function main(): Promise<number> {
   let server: EmbeddedPostgres | undefined;
   const env = { ...process.env };
   if (!env.TEST_DATABASE_URL) {
-    const dataDir = path.resolve('.tmp', 'test-pg');
+    // One directory per run: two runs at once (a developer's and an editor's) must not wipe each other's server.
+    const dataDir = path.resolve('.tmp', `test-pg-${process.pid}`);
     await fs.rm(dataDir, { recursive: true, force: true });
     await fs.rm(`${dataDir}.log`, { force: true });
     const port = await freePort();
@@ -65,7 +66,7 @@ async function main(): Promise<number> {
     try {
       await server.stop();
       // The log stays for a post-mortem; the data directory goes.
-      await fs.rm(path.resolve('.tmp', 'test-pg'), { recursive: true, force: true });
+      await fs.rm(path.resolve('.tmp', `test-pg-${process.pid}`), { recursive: true, force: true });
     } catch (err) {
       process.stderr.write(`could not stop the test Postgres: ${(err as Error).message}\n`);
       return code === 0 ? 1 : code;

@@ -28,6 +28,7 @@ export interface ProjectionStatus {
 }
 
 const PAGE = 1000;
+const LIVE_BATCH = 100;
 
 /**
  * Runs projections: each catches up by paging through `readAll` from its
@@ -140,12 +141,13 @@ export class ProjectionRunner {
 
   /** Live: the subscription's events are applied in order, a batch per microtask burst. */
   private follow(s: RunnerState): void {
-    let queue: RecordedEvent[] = [];
+    const queue: RecordedEvent[] = [];
     let draining: Promise<void> | undefined;
     const drain = async (): Promise<void> => {
       while (queue.length > 0 && !this.stopped) {
-        const batch = queue;
-        queue = [];
+        // Live batches stay small: on the Postgres store every open write transaction holds back what
+        // readers may see (xmin), so a long read-model transaction would delay every subscriber.
+        const batch = queue.splice(0, LIVE_BATCH);
         await this.applyBatch(s, batch);
       }
       s.oldestPendingAt = undefined;
