@@ -20,7 +20,8 @@ export async function startHarness(prefix: string): Promise<Harness> {
   const db = await createTestDatabase(prefix);
   try {
     const service = await startService({
-      config: configSchema.parse({ LOG_LEVEL: 'silent' }),
+      // No reconciler: these tests append synthetic VM histories whose hosts have no agent, and assert exact event sets.
+      config: configSchema.parse({ LOG_LEVEL: 'silent', RECONCILER_ENABLED: 'false' }),
       logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
       databaseUrl: db.url,
       tokenEncryptionKey: Buffer.alloc(32, 7),
