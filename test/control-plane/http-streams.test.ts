@@ -225,6 +225,13 @@ describe('command API over real HTTP: fetch and websockets (real agent)', { time
     assert.equal(bad.frames[0]?.type, 'error');
     assert.equal(bad.frames[0]?.code, 'VALIDATION_FAILED');
 
+    // Not JSON at all: the client's mistake (VALIDATION_FAILED), not an internal error.
+    const garbled = await open(`/v1/vms/${vmId}/exec`, 'acme');
+    garbled.ws.send('not json');
+    await garbled.until(() => garbled.closed !== undefined, 'the close');
+    assert.deepEqual(garbled.frames.map((f) => [f.type, f.code]), [['error', 'VALIDATION_FAILED']]);
+    assert.equal(garbled.closed!.code, 1008);
+
     const later = await open(`/v1/vms/${vmId}/attach`, 'acme');
     later.send({ type: 'start', cmd: ['cat'] });
     await later.until(() => later.frames.some((f) => f.type === 'started'), 'started');

@@ -231,7 +231,12 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
   };
   const start = async (): Promise<void> => {
     try {
-      const first = JSON.parse(pending.shift()!) as unknown;
+      let first: unknown;
+      try {
+        first = JSON.parse(pending.shift()!);
+      } catch {
+        return sendError('VALIDATION_FAILED', 'the start frame must be JSON text');
+      }
       const actor = actorOf(req);
       if (mode === 'exec') {
         const s = execStreamStartSchema.safeParse(first);
