@@ -75,20 +75,20 @@ export const hostsProjection: Projection = {
         await touch(sql, event.data.host_id, rev, at, `capacity = $4, arch = $5, last_seen = $3`, [JSON.stringify(event.data.capacity), event.data.capacity.arch || 'amd64']);
         return;
       case 'HostCordoned':
-        await touch(sql, event.data.host_id, rev, at, `cordoned = true`);
+        await touch(sql, event.data.host_id, rev, at, `cordoned = true`, [], { cordoned: true });
         return;
       case 'HostUncordoned':
-        await touch(sql, event.data.host_id, rev, at, `cordoned = false`);
+        await touch(sql, event.data.host_id, rev, at, `cordoned = false`, [], { cordoned: false });
         return;
       case 'HostMarkedUnreachable':
-        await touch(sql, event.data.host_id, rev, at, `reachable = false`);
+        await touch(sql, event.data.host_id, rev, at, `reachable = false`, [], { reachable: false });
         return;
       case 'HostReachable':
-        await touch(sql, event.data.host_id, rev, at, `reachable = true, last_seen = $3`);
+        await touch(sql, event.data.host_id, rev, at, `reachable = true, last_seen = $3`, [], { reachable: true });
         return;
       case 'HostDeregistered':
         await sql.query('DELETE FROM host_reservations WHERE host_id = $1', [event.data.host_id]);
-        await touch(sql, event.data.host_id, rev, at, `deregistered = true, allocated_cpus = 0, allocated_ram_mb = 0, allocated_storage_gb = 0, allocated_vms = 0, allocated_gpus = 0`);
+        await touch(sql, event.data.host_id, rev, at, `deregistered = true, allocated_cpus = 0, allocated_ram_mb = 0, allocated_storage_gb = 0, allocated_vms = 0, allocated_gpus = 0`, [], { deregistered: true });
         return;
       case 'CapacityReserved': {
         const r = event.data;
@@ -131,14 +131,19 @@ function allocationDelta(sign: number): string {
           allocated_gpus = allocated_gpus + ${sign} * $7`;
 }
 
-/** Updates one host row, its stream revision, its derived state and its time, plus `set` with params from $4. */
-async function touch(sql: Sql, hostId: string, rev: string, at: Date, set: string, params: unknown[] = []): Promise<void> {
-  await sql.query(
-    `UPDATE hosts SET ${set}, revision = $2, updated_at = $3 WHERE id = $1`,
-    [hostId, rev, at, ...params],
-  );
-  await sql.query(
-    `UPDATE hosts SET state = CASE WHEN deregistered THEN 'deregistered' WHEN NOT reachable THEN 'unreachable' WHEN cordoned THEN 'cordoned' ELSE 'active' END WHERE id = $1`,
-    [hostId],
-  );
+type StateFlags = Partial<Record<'cordoned' | 'reachable' | 'deregistered', boolean>>;
+
+/**
+ * Updates one host row, its stream revision and its time, plus `set` with
+ * params from $4, in ONE statement. When the event changes a state flag, the
+ * derived `state` is recomputed in the same UPDATE with that flag's new value
+ * (SET expressions see the old row), so hot events (reservations) stay one
+ * statement and flag events need no second one.
+ */
+async function touch(sql: Sql, hostId: string, rev: string, at: Date, set: string, params: unknown[] = [], flags?: StateFlags): Promise<void> {
+  const f = (name: keyof StateFlags): string => (flags?.[name] === undefined ? name : String(flags[name]));
+  const state = flags
+    ? `, state = CASE WHEN ${f('deregistered')} THEN 'deregistered' WHEN NOT ${f('reachable')} THEN 'unreachable' WHEN ${f('cordoned')} THEN 'cordoned' ELSE 'active' END`
+    : '';
+  await sql.query(`UPDATE hosts SET ${set}${state}, revision = $2, updated_at = $3 WHERE id = $1`, [hostId, rev, at, ...params]);
 }
