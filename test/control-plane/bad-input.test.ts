@@ -128,6 +128,20 @@ function cases(): Case[] {
     { name: 'upload: unknown VM', method: 'PUT', url: '/v1/vms/does-not-exist/files?path=/tmp/x', opts: { as: 'acme', rawBody: 'x', contentType: 'application/octet-stream' }, status: 404, code: 'VM_NOT_FOUND' },
     { name: 'download: no path', method: 'GET', url: `/v1/vms/${VM}/files`, opts: { as: 'acme' }, status: 400, code: 'VALIDATION_FAILED', field: /path/ },
     { name: 'download: NUL in path', method: 'GET', url: `/v1/vms/${VM}/files?path=/tmp/a%00b`, opts: { as: 'acme' }, status: 400, code: 'INVALID_GUEST_PATH' },
+    // NUL (U+0000): Postgres refuses it in text and jsonb, so it must be refused before any query or append
+    { name: 'vms list: NUL in a filter', method: 'GET', url: '/v1/vms?task_id=a%00b', opts: { as: 'acme' }, status: 400, code: 'VALIDATION_FAILED', field: /querystring\.task_id/ },
+    { name: 'vm get: NUL in the id', method: 'GET', url: '/v1/vms/a%00b', opts: { as: 'acme' }, status: 400, code: 'VALIDATION_FAILED', field: /params\.id/ },
+    { name: 'snapshots list: NUL in a filter', method: 'GET', url: '/v1/snapshots?name=a%00', opts: { as: 'acme' }, status: 400, code: 'VALIDATION_FAILED', field: /querystring\.name/ },
+    { name: 'layers: NUL in arch', method: 'GET', url: '/v1/layers/abc?arch=x%00', opts: { as: 'acme' }, status: 400, code: 'VALIDATION_FAILED', field: /querystring\.arch/ },
+    { name: 'snapshot create: NUL in the comment', method: 'POST', url: `/v1/vms/${VM}/snapshots`, opts: { as: 'acme', body: { comment: 'a\u0000b' } }, status: 400, code: 'VALIDATION_FAILED', field: /body\.comment/ },
+    { name: 'snapshot create: NUL in a metadata key', method: 'POST', url: `/v1/vms/${VM}/snapshots`, opts: { as: 'acme', body: { metadata: { 'a\u0000': 'b' } } }, status: 400, code: 'VALIDATION_FAILED', field: /body\.metadata/ },
+    { name: 'exec: NUL in an env value', method: 'POST', url: `/v1/vms/${VM}/exec`, opts: { as: 'acme', body: { argv: ['true'], env: { A: 'x\u0000' } } }, status: 400, code: 'VALIDATION_FAILED', field: /body\.env\.A/ },
+    // cursors: their values go to SQL, so a forged one must fail here, not there
+    { name: 'vms list: cursor with a time the API never wrote', method: 'GET', url: `/v1/vms?cursor=${Buffer.from('{"created_at":"garbage","id":"x"}').toString('base64url')}`, opts: { as: 'acme' }, status: 400, code: 'INVALID_CURSOR' },
+    { name: 'vms list: cursor with NUL in the id', method: 'GET', url: `/v1/vms?cursor=${Buffer.from('{"created_at":"2026-01-01T00:00:00.000Z","id":"a\\u0000"}').toString('base64url')}`, opts: { as: 'acme' }, status: 400, code: 'INVALID_CURSOR' },
+    { name: 'snapshots list: cursor with a time the API never wrote', method: 'GET', url: `/v1/snapshots?cursor=${Buffer.from('{"created_at":"garbage","id":"x"}').toString('base64url')}`, opts: { as: 'acme' }, status: 400, code: 'INVALID_CURSOR' },
+    { name: 'dead letters list: cursor with a time the API never wrote', method: 'GET', url: `/v1/dead-letters?cursor=${Buffer.from('{"last_seen_at":"garbage","id":"x"}').toString('base64url')}`, status: 400, code: 'INVALID_CURSOR' },
+    { name: 'hosts list: cursor with NUL', method: 'GET', url: `/v1/hosts?cursor=${Buffer.from('"a\\u0000"').toString('base64url')}`, status: 400, code: 'INVALID_CURSOR' },
   ];
 }
 

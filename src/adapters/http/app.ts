@@ -2,6 +2,8 @@ import fastifySwagger from '@fastify/swagger';
 import fastifyWebsocket from '@fastify/websocket';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { jsonSchemaTransform, serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod';
+import { ValidationError } from '../../domain/errors.js';
+import { nulPath } from './common.js';
 import { problem, errorHandler } from './problem.js';
 import type { ApiKeys } from './auth.js';
 import type { Metrics } from './metrics.js';
@@ -60,6 +62,15 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
     const path = req.url.split('?')[0]!;
     if (PUBLIC.has(path)) return;
     req.caller = opts.apiKeys.authenticate(req);
+  });
+  app.addHook('preValidation', async (req) => {
+    // A raw body (a file upload as text or bytes) may hold any byte; parsed JSON, params and the query may not.
+    // A guest file path is the exception: the files routes refuse it with their own code (INVALID_GUEST_PATH).
+    const body = typeof req.body === 'object' ? req.body : undefined;
+    const { path: _guestPath, ...rest } = (req.query ?? {}) as Record<string, unknown>;
+    const query = req.routeOptions.url?.endsWith('/files') ? rest : req.query;
+    const where = nulPath(req.params, 'params') ?? nulPath(query, 'querystring') ?? nulPath(body, 'body');
+    if (where) throw new ValidationError(`${where} contains a NUL character (U+0000): remove it`, [{ path: where, message: 'contains a NUL character' }]);
   });
   app.addHook('onResponse', async (req, reply) => {
     const route = req.routeOptions.url ?? 'unmatched';

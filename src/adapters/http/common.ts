@@ -28,6 +28,21 @@ export const positionSchema = z.string().refine((v) => {
   }
 }, 'a position as returned by a command response');
 
+/**
+ * Where a NUL character (U+0000) sits in a request value, as `querystring.a.b`; undefined when there is none.
+ * Postgres text and jsonb refuse it: one reaching a query fails it (a 500), one stored in an event stops
+ * every read model that copies that string, for good.
+ */
+export function nulPath(value: unknown, path: string): string | undefined {
+  if (typeof value === 'string') return value.includes('\0') ? path : undefined;
+  if (value === null || typeof value !== 'object' || Buffer.isBuffer(value)) return undefined;
+  for (const [k, v] of Object.entries(value)) {
+    const where = k.includes('\0') ? `${path}.${JSON.stringify(k)}` : nulPath(v, `${path}.${k}`);
+    if (where) return where;
+  }
+  return undefined;
+}
+
 export function commandMeta(req: FastifyRequest): CommandMeta {
   return { correlationId: req.id, tenantId: req.caller.tenantId, actor: req.caller.actor };
 }

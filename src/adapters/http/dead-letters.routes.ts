@@ -10,7 +10,7 @@ import { getDeadLetter, listDeadLetters } from '../../projections/dead-letters/d
 import type { ProjectionRunner } from '../../projections/runner.js';
 import { requireAdmin } from './auth.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
-import { decodeCursor, encodeCursor, pageQuery } from './pagination.js';
+import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 
 const deadLetterSchema = z.object({
   id: z.string(),
@@ -73,7 +73,7 @@ export function deadLetterRoutes(deps: DeadLetterRoutesDeps) {
       },
     }, async (req) => {
       await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const after = decodeCursor(req.query.cursor, z.object({ last_seen_at: z.string(), id: z.string() }));
+      const after = decodeCursor(req.query.cursor, z.object({ last_seen_at: cursorTime, id: z.string() }));
       const rows = await listDeadLetters(deps.pool, { state: req.query.state, limit: req.query.limit, after });
       const last = rows.at(-1);
       return { dead_letters: rows, next_cursor: rows.length === req.query.limit && last ? encodeCursor({ last_seen_at: last.last_seen_at, id: last.id }) : null };

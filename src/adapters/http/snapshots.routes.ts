@@ -10,7 +10,7 @@ import { exportStatusSchema, snapshotModeSchema, snapshotStateSchema } from '../
 import type { ProjectionRunner } from '../../projections/runner.js';
 import { findSnapshotByLayerKey, getSnapshot, listSnapshots, listSnapshotsByDigest, type SnapshotRow } from '../../projections/snapshots/snapshots.queries.js';
 import { positionSchema, problemResponses, waitForPosition } from './common.js';
-import { decodeCursor, encodeCursor, pageQuery } from './pagination.js';
+import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { actorOf, fromState as vmFromState, vmSchema } from './vms.routes.js';
 
 const exportOut = z.object({ destination: z.string(), status: z.string(), requested_at: z.string(), updated_at: z.string(), last_error: z.string().optional() });
@@ -127,7 +127,7 @@ export function snapshotRoutes(deps: SnapshotRoutesDeps) {
       const q = req.query;
       // A tenant's scope comes from its key; a tenant_id filter narrows an admin's view only.
       const tenantId = readScope(req) ?? q.tenant_id;
-      const after = decodeCursor(q.cursor, z.object({ created_at: z.string(), id: z.string() }));
+      const after = decodeCursor(q.cursor, z.object({ created_at: cursorTime, id: z.string() }));
       const rows = await listSnapshots(deps.pool, { tenantId, vmId: q.vm_id, taskId: q.task_id, state: q.state, mode: q.mode, layerKey: q.layer_key, arch: q.arch, name: q.name, limit: q.limit, after });
       const last = rows.at(-1);
       return { snapshots: rows.map(fromRow), next_cursor: rows.length === q.limit && last ? encodeCursor({ created_at: last.created_at, id: last.id }) : null };

@@ -16,7 +16,7 @@ import { getVm, listVms, type VmRow } from '../../projections/vms/vms.queries.js
 import type { EventStore } from '../../domain/event-store.port.js';
 import { parseAsOf, vmAsOf } from './audit.routes.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
-import { decodeCursor, encodeCursor, pageQuery } from './pagination.js';
+import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { problem } from './problem.js';
 
 const endpointOut = z.object({ as: z.string(), url: z.string(), port: z.number(), protocol: z.string().optional() });
@@ -106,7 +106,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
       },
     }, async (req) => {
       await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const after = decodeCursor(req.query.cursor, z.object({ created_at: z.string(), id: z.string() }));
+      const after = decodeCursor(req.query.cursor, z.object({ created_at: cursorTime, id: z.string() }));
       const rows = await listVms(deps.pool, { tenantId: readScope(req), state: req.query.state, taskId: req.query.task_id, hostId: req.query.host_id, limit: req.query.limit, after });
       const last = rows.at(-1);
       return { vms: rows.map(fromRow), next_cursor: rows.length === req.query.limit && last ? encodeCursor({ created_at: last.created_at, id: last.id }) : null };
