@@ -113,7 +113,7 @@ export class CommandHandler {
       const now = this.clock();
       let events: readonly E[];
       try {
-        events = decider.decide(cmd, loaded.state, { now });
+        events = decider.decide(cmd, loaded.state, { now }).map(withoutNul);
       } catch (err) {
         if (!cached) throw err;
         trustCache = false;
@@ -162,6 +162,28 @@ export function metadataFor(meta: CommandMeta, now: Date): EventMetadata {
     actor: meta.actor,
     recordedAt: now.toISOString(),
   };
+}
+
+/**
+ * Postgres text and jsonb refuse U+0000, so an event string carrying one (an agent's output quoted in a
+ * failure message) would stop every read model that copies it: it is stored as U+FFFD instead.
+ */
+function withoutNul<T>(value: T): T {
+  if (typeof value === 'string') return (value.includes('\0') ? value.replaceAll('\0', '\uFFFD') : value) as T;
+  if (value === null || typeof value !== 'object') return value;
+  if (Array.isArray(value)) {
+    const out = value.map(withoutNul);
+    return (out.some((v, i) => v !== value[i]) ? out : value) as T;
+  }
+  let changed = false;
+  const out: Record<string, unknown> = {};
+  for (const [k, v] of Object.entries(value)) {
+    const key = withoutNul(k);
+    const clean = withoutNul(v);
+    if (key !== k || clean !== v) changed = true;
+    out[key] = clean;
+  }
+  return (changed ? out : value) as T;
 }
 
 /** Spreads retries of writers that collided so they do not collide again in lockstep. */

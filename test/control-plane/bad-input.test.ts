@@ -194,4 +194,22 @@ describe('bad input on every route: 4xx problem with a stable code, never a 500'
     const listed = await cp.request('GET', '/v1/vms', { as: 'acme' });
     assert.deepEqual(listed.body.vms.map((v: { id: string }) => v.id), [vmId]);
   });
+
+  it('a NUL in what an agent says (quoted in a failure) is stored as U+FFFD, and the read models keep going', async () => {
+    const h1 = stub.hosts.get('h1')!;
+    h1.failCreateWith = 500;
+    h1.failCreateMessage = 'disk said \u0000 and stopped';
+    try {
+      const r = await cp.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base' } });
+      assert.ok(r.status >= 400, JSON.stringify(r.body));
+    } finally {
+      h1.failCreateWith = undefined;
+      h1.failCreateMessage = undefined;
+    }
+    // A read model stopped at the failure event would never reach the head (READ_MODEL_LAGGING).
+    await cp.service.runner.waitFor((await cp.service.store.headPosition())!, 10_000);
+    const failed = await cp.request('GET', '/v1/vms?state=failed', { as: 'acme' });
+    assert.equal(failed.body.vms.length, 1, JSON.stringify(failed.body));
+    assert.match(failed.body.vms[0].error, /disk said \uFFFD and stopped/);
+  });
 });

@@ -30,6 +30,8 @@ export interface StubHost {
   overCommits: number;
   /** Answer the next create with this status (e.g. 500) instead of creating. */
   failCreateWith?: number | undefined;
+  /** The message of that injected failure. */
+  failCreateMessage?: string | undefined;
   /** Extra latency per call, ms. */
   delayMs?: number;
 }
@@ -66,7 +68,7 @@ export async function startStubAgents(): Promise<StubAgents> {
     if (method === 'POST' && path === '/vms') {
       calls.creates++;
       const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as { name: string; cpus?: number; ram_mb?: number; tenant?: string; image?: string };
-      if (host.failCreateWith) return send(host.failCreateWith, { code: 'AGENT_ERROR', message: 'stub: injected failure' });
+      if (host.failCreateWith) return send(host.failCreateWith, { code: 'AGENT_ERROR', message: host.failCreateMessage ?? 'stub: injected failure' });
       if (host.live.has(body.name)) return send(409, { code: 'SANDBOX_EXISTS', message: `${body.name} exists` });
       if (host.live.size >= host.capacity.vm_count) {
         host.overCommits++;
