@@ -1,5 +1,4 @@
-import { hostAllocation, type HostState } from '../domain/host/host.decider.js';
-import type { HostAllocation } from '../domain/placement/fit.js';
+import { addReservation, hostAllocation, type HostState } from '../domain/host/host.decider.js';
 import { place, type Placement, type PlacementHost, type PlacementOptions, type PlacementRequest } from '../domain/placement/placement.js';
 import type { HostCommands } from './host-commands.js';
 
@@ -143,7 +142,7 @@ function toPlacementHost(e: Entry, holds: readonly Hold[] = []): PlacementHost |
   const s = e.state;
   if (s.status === 'unregistered' || s.status === 'deregistered' || e.revision === 'no_stream') return undefined;
   const allocated = hostAllocation(s);
-  for (const h of holds) addHold(allocated, h);
+  for (const h of holds) addReservation(allocated, h);
   return {
     id: s.host_id,
     state: s.status,
@@ -155,17 +154,4 @@ function toPlacementHost(e: Entry, holds: readonly Hold[] = []): PlacementHost |
     allocated,
     revision: e.revision,
   };
-}
-
-function addHold(alloc: HostAllocation, h: Hold): void {
-  alloc.cpus += h.cpus;
-  alloc.ram_mb += h.ram_mb;
-  alloc.storage_gb += h.storage_gb;
-  alloc.vm_count += 1;
-  if (h.gpus > 0) {
-    if (h.gpu_profile) alloc.mig_profiles[h.gpu_profile] = (alloc.mig_profiles[h.gpu_profile] ?? 0) + h.gpus;
-    else alloc.gpus += h.gpus;
-  }
-  alloc.gpu_device_uuids.push(...h.gpu_uuids);
-  alloc.mig_instance_uuids.push(...h.mig_instance_uuids);
 }

@@ -116,7 +116,18 @@ export function hostAllocation(state: HostState): HostAllocation {
   return alloc;
 }
 
-function addReservation(alloc: HostAllocation, r: Reservation): void {
+/** What a reservation takes; also what the command side's placement view holds before its append lands. */
+export interface HeldResources {
+  readonly cpus: number;
+  readonly ram_mb: number;
+  readonly storage_gb: number;
+  readonly gpus: number;
+  readonly gpu_profile?: string | undefined;
+  readonly gpu_uuids: readonly string[];
+  readonly mig_instance_uuids: readonly string[];
+}
+
+export function addReservation(alloc: HostAllocation, r: HeldResources): void {
   alloc.cpus += r.cpus;
   alloc.ram_mb += r.ram_mb;
   alloc.storage_gb += r.storage_gb;
