@@ -304,6 +304,15 @@ export function parsePositionPair(value: unknown): { high: bigint; low: bigint }
   return { high: BigInt(`0x${value.slice(0, 16)}`), low: BigInt(`0x${value.slice(17)}`) };
 }
 
+/** A read's maxCount: absent, or a non-negative safe integer; both adapters refuse anything else alike. */
+export function checkMaxCount(value: unknown): number | undefined {
+  if (value === undefined) return undefined;
+  if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
+    throw new ValidationError(`maxCount must be a non-negative integer, got ${String(value)}`, [{ path: 'maxCount', message: 'not a non-negative integer' }], 'INVALID_MAX_COUNT');
+  }
+  return value;
+}
+
 export function comparePositions(a: Position, b: Position): number {
   return a < b ? -1 : a > b ? 1 : 0;
 }

@@ -257,6 +257,10 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         assert.equal(fromStart[0]?.position, a.position, 'readAll and append agree on positions');
         const stream = await store.readStream(`${cat}-b`);
         assert.deepEqual(stream.map((e) => e.position), fromStart.slice(1, 3).map((e) => e.position), 'readStream and readAll agree on positions');
+        for (const bad of [-1, 1.5, Number.NaN]) {
+          await assert.rejects(store.readAll({ maxCount: bad }), { code: 'INVALID_MAX_COUNT' });
+          await assert.rejects(store.readStream(`${cat}-b`, { maxCount: bad }), { code: 'INVALID_MAX_COUNT' });
+        }
       });
 
       it('filters by stream prefix and by event type', { timeout }, async () => {

@@ -33,6 +33,7 @@ import {
   ConcurrencyError,
   EventStoreUnavailableError,
   assertStreamName,
+  checkMaxCount,
   formatPosition,
   matchesFilter,
   parsePositionPair,
@@ -472,14 +473,6 @@ function comparePos(a: EsdbPosition, b: EsdbPosition): number {
 
 function isWanted(streamId: string, type: string, filter: EventFilter | undefined): boolean {
   return !type.startsWith('$') && !streamId.startsWith('$') && matchesFilter(filter, streamId, type);
-}
-
-function checkMaxCount(value: number | undefined): number | undefined {
-  if (value === undefined) return undefined;
-  if (!Number.isSafeInteger(value) || value < 0) {
-    throw new ValidationError(`maxCount must be a non-negative integer, got ${String(value)}`, [{ path: 'maxCount', message: 'not a non-negative integer' }], 'INVALID_MAX_COUNT');
-  }
-  return value;
 }
 
 function isUnavailable(err: unknown): boolean {

@@ -5,6 +5,7 @@ import {
   ConcurrencyError,
   EventStoreUnavailableError,
   assertStreamName,
+  checkMaxCount,
   formatPosition,
   parsePositionPair,
   toJsonValue,
@@ -99,14 +100,6 @@ function checkFilter(filter: EventFilter | undefined): { prefixes: string[]; typ
     return [...(value as string[])];
   };
   return { prefixes: list(filter.streamPrefixes, 'streamPrefixes'), types: list(filter.eventTypes, 'eventTypes') };
-}
-
-function checkMaxCount(value: unknown): number | undefined {
-  if (value === undefined) return undefined;
-  if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
-    throw new ValidationError(`maxCount must be a non-negative integer, got ${String(value)}`, [{ path: 'maxCount', message: 'non-negative integer' }], 'INVALID_MAX_COUNT');
-  }
-  return value;
 }
 
 /** Errors that mean "the database is not there" rather than "this request is wrong". */
