@@ -2,34 +2,17 @@ import assert from 'node:assert/strict';
 import { randomBytes, randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
 import pg from 'pg';
-import type { Subscription } from 'rxjs';
 import { freePort } from '../../src/adapters/postgres/embedded.js';
 import { runMigrations } from '../../src/adapters/postgres/migrations.js';
 import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
-import type { NewEvent, RecordedEvent, SubscriptionItem } from '../../src/domain/event-store.port.js';
+import type { NewEvent } from '../../src/domain/event-store.port.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
+import { eventsOf, record, sleep, until } from './postgres-helpers.js';
 
 /** What the conformance suite cannot say about Postgres: its wake-ups, connections and migrations. */
 
 const cat = (): string => `pg${randomBytes(4).toString('hex')}`;
 const ev = (type = 'Pg', data: unknown = {}): NewEvent => ({ id: randomUUID(), type, data });
-const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
-
-async function until(what: string, check: () => boolean | Promise<boolean>, timeoutMs = 10_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await check())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(20);
-  }
-}
-
-function record(store: PostgresEventStore, options: Parameters<PostgresEventStore['subscribeToAll']>[0]): { items: SubscriptionItem[]; sub: Subscription; errors: unknown[] } {
-  const items: SubscriptionItem[] = [];
-  const errors: unknown[] = [];
-  const sub = store.subscribeToAll(options).subscribe({ next: (i) => items.push(i), error: (e: unknown) => errors.push(e) });
-  return { items, sub, errors };
-}
-const eventsOf = (items: SubscriptionItem[]): RecordedEvent[] => items.flatMap((i) => (i.kind === 'event' ? [i.event] : []));
 
 describe('Postgres event store specifics', { timeout: 180_000 }, () => {
   let db: TestDatabase;

@@ -2,10 +2,10 @@ import assert from 'node:assert/strict';
 import { randomBytes, randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
 import pg from 'pg';
-import type { Subscription } from 'rxjs';
 import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
-import { ConcurrencyError, type NewEvent, type RecordedEvent, type SubscriptionItem } from '../../src/domain/event-store.port.js';
+import { ConcurrencyError, type NewEvent, type RecordedEvent } from '../../src/domain/event-store.port.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
+import { eventsOf, record, sleep, until } from './postgres-helpers.js';
 
 /**
  * The reason positions are (txid, seq) read below the snapshot's xmin: a
@@ -15,24 +15,6 @@ import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 
 const cat = (): string => `late${randomBytes(4).toString('hex')}`;
 const ev = (i: number): NewEvent => ({ id: randomUUID(), type: 'Late', data: { i } });
-const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
-
-async function until(what: string, check: () => boolean | Promise<boolean>, timeoutMs = 10_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await check())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(20);
-  }
-}
-
-function record(store: PostgresEventStore, options: Parameters<PostgresEventStore['subscribeToAll']>[0]): { items: SubscriptionItem[]; sub: Subscription; errors: unknown[] } {
-  const items: SubscriptionItem[] = [];
-  const errors: unknown[] = [];
-  const sub = store.subscribeToAll(options).subscribe({ next: (i) => items.push(i), error: (e: unknown) => errors.push(e) });
-  return { items, sub, errors };
-}
-
-const eventsOf = (items: SubscriptionItem[]): RecordedEvent[] => items.flatMap((i) => (i.kind === 'event' ? [i.event] : []));
 
 function assertExactlyOnceInOrder(delivered: RecordedEvent[], expectedIds: string[]): void {
   const ids = delivered.map((e) => e.id);
