@@ -45,7 +45,8 @@ export const configSchema = z.object({
         const tenant = part.slice(0, i);
         const key = part.slice(i + 1);
         if (i <= 0 || !/^[a-z0-9][a-z0-9_-]{0,62}$/.test(tenant) || key.length < 16) {
-          ctx.addIssue({ code: 'custom', message: `entry "${tenant || part.slice(0, 8)}…" must be tenant:key with a lowercase tenant id and a key of at least 16 characters` });
+          // Named by its tenant or its place, never by its text: without a colon the whole entry may be a key.
+          ctx.addIssue({ code: 'custom', message: `entry ${i > 0 ? JSON.stringify(tenant) : `#${out.length + 1}`} must be tenant:key with a lowercase tenant id and a key of at least 16 characters` });
           return z.NEVER;
         }
         out.push({ tenant, key });
@@ -127,7 +128,8 @@ export function parseEnv<S extends z.ZodType>(schema: S, env: NodeJS.ProcessEnv)
 }
 
 function isSecretName(name: string): boolean {
-  return /KEY|TOKEN|SECRET|PASSWORD|DATABASE_URL/i.test(name);
+  // Connection strings carry credentials (postgres://user:pass@…, esdb://user:pass@…).
+  return /KEY|TOKEN|SECRET|PASSWORD|DATABASE_URL|EVENTSTORE_URL/i.test(name);
 }
 
 export function loadConfig(env: NodeJS.ProcessEnv = process.env): Config {
