@@ -9,6 +9,7 @@ import {
 } from '../domain/agent-protocol.js';
 import { AppError, ValidationError } from '../domain/errors.js';
 import type { Backend, ProcessHandle } from './backend.js';
+import { parse } from './parse.js';
 
 export interface ExecLimits {
   defaultTimeoutMs: number;
@@ -167,13 +168,6 @@ async function waitForStart(inbox: Inbox): Promise<unknown> {
   }
 }
 
-function parseOrThrow<T>(schema: { safeParse(v: unknown): { success: true; data: T } | { success: false; error: { issues: Array<{ path: PropertyKey[]; message: string }> } } }, value: unknown, what: string): T {
-  const r = schema.safeParse(value);
-  if (r.success) return r.data;
-  const fields = r.error.issues.map((i) => ({ path: i.path.map(String).join('.'), message: i.message }));
-  throw new ValidationError(`invalid ${what}: ${fields.map((f) => `${f.path || '(frame)'}: ${f.message}`).join('; ')}`, fields);
-}
-
 /**
  * One websocket session: a start frame, then stdin/eof/resize/signal frames
  * from the client and stdout/stderr/exit frames from the agent. The process
@@ -194,11 +188,11 @@ export async function runSession(
   try {
     const raw = await waitForStart(inbox);
     if (mode === 'exec') {
-      const start = parseOrThrow(execStreamStartSchema, raw, 'exec start frame');
+      const start = parse(execStreamStartSchema, raw, 'exec start frame');
       timeoutMs = effectiveTimeout(start.timeout_ms, limits);
       handle = await backend.spawn(name, { argv: start.argv, env: start.env, cwd: start.cwd, stdin: true });
     } else {
-      const start = parseOrThrow(attachStartSchema, raw, 'attach start frame');
+      const start = parse(attachStartSchema, raw, 'attach start frame');
       const argv = start.cmd.length > 0 ? start.cmd : ['/bin/sh', '-l'];
       handle = await backend.spawn(name, {
         argv,

@@ -31,6 +31,7 @@ import { buildManifest, parseRange, pruneStaging, pullArtifact, servableFile, to
 import type { Backend, SandboxInfo } from './backend.js';
 import { effectiveTimeout, runBuffered, runSession, type ExecLimits } from './exec.js';
 import { mintGrant, verifyGrant } from './grants.js';
+import { parse } from './parse.js';
 import { GuestAgentStore } from './guest-agents.js';
 
 export interface AgentAppConfig {
@@ -415,13 +416,6 @@ function toVmInfo(s: SandboxInfo): VmInfo {
     ...(s.checkpoint_id ? { from_checkpoint: s.checkpoint_id } : {}),
     endpoints: s.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol })),
   };
-}
-
-function parse<S extends z.ZodType>(schema: S, value: unknown, what: string): z.infer<S> {
-  const r = schema.safeParse(value);
-  if (r.success) return r.data;
-  const fields = r.error.issues.map((i) => ({ path: i.path.map(String).join('.'), message: i.message }));
-  throw new ValidationError(`invalid ${what}: ${fields.map((f) => (f.path ? `${f.path}: ${f.message}` : f.message)).join('; ')}`, fields);
 }
 
 function nameParam(req: FastifyRequest): string {
