@@ -35,14 +35,23 @@ export function decodeTenantEvent(r: RecordedEvent): TenantEvent | undefined {
 /** Metadata keys the service writes itself; a caller may not set them. */
 export const RESERVED_METADATA_KEYS = ['comment', 'vm_id', 'mode', 'host_id', 'arch', 'layer_key', 'tenant_id', 'kind'] as const;
 
+const RETENTION_MIN = Date.parse('0001-01-01T00:00:00Z');
+const RETENTION_MAX = Date.parse('9999-12-31T23:59:59Z');
+const RETENTION_MAX_S = 100 * 366 * 24 * 3600;
+
 export const createSnapshotRequestSchema = z
   .object({
     mode: snapshotModeSchema.default('manual'),
     comment: z.string().max(1024).default(''),
     metadata: z.record(z.string().regex(/^[A-Za-z0-9_.-]{1,64}$/, 'a metadata key of 1-64 letters, digits, _ . -'), z.string().max(4096)).default({}),
     /** Absolute expiry; or retention_s from now; neither: the fleet default. */
-    retention_until: z.iso.datetime({ offset: true }).optional(),
-    retention_s: z.number().int().positive().optional(),
+    // Bounded to what a Postgres timestamptz and the event schema both take: one outside (year 0000, say) would be
+    // recorded and then stop the snapshots read model at that event.
+    retention_until: z.iso
+      .datetime({ offset: true })
+      .refine((v) => Date.parse(v) >= RETENTION_MIN && Date.parse(v) <= RETENTION_MAX, 'a time between 0001-01-01 and 9999-12-31 (UTC)')
+      .optional(),
+    retention_s: z.number().int().positive().max(RETENTION_MAX_S, 'at most 100 years').optional(),
     no_lineage: z.boolean().default(false),
     live: z.boolean().default(false),
     diff: z.boolean().default(false),
