@@ -34,7 +34,6 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
     // Request ids double as correlation ids in event metadata.
     genReqId: () => crypto.randomUUID(),
     requestIdHeader: 'x-request-id',
-    disableRequestLogging: false,
   }).withTypeProvider<ZodTypeProvider>();
 
   app.setValidatorCompiler(validatorCompiler);
