@@ -42,6 +42,8 @@ async function main(): Promise<void> {
   };
   process.on('SIGINT', () => void shutdown('SIGINT'));
   process.on('SIGTERM', () => void shutdown('SIGTERM'));
+  // A stray rejection is a bug to see in the logs, not a reason to drop every client's requests.
+  process.on('unhandledRejection', (reason) => logger.error({ err: reason }, 'unhandled promise rejection'));
 
   try {
     let databaseUrl = config.DATABASE_URL;

@@ -90,6 +90,8 @@ async function serve(): Promise<void> {
     })();
   };
   process.on('SIGTERM', () => shutdown('SIGTERM'));
+  // A stray rejection is a bug to see in the logs, not a reason to abandon the host's sandboxes' API.
+  process.on('unhandledRejection', (reason) => logger.error({ err: describeErr(reason) }, 'unhandled promise rejection'));
   process.on('SIGINT', () => shutdown('SIGINT'));
 }
 
