@@ -49,7 +49,7 @@ export class ProjectionRunner {
     private readonly logger: Logger,
   ) {
     for (const p of projections) {
-      this.states.set(p.name, { projection: p, running: false, caughtUp: false, position: undefined, eventsApplied: 0, lastError: undefined, oldestPendingAt: undefined, sub: undefined, waiters: new Set(), retryTimer: undefined });
+      this.states.set(p.name, { projection: p, running: false, caughtUp: false, position: undefined, eventsApplied: 0, lastError: undefined, oldestPendingAt: undefined, sub: undefined, waiters: new Set(), retryTimer: undefined, failures: 0 });
     }
   }
 
@@ -179,8 +179,12 @@ export class ProjectionRunner {
     s.caughtUp = false;
     s.lastError = err instanceof Error ? err.message : String(err);
     if (this.stopped) return;
-    this.logger.error({ projection: s.projection.name, err }, 'projection failed; restarting from its checkpoint in 1s');
-    s.retryTimer = setTimeout(() => void this.run(s), 1000);
+    // Backs off to 30 s: an event this code cannot apply fails the same way each time, and the log
+    // (and /readyz, which reports the projection down with this error) should say so, not flood.
+    s.failures++;
+    const delay = Math.min(30_000, 1000 * 2 ** Math.min(s.failures - 1, 5));
+    this.logger.error({ projection: s.projection.name, failures: s.failures, err }, `projection failed; restarting from its checkpoint in ${delay / 1000}s`);
+    s.retryTimer = setTimeout(() => void this.run(s), delay);
     s.retryTimer.unref();
   }
 
@@ -199,7 +203,14 @@ export class ProjectionRunner {
       if (s.projection.applyBatch) {
         if (fresh.length > 0) await s.projection.applyBatch(client as unknown as Sql, fresh);
       } else {
-        for (const event of fresh) await s.projection.apply(client as unknown as Sql, event);
+        for (const event of fresh) {
+          try {
+            await s.projection.apply(client as unknown as Sql, event);
+          } catch (err) {
+            // Name the event: an operator must be able to find the one the read model stopped at.
+            throw new Error(`${s.projection.name}: applying ${event.type} at ${event.position} (${event.streamId}@${event.revision}) failed: ${(err as Error).message}`, { cause: err });
+          }
+        }
       }
       const last: RecordedEvent | undefined = fresh.at(-1);
       const applied = fresh.length;
@@ -216,6 +227,7 @@ export class ProjectionRunner {
       if (newest !== undefined && (s.position === undefined || newest > s.position)) s.position = newest;
       s.eventsApplied += applied;
       s.lastError = undefined;
+      s.failures = 0;
       for (const w of s.waiters) {
         if (s.position !== undefined && s.position >= w.position) {
           s.waiters.delete(w);
@@ -259,4 +271,6 @@ interface RunnerState {
   sub: Subscription | undefined;
   waiters: Set<Waiter>;
   retryTimer: NodeJS.Timeout | undefined;
+  /** Consecutive failures, for the restart backoff. */
+  failures: number;
 }
