@@ -42,51 +42,112 @@ export const vmsProjection: Projection = {
     },
   ],
   tables: [{ name: 'vms', key: ['id'] }],
-  async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
-    if (!recorded.streamId.startsWith('vm-') || !isVmEventType(recorded.type)) return;
-    const event = parseVmEvent(recorded.type, recorded.data);
-    const at = recorded.created;
-    const rev = recorded.revision.toString();
-    const id = event.data.vm_id;
-    switch (event.type) {
-      case 'VmRequested': {
-        const d = event.data;
-        await sql.query(
-          `INSERT INTO vms (id, tenant_id, task_id, state, spec, idempotency_key, revision, created_at, updated_at, state_changed_at, last_activity_at)
-           VALUES ($1, $2, $3, 'requested', $4, $5, $6, $7, $7, $7, $7)
-           ON CONFLICT (id) DO NOTHING`,
-          [id, d.tenant_id, d.task_id ?? null, JSON.stringify(d.spec), d.idempotency_key ?? null, rev, at],
-        );
-        return;
-      }
-      case 'VmPlaced':
-        await update(sql, id, rev, at, `state = 'placed', host_id = $4, placement = $5, state_changed_at = $3`, [event.data.host_id, JSON.stringify(event.data.decision)]);
-        return;
-      case 'VmBootStarted':
-        await update(sql, id, rev, at, `state = 'booting', state_changed_at = $3`);
-        return;
-      case 'VmBooted':
-        await update(sql, id, rev, at, `state = 'running', url = $4, endpoints = $5, boot_ms = $6, state_changed_at = $3, last_activity_at = $3`, [event.data.url, JSON.stringify(event.data.endpoints), event.data.boot_ms]);
-        return;
-      case 'VmActivityRecorded':
-        await update(sql, id, rev, at, `last_activity_at = GREATEST(last_activity_at, $4::timestamptz)`, [event.data.at]);
-        return;
-      case 'VmDestroyRequested':
-        await update(sql, id, rev, at, `state = 'destroying', reason = $4, state_changed_at = $3`, [event.data.reason]);
-        return;
-      case 'VmDestroyed':
-        await update(sql, id, rev, at, `state = 'destroyed', reason = $4, state_changed_at = $3`, [event.data.reason]);
-        return;
-      case 'VmMigrated':
-        await update(sql, id, rev, at, `host_id = $4, placement = $5, url = $6, endpoints = $7`, [event.data.host_id, JSON.stringify(event.data.decision), event.data.url, JSON.stringify(event.data.endpoints)]);
-        return;
-      case 'VmFailed':
-        await update(sql, id, rev, at, `state = 'failed', reason = $4, error = $5, error_code = $6, failed_phase = $7, state_changed_at = $3`, [event.data.reason, event.data.error, event.data.error_code ?? null, event.data.phase]);
-        return;
-    }
-  },
+  apply: (sql: Sql, recorded: RecordedEvent) => applyVmEvents(sql, [recorded]),
+  applyBatch: applyVmEvents,
 };
 
-async function update(sql: Sql, id: string, rev: string, at: Date, set: string, params: unknown[] = []): Promise<void> {
-  await sql.query(`UPDATE vms SET ${set}, revision = $2, updated_at = $3 WHERE id = $1`, [id, rev, at, ...params]);
+interface VmRowState {
+  id: string;
+  tenant_id: string;
+  task_id: string | null;
+  state: string;
+  host_id: string | null;
+  url: string | null;
+  endpoints: unknown;
+  spec: unknown;
+  placement: unknown;
+  reason: string | null;
+  error: string | null;
+  error_code: string | null;
+  failed_phase: string | null;
+  boot_ms: number | null;
+  idempotency_key: string | null;
+  revision: string;
+  created_at: Date;
+  updated_at: Date;
+  state_changed_at: Date;
+  last_activity_at: Date;
+}
+
+const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
+  ['id', 'text'], ['tenant_id', 'text'], ['task_id', 'text'], ['state', 'text'], ['host_id', 'text'], ['url', 'text'],
+  ['endpoints', 'jsonb'], ['spec', 'jsonb'], ['placement', 'jsonb'], ['reason', 'text'], ['error', 'text'], ['error_code', 'text'],
+  ['failed_phase', 'text'], ['boot_ms', 'integer'], ['idempotency_key', 'text'], ['revision', 'bigint'], ['created_at', 'timestamptz'],
+  ['updated_at', 'timestamptz'], ['state_changed_at', 'timestamptz'], ['last_activity_at', 'timestamptz'],
+];
+
+/**
+ * Load, fold, write: the rows a run of events touches are read once, every
+ * event is folded into them in order in memory, and they are written back in
+ * one statement. One event is the same code with a run of one, so a replay
+ * (thousands per batch) and the live path cannot disagree. Only VMs whose
+ * VmRequested has been applied have a row; events for any other are ignored,
+ * as an UPDATE of a missing row would.
+ */
+async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  const vmEvents = events.filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type)).map((r) => ({ r, e: parseVmEvent(r.type, r.data) }));
+  if (vmEvents.length === 0) return;
+  const ids = [...new Set(vmEvents.map(({ e }) => e.data.vm_id))];
+  const { rows } = await sql.query<Record<string, unknown>>(`SELECT ${COLUMNS.map(([c]) => c).join(', ')} FROM vms WHERE id = ANY($1::text[])`, [ids]);
+  const byId = new Map<string, VmRowState>(rows.map((row) => [row.id as string, { ...(row as unknown as VmRowState), revision: String(row.revision) }]));
+  const touched = new Set<string>();
+  for (const { r, e } of vmEvents) {
+    const id = e.data.vm_id;
+    const at = r.created;
+    if (e.type === 'VmRequested') {
+      if (byId.has(id)) continue;
+      const d = e.data;
+      byId.set(id, {
+        id, tenant_id: d.tenant_id, task_id: d.task_id ?? null, state: 'requested', host_id: null, url: null, endpoints: [], spec: d.spec,
+        placement: null, reason: null, error: null, error_code: null, failed_phase: null, boot_ms: null, idempotency_key: d.idempotency_key ?? null,
+        revision: r.revision.toString(), created_at: at, updated_at: at, state_changed_at: at, last_activity_at: at,
+      });
+      touched.add(id);
+      continue;
+    }
+    const row = byId.get(id);
+    if (!row) continue;
+    touched.add(id);
+    row.revision = r.revision.toString();
+    row.updated_at = at;
+    switch (e.type) {
+      case 'VmPlaced':
+        Object.assign(row, { state: 'placed', host_id: e.data.host_id, placement: e.data.decision, state_changed_at: at });
+        break;
+      case 'VmBootStarted':
+        Object.assign(row, { state: 'booting', state_changed_at: at });
+        break;
+      case 'VmBooted':
+        Object.assign(row, { state: 'running', url: e.data.url, endpoints: e.data.endpoints, boot_ms: e.data.boot_ms, state_changed_at: at, last_activity_at: at });
+        break;
+      case 'VmActivityRecorded': {
+        const activity = new Date(e.data.at);
+        if (activity > row.last_activity_at) row.last_activity_at = activity;
+        break;
+      }
+      case 'VmDestroyRequested':
+        Object.assign(row, { state: 'destroying', reason: e.data.reason, state_changed_at: at });
+        break;
+      case 'VmDestroyed':
+        Object.assign(row, { state: 'destroyed', reason: e.data.reason, state_changed_at: at });
+        break;
+      case 'VmMigrated':
+        Object.assign(row, { host_id: e.data.host_id, placement: e.data.decision, url: e.data.url, endpoints: e.data.endpoints });
+        break;
+      case 'VmFailed':
+        Object.assign(row, { state: 'failed', reason: e.data.reason, error: e.data.error, error_code: e.data.error_code ?? null, failed_phase: e.data.phase, state_changed_at: at });
+        break;
+    }
+  }
+  if (touched.size === 0) return;
+  const out = [...touched].map((id) => byId.get(id)!);
+  const cols = COLUMNS.map(([c]) => c);
+  // JSON null in a jsonb field of the record set is the jsonb value null, not SQL NULL: map it back.
+  const select = COLUMNS.map(([c, t]) => (t === 'jsonb' ? `NULLIF(r.${c}, 'null'::jsonb)` : `r.${c}`)).join(', ');
+  await sql.query(
+    `INSERT INTO vms (${cols.join(', ')})
+     SELECT ${select} FROM jsonb_to_recordset($1::jsonb) AS r(${COLUMNS.map(([c, t]) => `${c} ${t}`).join(', ')})
+     ON CONFLICT (id) DO UPDATE SET ${cols.filter((c) => c !== 'id').map((c) => `${c} = EXCLUDED.${c}`).join(', ')}`,
+    [JSON.stringify(out)],
+  );
 }
