@@ -53,63 +53,171 @@ export const hostsProjection: Projection = {
     { name: 'hosts', key: ['id'] },
     { name: 'host_reservations', key: ['host_id', 'vm_id'] },
   ],
-  async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
-    if (!recorded.streamId.startsWith('host-') || !isHostEventType(recorded.type)) return;
-    const event = parseHostEvent(recorded.type, recorded.data);
-    const at = recorded.created;
-    const rev = recorded.revision.toString();
-    switch (event.type) {
-      case 'HostRegistered': {
-        const d = event.data;
-        await sql.query(
-          `INSERT INTO hosts (id, url, region, backend, labels, capacity, arch, state, token_encrypted, revision, last_seen, created_at, updated_at)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, 'active', $8, $9, $10, $10, $10)
-           ON CONFLICT (id) DO UPDATE SET url = $2, region = $3, backend = $4, labels = $5, capacity = $6, arch = $7,
-             cordoned = false, reachable = true, deregistered = false, state = 'active', token_encrypted = $8,
-             revision = $9, last_seen = $10, updated_at = $10`,
-          [d.host_id, d.url, d.region, d.backend, JSON.stringify(d.labels), JSON.stringify(d.capacity), d.capacity.arch || 'amd64', d.token_encrypted, rev, at],
-        );
-        return;
-      }
-      case 'HostCapacityProbed':
-        await touch(sql, event.data.host_id, rev, at, `capacity = $4, arch = $5, last_seen = $3`, [JSON.stringify(event.data.capacity), event.data.capacity.arch || 'amd64']);
-        return;
-      case 'HostCordoned':
-        await touch(sql, event.data.host_id, rev, at, `cordoned = true`, [], { cordoned: true });
-        return;
-      case 'HostUncordoned':
-        await touch(sql, event.data.host_id, rev, at, `cordoned = false`, [], { cordoned: false });
-        return;
-      case 'HostMarkedUnreachable':
-        await touch(sql, event.data.host_id, rev, at, `reachable = false`, [], { reachable: false });
-        return;
-      case 'HostReachable':
-        await touch(sql, event.data.host_id, rev, at, `reachable = true, last_seen = $3`, [], { reachable: true });
-        return;
-      case 'HostDeregistered':
-        await sql.query('DELETE FROM host_reservations WHERE host_id = $1', [event.data.host_id]);
-        await touch(sql, event.data.host_id, rev, at, `deregistered = true, allocated_cpus = 0, allocated_ram_mb = 0, allocated_storage_gb = 0, allocated_vms = 0, allocated_gpus = 0`, [], { deregistered: true });
-        return;
-      case 'CapacityReserved': {
-        const r = event.data;
-        const inserted = await sql.query(
-          `INSERT INTO host_reservations (host_id, vm_id, reservation, reserved_at) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`,
-          [r.host_id, r.vm_id, JSON.stringify(reservationOf(r)), at],
-        );
-        const sign = inserted.rowCount ? 1 : 0;
-        await touch(sql, r.host_id, rev, at, allocationDelta(sign), [r.cpus, r.ram_mb, r.storage_gb, r.gpus]);
-        return;
-      }
-      case 'CapacityReleased': {
-        const r = event.data;
-        const deleted = await sql.query('DELETE FROM host_reservations WHERE host_id = $1 AND vm_id = $2', [r.host_id, r.vm_id]);
-        const sign = deleted.rowCount ? -1 : 0;
-        await touch(sql, r.host_id, rev, at, allocationDelta(sign), [r.cpus, r.ram_mb, r.storage_gb, r.gpus]);
-        return;
+  apply: (sql: Sql, recorded: RecordedEvent) => applyHostEvents(sql, [recorded]),
+  applyBatch: applyHostEvents,
+};
+
+interface HostRowState {
+  id: string;
+  url: string;
+  region: string;
+  backend: string;
+  labels: unknown;
+  capacity: unknown;
+  arch: string;
+  cordoned: boolean;
+  reachable: boolean;
+  deregistered: boolean;
+  state: string;
+  token_encrypted: string;
+  allocated_cpus: number;
+  allocated_ram_mb: number;
+  allocated_storage_gb: number;
+  allocated_vms: number;
+  allocated_gpus: number;
+  revision: string;
+  last_seen: Date;
+  created_at: Date;
+  updated_at: Date;
+}
+
+const HOST_COLUMNS: ReadonlyArray<[keyof HostRowState, string]> = [
+  ['id', 'text'], ['url', 'text'], ['region', 'text'], ['backend', 'text'], ['labels', 'jsonb'], ['capacity', 'jsonb'], ['arch', 'text'],
+  ['cordoned', 'boolean'], ['reachable', 'boolean'], ['deregistered', 'boolean'], ['state', 'text'], ['token_encrypted', 'text'],
+  ['allocated_cpus', 'integer'], ['allocated_ram_mb', 'integer'], ['allocated_storage_gb', 'integer'], ['allocated_vms', 'integer'],
+  ['allocated_gpus', 'integer'], ['revision', 'bigint'], ['last_seen', 'timestamptz'], ['created_at', 'timestamptz'], ['updated_at', 'timestamptz'],
+];
+
+/** A (host, vm) reservation as the batch sees it: whether it exists now, and the row to write if this batch made it. */
+interface Hold {
+  exists: boolean;
+  written?: { reservation: Reservation; at: Date } | undefined;
+}
+
+/**
+ * Load, fold, write (like the vms read model): the host rows and the
+ * reservations a run of events touches are read once, the events are folded
+ * in order in memory, and the result is written in a few statements. One
+ * event is a run of one, so live and replay share this code. Allocation
+ * moves only when a reservation really appears or disappears, so a
+ * re-delivered event changes nothing.
+ */
+async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  const hostEvents = events.filter((r) => r.streamId.startsWith('host-') && isHostEventType(r.type)).map((r) => ({ r, e: parseHostEvent(r.type, r.data) }));
+  if (hostEvents.length === 0) return;
+  const ids = [...new Set(hostEvents.map(({ e }) => e.data.host_id))];
+  const loaded = await sql.query<Record<string, unknown>>(`SELECT ${HOST_COLUMNS.map(([c]) => c).join(', ')} FROM hosts WHERE id = ANY($1::text[])`, [ids]);
+  const hosts = new Map<string, HostRowState>(loaded.rows.map((row) => [row.id as string, { ...(row as unknown as HostRowState), revision: String(row.revision) }]));
+
+  const pairKey = (h: string, v: string): string => `${h}\u0000${v}`;
+  const pairs = hostEvents.flatMap(({ e }) => (e.type === 'CapacityReserved' || e.type === 'CapacityReleased' ? [[e.data.host_id, e.data.vm_id] as const] : []));
+  const holds = new Map<string, Hold>(pairs.map(([h, v]) => [pairKey(h, v), { exists: false }]));
+  if (pairs.length > 0) {
+    const existing = await sql.query<{ host_id: string; vm_id: string }>(
+      `SELECT host_id, vm_id FROM host_reservations WHERE (host_id, vm_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))`,
+      [pairs.map(([h]) => h), pairs.map(([, v]) => v)],
+    );
+    for (const row of existing.rows) holds.get(pairKey(row.host_id, row.vm_id))!.exists = true;
+  }
+  const wiped = new Set<string>();
+  const touched = new Set<string>();
+
+  for (const { r, e } of hostEvents) {
+    const id = e.data.host_id;
+    const at = r.created;
+    const rev = r.revision.toString();
+    if (e.type === 'HostRegistered') {
+      const d = e.data;
+      const prior = hosts.get(id);
+      hosts.set(id, {
+        id, url: d.url, region: d.region, backend: d.backend, labels: d.labels, capacity: d.capacity, arch: d.capacity.arch || 'amd64',
+        cordoned: false, reachable: true, deregistered: false, state: 'active', token_encrypted: d.token_encrypted,
+        allocated_cpus: prior?.allocated_cpus ?? 0, allocated_ram_mb: prior?.allocated_ram_mb ?? 0, allocated_storage_gb: prior?.allocated_storage_gb ?? 0,
+        allocated_vms: prior?.allocated_vms ?? 0, allocated_gpus: prior?.allocated_gpus ?? 0,
+        revision: rev, last_seen: at, created_at: prior?.created_at ?? at, updated_at: at,
+      });
+      touched.add(id);
+      continue;
+    }
+    if (e.type === 'HostDeregistered') {
+      // Every hold of this host goes, whether this batch knows of it or not.
+      wiped.add(id);
+      for (const [key, hold] of holds) if (key.startsWith(`${id}\u0000`)) Object.assign(hold, { exists: false, written: undefined });
+    }
+    let sign = 0;
+    if (e.type === 'CapacityReserved' || e.type === 'CapacityReleased') {
+      const hold = holds.get(pairKey(id, e.data.vm_id))!;
+      if (e.type === 'CapacityReserved' && !hold.exists) {
+        Object.assign(hold, { exists: true, written: { reservation: reservationOf(e.data), at } });
+        sign = 1;
+      } else if (e.type === 'CapacityReleased' && hold.exists) {
+        Object.assign(hold, { exists: false, written: undefined });
+        sign = -1;
       }
     }
-  },
-};
+    const row = hosts.get(id);
+    if (!row) continue;
+    touched.add(id);
+    row.revision = rev;
+    row.updated_at = at;
+    switch (e.type) {
+      case 'HostCapacityProbed':
+        Object.assign(row, { capacity: e.data.capacity, arch: e.data.capacity.arch || 'amd64', last_seen: at });
+        break;
+      case 'HostCordoned':
+        row.cordoned = true;
+        break;
+      case 'HostUncordoned':
+        row.cordoned = false;
+        break;
+      case 'HostMarkedUnreachable':
+        row.reachable = false;
+        break;
+      case 'HostReachable':
+        Object.assign(row, { reachable: true, last_seen: at });
+        break;
+      case 'HostDeregistered':
+        Object.assign(row, { deregistered: true, allocated_cpus: 0, allocated_ram_mb: 0, allocated_storage_gb: 0, allocated_vms: 0, allocated_gpus: 0 });
+        break;
+      case 'CapacityReserved':
+      case 'CapacityReleased':
+        row.allocated_cpus += sign * e.data.cpus;
+        row.allocated_ram_mb += sign * e.data.ram_mb;
+        row.allocated_storage_gb += sign * e.data.storage_gb;
+        row.allocated_vms += sign;
+        row.allocated_gpus += sign * e.data.gpus;
+        break;
+    }
+    row.state = row.deregistered ? 'deregistered' : !row.reachable ? 'unreachable' : row.cordoned ? 'cordoned' : 'active';
+  }
+
+  if (wiped.size > 0) await sql.query('DELETE FROM host_reservations WHERE host_id = ANY($1::text[])', [[...wiped]]);
+  const gone = [...holds].filter(([, h]) => !h.exists).map(([k]) => k.split('\u0000') as [string, string]);
+  if (gone.length > 0) {
+    await sql.query(`DELETE FROM host_reservations WHERE (host_id, vm_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))`, [gone.map(([h]) => h), gone.map(([, v]) => v)]);
+  }
+  const made = [...holds].filter(([, h]) => h.exists && h.written).map(([k, h]) => {
+    const [host_id, vm_id] = k.split('\u0000') as [string, string];
+    return { host_id, vm_id, reservation: h.written!.reservation, reserved_at: h.written!.at };
+  });
+  if (made.length > 0) {
+    await sql.query(
+      `INSERT INTO host_reservations (host_id, vm_id, reservation, reserved_at)
+       SELECT r.host_id, r.vm_id, r.reservation, r.reserved_at FROM jsonb_to_recordset($1::jsonb) AS r(host_id text, vm_id text, reservation jsonb, reserved_at timestamptz)
+       ON CONFLICT (host_id, vm_id) DO UPDATE SET reservation = EXCLUDED.reservation, reserved_at = EXCLUDED.reserved_at`,
+      [JSON.stringify(made)],
+    );
+  }
+  if (touched.size > 0) {
+    const cols = HOST_COLUMNS.map(([c]) => c);
+    await sql.query(
+      `INSERT INTO hosts (${cols.join(', ')})
+       SELECT ${cols.map((c) => `r.${c}`).join(', ')} FROM jsonb_to_recordset($1::jsonb) AS r(${HOST_COLUMNS.map(([c, t]) => `${c} ${t}`).join(', ')})
+       ON CONFLICT (id) DO UPDATE SET ${cols.filter((c) => c !== 'id').map((c) => `${c} = EXCLUDED.${c}`).join(', ')}`,
+      [JSON.stringify([...touched].map((id) => hosts.get(id)!))],
+    );
+  }
+}
 
 function reservationOf(r: Reservation): Reservation {
   return {
@@ -123,27 +231,4 @@ function reservationOf(r: Reservation): Reservation {
     gpu_uuids: r.gpu_uuids,
     mig_instance_uuids: r.mig_instance_uuids,
   };
-}
-
-function allocationDelta(sign: number): string {
-  return `allocated_cpus = allocated_cpus + ${sign} * $4, allocated_ram_mb = allocated_ram_mb + ${sign} * $5,
-          allocated_storage_gb = allocated_storage_gb + ${sign} * $6, allocated_vms = allocated_vms + ${sign},
-          allocated_gpus = allocated_gpus + ${sign} * $7`;
-}
-
-type StateFlags = Partial<Record<'cordoned' | 'reachable' | 'deregistered', boolean>>;
-
-/**
- * Updates one host row, its stream revision and its time, plus `set` with
- * params from $4, in ONE statement. When the event changes a state flag, the
- * derived `state` is recomputed in the same UPDATE with that flag's new value
- * (SET expressions see the old row), so hot events (reservations) stay one
- * statement and flag events need no second one.
- */
-async function touch(sql: Sql, hostId: string, rev: string, at: Date, set: string, params: unknown[] = [], flags?: StateFlags): Promise<void> {
-  const f = (name: keyof StateFlags): string => (flags?.[name] === undefined ? name : String(flags[name]));
-  const state = flags
-    ? `, state = CASE WHEN ${f('deregistered')} THEN 'deregistered' WHEN NOT ${f('reachable')} THEN 'unreachable' WHEN ${f('cordoned')} THEN 'cordoned' ELSE 'active' END`
-    : '';
-  await sql.query(`UPDATE hosts SET ${set}${state}, revision = $2, updated_at = $3 WHERE id = $1`, [hostId, rev, at, ...params]);
 }
