@@ -2,13 +2,12 @@ import assert from 'node:assert/strict';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
 import {
-  prepareAgents,
   problemOf,
   registerHost,
-  startCheckedAgent,
   startControlPlane,
   type AgentFleet,
   type ControlPlane,
+  startCheckedFleet,
   type Reply,
 } from '../support/control-plane.js';
 
@@ -43,15 +42,9 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
   };
 
   before(async () => {
-    const f = await prepareAgents();
-    if ('skip' in f) {
-      skip = f.skip;
-    } else {
-      fleet = f;
-      const a = await startCheckedAgent(f);
-      if ('skip' in a) skip = a.skip;
-      else agent = a;
-    }
+    const started = await startCheckedFleet();
+    ({ fleet, skip } = started);
+    agent = started.agents[0]!;
     if (skip) {
       process.stderr.write(`control-plane end-to-end tests skipped: ${skip}\n`);
       return;

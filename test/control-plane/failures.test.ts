@@ -3,12 +3,11 @@ import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
 import {
   eventually,
-  prepareAgents,
   registerHost,
-  startCheckedAgent,
   startControlPlane,
   type AgentFleet,
   type ControlPlane,
+  startCheckedFleet,
   type Reply,
 } from '../support/control-plane.js';
 import { startFaultProxy, type FaultProxy } from './fault-proxy.js';
@@ -36,14 +35,9 @@ describe('failed creates end failed, classified, with capacity released (real ag
   };
 
   before(async () => {
-    const f = await prepareAgents();
-    if ('skip' in f) skip = f.skip;
-    else {
-      fleet = f;
-      const started = await startCheckedAgent(f);
-      if ('skip' in started) skip = started.skip;
-      else a = started;
-    }
+    const started = await startCheckedFleet();
+    ({ fleet, skip } = started);
+    a = started.agents[0]!;
     if (skip) {
       process.stderr.write(`control-plane failure tests skipped: ${skip}\n`);
       return;

@@ -4,13 +4,12 @@ import WebSocket from 'ws';
 import type { RunningAgent } from '../agent/harness.js';
 import {
   keyOf,
-  prepareAgents,
   registerHost,
-  startCheckedAgent,
   startControlPlane,
   withTimeout,
   type AgentFleet,
   type ControlPlane,
+  startCheckedFleet,
   type KeyName,
 } from '../support/control-plane.js';
 
@@ -114,14 +113,9 @@ describe('command API over real HTTP: fetch and websockets (real agent)', { time
   };
 
   before(async () => {
-    const f = await prepareAgents();
-    if ('skip' in f) skip = f.skip;
-    else {
-      fleet = f;
-      const started = await startCheckedAgent(f);
-      if ('skip' in started) skip = started.skip;
-      else agent = started;
-    }
+    const started = await startCheckedFleet();
+    ({ fleet, skip } = started);
+    agent = started.agents[0]!;
     if (skip) {
       process.stderr.write(`control-plane HTTP stream tests skipped: ${skip}\n`);
       return;

@@ -8,7 +8,7 @@ import { pino } from 'pino';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
 import type { Actor } from '../../src/commands/vm-commands.js';
 import { AppError } from '../../src/domain/errors.js';
-import { ADMIN_KEY, eventually, prepareAgents, problemOf, registerHost, startCheckedAgent, startControlPlane, type AgentFleet, type ControlPlane, type Reply } from '../support/control-plane.js';
+import { ADMIN_KEY, eventually, problemOf, registerHost, startControlPlane, type AgentFleet, type ControlPlane, type Reply, startCheckedFleet } from '../support/control-plane.js';
 
 /**
  * Snapshots, quota, the artifact index, moves, the layer cache, fork and
@@ -41,16 +41,9 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     ok(await cp!.request('POST', `/v1/vms/${vm}/exec`, { as, body: { argv: ['/bin/sh', '-c', cmd] } }));
 
   before(async () => {
-    const f = await prepareAgents();
-    if ('skip' in f) skip = f.skip;
-    else {
-      fleet = f;
-      for (let i = 0; i < 2 && !skip; i++) {
-        const a = await startCheckedAgent(f);
-        if ('skip' in a) skip = a.skip;
-        else agents.push(a);
-      }
-    }
+    const started = await startCheckedFleet(2);
+    ({ fleet, skip } = started);
+    agents.push(...started.agents);
     if (skip) {
       process.stderr.write(`snapshot tests skipped: ${skip}\n`);
       return;

@@ -208,6 +208,22 @@ export async function startCheckedAgent(fleet: AgentFleet, opts?: { env?: Record
   }
 }
 
+/**
+ * `prepareAgents` then `startCheckedAgent` n times: the fleet (to close in the
+ * caller's `after`, skipped or not) and its agents, or the reason the tests skip.
+ */
+export async function startCheckedFleet(n = 1): Promise<{ fleet?: AgentFleet; agents: RunningAgent[]; skip?: string }> {
+  const fleet = await prepareAgents();
+  if ('skip' in fleet) return { agents: [], skip: fleet.skip };
+  const agents: RunningAgent[] = [];
+  for (let i = 0; i < n; i++) {
+    const a = await startCheckedAgent(fleet);
+    if ('skip' in a) return { fleet, agents, skip: a.skip };
+    agents.push(a);
+  }
+  return { fleet, agents };
+}
+
 /** Registers an agent as host `id` through the API (admin key). */
 export async function registerHost(cp: ControlPlane, id: string, agent: Pick<RunningAgent, 'url' | 'token'>, extra: Record<string, unknown> = {}): Promise<Reply> {
   return cp.request('POST', '/v1/hosts', { body: { id, url: agent.url, token: agent.token, backend: 'process', region: 'test', ...extra } });
