@@ -1,5 +1,6 @@
 import pg from 'pg';
 import type { Logger } from 'pino';
+import { withTimeout } from './timeout.js';
 
 export interface LeaseOptions {
   readonly databaseUrl: string;
@@ -123,11 +124,3 @@ export class PgAdvisoryLease {
   }
 }
 
-async function withTimeout<T>(p: Promise<T>, ms: number): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  try {
-    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`no answer within ${ms} ms`)), ms)))]);
-  } finally {
-    if (timer) clearTimeout(timer);
-  }
-}

@@ -7,6 +7,7 @@ import { nulPath } from './common.js';
 import { problem, errorHandler } from './problem.js';
 import type { ApiKeys } from './auth.js';
 import type { Metrics } from './metrics.js';
+import { withTimeout } from '../timeout.js';
 
 export interface Readiness {
   /** Name → check; each resolves when its dependency answers. */
@@ -105,11 +106,3 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   return app as unknown as FastifyInstance;
 }
 
-async function withTimeout<T>(p: Promise<T>, ms: number): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  try {
-    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`no answer within ${ms} ms`)), ms)))]);
-  } finally {
-    if (timer) clearTimeout(timer);
-  }
-}
