@@ -58,10 +58,12 @@ describe('Postgres advisory lease', { timeout: 60_000 }, () => {
     );
     assert.equal(rows.length, 1, 'exactly one session holds the lock');
     await db.pool.query('SELECT pg_terminate_backend($1)', [rows[0]!.pid]);
-    await waitFor('b notices it lost the lease', 3000, async () => !b.held);
-    await waitFor('c takes over', 3000, async () => c.held);
-    // (The order of b- and c+ is not guaranteed: that window is why every reconciler action is an append at an expected revision.)
-    assert.ok(log.includes('b-') && log.includes('c+'), log.join(' '));
-    assert.ok(!b.held);
+    // The log, not b.held: b reconnects at once and may win the lock back before c, so its `held`
+    // can go false and true again between two looks.
+    await waitFor('b notices it lost the lease', 3000, async () => log.includes('b-'));
+    await waitFor('one of the standbys holds it', 3000, async () => b.held || c.held);
+    assert.ok(!(b.held && c.held), 'never two holders');
+    // (Which of b and c wins, and the order of b- and c+, is not guaranteed: that window is why every
+    // reconciler action is an append at an expected revision.)
   });
 });
