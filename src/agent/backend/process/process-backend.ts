@@ -610,8 +610,8 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
     }
     // No sandbox left: the tables go too (reassert does the same).
     if (this.records.size === 0) {
-      await this.firewall.apply(() => this.firewallState()).then(
-        () => report.tables.push(...this.firewall.tables),
+      await this.firewall.reassert(() => this.firewallState()).then(
+        (removed) => removed.length > 0 && report.tables.push(...this.firewall.tables),
         (err: unknown) => note('nftables', err),
       );
     }
