@@ -63,7 +63,11 @@ export class Firewall {
   private readonly name: string;
   /** Serializes every nft call: a reassert must never interleave with an apply. */
   private tail: Promise<unknown> = Promise.resolve();
-  /** What `nft -s list ruleset` showed of our tables right after the last apply ('' when we removed them). */
+  /**
+   * What `nft -s list ruleset` showed of our tables after the last reassert;
+   * undefined once a create or destroy has applied since (listing after every
+   * apply would cost each of them a second nft run).
+   */
   private expected: string | undefined;
 
   private constructor(
@@ -88,11 +92,8 @@ export class Firewall {
   /** Replaces both tables with what `state()` (read under the lock, so the newest wins) asks for. */
   apply(state: () => FirewallState): Promise<void> {
     return this.locked(async () => {
+      this.expected = undefined;
       await this.applyNow(state());
-      // Recorded in the background, so a create does not wait for it; a reassert queues behind it.
-      void this.locked(async () => {
-        this.expected = await this.listOurs();
-      }).catch(() => undefined);
     });
   }
 
@@ -109,7 +110,8 @@ export class Firewall {
         for (const t of this.tables) if (!listing.includes(`table ${t} {`)) repairs.push(`nftables table ${t} missing`);
         if (repairs.length === 0 && this.expected !== undefined && listing !== this.expected) repairs.push(`nftables tables ${this.tables.join(', ')} changed`);
       }
-      // Unknown expectation (the first check after a start): apply anyway, uncounted; it is idempotent.
+      // No expectation (an apply since the last check): apply anyway, uncounted. A table edited in that
+      // window is repaired here but not counted; a missing one is always counted.
       if (repairs.length > 0 || (this.expected === undefined && !empty)) {
         await this.applyNow(want);
         this.expected = await this.listOurs();

@@ -249,6 +249,9 @@ export class ProcessBackend implements Backend {
       const mark = (phase: string): void => {
         phases[phase] = Math.round((performance.now() - t0) * 10) / 10;
       };
+      // Started now, awaited before the bridge and veth exist: nft runs while the directories and cgroup are made.
+      const firewallReady = this.firewall.apply(() => this.firewallState());
+      firewallReady.catch(() => undefined);
       try {
         const dir = this.sandboxDir(spec.name);
         // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -260,7 +263,7 @@ export class ProcessBackend implements Backend {
         await this.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
         mark('cgroup');
         // The rules for this sandbox's bridge and port exist before either does.
-        await this.firewall.apply(() => this.firewallState());
+        await firewallReady;
         mark('firewall');
         await this.locks.run(`br:${state.bridge}`, async () => {
           // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
