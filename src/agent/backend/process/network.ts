@@ -129,7 +129,15 @@ export async function hardenLink(link: string, kind: 'bridge' | 'veth'): Promise
   for (const [file, want] of linkSysctls(link, kind)) {
     const have = await readFile(file, 'utf8').then((v) => v.trim(), () => null);
     if (have === null || have === want) continue;
-    await writeFile(file, want);
+    // The link may go between the read and the write (a destroy racing a reassert).
+    const gone = await writeFile(file, want).then(
+      () => false,
+      (err: NodeJS.ErrnoException) => {
+        if (err.code === 'ENOENT') return true;
+        throw err;
+      },
+    );
+    if (gone) continue;
     changed.push(`sysctl ${file.slice('/proc/sys/'.length).replaceAll('/', '.')} was ${have}, set to ${want}`);
   }
   return changed;
