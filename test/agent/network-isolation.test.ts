@@ -299,7 +299,10 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
       const r = inNetns(a.init_pid, ['/bin/busybox', 'ping', '-c', '2', '-W', '1', '-I', forged, v.ip]);
       assert.notEqual(r.status, 0, `a ping from the forged address ${forged} was answered:\n${r.stdout}`);
       // Another MAC: the frames never reach the peer, so its ARP entry for the sandbox cannot be replaced.
+      assert.equal(inNetns(a.init_pid, ['ip', 'addr', 'del', `${forged}/32`, 'dev', 'eth0']).status, 0);
       assert.equal(inNetns(a.init_pid, ['ip', 'link', 'set', 'eth0', 'address', '02:de:ad:be:ef:01']).status, 0);
+      // The peer must learn the sandbox's MAC afresh (from frames the port now drops).
+      assert.equal(inNetns(v.init_pid, ['ip', 'neigh', 'flush', 'dev', 'eth0']).status, 0);
       assert.notEqual(inNetns(a.init_pid, ['/bin/busybox', 'ping', '-c', '2', '-W', '1', v.ip]).status, 0, 'frames from a forged MAC got through');
     } finally {
       await b.destroy('spoof-a');
