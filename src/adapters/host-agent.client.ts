@@ -16,6 +16,7 @@ import {
   type ExecResult,
   type ExecStreamStart,
   type GrantResponse,
+  type NetworkReassertResponse,
   type PruneResponse,
   type ServerFrame,
   type StartAgentResponse,
@@ -31,6 +32,7 @@ import {
   grantResponseSchema,
   listCheckpointsResponseSchema,
   listVmsResponseSchema,
+  networkReassertResponseSchema,
   pruneResponseSchema,
   serverFrameSchema,
   startAgentResponseSchema,
@@ -219,6 +221,10 @@ export class HostAgentClient implements HostAgent {
 
   prune(opts?: CallOptions): Promise<PruneResponse> {
     return this.#call({ method: 'POST', path: '/prune', schema: pruneResponseSchema, idempotent: true, opts });
+  }
+
+  reassertNetwork(opts?: CallOptions): Promise<NetworkReassertResponse> {
+    return this.#call({ method: 'POST', path: '/network/reassert', schema: networkReassertResponseSchema, idempotent: true, opts });
   }
 
   // ---- plumbing ---------------------------------------------------------------

@@ -231,7 +231,15 @@ export interface PruneReport {
   readonly directories: string[];
   readonly cgroups: string[];
   readonly processes: number[];
+  /** nftables tables removed (this agent's, once no sandbox is left). */
+  readonly tables: string[];
   readonly errors: string[];
+}
+
+/** What a reassert of the network boundary had to put back: one line per repair. */
+export interface NetworkReassertReport {
+  readonly repaired: number;
+  readonly repairs: string[];
 }
 
 export interface Backend {
@@ -279,6 +287,8 @@ export interface Backend {
   /** verifyDigest: false skips re-hashing rootfs.tar when the caller verified it while streaming. */
   importCheckpoint(stagingPath: string, opts?: { verifyDigest?: boolean }): Promise<Checkpoint>;
   prune(): Promise<PruneReport>;
+  /** Re-applies the sandbox network boundary (firewall tables, per-link sysctls) and reports what had drifted. */
+  reassertNetwork(): Promise<NetworkReassertReport>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;
   /** Stops the endpoint proxies; sandboxes keep running. */

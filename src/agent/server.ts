@@ -24,6 +24,7 @@ import {
   vmNameSchema,
   type CapacityResponse,
   type Endpoint,
+  type NetworkReassertResponse,
   type VmInfo,
 } from '../domain/agent-protocol.js';
 import { AppError, ConflictError, UnauthorizedError, ValidationError } from '../domain/errors.js';
@@ -381,11 +382,15 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
       ...report.directories.map((d) => `dir ${d}`),
       ...report.cgroups.map((c) => `cgroup ${c}`),
       ...report.processes.map((p) => `process ${p}`),
+      ...report.tables.map((t) => `nftables table ${t}`),
       ...(await pruneStaging(backend, activePulls)),
       ...(await guestAgents.prune(known)),
     ];
     return { reclaimed, errors: report.errors };
   });
+
+  // ---- network ------------------------------------------------------------------
+  app.post(`${P}/network/reassert`, async (): Promise<NetworkReassertResponse> => backend.reassertNetwork());
 
   async function checkedRun(name: string, argv: string[], what: string, env: Record<string, string> = {}): Promise<string> {
     const res = await runBuffered(backend, name, { argv, env, timeoutMs: limits.defaultTimeoutMs, encoding: 'utf8' }, 64 * 1024, new AbortController().signal);

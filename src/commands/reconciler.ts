@@ -96,6 +96,8 @@ export interface ReconcileSummary {
   half_done_rolled_back: number;
   half_done_completed: number;
   capacity_released: number;
+  /** Things hosts had to put back in their sandbox network boundary (a missing or edited firewall table, a flipped sysctl). */
+  network_repairs: number;
   errors: number;
 }
 
@@ -127,6 +129,7 @@ function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     half_done_rolled_back: 0,
     half_done_completed: 0,
     capacity_released: 0,
+    network_repairs: 0,
     errors: 0,
   };
 }
@@ -377,6 +380,8 @@ export class Reconciler {
 
     await this.releaseStaleReservations(hostId, listed, gone, s, actor);
 
+    await this.reassertNetwork(hostId, agent, s);
+
     const probed = hints.filter((h) => h.state === 'running' && h.healthcheck && listed.has(sandboxName(h.id)) && !gone.has(sandboxName(h.id)));
     await Promise.all(
       probed.map((h) =>
@@ -386,6 +391,22 @@ export class Reconciler {
         }),
       ),
     );
+  }
+
+  /**
+   * The host puts its sandbox network boundary back wherever something
+   * changed it since the last cycle (a sysctl reload, a hand-edited ruleset);
+   * the repairs are counted, and each one is a finding worth a look.
+   */
+  private async reassertNetwork(hostId: string, agent: HostAgent, s: ReconcileSummary): Promise<void> {
+    try {
+      const r = await agent.reassertNetwork({ timeoutMs: this.config.agentTimeoutMs });
+      s.network_repairs += r.repaired;
+      if (r.repaired > 0) this.logger.warn({ host_id: hostId, repairs: r.repairs }, 'host network boundary had drifted: repaired');
+    } catch (err) {
+      s.errors++;
+      this.logger.warn({ host_id: hostId, err: errInfo(err) }, 'host could not reassert its network boundary');
+    }
   }
 
   /**

@@ -356,4 +356,14 @@ export const pruneResponseSchema = z.object({
 });
 export type PruneResponse = z.infer<typeof pruneResponseSchema>;
 
+// ---- network -----------------------------------------------------------------
+
+export const networkReassertResponseSchema = z.object({
+  /** How many things the agent had to put back: a missing or edited nftables table, a flipped sysctl. */
+  repaired: z.number().int().nonnegative(),
+  /** One line per repair, e.g. "nftables table inet fleet_fb missing". */
+  repairs: z.array(z.string()),
+});
+export type NetworkReassertResponse = z.infer<typeof networkReassertResponseSchema>;
+
 export const healthResponseSchema = z.object({ ok: z.boolean(), version: z.string() });

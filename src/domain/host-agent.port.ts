@@ -13,6 +13,7 @@ import type {
   ExecResult,
   ExecStreamStart,
   GrantResponse,
+  NetworkReassertResponse,
   PruneResponse,
   ServerFrame,
   StartAgentResponse,
@@ -80,6 +81,9 @@ export interface HostAgent {
 
   /** Reclaims leftovers (mounts, cgroups, links, dirs) no known sandbox owns. */
   prune(opts?: CallOptions): Promise<PruneResponse>;
+
+  /** Re-applies the host's sandbox network boundary (firewall, per-link sysctls); `repaired` counts what had drifted. */
+  reassertNetwork(opts?: CallOptions): Promise<NetworkReassertResponse>;
 }
 
 export interface CallOptions {

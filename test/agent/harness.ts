@@ -1,4 +1,4 @@
-import { spawn, type ChildProcess } from 'node:child_process';
+import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { readdirSync, rmdirSync, rmSync } from 'node:fs';
 import { access, mkdtemp, readdir, rmdir } from 'node:fs/promises';
@@ -149,6 +149,11 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
       const controllers = await readdir(root).catch(() => [] as string[]);
       for (const c of controllers) await rmdir(join(root, c, `fleet-${opts.bridgePrefix}`)).catch(() => {});
       await rmdir(join(root, `fleet-${opts.bridgePrefix}`)).catch(() => {});
+      // The agent's nftables tables, once none of its sandboxes is left on a veth (the agent removes them itself then).
+      const links = spawnSync('ip', ['-o', 'link', 'show'], { encoding: 'utf8' }).stdout ?? '';
+      if (!new RegExp(`^\\d+: ${opts.bridgePrefix}v`, 'm').test(links)) {
+        for (const family of ['inet', 'bridge']) spawnSync('nft', ['delete', 'table', family, `fleet_${opts.bridgePrefix}`], { stdio: 'ignore' });
+      }
     },
     async kill() {
       if (proc.exitCode !== null || proc.signalCode !== null) return;

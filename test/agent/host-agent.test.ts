@@ -1,13 +1,13 @@
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
-import { open, mkdir, mkdtemp, readdir, rm, writeFile } from 'node:fs/promises';
+import { open, mkdir, mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { createServer, connect, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import WebSocket from 'ws';
 import { HostAgentClient } from '../../src/adapters/host-agent.client.js';
-import { listLinks, vethName } from '../../src/agent/backend/process/network.js';
+import { listLinks } from '../../src/agent/backend/process/network.js';
 import type { ServerFrame } from '../../src/domain/agent-protocol.js';
 import { AppError } from '../../src/domain/errors.js';
 import { classifyHostAgentError, type AgentStream } from '../../src/domain/host-agent.port.js';
@@ -498,7 +498,7 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const cgNames = cg.filter((e) => e.isDirectory()).map((e) => e.name);
     assert.deepEqual(cgNames.filter((n) => !listed.has(n)), [], 'no cgroup without a sandbox');
     const veths = (await listLinks('veth')).filter((l) => l.startsWith(`${prefix}v`));
-    const owned = new Set([...listed].map((n) => vethName(prefix, n)));
+    const owned = new Set(await Promise.all([...listed].map(async (n) => (JSON.parse(await readFile(join(aOpts.dataDir, 'sandboxes', n, 'state.json'), 'utf8')) as { veth: string }).veth)));
     assert.deepEqual(veths.filter((v) => !owned.has(v)), [], 'no veth without a sandbox');
     for (const name of listed) {
       const info = await a.client.getVm(name);

@@ -12,7 +12,7 @@ import { after, before, describe, test } from 'node:test';
 import { AppError } from '../../src/domain/errors.js';
 import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
-import { bridgeForwarding, bridgeName, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
+import { bridgeForwarding, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
 import { parseGpuCsv, parseMigList } from '../../src/agent/backend/host-capacity.js';
 import { resolveInRoot } from '../../src/agent/backend/process/guest-path.js';
 import { buildImage } from '../../src/agent/images.js';
@@ -297,8 +297,8 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     const route = await sh(b, 'net-a1', `ip route add ${b1.ip}/32 via ${parseSubnet(opts.subnet!).gateway} 2>&1`);
     assert.notEqual(route.exitCode, 0);
     // With ip_forward on, a raw frame to the gateway could still be routed to another bridge: forwarding is off on ours.
-    assert.equal(await bridgeForwarding(bridgeName(opts.bridgePrefix!, 'alpha', false)), '0');
-    assert.equal(await bridgeForwarding(bridgeName(opts.bridgePrefix!, 'beta', false)), '0');
+    assert.equal(await bridgeForwarding(b.networkOf('net-a1').bridge), '0');
+    assert.equal(await bridgeForwarding(b.networkOf('net-b1').bridge), '0');
     for (const n of ['net-a1', 'net-a2', 'net-b1']) await b.destroy(n);
 
     const { backend: open } = await openBackend({ allowCrossTenant: true });
@@ -450,21 +450,23 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
   });
 
   test('destroy runs the drain command first and is idempotent', async () => {
-    const gw = parseSubnet(opts.subnet!).gateway;
-    let drained = '';
-    const server = createServer((s) => s.on('data', (d) => (drained += d.toString())));
-    await new Promise<void>((r) => server.listen(0, gw, r));
-    const port = (server.address() as { port: number }).port;
+    // Sandboxes cannot reach the host (firewall.ts): the drain is observed by a peer of the same tenant.
+    const peer = await b.create({ name: 'drain-peer', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    const port = 7070;
+    const listener = await b.spawn('drain-peer', { argv: ['/bin/sh', '-c', `nc -l -p ${port}`], stdin: false });
+    const heard = collect(listener, 15_000);
     try {
       await b.create({ name: 'drain', cpus: 1, ram_mb: 64, tenant: 'acme' });
-      await b.destroy('drain', { drainCommand: `echo drained | nc -w 1 ${gw} ${port}`, graceMs: 3000 });
+      await b.destroy('drain', { drainCommand: `echo drained | nc -w 1 ${peer.ip} ${port}`, graceMs: 3000 });
+      const drained = (await heard).stdout;
       assert.match(drained, /drained/);
       await rejectsWithCode(b.get('drain'), 'SANDBOX_NOT_FOUND');
       assert.ok(!existsSync(join(opts.dataDir, 'sandboxes', 'drain')));
       await b.destroy('drain');
       await b.destroy('never-existed');
     } finally {
-      server.close();
+      listener.kill('SIGKILL');
+      await b.destroy('drain-peer');
     }
   });
 

@@ -4,22 +4,27 @@ import { capacityExhausted, invalidSpec } from '../../backend.js';
 import { mustRun, runTool } from './exec-util.js';
 
 /**
- * Sandbox networking without a firewall tool (this host has neither iptables
- * nor nft): tenants are separated at layer 2.
+ * Sandbox networking: a bridge per tenant, a veth per sandbox, addresses
+ * from one host subnet. The boundary itself is the agent's nftables ruleset
+ * (firewall.ts); what is here keeps layer 2 and the host's own IP stack out
+ * of the way:
  *
- * - One bridge per tenant (`<prefix>b<hash8(tenant)>`), or one shared bridge
- *   (`<prefix>bshared`) when the operator allows cross-tenant traffic.
- * - Addresses come from one host subnet and are unique host-wide; the
- *   gateway (first address) sits on every bridge as a /32, so no bridge owns
- *   a connected route for the subnet and the host reaches each sandbox
- *   through a /32 route on its tenant's bridge.
- * - A sandbox sees the whole subnet as on-link, so it ARPs for a peer: only
- *   peers on its own bridge answer, and the host does no proxy ARP. It
- *   cannot route around that through the gateway: sandboxes have no
- *   CAP_NET_ADMIN to change their routes, and the host does not forward
- *   even where the operator turned ip_forward on: forwarding is off on
- *   every sandbox bridge (a sandbox keeps CAP_NET_RAW and could otherwise
- *   hand the gateway a frame for another tenant).
+ * - Bridge and veth names are allocated (`<prefix>b<n>`, `<prefix>v<n>`,
+ *   the lowest index no known sandbox uses) and recorded in each sandbox's
+ *   state.json, so two tenants can never share a bridge and no name can be
+ *   ground out of a hash. Names recorded by older agents
+ *   (`<prefix>b<hash8>`) keep working: a tenant keeps the bridge its live
+ *   sandboxes are on unless another tenant shares it.
+ * - Addresses are unique host-wide; the gateway (first address) sits on
+ *   every bridge as a /32, so no bridge owns a connected route for the
+ *   subnet and the host reaches each sandbox through a /32 route on its
+ *   tenant's bridge. A sandbox ARPs for every subnet address and only its
+ *   own bridge's peers answer.
+ * - IPv6 is disabled (and router advertisements refused) on every bridge
+ *   and host-side veth before it comes up, and IPv4 forwarding is off on
+ *   each bridge. Any write of net.ipv4.ip_forward resets the latter, so it
+ *   is a second wall, not the boundary; the reassert route puts all of
+ *   these back and counts what it had to fix.
  */
 
 export interface Subnet {
@@ -82,27 +87,82 @@ export function generateMac(name: string): string {
 
 export const hash8 = (s: string): string => createHash('sha256').update(s).digest('hex').slice(0, 8);
 
-export function bridgeName(prefix: string, tenant: string, allowCrossTenant: boolean): string {
-  return allowCrossTenant ? `${prefix}bshared` : `${prefix}b${hash8(tenant)}`;
+/**
+ * The bridge for a new sandbox of `tenant`: the shared one when the operator
+ * allows cross-tenant traffic; else the bridge the tenant's sandboxes are
+ * already on, unless another tenant is on it too (two old hash names that
+ * collided); else the lowest `<prefix>b<n>` no sandbox uses.
+ */
+export function allocateBridge(prefix: string, tenant: string, allowCrossTenant: boolean, used: ReadonlyArray<{ readonly tenant: string; readonly bridge: string }>): string {
+  if (allowCrossTenant) return `${prefix}bshared`;
+  const shared = (bridge: string): boolean => used.some((u) => u.bridge === bridge && u.tenant !== tenant);
+  const mine = used.find((u) => u.tenant === tenant && u.bridge !== `${prefix}bshared` && !shared(u.bridge));
+  if (mine) return mine.bridge;
+  return lowestFree(`${prefix}b`, new Set(used.map((u) => u.bridge)));
 }
 
-export function vethName(prefix: string, sandbox: string): string {
-  return `${prefix}v${hash8(sandbox)}`;
+/** The lowest `<prefix>v<n>` no sandbox uses. */
+export function allocateVeth(prefix: string, used: Iterable<string>): string {
+  return lowestFree(`${prefix}v`, new Set(used));
 }
 
-export async function ensureBridge(bridge: string, subnet: Subnet): Promise<void> {
-  const exists = await runTool('ip', ['link', 'show', 'dev', bridge]);
-  if (exists.code !== 0) {
+function lowestFree(stem: string, taken: ReadonlySet<string>): string {
+  for (let i = 0; ; i++) if (!taken.has(`${stem}${i}`)) return `${stem}${i}`;
+}
+
+/** The sysctls each link must hold; `bridge` adds IPv4 forwarding off. */
+function linkSysctls(link: string, kind: 'bridge' | 'veth'): Array<[string, string]> {
+  const out: Array<[string, string]> = [
+    [`/proc/sys/net/ipv6/conf/${link}/disable_ipv6`, '1'],
+    [`/proc/sys/net/ipv6/conf/${link}/accept_ra`, '0'],
+  ];
+  if (kind === 'bridge') out.push([`/proc/sys/net/ipv4/conf/${link}/forwarding`, '0']);
+  return out;
+}
+
+/**
+ * Sets the link's sysctls where they differ and returns one line per change
+ * (empty for a link that does not exist, or a kernel without IPv6).
+ */
+export async function hardenLink(link: string, kind: 'bridge' | 'veth'): Promise<string[]> {
+  const changed: string[] = [];
+  for (const [file, want] of linkSysctls(link, kind)) {
+    const have = await readFile(file, 'utf8').then((v) => v.trim(), () => null);
+    if (have === null || have === want) continue;
+    // The link may go between the read and the write (a destroy racing a reassert).
+    const gone = await writeFile(file, want).then(
+      () => false,
+      (err: NodeJS.ErrnoException) => {
+        if (err.code === 'ENOENT') return true;
+        throw err;
+      },
+    );
+    if (gone) continue;
+    changed.push(`sysctl ${file.slice('/proc/sys/'.length).replaceAll('/', '.')} was ${have}, set to ${want}`);
+  }
+  return changed;
+}
+
+/**
+ * Creates (or re-creates) the bridge with its gateway address. `fresh`: no
+ * live sandbox is on it, so a link of that name is a leftover (a lost
+ * state.json) and is replaced rather than joined with whatever ports it has.
+ */
+export async function ensureBridge(bridge: string, subnet: Subnet, opts: { fresh?: boolean } = {}): Promise<void> {
+  let exists = (await runTool('ip', ['link', 'show', 'dev', bridge])).code === 0;
+  if (exists && opts.fresh) {
+    await mustRun('ip', ['link', 'del', bridge]);
+    exists = false;
+  }
+  if (!exists) {
     const add = await runTool('ip', ['link', 'add', 'name', bridge, 'type', 'bridge']);
     // Another create may have won the race; anything else is real.
     if (add.code !== 0 && !/File exists/.test(add.stderr)) await mustRun('ip', ['link', 'add', 'name', bridge, 'type', 'bridge']);
   }
+  // Before the link is up: it never takes an IPv6 address or a router advertisement.
+  await hardenLink(bridge, 'bridge');
   const addr = await runTool('ip', ['addr', 'add', `${subnet.gateway}/32`, 'dev', bridge]);
   if (addr.code !== 0 && !/File exists|already assigned/.test(addr.stderr)) throw new Error(`ip addr add on ${bridge} failed: ${addr.stderr.trim()}`);
-  // Never route what a sandbox sends, even where the operator turned ip_forward on: a sandbox keeps
-  // CAP_NET_RAW, so it could address a frame to the gateway's MAC with another tenant's IP in it.
-  // (Writing the global ip_forward later resets this; every create checks it and calls ensureBridge again.)
-  await writeFile(`/proc/sys/net/ipv4/conf/${bridge}/forwarding`, '0').catch(() => undefined);
   await mustRun('ip', ['link', 'set', bridge, 'up']);
 }
 
@@ -117,12 +177,10 @@ export async function bridgeForwarding(bridge: string): Promise<string> {
  */
 export async function attachSandbox(opts: { bridge: string; veth: string; nsPid: number; ip: string; mac: string; subnet: Subnet }): Promise<void> {
   const { bridge, veth, nsPid, ip, mac, subnet } = opts;
+  await mustRun('ip', ['link', 'add', veth, 'type', 'veth', 'peer', 'name', 'eth0', 'netns', String(nsPid), 'address', mac]);
+  await hardenLink(veth, 'veth');
   await mustRun('ip', ['-batch', '-'], {
-    input: [
-      `link add ${veth} type veth peer name eth0 netns ${nsPid} address ${mac}`,
-      `link set ${veth} master ${bridge} up`,
-      `route replace ${ip}/32 dev ${bridge} src ${subnet.gateway}`,
-    ].join('\n') + '\n',
+    input: [`link set ${veth} master ${bridge} up`, `route replace ${ip}/32 dev ${bridge} src ${subnet.gateway}`].join('\n') + '\n',
   });
 }
 

@@ -22,6 +22,7 @@ import {
   type CreateSpec,
   type DestroyOptions,
   type Endpoint,
+  type NetworkReassertReport,
   type ProcessHandle,
   type PruneReport,
   type SandboxInfo,
@@ -35,7 +36,8 @@ import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, prepareRuntime, type HostTools } from './launch.js';
-import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
+import { Firewall, type FirewallState } from './firewall.js';
+import { allocateBridge, allocateVeth, attachSandbox, bridgeForwarding, deleteLink, detachSandbox, ensureBridge, hardenLink, listLinks, listRoutes, parseSubnet, reserve, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
 
 /**
@@ -139,6 +141,7 @@ export class ProcessBackend implements Backend {
     private readonly subnet: Subnet,
     private readonly cgroups: Cgroups,
     private readonly tools: HostTools,
+    private readonly firewall: Firewall,
     private readonly runtimeDir: string,
     private readonly log: Logger | undefined,
   ) {
@@ -163,8 +166,9 @@ export class ProcessBackend implements Backend {
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
     await mkdir(opts.imageDir, { recursive: true });
+    const firewall = await Firewall.open(opts.bridgePrefix);
     const runtimeDir = await prepareRuntime(opts.dataDir, tools.busybox);
-    const backend = new ProcessBackend(opts, subnet, cgroups, tools, runtimeDir, logger);
+    const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, runtimeDir, logger);
     await backend.checkpoints.init();
     await backend.recover();
     return backend;
@@ -226,8 +230,8 @@ export class ProcessBackend implements Backend {
         checkpoint_id: checkpointId,
         ip,
         mac,
-        bridge: bridgeName(this.opts.bridgePrefix, spec.tenant, this.opts.allowCrossTenant),
-        veth: vethName(this.opts.bridgePrefix, spec.name),
+        bridge: allocateBridge(this.opts.bridgePrefix, spec.tenant, this.opts.allowCrossTenant, [...this.records.values()].map((r) => r.state)),
+        veth: allocateVeth(this.opts.bridgePrefix, [...this.records.values()].map((r) => r.state.veth)),
         cpus: spec.cpus,
         ram_mb: spec.ram_mb,
         pids_max: spec.pids_max ?? this.opts.defaultPidsMax,
@@ -245,6 +249,9 @@ export class ProcessBackend implements Backend {
       const mark = (phase: string): void => {
         phases[phase] = Math.round((performance.now() - t0) * 10) / 10;
       };
+      // Started now, awaited before the bridge and veth exist: nft runs while the directories and cgroup are made.
+      const firewallReady = this.firewall.apply(() => this.firewallState());
+      firewallReady.catch(() => undefined);
       try {
         const dir = this.sandboxDir(spec.name);
         // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -255,10 +262,14 @@ export class ProcessBackend implements Backend {
         if (checkpointId) await this.checkpoints.extract(checkpointId, join(dir, 'upper'));
         await this.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
         mark('cgroup');
+        // The rules for this sandbox's bridge and port exist before either does.
+        await firewallReady;
+        mark('firewall');
         await this.locks.run(`br:${state.bridge}`, async () => {
           // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
           if (this.bridgesReady.has(state.bridge) && (await bridgeForwarding(state.bridge).catch(() => null)) === '0') return;
-          await ensureBridge(state.bridge, this.subnet);
+          const fresh = !this.bridgesReady.has(state.bridge) && ![...this.records.values()].some((r) => r !== record && r.state.bridge === state.bridge && r.state.init_pid > 0);
+          await ensureBridge(state.bridge, this.subnet, { fresh });
           this.bridgesReady.add(state.bridge);
         });
         mark('bridge');
@@ -513,11 +524,13 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
     }
     const infos = await this.list();
     this.log?.info({ sandboxes: infos.length }, 'sandboxes recovered');
+    const network = await this.reassertNetwork();
+    if (network.repaired > 0) this.log?.warn({ repairs: network.repairs }, 'sandbox network rules repaired');
     return infos;
   }
 
   async prune(): Promise<PruneReport> {
-    const report: PruneReport = { bridges: [], veths: [], mounts: [], directories: [], cgroups: [], processes: [], errors: [] };
+    const report: PruneReport = { bridges: [], veths: [], mounts: [], directories: [], cgroups: [], processes: [], tables: [], errors: [] };
     const known = new Map([...this.records.values()].map((r) => [r.state.name, r.state]));
     const note = (what: string, err: unknown): void => {
       report.errors.push(`${what}: ${(err as Error).message ?? String(err)}`);
@@ -598,8 +611,34 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
         }
       });
     }
+    // No sandbox left: the tables go too (reassert does the same).
+    if (this.records.size === 0) {
+      await this.firewall.reassert(() => this.firewallState()).then(
+        (removed) => removed.length > 0 && report.tables.push(...this.firewall.tables),
+        (err: unknown) => note('nftables', err),
+      );
+    }
     this.log?.info({ report }, 'prune finished');
     return report;
+  }
+
+  /**
+   * Puts the network boundary back where anything changed it: our nftables
+   * tables (missing or edited), and each bridge's and veth's sysctls (a
+   * write of net.ipv4.ip_forward turns every bridge's forwarding back on).
+   */
+  async reassertNetwork(): Promise<NetworkReassertReport> {
+    const repairs = await this.firewall.reassert(() => this.firewallState());
+    const states = [...this.records.values()].map((r) => r.state);
+    for (const bridge of new Set(states.map((s) => s.bridge))) repairs.push(...(await hardenLink(bridge, 'bridge')));
+    for (const s of states) repairs.push(...(await hardenLink(s.veth, 'veth')));
+    return { repaired: repairs.length, repairs };
+  }
+
+  /** The bridge and host-side veth a sandbox is on (diagnostics and tests). */
+  networkOf(name: string): { bridge: string; veth: string } {
+    const { bridge, veth } = this.must(name).state;
+    return { bridge, veth };
   }
 
   async close(): Promise<void> {
@@ -608,6 +647,11 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
   }
 
   // ---- internals ----
+
+  private firewallState(): FirewallState {
+    const states = [...this.records.values()].map((r) => r.state);
+    return { bridges: [...new Set(states.map((s) => s.bridge))], ports: states.map((s) => ({ veth: s.veth, mac: s.mac, ip: s.ip })) };
+  }
 
   private assertOpen(): void {
     if (this.closed) throw new AppError('BACKEND_CLOSED', 503, 'the backend is shutting down');
@@ -730,6 +774,7 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
     await step('cgroup', () => this.cgroups.remove(s.name));
     await step('network', () => detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip }));
     if (this.records.get(s.name) === record) this.records.delete(s.name);
+    await step('firewall', () => this.firewall.apply(() => this.firewallState()));
     await step('bridge', () =>
       this.locks.run(`br:${s.bridge}`, async () => {
         if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) {
