@@ -34,7 +34,8 @@ import { CheckpointStore } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
-import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, prepareRuntime, type HostTools } from './launch.js';
+import { enterArgv, findHostTools, launchInit, prepareRuntime, type EnterOp, type HostTools } from './launch.js';
+import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
 
@@ -92,6 +93,8 @@ const createSpecSchema = z.object({
   ipHint: z.string().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
   env: z.record(z.string().regex(envKeyRe, 'an environment variable name'), z.string().refine((v) => !v.includes('\0'), 'no NUL bytes')).optional(),
+  /** Keep CAP_NET_RAW (raw sockets: ping, packet capture); dropped by default. */
+  net_raw: z.boolean().optional(),
 });
 
 const persistedSchema = z.object({
@@ -112,11 +115,12 @@ const persistedSchema = z.object({
   init_pid: z.number(),
   init_start: z.string(),
   env: z.record(z.string(), z.string()),
+  net_raw: z.boolean().default(false),
   expose: z.array(exposeSchema),
   /** Host port per expose entry (same order), so a restarted agent republishes on the same ports. */
   host_ports: z.array(z.number()),
 });
-type Persisted = z.infer<typeof persistedSchema>;
+type Persisted = z.output<typeof persistedSchema>;
 
 interface SandboxRecord {
   state: Persisted;
@@ -157,13 +161,14 @@ export class ProcessBackend implements Backend {
     const opts = { ...parsed.data, dataDir: resolve(parsed.data.dataDir), imageDir: resolve(parsed.data.imageDir) };
     const subnet = parseSubnet(opts.subnet);
     await assertHostFeatures();
-    const tools = findHostTools(opts.busybox);
+    await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
+    const tools: HostTools = { ...findHostTools(opts.busybox), helper: await ensureSandboxHelper(opts.dataDir) };
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
     await mkdir(opts.imageDir, { recursive: true });
-    const runtimeDir = await prepareRuntime(opts.dataDir, tools.busybox);
+    const runtimeDir = await prepareRuntime(opts.dataDir);
     const backend = new ProcessBackend(opts, subnet, cgroups, tools, runtimeDir, logger);
     await backend.checkpoints.init();
     await backend.recover();
@@ -235,6 +240,7 @@ export class ProcessBackend implements Backend {
         init_pid: 0,
         init_start: '',
         env: spec.env ?? {},
+        net_raw: spec.net_raw ?? false,
         expose: spec.expose ?? [],
         host_ports: [],
       };
@@ -274,6 +280,7 @@ export class ProcessBackend implements Backend {
           address: `${ip}/${this.subnet.prefixLen}`,
           gateway: this.subnet.gateway,
           tools: this.tools,
+          netRaw: state.net_raw,
           // A concurrent teardown never deletes this bridge: this record, on it, is already in `records`.
           attachNetwork: (nsPid) => attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip, mac, subnet: this.subnet }),
         });
@@ -336,13 +343,20 @@ export class ProcessBackend implements Backend {
     }
     const cwd = opts.cwd ?? '/';
     if (!cwd.startsWith('/') || cwd.includes('\0')) throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
-    await this.assertRunning(record);
-    const argv = enterArgv({ initPid: record.state.init_pid, cgroupProcs: this.cgroups.procsFiles(name), cwd, argv: opts.argv, tools: this.tools });
     if (opts.tty) {
       env.TERM ??= 'xterm-256color';
-      return spawnPty(argv, env, { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) }, this.opts.pty);
+      const size = { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) };
+      const argv = await this.enter(record, { op: 'exec', argv: opts.argv }, cwd, size);
+      return spawnPty(argv, encodeGuestEnv(env), size, this.opts.pty);
     }
-    return spawnPiped(argv, env, opts.stdin);
+    return spawnPiped(await this.enter(record, { op: 'exec', argv: opts.argv }, cwd), encodeGuestEnv(env), opts.stdin);
+  }
+
+  /** The helper's argv for `op` inside a running sandbox (its host environment is fixed: see spawnPiped). */
+  private async enter(record: SandboxRecord, op: EnterOp, cwd = '/', winsize?: { rows: number; cols: number }): Promise<string[]> {
+    await this.assertRunning(record);
+    const s = record.state;
+    return enterArgv({ initPid: s.init_pid, cgroupProcs: this.cgroups.procsFiles(s.name), cwd, netRaw: s.net_raw, ...(winsize ? { winsize } : {}), op, tools: this.tools });
   }
 
   async resolveGuestPath(name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string> {
@@ -358,12 +372,9 @@ export class ProcessBackend implements Backend {
     const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: true });
     const mode = (opts.mode ?? 0o644).toString(8);
     if (!/^[0-7]{1,4}$/.test(mode)) throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
-    // Runs as the guest, with the trusted busybox: the rename happens in the guest's view of its root.
-    const script = `b=${GUEST_BUSYBOX}; t="$1.upload-$2"
-if [ -d "$1" ]; then echo "is a directory" >&2; exit 21; fi
-if $b cat > "$t" && $b chmod "$3" "$t" && $b mv -f "$t" "$1"; then exit 0; fi
-$b rm -f "$t"; exit 1`;
-    const h = await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', script, 'sh', resolved.guestPath, randomBytes(6).toString('hex'), mode], stdin: true });
+    // Done by the helper inside the sandbox, as its root: the rename happens in the guest's view of its root.
+    const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
+    const h = spawnPiped(await this.enter(record, { op: 'put', path: resolved.guestPath, mode, tmp }), {}, true);
     let bytes = 0;
     let tooLarge = false;
     let stderr = '';
@@ -389,8 +400,13 @@ $b rm -f "$t"; exit 1`;
     const st = await h.wait();
     if (tooLarge || pipeErr !== undefined || st.exitCode !== 0) {
       if (pipeErr !== undefined) {
-        await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', `${GUEST_BUSYBOX} rm -f "$1".upload-*`, 'sh', resolved.guestPath], stdin: false })
-          .then((c) => { c.stdout.resume(); c.stderr.resume(); return c.wait(); })
+        await this.enter(record, { op: 'unlink', path: tmp })
+          .then((argv) => {
+            const c = spawnPiped(argv, {}, false);
+            c.stdout.resume();
+            c.stderr.resume();
+            return c.wait();
+          })
           .catch(() => undefined);
       }
       if (tooLarge) throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: resolved.guestPath });
@@ -406,10 +422,7 @@ $b rm -f "$t"; exit 1`;
     await this.assertRunning(record);
     const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: false });
     // First line: the size, from the same process that then streams the bytes.
-    const script = `b=${GUEST_BUSYBOX}
-if [ ! -f "$1" ]; then echo "not a regular file" >&2; exit 21; fi
-$b stat -c %s "$1" && exec $b cat "$1"`;
-    const h = await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', script, 'sh', resolved.guestPath], stdin: false });
+    const h = spawnPiped(await this.enter(record, { op: 'get', path: resolved.guestPath }), {}, false);
     let stderr = '';
     h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
     const size = await new Promise<number>((resolve, reject) => {
