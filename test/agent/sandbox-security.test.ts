@@ -223,6 +223,23 @@ true`,
     await b.destroy('masks');
   });
 
+  test('user namespace: sandbox root is an unprivileged host id, its files are root-owned inside and on disk', async () => {
+    await b.create({ name: 'userns', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    const r = await sh(b, 'userns', 'cat /proc/self/uid_map /proc/self/gid_map; id -u; touch /made-inside; stat -c %u:%g /made-inside /bin/busybox');
+    const [uidMap, gidMap] = r.stdout.split('\n').map((l) => l.trim().split(/\s+/).map(Number));
+    assert.equal(uidMap![0], 0);
+    assert.ok(uidMap![1]! > 0, `sandbox root is host uid ${uidMap![1]}`);
+    assert.equal(uidMap![2], 65536);
+    assert.ok(gidMap![1]! > 0);
+    assert.match(r.stdout, /\n0\n0:0\n0:0\n$/, 'image and new files are root-owned inside');
+    // On the host the sandbox's processes are that unprivileged id, and the layer records plain 0 (range-independent).
+    const initUid = /Uid:\s+(\d+)/.exec(await readFile(`/proc/${(await b.get('userns')).init_pid}/status`, 'utf8'))![1];
+    assert.equal(Number(initUid), uidMap![1]);
+    const st = spawnSync('stat', ['-c', '%u', join(b.sandboxDir('userns'), 'upper', 'made-inside')], { encoding: 'utf8' });
+    assert.equal(st.stdout.trim(), '0');
+    await b.destroy('userns');
+  });
+
   test('an uploaded file is owned by root inside the sandbox', async () => {
     await b.create({ name: 'own', cpus: 1, ram_mb: 64, tenant: 'acme' });
     await b.writeGuestFile('own', '/root/up.txt', Readable.from([Buffer.from('hello')]));

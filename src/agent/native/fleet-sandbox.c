@@ -9,8 +9,23 @@
  *
  *   fleet-sandbox boot [--net-raw]
  *       Last step of a sandbox's stage 2 (cwd = the new root, fd 3 = the
- *       agent's ready pipe): pivot_root, detach the old root, confine, exec
- *       /sbin/init.
+ *       agent's ready pipe): mask /proc and /sys paths, pivot_root, detach
+ *       the old root, confine, exec /sbin/init.
+ *   fleet-sandbox wait-root ROOT ARGV...
+ *       First program in a new user namespace (started by unshare --user
+ *       --keep-caps, ids not yet mapped): wait until the agent has mapped
+ *       the ids and mounted ROOT (mount-root), become root of the
+ *       namespace, exec ARGV (stage 2) in ROOT as its working directory,
+ *       with this binary open as fd 4.
+ *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
+ *       Host side of a start, once PID (in the sandbox's new user and mount
+ *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
+ *       work/) are cloned as idmapped mounts (on-disk id N <-> sandbox id N,
+ *       so a layer never records this host's id range), and the overlay of
+ *       them is mounted at ROOT inside PID's mount namespace, by host root,
+ *       with the usual trusted.overlay xattrs. HOSTID is the host id of the
+ *       sandbox's root: the overlay writes its work files as the mounter's
+ *       fsuid, which must have a mapping in the idmapped upper layer.
  *   fleet-sandbox enter PID [--cg FILE]... [--cwd DIR] [--net-raw]
  *                       [--winsize ROWS COLS] -- OP ARGS...
  *       Join the cgroup(s), enter the namespaces (user first) and root of
@@ -34,6 +49,7 @@
 #include <linux/audit.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
+#include <linux/mount.h>
 #include <linux/seccomp.h>
 #include <sched.h>
 #include <signal.h>
@@ -41,6 +57,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/securebits.h>
+#include <sys/fsuid.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -198,20 +216,116 @@ static char **guest_env(void) {
 
 /* ---- boot ---- */
 
+/* runc's and Docker's defaults: hidden (read as empty) and read-only. Paths relative to the new root (cwd). */
+static const char *MASKED[] = {"proc/kcore", "proc/keys", "proc/timer_list", "proc/timer_stats", "proc/sched_debug",
+                               "proc/latency_stats", "proc/acpi", "proc/asound", "proc/scsi", "sys/firmware",
+                               "sys/devices/virtual/powercap"};
+static const char *READONLY[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"};
+
+static void mask_paths(void) {
+  struct stat st;
+  for (size_t i = 0; i < sizeof MASKED / sizeof MASKED[0]; i++) {
+    if (lstat(MASKED[i], &st) < 0) continue;
+    int r = S_ISDIR(st.st_mode) ? mount("tmpfs", MASKED[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0")
+                                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
+    if (r < 0) fail("mask", MASKED[i]);
+  }
+  for (size_t i = 0; i < sizeof READONLY / sizeof READONLY[0]; i++) {
+    if (lstat(READONLY[i], &st) < 0) continue;
+    if (mount(READONLY[i], READONLY[i], NULL, MS_BIND | MS_REC, NULL) < 0 ||
+        mount(NULL, READONLY[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+      fail("make read-only", READONLY[i]);
+  }
+}
+
 static int cmd_boot(int argc, char **argv) {
   int net_raw = argc > 2 && strcmp(argv[2], "--net-raw") == 0;
   clearenv();
+  close(4); /* this binary, opened by wait-root: not for the guest */
+  mask_paths();
   if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", NULL);
   if (umount2(".", MNT_DETACH) < 0) fail("detach the old root", NULL);
   if (chdir("/") < 0) fail("chdir /", NULL);
   confine(net_raw);
   if (write(3, "ready\n", 6) != 6) fail("write the ready signal", NULL);
-  close(3);
+  /* Nothing of the set-up (the ready pipe, a shell's saved copies of it) reaches the guest. */
+  if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
   char *init_argv[] = {"init", NULL};
   char *init_env[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", NULL};
   execve("/sbin/init", init_argv, init_env);
   fail("exec", "/sbin/init");
   return 125;
+}
+
+/* ---- wait-root ---- */
+
+static int cmd_wait_root(int argc, char **argv) {
+  if (argc < 4) usage();
+  char parent[4096];
+  if (snprintf(parent, sizeof parent, "%s/..", argv[2]) >= (int)sizeof parent) usage();
+  for (int i = 0;; i++) {
+    struct stat a, b;
+    if (stat(argv[2], &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
+    if (i > 3000) {
+      dprintf(2, "fleet: the sandbox root was never mounted\n");
+      _exit(67);
+    }
+    usleep(2000);
+  }
+  /* As the namespace's root the data directory (0700, host root's) is closed: stage 2 works from here. */
+  if (chdir(argv[2]) < 0) fail("chdir", argv[2]);
+  /* Nor is this binary: stage 2 runs it again (boot) from this descriptor, /proc/self/fd/4. */
+  int self = open("/proc/self/exe", O_RDONLY);
+  if (self < 0 || (self != 4 && (dup2(self, 4) < 0 || close(self) < 0))) fail("open /proc/self/exe", NULL);
+  if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+  execv(argv[3], argv + 3);
+  fail("exec", argv[3]);
+  return 125;
+}
+
+/* ---- mount-root ---- */
+
+static int idmapped_clone(const char *path, int userns) {
+  int fd = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+  if (fd < 0) fail("open_tree", path);
+  struct mount_attr attr;
+  memset(&attr, 0, sizeof attr);
+  attr.attr_set = MOUNT_ATTR_IDMAP;
+  attr.userns_fd = (unsigned long long)userns;
+  if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("idmap (mount_setattr)", path);
+  return fd;
+}
+
+static int cmd_mount_root(int argc, char **argv) {
+  if (argc != 7) usage();
+  clearenv();
+  int pid = atoi(argv[2]);
+  long hostid = atol(argv[3]);
+  if (pid <= 0 || hostid <= 0) usage();
+  argv++; /* IMAGE LAYERDIR ROOT at argv[3..5] */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+  int userns = open(path, O_RDONLY | O_CLOEXEC);
+  if (userns < 0) fail("open", path);
+  snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
+  int mntns = open(path, O_RDONLY | O_CLOEXEC);
+  if (mntns < 0) fail("open", path);
+  int lower = idmapped_clone(argv[3], userns);
+  int layer = idmapped_clone(argv[4], userns);
+  if (setns(mntns, CLONE_NEWNS) < 0) fail("setns", "mnt");
+  /* Keep every capability across the fsuid change (no setuid fix-up), so the mount keeps host-root powers. */
+  if (prctl(PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP) < 0) fail("securebits", NULL);
+  setfsgid((gid_t)hostid);
+  setfsuid((uid_t)hostid);
+  if (setfsuid((uid_t)-1) != (int)hostid) fail("setfsuid", NULL);
+  char opts[512];
+  /* /proc here is still the host's: /proc/self/fd/N names the detached idmapped mounts. */
+  if (snprintf(opts, sizeof opts,
+               "lowerdir=/proc/self/fd/%d,upperdir=/proc/self/fd/%d/upper,workdir=/proc/self/fd/%d/work,index=off,metacopy=off,redirect_dir=off",
+               lower, layer, layer) >= (int)sizeof opts)
+    usage();
+  if (mount("overlay", argv[5], "overlay", 0, opts) < 0) fail("mount the overlay at", argv[5]);
+  return 0;
 }
 
 /* ---- enter ---- */
@@ -326,18 +440,29 @@ static int cmd_enter(int argc, char **argv) {
   for (size_t c = 0; c < ncg; c++) write_file(cgroups[c], self);
 
   int user = open_ns(pid, "ns/user"), root = open_ns(pid, "root");
+  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "mnt"};
   int nss[] = {open_ns(pid, "ns/ipc"), open_ns(pid, "ns/uts"), open_ns(pid, "ns/net"), open_ns(pid, "ns/pid"),
                open_ns(pid, "ns/cgroup"), open_ns(pid, "ns/mnt")};
+  /* Only the namespaces the sandbox has of its own (it shares the host's cgroup namespace). */
+  int join[sizeof nss / sizeof nss[0]];
+  for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
+    char mine_path[64];
+    struct stat a, b;
+    snprintf(mine_path, sizeof mine_path, "/proc/self/ns/%s", names[n]);
+    if (fstat(nss[n], &a) < 0 || stat(mine_path, &b) < 0) fail("stat namespace", names[n]);
+    join[n] = a.st_ino != b.st_ino || a.st_dev != b.st_dev;
+  }
   struct stat mine, theirs;
   if (fstat(user, &theirs) < 0 || stat("/proc/self/ns/user", &mine) < 0) fail("stat user namespace", NULL);
   if (mine.st_ino != theirs.st_ino || mine.st_dev != theirs.st_dev) {
     /* Joining the user namespace first gives the capabilities (there) to join the others. */
     if (setns(user, CLONE_NEWUSER) < 0) fail("setns", "user");
-    if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+    /* setgroups may be denied in the namespace: then the (unmapped) group list stays, which grants nothing. */
+    if (setgroups(0, NULL) < 0 && errno != EPERM) fail("setgroups", NULL);
+    if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
   }
-  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "mnt"};
   for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
-    if (setns(nss[n], 0) < 0) fail("setns", names[n]);
+    if (join[n] && setns(nss[n], 0) < 0) fail("setns", names[n]);
     close(nss[n]);
   }
   if (fchdir(root) < 0 || chroot(".") < 0) fail("enter the sandbox root", NULL);
@@ -386,6 +511,8 @@ int main(int argc, char **argv) {
   if (argc < 2) usage();
   if (strcmp(argv[1], "boot") == 0) return cmd_boot(argc, argv);
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
+  if (strcmp(argv[1], "wait-root") == 0) return cmd_wait_root(argc, argv);
+  if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
   usage();
   return 125;
 }

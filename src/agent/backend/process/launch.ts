@@ -1,7 +1,7 @@
 import { spawn } from 'node:child_process';
 import { closeSync, existsSync, openSync } from 'node:fs';
-import { chmod, mkdir, readFile, readlink, rename, rm, symlink } from 'node:fs/promises';
-import { join } from 'node:path';
+import { readFile, readlink, writeFile } from 'node:fs/promises';
+import { basename, dirname } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
 
@@ -20,10 +20,17 @@ import { mustRun, processStartTime, sleep } from './exec-util.js';
  * CAP_MKNOD, CAP_SYS_CHROOT and (unless the spec asks) CAP_NET_RAW, sets
  * no_new_privs, installs the seccomp filter, and only then applies the
  * guest's environment and execs. /proc and /sys paths that runc masks are
- * masked here too (MASKED_PATHS, READONLY_PATHS).
+ * masked by the helper's boot too.
  *
- * /dev is a fresh tmpfs filled by one copy of a template made at open
- * (prepareRuntime), rather than a dozen mknod/ln calls per create.
+ * User namespace: the init is started in a new user namespace whose root
+ * is host id `uidBase` (65536 ids from there). The agent writes the id maps,
+ * then the helper (mount-root) mounts the overlay from idmapped clones of the
+ * image and of the layer directory, so on disk every id stays what the
+ * sandbox sees (root-owned image files are root's inside, the layer records
+ * 0, not uidBase): checkpoints restore under any other range. Stage 2 then
+ * runs as root of the namespace: proc, sysfs (the netns belongs to the
+ * userns), a tmpfs /dev with the host's null/zero/… bind-mounted (mknod is
+ * refused in a user namespace), devpts, masks, network.
  */
 
 export interface HostTools {
@@ -47,36 +54,6 @@ export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper
   return { unshare: find('unshare', 'util-linux'), busybox };
 }
 
-const DEV_NODES: ReadonlyArray<[string, number, number]> = [
-  ['null', 1, 3],
-  ['zero', 1, 5],
-  ['full', 1, 7],
-  ['random', 1, 8],
-  ['urandom', 1, 9],
-  ['tty', 5, 0],
-];
-
-/**
- * `<dataDir>/runtime/dev`: the guest /dev template. Built under a temporary
- * name and renamed.
- */
-export async function prepareRuntime(dataDir: string): Promise<string> {
-  const dir = join(dataDir, 'runtime');
-  if (existsSync(join(dir, 'dev', 'null'))) return dir;
-  const tmp = `${dir}.tmp-${process.pid}`;
-  await rm(tmp, { recursive: true, force: true });
-  const dev = join(tmp, 'dev');
-  for (const d of ['pts', 'shm']) await mkdir(join(dev, d), { recursive: true });
-  await chmod(join(dev, 'shm'), 0o1777);
-  for (const [name, major, minor] of DEV_NODES) await mustRun('mknod', ['-m', '666', join(dev, name), 'c', String(major), String(minor)]);
-  for (const [name, target] of [['fd', '/proc/self/fd'], ['stdin', '/proc/self/fd/0'], ['stdout', '/proc/self/fd/1'], ['stderr', '/proc/self/fd/2'], ['ptmx', 'pts/ptmx']] as const) {
-    await symlink(target, join(dev, name));
-  }
-  if (existsSync(dir)) await rename(dir, `${dir}.old-${Date.now()}`);
-  await rename(tmp, dir);
-  return dir;
-}
-
 /**
  * Outer: runs on the host, joins the cgroup (so everything after is limited),
  * then creates the namespaces. The scripts run under the host's static
@@ -91,16 +68,11 @@ for f in "$@"; do
   echo $$ > "$f"
 done
 shift "$n"
-exec "$UNSHARE" --pid --mount --uts --ipc --net --fork --propagation private -- "$BB" sh -c "$STAGE2" stage2 "$@"
+exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --fork --propagation private -- "$HELPER" wait-root "$4" "$BB" sh -c "$STAGE2" stage2 "$@"
 `;
 
-/** runc's and Docker's defaults: hidden (read as empty), and read-only. */
-export const MASKED_PATHS = ['/proc/kcore', '/proc/keys', '/proc/timer_list', '/proc/timer_stats', '/proc/sched_debug', '/proc/latency_stats', '/proc/acpi', '/proc/asound', '/proc/scsi', '/sys/firmware', '/sys/devices/virtual/powercap'];
-export const READONLY_PATHS = ['/proc/bus', '/proc/fs', '/proc/irq', '/proc/sys', '/proc/sysrq-trigger'];
-const MASKS = [
-  ...MASKED_PATHS.map((p) => `if [ -d "$root${p}" ]; then mount -t tmpfs -o ro,nosuid,nodev,noexec,size=0 tmpfs "$root${p}"; elif [ -e "$root${p}" ]; then mount -o bind /dev/null "$root${p}"; fi`),
-  ...READONLY_PATHS.map((p) => `if [ -e "$root${p}" ]; then mount -o bind "$root${p}" "$root${p}"; mount -o remount,bind,ro,nosuid,nodev,noexec "$root${p}"; fi`),
-].join('\n');
+/** Ids per sandbox user namespace: 0-65535 inside. */
+export const USERNS_SIZE = 65536;
 
 /**
  * Stage 2: pid 1 of the new namespaces, still on the host's root, in a
@@ -109,18 +81,23 @@ const MASKS = [
  * moment it reports ready.
  */
 const STAGE2 = `set -eu
-unset STAGE2 UNSHARE BB
-img=$1 upper=$2 work=$3 root=$4 host=$5 runtime=$6 addr=$7 gw=$8 helper=$9 netraw=\${10}
-mount -t overlay overlay -o "lowerdir=$img,upperdir=$upper,workdir=$work,index=off,metacopy=off,redirect_dir=off" "$root"
+unset STAGE2 UNSHARE BB HELPER
+host=$5 addr=$6 gw=$7 netraw=$9
+helper=/proc/self/fd/4
+# The working directory is the new root (wait-root): its host path is not reachable from this user namespace.
+root=.
 if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
 for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
 # As Docker does: ping through ICMP datagram sockets, so it needs no CAP_NET_RAW (this netns only).
-echo "0 2147483647" > "$root/proc/sys/net/ipv4/ping_group_range"
+echo "0 65535" > "$root/proc/sys/net/ipv4/ping_group_range"
 if [ -d "$root/sys" ]; then mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"; fi
-${MASKS}
-mount -t tmpfs -o mode=755,size=64m,nosuid tmpfs "$root/dev"
-cp -a "$runtime/dev/." "$root/dev/"
+mount -t tmpfs -o mode=755,size=64m,nosuid,uid=0,gid=0 tmpfs "$root/dev"
+mkdir "$root/dev/pts" "$root/dev/shm"
+chmod 1777 "$root/dev/shm"
+# No mknod in a user namespace: the host's harmless nodes are bind-mounted.
+for n in null zero full random urandom tty; do touch "$root/dev/$n"; mount -o bind "/dev/$n" "$root/dev/$n"; done
+ln -s /proc/self/fd "$root/dev/fd"; ln -s /proc/self/fd/0 "$root/dev/stdin"; ln -s /proc/self/fd/1 "$root/dev/stdout"; ln -s /proc/self/fd/2 "$root/dev/stderr"; ln -s pts/ptmx "$root/dev/ptmx"
 mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" || true
 hostname "$host"
 ip link set lo up
@@ -132,7 +109,6 @@ done
 ip addr add "$addr" dev eth0
 ip link set eth0 up
 ip route add default via "$gw" dev eth0
-cd "$root"
 if [ "$netraw" = 1 ]; then exec "$helper" boot --net-raw; else exec "$helper" boot; fi
 `;
 
@@ -142,8 +118,8 @@ export interface LaunchOptions {
   readonly work: string;
   readonly rootMount: string;
   readonly hostname: string;
-  /** From prepareRuntime(): the /dev template and the helper directory. */
-  readonly runtimeDir: string;
+  /** Host id of the sandbox's root; the namespace maps 65536 ids from there. */
+  readonly uidBase: number;
   readonly cgroupProcs: readonly string[];
   readonly consoleLog: string;
   /** Guest address with prefix length, e.g. 10.213.0.2/16, and its gateway. */
@@ -166,16 +142,20 @@ export interface Launched {
 }
 
 export async function launchInit(opts: LaunchOptions): Promise<Launched> {
+  // mount-root clones the layer directory: upper/ and work/ must be its children under those names.
+  if (basename(opts.upper) !== 'upper' || basename(opts.work) !== 'work' || dirname(opts.upper) !== dirname(opts.work)) {
+    throw sandboxFailed(`the writable layer must be <dir>/upper and <dir>/work, got ${opts.upper} and ${opts.work}`);
+  }
   const log = openSync(opts.consoleLog, 'a');
   let child;
   try {
     child = spawn(
       opts.tools.busybox,
-      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.runtimeDir, opts.address, opts.gateway, opts.tools.helper, opts.netRaw ? '1' : '0'],
+      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.address, opts.gateway, opts.tools.helper, opts.netRaw ? '1' : '0'],
       {
         detached: true,
         stdio: ['ignore', log, log, 'pipe'],
-        env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2, UNSHARE: opts.tools.unshare, BB: opts.tools.busybox },
+        env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2, UNSHARE: opts.tools.unshare, BB: opts.tools.busybox, HELPER: opts.tools.helper },
       },
     );
   } finally {
@@ -201,7 +181,15 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
     });
   });
   try {
-    await Promise.all([ready, waitForNetns(unsharePid).then(() => opts.attachNetwork(unsharePid))]);
+    const setUp = async (): Promise<void> => {
+      await waitForNetns(unsharePid);
+      const map = `0 ${opts.uidBase} ${USERNS_SIZE}\n`;
+      await writeFile(`/proc/${unsharePid}/uid_map`, map);
+      await writeFile(`/proc/${unsharePid}/gid_map`, map);
+      await mustRun(opts.tools.helper, ['mount-root', String(unsharePid), String(opts.uidBase), opts.imageDir, dirname(opts.upper), opts.rootMount]);
+      await opts.attachNetwork(unsharePid);
+    };
+    await Promise.all([ready, setUp()]);
   } catch (err) {
     try {
       process.kill(-unsharePid, 'SIGKILL');

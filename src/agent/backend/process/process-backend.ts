@@ -34,7 +34,7 @@ import { CheckpointStore } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
-import { enterArgv, findHostTools, launchInit, prepareRuntime, type EnterOp, type HostTools } from './launch.js';
+import { enterArgv, findHostTools, launchInit, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
 import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
@@ -69,6 +69,11 @@ export const optionsSchema = z.object({
   cgroupRoot: z.string().default('/sys/fs/cgroup'),
   /** TTY implementation: node-pty when installed, else script(1); 'script' forces the fallback. */
   pty: z.enum(['auto', 'script']).default('auto'),
+  /**
+   * Host ids for sandbox user namespaces: each sandbox gets its own block of
+   * 65536 ids, picked at random among the free blocks in [uidBase, 2^32).
+   */
+  uidBase: z.number().int().min(USERNS_SIZE).max(2 ** 31).multipleOf(USERNS_SIZE).default(2 ** 28),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -116,6 +121,8 @@ const persistedSchema = z.object({
   init_start: z.string(),
   env: z.record(z.string(), z.string()),
   net_raw: z.boolean().default(false),
+  /** Host id of the sandbox's root (user namespace); 0: a sandbox from before user namespaces. */
+  uid_base: z.number().int().nonnegative().default(0),
   expose: z.array(exposeSchema),
   /** Host port per expose entry (same order), so a restarted agent republishes on the same ports. */
   host_ports: z.array(z.number()),
@@ -143,7 +150,6 @@ export class ProcessBackend implements Backend {
     private readonly subnet: Subnet,
     private readonly cgroups: Cgroups,
     private readonly tools: HostTools,
-    private readonly runtimeDir: string,
     private readonly log: Logger | undefined,
   ) {
     this.sandboxesDir = join(opts.dataDir, 'sandboxes');
@@ -168,8 +174,7 @@ export class ProcessBackend implements Backend {
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
     await mkdir(opts.imageDir, { recursive: true });
-    const runtimeDir = await prepareRuntime(opts.dataDir);
-    const backend = new ProcessBackend(opts, subnet, cgroups, tools, runtimeDir, logger);
+    const backend = new ProcessBackend(opts, subnet, cgroups, tools, logger);
     await backend.checkpoints.init();
     await backend.recover();
     return backend;
@@ -241,6 +246,7 @@ export class ProcessBackend implements Backend {
         init_start: '',
         env: spec.env ?? {},
         net_raw: spec.net_raw ?? false,
+        uid_base: this.pickUidBase(),
         expose: spec.expose ?? [],
         host_ports: [],
       };
@@ -274,7 +280,7 @@ export class ProcessBackend implements Backend {
           work: join(dir, 'work'),
           rootMount: join(dir, 'root'),
           hostname: spec.name,
-          runtimeDir: this.runtimeDir,
+          uidBase: state.uid_base,
           cgroupProcs: this.cgroups.procsFiles(spec.name),
           consoleLog: join(dir, 'console.log'),
           address: `${ip}/${this.subnet.prefixLen}`,
@@ -385,11 +391,15 @@ export class ProcessBackend implements Backend {
         bytes += chunk.length;
         if (opts.maxBytes !== undefined && bytes > opts.maxBytes) {
           tooLarge = true;
+          // Killed before its stdin closes: an end of input would commit the partial file.
+          h.kill('SIGKILL');
           cb(new Error('too large'));
         } else cb(null, chunk);
       },
     });
     let pipeErr: unknown;
+    // Likewise when the client's stream fails (this listener runs before pipeline's, which ends stdin).
+    data.once('error', () => h.kill('SIGKILL'));
     try {
       await pipeline(data, counter, h.stdin);
     } catch (err) {
@@ -621,6 +631,22 @@ export class ProcessBackend implements Backend {
   }
 
   // ---- internals ----
+
+  /**
+   * A block no live sandbox of this agent uses. Random rather than the
+   * lowest free one, so two agents on one host (distinct data directories)
+   * are unlikely to hand out the same block; sharing one would still leave
+   * the sandboxes apart (no shared files, pids or IPC), only less so.
+   */
+  private pickUidBase(): number {
+    const used = new Set([...this.records.values()].map((r) => r.state.uid_base));
+    const first = this.opts.uidBase / USERNS_SIZE;
+    const blocks = 2 ** 32 / USERNS_SIZE - 1 - first;
+    for (;;) {
+      const base = (first + randomBytes(4).readUInt32BE() % blocks) * USERNS_SIZE;
+      if (!used.has(base)) return base;
+    }
+  }
 
   private assertOpen(): void {
     if (this.closed) throw new AppError('BACKEND_CLOSED', 503, 'the backend is shutting down');
