@@ -1,6 +1,6 @@
 import { createHash } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { chmod, mkdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { featureMissing } from '../backend.js';
@@ -8,9 +8,8 @@ import { runTool } from '../backend/process/exec-util.js';
 
 /**
  * The sandbox helper (fleet-sandbox.c) compiled static with the host's gcc
- * into `<dataDir>/runtime-helper/fleet-sandbox-<sha256 of the source>`: a
- * changed source is a new file (live sandboxes may be running the old one's
- * successor execs, never the old file itself, which stays until prune).
+ * into `<dataDir>/runtime-helper/fleet-sandbox-<sha256 of the source>`,
+ * once per source version (older builds are removed).
  * Static, so no dynamic loader ever reads an environment variable on the
  * host side of an exec.
  */
@@ -50,6 +49,10 @@ export async function ensureSandboxHelper(dataDir: string): Promise<string> {
     }
     await chmod(tmp, 0o755);
     await rename(tmp, bin);
+    // Builds of an older source: running execs hold their own inode, so they can go.
+    for (const f of await readdir(dir)) {
+      if (f.startsWith('fleet-sandbox-') && join(dir, f) !== bin) await rm(join(dir, f), { force: true });
+    }
   } finally {
     await rm(tmp, { force: true });
     await rm(srcCopy, { force: true });

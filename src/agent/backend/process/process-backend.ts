@@ -814,7 +814,7 @@ async function assertHostFeatures(): Promise<void> {
     const again = await readFile('/proc/filesystems', 'utf8').catch(() => '');
     if (!/\toverlay$/m.test(again)) throw featureMissing('overlayfs', 'load the overlay kernel module (modprobe overlay)');
   }
-  for (const ns of ['pid', 'mnt', 'uts', 'ipc', 'net']) {
+  for (const ns of ['user', 'pid', 'mnt', 'uts', 'ipc', 'net']) {
     if (!existsSync(`/proc/self/ns/${ns}`)) throw featureMissing(`${ns} namespaces`, 'use a kernel built with namespaces');
   }
 }
