@@ -10,6 +10,7 @@ import { after, before, describe, test } from 'node:test';
 import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { buildImage } from '../../src/agent/images.js';
+import { startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
 
 /**
  * Attacks on the sandbox boundary (issue 13, deliverables 1-3), each
@@ -165,6 +166,40 @@ printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cm
       await backend.destroy(name);
     });
   }
+
+  test('through the agent API: exec and a TTY attach with LD_PRELOAD and a PATH into the layer reach no host-side process', async () => {
+    let agent: RunningAgent | undefined;
+    try {
+      agent = await startAgent({ dataDir: await mkdtemp(join(root, 'agent-')), imageDir: join(root, 'images'), subnet: uniqueSubnet(), bridgePrefix: uniquePrefix(), env: { AGENT_LOG_LEVEL: 'warn' } }, 60_000);
+      await agent.client.createVm({ name: 'api', image: 'base' });
+      const hostUpper = join(agent.opts.dataDir, 'sandboxes', 'api', 'upper');
+      const marker = join(root, 'marker-api');
+      const plant = await agent.client.exec('api', {
+        argv: ['/bin/sh', '-c', `mkdir -p /trap && for n in sh stty setpriv nsenter busybox script env; do printf '#!/bin/sh\necho "$0" >> ${marker}\n' > /trap/$n; chmod 755 /trap/$n; done`],
+      });
+      assert.equal(plant.exit_code, 0, plant.stderr);
+      const env = hostileEnv(join(hostUpper, 'trap'));
+      const r = await agent.client.exec('api', { argv: ['/bin/sh', '-c', 'echo "in:$LD_PRELOAD"'], env });
+      assert.doesNotMatch(r.stderr, /ld\.so|cannot be preloaded/, 'a host-side process honoured the tenant LD_PRELOAD');
+      assert.equal(r.stdout, 'in:/nonexistent-probe.so\n');
+      const s = await agent.client.attach('api', { type: 'start', cmd: ['/bin/sh', '-c', 'stty size; echo "in:$LD_PRELOAD"; exit 5'], tty: true, rows: 31, cols: 99, env });
+      let out = '';
+      let code: number | undefined;
+      for await (const f of s.frames) {
+        if (f.type === 'stdout' || f.type === 'stderr') out += Buffer.from(f.data, 'base64').toString();
+        if (f.type === 'exit') code = f.code ?? undefined;
+      }
+      s.close();
+      assert.ok(!existsSync(marker), `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`);
+      assert.doesNotMatch(out, /ld\.so|cannot be preloaded/);
+      assert.match(out, /31 99[\s\S]*in:\/nonexistent-probe\.so/);
+      assert.equal(code, 5);
+      await agent.client.destroyVm('api', { force: true });
+    } finally {
+      await agent?.stop();
+      await agent?.cleanupHost();
+    }
+  });
 
   test('seccomp: keyctl, add_key, bpf, perf_event_open and unshare(CLONE_NEWUSER) fail with EPERM; no_new_privs and filter set', async () => {
     await b.create({ name: 'sc', cpus: 1, ram_mb: 64, tenant: 'acme' });
