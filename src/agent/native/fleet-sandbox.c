@@ -26,7 +26,7 @@
  *       with the usual trusted.overlay xattrs. HOSTID is the host id of the
  *       sandbox's root: the overlay writes its work files as the mounter's
  *       fsuid, which must have a mapping in the idmapped upper layer.
- *   fleet-sandbox enter PID [--cg FILE]... [--cwd DIR] [--net-raw]
+ *   fleet-sandbox enter PID [--start TICKS] [--cg FILE]... [--cwd DIR] [--net-raw]
  *                       [--winsize ROWS COLS] -- OP ARGS...
  *       Join the cgroup(s), enter the namespaces (user first) and root of
  *       the init PID, fork into its pid namespace, confine, then OP:
@@ -337,6 +337,28 @@ static void write_file(const char *path, const char *text) {
   close(fd);
 }
 
+/* Field 22 of /proc/PID/stat (start time in clock ticks) equals `start`. */
+static int same_start(int pid, const char *start) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  char *p = strrchr(buf, ')');
+  if (!p) return 0;
+  p += 2; /* field 3 */
+  for (int field = 3; field < 22 && p; field++) {
+    p = strchr(p, ' ');
+    if (p) p++;
+  }
+  if (!p) return 0;
+  size_t len = strcspn(p, " ");
+  return len == strlen(start) && strncmp(p, start, len) == 0;
+}
+
 static int open_ns(int pid, const char *ns) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/%s", pid, ns);
@@ -413,12 +435,14 @@ static int cmd_enter(int argc, char **argv) {
   if (pid <= 0) usage();
   const char *cwd = "/";
   int net_raw = 0, rows = 0, cols = 0, i = 3;
+  const char *start = NULL;
   char **cgroups = calloc((size_t)argc, sizeof *cgroups);
   size_t ncg = 0;
   for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
     if (strcmp(argv[i], "--cg") == 0 && i + 1 < argc) cgroups[ncg++] = argv[++i];
     else if (strcmp(argv[i], "--cwd") == 0 && i + 1 < argc) cwd = argv[++i];
     else if (strcmp(argv[i], "--net-raw") == 0) net_raw = 1;
+    else if (strcmp(argv[i], "--start") == 0 && i + 1 < argc) start = argv[++i];
     else if (strcmp(argv[i], "--winsize") == 0 && i + 2 < argc) rows = atoi(argv[++i]), cols = atoi(argv[++i]);
     else usage();
   }
@@ -430,6 +454,8 @@ static int cmd_enter(int argc, char **argv) {
         (strcmp(op, "get") == 0 && nrest == 1) || (strcmp(op, "unlink") == 0 && nrest == 1)))
     usage();
   char **envp = guest_env();
+  /* Not ptraceable nor its /proc readable by the guest while it still holds more than the guest does. */
+  if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) fail("PR_SET_DUMPABLE", NULL);
 
   if (rows > 0 && cols > 0) {
     struct winsize ws = {(unsigned short)rows, (unsigned short)cols, 0, 0};
@@ -451,6 +477,11 @@ static int cmd_enter(int argc, char **argv) {
     snprintf(mine_path, sizeof mine_path, "/proc/self/ns/%s", names[n]);
     if (fstat(nss[n], &a) < 0 || stat(mine_path, &b) < 0) fail("stat namespace", names[n]);
     join[n] = a.st_ino != b.st_ino || a.st_dev != b.st_dev;
+  }
+  /* The descriptors are held now: if the pid still has the init's start time, they are the init's, not a reused pid's. */
+  if (start && !same_start(pid, start)) {
+    dprintf(2, "fleet-sandbox: process %d is no longer the sandbox init\n", pid);
+    _exit(125);
   }
   struct stat mine, theirs;
   if (fstat(user, &theirs) < 0 || stat("/proc/self/ns/user", &mine) < 0) fail("stat user namespace", NULL);

@@ -237,13 +237,15 @@ export type EnterOp = { readonly op: 'exec'; readonly argv: readonly string[] } 
  * which joins the cgroups, enters the init's namespaces (user first) and
  * root, confines itself and runs `op` there. cwd is resolved inside.
  */
-export function enterArgv(opts: { initPid: number; cgroupProcs: readonly string[]; cwd: string; netRaw: boolean; winsize?: { rows: number; cols: number }; op: EnterOp; tools: HostTools }): string[] {
+export function enterArgv(opts: { initPid: number; initStart: string; cgroupProcs: readonly string[]; cwd: string; netRaw: boolean; winsize?: { rows: number; cols: number }; op: EnterOp; tools: HostTools }): string[] {
   const op = opts.op;
   const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp] : [op.op, op.path];
   return [
     opts.tools.helper,
     'enter',
     String(opts.initPid),
+    '--start',
+    opts.initStart,
     ...opts.cgroupProcs.flatMap((f) => ['--cg', f]),
     '--cwd',
     opts.cwd,

@@ -362,7 +362,7 @@ export class ProcessBackend implements Backend {
   private async enter(record: SandboxRecord, op: EnterOp, cwd = '/', winsize?: { rows: number; cols: number }): Promise<string[]> {
     await this.assertRunning(record);
     const s = record.state;
-    return enterArgv({ initPid: s.init_pid, cgroupProcs: this.cgroups.procsFiles(s.name), cwd, netRaw: s.net_raw, ...(winsize ? { winsize } : {}), op, tools: this.tools });
+    return enterArgv({ initPid: s.init_pid, initStart: s.init_start, cgroupProcs: this.cgroups.procsFiles(s.name), cwd, netRaw: s.net_raw, ...(winsize ? { winsize } : {}), op, tools: this.tools });
   }
 
   async resolveGuestPath(name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string> {
