@@ -275,6 +275,19 @@ true`,
     await b.destroy('userns');
   });
 
+  test('a checkpoint restores under another id block with the same ownership inside', async () => {
+    await b.create({ name: 'cp-src', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    const made = await sh(b, 'cp-src', 'mkdir -p /home/u && touch /home/u/f /rootfile && chown -R 1000:1000 /home/u && rm /etc/hosts && cat /proc/self/uid_map');
+    assert.equal(made.exitCode, 0, made.stderr);
+    const cp = await b.checkpoint('cp-src', { comment: 'userns' });
+    await b.create({ name: 'cp-dst', cpus: 1, ram_mb: 64, tenant: 'acme', checkpointId: cp.id });
+    const r = await sh(b, 'cp-dst', 'stat -c "%n %u:%g" /home/u/f /rootfile /bin/busybox; [ -e /etc/hosts ] || echo hosts-deleted; cat /proc/self/uid_map');
+    assert.match(r.stdout, /\/home\/u\/f 1000:1000\n\/rootfile 0:0\n\/bin\/busybox 0:0\nhosts-deleted\n/);
+    assert.notEqual(r.stdout.split('hosts-deleted\n')[1]!.trim().split(/\s+/)[1], made.stdout.trim().split(/\s+/)[1], 'both sandboxes got the same id block');
+    await b.destroy('cp-src');
+    await b.destroy('cp-dst');
+  });
+
   test('an uploaded file is owned by root inside the sandbox', async () => {
     await b.create({ name: 'own', cpus: 1, ram_mb: 64, tenant: 'acme' });
     await b.writeGuestFile('own', '/root/up.txt', Readable.from([Buffer.from('hello')]));
