@@ -18,8 +18,8 @@ const SOURCE_NAME = 'fleet-sandbox.c';
 
 function sourcePath(): string {
   const here = dirname(fileURLToPath(import.meta.url));
-  // From dist/src/agent/native the source is in the repository's src/.
-  for (const p of [join(here, SOURCE_NAME), join(here, '..', '..', '..', '..', 'src', 'agent', 'native', SOURCE_NAME)]) {
+  // Built (tsconfig.build.json: src → dist), the source is still in the repository's src/.
+  for (const p of [join(here, SOURCE_NAME), join(here, '..', '..', '..', 'src', 'agent', 'native', SOURCE_NAME)]) {
     if (existsSync(p)) return p;
   }
   throw featureMissing('fleet-sandbox helper source', `${SOURCE_NAME} is missing next to ${here}`);
