@@ -138,6 +138,8 @@ export interface CreateSpec {
   readonly expose?: readonly ExposeSpec[];
   /** Environment for every spawn in this sandbox (spawn's env overrides it). */
   readonly env?: Readonly<Record<string, string>>;
+  /** Keep CAP_NET_RAW in the sandbox (raw sockets); dropped by default. */
+  readonly net_raw?: boolean;
 }
 
 export type SandboxState = 'running' | 'stopped';

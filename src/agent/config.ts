@@ -47,6 +47,8 @@ export const agentConfigSchema = z
     /** HMAC key for artifact grants. Unset: generated once into AGENT_DATA_DIR/grant-secret. */
     AGENT_GRANT_SECRET: z.string().min(32, 'must be at least 32 characters').optional(),
     AGENT_ALLOW_CROSS_TENANT: bool.default(false),
+    /** Lowest host id handed to sandbox user namespaces (65536-id blocks at or above it). */
+    AGENT_UID_BASE: z.coerce.number({ message: 'must be a multiple of 65536' }).int().min(65536).max(2 ** 31).multipleOf(65536, 'must be a multiple of 65536').default(2 ** 28),
     /** Cap on one artifact pull from a peer. */
     AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
   })
@@ -77,6 +79,7 @@ export interface AgentConfig {
   grantSecret: Buffer;
   allowCrossTenant: boolean;
   pullTimeoutMs: number;
+  uidBase: number;
 }
 
 export class AgentConfigError extends Error {
@@ -130,6 +133,7 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     grantSecret: raw.AGENT_GRANT_SECRET ? Buffer.from(raw.AGENT_GRANT_SECRET, 'utf8') : grantSecretFor(dataDir),
     allowCrossTenant: raw.AGENT_ALLOW_CROSS_TENANT,
     pullTimeoutMs: raw.AGENT_PULL_TIMEOUT_MS,
+    uidBase: raw.AGENT_UID_BASE,
   };
 }
 

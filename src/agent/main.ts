@@ -36,6 +36,7 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     allowCrossTenant: config.allowCrossTenant,
     publishHost: config.publishHost,
     defaultImage: config.defaultImage,
+    uidBase: config.uidBase,
     logger: logger.child({ component: 'backend' }),
   });
 }

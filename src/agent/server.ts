@@ -130,6 +130,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
       env: spec.env,
       expose: spec.expose,
       ...(spec.ip_hint ? { ipHint: spec.ip_hint } : {}),
+      ...(spec.net_raw ? { net_raw: true } : {}),
     });
     return reply.code(201).send(toVmInfo(info));
   });

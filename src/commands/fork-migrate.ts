@@ -127,7 +127,7 @@ export class ForkMigrate {
       step = 'boot';
       const agent = await this.hosts.agentFor(targetId);
       const name = sandboxName(vmId);
-      const info = await agent.createVm({ name, checkpoint_id: snapshotId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, tenant: vm.tenant_id });
+      const info = await agent.createVm({ name, checkpoint_id: snapshotId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, tenant: vm.tenant_id, ...(spec.net_raw ? { net_raw: true } : {}) });
       booted = true;
       let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
       const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];

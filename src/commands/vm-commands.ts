@@ -154,6 +154,7 @@ export class VmCommands {
         storage_gb: spec.storage_gb,
         tenant: vm.tenant_id,
         expose,
+        ...(spec.net_raw ? { net_raw: true } : {}),
       });
       created = true;
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.

@@ -120,6 +120,8 @@ export const createVmRequestSchema = z
     expose: z.array(exposeSpecSchema).max(64).default([]),
     /** Honoured if free in the subnet, else the lowest free address. */
     ip_hint: z.ipv4().optional(),
+    /** Keep CAP_NET_RAW in the sandbox (raw sockets: ping, packet capture); dropped by default. */
+    net_raw: z.boolean().optional(),
   })
   .refine((r) => !(r.image && r.checkpoint_id), { message: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
 export type CreateVmRequest = z.input<typeof createVmRequestSchema>;

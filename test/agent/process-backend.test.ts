@@ -285,9 +285,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
   });
 
   test('network: same tenant reachable, another tenant blocked; cross-tenant allowed only by the operator flag', async () => {
-    const a1 = await b.create({ name: 'net-a1', cpus: 1, ram_mb: 64, tenant: 'alpha' });
+    // busybox ping opens a raw socket: the pinging sandboxes opt in to CAP_NET_RAW.
+    const a1 = await b.create({ name: 'net-a1', cpus: 1, ram_mb: 64, tenant: 'alpha', net_raw: true });
     const a2 = await b.create({ name: 'net-a2', cpus: 1, ram_mb: 64, tenant: 'alpha', ipHint: parseSubnet(opts.subnet!).gateway.replace(/\.1$/, '.200') });
-    const b1 = await b.create({ name: 'net-b1', cpus: 1, ram_mb: 64, tenant: 'beta' });
+    const b1 = await b.create({ name: 'net-b1', cpus: 1, ram_mb: 64, tenant: 'beta', net_raw: true });
     assert.match(a2.ip, /\.200$/, 'a free ip hint is honoured');
     const ping = async (from: string, ip: string): Promise<boolean> => (await sh(b, from, `ping -c 1 -W 1 ${ip} >/dev/null 2>&1`)).exitCode === 0;
     assert.equal(await ping('net-a1', a2.ip), true, 'same tenant reaches its peer');
@@ -303,7 +304,7 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
 
     const { backend: open } = await openBackend({ allowCrossTenant: true });
     const x = await open.create({ name: 'x', cpus: 1, ram_mb: 64, tenant: 'alpha' });
-    await open.create({ name: 'y', cpus: 1, ram_mb: 64, tenant: 'beta' });
+    await open.create({ name: 'y', cpus: 1, ram_mb: 64, tenant: 'beta', net_raw: true });
     assert.equal((await sh(open, 'y', `ping -c 1 -W 1 ${x.ip} >/dev/null 2>&1`)).exitCode, 0, 'allowCrossTenant lets tenants meet');
     await open.destroy('x');
     await open.destroy('y');
@@ -322,6 +323,8 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.match(await readFile(viaAbs, 'utf8'), /^root:x:0:0/);
     assert.equal(await readFile(await b.resolveGuestPath('paths', 'data/./f', { forWrite: false }), 'utf8'), 'inside\n');
     const target = await b.resolveGuestPath('paths', '/data/new', { forWrite: true });
+    // Host root has no id in the sandbox's user namespace: it can write a guest file, not create one (EOVERFLOW).
+    await sh(b, 'paths', 'touch /data/new');
     await writeFile(target, 'uploaded');
     assert.equal((await sh(b, 'paths', 'cat /data/new')).stdout, 'uploaded');
     await rejectsWithCode(b.resolveGuestPath('paths', '/nope/file', { forWrite: true }), 'GUEST_PATH_NOT_FOUND');

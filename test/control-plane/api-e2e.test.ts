@@ -228,6 +228,24 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     else assert.ok(missing.status >= 400 && missing.status < 500, JSON.stringify(missing.body));
   });
 
+  it('net_raw in the VM spec reaches the sandbox: CAP_NET_RAW only when asked', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const capEff = async (id: string): Promise<bigint> => {
+      const r = await c.request('POST', `/v1/vms/${id}/exec`, { as: 'acme', body: { argv: ['cat', '/proc/self/status'] } });
+      return BigInt(`0x${/CapEff:\s+([0-9a-f]+)/.exec(String(r.body.stdout))![1]}`);
+    };
+    const NET_RAW = 1n << 13n;
+    assert.equal((await capEff(state.vm!)) & NET_RAW, 0n, 'CAP_NET_RAW kept without net_raw');
+    const raw = await c.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base', cpus: 1, ram_mb: 128, net_raw: true } });
+    assert.equal(raw.status, 201, JSON.stringify(raw.body));
+    try {
+      assert.equal((await capEff(raw.body.id)) & NET_RAW, NET_RAW);
+    } finally {
+      await c.request('DELETE', `/v1/vms/${raw.body.id}`, { as: 'acme' });
+    }
+  });
+
   it('files: upload and download bytes; reserved and escaping paths are refused with 4xx', async (t) => {
     if (guard(t)) return;
     const c = cp!;

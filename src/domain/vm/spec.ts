@@ -112,6 +112,7 @@ const vmSpecObject = z.object({
     agent: agentSpecSchema.optional(),
     expose: z.array(exposeSchema).max(32).optional(),
     healthcheck: healthcheckSchema.optional(),
+    net_raw: z.boolean().optional(),
   });
 
 export const vmSpecSchema = vmSpecObject

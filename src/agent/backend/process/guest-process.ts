@@ -7,10 +7,13 @@ import { featureMissing, sandboxFailed, type ExitStatus, type ProcessHandle } fr
 import { runTool } from './exec-util.js';
 
 /**
- * A process running inside a sandbox, seen from the host. The host-side
- * chain (sh → setpriv → nsenter → guest) is started in its own process
- * group, so kill() reaches nsenter and the guest process together; nsenter
+ * A process running inside a sandbox, seen from the host. The argv is the
+ * helper's (launch.ts enterArgv), started in its own process group, so
+ * kill() reaches the helper and the guest process together; the helper
  * re-raises its child's fatal signal, so the exit status is the guest's.
+ * `hostEnv` is the whole environment of the host-side process: fixed
+ * values and the hex-encoded guest environment (encodeGuestEnv), never a
+ * tenant's variable as such.
  */
 
 type PtyModule = typeof import('node-pty');
@@ -29,9 +32,9 @@ const signalNames = new Map<number, NodeJS.Signals>(
   Object.entries(osConstants.signals).map(([name, num]) => [num, name as NodeJS.Signals]),
 );
 
-export function spawnPiped(argv: readonly string[], env: Record<string, string>, withStdin: boolean): ProcessHandle {
+export function spawnPiped(argv: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
   const [cmd, ...args] = argv;
-  const child = spawn(cmd!, args, { detached: true, stdio: [withStdin ? 'pipe' : 'ignore', 'pipe', 'pipe'], env });
+  const child = spawn(cmd!, args, { detached: true, stdio: [withStdin ? 'pipe' : 'ignore', 'pipe', 'pipe'], env: hostEnv });
   const stdin = child.stdin ?? endedWritable();
   stdin.on('error', () => undefined);
   const exited = new Promise<ExitStatus>((resolve, reject) => {
@@ -55,11 +58,11 @@ export function spawnPiped(argv: readonly string[], env: Record<string, string>,
  * resizes go through `stty -F` on the pty's slave, which makes the kernel
  * signal SIGWINCH to the foreground process exactly as a terminal would.
  */
-export async function spawnPty(argv: readonly string[], env: Record<string, string>, size: { rows: number; cols: number }, impl: 'auto' | 'script' = 'auto'): Promise<ProcessHandle> {
+export async function spawnPty(argv: readonly string[], hostEnv: Record<string, string>, size: { rows: number; cols: number }, impl: 'auto' | 'script' = 'auto'): Promise<ProcessHandle> {
   const pty = impl === 'script' ? null : await loadPty();
-  if (!pty) return spawnScriptPty(argv, env, size);
+  if (!pty) return spawnScriptPty(argv, hostEnv);
   const [cmd, ...args] = argv;
-  const term = pty.spawn(cmd!, args, { name: env.TERM ?? 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env, encoding: null } as Parameters<PtyModule['spawn']>[2]);
+  const term = pty.spawn(cmd!, args, { name: 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env: hostEnv, encoding: null } as Parameters<PtyModule['spawn']>[2]);
   const stdout = new PassThrough();
   const stderr = new PassThrough();
   stderr.end();
@@ -100,13 +103,14 @@ export async function spawnPty(argv: readonly string[], env: Record<string, stri
   };
 }
 
+const HOST_PATH = '/usr/sbin:/usr/bin:/sbin:/bin';
 const shq = (a: string): string => `'${a.replace(/'/g, `'\\''`)}'`;
 
-function spawnScriptPty(argv: readonly string[], env: Record<string, string>, size: { rows: number; cols: number }): ProcessHandle {
+function spawnScriptPty(argv: readonly string[], hostEnv: Record<string, string>): ProcessHandle {
   if (!existsSync('/usr/bin/script')) throw featureMissing('pty', 'a TTY needs node-pty (npm install with build-essential and python3) or script(1) from util-linux');
-  // The -c command runs on the host inside the new pty: size it there, then enter the sandbox.
-  const command = `stty rows ${size.rows} cols ${size.cols} 2>/dev/null; exec ${argv.map(shq).join(' ')}`;
-  const child = spawn('/usr/bin/script', ['-q', '-e', '-f', '-c', command, '/dev/null'], { detached: true, stdio: ['pipe', 'pipe', 'pipe'], env: { ...env, SHELL: '/bin/sh' } });
+  // script runs "$SHELL -c command" on the host: a fixed shell and PATH, and only absolute paths in the command (the helper sizes the pty).
+  const command = `exec ${argv.map(shq).join(' ')}`;
+  const child = spawn('/usr/bin/script', ['-q', '-e', '-f', '-c', command, '/dev/null'], { detached: true, stdio: ['pipe', 'pipe', 'pipe'], env: { ...hostEnv, PATH: HOST_PATH, SHELL: '/bin/sh' } });
   child.stdin.on('error', () => undefined);
   const exited = new Promise<ExitStatus>((resolve, reject) => {
     child.once('error', (err) => reject(sandboxFailed(`could not start script(1): ${err.message}`, {}, err)));
@@ -128,7 +132,7 @@ function spawnScriptPty(argv: readonly string[], env: Record<string, string>, si
         const pid = await inner();
         if (!pid) return;
         const tty = await readlink(`/proc/${pid}/fd/0`).catch(() => null);
-        if (tty?.startsWith('/dev/pts/')) await runTool('stty', ['-F', tty, 'rows', String(Math.max(1, rows)), 'cols', String(Math.max(1, cols))]).catch(() => undefined);
+        if (tty?.startsWith('/dev/pts/')) await runTool('/usr/bin/stty', ['-F', tty, 'rows', String(Math.max(1, rows)), 'cols', String(Math.max(1, cols))]).catch(() => undefined);
       })();
     },
     kill: (signal = 'SIGKILL') => {

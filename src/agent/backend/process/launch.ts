@@ -1,7 +1,7 @@
 import { spawn } from 'node:child_process';
 import { closeSync, existsSync, openSync } from 'node:fs';
-import { chmod, copyFile, mkdir, readFile, readlink, rename, rm, stat, symlink } from 'node:fs/promises';
-import { join } from 'node:path';
+import { readFile, readlink, writeFile } from 'node:fs/promises';
+import { basename, dirname } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
 
@@ -12,34 +12,36 @@ import { mustRun, processStartTime, sleep } from './exec-util.js';
  * it outlives the agent; nothing about it lives in the agent's memory that a
  * restart cannot find again from state.json and /proc.
  *
- * Capabilities: sandbox processes run as uid 0 but with Docker's default
- * bounding set minus CAP_MKNOD and CAP_SYS_CHROOT (and without
- * CAP_SYS_ADMIN/NET_ADMIN), so they cannot mount, create devices, chroot out
- * of the pivoted root, or change their routes. Setting up needs
- * CAP_SYS_ADMIN after the bounding set is dropped (pivot_root, umount), so it
- * is carried in the inheritable+ambient sets across that exec and cleared by
- * the last exec — by a copy of the host's static busybox, bind-mounted
- * read-only at /dev/.fleet/busybox, because after the pivot no host binary
- * is reachable.
- * Every exec runs that binary with CAP_SYS_ADMIN still ambient, so the guest
- * must not be able to swap it: /dev/.fleet is its own read-only mount (a
- * mount point cannot be renamed, and sandboxes cannot unmount).
+ * Every host-side process here starts with a fixed environment. The last
+ * step of a start, and every exec, is the static helper
+ * (src/agent/native/fleet-sandbox.c), a host file the guest never sees:
+ * it pivots into the sandbox root (start) or enters the init's namespaces
+ * and root (exec), reduces capabilities to Docker's default set minus
+ * CAP_MKNOD, CAP_SYS_CHROOT and (unless the spec asks) CAP_NET_RAW, sets
+ * no_new_privs, installs the seccomp filter, and only then applies the
+ * guest's environment and execs. /proc and /sys paths that runc masks are
+ * masked by the helper's boot too.
  *
- * /dev is a fresh tmpfs filled by one copy of a template made at open
- * (prepareRuntime), rather than a dozen mknod/ln calls per create.
- * The inheritable set must be raised before the bounding set is dropped
- * (capset refuses otherwise), hence two setpriv calls.
+ * User namespace: the init is started in a new user namespace whose root
+ * is host id `uidBase` (65536 ids from there). The agent writes the id maps,
+ * then the helper (mount-root) mounts the overlay from idmapped clones of the
+ * image and of the layer directory, so on disk every id stays what the
+ * sandbox sees (root-owned image files are root's inside, the layer records
+ * 0, not uidBase): checkpoints restore under any other range. Stage 2 then
+ * runs as root of the namespace: proc, sysfs (the netns belongs to the
+ * userns), a tmpfs /dev with the host's null/zero/… bind-mounted (mknod is
+ * refused in a user namespace), devpts, masks, network.
  */
 
 export interface HostTools {
-  readonly setpriv: string;
-  readonly nsenter: string;
   readonly unshare: string;
   readonly busybox: string;
+  /** The compiled fleet-sandbox helper (ensureSandboxHelper). */
+  readonly helper: string;
 }
 
 /** Absolute paths of the host tools the backend needs, or HOST_FEATURE_MISSING naming the package. */
-export function findHostTools(busybox = '/bin/busybox'): HostTools {
+export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper'> {
   const find = (name: string, pkg: string): string => {
     for (const dir of ['/usr/bin', '/usr/sbin', '/bin', '/sbin']) {
       if (existsSync(`${dir}/${name}`)) return `${dir}/${name}`;
@@ -49,50 +51,8 @@ export function findHostTools(busybox = '/bin/busybox'): HostTools {
   find('ip', 'iproute2');
   find('tar', 'tar');
   if (!existsSync(busybox)) throw featureMissing('busybox', `${busybox} is absent: run \`apt-get install busybox-static\``);
-  return { setpriv: find('setpriv', 'util-linux'), nsenter: find('nsenter', 'util-linux'), unshare: find('unshare', 'util-linux'), busybox };
+  return { unshare: find('unshare', 'util-linux'), busybox };
 }
-
-const DEV_NODES: ReadonlyArray<[string, number, number]> = [
-  ['null', 1, 3],
-  ['zero', 1, 5],
-  ['full', 1, 7],
-  ['random', 1, 8],
-  ['urandom', 1, 9],
-  ['tty', 5, 0],
-];
-
-/**
- * `<dataDir>/runtime/{dev,helper}`: the guest /dev template and the helper
- * directory (busybox alone). Built under a temporary name and renamed, and
- * never deleted while the agent runs: live sandboxes have the helper
- * directory mounted.
- */
-export async function prepareRuntime(dataDir: string, busybox: string): Promise<string> {
-  const dir = join(dataDir, 'runtime');
-  const helper = join(dir, 'helper', 'busybox');
-  const want = (await stat(busybox)).size;
-  const have = await stat(helper).then((s) => s.size, () => -1);
-  if (have === want && existsSync(join(dir, 'dev', 'null'))) return dir;
-  const tmp = `${dir}.tmp-${process.pid}`;
-  await rm(tmp, { recursive: true, force: true });
-  await mkdir(join(tmp, 'helper'), { recursive: true });
-  await copyFile(busybox, join(tmp, 'helper', 'busybox'));
-  await chmod(join(tmp, 'helper', 'busybox'), 0o755);
-  const dev = join(tmp, 'dev');
-  for (const d of ['pts', 'shm', '.fleet']) await mkdir(join(dev, d), { recursive: true });
-  await chmod(join(dev, 'shm'), 0o1777);
-  for (const [name, major, minor] of DEV_NODES) await mustRun('mknod', ['-m', '666', join(dev, name), 'c', String(major), String(minor)]);
-  for (const [name, target] of [['fd', '/proc/self/fd'], ['stdin', '/proc/self/fd/0'], ['stdout', '/proc/self/fd/1'], ['stderr', '/proc/self/fd/2'], ['ptmx', 'pts/ptmx']] as const) {
-    await symlink(target, join(dev, name));
-  }
-  // A previous runtime may be mounted by live sandboxes: move it aside rather than delete it.
-  if (existsSync(dir)) await rename(dir, `${dir}.old-${Date.now()}`);
-  await rename(tmp, dir);
-  return dir;
-}
-
-export const GUEST_BUSYBOX = '/dev/.fleet/busybox';
-const BOUNDING = '-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,+net_bind_service,+net_raw,+audit_write,+setfcap';
 
 /**
  * Outer: runs on the host, joins the cgroup (so everything after is limited),
@@ -108,8 +68,11 @@ for f in "$@"; do
   echo $$ > "$f"
 done
 shift "$n"
-exec "$UNSHARE" --pid --mount --uts --ipc --net --fork --propagation private -- "$BB" sh -c "$STAGE2" stage2 "$@"
+exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --fork --propagation private -- "$HELPER" wait-root "$4" "$BB" sh -c "$STAGE2" stage2 "$@"
 `;
+
+/** Ids per sandbox user namespace: 0-65535 inside. */
+export const USERNS_SIZE = 65536;
 
 /**
  * Stage 2: pid 1 of the new namespaces, still on the host's root, in a
@@ -118,22 +81,24 @@ exec "$UNSHARE" --pid --mount --uts --ipc --net --fork --propagation private -- 
  * moment it reports ready.
  */
 const STAGE2 = `set -eu
-unset STAGE2 UNSHARE BB SETPRIV
-img=$1 upper=$2 work=$3 root=$4 host=$5 runtime=$6 addr=$7 gw=$8 setpriv=$9
-bb=$runtime/helper/busybox
-mount -t overlay overlay -o "lowerdir=$img,upperdir=$upper,workdir=$work,index=off,metacopy=off,redirect_dir=off" "$root"
+unset STAGE2 UNSHARE BB HELPER
+host=$5 addr=$6 gw=$7 netraw=$9
+helper=/proc/self/fd/4
+# The working directory is the new root (wait-root): its host path is not reachable from this user namespace.
+root=.
 if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
 for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
 mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
-mount -o bind "$root/proc/sys" "$root/proc/sys"
-mount -o remount,bind,ro "$root/proc/sys"
-for f in sysrq-trigger kcore; do if [ -e "$root/proc/$f" ]; then mount -o bind /dev/null "$root/proc/$f"; fi; done
+# As Docker does: ping through ICMP datagram sockets, so it needs no CAP_NET_RAW (this netns only).
+echo "0 65535" > "$root/proc/sys/net/ipv4/ping_group_range"
 if [ -d "$root/sys" ]; then mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"; fi
-mount -t tmpfs -o mode=755,size=64m,nosuid tmpfs "$root/dev"
-cp -a "$runtime/dev/." "$root/dev/"
+mount -t tmpfs -o mode=755,size=64m,nosuid,uid=0,gid=0 tmpfs "$root/dev"
+mkdir "$root/dev/pts" "$root/dev/shm"
+chmod 1777 "$root/dev/shm"
+# No mknod in a user namespace: the host's harmless nodes are bind-mounted.
+for n in null zero full random urandom tty; do touch "$root/dev/$n"; mount -o bind "/dev/$n" "$root/dev/$n"; done
+ln -s /proc/self/fd "$root/dev/fd"; ln -s /proc/self/fd/0 "$root/dev/stdin"; ln -s /proc/self/fd/1 "$root/dev/stdout"; ln -s /proc/self/fd/2 "$root/dev/stderr"; ln -s pts/ptmx "$root/dev/ptmx"
 mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" || true
-mount -o bind "$runtime/helper" "$root/dev/.fleet"
-mount -o remount,bind,ro "$root/dev/.fleet"
 hostname "$host"
 ip link set lo up
 i=0
@@ -144,8 +109,7 @@ done
 ip addr add "$addr" dev eth0
 ip link set eth0 up
 ip route add default via "$gw" dev eth0
-cd "$root"
-exec setpriv --inh-caps=+sys_admin --ambient-caps=+sys_admin -- "$setpriv" --bounding-set=${BOUNDING} -- "$bb" sh -c 'pivot_root . . && umount -l . && cd / && echo ready >&3 && exec 3>&- && exec ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin --ambient-caps=-sys_admin -- /sbin/init'
+if [ "$netraw" = 1 ]; then exec "$helper" boot --net-raw; else exec "$helper" boot; fi
 `;
 
 export interface LaunchOptions {
@@ -154,14 +118,16 @@ export interface LaunchOptions {
   readonly work: string;
   readonly rootMount: string;
   readonly hostname: string;
-  /** From prepareRuntime(): the /dev template and the helper directory. */
-  readonly runtimeDir: string;
+  /** Host id of the sandbox's root; the namespace maps 65536 ids from there. */
+  readonly uidBase: number;
   readonly cgroupProcs: readonly string[];
   readonly consoleLog: string;
   /** Guest address with prefix length, e.g. 10.213.0.2/16, and its gateway. */
   readonly address: string;
   readonly gateway: string;
   readonly tools: HostTools;
+  /** Keep CAP_NET_RAW (the spec's net_raw). */
+  readonly netRaw: boolean;
   /** Called once the namespaces exist (with a pid inside them), to move eth0 in; runs while stage 2 mounts. */
   readonly attachNetwork: (nsPid: number) => Promise<void>;
   readonly timeoutMs?: number;
@@ -176,16 +142,20 @@ export interface Launched {
 }
 
 export async function launchInit(opts: LaunchOptions): Promise<Launched> {
+  // mount-root clones the layer directory: upper/ and work/ must be its children under those names.
+  if (basename(opts.upper) !== 'upper' || basename(opts.work) !== 'work' || dirname(opts.upper) !== dirname(opts.work)) {
+    throw sandboxFailed(`the writable layer must be <dir>/upper and <dir>/work, got ${opts.upper} and ${opts.work}`);
+  }
   const log = openSync(opts.consoleLog, 'a');
   let child;
   try {
     child = spawn(
       opts.tools.busybox,
-      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.runtimeDir, opts.address, opts.gateway, opts.tools.setpriv],
+      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.address, opts.gateway, opts.tools.helper, opts.netRaw ? '1' : '0'],
       {
         detached: true,
         stdio: ['ignore', log, log, 'pipe'],
-        env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2, UNSHARE: opts.tools.unshare, BB: opts.tools.busybox },
+        env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2, UNSHARE: opts.tools.unshare, BB: opts.tools.busybox, HELPER: opts.tools.helper },
       },
     );
   } finally {
@@ -211,7 +181,15 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
     });
   });
   try {
-    await Promise.all([ready, waitForNetns(unsharePid).then(() => opts.attachNetwork(unsharePid))]);
+    const setUp = async (): Promise<void> => {
+      await waitForNetns(unsharePid);
+      const map = `0 ${opts.uidBase} ${USERNS_SIZE}\n`;
+      await writeFile(`/proc/${unsharePid}/uid_map`, map);
+      await writeFile(`/proc/${unsharePid}/gid_map`, map);
+      await mustRun(opts.tools.helper, ['mount-root', String(unsharePid), String(opts.uidBase), opts.imageDir, dirname(opts.upper), opts.rootMount]);
+      await opts.attachNetwork(unsharePid);
+    };
+    await Promise.all([ready, setUp()]);
   } catch (err) {
     try {
       process.kill(-unsharePid, 'SIGKILL');
@@ -252,20 +230,28 @@ async function childOf(pid: number): Promise<number> {
   throw sandboxFailed(`could not find the sandbox init under unshare pid ${pid}`);
 }
 
+export type EnterOp = { readonly op: 'exec'; readonly argv: readonly string[] } | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string } | { readonly op: 'get' | 'unlink'; readonly path: string };
+
 /**
- * The argv that runs `argv` inside a sandbox: join its cgroups, enter its
- * namespaces and root (nsenter -r: the init's pivoted root), with the
- * sandbox's capability set. -W changes directory inside the namespace, as
- * the guest would (nsenter's -w would open the path on the host).
+ * The argv that runs an operation inside a sandbox: one exec of the helper,
+ * which joins the cgroups, enters the init's namespaces (user first) and
+ * root, confines itself and runs `op` there. cwd is resolved inside.
  */
-export function enterArgv(opts: { initPid: number; cgroupProcs: readonly string[]; cwd: string; argv: readonly string[]; tools: HostTools }): string[] {
-  // Under busybox sh the loop and the first setpriv are applets: no dynamic binary starts until the bounding-set setpriv.
-  const script = `set -e
-n=$1; shift
-i=0
-for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done
-shift "$n"
-cwd=$1; shift
-exec setpriv --inh-caps=+sys_admin,+sys_chroot --ambient-caps=+sys_admin,+sys_chroot -- ${opts.tools.setpriv} --bounding-set=${BOUNDING} -- ${opts.tools.nsenter} -t ${opts.initPid} -m -u -i -n -p -r -W "$cwd" -- ${GUEST_BUSYBOX} setpriv --inh-caps=-sys_admin,-sys_chroot --ambient-caps=-sys_admin,-sys_chroot -- "$@"`;
-  return [opts.tools.busybox, 'sh', '-c', script, 'enter', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.cwd, ...opts.argv];
+export function enterArgv(opts: { initPid: number; initStart: string; cgroupProcs: readonly string[]; cwd: string; netRaw: boolean; winsize?: { rows: number; cols: number }; op: EnterOp; tools: HostTools }): string[] {
+  const op = opts.op;
+  const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp] : [op.op, op.path];
+  return [
+    opts.tools.helper,
+    'enter',
+    String(opts.initPid),
+    '--start',
+    opts.initStart,
+    ...opts.cgroupProcs.flatMap((f) => ['--cg', f]),
+    '--cwd',
+    opts.cwd,
+    ...(opts.netRaw ? ['--net-raw'] : []),
+    ...(opts.winsize ? ['--winsize', String(opts.winsize.rows), String(opts.winsize.cols)] : []),
+    '--',
+    ...tail,
+  ];
 }

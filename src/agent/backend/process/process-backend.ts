@@ -35,7 +35,8 @@ import { CheckpointStore } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
-import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, prepareRuntime, type HostTools } from './launch.js';
+import { enterArgv, findHostTools, launchInit, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
+import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { Firewall, type FirewallState } from './firewall.js';
 import { allocateBridge, allocateVeth, attachSandbox, bridgeForwarding, deleteLink, detachSandbox, ensureBridge, hardenLink, listLinks, listRoutes, parseSubnet, reserve, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
@@ -70,6 +71,11 @@ export const optionsSchema = z.object({
   cgroupRoot: z.string().default('/sys/fs/cgroup'),
   /** TTY implementation: node-pty when installed, else script(1); 'script' forces the fallback. */
   pty: z.enum(['auto', 'script']).default('auto'),
+  /**
+   * Host ids for sandbox user namespaces: each sandbox gets its own block of
+   * 65536 ids, picked at random among the free blocks in [uidBase, 2^32).
+   */
+  uidBase: z.number().int().min(USERNS_SIZE).max(2 ** 31).multipleOf(USERNS_SIZE).default(2 ** 28),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -94,6 +100,8 @@ const createSpecSchema = z.object({
   ipHint: z.string().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
   env: z.record(z.string().regex(envKeyRe, 'an environment variable name'), z.string().refine((v) => !v.includes('\0'), 'no NUL bytes')).optional(),
+  /** Keep CAP_NET_RAW (raw sockets: ping, packet capture); dropped by default. */
+  net_raw: z.boolean().optional(),
 });
 
 const persistedSchema = z.object({
@@ -114,11 +122,14 @@ const persistedSchema = z.object({
   init_pid: z.number(),
   init_start: z.string(),
   env: z.record(z.string(), z.string()),
+  net_raw: z.boolean().default(false),
+  /** Host id of the sandbox's root (user namespace); 0: a sandbox from before user namespaces. */
+  uid_base: z.number().int().nonnegative().default(0),
   expose: z.array(exposeSchema),
   /** Host port per expose entry (same order), so a restarted agent republishes on the same ports. */
   host_ports: z.array(z.number()),
 });
-type Persisted = z.infer<typeof persistedSchema>;
+type Persisted = z.output<typeof persistedSchema>;
 
 interface SandboxRecord {
   state: Persisted;
@@ -142,7 +153,6 @@ export class ProcessBackend implements Backend {
     private readonly cgroups: Cgroups,
     private readonly tools: HostTools,
     private readonly firewall: Firewall,
-    private readonly runtimeDir: string,
     private readonly log: Logger | undefined,
   ) {
     this.sandboxesDir = join(opts.dataDir, 'sandboxes');
@@ -160,15 +170,15 @@ export class ProcessBackend implements Backend {
     const opts = { ...parsed.data, dataDir: resolve(parsed.data.dataDir), imageDir: resolve(parsed.data.imageDir) };
     const subnet = parseSubnet(opts.subnet);
     await assertHostFeatures();
-    const tools = findHostTools(opts.busybox);
+    await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
+    const tools: HostTools = { ...findHostTools(opts.busybox), helper: await ensureSandboxHelper(opts.dataDir) };
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
     await mkdir(opts.imageDir, { recursive: true });
     const firewall = await Firewall.open(opts.bridgePrefix);
-    const runtimeDir = await prepareRuntime(opts.dataDir, tools.busybox);
-    const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, runtimeDir, logger);
+    const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, logger);
     await backend.checkpoints.init();
     await backend.recover();
     return backend;
@@ -239,6 +249,8 @@ export class ProcessBackend implements Backend {
         init_pid: 0,
         init_start: '',
         env: spec.env ?? {},
+        net_raw: spec.net_raw ?? false,
+        uid_base: this.pickUidBase(),
         expose: spec.expose ?? [],
         host_ports: [],
       };
@@ -279,12 +291,13 @@ export class ProcessBackend implements Backend {
           work: join(dir, 'work'),
           rootMount: join(dir, 'root'),
           hostname: spec.name,
-          runtimeDir: this.runtimeDir,
+          uidBase: state.uid_base,
           cgroupProcs: this.cgroups.procsFiles(spec.name),
           consoleLog: join(dir, 'console.log'),
           address: `${ip}/${this.subnet.prefixLen}`,
           gateway: this.subnet.gateway,
           tools: this.tools,
+          netRaw: state.net_raw,
           // A concurrent teardown never deletes this bridge: this record, on it, is already in `records`.
           attachNetwork: (nsPid) => attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip, mac, subnet: this.subnet }),
         });
@@ -347,13 +360,20 @@ export class ProcessBackend implements Backend {
     }
     const cwd = opts.cwd ?? '/';
     if (!cwd.startsWith('/') || cwd.includes('\0')) throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
-    await this.assertRunning(record);
-    const argv = enterArgv({ initPid: record.state.init_pid, cgroupProcs: this.cgroups.procsFiles(name), cwd, argv: opts.argv, tools: this.tools });
     if (opts.tty) {
       env.TERM ??= 'xterm-256color';
-      return spawnPty(argv, env, { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) }, this.opts.pty);
+      const size = { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) };
+      const argv = await this.enter(record, { op: 'exec', argv: opts.argv }, cwd, size);
+      return spawnPty(argv, encodeGuestEnv(env), size, this.opts.pty);
     }
-    return spawnPiped(argv, env, opts.stdin);
+    return spawnPiped(await this.enter(record, { op: 'exec', argv: opts.argv }, cwd), encodeGuestEnv(env), opts.stdin);
+  }
+
+  /** The helper's argv for `op` inside a running sandbox (its host environment is fixed: see spawnPiped). */
+  private async enter(record: SandboxRecord, op: EnterOp, cwd = '/', winsize?: { rows: number; cols: number }): Promise<string[]> {
+    await this.assertRunning(record);
+    const s = record.state;
+    return enterArgv({ initPid: s.init_pid, initStart: s.init_start, cgroupProcs: this.cgroups.procsFiles(s.name), cwd, netRaw: s.net_raw, ...(winsize ? { winsize } : {}), op, tools: this.tools });
   }
 
   async resolveGuestPath(name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string> {
@@ -369,12 +389,9 @@ export class ProcessBackend implements Backend {
     const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: true });
     const mode = (opts.mode ?? 0o644).toString(8);
     if (!/^[0-7]{1,4}$/.test(mode)) throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
-    // Runs as the guest, with the trusted busybox: the rename happens in the guest's view of its root.
-    const script = `b=${GUEST_BUSYBOX}; t="$1.upload-$2"
-if [ -d "$1" ]; then echo "is a directory" >&2; exit 21; fi
-if $b cat > "$t" && $b chmod "$3" "$t" && $b mv -f "$t" "$1"; then exit 0; fi
-$b rm -f "$t"; exit 1`;
-    const h = await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', script, 'sh', resolved.guestPath, randomBytes(6).toString('hex'), mode], stdin: true });
+    // Done by the helper inside the sandbox, as its root: the rename happens in the guest's view of its root.
+    const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
+    const h = spawnPiped(await this.enter(record, { op: 'put', path: resolved.guestPath, mode, tmp }), {}, true);
     let bytes = 0;
     let tooLarge = false;
     let stderr = '';
@@ -385,11 +402,15 @@ $b rm -f "$t"; exit 1`;
         bytes += chunk.length;
         if (opts.maxBytes !== undefined && bytes > opts.maxBytes) {
           tooLarge = true;
+          // Killed before its stdin closes: an end of input would commit the partial file.
+          h.kill('SIGKILL');
           cb(new Error('too large'));
         } else cb(null, chunk);
       },
     });
     let pipeErr: unknown;
+    // Likewise when the client's stream fails (this listener runs before pipeline's, which ends stdin).
+    data.once('error', () => h.kill('SIGKILL'));
     try {
       await pipeline(data, counter, h.stdin);
     } catch (err) {
@@ -400,8 +421,13 @@ $b rm -f "$t"; exit 1`;
     const st = await h.wait();
     if (tooLarge || pipeErr !== undefined || st.exitCode !== 0) {
       if (pipeErr !== undefined) {
-        await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', `${GUEST_BUSYBOX} rm -f "$1".upload-*`, 'sh', resolved.guestPath], stdin: false })
-          .then((c) => { c.stdout.resume(); c.stderr.resume(); return c.wait(); })
+        await this.enter(record, { op: 'unlink', path: tmp })
+          .then((argv) => {
+            const c = spawnPiped(argv, {}, false);
+            c.stdout.resume();
+            c.stderr.resume();
+            return c.wait();
+          })
           .catch(() => undefined);
       }
       if (tooLarge) throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: resolved.guestPath });
@@ -417,10 +443,7 @@ $b rm -f "$t"; exit 1`;
     await this.assertRunning(record);
     const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: false });
     // First line: the size, from the same process that then streams the bytes.
-    const script = `b=${GUEST_BUSYBOX}
-if [ ! -f "$1" ]; then echo "not a regular file" >&2; exit 21; fi
-$b stat -c %s "$1" && exec $b cat "$1"`;
-    const h = await this.spawn(name, { argv: [GUEST_BUSYBOX, 'sh', '-c', script, 'sh', resolved.guestPath], stdin: false });
+    const h = spawnPiped(await this.enter(record, { op: 'get', path: resolved.guestPath }), {}, false);
     let stderr = '';
     h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
     const size = await new Promise<number>((resolve, reject) => {
@@ -653,6 +676,22 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
     return { bridges: [...new Set(states.map((s) => s.bridge))], ports: states.map((s) => ({ veth: s.veth, mac: s.mac, ip: s.ip })) };
   }
 
+  /**
+   * A block no live sandbox of this agent uses. Random rather than the
+   * lowest free one, so two agents on one host (distinct data directories)
+   * are unlikely to hand out the same block; sharing one would still leave
+   * the sandboxes apart (no shared files, pids or IPC), only less so.
+   */
+  private pickUidBase(): number {
+    const used = new Set([...this.records.values()].map((r) => r.state.uid_base));
+    const first = this.opts.uidBase / USERNS_SIZE;
+    const blocks = 2 ** 32 / USERNS_SIZE - 1 - first;
+    for (;;) {
+      const base = (first + randomBytes(4).readUInt32BE() % blocks) * USERNS_SIZE;
+      if (!used.has(base)) return base;
+    }
+  }
+
   private assertOpen(): void {
     if (this.closed) throw new AppError('BACKEND_CLOSED', 503, 'the backend is shutting down');
   }
@@ -820,7 +859,7 @@ async function assertHostFeatures(): Promise<void> {
     const again = await readFile('/proc/filesystems', 'utf8').catch(() => '');
     if (!/\toverlay$/m.test(again)) throw featureMissing('overlayfs', 'load the overlay kernel module (modprobe overlay)');
   }
-  for (const ns of ['pid', 'mnt', 'uts', 'ipc', 'net']) {
+  for (const ns of ['user', 'pid', 'mnt', 'uts', 'ipc', 'net']) {
     if (!existsSync(`/proc/self/ns/${ns}`)) throw featureMissing(`${ns} namespaces`, 'use a kernel built with namespaces');
   }
 }

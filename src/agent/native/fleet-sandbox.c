@@ -1,0 +1,549 @@
+/*
+ * fleet-sandbox: the only host-side program between the agent and a guest.
+ *
+ * Built static (no ld.so, so no LD_* variable is ever honoured) by the agent
+ * at open (src/agent/native/helper.ts) and always started with a fixed
+ * environment. The guest's environment travels in FLEET_E<n>=<hex of K=V>
+ * variables that nothing on the host interprets; it becomes `environ` only
+ * after the process is inside the sandbox, confined, right before execve.
+ *
+ *   fleet-sandbox boot [--net-raw]
+ *       Last step of a sandbox's stage 2 (cwd = the new root, fd 3 = the
+ *       agent's ready pipe): mask /proc and /sys paths, pivot_root, detach
+ *       the old root, confine, exec /sbin/init.
+ *   fleet-sandbox wait-root ROOT ARGV...
+ *       First program in a new user namespace (started by unshare --user
+ *       --keep-caps, ids not yet mapped): wait until the agent has mapped
+ *       the ids and mounted ROOT (mount-root), become root of the
+ *       namespace, exec ARGV (stage 2) in ROOT as its working directory,
+ *       with this binary open as fd 4.
+ *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
+ *       Host side of a start, once PID (in the sandbox's new user and mount
+ *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
+ *       work/) are cloned as idmapped mounts (on-disk id N <-> sandbox id N,
+ *       so a layer never records this host's id range), and the overlay of
+ *       them is mounted at ROOT inside PID's mount namespace, by host root,
+ *       with the usual trusted.overlay xattrs. HOSTID is the host id of the
+ *       sandbox's root: the overlay writes its work files as the mounter's
+ *       fsuid, which must have a mapping in the idmapped upper layer.
+ *   fleet-sandbox enter PID [--start TICKS] [--cg FILE]... [--cwd DIR] [--net-raw]
+ *                       [--winsize ROWS COLS] -- OP ARGS...
+ *       Join the cgroup(s), enter the namespaces (user first) and root of
+ *       the init PID, fork into its pid namespace, confine, then OP:
+ *         exec ARGV...         execvp with the guest's PATH, inside the root
+ *         put PATH MODE TMP    stdin -> TMP, chmod, rename to PATH (exit 21: PATH is a directory)
+ *         get PATH             "<size>\n" then the bytes (exit 21: not a regular file)
+ *         unlink PATH
+ *       The host-side parent waits and exits with the child's status (a
+ *       fatal signal is re-raised), so a caller sees the guest's status.
+ *
+ * Confinement, in this order: capability bounding set and capsets reduced
+ * to Docker's default set minus MKNOD, SYS_CHROOT and (unless --net-raw)
+ * NET_RAW, ambient cleared; PR_SET_NO_NEW_PRIVS; a seccomp filter.
+ * Exit 125: the helper itself failed (message on stderr).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/mount.h>
+#include <linux/seccomp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <linux/securebits.h>
+#include <sys/fsuid.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <unistd.h>
+
+#ifndef CLONE_NEWUSER
+#define CLONE_NEWUSER 0x10000000
+#endif
+#ifndef CLONE_NEWCGROUP
+#define CLONE_NEWCGROUP 0x02000000
+#endif
+
+extern char **environ;
+
+static void fail(const char *what, const char *arg) {
+  int e = errno;
+  dprintf(2, "fleet-sandbox: %s%s%s: %s\n", what, arg ? " " : "", arg ? arg : "", strerror(e));
+  _exit(125);
+}
+
+static void usage(void) {
+  dprintf(2, "fleet-sandbox: bad usage (see the header of fleet-sandbox.c)\n");
+  _exit(125);
+}
+
+/* ---- confinement ---- */
+
+static const int GUEST_CAPS[] = {
+    CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL, CAP_SETGID, CAP_SETUID,
+    CAP_SETPCAP, CAP_NET_BIND_SERVICE, CAP_AUDIT_WRITE, CAP_SETFCAP,
+};
+
+static void drop_caps(int net_raw) {
+  unsigned long long keep = 0;
+  for (size_t i = 0; i < sizeof GUEST_CAPS / sizeof GUEST_CAPS[0]; i++) keep |= 1ULL << GUEST_CAPS[i];
+  if (net_raw) keep |= 1ULL << CAP_NET_RAW;
+  for (int c = 0; c <= 63; c++) {
+    if (keep & (1ULL << c)) continue;
+    if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) fail("drop capability from the bounding set", NULL);
+  }
+  if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) fail("clear ambient capabilities", NULL);
+  struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+  struct __user_cap_data_struct data[2];
+  memset(data, 0, sizeof data);
+  data[0].effective = data[0].permitted = (unsigned)(keep & 0xffffffffu);
+  data[1].effective = data[1].permitted = (unsigned)(keep >> 32);
+  if (syscall(SYS_capset, &hdr, data) < 0) fail("capset", NULL);
+}
+
+#define DENY(nr) BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, (nr), 0, 1), BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM)
+
+/*
+ * Modelled on the default profile of Docker/containerd: what a container
+ * without CAP_SYS_ADMIN & co. is refused, here as a deny list (EPERM) so
+ * an unknown new syscall is not a crash. clone3 answers ENOSYS (its flags
+ * sit behind a pointer seccomp cannot read) so libc falls back to clone,
+ * where CLONE_NEWUSER is visible and refused, as in unshare.
+ */
+static void install_seccomp(void) {
+  struct sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+#if defined(__x86_64__)
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
+#elif defined(__aarch64__)
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_AARCH64, 1, 0),
+#else
+#error "fleet-sandbox: add this architecture's AUDIT_ARCH"
+#endif
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+#if defined(__x86_64__)
+      /* the x32 ABI shares AUDIT_ARCH_X86_64: refuse it whole */
+      BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+#endif
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_clone3, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_unshare, 1, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_clone, 0, 4),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),
+      BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      DENY(SYS_keyctl), DENY(SYS_add_key), DENY(SYS_request_key),
+      DENY(SYS_bpf), DENY(SYS_perf_event_open), DENY(SYS_userfaultfd),
+      DENY(SYS_kexec_load), DENY(SYS_kexec_file_load),
+      DENY(SYS_init_module), DENY(SYS_finit_module), DENY(SYS_delete_module),
+      DENY(SYS_open_by_handle_at), DENY(SYS_name_to_handle_at),
+      DENY(SYS_mount), DENY(SYS_umount2), DENY(SYS_pivot_root), DENY(SYS_chroot),
+      DENY(SYS_open_tree), DENY(SYS_move_mount), DENY(SYS_fsopen), DENY(SYS_fsconfig),
+      DENY(SYS_fsmount), DENY(SYS_fspick), DENY(SYS_mount_setattr),
+      DENY(SYS_setns), DENY(SYS_swapon), DENY(SYS_swapoff), DENY(SYS_reboot),
+      DENY(SYS_acct), DENY(SYS_quotactl), DENY(SYS_quotactl_fd), DENY(SYS_syslog),
+      DENY(SYS_settimeofday), DENY(SYS_clock_settime), DENY(SYS_clock_adjtime), DENY(SYS_adjtimex),
+      DENY(SYS_kcmp), DENY(SYS_process_vm_readv), DENY(SYS_process_vm_writev),
+      DENY(SYS_lookup_dcookie), DENY(SYS_uselib), DENY(SYS_ustat), DENY(SYS_sysfs),
+      DENY(SYS_vhangup), DENY(SYS_io_uring_setup), DENY(SYS_io_uring_enter), DENY(SYS_io_uring_register),
+#if defined(__x86_64__)
+      DENY(SYS_iopl), DENY(SYS_ioperm), DENY(SYS__sysctl), DENY(SYS_create_module),
+      DENY(SYS_get_kernel_syms), DENY(SYS_query_module), DENY(SYS_nfsservctl),
+#endif
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {(unsigned short)(sizeof f / sizeof f[0]), f};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no_new_privs", NULL);
+  if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", NULL);
+}
+
+static void confine(int net_raw) {
+  drop_caps(net_raw);
+  install_seccomp();
+}
+
+/* ---- the guest environment ---- */
+
+static int hexval(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  return -1;
+}
+
+/* FLEET_E0..FLEET_E<n-1> decoded, in order; the host environment is then cleared. */
+static char **guest_env(void) {
+  size_t n = 0;
+  char name[32];
+  for (;; n++) {
+    snprintf(name, sizeof name, "FLEET_E%zu", n);
+    if (!getenv(name)) break;
+  }
+  char **out = calloc(n + 1, sizeof *out);
+  if (!out) fail("calloc", NULL);
+  for (size_t i = 0; i < n; i++) {
+    snprintf(name, sizeof name, "FLEET_E%zu", i);
+    const char *hex = getenv(name);
+    size_t len = strlen(hex);
+    if (len % 2) usage();
+    char *s = malloc(len / 2 + 1);
+    if (!s) fail("malloc", NULL);
+    for (size_t j = 0; j < len / 2; j++) {
+      int hi = hexval(hex[2 * j]), lo = hexval(hex[2 * j + 1]);
+      if (hi < 0 || lo < 0) usage();
+      s[j] = (char)(hi * 16 + lo);
+    }
+    s[len / 2] = 0;
+    if (!strchr(s, '=') || strlen(s) != len / 2) usage();
+    out[i] = s;
+  }
+  clearenv();
+  return out;
+}
+
+/* ---- boot ---- */
+
+/* runc's and Docker's defaults: hidden (read as empty) and read-only. Paths relative to the new root (cwd). */
+static const char *MASKED[] = {"proc/kcore", "proc/keys", "proc/timer_list", "proc/timer_stats", "proc/sched_debug",
+                               "proc/latency_stats", "proc/acpi", "proc/asound", "proc/scsi", "sys/firmware",
+                               "sys/devices/virtual/powercap"};
+static const char *READONLY[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"};
+
+static void mask_paths(void) {
+  struct stat st;
+  for (size_t i = 0; i < sizeof MASKED / sizeof MASKED[0]; i++) {
+    if (lstat(MASKED[i], &st) < 0) continue;
+    int r = S_ISDIR(st.st_mode) ? mount("tmpfs", MASKED[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0")
+                                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
+    if (r < 0) fail("mask", MASKED[i]);
+  }
+  for (size_t i = 0; i < sizeof READONLY / sizeof READONLY[0]; i++) {
+    if (lstat(READONLY[i], &st) < 0) continue;
+    if (mount(READONLY[i], READONLY[i], NULL, MS_BIND | MS_REC, NULL) < 0 ||
+        mount(NULL, READONLY[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+      fail("make read-only", READONLY[i]);
+  }
+}
+
+static int cmd_boot(int argc, char **argv) {
+  int net_raw = argc > 2 && strcmp(argv[2], "--net-raw") == 0;
+  clearenv();
+  close(4); /* this binary, opened by wait-root: not for the guest */
+  mask_paths();
+  if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", NULL);
+  if (umount2(".", MNT_DETACH) < 0) fail("detach the old root", NULL);
+  if (chdir("/") < 0) fail("chdir /", NULL);
+  confine(net_raw);
+  if (write(3, "ready\n", 6) != 6) fail("write the ready signal", NULL);
+  /* Nothing of the set-up (the ready pipe, a shell's saved copies of it) reaches the guest. */
+  if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
+  char *init_argv[] = {"init", NULL};
+  char *init_env[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root", NULL};
+  execve("/sbin/init", init_argv, init_env);
+  fail("exec", "/sbin/init");
+  return 125;
+}
+
+/* ---- wait-root ---- */
+
+static int cmd_wait_root(int argc, char **argv) {
+  if (argc < 4) usage();
+  char parent[4096];
+  if (snprintf(parent, sizeof parent, "%s/..", argv[2]) >= (int)sizeof parent) usage();
+  for (int i = 0;; i++) {
+    struct stat a, b;
+    if (stat(argv[2], &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
+    if (i > 3000) {
+      dprintf(2, "fleet: the sandbox root was never mounted\n");
+      _exit(67);
+    }
+    usleep(2000);
+  }
+  /* As the namespace's root the data directory (0700, host root's) is closed: stage 2 works from here. */
+  if (chdir(argv[2]) < 0) fail("chdir", argv[2]);
+  /* Nor is this binary: stage 2 runs it again (boot) from this descriptor, /proc/self/fd/4. */
+  int self = open("/proc/self/exe", O_RDONLY);
+  if (self < 0 || (self != 4 && (dup2(self, 4) < 0 || close(self) < 0))) fail("open /proc/self/exe", NULL);
+  if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+  execv(argv[3], argv + 3);
+  fail("exec", argv[3]);
+  return 125;
+}
+
+/* ---- mount-root ---- */
+
+static int idmapped_clone(const char *path, int userns) {
+  int fd = (int)syscall(SYS_open_tree, AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+  if (fd < 0) fail("open_tree", path);
+  struct mount_attr attr;
+  memset(&attr, 0, sizeof attr);
+  attr.attr_set = MOUNT_ATTR_IDMAP;
+  attr.userns_fd = (unsigned long long)userns;
+  if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("idmap (mount_setattr)", path);
+  return fd;
+}
+
+static int cmd_mount_root(int argc, char **argv) {
+  if (argc != 7) usage();
+  clearenv();
+  int pid = atoi(argv[2]);
+  long hostid = atol(argv[3]);
+  if (pid <= 0 || hostid <= 0) usage();
+  argv++; /* IMAGE LAYERDIR ROOT at argv[3..5] */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+  int userns = open(path, O_RDONLY | O_CLOEXEC);
+  if (userns < 0) fail("open", path);
+  snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
+  int mntns = open(path, O_RDONLY | O_CLOEXEC);
+  if (mntns < 0) fail("open", path);
+  int lower = idmapped_clone(argv[3], userns);
+  int layer = idmapped_clone(argv[4], userns);
+  if (setns(mntns, CLONE_NEWNS) < 0) fail("setns", "mnt");
+  /* Keep every capability across the fsuid change (no setuid fix-up), so the mount keeps host-root powers. */
+  if (prctl(PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP) < 0) fail("securebits", NULL);
+  setfsgid((gid_t)hostid);
+  setfsuid((uid_t)hostid);
+  if (setfsuid((uid_t)-1) != (int)hostid) fail("setfsuid", NULL);
+  char opts[512];
+  /* /proc here is still the host's: /proc/self/fd/N names the detached idmapped mounts. */
+  if (snprintf(opts, sizeof opts,
+               "lowerdir=/proc/self/fd/%d,upperdir=/proc/self/fd/%d/upper,workdir=/proc/self/fd/%d/work,index=off,metacopy=off,redirect_dir=off",
+               lower, layer, layer) >= (int)sizeof opts)
+    usage();
+  if (mount("overlay", argv[5], "overlay", 0, opts) < 0) fail("mount the overlay at", argv[5]);
+  return 0;
+}
+
+/* ---- enter ---- */
+
+static void write_file(const char *path, const char *text) {
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) fail("open", path);
+  if (write(fd, text, strlen(text)) < 0) fail("write", path);
+  close(fd);
+}
+
+/* Field 22 of /proc/PID/stat (start time in clock ticks) equals `start`. */
+static int same_start(int pid, const char *start) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  char *p = strrchr(buf, ')');
+  if (!p) return 0;
+  p += 2; /* field 3 */
+  for (int field = 3; field < 22 && p; field++) {
+    p = strchr(p, ' ');
+    if (p) p++;
+  }
+  if (!p) return 0;
+  size_t len = strcspn(p, " ");
+  return len == strlen(start) && strncmp(p, start, len) == 0;
+}
+
+static int open_ns(int pid, const char *ns) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/%s", pid, ns);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("open", path);
+  return fd;
+}
+
+static int copy_fd(int in, int out) {
+  static char buf[1 << 17];
+  for (;;) {
+    ssize_t r = read(in, buf, sizeof buf);
+    if (r == 0) return 0;
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    for (ssize_t off = 0; off < r;) {
+      ssize_t w = write(out, buf + off, (size_t)(r - off));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        return -1;
+      }
+      off += w;
+    }
+  }
+}
+
+static int op_put(char **a) {
+  const char *path = a[0], *mode = a[1], *tmp = a[2];
+  struct stat st;
+  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+    dprintf(2, "is a directory\n");
+    return 21;
+  }
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    dprintf(2, "%s: %s\n", tmp, strerror(errno));
+    return 1;
+  }
+  if (copy_fd(0, fd) < 0 || fchmod(fd, (mode_t)strtoul(mode, NULL, 8)) < 0 || close(fd) < 0 || rename(tmp, path) < 0) {
+    dprintf(2, "%s: %s\n", path, strerror(errno));
+    unlink(tmp);
+    return 1;
+  }
+  return 0;
+}
+
+static int op_get(char **a) {
+  int fd = open(a[0], O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) < 0) {
+    dprintf(2, "%s: %s\n", a[0], strerror(errno));
+    return 1;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    dprintf(2, "not a regular file\n");
+    return 21;
+  }
+  fcntl(fd, F_SETFL, 0);
+  dprintf(1, "%lld\n", (long long)st.st_size);
+  if (copy_fd(fd, 1) < 0) {
+    dprintf(2, "%s: %s\n", a[0], strerror(errno));
+    return 1;
+  }
+  return 0;
+}
+
+static const int FORWARDED[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGPIPE, SIGALRM};
+
+static int cmd_enter(int argc, char **argv) {
+  if (argc < 3) usage();
+  int pid = atoi(argv[2]);
+  if (pid <= 0) usage();
+  const char *cwd = "/";
+  int net_raw = 0, rows = 0, cols = 0, i = 3;
+  const char *start = NULL;
+  char **cgroups = calloc((size_t)argc, sizeof *cgroups);
+  size_t ncg = 0;
+  for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
+    if (strcmp(argv[i], "--cg") == 0 && i + 1 < argc) cgroups[ncg++] = argv[++i];
+    else if (strcmp(argv[i], "--cwd") == 0 && i + 1 < argc) cwd = argv[++i];
+    else if (strcmp(argv[i], "--net-raw") == 0) net_raw = 1;
+    else if (strcmp(argv[i], "--start") == 0 && i + 1 < argc) start = argv[++i];
+    else if (strcmp(argv[i], "--winsize") == 0 && i + 2 < argc) rows = atoi(argv[++i]), cols = atoi(argv[++i]);
+    else usage();
+  }
+  if (i + 1 >= argc) usage();
+  char *op = argv[i + 1];
+  char **rest = argv + i + 2;
+  int nrest = argc - i - 2;
+  if (!((strcmp(op, "exec") == 0 && nrest >= 1) || (strcmp(op, "put") == 0 && nrest == 3) ||
+        (strcmp(op, "get") == 0 && nrest == 1) || (strcmp(op, "unlink") == 0 && nrest == 1)))
+    usage();
+  char **envp = guest_env();
+  /* Not ptraceable nor its /proc readable by the guest while it still holds more than the guest does. */
+  if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0) fail("PR_SET_DUMPABLE", NULL);
+
+  if (rows > 0 && cols > 0) {
+    struct winsize ws = {(unsigned short)rows, (unsigned short)cols, 0, 0};
+    ioctl(0, TIOCSWINSZ, &ws);
+  }
+  char self[32];
+  snprintf(self, sizeof self, "%d", getpid());
+  for (size_t c = 0; c < ncg; c++) write_file(cgroups[c], self);
+
+  int user = open_ns(pid, "ns/user"), root = open_ns(pid, "root");
+  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "mnt"};
+  int nss[] = {open_ns(pid, "ns/ipc"), open_ns(pid, "ns/uts"), open_ns(pid, "ns/net"), open_ns(pid, "ns/pid"),
+               open_ns(pid, "ns/cgroup"), open_ns(pid, "ns/mnt")};
+  /* Only the namespaces the sandbox has of its own (it shares the host's cgroup namespace). */
+  int join[sizeof nss / sizeof nss[0]];
+  for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
+    char mine_path[64];
+    struct stat a, b;
+    snprintf(mine_path, sizeof mine_path, "/proc/self/ns/%s", names[n]);
+    if (fstat(nss[n], &a) < 0 || stat(mine_path, &b) < 0) fail("stat namespace", names[n]);
+    join[n] = a.st_ino != b.st_ino || a.st_dev != b.st_dev;
+  }
+  /* The descriptors are held now: if the pid still has the init's start time, they are the init's, not a reused pid's. */
+  if (start && !same_start(pid, start)) {
+    dprintf(2, "fleet-sandbox: process %d is no longer the sandbox init\n", pid);
+    _exit(125);
+  }
+  struct stat mine, theirs;
+  if (fstat(user, &theirs) < 0 || stat("/proc/self/ns/user", &mine) < 0) fail("stat user namespace", NULL);
+  if (mine.st_ino != theirs.st_ino || mine.st_dev != theirs.st_dev) {
+    /* Joining the user namespace first gives the capabilities (there) to join the others. */
+    if (setns(user, CLONE_NEWUSER) < 0) fail("setns", "user");
+    /* setgroups may be denied in the namespace: then the (unmapped) group list stays, which grants nothing. */
+    if (setgroups(0, NULL) < 0 && errno != EPERM) fail("setgroups", NULL);
+    if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+  }
+  for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
+    if (join[n] && setns(nss[n], 0) < 0) fail("setns", names[n]);
+    close(nss[n]);
+  }
+  if (fchdir(root) < 0 || chroot(".") < 0) fail("enter the sandbox root", NULL);
+  close(root);
+  close(user);
+  if (chdir(cwd) < 0) fail("cannot change directory to", cwd);
+
+  sigset_t block, old;
+  sigemptyset(&block);
+  for (size_t s = 0; s < sizeof FORWARDED / sizeof FORWARDED[0]; s++) sigaddset(&block, FORWARDED[s]);
+  sigprocmask(SIG_BLOCK, &block, &old);
+  pid_t child = fork();
+  if (child < 0) fail("fork", NULL);
+  if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    confine(net_raw);
+    if (strcmp(op, "put") == 0) _exit(op_put(rest));
+    if (strcmp(op, "get") == 0) _exit(op_get(rest));
+    if (strcmp(op, "unlink") == 0) _exit(unlink(rest[0]) < 0 && errno != ENOENT ? 1 : 0);
+    environ = envp;
+    execvp(rest[0], rest);
+    int e = errno;
+    dprintf(2, "fleet-sandbox: %s: %s\n", rest[0], strerror(e));
+    _exit(e == ENOENT ? 127 : 126);
+  }
+  /* The host side stays out of the way: the guest decides how it reacts to a signal. */
+  for (size_t s = 0; s < sizeof FORWARDED / sizeof FORWARDED[0]; s++) signal(FORWARDED[s], SIG_IGN);
+  sigprocmask(SIG_SETMASK, &old, NULL);
+  int status;
+  while (waitpid(child, &status, 0) < 0) {
+    if (errno != EINTR) fail("waitpid", NULL);
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  int sig = WTERMSIG(status);
+  signal(sig, SIG_DFL);
+  sigset_t one;
+  sigemptyset(&one);
+  sigaddset(&one, sig);
+  sigprocmask(SIG_UNBLOCK, &one, NULL);
+  kill(getpid(), sig);
+  return 128 + sig;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) usage();
+  if (strcmp(argv[1], "boot") == 0) return cmd_boot(argc, argv);
+  if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
+  if (strcmp(argv[1], "wait-root") == 0) return cmd_wait_root(argc, argv);
+  if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
+  usage();
+  return 125;
+}
