@@ -1,8 +1,8 @@
 import { loadConfig, ConfigError } from '../adapters/config.js';
-import { parseAsOf, toAuditEntry, vmAsOf, type AuditEntry } from '../adapters/http/audit.routes.js';
+import { parseAsOf, redactSealed, toAuditEntry, vmAsOf, type AuditEntry } from '../adapters/http/audit.routes.js';
 import { createLogger } from '../adapters/logger.js';
 import { AppError } from '../domain/errors.js';
-import { assertStreamName } from '../domain/event-store.port.js';
+import { assertStreamName, type JsonValue } from '../domain/event-store.port.js';
 import { connectForCli } from './connect.js';
 
 const USAGE = `usage: npm run fleet -- audit <stream> [--as-of <time|position>] [--json]
@@ -86,7 +86,7 @@ async function main(argv: string[]): Promise<number> {
     }
     const s = then.state;
     if (json) {
-      process.stdout.write(`${JSON.stringify(s, (k, v: unknown) => (/_encrypted$/.test(k) ? '[sealed]' : v), 2)}\n`);
+      process.stdout.write(`${JSON.stringify(redactSealed(JSON.parse(JSON.stringify(s)) as JsonValue), null, 2)}\n`);
       return 0;
     }
     const lines: Array<[string, string | undefined]> = [
