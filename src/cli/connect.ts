@@ -4,6 +4,7 @@ import type { Config } from '../adapters/config.js';
 import { EsdbEventStore } from '../adapters/esdb/esdb-event-store.js';
 import type { Logger } from '../adapters/logger.js';
 import { startEmbeddedPostgres } from '../adapters/postgres/embedded.js';
+import { loadOrCreateSecrets } from '../adapters/secrets.js';
 import { createPool } from '../adapters/postgres/pool.js';
 import { PostgresEventStore } from '../adapters/postgres/postgres-event-store.js';
 import type { EventStore } from '../domain/event-store.port.js';
@@ -17,13 +18,14 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
   const closers: Array<() => Promise<void>> = [];
   let url = config.DATABASE_URL;
   if (!url) {
-    const candidate = `postgres://postgres:postgres@127.0.0.1:${config.EMBEDDED_PG_PORT}/fleet`;
+    const { secrets } = await loadOrCreateSecrets(resolve(config.DATA_DIR));
+    const candidate = `postgres://postgres:${encodeURIComponent(secrets.embedded_pg_password)}@127.0.0.1:${config.EMBEDDED_PG_PORT}/fleet`;
     const probe = new pg.Client({ connectionString: candidate, connectionTimeoutMillis: 1500 });
     try {
       await probe.connect();
       url = candidate;
     } catch {
-      const server = await startEmbeddedPostgres({ dataDir: join(resolve(config.DATA_DIR), 'pg'), port: config.EMBEDDED_PG_PORT, logger });
+      const server = await startEmbeddedPostgres({ dataDir: join(resolve(config.DATA_DIR), 'pg'), port: config.EMBEDDED_PG_PORT, logger, password: secrets.embedded_pg_password });
       closers.push(() => server.stop());
       url = server.url;
     } finally {
