@@ -1,9 +1,11 @@
 import assert from 'node:assert/strict';
-import { randomBytes } from 'node:crypto';
+import { randomBytes, randomUUID } from 'node:crypto';
 import { Writable } from 'node:stream';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import { pino } from 'pino';
 import { loggerOptions } from '../../src/adapters/logger.js';
+import { rebuildProjection } from '../../src/projections/rebuild.js';
+import { vmsProjection } from '../../src/projections/vms/vms.projection.js';
 import type { RunningAgent } from '../agent/harness.js';
 import { registerHost, startCheckedFleet, startControlPlane, type AgentFleet, type ControlPlane } from '../support/control-plane.js';
 
@@ -157,6 +159,42 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     assertClean(JSON.stringify(r.body), 'failure response');
     const events = await cp!.db.pool.query<{ dump: string }>(`SELECT string_agg(e::text, E'\\n') AS dump FROM es_events e`);
     assertClean(events.rows[0]!.dump, 'es_events after a failed boot');
+  });
+
+  it('reads an event written before sealing (clear startup script and agent command) as sealed, and a rebuild of the vms read model matches', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const oldId = `0ld${randomBytes(10).toString('hex')}`;
+    const oldCred = `oldcred-${randomBytes(8).toString('hex')}`;
+    const appended = await c.service.store.append(
+      `vm-${oldId}`,
+      [
+        {
+          id: randomUUID(),
+          type: 'VmRequested',
+          data: { vm_id: oldId, tenant_id: 'acme', at: new Date().toISOString(), spec: { cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0, startup_script: `export PW=${oldCred}`, agent: { command: `run ${oldCred}`, expose: [] } } },
+          metadata: { actor: 'acme', tenantId: 'acme', correlationId: 'old' },
+        },
+      ],
+      'no_stream',
+    );
+    const got = await c.request('GET', `/v1/vms/${oldId}?after=${appended.position}`, { as: 'acme' });
+    assert.equal(got.status, 200, JSON.stringify(got.body));
+    assert.equal(got.body.spec.startup_script, '[sealed]');
+    assert.equal(got.body.spec.agent.command, '[sealed]');
+    const asOf = await c.request('GET', `/v1/vms/${oldId}?as_of=${appended.position}`, { as: 'acme' });
+    const audit = await c.request('GET', `/v1/audit/streams/vm-${oldId}`, { as: 'acme' });
+    assert.equal(audit.body.events[0].data.spec.startup_script, '[sealed]');
+    for (const r of [got, asOf, audit]) assert.ok(!JSON.stringify(r.body).includes(oldCred), JSON.stringify(r.body));
+    const row = await c.db.pool.query<{ spec: string }>(`SELECT spec::text FROM vms WHERE id = $1`, [oldId]);
+    assert.ok(!row.rows[0]!.spec.includes(oldCred), 'the read model keeps no clear script');
+    // A row written by the code before sealing held the clear script: the read model's migration masks it.
+    await c.db.pool.query(`UPDATE vms SET spec = jsonb_set(jsonb_set(spec, '{startup_script}', to_jsonb($2::text)), '{agent,command}', to_jsonb($2::text)) WHERE id = $1`, [oldId, `export PW=${oldCred}`]);
+    await c.db.pool.query(vmsProjection.migrations.find((m) => m.id === 'vms_0002_sealed_spec')!.sql);
+    const masked = await c.db.pool.query<{ spec: { startup_script: string; agent: { command: string } } }>(`SELECT spec FROM vms WHERE id = $1`, [oldId]);
+    assert.deepEqual([masked.rows[0]!.spec.startup_script, masked.rows[0]!.spec.agent.command], ['[sealed]', '[sealed]']);
+    const report = await rebuildProjection(c.service.store, c.db.pool, vmsProjection, { verify: true });
+    for (const d of report.drift) assert.deepEqual([d.table, d.onlyLive, d.onlyRebuilt], [d.table, 0, 0]);
   });
 
   it('never logs them', (t) => {
