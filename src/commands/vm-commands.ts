@@ -7,7 +7,7 @@ import { classifyHostAgentError, type AgentStream, type HostAgent } from '../dom
 import { hostStream, vmStream } from '../domain/ids.js';
 import { hostDecider } from '../domain/host/host.decider.js';
 import type { Placement, PlacementPolicy } from '../domain/placement/placement.js';
-import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../domain/vm/spec.js';
+import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../domain/vm/spec.js';
 import { vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
 import { isVmEventType, parseVmEvent, type Endpoint, type VmEndReason, type VmEvent } from '../domain/vm/vm.events.js';
 import type { SecretBox } from '../domain/secret-box.port.js';
@@ -23,6 +23,13 @@ export function decodeVmEvent(r: RecordedEvent): VmEvent | undefined {
 export const SANDBOX_PREFIX = 'fl-';
 export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
+
+/** A VM's sealed guest inputs in clear, for a later boot of its disk (fork, migrate). */
+export interface GuestInputs {
+  readonly agentCommand: string | undefined;
+  readonly drainCommand: string | undefined;
+  readonly secrets: Record<string, string>;
+}
 
 export interface VmCommandsConfig {
   readonly limits: SpecLimits;
@@ -118,6 +125,7 @@ export class VmCommands {
     return {
       startup_script: spec.startup_script !== undefined ? this.secrets.seal(spec.startup_script, sealedFieldContext(vmId, 'startup_script')) : undefined,
       agent_command: spec.agent ? this.secrets.seal(spec.agent.command, sealedFieldContext(vmId, 'agent.command')) : undefined,
+      agent_drain_command: spec.agent?.drain_command ? this.secrets.seal(spec.agent.drain_command, sealedFieldContext(vmId, 'agent.drain_command')) : undefined,
       secrets: secrets ? this.secrets.seal(JSON.stringify(secrets), sealedFieldContext(vmId, 'secrets')) : undefined,
     };
   }
@@ -127,8 +135,8 @@ export class VmCommands {
    * the in-guest agent's command and the secrets, opened from its events.
    * Events from before sealing carry the command in clear.
    */
-  openGuestInputs(vm: { vm_id: string; spec: StoredVmSpec }): { agentCommand: string | undefined; secrets: Record<string, string> } {
-    const open = (sealed: string, field: Parameters<typeof sealedFieldContext>[1]): string => {
+  openGuestInputs(vm: { vm_id: string; spec: StoredVmSpec }): GuestInputs {
+    const open = (sealed: string, field: SealedField): string => {
       try {
         return this.secrets.open(sealed, sealedFieldContext(vm.vm_id, field));
       } catch {
@@ -137,8 +145,9 @@ export class VmCommands {
     };
     const agent = vm.spec.agent;
     const agentCommand = agent?.command_encrypted !== undefined ? open(agent.command_encrypted, 'agent.command') : agent?.command;
+    const drainCommand = agent?.drain_command_encrypted !== undefined ? open(agent.drain_command_encrypted, 'agent.drain_command') : agent?.drain_command;
     const secrets = vm.spec.secrets_encrypted !== undefined ? (JSON.parse(open(vm.spec.secrets_encrypted, 'secrets')) as Record<string, string>) : {};
-    return { agentCommand, secrets };
+    return { agentCommand, drainCommand, secrets };
   }
 
   private async settled(vmId: string, first: VmResult): Promise<VmResult> {

@@ -79,7 +79,7 @@ describe('VM secrets', { timeout: 240_000 }, () => {
         ram_mb: 256,
         secrets: { MY_SECRET: secret },
         startup_script: `CRED=${scriptCred}\necho "$MY_SECRET" > /root/startup-saw`,
-        agent: { command: `echo "$MY_SECRET" > /root/agent-saw; TOKEN=${agentCred} sleep 600` },
+        agent: { command: `echo "$MY_SECRET" > /root/agent-saw; TOKEN=${agentCred} sleep 600`, drain_command: `curl -H 'x: ${agentCred}' deregister` },
       },
     });
     assert.equal(created.status, 201, JSON.stringify(created.body));
@@ -87,6 +87,7 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     assertClean(JSON.stringify(created.body), 'create response');
     assert.equal(created.body.spec.startup_script, '[sealed]');
     assert.equal(created.body.spec.agent.command, '[sealed]');
+    assert.equal(created.body.spec.agent.drain_command, '[sealed]');
 
     const exec = await cp!.request('POST', `/v1/vms/${vmId}/exec`, { as: 'acme', body: { argv: ['sh', '-c', 'echo $MY_SECRET'] } });
     assert.equal(exec.status, 200, JSON.stringify(exec.body));
@@ -124,6 +125,7 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     assert.equal(requested.data.spec.startup_script_encrypted, '[sealed]');
     assert.equal(requested.data.spec.secrets_encrypted, '[sealed]');
     assert.equal(requested.data.spec.agent.command_encrypted, '[sealed]');
+    assert.equal(requested.data.spec.agent.drain_command_encrypted, '[sealed]');
 
     const address = await c.listen();
     const ac = new AbortController();

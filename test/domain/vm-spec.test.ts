@@ -198,11 +198,12 @@ describe('vm spec', () => {
   });
 
   test('a spec from an event written before sealing still parses, and reads show it sealed', () => {
-    const old = storedVmSpecSchema.parse({ cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0, startup_script: 'export PW=hunter2', agent: { command: 'run hunter2', expose: [] } });
+    const old = storedVmSpecSchema.parse({ cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0, startup_script: 'export PW=hunter2', agent: { command: 'run hunter2', drain_command: 'bye hunter2', expose: [] } });
     assert.equal(old.startup_script, 'export PW=hunter2');
     const shown = publicSpec(old);
     assert.equal(shown.startup_script, '[sealed]');
-    assert.deepEqual(shown.agent, { expose: [], command: '[sealed]' });
+    assert.deepEqual(shown.agent, { expose: [], command: '[sealed]', drain_command: '[sealed]' });
+    assert.deepEqual(publicSpec({ ...old, agent: { command: 'run', drain_command: '' } }).agent, { command: '[sealed]', drain_command: '' }, 'an empty drain command is nothing to hide');
     assert.ok(!JSON.stringify(shown).includes('hunter2'));
   });
 });

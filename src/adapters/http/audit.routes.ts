@@ -28,14 +28,14 @@ export interface AuditEntry {
  * Ciphertext is no use to an auditor and no business of a log reader: fields
  * holding it are shown as sealed. So are the fields that may hold
  * credentials in clear in events written before sealing existed (a startup
- * script, the in-guest agent's command, secrets).
+ * script, the in-guest agent's command and drain command, secrets).
  */
 export function redactSealed(value: JsonValue, parentKey?: string): JsonValue {
   if (Array.isArray(value)) return value.map((v) => redactSealed(v));
   if (value !== null && typeof value === 'object') {
     const out: { [k: string]: JsonValue } = {};
     for (const [k, v] of Object.entries(value)) {
-      const sealed = /_encrypted$/.test(k) || k === 'startup_script' || k === 'secrets' || (parentKey === 'agent' && k === 'command');
+      const sealed = /_encrypted$/.test(k) || k === 'startup_script' || k === 'secrets' || (parentKey === 'agent' && (k === 'command' || k === 'drain_command'));
       out[k] = sealed ? '[sealed]' : redactSealed(v, k);
     }
     return out;

@@ -157,7 +157,8 @@ export type VmSpec = z.output<typeof vmSpecSchema>;
  * The spec as events keep it: caller file contents are dropped (only their
  * paths stay): they can be megabytes and are only needed during the create
  * request that uploads them. What may hold credentials and is needed again
- * later (the startup script, the in-guest agent's command, the secrets) is
+ * later (the startup script, the in-guest agent's command and drain command,
+ * the secrets) is
  * kept only as AES-256-GCM ciphertext (`*_encrypted`), sealed by the command
  * layer. `startup_script` and `agent.command` in clear are read from events
  * written before sealing existed; nothing writes them any more.
@@ -168,7 +169,7 @@ export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, 
   secrets_encrypted: z.string().optional(),
   agent: agentSpecSchema
     .omit({ files: true, command: true })
-    .extend({ command: z.string().optional(), command_encrypted: z.string().optional(), file_paths: z.array(z.string()).optional() })
+    .extend({ command: z.string().optional(), command_encrypted: z.string().optional(), drain_command_encrypted: z.string().optional(), file_paths: z.array(z.string()).optional() })
     .optional(),
 });
 export type StoredVmSpec = z.output<typeof storedVmSpecSchema>;
@@ -177,11 +178,13 @@ export type StoredVmSpec = z.output<typeof storedVmSpecSchema>;
 export interface SealedSpecFields {
   readonly startup_script?: string | undefined;
   readonly agent_command?: string | undefined;
+  readonly agent_drain_command?: string | undefined;
   readonly secrets?: string | undefined;
 }
 
 /** AES-GCM associated data per sealed field: a ciphertext copied onto another VM or field does not open. */
-export const sealedFieldContext = (vmId: string, field: 'startup_script' | 'agent.command' | 'secrets'): string => `vm:${vmId}:${field}`;
+export type SealedField = 'startup_script' | 'agent.command' | 'agent.drain_command' | 'secrets';
+export const sealedFieldContext = (vmId: string, field: SealedField): string => `vm:${vmId}:${field}`;
 
 export function toStoredSpec(spec: VmSpec, sealed: SealedSpecFields = {}): StoredVmSpec {
   const { files, agent, secrets, startup_script, ...rest } = spec;
@@ -191,8 +194,9 @@ export function toStoredSpec(spec: VmSpec, sealed: SealedSpecFields = {}): Store
   if (startup_script !== undefined) stored.startup_script_encrypted = required(sealed.startup_script, 'startup_script');
   if (secrets !== undefined && Object.keys(secrets).length > 0) stored.secrets_encrypted = required(sealed.secrets, 'secrets');
   if (agent) {
-    const { files: agentFiles, command: _command, ...agentRest } = agent;
+    const { files: agentFiles, command: _command, drain_command, ...agentRest } = agent;
     stored.agent = { ...agentRest, command_encrypted: required(sealed.agent_command, 'agent.command') };
+    if (drain_command !== undefined && drain_command !== '') stored.agent.drain_command_encrypted = required(sealed.agent_drain_command, 'agent.drain_command');
     if (agentFiles) stored.agent.file_paths = Object.keys(agentFiles).sort();
   }
   return stored;
@@ -215,8 +219,13 @@ export function publicSpec(spec: StoredVmSpec): Record<string, unknown> {
   const out: Record<string, unknown> = { ...rest };
   if (startup_script !== undefined || startup_script_encrypted !== undefined) out.startup_script = SEALED;
   if (agent) {
-    const { command, command_encrypted, ...agentRest } = agent;
-    out.agent = { ...agentRest, ...(command !== undefined || command_encrypted !== undefined ? { command: SEALED } : {}) };
+    const { command, command_encrypted, drain_command, drain_command_encrypted, ...agentRest } = agent;
+    out.agent = {
+      ...agentRest,
+      ...(command !== undefined || command_encrypted !== undefined ? { command: SEALED } : {}),
+      // An empty drain command (nothing to run) reads as it is; one that runs something reads sealed.
+      ...(drain_command || drain_command_encrypted !== undefined ? { drain_command: SEALED } : drain_command !== undefined ? { drain_command } : {}),
+    };
   }
   return out;
 }

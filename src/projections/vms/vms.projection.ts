@@ -49,8 +49,9 @@ export const vmsProjection: Projection = {
       sql: `
         UPDATE vms SET spec = jsonb_set(spec, '{startup_script}', '"[sealed]"') WHERE spec ? 'startup_script' AND spec->>'startup_script' <> '[sealed]';
         UPDATE vms SET spec = jsonb_set(spec, '{agent,command}', '"[sealed]"') WHERE spec->'agent' ? 'command' AND spec->'agent'->>'command' <> '[sealed]';
+        UPDATE vms SET spec = jsonb_set(spec, '{agent,drain_command}', '"[sealed]"') WHERE coalesce(spec->'agent'->>'drain_command', '') NOT IN ('', '[sealed]');
         UPDATE vms SET spec = spec - 'startup_script_encrypted' - 'secrets_encrypted' WHERE spec ?| array['startup_script_encrypted', 'secrets_encrypted'];
-        UPDATE vms SET spec = jsonb_set(spec, '{agent}', (spec->'agent') - 'command_encrypted') WHERE spec->'agent' ? 'command_encrypted';`,
+        UPDATE vms SET spec = jsonb_set(spec, '{agent}', (spec->'agent') - 'command_encrypted' - 'drain_command_encrypted') WHERE spec->'agent' ?| array['command_encrypted', 'drain_command_encrypted'];`,
     },
   ],
   tables: [{ name: 'vms', key: ['id'] }],
