@@ -127,10 +127,12 @@ interface ServerView {
   readonly bin: Binaries;
   /** Prefix for a command to run as the postgres user inside the view. */
   wrap(cmd: string, args: string[]): { cmd: string; args: string[] };
+  /** Removes the (empty, outside the server's namespace) mount points once the server is gone. */
+  cleanup(): Promise<void>;
 }
 
 async function serverView(dataDir: string, bin: Binaries, runAs: RunAs): Promise<ServerView> {
-  if (runAs.uid === undefined || runAs.gid === undefined) return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }) };
+  if (runAs.uid === undefined || runAs.gid === undefined) return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }), cleanup: async () => undefined };
   const nativeDir = path.dirname(path.dirname(bin.postgres));
   const root = path.join('/run/fleet-pg', createHash('sha256').update(dataDir).digest('hex').slice(0, 16));
   await fs.mkdir('/run/fleet-pg', { recursive: true, mode: 0o755 });
@@ -148,6 +150,11 @@ async function serverView(dataDir: string, bin: Binaries, runAs: RunAs): Promise
       cmd: 'unshare',
       args: ['--mount', '--propagation', 'private', '--', '/bin/sh', '-c', script, 'sh', nativeDir, path.join(root, 'native'), dataDir, path.join(root, 'data'), uid, gid, cmd, ...args],
     }),
+    // Only once our server has exited: removing a mount point another namespace still uses detaches it there.
+    // And rmdir, never a recursive rm: should a mount ever be visible here, its contents are not ours to delete.
+    cleanup: async () => {
+      for (const d of [path.join(root, 'native'), path.join(root, 'data'), root]) await fs.rmdir(d).catch(() => undefined);
+    },
   };
 }
 
@@ -435,6 +442,7 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
     } catch (err) {
       process.removeListener('exit', onExit);
       await stopChild(child);
+      await view.cleanup();
       throw err;
     }
     logger?.info({ port: options.port, dataDir, postgresPid: child.pid }, 'embedded Postgres started');
@@ -450,6 +458,7 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
           process.removeListener('exit', onExit);
           child.ref(); // an unref'd server must still hold the process open until it has stopped
           await stopChild(child);
+          await view.cleanup();
           await logFd.close().catch(() => undefined);
           logger?.info({ port: options.port }, 'embedded Postgres stopped');
         })();
