@@ -4,7 +4,7 @@ import type { Config } from '../adapters/config.js';
 import { EsdbEventStore } from '../adapters/esdb/esdb-event-store.js';
 import type { Logger } from '../adapters/logger.js';
 import { startEmbeddedPostgres } from '../adapters/postgres/embedded.js';
-import { loadOrCreateSecrets } from '../adapters/secrets.js';
+import { readSecrets, secretsFile } from '../adapters/secrets.js';
 import { createPool } from '../adapters/postgres/pool.js';
 import { PostgresEventStore } from '../adapters/postgres/postgres-event-store.js';
 import type { EventStore } from '../domain/event-store.port.js';
@@ -18,7 +18,9 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
   const closers: Array<() => Promise<void>> = [];
   let url = config.DATABASE_URL;
   if (!url) {
-    const { secrets } = await loadOrCreateSecrets(resolve(config.DATA_DIR));
+    // Read, never generated here: keys made by a CLI run would never be printed by the service's first start.
+    const secrets = await readSecrets(resolve(config.DATA_DIR));
+    if (!secrets) throw new Error(`${secretsFile(resolve(config.DATA_DIR))} does not exist: start the service once (npm start) on this DATA_DIR, or set DATABASE_URL`);
     const candidate = `postgres://postgres:${encodeURIComponent(secrets.embedded_pg_password)}@127.0.0.1:${config.EMBEDDED_PG_PORT}/fleet`;
     const probe = new pg.Client({ connectionString: candidate, connectionTimeoutMillis: 1500 });
     try {
