@@ -32,10 +32,10 @@ export function secretsFile(dataDir: string): string {
   return join(dataDir, 'secrets.json');
 }
 
-/** The file as it is, without generating anything (the `keys` command). */
-export async function readSecrets(dataDir: string): Promise<GeneratedSecrets | undefined> {
+/** The file as it is, without generating anything (the CLI); one from before the Postgres password lacks it. */
+export async function readSecrets(dataDir: string): Promise<z.infer<typeof storedSchema> | undefined> {
   try {
-    return secretsSchema.parse(JSON.parse(await readFile(secretsFile(dataDir), 'utf8')));
+    return storedSchema.parse(JSON.parse(await readFile(secretsFile(dataDir), 'utf8')));
   } catch (err) {
     if ((err as NodeJS.ErrnoException).code === 'ENOENT') return undefined;
     throw new Error(`${secretsFile(dataDir)} is unreadable or malformed; fix or delete it: ${(err as Error).message}`);
