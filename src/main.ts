@@ -26,7 +26,7 @@ async function main(): Promise<void> {
   const logger = createLogger(config.LOG_LEVEL, 'fleet');
   const dataDir = resolve(config.DATA_DIR);
   await mkdir(dataDir, { recursive: true });
-  const secrets = await loadOrCreateSecrets(dataDir);
+  const { secrets, created } = await loadOrCreateSecrets(dataDir);
   const embedded = !config.DATABASE_URL;
 
   const stops: Array<() => Promise<void>> = [];
@@ -49,7 +49,7 @@ async function main(): Promise<void> {
     let databaseUrl = config.DATABASE_URL;
     if (!databaseUrl) {
       logger.info({ dataDir: join(dataDir, 'pg') }, 'starting the embedded Postgres');
-      const pg: EmbeddedPostgres = await startEmbeddedPostgres({ dataDir: join(dataDir, 'pg'), port: config.EMBEDDED_PG_PORT, logger });
+      const pg: EmbeddedPostgres = await startEmbeddedPostgres({ dataDir: join(dataDir, 'pg'), port: config.EMBEDDED_PG_PORT, logger, password: secrets.embedded_pg_password });
       stops.push(() => pg.stop());
       databaseUrl = pg.url;
     }
@@ -75,13 +75,17 @@ async function main(): Promise<void> {
       );
       logger.info({ host: 'local', url: agent.url }, 'local host registered');
     }
-    if (!config.ADMIN_API_KEY) {
-      // Printed so a newcomer can follow the README; stored in DATA_DIR/secrets.json (mode 0600).
+    const showDemo = embedded && config.API_KEYS.length === 0;
+    if (created && (!config.ADMIN_API_KEY || showDemo)) {
+      // Printed once, when generated, so a newcomer can follow the README; later starts only say where they are.
       process.stdout.write(
-        `\nFleet control plane on ${apiUrl}\n  admin key:  ${adminKey}\n` +
-          (embedded && config.API_KEYS.length === 0 ? `  demo tenant key: ${secrets.demo_api_key}\n` : '') +
-          `  (kept in ${join(dataDir, 'secrets.json')})\n\n`,
+        `\nFleet control plane on ${apiUrl}\n` +
+          (!config.ADMIN_API_KEY ? `  admin key:  ${adminKey}\n` : '') +
+          (showDemo ? `  demo tenant key: ${secrets.demo_api_key}\n` : '') +
+          `  (kept in ${join(dataDir, 'secrets.json')}; shown again by: npm run fleet -- keys)\n\n`,
       );
+    } else {
+      logger.info({ api: apiUrl, keys_file: join(dataDir, 'secrets.json') }, 'ready; the generated keys are shown by: npm run fleet -- keys');
     }
   } catch (err) {
     logger.fatal({ err }, 'start-up failed');

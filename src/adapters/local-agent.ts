@@ -9,6 +9,7 @@ const AGENT_MAIN = join(ROOT, 'src/agent/main.ts');
 
 export interface LocalAgent {
   readonly url: string;
+  readonly pid: number;
   stop(): Promise<void>;
 }
 
@@ -18,21 +19,23 @@ export interface LocalAgent {
  * start. Its sandboxes outlive it (as on any host): stopping the service
  * leaves VMs running, and the next start finds them again.
  */
-export async function startLocalAgent(opts: { dataDir: string; port: number; token: string; logger: Logger }): Promise<LocalAgent> {
+export async function startLocalAgent(opts: { dataDir: string; port: number; token: string; logger: Logger; env?: NodeJS.ProcessEnv }): Promise<LocalAgent> {
   const dataDir = resolve(opts.dataDir, 'agent');
-  const env = { ...process.env, AGENT_PORT: String(opts.port), AGENT_TOKEN: opts.token, AGENT_DATA_DIR: dataDir, AGENT_HOST: '127.0.0.1', AGENT_LOG_LEVEL: process.env.AGENT_LOG_LEVEL ?? 'info' };
+  const env = localAgentEnv(opts.env ?? process.env, { AGENT_PORT: String(opts.port), AGENT_TOKEN: opts.token, AGENT_DATA_DIR: dataDir, AGENT_HOST: '127.0.0.1' });
   if (!existsSync(join(dataDir, 'images', 'base'))) {
     await ensureBusybox(opts.logger);
     opts.logger.info('building the base sandbox image (first start)…');
     await runToEnd(process.execPath, ['--import', 'tsx', AGENT_MAIN, 'image', 'build', 'base'], env, opts.logger);
   }
   const child = spawn(process.execPath, ['--import', 'tsx', AGENT_MAIN, 'serve'], { env, stdio: ['ignore', 'inherit', 'inherit'] });
+  const pid = child.pid ?? -1;
   const url = `http://127.0.0.1:${opts.port}`;
   const exited = new Promise<number | null>((res) => child.once('exit', (code) => res(code)));
   await waitHealthy(url, child, exited);
   opts.logger.info({ url }, 'local host agent is up');
   return {
     url,
+    pid,
     async stop() {
       if (child.exitCode !== null) return;
       child.kill('SIGTERM');
@@ -41,6 +44,23 @@ export async function startLocalAgent(opts: { dataDir: string; port: number; tok
       clearTimeout(t);
     },
   };
+}
+
+/** What a host agent reads besides its own AGENT_* settings: nothing secret. */
+const PASSED_THROUGH = ['PATH', 'LANG', 'LC_ALL', 'TZ', 'NODE_ENV', 'TMPDIR'];
+
+/**
+ * The local agent's environment: its own AGENT_* settings and a few neutral
+ * variables, never the control plane's whole environment. A remote host's
+ * agent never sees ADMIN_API_KEY, TOKEN_ENCRYPTION_KEY, DATABASE_URL or the
+ * tenants' keys; the local one must not either.
+ */
+export function localAgentEnv(from: NodeJS.ProcessEnv, settings: Record<string, string>): Record<string, string> {
+  const env: Record<string, string> = { AGENT_LOG_LEVEL: 'info' };
+  for (const [k, v] of Object.entries(from)) {
+    if (v !== undefined && (k.startsWith('AGENT_') || PASSED_THROUGH.includes(k))) env[k] = v;
+  }
+  return { ...env, ...settings };
 }
 
 async function waitHealthy(url: string, child: ChildProcess, exited: Promise<number | null>): Promise<void> {
@@ -61,7 +81,7 @@ async function waitHealthy(url: string, child: ChildProcess, exited: Promise<num
   throw new Error('the local host agent did not become healthy within 60 s');
 }
 
-function runToEnd(cmd: string, args: string[], env: NodeJS.ProcessEnv, logger: Logger): Promise<void> {
+function runToEnd(cmd: string, args: string[], env: Record<string, string | undefined>, logger: Logger): Promise<void> {
   return new Promise((resolvePromise, reject) => {
     const child = spawn(cmd, args, { env, stdio: ['ignore', 'pipe', 'pipe'] });
     let out = '';

@@ -18,6 +18,15 @@ export const REDACT_PATHS = [
   '*.apiKey',
   'tokenEncryptionKey',
   '*.tokenEncryptionKey',
+  // A VM's secrets and what may carry credentials, should a request body or spec ever be logged.
+  'secrets',
+  '*.secrets',
+  '*.*.secrets',
+  'env',
+  '*.env',
+  'startup_script',
+  '*.startup_script',
+  '*.*.startup_script',
 ];
 
 export function loggerOptions(level: string, name = 'fleet'): LoggerOptions {

@@ -3,7 +3,8 @@ import pg from 'pg';
 import type { Config } from '../adapters/config.js';
 import { EsdbEventStore } from '../adapters/esdb/esdb-event-store.js';
 import type { Logger } from '../adapters/logger.js';
-import { startEmbeddedPostgres } from '../adapters/postgres/embedded.js';
+import { LEGACY_PASSWORD, startEmbeddedPostgres } from '../adapters/postgres/embedded.js';
+import { readSecrets, secretsFile } from '../adapters/secrets.js';
 import { createPool } from '../adapters/postgres/pool.js';
 import { PostgresEventStore } from '../adapters/postgres/postgres-event-store.js';
 import type { EventStore } from '../domain/event-store.port.js';
@@ -17,13 +18,18 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
   const closers: Array<() => Promise<void>> = [];
   let url = config.DATABASE_URL;
   if (!url) {
-    const candidate = `postgres://postgres:postgres@127.0.0.1:${config.EMBEDDED_PG_PORT}/fleet`;
+    // Read, never generated here: keys made by a CLI run would never be printed by the service's first start.
+    const secrets = await readSecrets(resolve(config.DATA_DIR));
+    if (!secrets) throw new Error(`${secretsFile(resolve(config.DATA_DIR))} does not exist: start the service once (npm start) on this DATA_DIR, or set DATABASE_URL`);
+    // No password in the file yet: the service has not started since passwords were generated, so the server has the old one.
+    const password = secrets.embedded_pg_password ?? LEGACY_PASSWORD;
+    const candidate = `postgres://postgres:${encodeURIComponent(password)}@127.0.0.1:${config.EMBEDDED_PG_PORT}/fleet`;
     const probe = new pg.Client({ connectionString: candidate, connectionTimeoutMillis: 1500 });
     try {
       await probe.connect();
       url = candidate;
     } catch {
-      const server = await startEmbeddedPostgres({ dataDir: join(resolve(config.DATA_DIR), 'pg'), port: config.EMBEDDED_PG_PORT, logger });
+      const server = await startEmbeddedPostgres({ dataDir: join(resolve(config.DATA_DIR), 'pg'), port: config.EMBEDDED_PG_PORT, logger, password });
       closers.push(() => server.stop());
       url = server.url;
     } finally {

@@ -13,7 +13,7 @@ import type { CommandHandler } from './command-handler.js';
 import { decodeHostEvent, type HostCommands } from './host-commands.js';
 import type { PlacementView } from './placement-view.js';
 import type { SnapshotCommands } from './snapshot-commands.js';
-import { decodeVmEvent, sandboxName, type Actor, type VmCommands } from './vm-commands.js';
+import { decodeVmEvent, sandboxName, type Actor, type GuestInputs, type VmCommands } from './vm-commands.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -57,7 +57,7 @@ export class ForkMigrate {
       snapshotId = r.snapshot.snapshot_id;
     }
     // The create flow mints a fresh per-VM token and overwrites the copied one before the fork runs anything.
-    const r = await this.vms.create(forkSpec(src.spec, snapshotId), actor);
+    const r = await this.vms.create(forkSpec(src.spec, snapshotId, this.vms.openGuestInputs(src)), actor);
     return { vm: r.vm, position: r.position, snapshotId };
   }
 
@@ -127,12 +127,13 @@ export class ForkMigrate {
       step = 'boot';
       const agent = await this.hosts.agentFor(targetId);
       const name = sandboxName(vmId);
-      const info = await agent.createVm({ name, checkpoint_id: snapshotId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, tenant: vm.tenant_id, ...(spec.net_raw ? { net_raw: true } : {}) });
+      const guest = this.vms.openGuestInputs(vm);
+      const info = await agent.createVm({ name, checkpoint_id: snapshotId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, tenant: vm.tenant_id, env: guest.secrets, ...(spec.net_raw ? { net_raw: true } : {}) });
       booted = true;
       let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
       const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
       if (spec.agent || expose.length > 0) {
-        const agentSpec: AgentSpec = { files: {}, command: spec.agent?.command ?? 'true', drain_command: spec.agent?.drain_command ?? '', expose };
+        const agentSpec: AgentSpec = { files: {}, command: guest.agentCommand ?? 'true', drain_command: guest.drainCommand ?? '', expose };
         const started = await agent.startAgent(name, agentSpec);
         endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
       }
@@ -198,12 +199,14 @@ export class ForkMigrate {
 }
 
 /** A fork's spec: the source's shape, seeded from the snapshot; what the disk already carries is not replayed. */
-export function forkSpec(src: StoredVmSpec, snapshotId: string): Record<string, unknown> {
-  const { image: _i, file_paths: _f, startup_script: _s, startup_script_timeout_s: _t, host_id: _h, pinned_host_id: _p, seed_snapshot_id: _seed, name: _n, agent, ...rest } = src;
+export function forkSpec(src: StoredVmSpec, snapshotId: string, guest: GuestInputs): Record<string, unknown> {
+  const { image: _i, file_paths: _f, startup_script: _s, startup_script_encrypted: _se, secrets_encrypted: _sec, startup_script_timeout_s: _t, host_id: _h, pinned_host_id: _p, seed_snapshot_id: _seed, name: _n, agent, ...rest } = src;
   const out: Record<string, unknown> = { ...rest, seed_snapshot_id: snapshotId };
+  // The copy runs the same guest: it gets the source's secrets, sealed again under its own id.
+  if (Object.keys(guest.secrets).length > 0) out.secrets = guest.secrets;
   if (agent) {
-    const { file_paths: _af, ...a } = agent;
-    out.agent = a;
+    const { file_paths: _af, command_encrypted: _ce, command: _c, drain_command: _d, drain_command_encrypted: _de, ...a } = agent;
+    out.agent = { ...a, command: guest.agentCommand, ...(guest.drainCommand ? { drain_command: guest.drainCommand } : {}) };
   }
   return out;
 }

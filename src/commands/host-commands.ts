@@ -26,8 +26,14 @@ export function decodeHostEvent(r: RecordedEvent): HostEvent | undefined {
   return isHostEventType(r.type) ? parseHostEvent(r.type, r.data) : undefined;
 }
 
-/** Token context binds a sealed host token to its host: copied onto another host's record it does not open. */
-export const hostTokenContext = (hostId: string): string => `host:${hostId}`;
+/**
+ * Token context binds a sealed host token to its host and the URL it is sent
+ * to: copied onto another host's record, or left on a record whose URL was
+ * changed to point elsewhere, it does not open.
+ */
+export const hostTokenContext = (hostId: string, url: string): string => `host:${hostId}:${url}`;
+/** The context before the URL was bound: accepted once per host, then the token is sealed again under the current one. */
+export const legacyHostTokenContext = (hostId: string): string => `host:${hostId}`;
 
 export interface HostResult {
   readonly state: HostState;
@@ -41,6 +47,7 @@ export interface HostResult {
  */
 export class HostCommands {
   private readonly agents = new Map<string, { sealed: string; url: string; agent: HostAgent }>();
+  private resealing: Promise<void> = Promise.resolve();
 
   constructor(
     private readonly handler: CommandHandler,
@@ -53,7 +60,7 @@ export class HostCommands {
     // Probe first: a host whose agent does not answer with this token is not registered at all.
     const agent = this.connector.connect({ hostId: req.id, url: req.url, token: req.token });
     const probed = toHostCapacity(await agent.capacity({ timeoutMs: 10_000 }));
-    const sealed = this.secrets.seal(req.token, hostTokenContext(req.id));
+    const sealed = this.secrets.seal(req.token, hostTokenContext(req.id, req.url));
     const r = await this.run(req.id, { type: 'RegisterHost', data: { host_id: req.id, url: req.url, region: req.region, backend: req.backend, labels: req.labels, probed_capacity: probed, overrides: req.capacity_overrides, token_encrypted: sealed } }, meta);
     this.agents.delete(req.id);
     return r;
@@ -93,13 +100,34 @@ export class HostCommands {
     if (cached && cached.sealed === state.token_encrypted && cached.url === state.url) return cached.agent;
     let token: string;
     try {
-      token = this.secrets.open(state.token_encrypted, hostTokenContext(state.host_id));
+      token = this.secrets.open(state.token_encrypted, hostTokenContext(state.host_id, state.url));
     } catch {
-      throw new AppError('HOST_TOKEN_UNREADABLE', 500, `host ${state.host_id}: its stored token does not decrypt with the configured TOKEN_ENCRYPTION_KEY; re-register the host`);
+      try {
+        token = this.secrets.open(state.token_encrypted, legacyHostTokenContext(state.host_id));
+      } catch {
+        throw new AppError('HOST_TOKEN_UNREADABLE', 500, `host ${state.host_id}: its stored token does not decrypt with the configured TOKEN_ENCRYPTION_KEY for its URL; re-register the host`);
+      }
+      this.reseal(state.host_id, state.token_encrypted, token, state.url);
     }
     const agent = this.connector.connect({ hostId: state.host_id, url: state.url, token });
     this.agents.set(state.host_id, { sealed: state.token_encrypted, url: state.url, agent });
     return agent;
+  }
+
+  /** Best effort, in the background: until it lands, the old context is accepted again (the decider makes a repeat a no-op). */
+  private reseal(hostId: string, previous: string, token: string, url: string): void {
+    const token_encrypted = this.secrets.seal(token, hostTokenContext(hostId, url));
+    this.resealing = this.resealing
+      .then(() => this.run(hostId, { type: 'ResealHostToken', data: { host_id: hostId, previous, token_encrypted } }, { correlationId: `reseal-${hostId}`, actor: 'system', tenantId: 'admin' }))
+      .then(
+        () => undefined,
+        () => undefined,
+      );
+  }
+
+  /** Settles once every reseal started so far has been written (or given up). */
+  resealed(): Promise<void> {
+    return this.resealing;
   }
 
   private async run(hostId: string, command: HostCommand, meta: CommandMeta): Promise<HostResult> {

@@ -7,7 +7,7 @@ import { classifyHostAgentError, type AgentStream, type HostAgent } from '../dom
 import { hostStream, vmStream } from '../domain/ids.js';
 import { hostDecider } from '../domain/host/host.decider.js';
 import type { Placement, PlacementPolicy } from '../domain/placement/placement.js';
-import { placementRequestOf, RESERVED_GUEST_DIR, validateVmSpec, type SpecLimits, type VmSpec } from '../domain/vm/spec.js';
+import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../domain/vm/spec.js';
 import { vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
 import { isVmEventType, parseVmEvent, type Endpoint, type VmEndReason, type VmEvent } from '../domain/vm/vm.events.js';
 import type { SecretBox } from '../domain/secret-box.port.js';
@@ -23,6 +23,13 @@ export function decodeVmEvent(r: RecordedEvent): VmEvent | undefined {
 export const SANDBOX_PREFIX = 'fl-';
 export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
+
+/** A VM's sealed guest inputs in clear, for a later boot of its disk (fork, migrate). */
+export interface GuestInputs {
+  readonly agentCommand: string | undefined;
+  readonly drainCommand: string | undefined;
+  readonly secrets: Record<string, string>;
+}
 
 export interface VmCommandsConfig {
   readonly limits: SpecLimits;
@@ -102,7 +109,8 @@ export class VmCommands {
     const vmId = idempotencyKey
       ? createHash('sha256').update(`${actor.tenantId}\0${idempotencyKey}`).digest('hex').slice(0, 24)
       : randomBytes(12).toString('hex');
-    const requested = await this.run(vmId, { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } }, actor);
+    const sealed = this.sealSpec(vmId, spec);
+    const requested = await this.run(vmId, { type: 'RequestVm', data: { vm_id: vmId, spec, sealed, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } }, actor);
     if (requested.position === undefined) {
       // A retry (or a concurrent twin): the request that wrote VmRequested owns the work. Driving it here too would
       // boot the sandbox twice and fail the VM on SANDBOX_EXISTS; wait (bounded) for where the owner gets to.
@@ -110,6 +118,36 @@ export class VmCommands {
       return this.settled(vmId, requested);
     }
     return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts });
+  }
+
+  private sealSpec(vmId: string, spec: VmSpec): SealedSpecFields {
+    const secrets = spec.secrets && Object.keys(spec.secrets).length > 0 ? spec.secrets : undefined;
+    return {
+      startup_script: spec.startup_script !== undefined ? this.secrets.seal(spec.startup_script, sealedFieldContext(vmId, 'startup_script')) : undefined,
+      agent_command: spec.agent ? this.secrets.seal(spec.agent.command, sealedFieldContext(vmId, 'agent.command')) : undefined,
+      agent_drain_command: spec.agent?.drain_command ? this.secrets.seal(spec.agent.drain_command, sealedFieldContext(vmId, 'agent.drain_command')) : undefined,
+      secrets: secrets ? this.secrets.seal(JSON.stringify(secrets), sealedFieldContext(vmId, 'secrets')) : undefined,
+    };
+  }
+
+  /**
+   * What a later boot of this VM's disk needs in clear (fork, cold migration):
+   * the in-guest agent's command and the secrets, opened from its events.
+   * Events from before sealing carry the command in clear.
+   */
+  openGuestInputs(vm: { vm_id: string; spec: StoredVmSpec }): GuestInputs {
+    const open = (sealed: string, field: SealedField): string => {
+      try {
+        return this.secrets.open(sealed, sealedFieldContext(vm.vm_id, field));
+      } catch {
+        throw new AppError('VM_SECRETS_UNREADABLE', 500, `vm ${vm.vm_id}: its sealed ${field} does not decrypt with the configured TOKEN_ENCRYPTION_KEY`);
+      }
+    };
+    const agent = vm.spec.agent;
+    const agentCommand = agent?.command_encrypted !== undefined ? open(agent.command_encrypted, 'agent.command') : agent?.command;
+    const drainCommand = agent?.drain_command_encrypted !== undefined ? open(agent.drain_command_encrypted, 'agent.drain_command') : agent?.drain_command;
+    const secrets = vm.spec.secrets_encrypted !== undefined ? (JSON.parse(open(vm.spec.secrets_encrypted, 'secrets')) as Record<string, string>) : {};
+    return { agentCommand, drainCommand, secrets };
   }
 
   private async settled(vmId: string, first: VmResult): Promise<VmResult> {
@@ -155,6 +193,8 @@ export class VmCommands {
         tenant: vm.tenant_id,
         expose,
         ...(spec.net_raw ? { net_raw: true } : {}),
+        // The agent applies these only inside the guest: to the startup script, the in-guest agent and every exec.
+        env: spec.secrets ?? {},
       });
       created = true;
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
@@ -193,6 +233,8 @@ export class VmCommands {
         actor,
       );
     } catch (err) {
+      // A failing startup script may print what it was given: its output ends up in the error, the event and the log.
+      if (err instanceof Error && spec.secrets) err.message = scrub(err.message, Object.values(spec.secrets));
       const cls = classifyHostAgentError(err);
       const reason: VmEndReason = cls === 'capacity' ? 'capacity' : cls === 'host' ? 'host_lost' : 'boot_failure';
       this.logger.warn({ vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } }, 'boot failed');
@@ -410,6 +452,13 @@ export class VmCommands {
 interface PlaceHints {
   readonly artifactHosts?: ReadonlySet<string> | undefined;
   readonly excludeHosts?: ReadonlySet<string> | undefined;
+}
+
+/** Every occurrence of a secret value replaced, longest first so a value containing another is not half-shown. */
+export function scrub(text: string, values: readonly string[]): string {
+  let out = text;
+  for (const v of [...values].filter((x) => x.length > 0).sort((a, b) => b.length - a.length)) out = out.split(v).join('[sealed]');
+  return out;
 }
 
 function tail(s: string, n = 500): string {

@@ -3,6 +3,7 @@ import { describe, test } from 'node:test';
 import { ValidationError } from '../../src/domain/errors.js';
 import {
   DEFAULT_SPEC_LIMITS,
+  publicSpec,
   formatIssuePath,
   guestPathProblem,
   placementRequestOf,
@@ -168,10 +169,41 @@ describe('vm spec', () => {
 
   test('the stored spec keeps file paths, never file contents', () => {
     const spec = validateVmSpec({ files: { '/srv/b': b64('secret'), '/srv/a': b64('x') }, agent: { command: 'run', files: { '/opt/c': b64('token') } } });
-    const stored = toStoredSpec(spec);
+    const stored = toStoredSpec(spec, { agent_command: 'sealed-run' });
     assert.deepEqual(stored.file_paths, ['/srv/a', '/srv/b']);
-    assert.deepEqual(stored.agent, { command: 'run', file_paths: ['/opt/c'] });
+    assert.deepEqual(stored.agent, { command_encrypted: 'sealed-run', file_paths: ['/opt/c'] });
     assert.ok(!JSON.stringify(stored).includes(b64('secret')));
     assert.deepEqual(storedVmSpecSchema.parse(JSON.parse(JSON.stringify(stored))), stored);
+  });
+
+  test('credential-bearing fields are stored only sealed: an unsealed one is refused, not kept in clear', () => {
+    const spec = validateVmSpec({ startup_script: 'export K=hunter2', secrets: { API_KEY: 'hunter3' }, agent: { command: 'run --token hunter4' } });
+    assert.throws(() => toStoredSpec(spec), /startup_script must be sealed/);
+    assert.throws(() => toStoredSpec(spec, { startup_script: 'c1', agent_command: 'c2' }), /secrets must be sealed/);
+    const stored = toStoredSpec(spec, { startup_script: 'c1', agent_command: 'c2', secrets: 'c3' });
+    assert.ok(!/hunter/.test(JSON.stringify(stored)), JSON.stringify(stored));
+    assert.equal(stored.startup_script_encrypted, 'c1');
+    assert.equal(stored.secrets_encrypted, 'c3');
+    assert.equal(stored.agent?.command_encrypted, 'c2');
+    assert.deepEqual(publicSpec(stored), { ...publicSpec({ ...stored, startup_script_encrypted: undefined, secrets_encrypted: undefined, agent: undefined }), startup_script: '[sealed]', agent: { command: '[sealed]' } });
+  });
+
+  test('secrets: env-style names, bounded count and size, and the 400 never quotes a value', () => {
+    assert.deepEqual(validateVmSpec({ secrets: { A_1: 'x', _B: '' } }).secrets, { A_1: 'x', _B: '' });
+    for (const bad of [{ '1A': 'hunter2' }, { 'A-B': 'hunter2' }, { A: 'hunter2'.repeat(10_000) }, Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`K${i}`, 'hunter2']))]) {
+      const e = invalid({ secrets: bad });
+      assert.equal(e.code, 'VALIDATION_FAILED');
+      assert.ok(!e.message.includes('hunter2'), e.message);
+    }
+  });
+
+  test('a spec from an event written before sealing still parses, and reads show it sealed', () => {
+    const old = storedVmSpecSchema.parse({ cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0, startup_script: 'export PW=hunter2', agent: { command: 'run hunter2', drain_command: 'bye hunter2', expose: [] } });
+    assert.equal(old.startup_script, 'export PW=hunter2');
+    const shown = publicSpec(old);
+    assert.equal(shown.startup_script, '[sealed]');
+    assert.deepEqual(shown.agent, { expose: [], command: '[sealed]', drain_command: '[sealed]' });
+    assert.deepEqual(publicSpec({ ...old, agent: { command: 'run', drain_command: '' } }).agent, { command: '[sealed]', drain_command: '' }, 'an empty drain command is nothing to hide');
+    assert.ok(!JSON.stringify(shown).includes('hunter2'));
   });
 });

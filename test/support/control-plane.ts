@@ -40,6 +40,8 @@ export interface ControlPlaneOptions {
   readonly connector?: HostAgentConnector;
   /** pino level for the service's own log (default silent; FLEET_TEST_LOG=debug to see it). */
   readonly logLevel?: string;
+  /** The service's logger (e.g. one writing into a buffer the test reads); also turns on the HTTP request log. */
+  readonly logger?: import('pino').Logger;
 }
 
 export interface Reply {
@@ -74,7 +76,7 @@ export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise
   const db = await createTestDatabase('cp');
   // The reconciler acts on its own schedule; API tests that assert the event log must ask for it explicitly.
   const config = configSchema.parse({ READ_YOUR_WRITES_TIMEOUT_MS: '10000', AGENT_CALL_TIMEOUT_MS: '20000', RECONCILER_ENABLED: 'false', ...opts.env });
-  const logger = pino({ level: opts.logLevel ?? process.env.FLEET_TEST_LOG ?? 'silent' });
+  const logger = opts.logger ?? pino({ level: opts.logLevel ?? process.env.FLEET_TEST_LOG ?? 'silent' });
   const tokenKey = randomBytes(32);
   let service: Service;
   try {
@@ -86,7 +88,7 @@ export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise
       apiKeys: apiKeysFrom(ADMIN_KEY, Object.entries(TENANT_KEYS).map(([tenant, key]) => ({ tenant, key }))),
       connector: opts.connector,
       defaultMetrics: false,
-      httpLogger: false,
+      httpLogger: opts.logger !== undefined,
     });
   } catch (err) {
     await db.drop();

@@ -33,7 +33,8 @@ async function serverUrl(): Promise<string> {
       void server
         .stop()
         .then(() => fs.rm(dataDir, { recursive: true, force: true }))
-        .then(() => fs.rm(`${dataDir}.log`, { force: true }));
+        .then(() => fs.rm(`${dataDir}.log`, { force: true }))
+        .then(() => fs.rm(`${dataDir}.password`, { force: true }));
     });
     return server;
   })();

@@ -24,12 +24,20 @@ export interface AuditEntry {
   readonly data: JsonValue;
 }
 
-/** Ciphertext is no use to an auditor and no business of a log reader: fields holding it are shown as sealed. */
-function seal(value: JsonValue): JsonValue {
-  if (Array.isArray(value)) return value.map(seal);
+/**
+ * Ciphertext is no use to an auditor and no business of a log reader: fields
+ * holding it are shown as sealed. So are the fields that may hold
+ * credentials in clear in events written before sealing existed (a startup
+ * script, the in-guest agent's command and drain command, secrets).
+ */
+export function redactSealed(value: JsonValue, parentKey?: string): JsonValue {
+  if (Array.isArray(value)) return value.map((v) => redactSealed(v));
   if (value !== null && typeof value === 'object') {
     const out: { [k: string]: JsonValue } = {};
-    for (const [k, v] of Object.entries(value)) out[k] = /_encrypted$/.test(k) ? '[sealed]' : seal(v);
+    for (const [k, v] of Object.entries(value)) {
+      const sealed = /_encrypted$/.test(k) || k === 'startup_script' || k === 'secrets' || (parentKey === 'agent' && (k === 'command' || k === 'drain_command'));
+      out[k] = sealed ? '[sealed]' : redactSealed(v, k);
+    }
     return out;
   }
   return value;
@@ -52,7 +60,7 @@ export function toAuditEntry(e: RecordedEvent): AuditEntry {
     tenant_id: e.metadata.tenantId ?? null,
     correlation_id: e.metadata.correlationId ?? null,
     causation_id: e.metadata.causationId ?? null,
-    data: seal(e.data),
+    data: redactSealed(e.data),
   };
 }
 

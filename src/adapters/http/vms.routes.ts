@@ -9,7 +9,7 @@ import type { AgentStream } from '../../domain/host-agent.port.js';
 import { AppError, NotFoundError } from '../../domain/errors.js';
 import { placementDecisionSchema } from '../../domain/placement/placement.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
-import { vmSpecSchema } from '../../domain/vm/spec.js';
+import { publicSpec, vmSpecSchema } from '../../domain/vm/spec.js';
 import { vmStatusSchema } from '../../domain/vm/vm.events.js';
 import type { ProjectionRunner } from '../../projections/runner.js';
 import { getVm, listVms, type VmRow } from '../../projections/vms/vms.queries.js';
@@ -54,7 +54,7 @@ export function fromState(s: ExistingVmState): VmOut {
     host_id: s.host_id ?? null,
     url: s.url ?? null,
     endpoints: [...s.endpoints],
-    spec: s.spec as Record<string, unknown>,
+    spec: publicSpec(s.spec),
     reason: s.status === 'destroyed' || s.status === 'failed' ? s.reason : s.status === 'destroying' ? s.destroy_reason : null,
     error: s.status === 'failed' ? s.error : null,
     error_code: s.status === 'failed' ? (s.error_code ?? null) : null,

@@ -1,5 +1,6 @@
 import { spawn, execFile, type ChildProcess } from 'node:child_process';
-import { promises as fs, constants as fsConstants } from 'node:fs';
+import { createHash, randomBytes } from 'node:crypto';
+import { promises as fs } from 'node:fs';
 import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
@@ -32,6 +33,13 @@ export interface EmbeddedPostgresOptions {
   readonly startTimeoutMs?: number | undefined;
   /** Let our process exit while the server runs (stop it from a `beforeExit` handler). Default false. */
   readonly unref?: boolean | undefined;
+  /**
+   * The superuser's password (the service keeps it in DATA_DIR/secrets.json).
+   * Default: a random one kept in `<dataDir>.password` (mode 0600). A data
+   * directory initialised with the old constant password is moved to this
+   * one on start.
+   */
+  readonly password?: string | undefined;
 }
 
 export interface EmbeddedPostgres {
@@ -53,8 +61,8 @@ export class EmbeddedPostgresError extends Error {
 }
 
 const USER = 'postgres';
-// Local-only server bound to 127.0.0.1: the password keeps other local users out of a dev database, not secrets.
-const PASSWORD = 'postgres';
+/** What every data directory was initialised with before passwords were generated: migrated away from on start. */
+export const LEGACY_PASSWORD = 'postgres';
 const execFileAsync = promisify(execFile);
 
 interface Binaries {
@@ -105,26 +113,49 @@ async function runAsUser(logger: Logger | undefined): Promise<RunAs> {
 }
 
 /**
- * The unprivileged user must traverse every ancestor of the data directory and
- * of the binaries (a repository cloned under /root is 0700). We add only the
- * search bit (o+x), never read, and say so in the log.
+ * Postgres refuses root, so as root it runs as the `postgres` user, which
+ * must reach the binaries and the data directory. A repository under /root
+ * (0700) is out of its reach, and widening the modes of a caller's
+ * directories (o+x up to /) is not ours to do. Instead the server runs in a
+ * mount namespace of its own where both are bind-mounted under
+ * /run/fleet-pg/<hash of the data dir> (root-owned, 0755): nothing outside
+ * changes mode, and nobody else gains a path to them.
  */
-async function ensureTraversable(target: string, logger: Logger | undefined): Promise<void> {
-  let dir = path.dirname(path.resolve(target));
-  const chain: string[] = [];
-  while (true) {
-    chain.push(dir);
-    const parent = path.dirname(dir);
-    if (parent === dir) break;
-    dir = parent;
-  }
-  for (const d of chain.reverse()) {
-    const st = await fs.stat(d);
-    if ((st.mode & fsConstants.S_IXOTH) === 0) {
-      await fs.chmod(d, st.mode | fsConstants.S_IXOTH);
-      logger?.warn({ dir: d }, 'added o+x (search only) so the postgres user can reach the embedded data directory');
-    }
-  }
+interface ServerView {
+  /** The data directory as the server sees it. */
+  readonly dataDir: string;
+  readonly bin: Binaries;
+  /** Prefix for a command to run as the postgres user inside the view. */
+  wrap(cmd: string, args: string[]): { cmd: string; args: string[] };
+  /** Removes the (empty, outside the server's namespace) mount points once the server is gone. */
+  cleanup(): Promise<void>;
+}
+
+async function serverView(dataDir: string, bin: Binaries, runAs: RunAs): Promise<ServerView> {
+  if (runAs.uid === undefined || runAs.gid === undefined) return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }), cleanup: async () => undefined };
+  const nativeDir = path.dirname(path.dirname(bin.postgres));
+  const root = path.join('/run/fleet-pg', createHash('sha256').update(dataDir).digest('hex').slice(0, 16));
+  await fs.mkdir('/run/fleet-pg', { recursive: true, mode: 0o755 });
+  await fs.mkdir(path.join(root, 'native'), { recursive: true, mode: 0o755 });
+  await fs.mkdir(path.join(root, 'data'), { recursive: true, mode: 0o755 });
+  const seen = (p: string): string => path.join(root, 'native', path.relative(nativeDir, p));
+  const uid = String(runAs.uid);
+  const gid = String(runAs.gid);
+  // unshare and setpriv exec in place: the child's pid is the server's (or initdb's) own.
+  const script = 'mount --bind "$1" "$2" && mount --bind "$3" "$4" && u=$5 g=$6 && shift 6 && exec setpriv --reuid="$u" --regid="$g" --clear-groups -- "$@"';
+  return {
+    dataDir: path.join(root, 'data'),
+    bin: { postgres: seen(bin.postgres), initdb: seen(bin.initdb) },
+    wrap: (cmd, args) => ({
+      cmd: 'unshare',
+      args: ['--mount', '--propagation', 'private', '--', '/bin/sh', '-c', script, 'sh', nativeDir, path.join(root, 'native'), dataDir, path.join(root, 'data'), uid, gid, cmd, ...args],
+    }),
+    // Only once our server has exited: removing a mount point another namespace still uses detaches it there.
+    // And rmdir, never a recursive rm: should a mount ever be visible here, its contents are not ours to delete.
+    cleanup: async () => {
+      for (const d of [path.join(root, 'native'), path.join(root, 'data'), root]) await fs.rmdir(d).catch(() => undefined);
+    },
+  };
 }
 
 async function chownRecursive(dir: string, uid: number, gid: number): Promise<void> {
@@ -161,7 +192,7 @@ async function waitForExit(pid: number, timeoutMs: number): Promise<boolean> {
  * belongs to an unrelated process (pid reuse in containers). We stop an
  * orphaned postmaster of this data directory and remove a stale lock file.
  */
-async function clearStaleLock(dataDir: string, logger: Logger | undefined): Promise<void> {
+async function clearStaleLock(dataDir: string, logger: Logger | undefined, seenDataDir?: string): Promise<void> {
   const lockFile = path.join(dataDir, 'postmaster.pid');
   let text: string;
   try {
@@ -177,7 +208,7 @@ async function clearStaleLock(dataDir: string, logger: Logger | undefined): Prom
     } catch {
       // not Linux, or gone meanwhile
     }
-    const ours = cmdline.includes('postgres') && cmdline.includes(dataDir);
+    const ours = cmdline.includes('postgres') && (cmdline.includes(dataDir) || (seenDataDir !== undefined && cmdline.includes(seenDataDir)));
     if (ours) {
       // Reparented to init means its parent died; a live parent is another running instance, not ours to stop.
       const ppid = await fs.readFile(`/proc/${pid}/stat`, 'utf8').then((st) => Number.parseInt(st.slice(st.lastIndexOf(')') + 2).split(' ')[1] ?? '', 10), () => 1);
@@ -229,11 +260,12 @@ async function isInitialised(dataDir: string): Promise<boolean> {
   return false;
 }
 
-function spawnLogged(cmd: string, args: string[], runAs: RunAs, logFd: fs.FileHandle): ChildProcess {
-  return spawn(cmd, args, {
-    ...runAs,
+function spawnLogged(view: ServerView, cmd: string, args: string[], logFd: fs.FileHandle): ChildProcess {
+  const w = view.wrap(cmd, args);
+  return spawn(w.cmd, w.args, {
     stdio: ['ignore', logFd.fd, logFd.fd],
-    env: { ...process.env, LC_MESSAGES: 'C', LANG: 'C' },
+    // Not our environment: the server has no business with the admin key or the token-encryption key.
+    env: { PATH: process.env.PATH ?? '/usr/sbin:/usr/bin:/sbin:/bin', LC_MESSAGES: 'C', LANG: 'C', LC_ALL: 'C' },
   });
 }
 
@@ -245,22 +277,44 @@ async function tail(file: string, lines = 15): Promise<string> {
   }
 }
 
-async function initdb(bin: Binaries, dataDir: string, runAs: RunAs, logFile: string, logFd: fs.FileHandle): Promise<void> {
-  const pwfile = path.join(os.tmpdir(), `fleet-pg-pw-${process.pid}-${Date.now()}`);
-  await fs.writeFile(pwfile, `${PASSWORD}\n`, { mode: 0o644 });
+async function initdb(view: ServerView, password: string, runAs: RunAs, logFile: string, logFd: fs.FileHandle): Promise<void> {
+  const pwfile = path.join(os.tmpdir(), `fleet-pg-pw-${process.pid}-${randomBytes(8).toString('hex')}`);
+  // 0600 and created exclusively: the file holds the real password for the moment initdb reads it.
+  const handle = await fs.open(pwfile, 'wx', 0o600);
   try {
-    const child = spawnLogged(bin.initdb, [`--pgdata=${dataDir}`, '--auth=scram-sha-256', `--username=${USER}`, `--pwfile=${pwfile}`, '--encoding=UTF8', '--locale=C', '--no-instructions'], runAs, logFd);
+    await handle.writeFile(`${password}\n`);
+    if (runAs.uid !== undefined && runAs.gid !== undefined) await handle.chown(runAs.uid, runAs.gid);
+    await handle.close();
+    const child = spawnLogged(view, view.bin.initdb, [`--pgdata=${view.dataDir}`, '--auth=scram-sha-256', `--username=${USER}`, `--pwfile=${pwfile}`, '--encoding=UTF8', '--locale=C', '--no-instructions'], logFd);
     const code = await new Promise<number | null>((resolve, reject) => {
       child.once('error', reject);
       child.once('exit', (c) => resolve(c));
     });
     if (code !== 0) throw new EmbeddedPostgresError('EMBEDDED_PG_INITDB', `initdb failed (exit ${String(code)}):\n${await tail(logFile)}`);
   } finally {
+    await handle.close().catch(() => undefined);
     await fs.rm(pwfile, { force: true });
   }
 }
 
-async function waitUntilReady(url: string, child: ChildProcess, logFile: string, timeoutMs: number): Promise<void> {
+/** The password for a data directory that was given none: random, kept beside it (mode 0600). */
+async function passwordFileFor(dataDir: string): Promise<string> {
+  const file = `${dataDir}.password`;
+  try {
+    const text = (await fs.readFile(file, 'utf8')).trim();
+    if (text !== '') return text;
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
+  }
+  const password = randomBytes(24).toString('base64url');
+  await fs.writeFile(file, `${password}\n`, { mode: 0o600 });
+  await fs.chmod(file, 0o600);
+  return password;
+}
+
+const AUTH_FAILED = '28P01';
+
+async function waitUntilReady(url: string, child: ChildProcess, logFile: string, timeoutMs: number): Promise<'ready' | 'auth_failed'> {
   const deadline = Date.now() + timeoutMs;
   let exited: number | null | undefined;
   child.once('exit', (code) => {
@@ -277,14 +331,43 @@ async function waitUntilReady(url: string, child: ChildProcess, logFile: string,
       await client.connect();
       await client.query('SELECT 1');
       await client.end();
-      return;
+      return 'ready';
     } catch (err) {
       lastError = err;
       await client.end().catch(() => undefined);
+      if ((err as { code?: string }).code === AUTH_FAILED) return 'auth_failed';
       await new Promise((r) => setTimeout(r, 100));
     }
   }
   throw new EmbeddedPostgresError('EMBEDDED_PG_START', `Postgres did not accept connections within ${timeoutMs} ms:\n${await tail(logFile)}`, { cause: lastError });
+}
+
+/**
+ * A data directory initialised before passwords were generated still has the
+ * constant one: log in with it once and set the generated one. Any other
+ * refusal means the configured password is wrong for this data directory.
+ */
+async function migrateLegacyPassword(port: number, password: string, logger: Logger | undefined): Promise<void> {
+  const client = new pg.Client({ host: '127.0.0.1', port, user: USER, password: LEGACY_PASSWORD, database: 'postgres' });
+  client.on('error', () => undefined);
+  try {
+    await client.connect();
+  } catch (err) {
+    await client.end().catch(() => undefined);
+    throw new EmbeddedPostgresError(
+      'EMBEDDED_PG_AUTH',
+      'the embedded Postgres refuses the password kept for it (DATA_DIR/secrets.json or <data dir>.password): restore the file that goes with this data directory, or move the data directory away to start afresh',
+      { cause: err },
+    );
+  }
+  try {
+    // The statement carries the password as a literal: keep it out of the server's log whatever its settings.
+    await client.query(`SET log_statement = 'none'`);
+    await client.query(`ALTER ROLE ${client.escapeIdentifier(USER)} PASSWORD ${client.escapeLiteral(password)}`);
+    logger?.warn('the embedded Postgres had the old constant password; it now has the generated one');
+  } finally {
+    await client.end();
+  }
 }
 
 async function ensureDatabase(adminUrl: string, database: string): Promise<void> {
@@ -318,14 +401,14 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
 
   await fs.mkdir(dataDir, { recursive: true, mode: 0o700 });
   await fs.mkdir(path.dirname(logFile), { recursive: true });
+  const password = options.password ?? (await passwordFileFor(dataDir));
+  const view = await serverView(dataDir, bin, runAs);
   if (runAs.uid !== undefined && runAs.gid !== undefined) {
-    await ensureTraversable(dataDir, logger);
-    await ensureTraversable(bin.postgres, logger);
     const st = await fs.stat(dataDir);
     if (st.uid !== runAs.uid) await chownRecursive(dataDir, runAs.uid, runAs.gid);
   }
 
-  await clearStaleLock(dataDir, logger);
+  await clearStaleLock(dataDir, logger, view.dataDir);
   await assertPortFree(options.port);
 
   const logFd = await fs.open(logFile, 'a', 0o644);
@@ -333,7 +416,7 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
   try {
     if (!(await isInitialised(dataDir))) {
       logger?.info({ dataDir }, 'initialising embedded Postgres data directory');
-      await initdb(bin, dataDir, runAs, logFile, logFd);
+      await initdb(view, password, runAs, logFile, logFd);
     }
     const settings: Record<string, string> = {
       listen_addresses: '127.0.0.1',
@@ -342,21 +425,24 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
       max_connections: '200',
       ...options.settings,
     };
-    const args = ['-D', dataDir, '-p', String(options.port), ...Object.entries(settings).flatMap(([k, v]) => ['-c', `${k}=${v}`])];
-    const child = spawnLogged(bin.postgres, args, runAs, logFd);
+    const args = ['-D', view.dataDir, '-p', String(options.port), ...Object.entries(settings).flatMap(([k, v]) => ['-c', `${k}=${v}`])];
+    const child = spawnLogged(view, view.bin.postgres, args, logFd);
     // If our process dies without calling stop(), do not leave the server behind.
     const onExit = (): void => {
       if (child.exitCode === null && child.signalCode === null) child.kill('SIGQUIT');
     };
     process.once('exit', onExit);
-    const base = `postgres://${USER}:${PASSWORD}@127.0.0.1:${options.port}`;
+    const base = `postgres://${USER}:${encodeURIComponent(password)}@127.0.0.1:${options.port}`;
     const adminUrl = `${base}/postgres`;
     try {
-      await waitUntilReady(adminUrl, child, logFile, options.startTimeoutMs ?? 60_000);
+      if ((await waitUntilReady(adminUrl, child, logFile, options.startTimeoutMs ?? 60_000)) === 'auth_failed') {
+        await migrateLegacyPassword(options.port, password, logger);
+      }
       await ensureDatabase(adminUrl, database);
     } catch (err) {
       process.removeListener('exit', onExit);
       await stopChild(child);
+      await view.cleanup();
       throw err;
     }
     logger?.info({ port: options.port, dataDir, postgresPid: child.pid }, 'embedded Postgres started');
@@ -372,6 +458,7 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
           process.removeListener('exit', onExit);
           child.ref(); // an unref'd server must still hold the process open until it has stopped
           await stopChild(child);
+          await view.cleanup();
           await logFd.close().catch(() => undefined);
           logger?.info({ port: options.port }, 'embedded Postgres stopped');
         })();

@@ -71,7 +71,9 @@ export type HostCommand =
   | { readonly type: 'MarkHostReachable'; readonly data: { readonly host_id: string } }
   | { readonly type: 'DeregisterHost'; readonly data: { readonly host_id: string; readonly force?: boolean | undefined } }
   | { readonly type: 'ReserveCapacity'; readonly data: ReserveCapacityData }
-  | { readonly type: 'ReleaseCapacity'; readonly data: { readonly host_id: string; readonly vm_id: string } };
+  | { readonly type: 'ReleaseCapacity'; readonly data: { readonly host_id: string; readonly vm_id: string } }
+  /** `previous`: the ciphertext it replaces; a reseal that lost a race to another is a no-op. */
+  | { readonly type: 'ResealHostToken'; readonly data: { readonly host_id: string; readonly previous: string; readonly token_encrypted: string } };
 
 // ---------------------------------------------------------------- state
 
@@ -242,6 +244,12 @@ export function decideHost(command: HostCommand, state: HostState, ctx: DecideCo
       return [{ type: 'CapacityReleased', data: { ...r, host_id: h.host_id, at } }];
     }
 
+    case 'ResealHostToken': {
+      const h = registered(state, command.data.host_id);
+      if (h.token_encrypted !== command.data.previous) return [];
+      return [{ type: 'HostTokenResealed', data: { host_id: h.host_id, token_encrypted: command.data.token_encrypted, at } }];
+    }
+
     default:
       return assertNever(command, 'host command');
   }
@@ -387,6 +395,8 @@ export function evolveHost(state: HostState, event: HostEvent): HostState {
       reservations.delete(event.data.vm_id);
       return { ...state, reservations, updated_at: event.data.at };
     }
+    case 'HostTokenResealed':
+      return update(state, { token_encrypted: event.data.token_encrypted, updated_at: event.data.at });
     default:
       return assertNever(event, 'host event');
   }

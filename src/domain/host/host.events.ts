@@ -66,6 +66,12 @@ export const hostRegisteredSchema = z.object({
   }),
 });
 
+/** The host's token sealed again, unchanged in clear, under the current context (id and URL); written once for a token sealed before the URL was bound. */
+export const hostTokenResealedSchema = z.object({
+  type: z.literal('HostTokenResealed'),
+  data: z.object({ host_id: idSchema, token_encrypted: z.string().min(1), at }),
+});
+
 export const hostCapacityProbedSchema = z.object({
   type: z.literal('HostCapacityProbed'),
   data: z.object({ host_id: idSchema, capacity: hostCapacitySchema, probed_capacity: hostCapacitySchema, at }),
@@ -122,6 +128,7 @@ export const hostEventSchema = z.discriminatedUnion('type', [
   hostDeregisteredSchema,
   capacityReservedSchema,
   capacityReleasedSchema,
+  hostTokenResealedSchema,
 ]);
 export type HostEvent = z.infer<typeof hostEventSchema>;
 export type HostEventType = HostEvent['type'];

@@ -83,6 +83,23 @@ export const healthcheckSchema = z
   })
   .refine((h) => (h.http === undefined) !== (h.exec === undefined), { message: 'set exactly one of http or exec' });
 
+/** Secrets are environment variables of the guest: names as a shell takes them, bounded so events stay small. */
+export const SECRET_LIMITS = { maxCount: 64, maxValueBytes: 32 * 1024, maxTotalBytes: 128 * 1024 } as const;
+const secretNameSchema = z.string().regex(/^[A-Za-z_][A-Za-z0-9_]{0,127}$/, 'a secret name is an environment variable name: letters, digits and _, not starting with a digit, up to 128 characters');
+// Messages never quote a value: a refused secret must not come back in the 400 or the log.
+export const secretsSchema = z.record(secretNameSchema, z.string()).superRefine((secrets, ctx) => {
+  const entries = Object.entries(secrets);
+  if (entries.length > SECRET_LIMITS.maxCount) ctx.addIssue({ code: 'custom', message: `at most ${SECRET_LIMITS.maxCount} secrets (got ${entries.length})` });
+  let total = 0;
+  for (const [name, value] of entries) {
+    const bytes = Buffer.byteLength(value, 'utf8') + Buffer.byteLength(name, 'utf8');
+    total += bytes;
+    if (Buffer.byteLength(value, 'utf8') > SECRET_LIMITS.maxValueBytes) ctx.addIssue({ code: 'custom', path: [name], message: `a secret value is at most ${SECRET_LIMITS.maxValueBytes} bytes` });
+    if (value.includes('\0')) ctx.addIssue({ code: 'custom', path: [name], message: 'a secret value must not contain NUL (it becomes an environment variable)' });
+  }
+  if (total > SECRET_LIMITS.maxTotalBytes) ctx.addIssue({ code: 'custom', message: `secrets total ${total} bytes, above the limit of ${SECRET_LIMITS.maxTotalBytes}` });
+});
+
 /**
  * A VM spec as the API takes it (snake_case). Structural and cross-field
  * rules live here so a route validating its body with this schema already
@@ -113,6 +130,7 @@ const vmSpecObject = z.object({
     expose: z.array(exposeSchema).max(32).optional(),
     healthcheck: healthcheckSchema.optional(),
     net_raw: z.boolean().optional(),
+    secrets: secretsSchema.optional(),
   });
 
 export const vmSpecSchema = vmSpecObject
@@ -137,26 +155,80 @@ export type VmSpecInput = z.input<typeof vmSpecSchema>;
 export type VmSpec = z.output<typeof vmSpecSchema>;
 
 /**
- * The spec as events and read models keep it: caller file contents are
- * dropped (only their paths stay). They can be megabytes and may hold
- * credentials, and they are only needed during the create request that
- * uploads them.
+ * The spec as events keep it: caller file contents are dropped (only their
+ * paths stay): they can be megabytes and are only needed during the create
+ * request that uploads them. What may hold credentials and is needed again
+ * later (the startup script, the in-guest agent's command and drain command,
+ * the secrets) is
+ * kept only as AES-256-GCM ciphertext (`*_encrypted`), sealed by the command
+ * layer. `startup_script` and `agent.command` in clear are read from events
+ * written before sealing existed; nothing writes them any more.
  */
-export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true }).extend({
+export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, secrets: true }).extend({
   file_paths: z.array(z.string()).optional(),
-  agent: agentSpecSchema.omit({ files: true }).extend({ file_paths: z.array(z.string()).optional() }).optional(),
+  startup_script_encrypted: z.string().optional(),
+  secrets_encrypted: z.string().optional(),
+  agent: agentSpecSchema
+    .omit({ files: true, command: true })
+    .extend({ command: z.string().optional(), command_encrypted: z.string().optional(), drain_command_encrypted: z.string().optional(), file_paths: z.array(z.string()).optional() })
+    .optional(),
 });
 export type StoredVmSpec = z.output<typeof storedVmSpecSchema>;
 
-export function toStoredSpec(spec: VmSpec): StoredVmSpec {
-  const { files, agent, ...rest } = spec;
+/** Ciphertexts of the spec's sealed fields, made by the command layer (sealing needs a key and randomness). */
+export interface SealedSpecFields {
+  readonly startup_script?: string | undefined;
+  readonly agent_command?: string | undefined;
+  readonly agent_drain_command?: string | undefined;
+  readonly secrets?: string | undefined;
+}
+
+/** AES-GCM associated data per sealed field: a ciphertext copied onto another VM or field does not open. */
+export type SealedField = 'startup_script' | 'agent.command' | 'agent.drain_command' | 'secrets';
+export const sealedFieldContext = (vmId: string, field: SealedField): string => `vm:${vmId}:${field}`;
+
+export function toStoredSpec(spec: VmSpec, sealed: SealedSpecFields = {}): StoredVmSpec {
+  const { files, agent, secrets, startup_script, ...rest } = spec;
   const stored: StoredVmSpec = { ...rest };
   if (files) stored.file_paths = Object.keys(files).sort();
+  // Refusing here, not storing in clear, is what keeps a forgotten seal out of the event store.
+  if (startup_script !== undefined) stored.startup_script_encrypted = required(sealed.startup_script, 'startup_script');
+  if (secrets !== undefined && Object.keys(secrets).length > 0) stored.secrets_encrypted = required(sealed.secrets, 'secrets');
   if (agent) {
-    const { files: agentFiles, ...agentRest } = agent;
-    stored.agent = agentFiles ? { ...agentRest, file_paths: Object.keys(agentFiles).sort() } : agentRest;
+    const { files: agentFiles, command: _command, drain_command, ...agentRest } = agent;
+    stored.agent = { ...agentRest, command_encrypted: required(sealed.agent_command, 'agent.command') };
+    if (drain_command !== undefined && drain_command !== '') stored.agent.drain_command_encrypted = required(sealed.agent_drain_command, 'agent.drain_command');
+    if (agentFiles) stored.agent.file_paths = Object.keys(agentFiles).sort();
   }
   return stored;
+}
+
+function required(ciphertext: string | undefined, field: string): string {
+  if (ciphertext === undefined) throw new Error(`${field} must be sealed before it is stored`);
+  return ciphertext;
+}
+
+export const SEALED = '[sealed]';
+
+/**
+ * The spec as reads show it (GET, list, as_of, the vms read model): no
+ * ciphertext and no clear credential, old events included; a sealed field
+ * shows that it is set, never what it is.
+ */
+export function publicSpec(spec: StoredVmSpec): Record<string, unknown> {
+  const { startup_script, startup_script_encrypted, secrets_encrypted: _s, agent, ...rest } = spec;
+  const out: Record<string, unknown> = { ...rest };
+  if (startup_script !== undefined || startup_script_encrypted !== undefined) out.startup_script = SEALED;
+  if (agent) {
+    const { command, command_encrypted, drain_command, drain_command_encrypted, ...agentRest } = agent;
+    out.agent = {
+      ...agentRest,
+      ...(command !== undefined || command_encrypted !== undefined ? { command: SEALED } : {}),
+      // An empty drain command (nothing to run) reads as it is; one that runs something reads sealed.
+      ...(drain_command || drain_command_encrypted !== undefined ? { drain_command: SEALED } : drain_command !== undefined ? { drain_command } : {}),
+    };
+  }
+  return out;
 }
 
 /** `expose[0].as`, `files["/etc/x"]`: the path of a zod issue as a client would name the field. */

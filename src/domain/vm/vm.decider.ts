@@ -1,6 +1,6 @@
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
 import type { PlacementDecision } from '../placement/placement.js';
-import { toStoredSpec, type StoredVmSpec, type VmSpec } from './spec.js';
+import { toStoredSpec, type SealedSpecFields, type StoredVmSpec, type VmSpec } from './spec.js';
 import { VmAlreadyExistsError, VmInvalidStateError, VmNotFoundError } from './vm.errors.js';
 import type { Endpoint, VmEndReason, VmEvent, VmPhase, VmReservation } from './vm.events.js';
 
@@ -13,6 +13,8 @@ export type VmCommand =
       readonly data: {
         readonly vm_id: string;
         readonly spec: VmSpec;
+        /** Ciphertexts of the spec's credential-bearing fields; a field present in `spec` without its ciphertext is refused. */
+        readonly sealed?: SealedSpecFields | undefined;
         readonly tenant_id: string;
         readonly task_id?: string | undefined;
         readonly idempotency_key?: string | undefined;
@@ -133,7 +135,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmRequested',
-          data: compact({ vm_id, spec: toStoredSpec(d.spec), tenant_id: d.tenant_id, task_id: d.task_id, idempotency_key: d.idempotency_key, at }),
+          data: compact({ vm_id, spec: toStoredSpec(d.spec, d.sealed), tenant_id: d.tenant_id, task_id: d.task_id, idempotency_key: d.idempotency_key, at }),
         },
       ];
     }

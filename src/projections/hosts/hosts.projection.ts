@@ -176,6 +176,9 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
       case 'HostReachable':
         Object.assign(row, { reachable: true, last_seen: at });
         break;
+      case 'HostTokenResealed':
+        row.token_encrypted = e.data.token_encrypted;
+        break;
       case 'HostDeregistered':
         Object.assign(row, { deregistered: true, allocated_cpus: 0, allocated_ram_mb: 0, allocated_storage_gb: 0, allocated_vms: 0, allocated_gpus: 0 });
         break;

@@ -1,10 +1,13 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
+import { publicSpec } from '../../domain/vm/spec.js';
 import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
 import type { Projection, Sql } from '../projection.js';
 
 /**
  * The `vms` read model: what the API lists and gets. One row per VM, every
  * field taken from its events (times included), so a rebuild reproduces it.
+ * The spec is stored as reads show it (`publicSpec`): no ciphertext, no
+ * startup script or agent command in clear, whatever the event's age.
  */
 export const vmsProjection: Projection = {
   name: 'vms',
@@ -39,6 +42,16 @@ export const vmsProjection: Projection = {
         CREATE INDEX IF NOT EXISTS vms_host_state_idx ON vms (host_id, state);
         CREATE INDEX IF NOT EXISTS vms_task_idx ON vms (task_id) WHERE task_id IS NOT NULL;
         CREATE INDEX IF NOT EXISTS vms_state_idx ON vms (state);`,
+    },
+    {
+      // Rows written before sealing kept the startup script and agent command in clear: mask them as apply now does.
+      id: 'vms_0002_sealed_spec',
+      sql: `
+        UPDATE vms SET spec = jsonb_set(spec, '{startup_script}', '"[sealed]"') WHERE spec ? 'startup_script' AND spec->>'startup_script' <> '[sealed]';
+        UPDATE vms SET spec = jsonb_set(spec, '{agent,command}', '"[sealed]"') WHERE spec->'agent' ? 'command' AND spec->'agent'->>'command' <> '[sealed]';
+        UPDATE vms SET spec = jsonb_set(spec, '{agent,drain_command}', '"[sealed]"') WHERE coalesce(spec->'agent'->>'drain_command', '') NOT IN ('', '[sealed]');
+        UPDATE vms SET spec = spec - 'startup_script_encrypted' - 'secrets_encrypted' WHERE spec ?| array['startup_script_encrypted', 'secrets_encrypted'];
+        UPDATE vms SET spec = jsonb_set(spec, '{agent}', (spec->'agent') - 'command_encrypted' - 'drain_command_encrypted') WHERE spec->'agent' ?| array['command_encrypted', 'drain_command_encrypted'];`,
     },
   ],
   tables: [{ name: 'vms', key: ['id'] }],
@@ -98,7 +111,7 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       if (byId.has(id)) continue;
       const d = e.data;
       byId.set(id, {
-        id, tenant_id: d.tenant_id, task_id: d.task_id ?? null, state: 'requested', host_id: null, url: null, endpoints: [], spec: d.spec,
+        id, tenant_id: d.tenant_id, task_id: d.task_id ?? null, state: 'requested', host_id: null, url: null, endpoints: [], spec: publicSpec(d.spec),
         placement: null, reason: null, error: null, error_code: null, failed_phase: null, boot_ms: null, idempotency_key: d.idempotency_key ?? null,
         revision: r.revision.toString(), created_at: at, updated_at: at, state_changed_at: at, last_activity_at: at,
       });
