@@ -147,6 +147,8 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
     if (root) await rm(root, { recursive: true, force: true });
   });
 
+  // Every sandbox here holds CAP_NET_RAW (net_raw: true): the boundary must hold against raw sockets,
+  // and a ping that fails for want of one would make each "cannot reach" below pass for the wrong reason.
   test('tenants whose ids collide in a 32-bit hash get bridges of their own and cannot reach each other', async () => {
     // The old scheme named a tenant's bridge <prefix>b<hash8(tenant)>: a birthday search finds two tenants sharing one.
     const seen = new Map<string, string>();
@@ -160,9 +162,9 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
     }
     const [t1, t2] = pair;
     assert.equal(hash8(t1), hash8(t2));
-    const one = await b.create({ name: 'coll-1', cpus: 1, ram_mb: 64, tenant: t1 });
-    const two = await b.create({ name: 'coll-2', cpus: 1, ram_mb: 64, tenant: t2 });
-    const peer = await b.create({ name: 'coll-3', cpus: 1, ram_mb: 64, tenant: t1 });
+    const one = await b.create({ name: 'coll-1', cpus: 1, ram_mb: 64, net_raw: true, tenant: t1 });
+    const two = await b.create({ name: 'coll-2', cpus: 1, ram_mb: 64, net_raw: true, tenant: t2 });
+    const peer = await b.create({ name: 'coll-3', cpus: 1, ram_mb: 64, net_raw: true, tenant: t1 });
     try {
       assert.notEqual(b.networkOf('coll-1').bridge, b.networkOf('coll-2').bridge, `tenants ${t1} and ${t2} share a bridge`);
       assert.equal(b.networkOf('coll-1').bridge, b.networkOf('coll-3').bridge, 'one tenant, one bridge');
@@ -175,8 +177,8 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
   });
 
   test('with ip_forward=1, forwarding on every bridge and routes through the gateway, one tenant still cannot reach another', async () => {
-    const a1 = await b.create({ name: 'fwd-a', cpus: 1, ram_mb: 64, tenant: 'alpha' });
-    const b1 = await b.create({ name: 'fwd-b', cpus: 1, ram_mb: 64, tenant: 'beta' });
+    const a1 = await b.create({ name: 'fwd-a', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'alpha' });
+    const b1 = await b.create({ name: 'fwd-b', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'beta' });
     const listener = await b.spawn('fwd-b', { argv: ['/bin/sh', '-c', 'nc -l -p 7000'], stdin: false });
     const heard = collect(listener, 30_000);
     try {
@@ -222,7 +224,7 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
     });
     await new Promise<void>((r) => server.listen(0, '0.0.0.0', r));
     const port = (server.address() as { port: number }).port;
-    const s = await b.create({ name: 'host-probe', cpus: 1, ram_mb: 64, tenant: 'gamma' });
+    const s = await b.create({ name: 'host-probe', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'gamma' });
     try {
       for (const addr of [gateway, '192.0.2.10', '169.254.169.254']) {
         const r = await sh(b, 'host-probe', `nc -w 2 ${addr} ${port} </dev/null`);
@@ -257,8 +259,8 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
 
   test('a router advertisement sent on a sandbox link installs no route, on the host or in a peer sandbox; IPv6 is off on the bridge and veth', async (t) => {
     if (!raSend) return t.skip('no C compiler to build the router-advertisement sender (apt-get install gcc libc6-dev)');
-    const s = await b.create({ name: 'ra', cpus: 1, ram_mb: 64, tenant: 'delta' });
-    const peer = await b.create({ name: 'ra-peer', cpus: 1, ram_mb: 64, tenant: 'delta' });
+    const s = await b.create({ name: 'ra', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'delta' });
+    const peer = await b.create({ name: 'ra-peer', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'delta' });
     try {
       const { bridge, veth } = b.networkOf('ra');
       const sysctl = async (link: string, key: string) => (await readFile(`/proc/sys/net/ipv6/conf/${link}/${key}`, 'utf8')).trim();
@@ -290,8 +292,8 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
   });
 
   test('a sandbox cannot speak with an address or MAC that is not its own', async () => {
-    const a = await b.create({ name: 'spoof-a', cpus: 1, ram_mb: 64, tenant: 'epsilon' });
-    const v = await b.create({ name: 'spoof-v', cpus: 1, ram_mb: 64, tenant: 'epsilon' });
+    const a = await b.create({ name: 'spoof-a', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'epsilon' });
+    const v = await b.create({ name: 'spoof-v', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'epsilon' });
     try {
       assert.equal(inNetns(a.init_pid, ['/bin/busybox', 'ping', '-c', '1', '-W', '1', v.ip]).status, 0, 'its own address works');
       const forged = gateway.replace(/\.1$/, '.233');
@@ -311,7 +313,7 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
   });
 
   test('reassert puts back a deleted or edited table and a flipped sysctl, and counts each; a clean state reports nothing', async () => {
-    await b.create({ name: 'reassert', cpus: 1, ram_mb: 64, tenant: 'zeta' });
+    await b.create({ name: 'reassert', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'zeta' });
     try {
       const { bridge } = b.networkOf('reassert');
       assert.equal((await b.reassertNetwork()).repaired, 0, 'nothing drifted yet');
@@ -344,7 +346,7 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
   });
 
   test('with no sandbox left, the tables, bridges and veths are gone, and prune finds nothing more', async () => {
-    await b.create({ name: 'last', cpus: 1, ram_mb: 64, tenant: 'eta' });
+    await b.create({ name: 'last', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'eta' });
     assert.equal(run('nft', ['list', 'table', 'inet', `fleet_${prefix}`]).status, 0);
     await b.destroy('last');
     for (const family of ['inet', 'bridge']) assert.notEqual(run('nft', ['list', 'table', family, `fleet_${prefix}`]).status, 0, `table ${family} fleet_${prefix} left behind`);
