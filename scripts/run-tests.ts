@@ -42,6 +42,7 @@ async function main(): Promise<number> {
     const dataDir = path.resolve('.tmp', `test-pg-${process.pid}`);
     await fs.rm(dataDir, { recursive: true, force: true });
     await fs.rm(`${dataDir}.log`, { force: true });
+    await fs.rm(`${dataDir}.password`, { force: true });
     const port = await freePort();
     process.stderr.write(`starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`);
     server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres', logger: createLogger('warn', 'test-runner') });
@@ -67,6 +68,7 @@ async function main(): Promise<number> {
       await server.stop();
       // The log stays for a post-mortem; the data directory goes.
       await fs.rm(path.resolve('.tmp', `test-pg-${process.pid}`), { recursive: true, force: true });
+      await fs.rm(path.resolve('.tmp', `test-pg-${process.pid}.password`), { force: true });
     } catch (err) {
       process.stderr.write(`could not stop the test Postgres: ${(err as Error).message}\n`);
       return code === 0 ? 1 : code;
