@@ -39,14 +39,14 @@ function cpRss(): number {
   return process.memoryUsage().rss;
 }
 
-/** Samples both processes every 100 ms; `grew()` is the largest growth over the baseline taken at start. */
+/** Samples both processes every 200 ms; `grew()` is the largest growth over the baseline taken at start. */
 async function rssWatch(agent: RunningAgent): Promise<{ stop(): { cp: number; agent: number }; over(): boolean }> {
   const base = { cp: cpRss(), agent: await agentRss(agent) };
   const peak = { ...base };
   const timer = setInterval(() => {
     peak.cp = Math.max(peak.cp, cpRss());
     void agentRss(agent).then((v) => (peak.agent = Math.max(peak.agent, v)), () => undefined);
-  }, 100);
+  }, 200);
   const grew = () => ({ cp: peak.cp - base.cp, agent: peak.agent - base.agent });
   return {
     over: () => grew().cp > 4 * BOUND || grew().agent > 4 * BOUND,
@@ -181,6 +181,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     const res = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/big`, { headers: { authorization: `Bearer ${keyOf('acme')}` }, signal: AbortSignal.timeout(60_000) });
     const took = Date.now() - t0;
     const grew = watch.stop();
+    t.diagnostic(`refused in ${took} ms; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
     assert.equal(res.status, 413);
     const body = (await res.json()) as { code: string; detail: string };
     assert.equal(body.code, 'FILE_TOO_LARGE');
@@ -206,6 +207,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     }, 100);
     await withTimeout(exited, 240_000, 'the download').finally(() => clearInterval(stopIfRunaway));
     const grew = watch.stop();
+    t.diagnostic(`out ${out}; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
     assert.ok(grew.cp < BOUND, `the control plane grew by ${Math.round(grew.cp / MiB)} MiB`);
     const result = JSON.parse(out) as { status: number; length: string; seen: number };
     assert.deepEqual(result, { status: 200, length: String(GiB), seen: GiB });
@@ -257,6 +259,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
       const watch = await rssWatch(agent);
       for (let i = 0; i < 60 && !watch.over(); i++) await sleep(100);
       const grew = watch.stop();
+      t.diagnostic(`output before the pause ${Math.round(s.outputBytes / MiB)} MiB; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
       if (watch.over()) s.ws.terminate();
       assert.ok(grew.cp < BOUND, `the control plane grew by ${Math.round(grew.cp / MiB)} MiB`);
       assert.ok(grew.agent < BOUND, `the agent grew by ${Math.round(grew.agent / MiB)} MiB`);
@@ -286,6 +289,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
       } else await sleep(5);
     }
     const grew = watch.stop();
+    t.diagnostic(`stdin accepted ${Math.round(sent / MiB)} MiB; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
     s.ws.terminate();
     assert.ok(sent < BOUND, `the client pushed ${Math.round(sent / MiB)} MiB of stdin into a process that reads none`);
     assert.ok(grew.cp < BOUND && grew.agent < BOUND, `grew ${JSON.stringify(grew)}`);

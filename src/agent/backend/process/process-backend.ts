@@ -374,10 +374,15 @@ $b rm -f "$t"; exit 1`;
         bytes += chunk.length;
         if (opts.maxBytes !== undefined && bytes > opts.maxBytes) {
           tooLarge = true;
+          h.kill('SIGKILL');
           cb(new Error('too large'));
         } else cb(null, chunk);
       },
     });
+    // A cut transfer must not look finished: the writer is killed before the pipe closes, as its EOF would commit the partial file.
+    const killNow = (): void => h.kill('SIGKILL');
+    data.once('aborted', killNow);
+    data.once('error', killNow);
     let pipeErr: unknown;
     try {
       await pipeline(data, counter, h.stdin);
