@@ -267,11 +267,16 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const rss = async (): Promise<number> => Number(/VmRSS:\s+(\d+) kB/.exec(await readFileText(`/proc/${a!.proc.pid}/status`, 'utf8'))![1]) * 1024;
     await a!.client.exec('a1', { argv: ['truncate', '-s', '100G', '/tmp/huge'] });
     const before = await rss();
-    const refused = await expectCode(a!.client.openDownload('a1', '/tmp/huge', { maxBytes: 1024 ** 3 }), 'FILE_TOO_LARGE');
-    assert.equal(refused.status, 413);
-    await expectCode(a!.client.download('a1', '/tmp/huge'), 'FILE_TOO_LARGE');
-    const ps = await a!.client.exec('a1', { argv: ['sh', '-c', 'ps -o args | grep "[c]at /tmp/huge" || echo none'] });
-    assert.equal(ps.stdout.trim(), 'none', 'the reader was stopped');
+    try {
+      const refused = await expectCode(a!.client.openDownload('a1', '/tmp/huge', { maxBytes: 1024 ** 3 }), 'FILE_TOO_LARGE');
+      assert.equal(refused.status, 413);
+      await expectCode(a!.client.download('a1', '/tmp/huge'), 'FILE_TOO_LARGE');
+      const ps = await a!.client.exec('a1', { argv: ['sh', '-c', 'ps -o args | grep "[c]at /tmp/huge" || echo none'] });
+      assert.equal(ps.stdout.trim(), 'none', 'the reader was stopped');
+    } finally {
+      // The later checkpoint tests archive a1's writable layer.
+      await a!.client.exec('a1', { argv: ['rm', '-f', '/tmp/huge'] });
+    }
 
     // A process that never reads stdin: the agent stops reading the socket, so the sender is held back.
     const raw = new WebSocket(`ws://127.0.0.1:${a!.port}/v1/vms/a1/exec`, { headers: { authorization: `Bearer ${a!.token}` } });
