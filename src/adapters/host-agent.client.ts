@@ -46,6 +46,7 @@ import {
   HostUnreachableError,
   type AgentStream,
   type CallOptions,
+  type FileDownload,
   type HostAgent,
   type HostAgentConnector,
   type HostAgentEndpoint,
@@ -73,7 +74,7 @@ interface RequestSpec<S extends z.ZodType> {
   path: string;
   query?: Record<string, string | undefined>;
   json?: unknown;
-  raw?: Uint8Array;
+  raw?: Uint8Array | AsyncIterable<Uint8Array>;
   schema: S | null;
   idempotent: boolean;
   opts: CallOptions | undefined;
@@ -169,7 +170,7 @@ export class HostAgentClient implements HostAgent {
     return this.#stream(`/vms/${seg(name)}/attach`, start, opts);
   }
 
-  upload(name: string, path: string, data: Uint8Array, opts?: CallOptions & { mode?: string }): Promise<UploadResponse> {
+  upload(name: string, path: string, data: Uint8Array | AsyncIterable<Uint8Array>, opts?: CallOptions & { mode?: string }): Promise<UploadResponse> {
     return this.#call({
       method: 'PUT',
       path: `/vms/${seg(name)}/files`,
@@ -181,8 +182,98 @@ export class HostAgentClient implements HostAgent {
     });
   }
 
-  download(name: string, path: string, opts?: CallOptions): Promise<Uint8Array> {
-    return this.#bytes({ method: 'GET', path: `/vms/${seg(name)}/files`, query: { path }, schema: null, idempotent: true, opts });
+  /** The whole file in memory, for small files (tests, tools): refused above `maxBytes` (default 64 MiB) before transfer. */
+  async download(name: string, path: string, opts?: CallOptions & { maxBytes?: number }): Promise<Uint8Array> {
+    const file = await this.openDownload(name, path, { ...opts, maxBytes: opts?.maxBytes ?? 64 * 1024 * 1024 });
+    const chunks: Uint8Array[] = [];
+    for await (const c of file.body) chunks.push(c);
+    return Buffer.concat(chunks);
+  }
+
+  async openDownload(name: string, path: string, opts?: CallOptions & { maxBytes?: number }): Promise<FileDownload> {
+    const maxBytes = opts?.maxBytes;
+    const what = `GET ${AGENT_API_PREFIX}/vms/${seg(name)}/files on host ${this.hostId}`;
+    // Retried only up to the answer's head: once bytes flow, a failure ends the body and the reader decides.
+    let lastErr: unknown;
+    for (let attempt = 1; attempt <= this.#attempts; attempt++) {
+      try {
+        return await this.#openDownloadOnce(name, path, maxBytes, what, opts);
+      } catch (err) {
+        lastErr = err;
+        if (!(attempt < this.#attempts && err instanceof AppError && RETRYABLE.has(err.code) && !opts?.signal?.aborted)) throw err;
+        await sleep(this.#backoffMs * 2 ** (attempt - 1) * (0.5 + Math.random()), opts?.signal);
+      }
+    }
+    throw lastErr;
+  }
+
+  async #openDownloadOnce(name: string, path: string, maxBytes: number | undefined, what: string, opts?: CallOptions): Promise<FileDownload> {
+    const headTimeoutMs = opts?.timeoutMs ?? this.#timeoutMs;
+    const abort = new AbortController();
+    const headTimer = setTimeout(() => abort.abort(Object.assign(new Error('head timeout'), { name: 'TimeoutError' })), headTimeoutMs);
+    const onCallerAbort = (): void => abort.abort();
+    opts?.signal?.addEventListener('abort', onCallerAbort, { once: true });
+    const url = this.#url(`/vms/${seg(name)}/files`, { path, max_bytes: maxBytes === undefined ? undefined : String(maxBytes) });
+    let res: Response;
+    try {
+      res = await fetch(url, { headers: { authorization: `Bearer ${this.#token}` }, signal: abort.signal });
+    } catch (err) {
+      opts?.signal?.removeEventListener('abort', onCallerAbort);
+      throw this.#transportError(abort.signal.reason?.name === 'TimeoutError' ? abort.signal.reason : err, what, headTimeoutMs, opts?.signal);
+    } finally {
+      clearTimeout(headTimer);
+    }
+    const done = (): void => opts?.signal?.removeEventListener('abort', onCallerAbort);
+    if (!res.ok) {
+      // An error answer is small; read at most 64 KiB of it.
+      const bytes = await readAtMost(res, 64 * 1024).catch(() => new Uint8Array());
+      done();
+      throw this.#errorFromResponse(res.status, bytes, what);
+    }
+    const size = Number(res.headers.get('content-length') ?? Number.NaN);
+    if (!Number.isSafeInteger(size) || size < 0) {
+      abort.abort();
+      done();
+      throw new HostAgentError(`${what} did not announce the file's size`, { host_id: this.hostId });
+    }
+    if (maxBytes !== undefined && size > maxBytes) {
+      abort.abort();
+      done();
+      throw fileTooLarge(size, maxBytes);
+    }
+    const hostId = this.hostId;
+    const body = res.body;
+    async function* bytes(): AsyncGenerator<Uint8Array> {
+      if (!body) return;
+      const reader = body.getReader();
+      let seen = 0;
+      try {
+        for (;;) {
+          let r: Awaited<ReturnType<typeof reader.read>>;
+          try {
+            r = await reader.read();
+          } catch (err) {
+            throw new HostUnreachableError(`${what} broke after ${seen} of ${size} bytes`, { host_id: hostId }, { cause: err });
+          }
+          if (r.done) break;
+          seen += r.value.byteLength;
+          if (seen > size) throw new HostAgentError(`${what} sent more than the ${size} bytes it announced`, { host_id: hostId });
+          yield r.value;
+        }
+        if (seen < size) throw new HostUnreachableError(`${what} ended after ${seen} of ${size} bytes`, { host_id: hostId });
+      } finally {
+        abort.abort();
+        done();
+      }
+    }
+    return {
+      size,
+      body: bytes(),
+      cancel: () => {
+        abort.abort();
+        done();
+      },
+    };
   }
 
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse> {
@@ -274,7 +365,7 @@ export class HostAgentClient implements HostAgent {
     const url = this.#url(spec.path, spec.query);
     const what = `${spec.method} ${AGENT_API_PREFIX}${spec.path} on host ${this.hostId}`;
     const headers: Record<string, string> = { authorization: `Bearer ${this.#token}` };
-    let body: string | Uint8Array | undefined;
+    let body: string | Uint8Array | AsyncIterable<Uint8Array> | undefined;
     if (spec.raw) {
       headers['content-type'] = 'application/octet-stream';
       body = spec.raw;
@@ -284,7 +375,9 @@ export class HostAgentClient implements HostAgent {
     }
     let res: Response;
     try {
-      res = await fetch(url, { method: spec.method, headers, body, signal });
+      // A streamed body goes out as it is read (half duplex: the answer comes after it).
+      const streamed = body !== undefined && typeof body !== 'string' && !(body instanceof Uint8Array);
+      res = await fetch(url, { method: spec.method, headers, body: body as RequestInit['body'], signal, ...(streamed ? { duplex: 'half' } : {}) } as RequestInit);
     } catch (err) {
       throw this.#transportError(err, what, timeoutMs, spec.opts?.signal);
     }
@@ -340,7 +433,8 @@ export class HostAgentClient implements HostAgent {
     const hostId = this.hostId;
     return new Promise<AgentStream>((resolve, reject) => {
       const ws = new WebSocket(url, { headers: { authorization: `Bearer ${this.#token}` }, perMessageDeflate: false });
-      const queue = new FrameQueue();
+      // Frames the relay has not taken yet: past the mark the agent's socket is not read, so TCP pushes back to the agent.
+      const queue = new FrameQueue({ pause: () => ws.pause(), resume: () => ws.resume() });
       let settled = false;
       const fail = (err: AppError) => {
         if (!settled) {
@@ -370,6 +464,7 @@ export class HostAgentClient implements HostAgent {
           queue.end();
           if (ws.readyState === WebSocket.OPEN || ws.readyState === WebSocket.CONNECTING) ws.close(1000);
         },
+        bufferedAmount: () => ws.bufferedAmount,
       };
 
       ws.on('unexpected-response', (_req, res) => {
@@ -396,7 +491,10 @@ export class HostAgentClient implements HostAgent {
           clearTimeout(timer);
           resolve(stream);
         }
-        queue.push(frame);
+        if (!queue.push(frame)) {
+          fail(new AppError('FRAME_QUEUE_FULL', 502, `${what}: more than ${FrameQueue.HARD_CAP} frames were waiting for the relay`, { host_id: hostId }));
+          return;
+        }
         if (frame.type === 'exit' || frame.type === 'error') queue.end();
       });
       ws.on('error', (err) => fail(new HostUnreachableError(`${what} failed: ${(err as NodeJS.ErrnoException).code ?? err.message}`, { host_id: hostId }, { cause: err })));
@@ -447,6 +545,28 @@ function statusForCode(code: string): number {
   return 400;
 }
 
+export function fileTooLarge(size: number, maxBytes: number): AppError {
+  return new AppError('FILE_TOO_LARGE', 413, `the file is ${size} bytes, more than the ${maxBytes} bytes a transfer may move (FILE_MAX_BYTES)`, { size_bytes: size, max_bytes: maxBytes });
+}
+
+async function readAtMost(res: Response, max: number): Promise<Uint8Array> {
+  const chunks: Uint8Array[] = [];
+  let n = 0;
+  const reader = res.body?.getReader();
+  if (!reader) return new Uint8Array();
+  try {
+    while (n < max) {
+      const r = await reader.read();
+      if (r.done) break;
+      chunks.push(r.value);
+      n += r.value.byteLength;
+    }
+  } finally {
+    await reader.cancel().catch(() => undefined);
+  }
+  return Buffer.concat(chunks).subarray(0, max);
+}
+
 function seg(s: string): string {
   return encodeURIComponent(s);
 }
@@ -461,18 +581,45 @@ function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   });
 }
 
-/** A push-based async iterable of frames with an error/end state. */
+/**
+ * A push-based async iterable of frames with an error/end state, and flow control: above HIGH frames
+ * waiting the source is paused, at LOW it is resumed; HARD_CAP (frames that still arrived while paused)
+ * refuses more.
+ */
 class FrameQueue implements AsyncIterable<ServerFrame> {
+  static readonly HIGH = 32;
+  static readonly LOW = 8;
+  static readonly HARD_CAP = 1024;
   #items: ServerFrame[] = [];
   #waiters: Array<{ resolve: (r: IteratorResult<ServerFrame>) => void; reject: (e: unknown) => void }> = [];
   #error: unknown;
+  #paused = false;
   ended = false;
 
-  push(frame: ServerFrame): void {
-    if (this.ended) return;
+  constructor(private readonly source: { pause(): void; resume(): void }) {}
+
+  /** False when the queue is over its hard cap (the frame is dropped). */
+  push(frame: ServerFrame): boolean {
+    if (this.ended) return true;
     const w = this.#waiters.shift();
-    if (w) w.resolve({ value: frame, done: false });
-    else this.#items.push(frame);
+    if (w) {
+      w.resolve({ value: frame, done: false });
+      return true;
+    }
+    if (this.#items.length >= FrameQueue.HARD_CAP) return false;
+    this.#items.push(frame);
+    if (!this.#paused && this.#items.length >= FrameQueue.HIGH) {
+      this.#paused = true;
+      this.source.pause();
+    }
+    return true;
+  }
+
+  #taken(): void {
+    if (this.#paused && this.#items.length <= FrameQueue.LOW) {
+      this.#paused = false;
+      this.source.resume();
+    }
   }
 
   end(): void {
@@ -492,7 +639,10 @@ class FrameQueue implements AsyncIterable<ServerFrame> {
     return {
       next: () => {
         const item = this.#items.shift();
-        if (item) return Promise.resolve({ value: item, done: false });
+        if (item) {
+          this.#taken();
+          return Promise.resolve({ value: item, done: false });
+        }
         if (this.#error !== undefined) {
           const err = this.#error;
           this.#error = undefined;

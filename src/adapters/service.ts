@@ -235,6 +235,8 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       logger: opts.httpLogger === false ? false : logger,
       apiKeys: new ApiKeys(opts.apiKeys),
       metrics,
+      bodyLimit: config.API_BODY_LIMIT_BYTES,
+      metricsToken: config.METRICS_TOKEN,
       readiness: {
         checks: {
           event_store: () => store.ping(),
@@ -247,11 +249,21 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       },
       routes: [
         hostRoutes({ hosts, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
-        vmRoutes({ vms, pool, runner, readYourWritesTimeoutMs: rywTimeout, store }),
+        vmRoutes({
+          vms, pool, runner, readYourWritesTimeoutMs: rywTimeout, store,
+          limits: {
+            fileMaxBytes: config.FILE_MAX_BYTES,
+            // Inline files are up to 16 MiB decoded, sent as base64.
+            createBodyLimit: Math.max(config.API_BODY_LIMIT_BYTES, 24 * 1024 * 1024),
+            sessionsPerVm: config.WS_MAX_SESSIONS_PER_VM,
+            sessionsPerTenant: config.WS_MAX_SESSIONS_PER_TENANT,
+            attachIdleTimeoutMs: config.ATTACH_IDLE_TIMEOUT_MS,
+          },
+        }),
         vmHealthRoutes({ vms, pool }),
         deadLetterRoutes({ reconciler, pool, runner, readYourWritesTimeoutMs: rywTimeout, isLeader: () => lease.held, intervalMs: config.RECONCILE_INTERVAL_MS }),
         usageRoutes({ pool }),
-        eventsRoutes({ store, logger, stats: feedStats }),
+        eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
       ],

@@ -96,6 +96,10 @@ export async function runBuffered(backend: Backend, name: string, req: BufferedE
 const START_FRAME_TIMEOUT_MS = 10_000;
 // Past this much unsent output the guest's pipe is paused until the client catches up.
 const HIGH_WATER = 4 * 1024 * 1024;
+// Stdin written while the socket is paused for a full pipe: frames already received still land here.
+const STDIN_HARD_CAP = 16 * 1024 * 1024;
+// Frames received before the process has started (the start frame and what follows it).
+const MAX_EARLY_FRAMES = 256;
 
 function sendFrame(ws: WebSocket, frame: ServerFrame): void {
   if (ws.readyState === ws.OPEN) ws.send(JSON.stringify(frame));
@@ -126,6 +130,9 @@ class Inbox {
         const w = this.#waiter;
         this.#waiter = null;
         w(data);
+      } else if (this.#queue.length >= MAX_EARLY_FRAMES) {
+        sendFrame(ws, { type: 'error', code: 'FRAME_QUEUE_FULL', message: `more than ${MAX_EARLY_FRAMES} frames sent before the process started` });
+        ws.close(4008, 'FRAME_QUEUE_FULL');
       } else this.#queue.push(data);
     });
     ws.on('close', () => {
@@ -216,24 +223,56 @@ export async function runSession(
       }, timeoutMs)
     : undefined;
 
+  // Output: past HIGH_WATER bytes unsent to the client, both pipes are paused (the guest then blocks on a
+  // full pipe) until the socket has drained to a quarter of it.
+  let outputPaused = false;
+  const outputs = [handle.stdout, handle.stderr];
+  const pauseOutput = (): void => {
+    if (outputPaused) return;
+    outputPaused = true;
+    for (const o of outputs) o.pause();
+    const poll = setInterval(() => {
+      if (ws.bufferedAmount > HIGH_WATER / 4 && ws.readyState === ws.OPEN) return;
+      clearInterval(poll);
+      outputPaused = false;
+      for (const o of outputs) o.resume();
+    }, 10);
+  };
   const pump = (stream: Readable, type: 'stdout' | 'stderr') => {
     stream.on('data', (chunk: Buffer) => {
       sendFrame(ws, { type, data: chunk.toString('base64') });
-      if (ws.bufferedAmount > HIGH_WATER) {
-        stream.pause();
-        const resume = setInterval(() => {
-          if (ws.bufferedAmount < HIGH_WATER / 2 || ws.readyState !== ws.OPEN) {
-            clearInterval(resume);
-            stream.resume();
-          }
-        }, 10);
-      }
+      if (ws.bufferedAmount > HIGH_WATER) pauseOutput();
     });
     stream.on('error', () => {});
   };
   pump(handle.stdout, 'stdout');
   pump(handle.stderr, 'stderr');
   handle.stdin.on('error', () => {});
+
+  // Input: a process that does not read its stdin stops the socket being read (TCP pushes back to the
+  // sender) until the pipe drains; frames still arriving meanwhile are held up to a hard cap.
+  let inputPaused = false;
+  const resumeInput = (): void => {
+    if (!inputPaused) return;
+    inputPaused = false;
+    handle.stdin.off('drain', resumeInput);
+    handle.stdin.off('close', resumeInput);
+    if (ws.readyState === ws.OPEN) ws.resume();
+  };
+  const writeStdin = (data: Buffer): void => {
+    if (handle.stdin.destroyed || handle.stdin.writableEnded) return;
+    if (handle.stdin.writableLength > STDIN_HARD_CAP) {
+      sendFrame(ws, { type: 'error', code: 'FRAME_QUEUE_FULL', message: `more than ${STDIN_HARD_CAP} bytes of stdin are waiting for the process to read them` });
+      ws.close(4008, 'FRAME_QUEUE_FULL');
+      return;
+    }
+    if (!handle.stdin.write(data) && !inputPaused) {
+      inputPaused = true;
+      ws.pause();
+      handle.stdin.once('drain', resumeInput);
+      handle.stdin.once('close', resumeInput);
+    }
+  };
 
   inbox.drainTo((data: Buffer) => {
     let frame;
@@ -246,7 +285,7 @@ export async function runSession(
     }
     switch (frame.type) {
       case 'stdin':
-        handle.stdin.write(Buffer.from(frame.data, 'base64'));
+        writeStdin(Buffer.from(frame.data, 'base64'));
         break;
       case 'eof':
         handle.stdin.end();

@@ -64,6 +64,9 @@ declare module 'fastify' {
 
 const P = AGENT_API_PREFIX;
 
+/** `max_bytes` on a download: the caller's cap, checked against the file's size before any byte moves. */
+const downloadCapSchema = z.object({ max_bytes: z.coerce.number().int().nonnegative().optional() });
+
 /** Builds the host agent's HTTP app (no listening: main.ts owns process concerns; tests use inject). */
 export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance> {
   const { backend, config } = deps;
@@ -247,7 +250,14 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   app.get(`${P}/vms/:name/files`, async (req, reply) => {
     const name = nameParam(req);
     const q = parse(filePathQuerySchema, req.query, 'query');
+    const { max_bytes: maxBytes } = parse(downloadCapSchema, req.query, 'query');
     const file = await backend.readGuestFile(name, q.path);
+    // The size is known before a byte is read: a file over the caller's cap is refused, and its reader stopped.
+    if (maxBytes !== undefined && file.size > maxBytes) {
+      file.stream.destroy();
+      file.done.catch(() => undefined);
+      throw new AppError('FILE_TOO_LARGE', 413, `"${file.path}" is ${file.size} bytes, more than the ${maxBytes} bytes asked for`, { size_bytes: file.size, max_bytes: maxBytes });
+    }
     file.done.catch((err: unknown) => req.log.warn({ err: { message: (err as Error).message }, path: q.path }, 'download failed part-way'));
     return reply.type('application/octet-stream').header('content-length', file.size).send(file.stream);
   });

@@ -3,7 +3,7 @@ import type { Logger } from 'pino';
 import type { AgentSpec, AttachStart, ExecResult, ExecStreamStart } from '../domain/agent-protocol.js';
 import { AppError, NotFoundError, ValidationError } from '../domain/errors.js';
 import type { Position, RecordedEvent } from '../domain/event-store.port.js';
-import { classifyHostAgentError, type AgentStream, type HostAgent } from '../domain/host-agent.port.js';
+import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../domain/host-agent.port.js';
 import { hostStream, vmStream } from '../domain/ids.js';
 import { hostDecider } from '../domain/host/host.decider.js';
 import type { Placement, PlacementPolicy } from '../domain/placement/placement.js';
@@ -399,16 +399,16 @@ export class VmCommands {
     return agent.attach(sandboxName(vmId), start);
   }
 
-  async upload(vmId: string, path: string, data: Uint8Array, actor: Actor): Promise<{ path: string; size_bytes: number }> {
+  async upload(vmId: string, path: string, data: Uint8Array | AsyncIterable<Uint8Array>, actor: Actor): Promise<{ path: string; size_bytes: number }> {
     assertCallerPath(path);
     const { agent } = await this.running(vmId, actor);
     return agent.upload(sandboxName(vmId), path, data);
   }
 
-  async download(vmId: string, path: string, actor: Actor): Promise<Uint8Array> {
+  async download(vmId: string, path: string, actor: Actor, maxBytes?: number): Promise<FileDownload> {
     assertNormalisedPath(path);
     const { agent } = await this.running(vmId, actor);
-    return agent.download(sandboxName(vmId), path);
+    return agent.openDownload(sandboxName(vmId), path, { maxBytes });
   }
 
   private async running(vmId: string, actor: Actor): Promise<{ vm: ExistingVmState; agent: HostAgent }> {

@@ -63,8 +63,14 @@ export interface HostAgent {
   /** Interactive attach (optionally with a TTY; resize with a `resize` frame). */
   attach(name: string, start: AttachStart, opts?: StreamOptions): Promise<AgentStream>;
 
-  upload(name: string, path: string, data: Uint8Array, opts?: CallOptions & { mode?: string }): Promise<UploadResponse>;
-  download(name: string, path: string, opts?: CallOptions): Promise<Uint8Array>;
+  /** `data` may be a stream: it is sent as it comes, never collected first, and never retried. */
+  upload(name: string, path: string, data: Uint8Array | AsyncIterable<Uint8Array>, opts?: CallOptions & { mode?: string }): Promise<UploadResponse>;
+  /**
+   * Opens a file for reading: answers once the agent has announced the size, before any byte moves;
+   * a file larger than `maxBytes` is refused then (FILE_TOO_LARGE, 413). The bytes are read once, as
+   * the reader takes them; `cancel` stops the transfer.
+   */
+  openDownload(name: string, path: string, opts?: CallOptions & { maxBytes?: number }): Promise<FileDownload>;
 
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse>;
 
@@ -112,6 +118,16 @@ export interface AgentStream {
   write(data: Uint8Array | string): void;
   /** Closes the session; the process inside is killed by the agent. */
   close(): void;
+  /** Bytes sent towards the agent and not yet on the wire: the relay stops reading its client above a mark. */
+  bufferedAmount(): number;
+}
+
+/** A file on its way out of a sandbox. */
+export interface FileDownload {
+  readonly size: number;
+  /** Ends early with an error when the transfer breaks or the file outgrows `size` or the cap. */
+  readonly body: AsyncIterable<Uint8Array>;
+  cancel(): void;
 }
 
 /** Where a host's agent is and how to authenticate to it. */

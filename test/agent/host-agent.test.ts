@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
-import { open, mkdir, mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { open, mkdir, mkdtemp, readdir, readFile as readFileText, rm, writeFile } from 'node:fs/promises';
 import { createServer, connect, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -262,6 +262,53 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     assert.deepEqual(frames.at(-1), { type: 'exit', code: 0, timed_out: false });
   });
 
+  it('bounds what a caller can make it hold: a download over max_bytes is refused before it streams, stdin waits for the pipe, early frames are capped', async (t) => {
+    if (guard(t)) return;
+    const rss = async (): Promise<number> => Number(/VmRSS:\s+(\d+) kB/.exec(await readFileText(`/proc/${a!.proc.pid}/status`, 'utf8'))![1]) * 1024;
+    await a!.client.exec('a1', { argv: ['truncate', '-s', '100G', '/tmp/huge'] });
+    const before = await rss();
+    try {
+      const refused = await expectCode(a!.client.openDownload('a1', '/tmp/huge', { maxBytes: 1024 ** 3 }), 'FILE_TOO_LARGE');
+      assert.equal(refused.status, 413);
+      await expectCode(a!.client.download('a1', '/tmp/huge'), 'FILE_TOO_LARGE');
+      const ps = await a!.client.exec('a1', { argv: ['sh', '-c', 'ps -o args | grep "[c]at /tmp/huge" || echo none'] });
+      assert.equal(ps.stdout.trim(), 'none', 'the reader was stopped');
+    } finally {
+      // The later checkpoint tests archive a1's writable layer.
+      await a!.client.exec('a1', { argv: ['rm', '-f', '/tmp/huge'] });
+    }
+
+    // A process that never reads stdin: the agent stops reading the socket, so the sender is held back.
+    const raw = new WebSocket(`ws://127.0.0.1:${a!.port}/v1/vms/a1/exec`, { headers: { authorization: `Bearer ${a!.token}` } });
+    await withTimeout(new Promise<void>((resolve, reject) => { raw.once('open', () => resolve()); raw.once('error', reject); }), 10_000, 'open');
+    raw.send(JSON.stringify({ type: 'start', argv: ['sleep', '60'] }));
+    const frame = JSON.stringify({ type: 'stdin', data: Buffer.alloc(512 * 1024).toString('base64') });
+    let sent = 0;
+    const deadline = Date.now() + 5_000;
+    while (Date.now() < deadline && sent < 512 * 1024 ** 2) {
+      if (raw.bufferedAmount < 1024 ** 2) {
+        raw.send(frame);
+        sent += 512 * 1024;
+      } else await new Promise((r) => setTimeout(r, 5));
+    }
+    const grew = (await rss()) - before;
+    raw.terminate();
+    t.diagnostic(`stdin accepted ${Math.round(sent / 1024 ** 2)} MiB; agent grew ${Math.round(grew / 1024 ** 2)} MiB`);
+    assert.ok(sent < 64 * 1024 ** 2, `${sent} bytes of stdin accepted for a process that reads none`);
+    assert.ok(grew < 64 * 1024 ** 2, `the agent grew by ${grew} bytes`);
+
+    // Hundreds of frames behind the start frame, before the process exists: refused, not queued without end.
+    const early = new WebSocket(`ws://127.0.0.1:${a!.port}/v1/vms/a1/exec`, { headers: { authorization: `Bearer ${a!.token}` } });
+    await withTimeout(new Promise<void>((resolve, reject) => { early.once('open', () => resolve()); early.once('error', reject); }), 10_000, 'open');
+    const closed = new Promise<number>((resolve) => early.once('close', (code) => resolve(code)));
+    const sock = (early as unknown as { _socket: Socket })._socket;
+    sock.cork();
+    early.send(JSON.stringify({ type: 'start', argv: ['cat'] }));
+    for (let i = 0; i < 600; i++) early.send(JSON.stringify({ type: 'stdin', data: 'eA==' }));
+    sock.uncork();
+    assert.equal(await withTimeout(closed, 10_000, 'the close'), 4008);
+  });
+
   it('attaches with a TTY and follows resize frames', async (t) => {
     if (guard(t)) return;
     let s: AgentStream;
@@ -498,7 +545,7 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const cgNames = cg.filter((e) => e.isDirectory()).map((e) => e.name);
     assert.deepEqual(cgNames.filter((n) => !listed.has(n)), [], 'no cgroup without a sandbox');
     const veths = (await listLinks('veth')).filter((l) => l.startsWith(`${prefix}v`));
-    const owned = new Set(await Promise.all([...listed].map(async (n) => (JSON.parse(await readFile(join(aOpts.dataDir, 'sandboxes', n, 'state.json'), 'utf8')) as { veth: string }).veth)));
+    const owned = new Set(await Promise.all([...listed].map(async (n) => (JSON.parse(await readFileText(join(aOpts.dataDir, 'sandboxes', n, 'state.json'), 'utf8')) as { veth: string }).veth)));
     assert.deepEqual(veths.filter((v) => !owned.has(v)), [], 'no veth without a sandbox');
     for (const name of listed) {
       const info = await a.client.getVm(name);

@@ -162,9 +162,11 @@ describe('EventStoreDB adapter under faults (real client → gRPC test double)',
     cleanups.push(() => fake.stop());
     const store = new EsdbEventStore({ connectionString: `esdb://127.0.0.1:${port}?tls=false`, pingTimeoutMs: 1_500 });
     cleanups.push(() => store.close());
-    const app = await buildApp({ logger: false, apiKeys: new ApiKeys([]), metrics: new Metrics({ defaultMetrics: false }), readiness: { checks: { eventStore: () => store.ping() } }, routes: [] });
+    // The checks' text is for the operator: /readyz shows it to the admin key (or METRICS_TOKEN) only.
+    const admin = `admin-${'a'.repeat(24)}`;
+    const app = await buildApp({ logger: false, apiKeys: new ApiKeys([{ key: admin, tenant: 'admin', admin: true }]), metrics: new Metrics({ defaultMetrics: false }), readiness: { checks: { eventStore: () => store.ping() } }, routes: [] });
     cleanups.push(() => app.close());
-    const down = await app.inject({ method: 'GET', url: '/readyz' });
+    const down = await app.inject({ method: 'GET', url: '/readyz', headers: { authorization: `Bearer ${admin}` } });
     assert.equal(down.statusCode, 503);
     const body = down.json<{ checks: Record<string, string> }>();
     assert.match(body.checks.eventStore ?? '', /EventStoreDB at 127\.0\.0\.1:\d+ is unreachable/);

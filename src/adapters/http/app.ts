@@ -1,11 +1,12 @@
 import fastifySwagger from '@fastify/swagger';
 import fastifyWebsocket from '@fastify/websocket';
-import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest } from 'fastify';
 import { jsonSchemaTransform, serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod';
-import { ValidationError } from '../../domain/errors.js';
+import { UnauthorizedError, ValidationError } from '../../domain/errors.js';
 import { nulPath } from './common.js';
 import { problem, errorHandler } from './problem.js';
-import type { ApiKeys } from './auth.js';
+import { bearerOf, type ApiKeys } from './auth.js';
+import { safeEqual } from '../crypto.js';
 import type { Metrics } from './metrics.js';
 import { withTimeout } from '../timeout.js';
 
@@ -22,8 +23,16 @@ export interface AppOptions {
   readonly readiness: Readiness;
   /** Route plugins, registered after auth and the documentation are in place. */
   readonly routes: ReadonlyArray<(app: FastifyInstance) => Promise<void> | void>;
+  /** JSON and text bodies (default 1 MiB); a route may raise its own (POST /v1/vms does). */
   readonly bodyLimit?: number;
+  /** When set, /metrics needs it as a bearer token, and it (like the admin key) sees /readyz's details. */
+  readonly metricsToken?: string | undefined;
 }
+
+export const DEFAULT_BODY_LIMIT = 1024 * 1024;
+
+/** A client's X-Request-Id becomes the correlation id of every event it causes: only short, plain ones are kept. */
+const REQUEST_ID = /^[A-Za-z0-9._:-]{1,128}$/;
 
 const PUBLIC = new Set(['/healthz', '/readyz', '/metrics', '/openapi.json']);
 
@@ -31,11 +40,22 @@ const PUBLIC = new Set(['/healthz', '/readyz', '/metrics', '/openapi.json']);
 export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   const app = Fastify({
     ...(opts.logger ? { loggerInstance: opts.logger } : { logger: false }),
-    bodyLimit: opts.bodyLimit ?? 64 * 1024 * 1024,
-    // Request ids double as correlation ids in event metadata.
-    genReqId: () => crypto.randomUUID(),
-    requestIdHeader: 'x-request-id',
+    bodyLimit: opts.bodyLimit ?? DEFAULT_BODY_LIMIT,
+    // Request ids double as correlation ids in event metadata; anything else than a short plain id is replaced.
+    requestIdHeader: false,
+    genReqId: (req) => {
+      const given = req.headers['x-request-id'];
+      return typeof given === 'string' && REQUEST_ID.test(given) ? given : crypto.randomUUID();
+    },
   }).withTypeProvider<ZodTypeProvider>();
+  const isMetricsToken = (req: FastifyRequest): boolean => {
+    const token = bearerOf(req);
+    return token !== undefined && opts.metricsToken !== undefined && safeEqual(token, opts.metricsToken);
+  };
+  const isAdmin = (req: FastifyRequest): boolean => {
+    const token = bearerOf(req);
+    return token !== undefined && opts.apiKeys.isAdminToken(token);
+  };
 
   app.setValidatorCompiler(validatorCompiler);
   app.setSerializerCompiler(serializerCompiler);
@@ -56,7 +76,8 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
     },
     transform: jsonSchemaTransform,
   });
-  await app.register(fastifyWebsocket, { options: { maxPayload: 16 * 1024 * 1024 } });
+  // One client frame at most 1 MiB: the relay holds up to WS_MAX_PENDING_FRAMES of them before a session starts.
+  await app.register(fastifyWebsocket, { options: { maxPayload: 1024 * 1024 } });
 
   app.addHook('onRequest', async (req) => {
     const path = req.url.split('?')[0]!;
@@ -66,7 +87,7 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   app.addHook('preValidation', async (req) => {
     // A raw body (a file upload as text or bytes) may hold any byte; parsed JSON, params and the query may not.
     // A guest file path is the exception: the files routes refuse it with their own code (INVALID_GUEST_PATH).
-    const body = typeof req.body === 'object' ? req.body : undefined;
+    const body = typeof req.body === 'object' && !isStream(req.body) ? req.body : undefined;
     const { path: _guestPath, ...rest } = (req.query ?? {}) as Record<string, unknown>;
     const query = req.routeOptions.url?.endsWith('/files') ? rest : req.query;
     const where = nulPath(req.params, 'params') ?? nulPath(query, 'querystring') ?? nulPath(body, 'body');
@@ -79,7 +100,7 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   });
 
   app.get('/healthz', { schema: { hide: true } }, async () => ({ status: 'ok' }));
-  app.get('/readyz', { schema: { hide: true } }, async (_req, reply) => {
+  app.get('/readyz', { schema: { hide: true } }, async (req, reply) => {
     const results: Record<string, string> = {};
     let ready = true;
     await Promise.all(
@@ -93,9 +114,15 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
         }
       }),
     );
-    return reply.status(ready ? 200 : 503).send({ status: ready ? 'ready' : 'not ready', checks: results });
+    const status = ready ? 'ready' : 'not ready';
+    // Error text names hosts, ports and internals: only for the operator (admin key or METRICS_TOKEN).
+    const detailed = isAdmin(req) || isMetricsToken(req);
+    return reply.status(ready ? 200 : 503).send(detailed ? { status, checks: results } : { status });
   });
-  app.get('/metrics', { schema: { hide: true } }, async (_req, reply) => {
+  app.get('/metrics', { schema: { hide: true } }, async (req, reply) => {
+    if (opts.metricsToken !== undefined && !isMetricsToken(req)) {
+      throw new UnauthorizedError('/metrics needs "Authorization: Bearer <METRICS_TOKEN>"');
+    }
     const body = await opts.metrics.registry.metrics();
     return reply.type(opts.metrics.registry.contentType).send(body);
   });
@@ -106,3 +133,7 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   return app as unknown as FastifyInstance;
 }
 
+
+function isStream(v: unknown): boolean {
+  return v !== null && typeof v === 'object' && typeof (v as { pipe?: unknown }).pipe === 'function';
+}

@@ -1,6 +1,9 @@
-import type { FastifyRequest } from 'fastify';
+import type { FastifyInstance, FastifyRequest } from 'fastify';
 import { ForbiddenError, UnauthorizedError } from '../../domain/errors.js';
+import { ADMIN_TENANT } from '../config.js';
 import { safeEqual } from '../crypto.js';
+
+export { ADMIN_TENANT };
 
 /** Who is calling. The tenant comes from the key and nothing else (the seed's callerTenantID). */
 export interface Caller {
@@ -16,11 +19,25 @@ export interface ApiKey {
   readonly admin: boolean;
 }
 
-/** The admin key acts as tenant `admin` when it creates things, and sees every tenant when it reads. */
-export const ADMIN_TENANT = 'admin';
-
+/**
+ * The admin key acts as tenant `admin` when it creates things, and sees every tenant when it reads.
+ * Authority comes from `Caller.admin`, never from the tenant string; the id `admin` is reserved all the
+ * same (config refuses it in API_KEYS, this constructor refuses it from any other source), so no tenant
+ * key can own what the admin created, nor be mistaken for it by a tenant-id comparison.
+ */
 export class ApiKeys {
-  constructor(private readonly keys: readonly ApiKey[]) {}
+  constructor(private readonly keys: readonly ApiKey[]) {
+    for (const k of keys) {
+      if (k.admin !== (k.tenant === ADMIN_TENANT)) throw new Error(`API key for tenant ${JSON.stringify(k.tenant)}: the tenant id "${ADMIN_TENANT}" is the admin key's alone`);
+    }
+  }
+
+  /** Whether a bearer token is the admin key (for the open routes, which do not authenticate). */
+  isAdminToken(presented: string): boolean {
+    let hit = false;
+    for (const k of this.keys) if (k.admin && safeEqual(presented, k.key)) hit = true;
+    return hit;
+  }
 
   authenticate(req: FastifyRequest): Caller {
     const header = req.headers.authorization;
@@ -38,6 +55,19 @@ export class ApiKeys {
 
 export function requireAdmin(caller: Caller): void {
   if (!caller.admin) throw new ForbiddenError('this route needs the admin key');
+}
+
+/**
+ * Makes every route of a plugin scope admin-only, checked at `onRequest`: before the body is read,
+ * parsed or validated, so a tenant learns nothing of a route's schema (403 whatever it sends).
+ */
+export function adminOnly(scope: FastifyInstance): void {
+  scope.addHook('onRequest', async (req) => requireAdmin(req.caller));
+}
+
+/** The token of an `Authorization: Bearer <token>` header, or undefined. */
+export function bearerOf(req: FastifyRequest): string | undefined {
+  return /^Bearer\s+(\S+)\s*$/i.exec(req.headers.authorization ?? '')?.[1];
 }
 
 declare module 'fastify' {

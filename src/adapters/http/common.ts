@@ -15,6 +15,8 @@ export const problemResponses = {
   403: problemSchema,
   404: problemSchema,
   409: problemSchema,
+  413: problemSchema,
+  429: problemSchema,
   503: problemSchema,
 } as const;
 

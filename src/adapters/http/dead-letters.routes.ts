@@ -8,7 +8,7 @@ import { NotFoundError } from '../../domain/errors.js';
 import { idSchema } from '../../domain/ids.js';
 import { getDeadLetter, listDeadLetters } from '../../projections/dead-letters/dead-letters.queries.js';
 import type { ProjectionRunner } from '../../projections/runner.js';
-import { requireAdmin } from './auth.js';
+import { adminOnly } from './auth.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
 import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 
@@ -61,7 +61,7 @@ function shape(id: string, s: DeadLetterState, error?: { code: string; message: 
 export function deadLetterRoutes(deps: DeadLetterRoutesDeps) {
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
-    app.addHook('preHandler', async (req) => requireAdmin(req.caller));
+    adminOnly(scope);
     const params = z.object({ id: idSchema });
 
     app.get('/v1/dead-letters', {

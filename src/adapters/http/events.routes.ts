@@ -4,7 +4,7 @@ import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Logger } from 'pino';
 import type { Subscription } from 'rxjs';
 import { z } from 'zod';
-import { ForbiddenError } from '../../domain/errors.js';
+import { AppError, ForbiddenError } from '../../domain/errors.js';
 import type { EventStore, Position, RecordedEvent } from '../../domain/event-store.port.js';
 import { vmEventSchema, type VmEvent, type VmStatus } from '../../domain/vm/vm.events.js';
 import { problemResponses } from './common.js';
@@ -100,6 +100,8 @@ export interface EventsRoutesDeps {
   readonly closeGraceMs?: number | undefined;
   /** During catch-up the feed waits for the client to take what was sent; a client that takes nothing for this long is cut off. */
   readonly stallTimeoutMs?: number | undefined;
+  /** Open feeds per caller (the admin key counts as one); one more is refused with 429 TOO_MANY_EVENT_STREAMS. */
+  readonly maxPerTenant?: number | undefined;
 }
 
 /**
@@ -118,6 +120,8 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
   const maxQueued = deps.maxQueuedEvents ?? 10_000;
   const closeGraceMs = deps.closeGraceMs ?? 5_000;
   const stallTimeoutMs = deps.stallTimeoutMs ?? 60_000;
+  const maxPerTenant = deps.maxPerTenant ?? 8;
+  const openPerCaller = new Map<string, number>();
   const filter = { streamPrefixes: ['vm-'], eventTypes: FEED_TYPES };
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
@@ -143,6 +147,19 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         if (req.query.tenant !== undefined && req.query.tenant !== req.caller.tenantId) throw new ForbiddenError('a tenant key watches its own events only; leave out tenant= or use the admin key');
         tenantScope = req.caller.tenantId;
       }
+
+      // Checked last, so a refused request costs nothing; counted until this response closes.
+      const who = req.caller.actor;
+      const already = openPerCaller.get(who) ?? 0;
+      if (already >= maxPerTenant) {
+        throw new AppError('TOO_MANY_EVENT_STREAMS', 429, `you already have ${already} open event streams (SSE_MAX_PER_TENANT=${maxPerTenant}); close one, or resume with Last-Event-ID on the one you keep`, { limit: maxPerTenant });
+      }
+      openPerCaller.set(who, already + 1);
+      reply.raw.once('close', () => {
+        const n = (openPerCaller.get(who) ?? 1) - 1;
+        if (n <= 0) openPerCaller.delete(who);
+        else openPerCaller.set(who, n);
+      });
 
       reply.hijack();
       const res: ServerResponse = reply.raw;

@@ -8,7 +8,7 @@ import { NotFoundError } from '../../domain/errors.js';
 import { idSchema } from '../../domain/ids.js';
 import { getHost, listHosts } from '../../projections/hosts/hosts.queries.js';
 import type { ProjectionRunner } from '../../projections/runner.js';
-import { requireAdmin } from './auth.js';
+import { adminOnly } from './auth.js';
 import { decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
 
@@ -40,7 +40,7 @@ export interface HostRoutesDeps {
 export function hostRoutes(deps: HostRoutesDeps) {
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
-    app.addHook('preHandler', async (req) => requireAdmin(req.caller));
+    adminOnly(scope);
     const params = z.object({ id: idSchema });
 
     app.post('/v1/hosts', {

@@ -1,6 +1,7 @@
 import type { FastifyInstance, FastifyRequest } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
+import { Readable } from 'node:stream';
 import type { WebSocket } from 'ws';
 import { z } from 'zod';
 import type { Actor, VmCommands } from '../../commands/vm-commands.js';
@@ -64,7 +65,27 @@ export function fromState(s: ExistingVmState): VmOut {
   };
 }
 
+export interface VmStreamLimits {
+  /** FILE_MAX_BYTES: the largest file moved either way. */
+  readonly fileMaxBytes: number;
+  /** POST /v1/vms carries inline files (16 MiB decoded, as base64): its own body limit. */
+  readonly createBodyLimit: number;
+  readonly sessionsPerVm: number;
+  readonly sessionsPerTenant: number;
+  /** 0: no idle timeout. */
+  readonly attachIdleTimeoutMs: number;
+}
+
+export const DEFAULT_VM_STREAM_LIMITS: VmStreamLimits = {
+  fileMaxBytes: 1024 * 1024 * 1024,
+  createBodyLimit: 24 * 1024 * 1024,
+  sessionsPerVm: 8,
+  sessionsPerTenant: 32,
+  attachIdleTimeoutMs: 30 * 60_000,
+};
+
 export interface VmRoutesDeps {
+  readonly limits?: Partial<VmStreamLimits> | undefined;
   readonly vms: VmCommands;
   readonly pool: Pool;
   readonly runner: ProjectionRunner;
@@ -82,9 +103,12 @@ export function vmRoutes(deps: VmRoutesDeps) {
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
     const params = z.object({ id: z.string().min(1).max(64) });
+    const limits: VmStreamLimits = { ...DEFAULT_VM_STREAM_LIMITS, ...deps.limits };
+    const sessions = new SessionCounter(limits);
     const readScope = (req: FastifyRequest): string | undefined => (req.caller.admin ? undefined : req.caller.tenantId);
 
     app.post('/v1/vms', {
+      bodyLimit: limits.createBodyLimit,
       schema: {
         tags: ['vms'],
         summary: 'Create a VM: place it, boot it, and answer when it runs',
@@ -157,19 +181,56 @@ export function vmRoutes(deps: VmRoutesDeps) {
       },
     }, async (req) => deps.vms.exec(req.params.id, req.body, actorOf(req)));
 
-    app.put('/v1/vms/:id/files', {
-      schema: { tags: ['vms'], summary: 'Upload a file into the VM (body: the bytes)', params, querystring: z.object({ path: z.string().min(1).max(4096) }), response: { 200: z.object({ path: z.string(), size_bytes: z.number() }), ...problemResponses } },
-    }, async (req) => {
-      const body = req.body;
-      const data = Buffer.isBuffer(body) ? body : typeof body === 'string' ? Buffer.from(body) : Buffer.from(JSON.stringify(body ?? ''));
-      return deps.vms.upload(req.params.id, req.query.path, data, actorOf(req));
+    app.get('/v1/vms/:id/files', {
+      schema: { tags: ['vms'], summary: 'Download a file from the VM (streamed; larger than FILE_MAX_BYTES: 413 FILE_TOO_LARGE)', params, querystring: z.object({ path: z.string().min(1).max(4096) }) },
+    }, async (req, reply) => {
+      const file = await deps.vms.download(req.params.id, req.query.path, actorOf(req), limits.fileMaxBytes);
+      // Streamed as the client takes it; a client that goes away ends the generator, which stops the agent's transfer.
+      const stream = Readable.from(file.body, { objectMode: false, highWaterMark: 256 * 1024 });
+      stream.on('error', (err) => req.log.warn({ err: { message: err.message }, vm_id: req.params.id }, 'download broke part-way'));
+      return reply.type('application/octet-stream').header('content-length', file.size).send(stream);
     });
 
-    app.get('/v1/vms/:id/files', {
-      schema: { tags: ['vms'], summary: 'Download a file from the VM', params, querystring: z.object({ path: z.string().min(1).max(4096) }) },
-    }, async (req, reply) => {
-      const bytes = await deps.vms.download(req.params.id, req.query.path, actorOf(req));
-      return reply.type('application/octet-stream').send(Buffer.from(bytes));
+    // Uploads in a scope of their own: only here is an octet-stream body handed over unread, to be streamed to the agent.
+    await scope.register(async (files) => {
+      files.removeContentTypeParser('application/octet-stream');
+      files.addContentTypeParser('application/octet-stream', (_req, payload, done) => done(null, payload));
+      files.withTypeProvider<ZodTypeProvider>().put('/v1/vms/:id/files', {
+        schema: { tags: ['vms'], summary: 'Upload a file into the VM (body: the bytes, streamed; at most FILE_MAX_BYTES)', params, querystring: z.object({ path: z.string().min(1).max(4096) }), response: { 200: z.object({ path: z.string(), size_bytes: z.number() }), ...problemResponses } },
+      }, async (req, reply) => {
+        const body = req.body;
+        if (!isReadable(body)) {
+          // Text or JSON bodies were parsed under the API's body limit.
+          const data = typeof body === 'string' ? Buffer.from(body) : Buffer.from(JSON.stringify(body ?? ''));
+          return deps.vms.upload(req.params.id, req.query.path, data, actorOf(req));
+        }
+        try {
+          const declared = Number(req.headers['content-length']);
+          if (Number.isFinite(declared) && declared > limits.fileMaxBytes) throw uploadTooLarge(limits.fileMaxBytes, declared);
+          let seen = 0;
+          let tooLarge = false;
+          const max = limits.fileMaxBytes;
+          async function* capped(): AsyncGenerator<Uint8Array> {
+            for await (const chunk of body as Readable) {
+              seen += (chunk as Buffer).length;
+              if (seen > max) {
+                tooLarge = true;
+                throw uploadTooLarge(max);
+              }
+              yield chunk as Buffer;
+            }
+          }
+          try {
+            return await deps.vms.upload(req.params.id, req.query.path, capped(), actorOf(req));
+          } catch (err) {
+            if (tooLarge) throw uploadTooLarge(max);
+            throw err;
+          }
+        } finally {
+          // A refusal before the body was read must not read the rest of it: answer, then close the connection.
+          if (!req.raw.complete) void reply.header('connection', 'close');
+        }
+      });
     });
 
     for (const mode of ['exec', 'attach'] as const) {
@@ -177,41 +238,131 @@ export function vmRoutes(deps: VmRoutesDeps) {
         method: 'GET',
         url: `/v1/vms/:id/${mode}`,
         schema: { tags: ['vms'], summary: mode === 'exec' ? 'Streaming exec (websocket)' : 'Attach a session, optionally with a TTY (websocket)', params },
+        // Refused before the upgrade, as an HTTP 429 the client's handshake sees.
+        preHandler: async (req) => {
+          if (!req.ws) return;
+          sessions.reserve(req.caller.actor, (req.params as { id: string }).id, req.raw.socket);
+        },
         handler: async () => {
           throw new AppError('WEBSOCKET_REQUIRED', 400, `${mode} streams over a websocket: connect with an Upgrade: websocket request`);
         },
         wsHandler: (socket, req) => {
-          void relay(socket, req as FastifyRequest<{ Params: { id: string } }>, mode, deps.vms);
+          void relay(socket, req as FastifyRequest<{ Params: { id: string } }>, mode, deps.vms, limits);
         },
       });
     }
   };
 }
 
+/** Websocket close codes of the relay's own refusals (the error frame before them carries the stable code). */
+export const WS_CLOSE = { FRAME_QUEUE_FULL: 4008, ATTACH_IDLE_TIMEOUT: 4408, START_FRAME_TIMEOUT: 4400 } as const;
+/** Above this many bytes waiting for the client, the agent's frames are not taken (and the agent's socket not read). */
+export const WS_HIGH_WATER = 1024 * 1024;
+/** Client frames held while the agent session opens. */
+export const WS_MAX_PENDING_FRAMES = 64;
+const START_FRAME_TIMEOUT_MS = 10_000;
+
+/** Open exec/attach sessions, per caller and per caller-and-VM (keyed by caller so one tenant cannot use up another's VM). */
+class SessionCounter {
+  private readonly perCaller = new Map<string, number>();
+  private readonly perVm = new Map<string, number>();
+  constructor(private readonly limits: Pick<VmStreamLimits, 'sessionsPerVm' | 'sessionsPerTenant'>) {}
+
+  reserve(caller: string, vmId: string, socket: { once(ev: 'close', fn: () => void): unknown }): void {
+    const vmKey = `${caller}\u0000${vmId}`;
+    const c = this.perCaller.get(caller) ?? 0;
+    const v = this.perVm.get(vmKey) ?? 0;
+    if (v >= this.limits.sessionsPerVm) throw new AppError('TOO_MANY_SESSIONS', 429, `vm ${vmId} already has ${v} open exec/attach sessions of yours (WS_MAX_SESSIONS_PER_VM=${this.limits.sessionsPerVm}); close one first`, { vm_id: vmId, limit: this.limits.sessionsPerVm, scope: 'vm' });
+    if (c >= this.limits.sessionsPerTenant) throw new AppError('TOO_MANY_SESSIONS', 429, `you already have ${c} open exec/attach sessions (WS_MAX_SESSIONS_PER_TENANT=${this.limits.sessionsPerTenant}); close one first`, { limit: this.limits.sessionsPerTenant, scope: 'tenant' });
+    this.perCaller.set(caller, c + 1);
+    this.perVm.set(vmKey, v + 1);
+    // The upgraded connection is this socket: its close ends the session, a failed handshake included.
+    socket.once('close', () => {
+      dec(this.perCaller, caller);
+      dec(this.perVm, vmKey);
+    });
+  }
+}
+
+function dec(m: Map<string, number>, k: string): void {
+  const n = (m.get(k) ?? 1) - 1;
+  if (n <= 0) m.delete(k);
+  else m.set(k, n);
+}
+
+function isReadable(v: unknown): v is Readable {
+  return v !== null && typeof v === 'object' && typeof (v as { pipe?: unknown }).pipe === 'function';
+}
+
+function uploadTooLarge(max: number, declared?: number): AppError {
+  return new AppError('FILE_TOO_LARGE', 413, `the upload is ${declared !== undefined ? `${declared} bytes, ` : ''}more than the ${max} bytes a transfer may move (FILE_MAX_BYTES)`, { max_bytes: max, ...(declared !== undefined ? { size_bytes: declared } : {}) });
+}
+
+/** Resolves once `amount()` is at most `low`, or `gone()`; polled, since a websocket has no drain event of its own. */
+function below(amount: () => number, low: number, gone: () => boolean): Promise<void> {
+  return new Promise((resolve) => {
+    const check = (): void => {
+      if (amount() <= low || gone()) {
+        clearInterval(timer);
+        resolve();
+      }
+    };
+    const timer = setInterval(check, 10);
+    check();
+  });
+}
+
 /**
  * Relays one websocket session to the VM's host agent. The first client
  * frame is the start frame; every later frame is checked before it is
- * forwarded, and agent frames come back unchanged.
+ * forwarded, and agent frames come back unchanged. Both directions are
+ * flow-controlled: agent frames wait while the client has more than
+ * WS_HIGH_WATER bytes unread (the agent's socket is then not read, so the
+ * agent stops reading the process), and the client's socket is not read
+ * while the agent has not taken what was forwarded.
  */
-async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: string } }>, mode: 'exec' | 'attach', vms: VmCommands): Promise<void> {
-  const sendError = (code: string, message: string): void => {
+async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: string } }>, mode: 'exec' | 'attach', vms: VmCommands, limits: VmStreamLimits): Promise<void> {
+  const closeWith = (code: string, message: string, wsCode = 1008): void => {
     if (socket.readyState === socket.OPEN) socket.send(JSON.stringify({ type: 'error', code, message }));
-    socket.close(1008);
+    socket.close(wsCode, code);
+    // A client that reads nothing never completes the closing handshake.
+    setTimeout(() => socket.terminate(), 5_000).unref();
   };
+  const sendError = (code: string, message: string): void => closeWith(code, message, 1008);
   let stream: AgentStream | undefined;
   let starting = false;
   let clientGone = false;
+  let clientPaused = false;
   const pending: string[] = [];
+  const startTimer = setTimeout(() => {
+    if (!starting) closeWith('START_FRAME_TIMEOUT', `send the start frame within ${START_FRAME_TIMEOUT_MS} ms`, WS_CLOSE.START_FRAME_TIMEOUT);
+  }, START_FRAME_TIMEOUT_MS);
+  let idleTimer: NodeJS.Timeout | undefined;
+  const touch = (): void => {
+    if (mode !== 'attach' || limits.attachIdleTimeoutMs <= 0 || clientGone) return;
+    clearTimeout(idleTimer);
+    idleTimer = setTimeout(() => {
+      req.log.info({ vm_id: req.params.id }, 'attach idle: closing');
+      stream?.close();
+      closeWith('ATTACH_IDLE_TIMEOUT', `no frame in either direction for ${limits.attachIdleTimeoutMs} ms (ATTACH_IDLE_TIMEOUT_MS)`, WS_CLOSE.ATTACH_IDLE_TIMEOUT);
+    }, limits.attachIdleTimeoutMs);
+  };
+  touch();
   socket.on('close', () => {
     clientGone = true;
+    clearTimeout(startTimer);
+    clearTimeout(idleTimer);
     stream?.close();
   });
   socket.on('message', (raw) => {
+    touch();
     if (!stream) {
+      if (pending.length >= WS_MAX_PENDING_FRAMES) return closeWith('FRAME_QUEUE_FULL', `more than ${WS_MAX_PENDING_FRAMES} frames sent before the session started`, WS_CLOSE.FRAME_QUEUE_FULL);
       pending.push(raw.toString());
       // Frames that arrive while the agent session opens wait behind the start frame; they must not start a second one.
       if (!starting) {
         starting = true;
+        clearTimeout(startTimer);
         void start();
       }
       return;
@@ -227,7 +378,18 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
     }
     const parsed = clientFrameSchema.safeParse(frame);
     if (!parsed.success) return sendError('VALIDATION_FAILED', `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
-    stream?.send(parsed.data);
+    const s = stream;
+    if (!s) return;
+    s.send(parsed.data);
+    // The agent is not taking stdin (the process does not read it): stop reading the client until it does.
+    if (!clientPaused && s.bufferedAmount() > WS_HIGH_WATER) {
+      clientPaused = true;
+      socket.pause();
+      void below(() => s.bufferedAmount(), WS_HIGH_WATER / 4, () => clientGone).then(() => {
+        clientPaused = false;
+        if (!clientGone) socket.resume();
+      });
+    }
   };
   const start = async (): Promise<void> => {
     try {
@@ -253,13 +415,17 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
       for await (const frame of stream.frames) {
         if (socket.readyState !== socket.OPEN) break;
         socket.send(JSON.stringify(frame));
+        touch();
+        if (socket.bufferedAmount > WS_HIGH_WATER) await below(() => socket.bufferedAmount, WS_HIGH_WATER / 4, () => socket.readyState !== socket.OPEN);
       }
-      socket.close(1000);
+      if (socket.readyState === socket.OPEN) socket.close(1000);
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
       if (!e) req.log.error({ err }, `${mode} relay failed`);
       const p = e ? problem(e.status, e.code, e.message) : problem(500, 'INTERNAL', 'internal error');
       sendError(p.code, p.detail);
+    } finally {
+      clearTimeout(idleTimer);
     }
   };
 }

@@ -66,7 +66,11 @@ export async function spawnPty(argv: readonly string[], hostEnv: Record<string, 
   const stdout = new PassThrough();
   const stderr = new PassThrough();
   stderr.end();
-  term.onData((d: string | Buffer) => stdout.write(typeof d === 'string' ? Buffer.from(d, 'utf8') : d));
+  // The pty is paused while its reader is behind (the session pauses `stdout`), or the PassThrough grows without end.
+  stdout.on('drain', () => term.resume());
+  term.onData((d: string | Buffer) => {
+    if (!stdout.write(typeof d === 'string' ? Buffer.from(d, 'utf8') : d)) term.pause();
+  });
   const exited = new Promise<ExitStatus>((resolve) => {
     term.onExit(({ exitCode, signal }) => {
       // Let the last output drain from the pty before ending the stream.

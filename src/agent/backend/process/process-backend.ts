@@ -408,9 +408,11 @@ export class ProcessBackend implements Backend {
         } else cb(null, chunk);
       },
     });
+    // A cut transfer must not look finished: the writer is killed before the pipe closes, as its EOF would commit the partial file.
+    const killNow = (): void => h.kill('SIGKILL');
+    data.once('aborted', killNow);
+    data.once('error', killNow);
     let pipeErr: unknown;
-    // Likewise when the client's stream fails (this listener runs before pipeline's, which ends stdin).
-    data.once('error', () => h.kill('SIGKILL'));
     try {
       await pipeline(data, counter, h.stdin);
     } catch (err) {
