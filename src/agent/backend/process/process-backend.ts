@@ -30,13 +30,14 @@ import {
 import { resolveImage } from '../../images.js';
 import { probeCapacity } from '../host-capacity.js';
 import { Cgroups } from './cgroups.js';
-import { CheckpointStore } from './checkpoints.js';
+import { CheckpointStore, expectedArchiveBytes } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, prepareRuntime, type HostTools } from './launch.js';
 import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
+import { createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, type LayerUsage } from './storage.js';
 
 /**
  * The `process` backend: each sandbox is a set of Linux namespaces (pid,
@@ -46,8 +47,9 @@ import { startProxy, type Proxy } from './proxy.js';
  * checkpoints.ts. Everything a restarted agent needs is on disk:
  *
  *   <dataDir>/sandboxes/<name>/state.json   what was created, init pid + start time
- *   <dataDir>/sandboxes/<name>/upper/       the writable layer (what a checkpoint archives)
- *   <dataDir>/sandboxes/<name>/work/        overlayfs work dir
+ *   <dataDir>/sandboxes/<name>/disk.img     the sandbox's own ext4 disk (storage_gb), mounted at disk/ (storage.ts)
+ *   <dataDir>/sandboxes/<name>/disk/upper/  the writable layer (what a checkpoint archives; upper/ without a disk)
+ *   <dataDir>/sandboxes/<name>/disk/work/   overlayfs work dir
  *   <dataDir>/sandboxes/<name>/root/        mount point (mounted only inside the sandbox's mount namespace)
  *   <dataDir>/sandboxes/<name>/console.log  serial-style log of the init's output
  */
@@ -88,6 +90,8 @@ const createSpecSchema = z.object({
   cpus: z.number().positive().max(1024),
   ram_mb: z.number().int().min(16, 'at least 16 MiB').max(16 * 1024 * 1024),
   pids_max: z.number().int().min(8).max(4_194_304).optional(),
+  /** GiB of the sandbox's own disk (its writable layer); 0: no disk of its own. */
+  storage_gb: z.number().int().min(0).max(65536).optional(),
   tenant: z.string().regex(tenantRe, 'a tenant id is 1-63 of [a-z0-9_-], starting with a letter or digit'),
   ipHint: z.string().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
@@ -108,6 +112,8 @@ const persistedSchema = z.object({
   cpus: z.number(),
   ram_mb: z.number(),
   pids_max: z.number(),
+  /** Absent in state written before sandboxes had disks: 0, the layer in upper/. */
+  storage_gb: z.number().int().nonnegative().default(0),
   created_at: z.string(),
   init_pid: z.number(),
   init_start: z.string(),
@@ -231,6 +237,7 @@ export class ProcessBackend implements Backend {
         cpus: spec.cpus,
         ram_mb: spec.ram_mb,
         pids_max: spec.pids_max ?? this.opts.defaultPidsMax,
+        storage_gb: spec.storage_gb ?? 0,
         created_at: new Date().toISOString(),
         init_pid: 0,
         init_start: '',
@@ -248,11 +255,15 @@ export class ProcessBackend implements Backend {
       try {
         const dir = this.sandboxDir(spec.name);
         // A directory nobody owns (a crash between mkdir and state.json) is garbage.
+        if (existsSync(join(dir, DISK_IMAGE))) await removeDisk(dir);
         await rm(dir, { recursive: true, force: true });
-        for (const d of ['upper', 'work', 'root']) await mkdir(join(dir, d), { recursive: true });
+        await mkdir(join(dir, 'root'), { recursive: true });
         await this.persist(state);
+        const layer = layerDirs(dir, state.storage_gb);
+        if (state.storage_gb > 0) await createDisk(dir, state.storage_gb);
+        else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
         mark('dirs');
-        if (checkpointId) await this.checkpoints.extract(checkpointId, join(dir, 'upper'));
+        if (checkpointId) await this.checkpoints.extract(checkpointId, layer.upper);
         await this.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
         mark('cgroup');
         await this.locks.run(`br:${state.bridge}`, async () => {
@@ -264,8 +275,8 @@ export class ProcessBackend implements Backend {
         mark('bridge');
         const launched = await launchInit({
           imageDir: imagePath,
-          upper: join(dir, 'upper'),
-          work: join(dir, 'work'),
+          upper: layer.upper,
+          work: layer.work,
           rootMount: join(dir, 'root'),
           hostname: spec.name,
           runtimeDir: this.runtimeDir,
@@ -452,8 +463,9 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
         }
       }
       try {
-        const cp = await this.checkpoints.write(join(this.sandboxDir(name), 'upper'), {
+        const cp = await this.checkpoints.write(layerDirs(this.sandboxDir(name), record.state.storage_gb).upper, {
           ...(opts.id ? { id: opts.id } : {}),
+          ...(opts.maxBytes ? { maxBytes: opts.maxBytes } : {}),
           comment: opts.comment ?? '',
           image: record.state.image,
           now: new Date(),
@@ -464,6 +476,13 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
         if (running) await this.cgroups.setFrozen(name, false);
       }
     });
+  }
+
+  /** What the writable layer holds now, and what archiving it is expected to take (checked against quotas before archiving). */
+  async layerUsage(name: string): Promise<LayerUsage & { expected_archive_bytes: number }> {
+    const record = this.must(name);
+    const usage = await layerUsage(this.sandboxDir(name), record.state.storage_gb);
+    return { ...usage, expected_archive_bytes: expectedArchiveBytes(usage) };
   }
 
   listCheckpoints(): Promise<Checkpoint[]> {
@@ -505,6 +524,8 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
           return;
         }
         this.records.set(name, record);
+        // After a host reboot the disk is no longer mounted; the layer must stay reachable (checkpoint, destroy).
+        if (state.storage_gb > 0) await mountDisk(this.sandboxDir(name)).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not mount the sandbox disk'));
         if (await this.isAlive(state)) {
           await this.publish(record).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not republish endpoints'));
           await this.persist(state);
@@ -517,17 +538,16 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
   }
 
   async prune(): Promise<PruneReport> {
-    const report: PruneReport = { bridges: [], veths: [], mounts: [], directories: [], cgroups: [], processes: [], errors: [] };
+    const report: PruneReport = { bridges: [], veths: [], mounts: [], loopDevices: [], directories: [], cgroups: [], processes: [], errors: [] };
     const known = new Map([...this.records.values()].map((r) => [r.state.name, r.state]));
     const note = (what: string, err: unknown): void => {
       report.errors.push(`${what}: ${(err as Error).message ?? String(err)}`);
     };
     // Mounts under the data dir: by design every sandbox mount lives in the sandbox's own namespace.
-    const mountinfo = await readFile('/proc/self/mountinfo', 'utf8').catch(() => '');
-    const mounts = mountinfo
-      .split('\n')
-      .map((l) => l.split(' ')[4])
-      .filter((m): m is string => !!m && (m === this.opts.dataDir || m.startsWith(`${this.opts.dataDir}/`)))
+    // The exception: a known sandbox's disk, which lives in the agent's namespace on purpose (storage.ts).
+    const liveDisks = new Set([...known.values()].filter((s) => s.storage_gb > 0).map((s) => join(this.sandboxDir(s.name), DISK_MOUNT)));
+    const mounts = [...(await mountPoints())]
+      .filter((m) => (m === this.opts.dataDir || m.startsWith(`${this.opts.dataDir}/`)) && !liveDisks.has(m))
       .sort((a, b) => b.length - a.length);
     for (const m of mounts) {
       const res = await runTool('umount', ['-l', m]);
@@ -544,6 +564,9 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
       }
     }
     if (this.records.size === 0 && (await this.cgroups.removeParentIfEmpty())) report.cgroups.push(this.cgroups.parent);
+    const loops = await pruneLoopDevices(this.sandboxesDir, new Set([...liveDisks].map((m) => join(m, '..', DISK_IMAGE))));
+    report.loopDevices.push(...loops.detached);
+    report.errors.push(...loops.errors);
     const dirs = await readdir(this.sandboxesDir).catch(() => [] as string[]);
     for (const name of dirs) {
       if (known.has(name)) continue;
@@ -738,6 +761,7 @@ $b stat -c %s "$1" && exec $b cat "$1"`;
         }
       }),
     );
+    if (s.storage_gb > 0 || existsSync(join(this.sandboxDir(s.name), DISK_IMAGE))) await step('disk', () => removeDisk(this.sandboxDir(s.name)));
     await step('directory', () => rm(this.sandboxDir(s.name), { recursive: true, force: true }));
     if (failures.length > 0) {
       this.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');
