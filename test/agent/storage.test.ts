@@ -134,7 +134,8 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     const usage = await b.layerUsage('sparse');
     assert.equal(usage.limit_bytes, GIB);
     assert.ok(usage.used_bytes < 4 * MIB, `holes take no space: ${JSON.stringify(usage)}`);
-    const cp = await b.checkpoint('sparse', { comment: 'sparse' });
+    // maxBytes: were the holes archived as zeros, this fails fast instead of writing 100 GiB.
+    const cp = await b.checkpoint('sparse', { comment: 'sparse', maxBytes: 64 * MIB });
     assert.ok(cp.size_bytes < MIB, `the archive stores data regions only: ${cp.size_bytes} bytes`);
     assert.ok(usage.expected_archive_bytes >= cp.size_bytes, `the estimate (${usage.expected_archive_bytes}) bounds the archive (${cp.size_bytes})`);
 
@@ -149,11 +150,12 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
   });
 
   test('the expected archive size bounds a real one; an archive past maxBytes is abandoned and leaves nothing', async () => {
-    const made = await run(b, 'sparse', 'mkdir -p /root/many && for i in $(seq 1 300); do echo "file $i" > /root/many/f$i; done; dd if=/dev/urandom of=/root/rand bs=1M count=3 2>/dev/null; echo ok');
+    const made = await run(b, 'sparse', 'rm /root/holes && mkdir -p /root/many && for i in $(seq 1 300); do echo "file $i" > /root/many/f$i; done; dd if=/dev/urandom of=/root/rand bs=1M count=3 2>/dev/null; echo ok');
     assert.equal(made.stdout.trim(), 'ok', made.stderr);
     const usage = await b.layerUsage('sparse');
     assert.equal(usage.expected_archive_bytes, expectedArchiveBytes(usage));
-    const cp = await b.checkpoint('sparse', {});
+    // Every checkpoint here is bounded: should a boundary break, a test fails instead of filling the host's disk.
+    const cp = await b.checkpoint('sparse', { maxBytes: 64 * MIB });
     assert.ok(usage.expected_archive_bytes >= cp.size_bytes, `estimate ${usage.expected_archive_bytes} < archive ${cp.size_bytes}`);
     await b.deleteCheckpoint(cp.id);
 
@@ -180,7 +182,7 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     backends.push(b);
     assert.ok((await mountPoints()).has(join(dir, 'disk')), 'mounted again');
     assert.equal((await ofRoot()).length, 1, 'one loop device for the image, never a second mount of its blocks');
-    const cp = await b.checkpoint('sparse', {});
+    const cp = await b.checkpoint('sparse', { maxBytes: 64 * MIB });
     await b.create({ name: 'after-reboot', checkpointId: cp.id, cpus: 1, ram_mb: 64, tenant: 'acme', storage_gb: 1 });
     assert.equal((await run(b, 'after-reboot', 'cat /root/later')).stdout, 'while-unmounted\n');
     await b.destroy('after-reboot');

@@ -70,19 +70,17 @@ export async function createDisk(sandboxDir: string, storageGb: number): Promise
 }
 
 /**
- * Mounts `<sandbox>/disk.img` at `<sandbox>/disk` unless it is mounted. A
- * loop device already attached to the image (a sandbox's namespace still
- * holds it) is reused: two loop devices over one image would be two
- * independent ext4 mounts of the same blocks, which corrupts it.
+ * Mounts `<sandbox>/disk.img` at `<sandbox>/disk` unless it is mounted.
+ * When a sandbox's namespace still holds the image (the host-side mount went,
+ * the guest runs on), mount(8) reuses that loop device (util-linux ≥ 2.29):
+ * a second device over the same image would be a second, independent ext4
+ * mount of the same blocks, which corrupts it. The tests check it stays one.
  */
 export async function mountDisk(sandboxDir: string): Promise<void> {
-  const img = join(sandboxDir, DISK_IMAGE);
   const mnt = join(sandboxDir, DISK_MOUNT);
   if ((await mountPoints()).has(mnt)) return;
   await mkdir(mnt, { recursive: true, mode: 0o755 });
-  const existing = (await loopDevices()).find((l) => l.backingFile === img);
-  if (existing) await mustRun('mount', ['-t', 'ext4', existing.name, mnt]);
-  else await mustRun('mount', ['-t', 'ext4', '-o', 'loop', img, mnt]);
+  await mustRun('mount', ['-t', 'ext4', '-o', 'loop', join(sandboxDir, DISK_IMAGE), mnt]);
 }
 
 /** Unmounts the disk and detaches its loop device; idempotent. */
