@@ -121,7 +121,7 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     assert.ok(!existsSync(dir));
   });
 
-  test('a 100 GiB sparse file fits a 1 GiB disk, checkpoints small, and restores sparse with its data', async () => {
+  test('a 100 GiB sparse file fits a 1 GiB disk, checkpoints small, and restores sparse with its data', async (t) => {
     await b.create({ name: 'sparse', cpus: 1, ram_mb: 128, tenant: 'acme', storage_gb: 1 });
     const made = await run(
       b,
@@ -137,6 +137,7 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     // maxBytes: were the holes archived as zeros, this fails fast instead of writing 100 GiB.
     const cp = await b.checkpoint('sparse', { comment: 'sparse', maxBytes: 64 * MIB });
     assert.ok(cp.size_bytes < MIB, `the archive stores data regions only: ${cp.size_bytes} bytes`);
+    t.diagnostic(`checkpoint of a 100 GiB sparse file holding 16 KiB: ${cp.size_bytes} bytes`);
     assert.ok(usage.expected_archive_bytes >= cp.size_bytes, `the estimate (${usage.expected_archive_bytes}) bounds the archive (${cp.size_bytes})`);
 
     await b.create({ name: 'sparse-copy', checkpointId: cp.id, cpus: 1, ram_mb: 128, tenant: 'acme', storage_gb: 1 });
@@ -205,6 +206,25 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     assert.ok((await mountPoints()).has(join(options.dataDir, 'sandboxes', 'keeper', 'disk')), "a live sandbox's disk stays mounted");
     assert.equal((await run(b, 'keeper', 'echo ok > /root/x && cat /root/x')).stdout, 'ok\n');
     await b.destroy('keeper');
+    assert.deepEqual(await ofRoot(), []);
+  });
+
+  test('what the disk costs: create → first exec with and without one (diagnostic)', async (t) => {
+    const p50 = async (storageGb: number): Promise<number> => {
+      const lat: number[] = [];
+      for (let i = 0; i < 10; i++) {
+        const t0 = performance.now();
+        await b.create({ name: `cost-${storageGb}-${i}`, cpus: 1, ram_mb: 64, tenant: 'acme', storage_gb: storageGb });
+        assert.equal((await run(b, `cost-${storageGb}-${i}`, 'true')).exitCode, 0);
+        lat.push(performance.now() - t0);
+        await b.destroy(`cost-${storageGb}-${i}`);
+      }
+      return lat.sort((x, y) => x - y)[5]!;
+    };
+    const without = await p50(0);
+    const withDisk = await p50(1);
+    t.diagnostic(`create→first exec p50: ${withDisk.toFixed(1)} ms with a 1 GiB disk, ${without.toFixed(1)} ms without`);
+    assert.ok(withDisk < 2000, `p50 ${withDisk} ms`);
     assert.deepEqual(await ofRoot(), []);
   });
 
