@@ -37,7 +37,7 @@ import { spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, GUEST_BUSYBOX, launchInit, prepareRuntime, type HostTools } from './launch.js';
 import { attachSandbox, bridgeForwarding, bridgeName, deleteLink, detachSandbox, ensureBridge, listLinks, listRoutes, parseSubnet, reserve, vethName, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
-import { createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, type LayerUsage } from './storage.js';
+import { createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, requireDiskTools, type LayerUsage } from './storage.js';
 
 /**
  * The `process` backend: each sandbox is a set of Linux namespaces (pid,
@@ -164,6 +164,7 @@ export class ProcessBackend implements Backend {
     const subnet = parseSubnet(opts.subnet);
     await assertHostFeatures();
     const tools = findHostTools(opts.busybox);
+    requireDiskTools();
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });

@@ -1,7 +1,7 @@
 import { existsSync } from 'node:fs';
 import { lstat, mkdir, readdir, readFile, rm, statfs } from 'node:fs/promises';
 import { join } from 'node:path';
-import { capacityExhausted, sandboxFailed } from '../../backend.js';
+import { capacityExhausted, featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, runTool } from './exec-util.js';
 
 /**
@@ -37,6 +37,14 @@ export const DISK_IMAGE = 'disk.img';
 export const DISK_MOUNT = 'disk';
 const GIB = 1024 ** 3;
 
+/** Absolute paths: the agent's PATH (a service manager's, a user's) may lack the sbin directories. */
+function tool(name: string, pkg: string): string {
+  for (const dir of ['/usr/sbin', '/usr/bin', '/sbin', '/bin']) {
+    if (existsSync(`${dir}/${name}`)) return `${dir}/${name}`;
+  }
+  throw featureMissing(name, `storage_gb needs it: apt-get install ${pkg}`);
+}
+
 export interface LayerDirs {
   readonly upper: string;
   readonly work: string;
@@ -47,13 +55,22 @@ export function layerDirs(sandboxDir: string, storageGb: number): LayerDirs {
   return { upper: join(base, 'upper'), work: join(base, 'work') };
 }
 
+/** HOST_FEATURE_MISSING naming the package, at open rather than at the first create. */
+export function requireDiskTools(): void {
+  tool('mkfs.ext4', 'e2fsprogs');
+  tool('fallocate', 'util-linux');
+  tool('losetup', 'mount');
+  if (!existsSync('/dev/loop-control')) throw featureMissing('loop devices', 'storage_gb needs /dev/loop-control (modprobe loop)');
+}
+
 /** Makes, formats and mounts the sandbox's disk, with an empty upper and work inside. */
 export async function createDisk(sandboxDir: string, storageGb: number): Promise<void> {
   const img = join(sandboxDir, DISK_IMAGE);
   const mnt = join(sandboxDir, DISK_MOUNT);
   await mkdir(mnt, { recursive: true, mode: 0o755 });
   const bytes = storageGb * GIB;
-  const fa = await runTool('fallocate', ['-l', String(bytes), img]);
+  const mkfs = tool('mkfs.ext4', 'e2fsprogs');
+  const fa = await runTool(tool('fallocate', 'util-linux'), ['-l', String(bytes), img]);
   if (fa.code !== 0) {
     if (/No space left/i.test(fa.stderr)) {
       await rm(img, { force: true });
@@ -61,10 +78,10 @@ export async function createDisk(sandboxDir: string, storageGb: number): Promise
     }
     // Filesystems without fallocate (some network filesystems): a sparse image still bounds the guest.
     if (!/not supported/i.test(fa.stderr)) throw sandboxFailed(`fallocate of the sandbox disk failed: ${fa.stderr.trim().slice(0, 300)}`);
-    await mustRun('truncate', ['-s', String(bytes), img]);
+    await mustRun(tool('truncate', 'coreutils'), ['-s', String(bytes), img]);
   }
   // -m 0: no blocks reserved for root (the guest is root); nodiscard: keep the preallocation; lazy init: no zeroing.
-  await mustRun('mkfs.ext4', ['-q', '-F', '-m', '0', '-E', 'lazy_itable_init=1,lazy_journal_init=1,nodiscard', img], { timeoutMs: 60_000 });
+  await mustRun(mkfs, ['-q', '-F', '-m', '0', '-E', 'lazy_itable_init=1,lazy_journal_init=1,nodiscard', img], { timeoutMs: 60_000 });
   await mountDisk(sandboxDir);
   for (const d of ['upper', 'work']) await mkdir(join(mnt, d), { mode: 0o755 });
 }
@@ -80,7 +97,7 @@ export async function mountDisk(sandboxDir: string): Promise<void> {
   const mnt = join(sandboxDir, DISK_MOUNT);
   if ((await mountPoints()).has(mnt)) return;
   await mkdir(mnt, { recursive: true, mode: 0o755 });
-  await mustRun('mount', ['-t', 'ext4', '-o', 'loop', join(sandboxDir, DISK_IMAGE), mnt]);
+  await mustRun(tool('mount', 'mount'), ['-t', 'ext4', '-o', 'loop', join(sandboxDir, DISK_IMAGE), mnt]);
 }
 
 /** Unmounts the disk and detaches its loop device; idempotent. */
@@ -88,13 +105,14 @@ export async function removeDisk(sandboxDir: string): Promise<void> {
   const img = join(sandboxDir, DISK_IMAGE);
   const mnt = join(sandboxDir, DISK_MOUNT);
   if ((await mountPoints()).has(mnt)) {
-    const res = await runTool('umount', [mnt]);
+    const umount = tool('umount', 'mount');
+    const res = await runTool(umount, [mnt]);
     // Busy (a host-side reader): detach it from the tree; the loop device autoclears when the last user lets go.
-    if (res.code !== 0) await mustRun('umount', ['-l', mnt]);
+    if (res.code !== 0) await mustRun(umount, ['-l', mnt]);
   }
   for (const l of await loopDevices()) {
     // On a device still held by a namespace, LOOP_CLR_FD only marks it autoclear: it goes with its last user.
-    if (l.backingFile === img) await runTool('losetup', ['-d', l.name]);
+    if (l.backingFile === img) await runTool(tool('losetup', 'mount'), ['-d', l.name]);
   }
 }
 
@@ -173,8 +191,8 @@ export async function pruneLoopDevices(sandboxesDir: string, keep: ReadonlySet<s
   for (const l of await loopDevices()) {
     if (!l.backingFile.startsWith(`${sandboxesDir}/`) || keep.has(l.backingFile)) continue;
     const mnt = join(l.backingFile, '..', DISK_MOUNT);
-    if (mounted.has(mnt)) await runTool('umount', ['-l', mnt]);
-    const res = await runTool('losetup', ['-d', l.name]);
+    if (mounted.has(mnt)) await runTool(tool('umount', 'mount'), ['-l', mnt]);
+    const res = await runTool(tool('losetup', 'mount'), ['-d', l.name]);
     if (res.code === 0) detached.push(`${l.name} (${l.backingFile})`);
     else errors.push(`losetup -d ${l.name}: ${res.stderr.trim()}`);
   }
