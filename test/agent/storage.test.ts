@@ -209,6 +209,20 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     assert.deepEqual(await ofRoot(), []);
   });
 
+  test('capacity counts a sandbox disk once: its preallocated image is added back to the probed free space', async () => {
+    const before = (await b.capacity()).storage_gb;
+    await b.create({ name: 'big-disk', cpus: 1, ram_mb: 64, tenant: 'acme', storage_gb: 4 });
+    try {
+      const img = await stat(join(options.dataDir, 'sandboxes', 'big-disk', 'disk.img'));
+      assert.ok(img.blocks * 512 >= 4 * GIB, 'preallocated');
+      const during = (await b.capacity()).storage_gb;
+      // Placement subtracts the VM's 4 GiB itself; other writers on this shared filesystem explain a GiB either way.
+      assert.ok(Math.abs(during - before) <= 1, `capacity moved from ${before} to ${during} GiB`);
+    } finally {
+      await b.destroy('big-disk');
+    }
+  });
+
   test('what the disk costs: create → first exec with and without one (diagnostic)', async (t) => {
     const p50 = async (storageGb: number): Promise<number> => {
       const lat: number[] = [];

@@ -192,7 +192,11 @@ export class ProcessBackend implements Backend {
   }
 
   async capacity(): Promise<HostCapacity> {
-    return probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes });
+    const cap = await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes });
+    // Sandbox disks are preallocated, so free space already lacks them, and placement subtracts each VM's storage_gb
+    // again: a probe while sandboxes run must not count them twice.
+    const held = [...this.records.values()].reduce((n, r) => n + r.state.storage_gb, 0);
+    return { ...cap, storage_gb: cap.storage_gb + held };
   }
 
   async create(input: CreateSpec): Promise<SandboxInfo> {
