@@ -107,6 +107,30 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
     assert.equal((await exec('rm /root/large')).exit_code, 0);
   });
 
+  it('an archive that outgrows its estimate is stopped at the quota headroom: QUOTA_EXCEEDED, snapshot failed, nothing kept, slot released', async (t) => {
+    if (guard(t)) return;
+    // Empty files under a ~4000-character path take no blocks but 5 KiB each in tar (a long-name header and the name):
+    // the estimate (~2.5 MiB) passes, the archive (~10 MiB) does not fit the 8 MiB quota.
+    const made = await exec(
+      `d=/root/deep; for i in $(seq 1 15); do d="$d/$(printf 'd%.0s' $(seq 1 250))"; done; mkdir -p "$d" && cd "$d" && n=$(printf 'f%.0s' $(seq 1 200)); seq 1 2000 | sed "s/^/$n/" | xargs touch && echo made`,
+    );
+    assert.equal(made.stdout.trim(), 'made', made.stderr);
+    const before = ok(await cp!.request('GET', '/v1/snapshot-quota', { as: 'acme' }));
+    const held = (await agent!.client.listCheckpoints()).map((c) => c.id).sort();
+    const calls = archiveCalls();
+    const body = refused(await cp!.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { no_lineage: true } }), 429, 'QUOTA_EXCEEDED');
+    assert.equal(body.details.limit_kind, 'bytes');
+    assert.equal(archiveCalls(), calls + 1, 'the agent started the archive and abandoned it');
+    assert.deepEqual((await agent!.client.listCheckpoints()).map((c) => c.id).sort(), held, 'nothing kept on the agent');
+    assert.deepEqual((await readdir(join(agent!.opts.dataDir, 'checkpoints'))).filter((e) => e.startsWith('.tmp-')), []);
+    const after = ok(await cp!.request('GET', '/v1/snapshot-quota', { as: 'acme' }));
+    assert.deepEqual([after.count, after.bytes], [before.count, before.bytes], 'the reservation was released');
+    const failed = ok(await cp!.request('GET', `/v1/snapshots?vm_id=${vmId}&state=failed`, { as: 'acme' })).snapshots;
+    assert.equal(failed.length, 1);
+    assert.match(failed[0].last_error, /grew past/);
+    assert.equal((await exec('rm -rf /root/deep')).exit_code, 0);
+  });
+
   it('build snapshots are bounded per tenant by their own count and bytes; ordinary snapshots are not in that pool', async (t) => {
     if (guard(t)) return;
     const c = cp!;
