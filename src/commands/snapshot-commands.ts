@@ -224,7 +224,7 @@ export class SnapshotCommands implements SeedArtifacts {
       }
       if (e?.code === 'CHECKPOINT_TOO_LARGE') {
         const { state } = await this.quotaHandler.load(tenantStream(tenantId), tenantDecider, decodeTenantEvent);
-        throw new QuotaExceededError(tenantId, 'bytes', limits, quotaUsage(state, pool), { pool, needed_bytes: (maxBytes ?? 0) + 1 });
+        throw new QuotaExceededError(tenantId, 'bytes', limits, quotaUsage(state, pool), { pool });
       }
       throw err;
     }
