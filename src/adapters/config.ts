@@ -95,8 +95,12 @@ export const configSchema = z.object({
   DEFAULT_SNAPSHOT_RETENTION_MS: durationMs.default(0),
   /** Snapshots (creating/ready/restoring, build artifacts excluded) per tenant. 0 disables. */
   SNAPSHOT_QUOTA_MAX_COUNT: z.coerce.number().int().nonnegative().default(0),
-  /** Aggregate bytes of those snapshots per tenant. 0 disables. */
+  /** Aggregate bytes of those snapshots per tenant, checked against each one's expected size before it is archived. 0 disables. */
   SNAPSHOT_QUOTA_MAX_BYTES: z.coerce.number().int().nonnegative().default(0),
+  /** Build (mode "build") snapshots per tenant, a pool apart from SNAPSHOT_QUOTA_*. 0 disables. */
+  BUILD_SNAPSHOT_QUOTA_MAX_COUNT: z.coerce.number().int().nonnegative().default(0),
+  /** Aggregate bytes of a tenant's build snapshots, checked like SNAPSHOT_QUOTA_MAX_BYTES. 0 disables. */
+  BUILD_SNAPSHOT_QUOTA_MAX_BYTES: z.coerce.number().int().nonnegative().default(0),
   /** Bounds one host-to-host artifact transfer. 0: the agent call timeout. */
   ARTIFACT_PULL_TIMEOUT_MS: durationMs.default(0),
   /** Layer artifacts unused this long are collected. 0 (default) disables idle collection. */

@@ -10,6 +10,7 @@ import {
   type Checkpoint,
   type ClientFrame,
   type CreateCheckpointRequest,
+  type LayerUsageResponse,
   type CreateVmRequest,
   type DestroyVmResponse,
   type ExecRequest,
@@ -30,6 +31,7 @@ import {
   errorBodySchema,
   execResultSchema,
   grantResponseSchema,
+  layerUsageResponseSchema,
   listCheckpointsResponseSchema,
   listVmsResponseSchema,
   networkReassertResponseSchema,
@@ -282,6 +284,10 @@ export class HostAgentClient implements HostAgent {
 
   checkpoint(name: string, req: CreateCheckpointRequest, opts?: CallOptions): Promise<Checkpoint> {
     return this.#call({ method: 'POST', path: `/vms/${seg(name)}/checkpoints`, json: req, schema: checkpointSchema, idempotent: false, opts });
+  }
+
+  layerUsage(name: string, opts?: CallOptions): Promise<LayerUsageResponse> {
+    return this.#call({ method: 'GET', path: `/vms/${seg(name)}/layer-usage`, schema: layerUsageResponseSchema, idempotent: true, opts });
   }
 
   async listCheckpoints(opts?: CallOptions): Promise<Checkpoint[]> {

@@ -143,6 +143,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       {
         defaultRetentionMs: config.DEFAULT_SNAPSHOT_RETENTION_MS,
         quota: { max_count: config.SNAPSHOT_QUOTA_MAX_COUNT, max_bytes: config.SNAPSHOT_QUOTA_MAX_BYTES },
+        buildQuota: { max_count: config.BUILD_SNAPSHOT_QUOTA_MAX_COUNT, max_bytes: config.BUILD_SNAPSHOT_QUOTA_MAX_BYTES },
         pullTimeoutMs: config.ARTIFACT_PULL_TIMEOUT_MS,
         checkpointTimeoutMs: Math.max(config.AGENT_CALL_TIMEOUT_MS, 120_000),
         idleTtlMs: config.ARTIFACT_IDLE_TTL_MS,

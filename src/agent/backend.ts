@@ -63,6 +63,8 @@ export const BackendErrorCode = {
   CheckpointNotFound: 'CHECKPOINT_NOT_FOUND',
   CheckpointExists: 'CHECKPOINT_EXISTS',
   CheckpointCorrupt: 'CHECKPOINT_CORRUPT',
+  /** The archive outgrew the bytes the caller allowed (its quota headroom). */
+  CheckpointTooLarge: 'CHECKPOINT_TOO_LARGE',
   /** The one "refuses for capacity" code: re-place elsewhere, not a host failure. */
   HostCapacityExhausted: 'HOST_CAPACITY_EXHAUSTED',
   /** No free address left in the subnet: also capacity. */
@@ -131,6 +133,8 @@ export interface CreateSpec {
   readonly cpus: number;
   readonly ram_mb: number;
   readonly pids_max?: number;
+  /** GiB of the sandbox's own disk for its writable layer (writes past it fail with ENOSPC inside); 0 or absent: none. */
+  readonly storage_gb?: number;
   /** Network isolation unit; sandboxes of different tenants cannot reach each other. */
   readonly tenant: string;
   /** Honoured if free in the subnet, else the lowest free address. */
@@ -224,12 +228,26 @@ export interface CheckpointOptions {
   readonly live?: boolean;
   /** Chosen by the caller (the control plane's snapshot id), else generated. [A-Za-z0-9_-]{1,128} */
   readonly id?: string;
+  /** Abandon the archive once it passes this many bytes (CHECKPOINT_TOO_LARGE). */
+  readonly maxBytes?: number;
+}
+
+export interface LayerUsageReport {
+  /** Bytes the writable layer takes on disk (holes in sparse files excluded). */
+  readonly used_bytes: number;
+  readonly entries: number;
+  /** The sandbox's disk size (storage_gb), 0 without one. */
+  readonly limit_bytes: number;
+  /** Upper bound on the size of a checkpoint taken now. */
+  readonly expected_archive_bytes: number;
 }
 
 export interface PruneReport {
   readonly bridges: string[];
   readonly veths: string[];
   readonly mounts: string[];
+  /** Loop devices over a sandbox disk image no live sandbox owns. */
+  readonly loopDevices: string[];
   readonly directories: string[];
   readonly cgroups: string[];
   readonly processes: number[];
@@ -278,6 +296,8 @@ export interface Backend {
    */
   readGuestFile(name: string, guestPath: string): Promise<{ path: string; size: number; stream: Readable; done: Promise<void> }>;
   checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint>;
+  /** The writable layer's usage, and the expected size of a checkpoint of it. */
+  layerUsage(name: string): Promise<LayerUsageReport>;
   listCheckpoints(): Promise<Checkpoint[]>;
   getCheckpoint(id: string): Promise<Checkpoint>;
   /** Idempotent. */

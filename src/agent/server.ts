@@ -23,6 +23,7 @@ import {
   listVmsQuerySchema,
   vmNameSchema,
   type CapacityResponse,
+  type LayerUsageResponse,
   type Endpoint,
   type NetworkReassertResponse,
   type VmInfo,
@@ -129,6 +130,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
       ...(spec.checkpoint_id ? { checkpointId: spec.checkpoint_id } : {}),
       cpus: spec.cpus,
       ram_mb: spec.ram_mb,
+      storage_gb: spec.storage_gb,
       tenant: spec.tenant,
       env: spec.env,
       expose: spec.expose,
@@ -302,9 +304,11 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   app.post(`${P}/vms/:name/checkpoints`, async (req, reply) => {
     const name = nameParam(req);
     const body = parse(createCheckpointRequestSchema, req.body ?? {}, 'checkpoint request');
-    const cp = await backend.checkpoint(name, { comment: body.comment, live: body.live, ...(body.id ? { id: body.id } : {}) });
+    const cp = await backend.checkpoint(name, { comment: body.comment, live: body.live, ...(body.id ? { id: body.id } : {}), ...(body.max_bytes ? { maxBytes: body.max_bytes } : {}) });
     return reply.code(201).send(toWireCheckpoint(cp, name));
   });
+
+  app.get(`${P}/vms/:name/layer-usage`, async (req): Promise<LayerUsageResponse> => backend.layerUsage(nameParam(req)));
 
   app.get(`${P}/checkpoints`, async () => ({ checkpoints: (await backend.listCheckpoints()).map((c) => toWireCheckpoint(c)) }));
 
@@ -390,6 +394,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
       ...report.bridges.map((b) => `bridge ${b}`),
       ...report.veths.map((v) => `veth ${v}`),
       ...report.mounts.map((m) => `mount ${m}`),
+      ...report.loopDevices.map((l) => `loop ${l}`),
       ...report.directories.map((d) => `dir ${d}`),
       ...report.cgroups.map((c) => `cgroup ${c}`),
       ...report.processes.map((p) => `process ${p}`),

@@ -16,7 +16,17 @@ import {
   type SnapshotDeleteReason,
   type SnapshotEvent,
 } from '../domain/snapshot/snapshot.events.js';
-import { isTenantEventType, parseTenantEvent, tenantDecider, type QuotaLimits, type TenantCommand, type TenantEvent } from '../domain/tenant/tenant.decider.js';
+import {
+  isTenantEventType,
+  parseTenantEvent,
+  QuotaExceededError,
+  quotaUsage,
+  tenantDecider,
+  type QuotaLimits,
+  type QuotaPool,
+  type TenantCommand,
+  type TenantEvent,
+} from '../domain/tenant/tenant.decider.js';
 import { validationErrorFromZod } from '../domain/vm/spec.js';
 import { CommandHandler, type CommandMeta } from './command-handler.js';
 import type { HostCommands } from './host-commands.js';
@@ -88,6 +98,8 @@ export interface SnapshotReads {
 export interface SnapshotConfig {
   readonly defaultRetentionMs: number;
   readonly quota: QuotaLimits;
+  /** Build (mode "build") snapshots per tenant: a pool of their own, outside `quota`. */
+  readonly buildQuota: QuotaLimits;
   /** 0: the agent client's default. */
   readonly pullTimeoutMs: number;
   readonly checkpointTimeoutMs: number;
@@ -156,7 +168,12 @@ export class SnapshotCommands implements SeedArtifacts {
     const metadata: Record<string, string> = { ...req.metadata, comment: req.comment, vm_id: vmId, mode: req.mode, host_id: hostId, arch };
     if (req.layer_key !== undefined) metadata.layer_key = req.layer_key;
 
-    if (counted) await this.reserveQuota(tenantId, snapshotId, actor);
+    const pool: QuotaPool = counted ? 'snapshots' : 'builds';
+    const limits = counted ? this.config.quota : this.config.buildQuota;
+    const name = sandboxName(vmId);
+    // Bytes are checked BEFORE anything is archived: the agent tells what a checkpoint of the layer is expected to take.
+    const expected = limits.max_bytes > 0 ? (await (await this.hosts.agentFor(hostId)).layerUsage(name)).expected_archive_bytes : 0;
+    const maxBytes = await this.reserveQuota(tenantId, snapshotId, actor, pool, limits, expected);
     try {
       await this.run(snapshotId, {
         type: 'RequestSnapshot',
@@ -178,15 +195,21 @@ export class SnapshotCommands implements SeedArtifacts {
         },
       }, actor);
     } catch (err) {
-      if (counted) await this.releaseQuota(tenantId, snapshotId, actor);
+      await this.releaseQuota(tenantId, snapshotId, actor);
       throw err;
     }
+    let archived = false;
     try {
       const agent = await this.hosts.agentFor(hostId);
       // The protocol carries `live` only; diff/keep_paused/shrink are recorded as asked, and the kind is what came back.
-      const cp = await agent.checkpoint(sandboxName(vmId), { id: snapshotId, comment: req.comment, live: req.live }, { timeoutMs: this.config.checkpointTimeoutMs });
+      // max_bytes: the agent abandons an archive that outgrows the quota's headroom (the guest wrote on after the estimate).
+      const cp = await agent.checkpoint(name, { id: snapshotId, comment: req.comment, live: req.live, ...(maxBytes ? { max_bytes: maxBytes } : {}) }, { timeoutMs: this.config.checkpointTimeoutMs });
+      archived = true;
+      // The real size replaces the estimate, and is refused if siblings took the room meanwhile: never over quota.
+      await this.onTenant(tenantId, () =>
+        this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'SizeSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes, limits } } satisfies TenantCommand, actor),
+      );
       const done = await this.run(snapshotId, { type: 'CompleteSnapshot', data: { snapshot_id: snapshotId, digest: cp.digest, size_bytes: cp.size_bytes, kind: cp.kind, files: cp.files } }, actor);
-      if (counted) await this.onTenant(tenantId, () => this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'SizeSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes } } satisfies TenantCommand, actor));
       let last = done;
       for (const e of req.exports) last = await this.run(snapshotId, { type: 'RequestExport', data: { snapshot_id: snapshotId, destination: e.destination } }, actor);
       return last;
@@ -194,7 +217,15 @@ export class SnapshotCommands implements SeedArtifacts {
       const e = err instanceof AppError ? err : undefined;
       this.logger.warn({ snapshot_id: snapshotId, vm_id: vmId, code: e?.code, err: { message: (err as Error).message } }, 'snapshot failed');
       await this.run(snapshotId, { type: 'FailSnapshot', data: { snapshot_id: snapshotId, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
-      if (counted) await this.releaseQuota(tenantId, snapshotId, actor).catch(() => undefined);
+      await this.releaseQuota(tenantId, snapshotId, actor).catch(() => undefined);
+      if (archived) {
+        const agent = await this.hosts.agentFor(hostId).catch(() => undefined);
+        await agent?.deleteCheckpoint(snapshotId).catch((de: unknown) => this.logger.warn({ snapshot_id: snapshotId, err: { message: (de as Error).message } }, 'refused archive not deleted on its host'));
+      }
+      if (e?.code === 'CHECKPOINT_TOO_LARGE') {
+        const { state } = await this.quotaHandler.load(tenantStream(tenantId), tenantDecider, decodeTenantEvent);
+        throw new QuotaExceededError(tenantId, 'bytes', limits, quotaUsage(state, pool), { pool });
+      }
       throw err;
     }
   }
@@ -224,7 +255,7 @@ export class SnapshotCommands implements SeedArtifacts {
       }
     }
     const r = await this.run(snapshotId, { type: 'DeleteSnapshot', data: { snapshot_id: snapshotId, reason: opts.reason ?? 'client', forced: opts.force ?? false } }, actor);
-    if (s.quota_counted) await this.releaseQuota(s.tenant_id, snapshotId, actor);
+    if (s.quota_counted || s.mode === 'build') await this.releaseQuota(s.tenant_id, snapshotId, actor);
     const dropped = await this.dropCopies(r.snapshot, actor);
     return dropped ?? r;
   }
@@ -320,10 +351,20 @@ export class SnapshotCommands implements SeedArtifacts {
 
   // ---------------------------------------------------------------- quota
 
-  private async reserveQuota(tenantId: string, snapshotId: string, meta: CommandMeta): Promise<void> {
-    await this.onTenant(tenantId, () =>
-      this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'ReserveSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, limits: this.config.quota } } satisfies TenantCommand, meta),
+  /** Reserves `expected` bytes in `pool`; returns the headroom the archive may use (max_bytes less the others), undefined without a byte limit. */
+  private async reserveQuota(tenantId: string, snapshotId: string, meta: CommandMeta, pool: QuotaPool, limits: QuotaLimits, expected: number): Promise<number | undefined> {
+    const r = await this.onTenant(tenantId, () =>
+      this.quotaHandler.handle(
+        tenantStream(tenantId),
+        tenantDecider,
+        decodeTenantEvent,
+        { type: 'ReserveSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, limits, pool, expected_bytes: expected } } satisfies TenantCommand,
+        meta,
+      ),
     );
+    if (limits.max_bytes <= 0) return undefined;
+    const others = quotaUsage(r.state, pool).bytes - (r.state.reservations.get(snapshotId) ?? r.state.builds.get(snapshotId) ?? 0);
+    return Math.max(1, limits.max_bytes - others);
   }
 
   private async releaseQuota(tenantId: string, snapshotId: string, meta: CommandMeta): Promise<void> {
@@ -332,11 +373,9 @@ export class SnapshotCommands implements SeedArtifacts {
     );
   }
 
-  async quotaUsage(tenantId: string): Promise<{ count: number; bytes: number; max_count: number; max_bytes: number }> {
+  async quotaUsage(tenantId: string): Promise<{ count: number; bytes: number; max_count: number; max_bytes: number; builds: { count: number; bytes: number; max_count: number; max_bytes: number } }> {
     const { state } = await this.quotaHandler.load(tenantStream(tenantId), tenantDecider, decodeTenantEvent);
-    let bytes = 0;
-    for (const b of state.reservations.values()) bytes += b;
-    return { count: state.reservations.size, bytes, max_count: this.config.quota.max_count, max_bytes: this.config.quota.max_bytes };
+    return { ...quotaUsage(state, 'snapshots'), ...this.config.quota, builds: { ...quotaUsage(state, 'builds'), ...this.config.buildQuota } };
   }
 
   /** Writers of one tenant stream in this process go one at a time; other processes lose a revision conflict and retry. */

@@ -57,6 +57,7 @@ export const AgentErrorCode = {
   checkpointNotFound: 'CHECKPOINT_NOT_FOUND',
   checkpointExists: 'CHECKPOINT_EXISTS',
   checkpointCorrupt: 'CHECKPOINT_CORRUPT',
+  checkpointTooLarge: 'CHECKPOINT_TOO_LARGE',
   exposeNotPublished: 'EXPOSE_NOT_PUBLISHED',
   exposePortUnavailable: 'EXPOSE_PORT_UNAVAILABLE',
   /** The one "this host refuses for capacity" code (status 507). */
@@ -269,6 +270,8 @@ export const createCheckpointRequestSchema = z.object({
   live: z.boolean().default(false),
   /** Caller-chosen id (the control plane's snapshot id); absent: the agent generates one. */
   id: checkpointIdSchema.optional(),
+  /** The archive is abandoned past this many bytes (CHECKPOINT_TOO_LARGE, 413): the tenant's quota headroom. */
+  max_bytes: z.number().int().positive().optional(),
 });
 export type CreateCheckpointRequest = z.input<typeof createCheckpointRequestSchema>;
 
@@ -289,6 +292,17 @@ export const checkpointSchema = z.object({
 });
 export type Checkpoint = z.infer<typeof checkpointSchema>;
 export const listCheckpointsResponseSchema = z.object({ checkpoints: z.array(checkpointSchema) });
+
+/** The writable layer's usage, asked before a checkpoint so the quota is checked before anything is archived. */
+export const layerUsageResponseSchema = z.object({
+  used_bytes: z.number().int().nonnegative(),
+  entries: z.number().int().nonnegative(),
+  /** storage_gb in bytes; 0: the sandbox has no disk of its own. */
+  limit_bytes: z.number().int().nonnegative(),
+  /** Upper bound on the size of a checkpoint taken now (barring writes in between). */
+  expected_archive_bytes: z.number().int().nonnegative(),
+});
+export type LayerUsageResponse = z.infer<typeof layerUsageResponseSchema>;
 
 export const deleteCheckpointResponseSchema = z.object({ id: z.string(), deleted: z.boolean() });
 

@@ -7,6 +7,7 @@ import type {
   Checkpoint,
   ClientFrame,
   CreateCheckpointRequest,
+  LayerUsageResponse,
   CreateVmRequest,
   DestroyVmResponse,
   ExecRequest,
@@ -76,6 +77,8 @@ export interface HostAgent {
 
   /** `kind` in the answer is what the backend produced (a live request may come back as disk). */
   checkpoint(name: string, req: CreateCheckpointRequest, opts?: CallOptions): Promise<Checkpoint>;
+  /** The sandbox's writable layer: bytes used, its disk size, and the expected size of a checkpoint of it. */
+  layerUsage(name: string, opts?: CallOptions): Promise<LayerUsageResponse>;
   listCheckpoints(opts?: CallOptions): Promise<Checkpoint[]>;
   /** Idempotent: deleting a missing checkpoint answers deleted: false. */
   deleteCheckpoint(id: string, opts?: CallOptions): Promise<{ id: string; deleted: boolean }>;

@@ -66,6 +66,34 @@ describe('tenant quota decider', () => {
     assert.deepEqual(quotaUsage(fold(tenantDecider, [reserved('a'), sized, released])), { count: 0, bytes: 0 });
     given(tenantDecider, [reserved('a')]).when({ type: 'ReserveSnapshotQuota', data: { tenant_id: 'acme', snapshot_id: 'a', limits } }).then([]);
   });
+  it('the expected size is reserved up front: refused when it would not fit, counted until the real size replaces it', () => {
+    const reserve = (id: string, expected: number) => ({ type: 'ReserveSnapshotQuota' as const, data: { tenant_id: 'acme', snapshot_id: id, limits, expected_bytes: expected } });
+    const err = given(tenantDecider, [reserved('a')]).when(reserve('c', 101)).thenThrows('QUOTA_EXCEEDED', 429, /0 of 100 bytes in use, this one needs 101/);
+    assert.equal(err.details?.needed_bytes, 101);
+    const events = given(tenantDecider, []).when(reserve('c', 60)).events();
+    assert.equal((events[0]!.data as { expected_bytes?: number }).expected_bytes, 60);
+    const held = fold(tenantDecider, events);
+    assert.deepEqual(quotaUsage(held), { count: 1, bytes: 60 });
+    given(tenantDecider, events).when(reserve('d', 41)).thenThrows('QUOTA_EXCEEDED', 429, /60 of 100 bytes/);
+    // The real size: smaller is taken as is; larger only if it still fits beside the others.
+    given(tenantDecider, events).when({ type: 'SizeSnapshotQuota', data: { tenant_id: 'acme', snapshot_id: 'c', size_bytes: 30, limits } }).then([{ type: 'SnapshotQuotaSized', data: { tenant_id: 'acme', snapshot_id: 'c', size_bytes: 30, at: T0.toISOString() } }]);
+    const sibling = [...events, ...given(tenantDecider, events).when(reserve('d', 30)).events()];
+    given(tenantDecider, sibling).when({ type: 'SizeSnapshotQuota', data: { tenant_id: 'acme', snapshot_id: 'c', size_bytes: 71, limits } }).thenThrows('QUOTA_EXCEEDED', 429, /30 of 100 bytes in use, this one needs 71/);
+    assert.equal(given(tenantDecider, sibling).when({ type: 'SizeSnapshotQuota', data: { tenant_id: 'acme', snapshot_id: 'c', size_bytes: 70, limits } }).events().length, 1);
+  });
+  it('build snapshots fill a pool of their own, with their own limits; a release frees either', () => {
+    const build = (id: string, l = { max_count: 1, max_bytes: 0 }) => ({ type: 'ReserveSnapshotQuota' as const, data: { tenant_id: 'acme', snapshot_id: id, limits: l, pool: 'builds' as const } });
+    const first = given(tenantDecider, [reserved('a'), reserved('b')]).when(build('l1')).events();
+    assert.equal((first[0]!.data as { pool?: string }).pool, 'builds');
+    const state = fold(tenantDecider, [reserved('a'), reserved('b'), ...first]);
+    assert.deepEqual(quotaUsage(state), { count: 2, bytes: 0 }, 'builds are not in the snapshot pool');
+    assert.deepEqual(quotaUsage(state, 'builds'), { count: 1, bytes: 0 });
+    const err = given(tenantDecider, [reserved('a'), reserved('b'), ...first]).when(build('l2')).thenThrows('QUOTA_EXCEEDED', 429, /build snapshot quota exceeded for tenant acme: 1 of 1 build snapshots/);
+    assert.equal(err.details?.pool, 'builds');
+    const released: TenantEvent = { type: 'SnapshotQuotaReleased', data: { tenant_id: 'acme', snapshot_id: 'l1', at: T0.toISOString() } };
+    assert.equal(given(tenantDecider, [...first, released]).when(build('l2')).events().length, 1);
+    given(tenantDecider, first).when({ type: 'ReserveSnapshotQuota', data: { tenant_id: 'acme', snapshot_id: 'l1', limits } }).then([]);
+  });
   it('zero limits disable enforcement', () => {
     const events = given(tenantDecider, [reserved('a'), reserved('b'), reserved('c')]).when({ type: 'ReserveSnapshotQuota', data: { tenant_id: 'acme', snapshot_id: 'd', limits: { max_count: 0, max_bytes: 0 } } }).events();
     assert.equal(events.length, 1);

@@ -213,7 +213,18 @@ export function snapshotRoutes(deps: SnapshotRoutesDeps) {
       schema: {
         tags: ['snapshots'],
         summary: "The caller's snapshot quota usage (from its tenant stream)",
-        response: { 200: z.object({ tenant_id: z.string(), count: z.number(), bytes: z.number(), max_count: z.number(), max_bytes: z.number() }), ...problemResponses },
+        response: {
+          200: z.object({
+            tenant_id: z.string(),
+            count: z.number(),
+            bytes: z.number(),
+            max_count: z.number(),
+            max_bytes: z.number(),
+            /** Build (mode "build") snapshots: their own pool (BUILD_SNAPSHOT_QUOTA_*). */
+            builds: z.object({ count: z.number(), bytes: z.number(), max_count: z.number(), max_bytes: z.number() }),
+          }),
+          ...problemResponses,
+        },
       },
     }, async (req) => ({ tenant_id: req.caller.tenantId, ...(await deps.snapshots.quotaUsage(req.caller.tenantId)) }));
 

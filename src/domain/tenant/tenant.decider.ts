@@ -5,18 +5,33 @@ import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 
 /**
- * The per-tenant snapshot quota (`tenant-<id>`). Reservations are appended
- * at the revision the usage was computed on, so two concurrent snapshot
- * requests can never both take the last slot: the loser re-reads and is
- * refused. Only snapshots that count (creating/ready/restoring, build
- * artifacts excluded) are ever reserved here.
+ * The per-tenant snapshot quotas (`tenant-<id>`), two pools: `snapshots`
+ * (creating/ready/restoring, build artifacts excluded: SNAPSHOT_QUOTA_*)
+ * and `builds` (mode "build" artifacts: BUILD_SNAPSHOT_QUOTA_*).
+ * Reservations are appended at the revision the usage was computed on, so
+ * two concurrent snapshot requests can never both take the last slot: the
+ * loser re-reads and is refused. A reservation carries the expected archive
+ * size (asked from the agent before archiving), so a snapshot that would not
+ * fit is refused before any byte is written; the real size replaces it after,
+ * and is refused in turn if the guest grew past the quota in between.
  */
 
 const at = z.iso.datetime({ offset: true });
 
+export const quotaPoolSchema = z.enum(['snapshots', 'builds']);
+export type QuotaPool = z.infer<typeof quotaPoolSchema>;
+
 export const quotaReservedSchema = z.object({
   type: z.literal('SnapshotQuotaReserved'),
-  data: z.object({ tenant_id: z.string().min(1), snapshot_id: idSchema, at }),
+  data: z.object({
+    tenant_id: z.string().min(1),
+    snapshot_id: idSchema,
+    /** Absent in events written before build snapshots were counted: snapshots. */
+    pool: quotaPoolSchema.optional(),
+    /** Expected archive size counted until the real one is known; absent: 0. */
+    expected_bytes: z.number().int().nonnegative().optional(),
+    at,
+  }),
 });
 export const quotaSizedSchema = z.object({
   type: z.literal('SnapshotQuotaSized'),
@@ -47,32 +62,52 @@ export interface QuotaLimits {
 }
 
 export type TenantCommand =
-  | { readonly type: 'ReserveSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string; limits: QuotaLimits } }
-  | { readonly type: 'SizeSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string; size_bytes: number } }
+  | { readonly type: 'ReserveSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string; limits: QuotaLimits; pool?: QuotaPool; expected_bytes?: number } }
+  /** With limits, a size that takes the pool past max_bytes is refused (QUOTA_EXCEEDED) and nothing is appended. */
+  | { readonly type: 'SizeSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string; size_bytes: number; limits?: QuotaLimits } }
   | { readonly type: 'ReleaseSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string } };
 
 export interface TenantState {
-  /** snapshot id → bytes counted (0 until the agent reports the size). */
+  /** Pool `snapshots`: snapshot id → bytes counted (the expected size until the agent reports the real one). */
   readonly reservations: ReadonlyMap<string, number>;
+  /** Pool `builds`, likewise. */
+  readonly builds: ReadonlyMap<string, number>;
 }
 
-export const initialTenantState: TenantState = { reservations: new Map() };
+export const initialTenantState: TenantState = { reservations: new Map(), builds: new Map() };
 
-export function quotaUsage(s: TenantState): { count: number; bytes: number } {
+const poolOf = (s: TenantState, pool: QuotaPool): ReadonlyMap<string, number> => (pool === 'builds' ? s.builds : s.reservations);
+
+export function quotaUsage(s: TenantState, pool: QuotaPool = 'snapshots'): { count: number; bytes: number } {
+  const m = poolOf(s, pool);
   let bytes = 0;
-  for (const b of s.reservations.values()) bytes += b;
-  return { count: s.reservations.size, bytes };
+  for (const b of m.values()) bytes += b;
+  return { count: m.size, bytes };
 }
 
 export class QuotaExceededError extends AppError {
-  constructor(tenantId: string, what: 'count' | 'bytes', limits: QuotaLimits, usage: { count: number; bytes: number }) {
+  constructor(tenantId: string, what: 'count' | 'bytes', limits: QuotaLimits, usage: { count: number; bytes: number }, opts: { pool?: QuotaPool; needed_bytes?: number } = {}) {
+    const pool = opts.pool ?? 'snapshots';
     const limit = what === 'count' ? limits.max_count : limits.max_bytes;
     const used = what === 'count' ? usage.count : usage.bytes;
+    const builds = pool === 'builds';
+    const needs = what === 'bytes' && opts.needed_bytes ? `, this one needs ${opts.needed_bytes}` : '';
     super(
       'QUOTA_EXCEEDED',
       429,
-      `snapshot quota exceeded for tenant ${tenantId}: ${what === 'count' ? `${used} of ${limit} snapshots` : `${used} of ${limit} bytes`} in use (creating, ready or restoring; build artifacts not counted); delete a snapshot to make room`,
-      { tenant_id: tenantId, limit_kind: what, limit, usage: { count: usage.count, bytes: usage.bytes }, max_count: limits.max_count, max_bytes: limits.max_bytes },
+      builds
+        ? `build snapshot quota exceeded for tenant ${tenantId}: ${what === 'count' ? `${used} of ${limit} build snapshots` : `${used} of ${limit} bytes`} in use${needs}; delete a layer to make room`
+        : `snapshot quota exceeded for tenant ${tenantId}: ${what === 'count' ? `${used} of ${limit} snapshots` : `${used} of ${limit} bytes`} in use${needs} (creating, ready or restoring; build artifacts not counted); delete a snapshot to make room`,
+      {
+        tenant_id: tenantId,
+        pool,
+        limit_kind: what,
+        limit,
+        usage: { count: usage.count, bytes: usage.bytes },
+        max_count: limits.max_count,
+        max_bytes: limits.max_bytes,
+        ...(opts.needed_bytes !== undefined ? { needed_bytes: opts.needed_bytes } : {}),
+      },
     );
   }
 }
@@ -82,20 +117,31 @@ export function decideTenant(command: TenantCommand, state: TenantState, ctx: De
   const { tenant_id, snapshot_id } = command.data;
   switch (command.type) {
     case 'ReserveSnapshotQuota': {
-      if (state.reservations.has(snapshot_id)) return [];
-      const usage = quotaUsage(state);
+      if (state.reservations.has(snapshot_id) || state.builds.has(snapshot_id)) return [];
+      const pool = command.data.pool ?? 'snapshots';
+      const expected = command.data.expected_bytes ?? 0;
+      const usage = quotaUsage(state, pool);
       const l = command.data.limits;
-      if (l.max_count > 0 && usage.count + 1 > l.max_count) throw new QuotaExceededError(tenant_id, 'count', l, usage);
-      if (l.max_bytes > 0 && usage.bytes >= l.max_bytes) throw new QuotaExceededError(tenant_id, 'bytes', l, usage);
-      return [{ type: 'SnapshotQuotaReserved', data: { tenant_id, snapshot_id, at } }];
+      if (l.max_count > 0 && usage.count + 1 > l.max_count) throw new QuotaExceededError(tenant_id, 'count', l, usage, { pool });
+      if (l.max_bytes > 0 && (usage.bytes >= l.max_bytes || usage.bytes + expected > l.max_bytes)) throw new QuotaExceededError(tenant_id, 'bytes', l, usage, { pool, needed_bytes: expected });
+      const data = { tenant_id, snapshot_id, ...(pool === 'builds' ? { pool } : {}), ...(expected > 0 ? { expected_bytes: expected } : {}), at };
+      return [{ type: 'SnapshotQuotaReserved', data }];
     }
     case 'SizeSnapshotQuota': {
-      const cur = state.reservations.get(snapshot_id);
-      if (cur === undefined || cur === command.data.size_bytes) return [];
-      return [{ type: 'SnapshotQuotaSized', data: { tenant_id, snapshot_id, size_bytes: command.data.size_bytes, at } }];
+      const pool: QuotaPool = state.builds.has(snapshot_id) ? 'builds' : 'snapshots';
+      const cur = poolOf(state, pool).get(snapshot_id);
+      const size = command.data.size_bytes;
+      if (cur === undefined || cur === size) return [];
+      const l = command.data.limits;
+      if (l && l.max_bytes > 0 && size > cur) {
+        const usage = quotaUsage(state, pool);
+        const others = { count: usage.count - 1, bytes: usage.bytes - cur };
+        if (others.bytes + size > l.max_bytes) throw new QuotaExceededError(tenant_id, 'bytes', l, others, { pool, needed_bytes: size });
+      }
+      return [{ type: 'SnapshotQuotaSized', data: { tenant_id, snapshot_id, size_bytes: size, at } }];
     }
     case 'ReleaseSnapshotQuota':
-      if (!state.reservations.has(snapshot_id)) return [];
+      if (!state.reservations.has(snapshot_id) && !state.builds.has(snapshot_id)) return [];
       return [{ type: 'SnapshotQuotaReleased', data: { tenant_id, snapshot_id, at } }];
     default:
       return assertNever(command, 'tenant command');
@@ -103,21 +149,25 @@ export function decideTenant(command: TenantCommand, state: TenantState, ctx: De
 }
 
 export function evolveTenant(state: TenantState, event: TenantEvent): TenantState {
-  const next = new Map(state.reservations);
+  const snapshots = new Map(state.reservations);
+  const builds = new Map(state.builds);
+  const id = event.data.snapshot_id;
   switch (event.type) {
     case 'SnapshotQuotaReserved':
-      next.set(event.data.snapshot_id, 0);
+      (event.data.pool === 'builds' ? builds : snapshots).set(id, event.data.expected_bytes ?? 0);
       break;
     case 'SnapshotQuotaSized':
-      if (next.has(event.data.snapshot_id)) next.set(event.data.snapshot_id, event.data.size_bytes);
+      if (snapshots.has(id)) snapshots.set(id, event.data.size_bytes);
+      if (builds.has(id)) builds.set(id, event.data.size_bytes);
       break;
     case 'SnapshotQuotaReleased':
-      next.delete(event.data.snapshot_id);
+      snapshots.delete(id);
+      builds.delete(id);
       break;
     default:
       return assertNever(event, 'tenant event');
   }
-  return { reservations: next };
+  return { reservations: snapshots, builds };
 }
 
 export const tenantDecider: Decider<TenantCommand, TenantEvent, TenantState> = {

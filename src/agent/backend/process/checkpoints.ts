@@ -3,6 +3,7 @@ import { createHash, randomBytes } from 'node:crypto';
 import { createReadStream, createWriteStream } from 'node:fs';
 import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
+import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { z } from 'zod';
 import { AppError } from '../../../domain/errors.js';
@@ -35,6 +36,21 @@ export const MANIFEST = 'manifest.json';
 // Only the overlay xattrs that carry meaning in a portable upper layer (opaque
 // directories); origin/impure/index handles point at this host's lower fs.
 const TAR_XATTRS = ['--xattrs', '--xattrs-include=trusted.overlay.opaque', '--xattrs-include=user.*', '--xattrs-include=security.capability'];
+
+/**
+ * An upper bound on the archive of a layer that takes `used_bytes` on disk
+ * in `entries` entries: with --sparse, tar stores a file's data regions
+ * (never more than its allocated blocks) plus a 512-byte header, and a
+ * second one for a long name, an xattr or a sparse map; then the end
+ * marker, padded to a 10 KiB record. Checked against quotas before archiving.
+ */
+export function expectedArchiveBytes(usage: { used_bytes: number; entries: number }): number {
+  const raw = usage.used_bytes + usage.entries * 1024 + 1024;
+  return Math.ceil(raw / 10240) * 10240;
+}
+
+export const checkpointTooLarge = (limit: number): AppError =>
+  new AppError(BackendErrorCode.CheckpointTooLarge, 413, `the checkpoint archive grew past the ${limit} bytes it was allowed; nothing was kept`, { max_bytes: limit });
 
 export function validateCheckpointId(id: string): void {
   if (!checkpointIdRe.test(id)) {
@@ -95,8 +111,13 @@ export class CheckpointStore {
     await rm(trash, { recursive: true, force: true });
   }
 
-  /** Archives `upperDir` into a new checkpoint, hashing the bytes as they are written. */
-  async write(upperDir: string, meta: { id?: string; comment: string; image: string; now: Date }): Promise<Checkpoint> {
+  /**
+   * Archives `upperDir` into a new checkpoint, hashing the bytes as they are
+   * written. Sparse files stay sparse (only their data regions are stored).
+   * Past `maxBytes` the archive is abandoned (CHECKPOINT_TOO_LARGE) before it
+   * takes more of the host's disk.
+   */
+  async write(upperDir: string, meta: { id?: string; comment: string; image: string; now: Date; maxBytes?: number }): Promise<Checkpoint> {
     const id = meta.id ?? `ckpt-${meta.now.getTime().toString(36)}-${randomBytes(6).toString('hex')}`;
     validateCheckpointId(id);
     if (await stat(join(this.dir, id)).then(() => true, () => false)) {
@@ -107,18 +128,32 @@ export class CheckpointStore {
     try {
       const hash = createHash('sha256');
       let size = 0;
-      const tar = spawn('tar', [...TAR_XATTRS, '--numeric-owner', '-C', upperDir, '-cf', '-', '.'], { stdio: ['ignore', 'pipe', 'pipe'] });
+      const tar = spawn('tar', [...TAR_XATTRS, '--sparse', '--numeric-owner', '-C', upperDir, '-cf', '-', '.'], { stdio: ['ignore', 'pipe', 'pipe'] });
       let stderr = '';
       tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
       const exit = new Promise<number | null>((resolve, reject) => {
         tar.once('error', reject);
         tar.once('close', resolve);
       });
-      tar.stdout.on('data', (chunk: Buffer) => {
-        hash.update(chunk);
-        size += chunk.length;
+      const max = meta.maxBytes;
+      const count = new Transform({
+        transform(chunk: Buffer, _enc, cb) {
+          size += chunk.length;
+          if (max !== undefined && size > max) {
+            cb(checkpointTooLarge(max));
+            return;
+          }
+          hash.update(chunk);
+          cb(null, chunk);
+        },
       });
-      await pipeline(tar.stdout, createWriteStream(join(tmp, ROOTFS)));
+      try {
+        await pipeline(tar.stdout, count, createWriteStream(join(tmp, ROOTFS)));
+      } catch (err) {
+        tar.kill('SIGKILL');
+        await exit.catch(() => undefined);
+        throw err;
+      }
       const code = await exit;
       if (code !== 0) throw sandboxFailed(`tar of the writable layer failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
       const checkpoint: Checkpoint = { id, comment: meta.comment, kind: 'disk', size_bytes: size, digest: hash.digest('hex'), created_at: meta.now.toISOString(), image: meta.image, files: {}, parent: '' };
@@ -162,6 +197,9 @@ export class CheckpointStore {
     }
     tar.stdin.end();
     const code = await exit;
+    if (code !== 0 && /No space left on device/.test(stderr)) {
+      throw invalidSpec(`checkpoint "${id}" does not fit on the sandbox's disk: ask for a larger storage_gb`, [{ path: 'storage_gb', message: 'too small for the checkpoint' }]);
+    }
     if (code !== 0) throw sandboxFailed(`restoring checkpoint "${id}" failed (tar exit ${code}): ${stderr.trim().slice(0, 300)}`);
     const digest = hash.digest('hex');
     if (digest !== cp.digest) {

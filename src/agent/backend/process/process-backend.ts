@@ -31,7 +31,7 @@ import {
 import { resolveImage } from '../../images.js';
 import { probeCapacity } from '../host-capacity.js';
 import { Cgroups } from './cgroups.js';
-import { CheckpointStore } from './checkpoints.js';
+import { CheckpointStore, expectedArchiveBytes } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped, spawnPty } from './guest-process.js';
@@ -40,6 +40,7 @@ import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { Firewall, type FirewallState } from './firewall.js';
 import { allocateBridge, allocateVeth, attachSandbox, bridgeForwarding, deleteLink, detachSandbox, ensureBridge, hardenLink, listLinks, listRoutes, parseSubnet, reserve, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
+import { createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, requireDiskTools, type LayerUsage } from './storage.js';
 
 /**
  * The `process` backend: each sandbox is a set of Linux namespaces (pid,
@@ -49,8 +50,9 @@ import { startProxy, type Proxy } from './proxy.js';
  * checkpoints.ts. Everything a restarted agent needs is on disk:
  *
  *   <dataDir>/sandboxes/<name>/state.json   what was created, init pid + start time
- *   <dataDir>/sandboxes/<name>/upper/       the writable layer (what a checkpoint archives)
- *   <dataDir>/sandboxes/<name>/work/        overlayfs work dir
+ *   <dataDir>/sandboxes/<name>/disk.img     the sandbox's own ext4 disk (storage_gb), mounted at disk/ (storage.ts)
+ *   <dataDir>/sandboxes/<name>/disk/upper/  the writable layer (what a checkpoint archives; upper/ without a disk)
+ *   <dataDir>/sandboxes/<name>/disk/work/   overlayfs work dir
  *   <dataDir>/sandboxes/<name>/root/        mount point (mounted only inside the sandbox's mount namespace)
  *   <dataDir>/sandboxes/<name>/console.log  serial-style log of the init's output
  */
@@ -96,6 +98,8 @@ const createSpecSchema = z.object({
   cpus: z.number().positive().max(1024),
   ram_mb: z.number().int().min(16, 'at least 16 MiB').max(16 * 1024 * 1024),
   pids_max: z.number().int().min(8).max(4_194_304).optional(),
+  /** GiB of the sandbox's own disk (its writable layer); 0: no disk of its own. */
+  storage_gb: z.number().int().min(0).max(65536).optional(),
   tenant: z.string().regex(tenantRe, 'a tenant id is 1-63 of [a-z0-9_-], starting with a letter or digit'),
   ipHint: z.string().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
@@ -118,6 +122,8 @@ const persistedSchema = z.object({
   cpus: z.number(),
   ram_mb: z.number(),
   pids_max: z.number(),
+  /** Absent in state written before sandboxes had disks: 0, the layer in upper/. */
+  storage_gb: z.number().int().nonnegative().default(0),
   created_at: z.string(),
   init_pid: z.number(),
   init_start: z.string(),
@@ -171,6 +177,7 @@ export class ProcessBackend implements Backend {
     const subnet = parseSubnet(opts.subnet);
     await assertHostFeatures();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
+    requireDiskTools();
     const tools: HostTools = { ...findHostTools(opts.busybox), helper: await ensureSandboxHelper(opts.dataDir) };
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
@@ -199,7 +206,11 @@ export class ProcessBackend implements Backend {
   }
 
   async capacity(): Promise<HostCapacity> {
-    return probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes });
+    const cap = await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes });
+    // Sandbox disks are preallocated, so free space already lacks them, and placement subtracts each VM's storage_gb
+    // again: a probe while sandboxes run must not count them twice.
+    const held = [...this.records.values()].reduce((n, r) => n + r.state.storage_gb, 0);
+    return { ...cap, storage_gb: cap.storage_gb + held };
   }
 
   async create(input: CreateSpec): Promise<SandboxInfo> {
@@ -245,6 +256,7 @@ export class ProcessBackend implements Backend {
         cpus: spec.cpus,
         ram_mb: spec.ram_mb,
         pids_max: spec.pids_max ?? this.opts.defaultPidsMax,
+        storage_gb: spec.storage_gb ?? 0,
         created_at: new Date().toISOString(),
         init_pid: 0,
         init_start: '',
@@ -267,11 +279,15 @@ export class ProcessBackend implements Backend {
       try {
         const dir = this.sandboxDir(spec.name);
         // A directory nobody owns (a crash between mkdir and state.json) is garbage.
+        if (existsSync(join(dir, DISK_IMAGE))) await removeDisk(dir);
         await rm(dir, { recursive: true, force: true });
-        for (const d of ['upper', 'work', 'root']) await mkdir(join(dir, d), { recursive: true });
+        await mkdir(join(dir, 'root'), { recursive: true });
         await this.persist(state);
+        const layer = layerDirs(dir, state.storage_gb);
+        if (state.storage_gb > 0) await createDisk(dir, state.storage_gb);
+        else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
         mark('dirs');
-        if (checkpointId) await this.checkpoints.extract(checkpointId, join(dir, 'upper'));
+        if (checkpointId) await this.checkpoints.extract(checkpointId, layer.upper);
         await this.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
         mark('cgroup');
         // The rules for this sandbox's bridge and port exist before either does.
@@ -287,8 +303,8 @@ export class ProcessBackend implements Backend {
         mark('bridge');
         const launched = await launchInit({
           imageDir: imagePath,
-          upper: join(dir, 'upper'),
-          work: join(dir, 'work'),
+          upper: layer.upper,
+          work: layer.work,
           rootMount: join(dir, 'root'),
           hostname: spec.name,
           uidBase: state.uid_base,
@@ -488,8 +504,9 @@ export class ProcessBackend implements Backend {
         }
       }
       try {
-        const cp = await this.checkpoints.write(join(this.sandboxDir(name), 'upper'), {
+        const cp = await this.checkpoints.write(layerDirs(this.sandboxDir(name), record.state.storage_gb).upper, {
           ...(opts.id ? { id: opts.id } : {}),
+          ...(opts.maxBytes ? { maxBytes: opts.maxBytes } : {}),
           comment: opts.comment ?? '',
           image: record.state.image,
           now: new Date(),
@@ -500,6 +517,13 @@ export class ProcessBackend implements Backend {
         if (running) await this.cgroups.setFrozen(name, false);
       }
     });
+  }
+
+  /** What the writable layer holds now, and what archiving it is expected to take (checked against quotas before archiving). */
+  async layerUsage(name: string): Promise<LayerUsage & { expected_archive_bytes: number }> {
+    const record = this.must(name);
+    const usage = await layerUsage(this.sandboxDir(name), record.state.storage_gb);
+    return { ...usage, expected_archive_bytes: expectedArchiveBytes(usage) };
   }
 
   listCheckpoints(): Promise<Checkpoint[]> {
@@ -541,6 +565,8 @@ export class ProcessBackend implements Backend {
           return;
         }
         this.records.set(name, record);
+        // After a host reboot the disk is no longer mounted; the layer must stay reachable (checkpoint, destroy).
+        if (state.storage_gb > 0) await mountDisk(this.sandboxDir(name)).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not mount the sandbox disk'));
         if (await this.isAlive(state)) {
           await this.publish(record).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not republish endpoints'));
           await this.persist(state);
@@ -555,17 +581,16 @@ export class ProcessBackend implements Backend {
   }
 
   async prune(): Promise<PruneReport> {
-    const report: PruneReport = { bridges: [], veths: [], mounts: [], directories: [], cgroups: [], processes: [], tables: [], errors: [] };
+    const report: PruneReport = { bridges: [], veths: [], mounts: [], loopDevices: [], directories: [], cgroups: [], processes: [], tables: [], errors: [] };
     const known = new Map([...this.records.values()].map((r) => [r.state.name, r.state]));
     const note = (what: string, err: unknown): void => {
       report.errors.push(`${what}: ${(err as Error).message ?? String(err)}`);
     };
     // Mounts under the data dir: by design every sandbox mount lives in the sandbox's own namespace.
-    const mountinfo = await readFile('/proc/self/mountinfo', 'utf8').catch(() => '');
-    const mounts = mountinfo
-      .split('\n')
-      .map((l) => l.split(' ')[4])
-      .filter((m): m is string => !!m && (m === this.opts.dataDir || m.startsWith(`${this.opts.dataDir}/`)))
+    // The exception: a known sandbox's disk, which lives in the agent's namespace on purpose (storage.ts).
+    const liveDisks = new Set([...known.values()].filter((s) => s.storage_gb > 0).map((s) => join(this.sandboxDir(s.name), DISK_MOUNT)));
+    const mounts = [...(await mountPoints())]
+      .filter((m) => (m === this.opts.dataDir || m.startsWith(`${this.opts.dataDir}/`)) && !liveDisks.has(m))
       .sort((a, b) => b.length - a.length);
     for (const m of mounts) {
       const res = await runTool('umount', ['-l', m]);
@@ -582,6 +607,9 @@ export class ProcessBackend implements Backend {
       }
     }
     if (this.records.size === 0 && (await this.cgroups.removeParentIfEmpty())) report.cgroups.push(this.cgroups.parent);
+    const loops = await pruneLoopDevices(this.sandboxesDir, new Set([...liveDisks].map((m) => join(m, '..', DISK_IMAGE))));
+    report.loopDevices.push(...loops.detached);
+    report.errors.push(...loops.errors);
     const dirs = await readdir(this.sandboxesDir).catch(() => [] as string[]);
     for (const name of dirs) {
       if (known.has(name)) continue;
@@ -824,6 +852,7 @@ export class ProcessBackend implements Backend {
         }
       }),
     );
+    if (s.storage_gb > 0 || existsSync(join(this.sandboxDir(s.name), DISK_IMAGE))) await step('disk', () => removeDisk(this.sandboxDir(s.name)));
     await step('directory', () => rm(this.sandboxDir(s.name), { recursive: true, force: true }));
     if (failures.length > 0) {
       this.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');
