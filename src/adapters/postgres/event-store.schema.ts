@@ -289,7 +289,9 @@ BEGIN
            CASE v_status[a.o] WHEN 'ok' THEN ins.seq WHEN 'idempotent' THEN old.seq END
       FROM generate_subscripts(p_streams, 1) a(o)
       LEFT JOIN ins ON v_status[a.o] = 'ok' AND ins.stream_id = p_streams[a.o] AND ins.revision = v_rev[a.o]
-      LEFT JOIN es_events old ON v_status[a.o] = 'idempotent' AND old.stream_id = p_streams[a.o] AND old.revision = v_rev[a.o]
+      -- LATERAL ... LIMIT 1, which the planner cannot flatten: a primary-key probe per idempotent append, where a join may hash the whole table
+      LEFT JOIN LATERAL (SELECT e.txid, e.seq FROM es_events e
+                          WHERE v_status[a.o] = 'idempotent' AND e.stream_id = p_streams[a.o] AND e.revision = v_rev[a.o] LIMIT 1) old ON true
      ORDER BY a.o;
 END
 $fn$;
