@@ -98,6 +98,11 @@ export const configSchema = z.object({
   ARTIFACT_MAX_PER_TENANT: z.coerce.number().int().nonnegative().default(0),
   /** How often the snapshot collector looks for expired snapshots and idle layers. */
   SNAPSHOT_GC_INTERVAL_MS: z.coerce.number().int().min(100, 'at least 100 ms').default(60_000),
+  /**
+   * vCPUs per CPU for hosts registered without their own capacity_overrides.cpu_overcommit_ratio.
+   * Unset: 1 (no overcommit), except the embedded default's local host, registered at 4. RAM is never overcommitted.
+   */
+  CPU_OVERCOMMIT_RATIO: z.coerce.number().min(1, 'at least 1 (1: no overcommit)').max(64, 'at most 64').optional(),
 });
 
 export type Config = z.infer<typeof configSchema>;
