@@ -119,25 +119,28 @@ function emmettLoad(emmett: EmmettStore, label: string, writers: number, seconds
   });
 }
 
-const CEILING_TABLE = `CREATE TABLE IF NOT EXISTS bench_rows (
-  seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, stream_id text NOT NULL, event_id uuid NOT NULL,
-  type text NOT NULL, data json NOT NULL, metadata json, created timestamptz NOT NULL DEFAULT now())`;
+// The ceilings write the rows the store writes, into a table of the same shape (columns, identity, the three
+// indexes): what they leave out is the checking (stream lock, head and idempotency probes, expected revision).
+const CEILING_TABLE = 'CREATE TABLE IF NOT EXISTS bench_rows (LIKE es_events INCLUDING ALL)';
 
-/** Ceiling: every append one autocommit INSERT of one row, no checks. */
+/** Ceiling: every append one autocommit INSERT of one row, no checks (the writer counts its own revisions). */
 function plainInsertLoad(pool: pg.Pool, label: string, writers: number, seconds: number): Promise<Load> {
-  return load(label, writers, 1, seconds, (stream) => async (evs) => {
-    const e = evs[0] as NewEvent;
-    await pool.query({
-      name: 'bench_plain',
-      text: 'INSERT INTO bench_rows (stream_id, event_id, type, data, metadata) VALUES ($1, $2, $3, $4::json, $5::json)',
-      values: [stream, e.id, e.type, JSON.stringify(e.data), JSON.stringify(e.metadata)],
-    });
+  return load(label, writers, 1, seconds, (stream) => {
+    let revision = 0;
+    return async (evs) => {
+      const e = evs[0] as NewEvent;
+      await pool.query({
+        name: 'bench_plain',
+        text: 'INSERT INTO bench_rows (txid, stream_id, revision, event_id, type, data, metadata) VALUES (pg_current_xact_id(), $1, $2, $3, $4, $5::json, $6::json)',
+        values: [stream, revision++, e.id, e.type, JSON.stringify(e.data), JSON.stringify(e.metadata)],
+      });
+    };
   });
 }
 
 /** Ceiling: what arrives while a flush is in flight goes in the next one, one multi-row INSERT, no checks. */
 function coalescedInsertLoad(pool: pg.Pool, label: string, writers: number, seconds: number): Promise<Load> {
-  let queue: Array<{ stream: string; e: NewEvent; done: () => void; fail: (err: unknown) => void }> = [];
+  let queue: Array<{ stream: string; revision: number; e: NewEvent; done: () => void; fail: (err: unknown) => void }> = [];
   let flushing = false;
   const kick = (): void => {
     if (flushing || queue.length === 0) return;
@@ -147,8 +150,16 @@ function coalescedInsertLoad(pool: pg.Pool, label: string, writers: number, seco
     pool
       .query({
         name: 'bench_coalesced',
-        text: 'INSERT INTO bench_rows (stream_id, event_id, type, data, metadata) SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[], $4::json[], $5::json[])',
-        values: [batch.map((b) => b.stream), batch.map((b) => b.e.id), batch.map((b) => b.e.type), batch.map((b) => JSON.stringify(b.e.data)), batch.map((b) => JSON.stringify(b.e.metadata))],
+        text: `INSERT INTO bench_rows (txid, stream_id, revision, event_id, type, data, metadata)
+               SELECT pg_current_xact_id(), * FROM unnest($1::text[], $2::bigint[], $3::uuid[], $4::text[], $5::json[], $6::json[])`,
+        values: [
+          batch.map((b) => b.stream),
+          batch.map((b) => b.revision),
+          batch.map((b) => b.e.id),
+          batch.map((b) => b.e.type),
+          batch.map((b) => JSON.stringify(b.e.data)),
+          batch.map((b) => JSON.stringify(b.e.metadata)),
+        ],
       })
       .then(
         () => batch.forEach((b) => b.done()),
@@ -159,12 +170,14 @@ function coalescedInsertLoad(pool: pg.Pool, label: string, writers: number, seco
         kick();
       });
   };
-  return load(label, writers, 1, seconds, (stream) => (evs) =>
-    new Promise<void>((done, fail) => {
-      queue.push({ stream, e: evs[0] as NewEvent, done, fail });
-      kick();
-    }),
-  );
+  return load(label, writers, 1, seconds, (stream) => {
+    let revision = 0;
+    return (evs) =>
+      new Promise<void>((done, fail) => {
+        queue.push({ stream, revision: revision++, e: evs[0] as NewEvent, done, fail });
+        kick();
+      });
+  });
 }
 
 function machine(pgVersion: string): string {
