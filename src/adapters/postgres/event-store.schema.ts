@@ -238,12 +238,14 @@ BEGIN
          array_agg((SELECT e.revision FROM es_events e WHERE e.stream_id = d.s ORDER BY e.revision DESC LIMIT 1) ORDER BY d.s)
     INTO v_names, v_heads
     FROM (SELECT DISTINCT s FROM unnest(p_streams) s) d;
+  -- Each probe a LATERAL ... LIMIT 1, which the planner cannot flatten into a join: this function's plans are
+  -- cached per connection, and a generic plan made while the table was small would otherwise go on hashing all of it.
   SELECT array_agg(coalesce(f.cnt, 0) ORDER BY a.o), array_agg(f.maxrev ORDER BY a.o)
     INTO v_found, v_frev
     FROM generate_subscripts(p_streams, 1) a(o)
-    LEFT JOIN (SELECT x.a, count(*)::int AS cnt, max(e.revision) AS maxrev
+    LEFT JOIN (SELECT x.a, count(e.revision)::int AS cnt, max(e.revision) AS maxrev
                  FROM unnest(p_event_append, p_ids) x(a, id)
-                 JOIN es_events e ON e.stream_id = p_streams[x.a] AND e.event_id = x.id
+                 CROSS JOIN LATERAL (SELECT e.revision FROM es_events e WHERE e.stream_id = p_streams[x.a] AND e.event_id = x.id LIMIT 1) e
                 GROUP BY x.a) f ON f.a = a.o;
 
   FOR i IN 1..n LOOP
@@ -289,7 +291,7 @@ BEGIN
            CASE v_status[a.o] WHEN 'ok' THEN ins.seq WHEN 'idempotent' THEN old.seq END
       FROM generate_subscripts(p_streams, 1) a(o)
       LEFT JOIN ins ON v_status[a.o] = 'ok' AND ins.stream_id = p_streams[a.o] AND ins.revision = v_rev[a.o]
-      -- LATERAL ... LIMIT 1, which the planner cannot flatten: a primary-key probe per idempotent append, where a join may hash the whole table
+      -- a primary-key probe per idempotent append (LATERAL ... LIMIT 1, as above)
       LEFT JOIN LATERAL (SELECT e.txid, e.seq FROM es_events e
                           WHERE v_status[a.o] = 'idempotent' AND e.stream_id = p_streams[a.o] AND e.revision = v_rev[a.o] LIMIT 1) old ON true
      ORDER BY a.o;
