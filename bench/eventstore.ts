@@ -1,5 +1,5 @@
 /**
- * `npm run bench -- eventstore [--seconds N] [--peer-seconds N] [--events N] [--no-peers] [--keep]`
+ * `npm run bench -- eventstore [--seconds N] [--slices N] [--events N] [--no-peers] [--keep]`
  *
  * The Postgres adapter on a fresh embedded server. First, single-event appends
  * with 1, 8 and 32 concurrent writers (one stream each), interleaved on the
@@ -7,7 +7,8 @@
  * (`@event-driven-io/emmett-postgresql`, expected version on every append), a
  * plain autocommit one-row INSERT, and one multi-row INSERT per flush of what
  * arrived while the last was in flight (naive coalescing, no checks); then the
- * ratio lines. Then NOTIFY inside the transaction, batches of 100, read-all and
+ * ratio lines; each system runs --seconds in total, round robin in --slices
+ * slices. Then NOTIFY inside the transaction, batches of 100, read-all and
  * catch-up subscription events/s over the whole log (at least --events,
  * default 200,000). Progress goes to stderr, the table to stdout.
  */
@@ -192,7 +193,7 @@ function machine(pgVersion: string): string {
 
 export default async function eventstoreBench(args: string[]): Promise<void> {
   const seconds = option(args, 'seconds', 5);
-  const peerSeconds = option(args, 'peer-seconds', 3);
+  const slices = Math.round(option(args, 'slices', 4));
   const peers = !args.includes('--no-peers');
   const target = option(args, 'events', 200_000);
   const loadBefore = os.loadavg()[0] ?? 0;
@@ -220,32 +221,35 @@ export default async function eventstoreBench(args: string[]): Promise<void> {
     try {
       for (const writers of [1, 8, 32]) {
         const w = `${writers} writer${writers > 1 ? 's' : ''}`;
-        const cell = (name: string, r: Load, unit = 'appends/s'): void => {
-          rows.push({ name, rate: `${fmt(r.perSecond)} ${unit}`, p50: ms(percentile(r.latencies, 50)), p99: ms(percentile(r.latencies, 99)) });
-        };
-        // Interleaved, so a burst of load from elsewhere on the machine hits one writer count, not one system.
-        const label = `single-event appends, ${w}`;
-        progress(`${label} for ${seconds}s`);
-        const ours = await appendLoad(store, label, writers, 1, seconds);
-        cell(label, ours);
-        if (!emmett || !rawPool) continue;
-        const emmettLabel = `  Emmett 0.42 appendToStream, expected version, ${w}`;
-        progress(`${emmettLabel.trim()} for ${peerSeconds}s`);
-        const em = await emmettLoad(emmett, emmettLabel, writers, peerSeconds);
-        cell(emmettLabel, em);
-        const plainLabel = `  ceiling: autocommit one-row INSERT, ${w}`;
-        progress(`${plainLabel.trim()} for ${peerSeconds}s`);
-        cell(plainLabel, await plainInsertLoad(rawPool, plainLabel, writers, peerSeconds), 'rows/s');
-        if (writers === 1) {
-          ratios.push(`ratio vs emmett, 1 writer: ${(ours.perSecond / em.perSecond).toFixed(1)}x`);
-          continue;
+        const systems: Array<{ label: string; unit: string; run: (label: string, seconds: number) => Promise<Load> }> = [
+          { label: `single-event appends, ${w}`, unit: 'appends/s', run: (l, s) => appendLoad(store!, l, writers, 1, s) },
+        ];
+        if (emmett && rawPool) {
+          const [em, raw] = [emmett, rawPool];
+          systems.push({ label: `  Emmett 0.42 appendToStream, expected version, ${w}`, unit: 'appends/s', run: (l, s) => emmettLoad(em, l, writers, s) });
+          systems.push({ label: `  ceiling: autocommit one-row INSERT, ${w}`, unit: 'rows/s', run: (l, s) => plainInsertLoad(raw, l, writers, s) });
+          if (writers > 1) systems.push({ label: `  ceiling: one multi-row INSERT per flush, ${w}`, unit: 'rows/s', run: (l, s) => coalescedInsertLoad(raw, l, writers, s) });
         }
-        const coalescedLabel = `  ceiling: one multi-row INSERT per flush, ${w}`;
-        progress(`${coalescedLabel.trim()} for ${peerSeconds}s`);
-        const co = await coalescedInsertLoad(rawPool, coalescedLabel, writers, peerSeconds);
-        cell(coalescedLabel, co, 'rows/s');
-        ratios.push(`ratio vs emmett, ${w}: ${(ours.perSecond / em.perSecond).toFixed(1)}x`);
-        ratios.push(`share of coalesced ceiling, ${w}: ${Math.round((100 * ours.perSecond) / co.perSecond)}%`);
+        // Round robin in short slices, so load from elsewhere on the machine falls on every system alike.
+        const results = systems.map(() => ({ events: 0, elapsed: 0, latencies: [] as number[] }));
+        for (let slice = 0; slice < slices; slice++) {
+          for (const [i, sys] of systems.entries()) {
+            progress(`${sys.label.trim()}, slice ${slice + 1}/${slices} of ${(seconds / slices).toFixed(1)}s`);
+            const r = await sys.run(sys.label.trim(), seconds / slices);
+            const acc = results[i]!;
+            acc.events += r.events;
+            acc.elapsed += r.events / r.perSecond;
+            for (const l of r.latencies) acc.latencies.push(l);
+          }
+        }
+        const rates = results.map((r) => r.events / r.elapsed);
+        for (const [i, sys] of systems.entries()) {
+          const lat = results[i]!.latencies.sort((a, b) => a - b);
+          rows.push({ name: sys.label, rate: `${fmt(rates[i]!)} ${sys.unit}`, p50: ms(percentile(lat, 50)), p99: ms(percentile(lat, 99)) });
+        }
+        if (systems.length === 1) continue;
+        ratios.push(`ratio vs emmett, ${w}: ${(rates[0]! / rates[1]!).toFixed(1)}x`);
+        if (writers > 1) ratios.push(`share of coalesced ceiling, ${w}: ${Math.round((100 * rates[0]!) / rates[3]!)}%`);
       }
     } finally {
       await emmett?.close();
