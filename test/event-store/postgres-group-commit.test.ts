@@ -5,7 +5,7 @@ import pg from 'pg';
 import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
 import { ConcurrencyError, type AppendResult, type NewEvent } from '../../src/domain/event-store.port.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
-import { until } from './postgres-helpers.js';
+import { eventsOf, record, until } from './postgres-helpers.js';
 
 /**
  * Group commit: appends queued while a flush is in flight go together in the
@@ -166,6 +166,28 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
     assert.equal(value(results[2]).nextExpectedRevision, 2n, 'the idempotent re-append wrote nothing, so revision 1 was still current');
     assert.equal((await store.readStream(`${c}-new`)).length, 1);
     assert.equal((await store.readStream(`${c}-old`)).length, 3);
+  });
+
+  it("a grouped flush wakes another process's subscriber through its NOTIFY, not by polling", async () => {
+    const reader = await PostgresEventStore.open({ url: db.url, pollIntervalMs: 60_000, applicationName: `${app}-reader` });
+    const c = cat();
+    const live = record(reader, { filter: { streamPrefixes: [`${c}-`] } });
+    try {
+      await until('caught-up', () => live.items.some((i) => i.kind === 'caught-up'));
+      await until('listening', async () => {
+        const { rows } = await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'fleet-event-store-listener'`);
+        return Number(rows[0]?.n ?? 0) >= 1;
+      });
+      const { gate, results } = await behindGate(() => [store.append(`${c}-a`, [ev()], 'no_stream'), store.append(`${c}-b`, [ev()], 'no_stream')]);
+      const [a, b] = [value(results[0]), value(results[1])];
+      assert.equal(txOf(a), txOf(b), 'one flush');
+      assert.notEqual(txOf(a), txOf(gate));
+      await until('both events, long before the next poll', () => eventsOf(live.items).length === 2, 10_000);
+      assert.deepEqual(live.errors, []);
+    } finally {
+      live.sub.unsubscribe();
+      await reader.close();
+    }
   });
 
   it('a connection killed mid-flush fails every append of that flush and commits none of them', async () => {
