@@ -480,6 +480,22 @@ describe('host: CPU overcommit', () => {
     given(hostDecider, h).when(idle('v3')).thenThrows('HOST_CAPACITY_EXHAUSTED', 409, /short of CPUs \(need 1, free 0\)/);
   });
 
+  test('registering the same host again with another ratio in force records it (an upgraded embedded default gets 4:1)', () => {
+    const old = history(laptop(), idle('v1'), idle('v2'));
+    given(hostDecider, old).when(idle('v3')).thenThrows('HOST_CAPACITY_EXHAUSTED', 409);
+    given(hostDecider, old)
+      .when(laptop({ overrides: { cpu_overcommit_ratio: 4 } }))
+      .then([{ type: 'HostCpuOvercommitChanged', data: { host_id: 'h1', cpu_overcommit_ratio: 4, at: NOW } }]);
+    const upgraded = history(laptop(), idle('v1'), idle('v2'), laptop({ overrides: { cpu_overcommit_ratio: 4 } }), ...['v3', 'v4', 'v5', 'v6', 'v7', 'v8'].map(idle));
+    assert.equal(hostAllocation(fold(hostDecider, upgraded)).cpus, 8);
+    given(hostDecider, upgraded).when(laptop({ overrides: { cpu_overcommit_ratio: 4 } })).then([]);
+    // lowered below what is held: the holds stand, nothing more fits until enough are released
+    const lowered: HostEvent[] = [...upgraded, { type: 'HostCpuOvercommitChanged' as const, data: { host_id: 'h1', cpu_overcommit_ratio: 2, at: NOW } }];
+    assert.equal(hostAllocation(fold(hostDecider, lowered)).cpus, 8);
+    given(hostDecider, lowered).when(idle('v9')).thenThrows('HOST_CAPACITY_EXHAUSTED', 409, /free 0 of 4: 2 cores × 2 overcommit/);
+    for (const e of upgraded) assert.deepEqual(parseHostEvent(e.type, JSON.parse(JSON.stringify(e.data))), e);
+  });
+
   test('random reserve/release at 3:1 never holds more than cores × ratio', () => {
     let state = fold(hostDecider, history(registration({ probed_capacity: cap({ cpus: 3, ram_mb: 65536, vm_count: 64 }), overrides: { cpu_overcommit_ratio: 3 } })));
     let seed = 7;

@@ -170,13 +170,15 @@ export function decideHost(command: HostCommand, state: HostState, ctx: DecideCo
   switch (command.type) {
     case 'RegisterHost': {
       const d = parseOrThrow(registerHostDataSchema, command.data, 'host registration');
+      const ratio = d.overrides.cpu_overcommit_ratio ?? d.default_cpu_overcommit_ratio;
       if (state.status !== 'unregistered' && state.status !== 'deregistered') {
-        if (state.url === d.url && state.backend === d.backend) return [];
-        throw new HostAlreadyRegisteredError(d.host_id, state.url);
+        if (state.url !== d.url || state.backend !== d.backend) throw new HostAlreadyRegisteredError(d.host_id, state.url);
+        // The same host again: only a new ratio in force is news (a lower one holds what is reserved, refuses more).
+        if (ratio === state.cpu_overcommit_ratio) return [];
+        return [{ type: 'HostCpuOvercommitChanged', data: { host_id: d.host_id, cpu_overcommit_ratio: ratio, at } }];
       }
       const capacity = applyCapacityOverrides(d.probed_capacity, d.overrides);
       assertGpuBackend(d.backend, capacity);
-      const ratio = d.overrides.cpu_overcommit_ratio ?? d.default_cpu_overcommit_ratio;
       return [
         {
           type: 'HostRegistered',
@@ -379,6 +381,8 @@ export function evolveHost(state: HostState, event: HostEvent): HostState {
       return update(state, { reachable: false, updated_at: event.data.at });
     case 'HostReachable':
       return update(state, { reachable: true, updated_at: event.data.at });
+    case 'HostCpuOvercommitChanged':
+      return update(state, { cpu_overcommit_ratio: event.data.cpu_overcommit_ratio, updated_at: event.data.at });
     case 'HostDeregistered': {
       if (state.status === 'unregistered') return state;
       return { ...state, reservations: new Map(), updated_at: event.data.at, status: 'deregistered' };

@@ -81,6 +81,12 @@ export const hostCapacityProbedSchema = z.object({
   data: z.object({ host_id: idSchema, capacity: hostCapacitySchema, probed_capacity: hostCapacitySchema, at }),
 });
 
+/** A registration again at the same url and backend, with another CPU overcommit ratio in force (e.g. CPU_OVERCOMMIT_RATIO changed). */
+export const hostCpuOvercommitChangedSchema = z.object({
+  type: z.literal('HostCpuOvercommitChanged'),
+  data: z.object({ host_id: idSchema, cpu_overcommit_ratio: cpuOvercommitRatioSchema, at }),
+});
+
 export const hostCordonedSchema = z.object({
   type: z.literal('HostCordoned'),
   data: z.object({ host_id: idSchema, reason: z.string().optional(), at }),
@@ -125,6 +131,7 @@ export const capacityReleasedSchema = z.object({
 export const hostEventSchema = z.discriminatedUnion('type', [
   hostRegisteredSchema,
   hostCapacityProbedSchema,
+  hostCpuOvercommitChangedSchema,
   hostCordonedSchema,
   hostUncordonedSchema,
   hostMarkedUnreachableSchema,
@@ -139,6 +146,7 @@ export const HOST_EVENT_TYPES: readonly HostEventType[] = hostEventSchema.option
 
 export type HostRegistered = z.infer<typeof hostRegisteredSchema>;
 export type HostCapacityProbed = z.infer<typeof hostCapacityProbedSchema>;
+export type HostCpuOvercommitChanged = z.infer<typeof hostCpuOvercommitChangedSchema>;
 export type HostCordoned = z.infer<typeof hostCordonedSchema>;
 export type HostUncordoned = z.infer<typeof hostUncordonedSchema>;
 export type HostMarkedUnreachable = z.infer<typeof hostMarkedUnreachableSchema>;
