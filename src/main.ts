@@ -1,7 +1,7 @@
 import { mkdir } from 'node:fs/promises';
 import { resolve, join } from 'node:path';
 import { ConfigError, loadConfig } from './adapters/config.js';
-import { startLocalAgent, type LocalAgent } from './adapters/local-agent.js';
+import { LOCAL_HOST_CPU_OVERCOMMIT_RATIO, startLocalAgent, type LocalAgent } from './adapters/local-agent.js';
 import { createLogger } from './adapters/logger.js';
 import { startEmbeddedPostgres, type EmbeddedPostgres } from './adapters/postgres/embedded.js';
 import { loadOrCreateSecrets } from './adapters/secrets.js';
@@ -70,7 +70,14 @@ async function main(): Promise<void> {
       const agent: LocalAgent = await startLocalAgent({ dataDir, port: config.LOCAL_AGENT_PORT, token: secrets.local_agent_token, logger });
       stops.push(() => agent.stop());
       await service.hosts.register(
-        { id: 'local', url: agent.url, token: secrets.local_agent_token, backend: 'process', region: 'local' },
+        {
+          id: 'local',
+          url: agent.url,
+          token: secrets.local_agent_token,
+          backend: 'process',
+          region: 'local',
+          capacity_overrides: { cpu_overcommit_ratio: config.CPU_OVERCOMMIT_RATIO ?? LOCAL_HOST_CPU_OVERCOMMIT_RATIO },
+        },
         { correlationId: 'startup', actor: 'system', tenantId: 'admin' },
       );
       logger.info({ host: 'local', url: agent.url }, 'local host registered');

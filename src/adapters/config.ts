@@ -112,7 +112,7 @@ export const configSchema = z.object({
   // ---- bounded resources at the edge (sec-http) ----
   /** Largest file GET/PUT /v1/vms/:id/files moves; a larger one is refused with 413 FILE_TOO_LARGE. */
   FILE_MAX_BYTES: z.coerce.number().int().min(1).default(1024 * 1024 * 1024),
-  /** Largest JSON (or text) request body; POST /v1/vms takes up to 8 times this (its inline files). */
+  /** Largest JSON (or text) request body; POST /v1/vms takes max(this, 24 MiB) for its inline files. */
   API_BODY_LIMIT_BYTES: z.coerce.number().int().min(1024, 'at least 1024').default(1024 * 1024),
   /** Open exec/attach websockets per VM and per tenant (per replica); one more is refused with 429 TOO_MANY_SESSIONS. */
   WS_MAX_SESSIONS_PER_VM: z.coerce.number().int().min(1).default(8),
@@ -123,6 +123,11 @@ export const configSchema = z.object({
   SSE_MAX_PER_TENANT: z.coerce.number().int().min(1).default(8),
   /** When set, /metrics needs `Authorization: Bearer <METRICS_TOKEN>` and /readyz shows its details to it. */
   METRICS_TOKEN: z.string().min(16, 'must be at least 16 characters').optional(),
+  /**
+   * vCPUs per CPU for hosts registered without their own capacity_overrides.cpu_overcommit_ratio.
+   * Unset: 1 (no overcommit), except the embedded default's local host, registered at 4. RAM is never overcommitted.
+   */
+  CPU_OVERCOMMIT_RATIO: z.coerce.number().min(1, 'at least 1 (1: no overcommit)').max(64, 'at most 64').optional(),
 });
 
 export type Config = z.infer<typeof configSchema>;

@@ -7,6 +7,13 @@ import type { Logger } from 'pino';
 const ROOT = resolve(fileURLToPath(new URL('../..', import.meta.url)));
 const AGENT_MAIN = join(ROOT, 'src/agent/main.ts');
 
+/**
+ * The embedded default's local host overcommits CPU 4:1 (unless CPU_OVERCOMMIT_RATIO says otherwise), so a
+ * 2-core laptop holds 8 idle 1-CPU sandboxes: an idle sandbox uses next to no CPU, and each one's cgroup
+ * still caps it at its own share. Memory is not overcommitted.
+ */
+export const LOCAL_HOST_CPU_OVERCOMMIT_RATIO = 4;
+
 export interface LocalAgent {
   readonly url: string;
   readonly pid: number;

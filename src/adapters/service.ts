@@ -109,7 +109,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       logger.warn({ hook: TEST_HOOK_AGENT_DELAY, delays: Object.fromEntries(delays) }, 'TEST HOOK active: agent calls are delayed');
       connector = withAgentDelays(connector, delays);
     }
-    const hosts = new HostCommands(handler, connector, secretBox);
+    const hosts = new HostCommands(handler, connector, secretBox, config.CPU_OVERCOMMIT_RATIO ?? 1);
     const view = new PlacementView(hosts, () => listSchedulableHostIds(pool));
     const vms = new VmCommands(
       handler,

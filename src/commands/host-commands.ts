@@ -53,6 +53,8 @@ export class HostCommands {
     private readonly handler: CommandHandler,
     private readonly connector: HostAgentConnector,
     private readonly secrets: SecretBox,
+    /** The fleet's CPU overcommit ratio, for hosts registered without their own. */
+    private readonly defaultCpuOvercommitRatio = 1,
   ) {}
 
   async register(input: unknown, meta: CommandMeta): Promise<HostResult> {
@@ -61,7 +63,7 @@ export class HostCommands {
     const agent = this.connector.connect({ hostId: req.id, url: req.url, token: req.token });
     const probed = toHostCapacity(await agent.capacity({ timeoutMs: 10_000 }));
     const sealed = this.secrets.seal(req.token, hostTokenContext(req.id, req.url));
-    const r = await this.run(req.id, { type: 'RegisterHost', data: { host_id: req.id, url: req.url, region: req.region, backend: req.backend, labels: req.labels, probed_capacity: probed, overrides: req.capacity_overrides, token_encrypted: sealed } }, meta);
+    const r = await this.run(req.id, { type: 'RegisterHost', data: { host_id: req.id, url: req.url, region: req.region, backend: req.backend, labels: req.labels, probed_capacity: probed, overrides: req.capacity_overrides, default_cpu_overcommit_ratio: this.defaultCpuOvercommitRatio, token_encrypted: sealed } }, meta);
     this.agents.delete(req.id);
     return r;
   }

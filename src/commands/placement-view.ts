@@ -151,6 +151,7 @@ function toPlacementHost(e: Entry, holds: readonly Hold[] = []): PlacementHost |
     arch: s.capacity.arch,
     labels: s.labels,
     capacity: s.capacity,
+    cpu_overcommit_ratio: s.cpu_overcommit_ratio,
     allocated,
     revision: e.revision,
   };

@@ -442,3 +442,77 @@ describe('host: property — random reserve/release never over-commits', () => {
     });
   }
 });
+
+describe('host: CPU overcommit', () => {
+  const laptop = (over: Partial<RegisterHostData> = {}): HostCommand => registration({ probed_capacity: cap({ cpus: 2, ram_mb: 8192, vm_count: 16 }), ...over });
+  const idle = (vm: string): HostCommand => reserve(vm, { cpus: 1, ram_mb: 256, storage_gb: 1 });
+
+  test('the fleet default is recorded at registration; the host override wins over it; 1 records nothing', () => {
+    const ratioOf = (c: HostCommand): unknown => (given(hostDecider).when(c).events()[0]?.data as { cpu_overcommit_ratio?: number }).cpu_overcommit_ratio;
+    assert.equal(ratioOf(laptop({ default_cpu_overcommit_ratio: 4 })), 4);
+    assert.equal(ratioOf(laptop({ default_cpu_overcommit_ratio: 4, overrides: { cpu_overcommit_ratio: 2 } })), 2);
+    assert.equal(ratioOf(laptop({ overrides: { cpu_overcommit_ratio: 1.5 } })), 1.5);
+    assert.equal(ratioOf(laptop()), undefined);
+    given(hostDecider).when(laptop({ overrides: { cpu_overcommit_ratio: 0.5 } })).thenThrows('VALIDATION_FAILED', 400);
+  });
+
+  test('given a 2-core host at 4:1 holding 7 idle 1-CPU VMs, an 8th fits and a 9th is refused in vCPUs', () => {
+    const seven = ['v1', 'v2', 'v3', 'v4', 'v5', 'v6', 'v7'].map(idle);
+    const h = history(laptop({ default_cpu_overcommit_ratio: 4 }), ...seven);
+    assert.equal(h.filter((e) => e.type === 'CapacityReserved').length, 7);
+    const state = given(hostDecider, h).when(idle('v8')).thenState();
+    assert.equal(hostAllocation(state).cpus, 8);
+    const err = given(hostDecider, [...h, ...given(hostDecider, h).when(idle('v8')).events()])
+      .when(idle('v9'))
+      .thenThrows('HOST_CAPACITY_EXHAUSTED', 409, /short of CPUs \(need 1 vCPUs, free 0 of 8: 2 cores × 4 overcommit\)/);
+    assert.deepEqual(err.details?.['short'], [{ resource: 'cpus', need: 1, free: 0, overcommit: { ratio: 4, cores: 2, schedulable: 8 } }]);
+  });
+
+  test('memory is never overcommitted, whatever the CPU ratio', () => {
+    const h = history(laptop({ default_cpu_overcommit_ratio: 8 }), reserve('v1', { cpus: 1, ram_mb: 6144, storage_gb: 1 }));
+    given(hostDecider, h).when(reserve('v2', { cpus: 1, ram_mb: 4096, storage_gb: 1 })).thenThrows('HOST_CAPACITY_EXHAUSTED', 409, /short of RAM \(need 4096 MB, free 2048\)/);
+  });
+
+  test('a host registered before overcommit existed (no ratio in its event) holds cores, not more', () => {
+    const [registered] = history(laptop());
+    assert.ok(registered && !('cpu_overcommit_ratio' in registered.data));
+    const h = [registered, ...history(laptop(), idle('v1'), idle('v2')).slice(1)];
+    given(hostDecider, h).when(idle('v3')).thenThrows('HOST_CAPACITY_EXHAUSTED', 409, /short of CPUs \(need 1, free 0\)/);
+  });
+
+  test('registering the same host again with another ratio in force records it (an upgraded embedded default gets 4:1)', () => {
+    const old = history(laptop(), idle('v1'), idle('v2'));
+    given(hostDecider, old).when(idle('v3')).thenThrows('HOST_CAPACITY_EXHAUSTED', 409);
+    given(hostDecider, old)
+      .when(laptop({ overrides: { cpu_overcommit_ratio: 4 } }))
+      .then([{ type: 'HostCpuOvercommitChanged', data: { host_id: 'h1', cpu_overcommit_ratio: 4, at: NOW } }]);
+    const upgraded = history(laptop(), idle('v1'), idle('v2'), laptop({ overrides: { cpu_overcommit_ratio: 4 } }), ...['v3', 'v4', 'v5', 'v6', 'v7', 'v8'].map(idle));
+    assert.equal(hostAllocation(fold(hostDecider, upgraded)).cpus, 8);
+    given(hostDecider, upgraded).when(laptop({ overrides: { cpu_overcommit_ratio: 4 } })).then([]);
+    // lowered below what is held: the holds stand, nothing more fits until enough are released
+    const lowered: HostEvent[] = [...upgraded, { type: 'HostCpuOvercommitChanged' as const, data: { host_id: 'h1', cpu_overcommit_ratio: 2, at: NOW } }];
+    assert.equal(hostAllocation(fold(hostDecider, lowered)).cpus, 8);
+    given(hostDecider, lowered).when(idle('v9')).thenThrows('HOST_CAPACITY_EXHAUSTED', 409, /free 0 of 4: 2 cores × 2 overcommit/);
+    for (const e of upgraded) assert.deepEqual(parseHostEvent(e.type, JSON.parse(JSON.stringify(e.data))), e);
+  });
+
+  test('random reserve/release at 3:1 never holds more than cores × ratio', () => {
+    let state = fold(hostDecider, history(registration({ probed_capacity: cap({ cpus: 3, ram_mb: 65536, vm_count: 64 }), overrides: { cpu_overcommit_ratio: 3 } })));
+    let seed = 7;
+    const next = (): number => ((seed = (seed * 1103515245 + 12345) % 2 ** 31) / 2 ** 31);
+    let peak = 0;
+    for (let i = 0; i < 2000; i++) {
+      const vm = `v${Math.floor(next() * 30)}`;
+      const command = next() < 0.6 ? reserve(vm, { cpus: 1 + Math.floor(next() * 3), ram_mb: 256, storage_gb: 1 }) : release(vm);
+      try {
+        for (const e of hostDecider.decide(command, state, { now: at(i) })) state = hostDecider.evolve(state, e);
+      } catch (err) {
+        assert.equal((err as AppError).code, 'HOST_CAPACITY_EXHAUSTED');
+      }
+      const cpus = hostAllocation(state).cpus;
+      assert.ok(cpus <= 9, `step ${i}: ${cpus} vCPUs held on 3 cores × 3`);
+      peak = Math.max(peak, cpus);
+    }
+    assert.ok(peak >= 8, `the host did fill up (peak ${peak})`);
+  });
+});

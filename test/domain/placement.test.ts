@@ -286,3 +286,31 @@ test('placement errors are AppErrors with a stable code', () => {
   assert.ok(e instanceof AppError);
   assert.equal(e.message, 'no host fits: 1 host: 1 deregistered');
 });
+
+describe('placement: CPU overcommit', () => {
+  test('an overcommitted host is judged in vCPUs (cores × ratio), RAM in plain MB; the decision says so', () => {
+    const laptop = host('laptop', { cpu_overcommit_ratio: 4, capacity: { cpus: 2, ram_mb: 8192 }, allocated: { cpus: 7, ram_mb: 7 * 256, vm_count: 7 } });
+    const p = place({ cpus: 1, ram_mb: 256, storage_gb: 1 }, [laptop]);
+    assert.equal(p.decision.headroom_cpus, 0);
+    assert.deepEqual(p.decision.cpu_overcommit, { ratio: 4, cores: 2, schedulable: 8 });
+    placementDecisionSchema.parse(p.decision);
+    // RAM is never overcommitted: 8 vCPUs free do not stretch 8192 MB
+    const roomy = host('roomy', { cpu_overcommit_ratio: 4, capacity: { cpus: 2, ram_mb: 1024 }, allocated: { ram_mb: 1024, vm_count: 1, cpus: 1 } });
+    assert.match(refusal(() => place({ cpus: 1, ram_mb: 256, storage_gb: 1 }, [roomy])).message, /1 short of RAM \(need 256 MB, best has 0\)/);
+  });
+
+  test('a refusal for CPUs counts in the overcommitted units of the best host', () => {
+    const full = host('full', { cpu_overcommit_ratio: 4, capacity: { cpus: 2 }, allocated: { cpus: 7, vm_count: 7 } });
+    const plain = host('plain', { capacity: { cpus: 2 }, allocated: { cpus: 2, vm_count: 2 } });
+    const err = refusal(() => place({ cpus: 2, ram_mb: 256, storage_gb: 1 }, [plain, full]));
+    assert.match(err.message, /2 short of CPUs \(need 2 vCPUs, best has 1 of 8: 2 cores × 4 overcommit\)/);
+    assert.deepEqual(err.refusal.cpu_overcommit, { ratio: 4, cores: 2, schedulable: 8 });
+    assert.equal(err.refusal.best_free.cpus, 1);
+  });
+
+  test('spread weighs CPU headroom in vCPUs: an idle 2-core host at 4:1 beats a half-full 4-core host at 1:1', () => {
+    const small4 = host('a', { cpu_overcommit_ratio: 4, capacity: { cpus: 2 } });
+    const big1 = host('b', { capacity: { cpus: 4 }, allocated: { cpus: 2, vm_count: 1 } });
+    assert.equal(place({ cpus: 1, ram_mb: 256, storage_gb: 1 }, [big1, small4]).decision.host_id, 'a');
+  });
+});

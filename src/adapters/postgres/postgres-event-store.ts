@@ -43,12 +43,44 @@ export interface PostgresEventStoreOptions {
    * issued NOTIFY (a database-wide lock held through the WAL flush), which
    * caps concurrent appends at one commit per fsync; see docs/benchmarks.md.
    * `off`: no NOTIFY; other processes' subscriptions find new events by polling.
+   * A grouped flush (two appends or more) NOTIFYs inside its transaction unless `off`:
+   * one flush is in flight at a time, so there is nothing of ours to serialise.
    */
   readonly notify?: 'after-commit' | 'in-transaction' | 'off' | undefined;
   /** A subscription that cannot read for this long errors with EventStoreUnavailableError. Default 60 s. */
   readonly subscriptionGiveUpMs?: number | undefined;
   /** Whether close() ends the pool. Default false (the caller owns it); `open()` sets it. */
   readonly ownsPool?: boolean | undefined;
+  /**
+   * Group commit: appends that arrive while a flush is in flight wait for it and
+   * go together in the next one (one transaction, each append's outcome its own).
+   * A flush carries at most this many appends / events / bytes of event JSON.
+   * Defaults 256, 4096, 8 MiB. `maxFlushAppends: 1` turns coalescing off.
+   */
+  readonly maxFlushAppends?: number | undefined;
+  readonly maxFlushEvents?: number | undefined;
+  readonly maxFlushBytes?: number | undefined;
+}
+
+/** One append waiting in the writer's queue. */
+interface QueuedAppend {
+  readonly streamId: string;
+  readonly expected: ExpectedRevision;
+  readonly expectedText: string;
+  readonly ids: string[];
+  readonly types: string[];
+  readonly data: string[];
+  readonly metadata: Array<string | null>;
+  readonly bytes: number;
+  readonly resolve: (result: AppendResult) => void;
+  readonly reject: (err: unknown) => void;
+}
+
+interface AppendRow {
+  status: string;
+  revision: string | null;
+  txid: string | null;
+  seq: string | null;
 }
 
 interface EventRow {
@@ -230,6 +262,12 @@ export class PostgresEventStore implements EventStore {
   private notifyInFlight = false;
   private notifyPending = false;
   private closed = false;
+  private readonly maxFlushAppends: number;
+  private readonly maxFlushEvents: number;
+  private readonly maxFlushBytes: number;
+  private queue: QueuedAppend[] = [];
+  private flushing = false;
+  private drained: Array<() => void> = [];
 
   constructor(options: PostgresEventStoreOptions) {
     this.pool = options.pool;
@@ -240,6 +278,14 @@ export class PostgresEventStore implements EventStore {
     this.giveUpMs = options.subscriptionGiveUpMs ?? 60_000;
     this.ownsPool = options.ownsPool ?? false;
     this.listener = new NotificationListener(this.pool.options, this.logger);
+    const positive = (v: number | undefined, fallback: number, name: string): number => {
+      if (v === undefined) return fallback;
+      if (!Number.isSafeInteger(v) || v < 1) throw new ValidationError(`${name} must be a positive integer`, [{ path: name, message: 'positive integer' }]);
+      return v;
+    };
+    this.maxFlushAppends = positive(options.maxFlushAppends, 256, 'maxFlushAppends');
+    this.maxFlushEvents = positive(options.maxFlushEvents, 4096, 'maxFlushEvents');
+    this.maxFlushBytes = positive(options.maxFlushBytes, 8 * 2 ** 20, 'maxFlushBytes');
   }
 
   /** Creates the schema (through runMigrations) on a pool the caller owns. */
@@ -284,34 +330,175 @@ export class PostgresEventStore implements EventStore {
       throw new ConcurrencyError(valid.streamId, valid.expected, last ? last.revision : 'no_stream');
     }
     const expectedText = typeof valid.expected === 'bigint' ? valid.expected.toString() : valid.expected;
-    let row: { status: string; revision: string | null; txid: string | null; seq: string | null } | undefined;
+    let bytes = 0;
+    for (let i = 0; i < data.length; i++) bytes += (data[i] as string).length + (metadata[i]?.length ?? 0);
+    return new Promise<AppendResult>((resolve, reject) => {
+      this.queue.push({ streamId: valid.streamId, expected: valid.expected, expectedText, ids, types, data, metadata, bytes, resolve, reject });
+      this.kick();
+    });
+  }
+
+  /** Starts a flush unless one is in flight: a lone writer goes at once, the rest queue behind it. */
+  private kick(): void {
+    if (this.flushing || this.queue.length === 0) return;
+    this.flushing = true;
+    const batch = this.takeBatch();
+    void this.flush(batch)
+      .catch((err: unknown) => {
+        for (const a of batch) a.reject(err); // settled ones ignore it
+      })
+      .finally(() => {
+      this.flushing = false;
+      this.kick();
+      if (!this.flushing) for (const done of this.drained.splice(0)) done();
+    });
+  }
+
+  /**
+   * The next flush, in queue order, within the bounds. An append that shares an
+   * event id with an earlier one of its stream in this flush waits for the next
+   * (the database decides "already written" against committed rows), and so does
+   * everything queued after it on that stream, so a stream's appends keep their order.
+   */
+  private takeBatch(): QueuedAppend[] {
+    const batch: QueuedAppend[] = [];
+    const rest: QueuedAppend[] = [];
+    const idsByStream = new Map<string, Set<string>>();
+    const deferred = new Set<string>();
+    let events = 0;
+    let bytes = 0;
+    for (const a of this.queue) {
+      const full = batch.length >= this.maxFlushAppends || (batch.length > 0 && (events + a.ids.length > this.maxFlushEvents || bytes + a.bytes > this.maxFlushBytes));
+      let ids = idsByStream.get(a.streamId);
+      if (full || deferred.has(a.streamId) || (ids !== undefined && a.ids.some((id) => ids!.has(id)))) {
+        deferred.add(a.streamId);
+        rest.push(a);
+        continue;
+      }
+      if (ids === undefined) idsByStream.set(a.streamId, (ids = new Set()));
+      for (const id of a.ids) ids.add(id);
+      batch.push(a);
+      events += a.ids.length;
+      bytes += a.bytes;
+    }
+    this.queue = rest;
+    return batch;
+  }
+
+  private async flush(batch: QueuedAppend[]): Promise<void> {
+    if (batch.length === 1) {
+      await this.appendOne(batch[0] as QueuedAppend);
+      return;
+    }
+    let rows: Array<AppendRow & { ord: number }>;
     try {
-      const result = await this.pool.query<{ status: string; revision: string | null; txid: string | null; seq: string | null }>({
+      rows = await this.appendBatch(batch);
+    } catch (err) {
+      if (isConnectionError(err)) {
+        // The transaction died with the connection: none of it committed, or (the COMMIT
+        // sent, its answer lost) all of it did. Either way every append of it learns so.
+        const cause = unavailable(err, 'append');
+        for (const a of batch) a.reject(cause);
+        return;
+      }
+      // Something in one append broke the whole statement: nothing was written, so give each its own try.
+      this.logger?.warn({ err: { message: (err as Error).message }, appends: batch.length }, 'grouped append failed; appending one by one');
+      for (const a of batch) await this.appendOne(a);
+      return;
+    }
+    let committed = false;
+    for (const a of batch.keys()) {
+      const row = rows[a];
+      const item = batch[a] as QueuedAppend;
+      if (!row || row.ord !== a + 1) {
+        item.reject(new EventStoreUnavailableError('es_append_batch returned an unexpected row'));
+        continue;
+      }
+      if (row.status === 'ok') committed = true;
+      this.settle(item, row, false);
+    }
+    // A grouped flush NOTIFYs inside its own transaction (below), so here only local subscriptions need waking.
+    if (committed) this.listener.wakeAll();
+  }
+
+  private async appendBatch(batch: QueuedAppend[]): Promise<Array<AppendRow & { ord: number }>> {
+    const streams: string[] = [];
+    const expected: string[] = [];
+    const counts: number[] = [];
+    const eventAppend: number[] = [];
+    const eventPos: number[] = [];
+    const ids: string[] = [];
+    const types: string[] = [];
+    const data: string[] = [];
+    const metadata: Array<string | null> = [];
+    batch.forEach((a, i) => {
+      streams.push(a.streamId);
+      expected.push(a.expectedText);
+      counts.push(a.ids.length);
+      for (let j = 0; j < a.ids.length; j++) {
+        eventAppend.push(i + 1);
+        eventPos.push(j + 1);
+        ids.push(a.ids[j] as string);
+        types.push(a.types[j] as string);
+        data.push(a.data[j] as string);
+        metadata.push(a.metadata[j] ?? null);
+      }
+    });
+    const { rows } = await this.pool.query<AppendRow & { ord: number }>({
+      name: 'es_append_batch',
+      text: `SELECT ord, status, revision, txid, seq FROM es_append_batch($1::text[], $2::text[], $3::int[], $4::int[], $5::int[], $6::uuid[], $7::text[], $8::text[], $9::text[], $10)`,
+      // NOTIFY inside a grouped flush: it serialises commits that NOTIFY, but this writer has one flush in flight
+      // at a time, and one more transaction per flush for an after-commit NOTIFY measured costlier (docs/benchmarks.md).
+      values: [streams, expected, counts, eventAppend, eventPos, ids, types, data, metadata, this.notifyMode !== 'off'],
+    });
+    return rows;
+  }
+
+  /** One append in its own transaction (es_append): a lone writer's path, and the fallback of a failed flush. */
+  private async appendOne(a: QueuedAppend): Promise<void> {
+    let row: AppendRow | undefined;
+    try {
+      const result = await this.pool.query<AppendRow>({
         name: 'es_append',
         text: 'SELECT status, revision, txid, seq FROM es_append($1, $2, $3::uuid[], $4::text[], $5::text[], $6::text[], $7)',
-        values: [valid.streamId, expectedText, ids, types, data, metadata, this.notifyMode === 'in-transaction'],
+        values: [a.streamId, a.expectedText, a.ids, a.types, a.data, a.metadata, this.notifyMode === 'in-transaction'],
       });
       row = result.rows[0];
     } catch (err) {
-      throw unavailable(err, 'append');
+      a.reject(unavailable(err, 'append'));
+      return;
     }
-    if (!row) throw new EventStoreUnavailableError('es_append returned no row');
+    if (!row) {
+      a.reject(new EventStoreUnavailableError('es_append returned no row'));
+      return;
+    }
+    this.settle(a, row, true);
+  }
+
+  private settle(a: QueuedAppend, row: AppendRow, notify: boolean): void {
+    const result = (): AppendResult => ({ nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }) });
     switch (row.status) {
       case 'ok':
-        this.afterCommit();
-        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }) };
+        if (notify) this.afterCommit();
+        a.resolve(result());
+        return;
       case 'idempotent':
-        return { nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }) };
+        a.resolve(result());
+        return;
       case 'conflict':
-        throw new ConcurrencyError(valid.streamId, valid.expected, row.revision === null ? 'no_stream' : BigInt(row.revision));
+        a.reject(new ConcurrencyError(a.streamId, a.expected, row.revision === null ? 'no_stream' : BigInt(row.revision)));
+        return;
       case 'partial':
-        throw new ConflictError(
-          'EVENT_ID_CONFLICT',
-          `stream ${valid.streamId}: some of these event ids are already in the stream and some are not; retry with exactly the batch that was written, or with new ids`,
-          { stream: valid.streamId },
+        a.reject(
+          new ConflictError(
+            'EVENT_ID_CONFLICT',
+            `stream ${a.streamId}: some of these event ids are already in the stream and some are not; retry with exactly the batch that was written, or with new ids`,
+            { stream: a.streamId },
+          ),
         );
+        return;
       default:
-        throw new EventStoreUnavailableError(`es_append returned unknown status ${row.status}`);
+        a.reject(new EventStoreUnavailableError(`append returned unknown status ${row.status}`));
     }
   }
 
@@ -557,6 +744,8 @@ export class PostgresEventStore implements EventStore {
     for (const stop of [...this.subscriptions]) stop();
     this.subscriptions.clear();
     this.listener.release();
+    // Appends already queued are answered, not dropped.
+    while (this.flushing || this.queue.length > 0) await new Promise<void>((r) => this.drained.push(r));
     // Let a coalesced NOTIFY in flight finish before the pool goes.
     for (let i = 0; i < 50 && this.notifyInFlight; i++) await sleep(10);
     if (this.ownsPool) await this.pool.end();

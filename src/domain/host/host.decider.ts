@@ -25,6 +25,7 @@ import {
 } from './host.errors.js';
 import {
   capacityOverridesSchema,
+  cpuOvercommitRatioSchema,
   hostBackendSchema,
   labelsSchema,
   type CapacityOverrides,
@@ -43,6 +44,8 @@ export const registerHostDataSchema = z.object({
   labels: labelsSchema.default({}),
   probed_capacity: hostCapacitySchema,
   overrides: capacityOverridesSchema.default({}),
+  /** The fleet default (CPU_OVERCOMMIT_RATIO); `overrides.cpu_overcommit_ratio` wins over it. */
+  default_cpu_overcommit_ratio: cpuOvercommitRatioSchema.default(1),
   token_encrypted: z.string().min(1),
 });
 export type RegisterHostData = z.input<typeof registerHostDataSchema>;
@@ -87,6 +90,8 @@ export interface RegisteredHost {
   readonly capacity: HostCapacity;
   readonly probed_capacity: HostCapacity;
   readonly overrides: CapacityOverrides;
+  /** vCPUs per CPU this host hands out (1: none overcommitted); RAM is never overcommitted. */
+  readonly cpu_overcommit_ratio: number;
   readonly token_encrypted: string;
   readonly cordoned: boolean;
   readonly reachable: boolean;
@@ -167,9 +172,12 @@ export function decideHost(command: HostCommand, state: HostState, ctx: DecideCo
   switch (command.type) {
     case 'RegisterHost': {
       const d = parseOrThrow(registerHostDataSchema, command.data, 'host registration');
+      const ratio = d.overrides.cpu_overcommit_ratio ?? d.default_cpu_overcommit_ratio;
       if (state.status !== 'unregistered' && state.status !== 'deregistered') {
-        if (state.url === d.url && state.backend === d.backend) return [];
-        throw new HostAlreadyRegisteredError(d.host_id, state.url);
+        if (state.url !== d.url || state.backend !== d.backend) throw new HostAlreadyRegisteredError(d.host_id, state.url);
+        // The same host again: only a new ratio in force is news (a lower one holds what is reserved, refuses more).
+        if (ratio === state.cpu_overcommit_ratio) return [];
+        return [{ type: 'HostCpuOvercommitChanged', data: { host_id: d.host_id, cpu_overcommit_ratio: ratio, at } }];
       }
       const capacity = applyCapacityOverrides(d.probed_capacity, d.overrides);
       assertGpuBackend(d.backend, capacity);
@@ -185,6 +193,7 @@ export function decideHost(command: HostCommand, state: HostState, ctx: DecideCo
             capacity,
             probed_capacity: d.probed_capacity,
             overrides: d.overrides,
+            ...(ratio !== 1 ? { cpu_overcommit_ratio: ratio } : {}),
             token_encrypted: d.token_encrypted,
             at,
           },
@@ -268,7 +277,8 @@ function decideReserve(raw: ReserveCapacityData, state: HostState, at: string): 
   if (fields.length > 0) throw new ValidationError('invalid capacity reservation: gpu_kind and gpu_profile need gpus > 0', fields);
 
   const alloc = hostAllocation(h);
-  const short = shortfalls(h.capacity, alloc, req);
+  // The invariant, on the host's own stream: reservations never exceed CPUs × ratio, RAM, storage, slots.
+  const short = shortfalls(h.capacity, alloc, req, h.cpu_overcommit_ratio);
   if (short.length > 0) throw new HostCapacityExhaustedError(h.host_id, req.vm_id, short, req);
 
   let gpuUuids: string[] = [];
@@ -359,6 +369,7 @@ export function evolveHost(state: HostState, event: HostEvent): HostState {
         capacity: d.capacity,
         probed_capacity: d.probed_capacity,
         overrides: d.overrides,
+        cpu_overcommit_ratio: d.cpu_overcommit_ratio ?? 1,
         token_encrypted: d.token_encrypted,
         cordoned: false,
         reachable: true,
@@ -378,6 +389,8 @@ export function evolveHost(state: HostState, event: HostEvent): HostState {
       return update(state, { reachable: false, updated_at: event.data.at });
     case 'HostReachable':
       return update(state, { reachable: true, updated_at: event.data.at });
+    case 'HostCpuOvercommitChanged':
+      return update(state, { cpu_overcommit_ratio: event.data.cpu_overcommit_ratio, updated_at: event.data.at });
     case 'HostDeregistered': {
       if (state.status === 'unregistered') return state;
       return { ...state, reservations: new Map(), updated_at: event.data.at, status: 'deregistered' };

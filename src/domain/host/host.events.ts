@@ -12,6 +12,12 @@ export const labelsSchema = z.record(
 );
 
 /**
+ * Schedulable vCPUs per physical CPU: 1 never overcommits. Memory is never
+ * overcommitted (a sandbox's RAM is a hard cgroup limit, CPU a share of time).
+ */
+export const cpuOvercommitRatioSchema = z.number().min(1, 'at least 1 (1: no overcommit)').max(64, 'at most 64');
+
+/**
  * Operator overrides applied over the probed capacity at registration, kept
  * in the event so every later re-probe applies them again.
  */
@@ -25,6 +31,8 @@ export const capacityOverridesSchema = z
     gpus: z.number().int().nonnegative(),
     gpu_kind: z.string().min(1),
     mig_profiles: z.record(z.string(), z.number().int().nonnegative()),
+    /** This host's CPU overcommit ratio, over the fleet default (CPU_OVERCOMMIT_RATIO). */
+    cpu_overcommit_ratio: cpuOvercommitRatioSchema,
   })
   .partial();
 export type CapacityOverrides = z.infer<typeof capacityOverridesSchema>;
@@ -60,6 +68,8 @@ export const hostRegisteredSchema = z.object({
     capacity: hostCapacitySchema,
     probed_capacity: hostCapacitySchema,
     overrides: capacityOverridesSchema,
+    /** The host's override, else the fleet default when it registered; absent: 1 (no overcommit). */
+    cpu_overcommit_ratio: cpuOvercommitRatioSchema.optional(),
     /** AES-256-GCM ciphertext produced by the command layer; the domain never sees the clear token. */
     token_encrypted: z.string().min(1),
     at,
@@ -75,6 +85,12 @@ export const hostTokenResealedSchema = z.object({
 export const hostCapacityProbedSchema = z.object({
   type: z.literal('HostCapacityProbed'),
   data: z.object({ host_id: idSchema, capacity: hostCapacitySchema, probed_capacity: hostCapacitySchema, at }),
+});
+
+/** A registration again at the same url and backend, with another CPU overcommit ratio in force (e.g. CPU_OVERCOMMIT_RATIO changed). */
+export const hostCpuOvercommitChangedSchema = z.object({
+  type: z.literal('HostCpuOvercommitChanged'),
+  data: z.object({ host_id: idSchema, cpu_overcommit_ratio: cpuOvercommitRatioSchema, at }),
 });
 
 export const hostCordonedSchema = z.object({
@@ -121,6 +137,7 @@ export const capacityReleasedSchema = z.object({
 export const hostEventSchema = z.discriminatedUnion('type', [
   hostRegisteredSchema,
   hostCapacityProbedSchema,
+  hostCpuOvercommitChangedSchema,
   hostCordonedSchema,
   hostUncordonedSchema,
   hostMarkedUnreachableSchema,
@@ -136,6 +153,7 @@ export const HOST_EVENT_TYPES: readonly HostEventType[] = hostEventSchema.option
 
 export type HostRegistered = z.infer<typeof hostRegisteredSchema>;
 export type HostCapacityProbed = z.infer<typeof hostCapacityProbedSchema>;
+export type HostCpuOvercommitChanged = z.infer<typeof hostCpuOvercommitChangedSchema>;
 export type HostCordoned = z.infer<typeof hostCordonedSchema>;
 export type HostUncordoned = z.infer<typeof hostUncordonedSchema>;
 export type HostMarkedUnreachable = z.infer<typeof hostMarkedUnreachableSchema>;

@@ -112,21 +112,37 @@ export function pickMigInstances(
   return out.length === count ? out : undefined;
 }
 
+/** vCPUs a host may hand out: its CPUs times its overcommit ratio (the epsilon keeps 3 × 1.1 at 3, not 3.3000000000000003 → 3). */
+export function schedulableCpus(cap: HostCapacity, cpuOvercommitRatio = 1): number {
+  return Math.floor(cap.cpus * cpuOvercommitRatio + 1e-9);
+}
+
 export type ShortResource = 'cpus' | 'ram_mb' | 'storage_gb' | 'vm_count' | 'gpus' | 'mig_instances';
 
 export interface Shortfall {
   readonly resource: ShortResource;
   readonly need: number;
   readonly free: number;
+  /** CPUs on an overcommitted host: need and free are vCPUs, out of cores × ratio. */
+  readonly overcommit?: CpuOvercommit | undefined;
+}
+
+export interface CpuOvercommit {
+  readonly ratio: number;
+  readonly cores: number;
+  readonly schedulable: number;
 }
 
 /** Every resource the request does not fit, in gate order; empty when it fits. */
-export function shortfalls(cap: HostCapacity, alloc: HostAllocation, req: ResourceRequest): Shortfall[] {
+export function shortfalls(cap: HostCapacity, alloc: HostAllocation, req: ResourceRequest, cpuOvercommitRatio = 1): Shortfall[] {
   const out: Shortfall[] = [];
   const check = (resource: ShortResource, need: number, free: number): void => {
     if (need > free) out.push({ resource, need, free: Math.max(0, free) });
   };
-  check('cpus', req.cpus, cap.cpus - alloc.cpus);
+  const cpus = schedulableCpus(cap, cpuOvercommitRatio);
+  if (req.cpus > cpus - alloc.cpus) {
+    out.push({ resource: 'cpus', need: req.cpus, free: Math.max(0, cpus - alloc.cpus), ...(cpuOvercommitRatio !== 1 ? { overcommit: { ratio: cpuOvercommitRatio, cores: cap.cpus, schedulable: cpus } } : {}) });
+  }
   check('ram_mb', req.ram_mb, cap.ram_mb - alloc.ram_mb);
   check('storage_gb', req.storage_gb, cap.storage_gb - alloc.storage_gb);
   check('vm_count', 1, cap.vm_count - alloc.vm_count);
@@ -142,6 +158,10 @@ export function shortfalls(cap: HostCapacity, alloc: HostAllocation, req: Resour
 export function describeShortfall(s: Shortfall, req: ResourceRequest, freeWord = 'free'): string {
   switch (s.resource) {
     case 'cpus':
+      if (s.overcommit) {
+        const o = s.overcommit;
+        return `short of CPUs (need ${s.need} vCPUs, ${freeWord} ${s.free} of ${o.schedulable}: ${o.cores} cores × ${o.ratio} overcommit)`;
+      }
       return `short of CPUs (need ${s.need}, ${freeWord} ${s.free})`;
     case 'ram_mb':
       return `short of RAM (need ${s.need} MB, ${freeWord} ${s.free})`;

@@ -8,6 +8,8 @@ import {
   freeMigCount,
   pickGpuDevices,
   pickMigInstances,
+  schedulableCpus,
+  type CpuOvercommit,
   type HostAllocation,
   type ResourceRequest,
   type ShortResource,
@@ -21,8 +23,10 @@ export const placementDecisionSchema = z.object({
   policy: placementPolicySchema,
   /** Hosts that passed every gate. */
   candidates: z.number().int().nonnegative(),
-  /** CPUs left on the winner after this placement. */
+  /** CPUs left on the winner after this placement: vCPUs (cores × ratio) when it overcommits. */
   headroom_cpus: z.number().int(),
+  /** Present when the winner overcommits CPU: its ratio, physical cores, and the vCPUs it hands out. */
+  cpu_overcommit: z.object({ ratio: z.number(), cores: z.number().int(), schedulable: z.number().int() }).optional(),
   /** RAM (MB) left on the winner after this placement. */
   headroom_ram: z.number().int(),
   /** The winner already holds the seed artifact: no transfer before boot. */
@@ -43,6 +47,8 @@ export interface PlacementHost {
   readonly arch?: string | undefined;
   readonly labels: Readonly<Record<string, string>>;
   readonly capacity: HostCapacity;
+  /** vCPUs per CPU (host stream's HostRegistered); absent: 1. */
+  readonly cpu_overcommit_ratio?: number | undefined;
   readonly allocated: HostAllocation;
   /** The host stream's revision this row reflects: the reservation is appended expecting it. */
   readonly revision: bigint;
@@ -103,6 +109,8 @@ export interface PlacementRefusal {
   readonly rejected: Readonly<Partial<Record<PlacementGate, number>>>;
   /** For each resource gate, the most any host rejected there had free. */
   readonly best_free: Readonly<Partial<Record<ShortResource, number>>>;
+  /** When the host with the most free CPUs among those short of them overcommits: best_free.cpus is in its vCPUs. */
+  readonly cpu_overcommit?: CpuOvercommit | undefined;
 }
 
 export class CapacityExhaustedError extends ConflictError {
@@ -121,9 +129,9 @@ const SCORE_SCALE = 1e6;
  * pool), each (free − need) / capacity, rounded to 1e-6 so equal hosts tie
  * exactly. `spread` takes the most, `binpack` the least.
  */
-function headroomScore(cap: HostCapacity, alloc: HostAllocation, req: ResourceRequest, gpuFree: number, gpuTotal: number): number {
+function headroomScore(cap: HostCapacity, cpus: number, alloc: HostAllocation, req: ResourceRequest, gpuFree: number, gpuTotal: number): number {
   let min = Infinity;
-  if (cap.cpus > 0) min = Math.min(min, (cap.cpus - alloc.cpus - req.cpus) / cap.cpus);
+  if (cpus > 0) min = Math.min(min, (cpus - alloc.cpus - req.cpus) / cpus);
   if (cap.ram_mb > 0) min = Math.min(min, (cap.ram_mb - alloc.ram_mb - req.ram_mb) / cap.ram_mb);
   if (cap.storage_gb > 0) min = Math.min(min, (cap.storage_gb - alloc.storage_gb - req.storage_gb) / cap.storage_gb);
   if (cap.vm_count > 0) min = Math.min(min, (cap.vm_count - alloc.vm_count - 1) / cap.vm_count);
@@ -169,6 +177,7 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
     if (bestFree[resource] === undefined || f > bestFree[resource]!) bestFree[resource] = f;
   };
 
+  let cpuOvercommitAtBest: CpuOvercommit | undefined;
   let best: PlacementHost | undefined;
   let bestScore = 0;
   let bestLocal = false;
@@ -218,9 +227,13 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
     }
     const cap = h.capacity;
     const alloc = h.allocated;
-    const freeCpus = cap.cpus - alloc.cpus;
+    const ratio = h.cpu_overcommit_ratio ?? 1;
+    const cpus = schedulableCpus(cap, ratio);
+    const freeCpus = cpus - alloc.cpus;
     if (freeCpus < req.cpus) {
+      const before = bestFree.cpus;
       short('short_cpus', 'cpus', freeCpus);
+      if (bestFree.cpus !== before) cpuOvercommitAtBest = ratio !== 1 ? { ratio, cores: cap.cpus, schedulable: cpus } : undefined;
       continue;
     }
     const freeRam = cap.ram_mb - alloc.ram_mb;
@@ -260,7 +273,7 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
     candidates++;
     const local = artifactHosts !== undefined && artifactHosts.has(h.id);
     if (local) holders++;
-    const score = headroomScore(cap, alloc, req, gpuFree, gpuTotal);
+    const score = headroomScore(cap, cpus, alloc, req, gpuFree, gpuTotal);
     if (best === undefined || better(local, score, h.id, bestLocal, bestScore, best.id, spread)) {
       best = h;
       bestScore = score;
@@ -269,12 +282,14 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
   }
 
   if (best === undefined) {
-    const refusal: PlacementRefusal = { hosts: hosts.length, inactive, rejected, best_free: bestFree };
+    const refusal: PlacementRefusal = { hosts: hosts.length, inactive, rejected, best_free: bestFree, ...(cpuOvercommitAtBest ? { cpu_overcommit: cpuOvercommitAtBest } : {}) };
     throw new CapacityExhaustedError(refusalMessage(req, refusal), refusal);
   }
 
   const cap = best.capacity;
   const alloc = best.allocated;
+  const ratio = best.cpu_overcommit_ratio ?? 1;
+  const cpus = schedulableCpus(cap, ratio);
   let gpuUuids: string[] = [];
   let migUuids: string[] = [];
   if (gpus > 0 && profile) migUuids = pickMigInstances(cap, alloc, profile, req.gpu_kind, gpus) ?? [];
@@ -285,7 +300,8 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
       host_id: best.id,
       policy,
       candidates,
-      headroom_cpus: cap.cpus - alloc.cpus - req.cpus,
+      headroom_cpus: cpus - alloc.cpus - req.cpus,
+      ...(ratio !== 1 ? { cpu_overcommit: { ratio, cores: cap.cpus, schedulable: cpus } } : {}),
       headroom_ram: cap.ram_mb - alloc.ram_mb - req.ram_mb,
       artifact_local: bestLocal,
       artifact_holders: holders,
@@ -333,7 +349,8 @@ export function refusalMessage(req: PlacementRequest, r: PlacementRefusal): stri
     if (!n(gate)) continue;
     const free = r.best_free[resource] ?? 0;
     const need = resource === 'vm_count' ? 1 : resource === 'gpus' || resource === 'mig_instances' ? (req.gpus ?? 0) : req[resource];
-    parts.push(`${n(gate)} ${describeShortfall({ resource, need, free }, req, 'best has')}`);
+    const overcommit = resource === 'cpus' ? r.cpu_overcommit : undefined;
+    parts.push(`${n(gate)} ${describeShortfall({ resource, need, free, overcommit }, req, 'best has')}`);
   }
   return `no host fits: ${r.hosts} host${r.hosts === 1 ? '' : 's'}: ${parts.join(', ')}`;
 }
