@@ -29,8 +29,8 @@ export interface LocalAgent {
 export async function startLocalAgent(opts: { dataDir: string; port: number; token: string; logger: Logger; env?: NodeJS.ProcessEnv }): Promise<LocalAgent> {
   const dataDir = resolve(opts.dataDir, 'agent');
   const env = localAgentEnv(opts.env ?? process.env, { AGENT_PORT: String(opts.port), AGENT_TOKEN: opts.token, AGENT_DATA_DIR: dataDir, AGENT_HOST: '127.0.0.1' });
+  await ensureHostPackages(opts.logger);
   if (!existsSync(join(dataDir, 'images', 'base'))) {
-    await ensureBusybox(opts.logger);
     opts.logger.info('building the base sandbox image (first start)…');
     await runToEnd(process.execPath, ['--import', 'tsx', AGENT_MAIN, 'image', 'build', 'base'], env, opts.logger);
   }
@@ -104,19 +104,32 @@ function runToEnd(cmd: string, args: string[], env: Record<string, string | unde
 }
 
 /**
- * The base image is built from a static busybox. On a fresh Debian machine,
- * run as root, the embedded default installs Debian's busybox-static itself
- * (and says so), so `npm install && npm start` needs nothing else; anywhere
- * else it stops with the command to run.
+ * What the process backend needs on the host, by a file each package
+ * installs: the static busybox (base image, set-up scripts), nftables (the
+ * network boundary), e2fsprogs (per-sandbox disks), gcc with the static libc
+ * (the sandbox helper is compiled at agent start). On a fresh Debian machine,
+ * run as root, the embedded default installs what is missing itself (and
+ * says so), so `npm install && npm start` needs nothing else; anywhere else
+ * it stops naming the packages to install.
  */
-async function ensureBusybox(logger: Logger): Promise<void> {
-  if (existsSync('/bin/busybox')) return;
+const HOST_PACKAGES: ReadonlyArray<readonly [file: string, pkg: string]> = [
+  ['/bin/busybox', 'busybox-static'],
+  ['/usr/sbin/nft', 'nftables'],
+  ['/sbin/mkfs.ext4', 'e2fsprogs'],
+  ['/usr/bin/gcc', 'gcc'],
+  ['/usr/include/stdio.h', 'libc6-dev'],
+];
+
+async function ensureHostPackages(logger: Logger): Promise<void> {
+  const missing = HOST_PACKAGES.filter(([file]) => !existsSync(file)).map(([, pkg]) => pkg);
+  if (missing.length === 0) return;
   const canInstall = process.getuid?.() === 0 && existsSync('/usr/bin/apt-get');
-  if (!canInstall) throw new Error('the base sandbox image needs a static busybox: install it (Debian: apt-get install busybox-static) and start again');
-  logger.info('installing Debian busybox-static for the base sandbox image (apt-get)…');
+  if (!canInstall) throw new Error(`the local host agent needs ${missing.join(', ')}: install them (Debian: apt-get install ${missing.join(' ')}) and start again`);
+  logger.info({ packages: missing }, 'installing the Debian packages the local host agent needs (apt-get)…');
   const env = { ...process.env, DEBIAN_FRONTEND: 'noninteractive' };
-  await runToEnd('apt-get', ['install', '-y', '-q', 'busybox-static'], env, logger).catch(async () => {
+  const install = ['install', '-y', '-q', '--no-install-recommends', ...missing];
+  await runToEnd('apt-get', install, env, logger).catch(async () => {
     await runToEnd('apt-get', ['update', '-q'], env, logger);
-    await runToEnd('apt-get', ['install', '-y', '-q', 'busybox-static'], env, logger);
+    await runToEnd('apt-get', install, env, logger);
   });
 }
