@@ -213,11 +213,14 @@ describe('process backend: a disk of its own per sandbox (storage_gb)', { skip: 
     const before = (await b.capacity()).storage_gb;
     await b.create({ name: 'big-disk', cpus: 1, ram_mb: 64, tenant: 'acme', storage_gb: 4 });
     try {
-      const img = await stat(join(options.dataDir, 'sandboxes', 'big-disk', 'disk.img'));
-      assert.ok(img.blocks * 512 >= 4 * GIB, 'preallocated');
       const during = (await b.capacity()).storage_gb;
       // Placement subtracts the VM's 4 GiB itself; other writers on this shared filesystem explain a GiB either way.
       assert.ok(Math.abs(during - before) <= 1, `capacity moved from ${before} to ${during} GiB`);
+      // Long enough for ext4's lazy inode-table init to have run: unless the disk is mounted noinit_itable,
+      // its zeroing reaches the image as hole punches (about 32 MiB per 2 GiB within seconds).
+      await new Promise((r) => setTimeout(r, 6000));
+      const img = await stat(join(options.dataDir, 'sandboxes', 'big-disk', 'disk.img'));
+      assert.ok(img.blocks * 512 >= 4 * GIB, `preallocated: ${img.blocks * 512} of ${4 * GIB} bytes allocated`);
     } finally {
       await b.destroy('big-disk');
     }
