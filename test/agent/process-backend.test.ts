@@ -13,7 +13,8 @@ import { AppError } from '../../src/domain/errors.js';
 import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { bridgeForwarding, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
-import { parseGpuCsv, parseMigList } from '../../src/agent/backend/host-capacity.js';
+import { parseGpuCsv, parseMigList, probeCapacity } from '../../src/agent/backend/host-capacity.js';
+import { assertGpuBackend } from '../../src/domain/host/host-capacity.js';
 import { resolveInRoot } from '../../src/agent/backend/process/guest-path.js';
 import { buildImage } from '../../src/agent/images.js';
 
@@ -542,6 +543,29 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     await small.create({ name: 'only', cpus: 1, ram_mb: 64, tenant: 'acme' });
     await rejectsWithCode(small.create({ name: 'second', cpus: 1, ram_mb: 64, tenant: 'acme' }), 'HOST_CAPACITY_EXHAUSTED');
     await small.destroy('only');
+  });
+
+  test('a host where nvidia-smi answers offers no GPUs from the process backend (it cannot pass them through), so it registers', async () => {
+    const bin = await mkdtemp(join(tmpdir(), 'pb-nvsmi-'));
+    const oldPath = process.env.PATH;
+    try {
+      // A stand-in nvidia-smi (test double of the NVIDIA tool, which this machine lacks) answering like a host with one A100 and two MIG instances.
+      await writeFile(
+        join(bin, 'nvidia-smi'),
+        `#!/bin/sh\ncase "$1" in\n  -L) printf 'GPU 0: NVIDIA A100 (UUID: GPU-aaa)\\n  MIG 1g.5gb Device 0: (UUID: MIG-111)\\nGPU 1: NVIDIA L4 (UUID: GPU-bbb)\\n' ;;\n  *) printf 'GPU-aaa, NVIDIA A100, 00000000:07:00.0, 40960, 535.54.03, 8.0, Enabled\\nGPU-bbb, NVIDIA L4, 00000000:08:00.0, 23034, 535.54.03, 8.9, [N/A]\\n' ;;\nesac\n`,
+        { mode: 0o755 },
+      );
+      process.env.PATH = `${bin}:${oldPath ?? ''}`;
+      assert.equal((await probeCapacity({ dataDir: root, maxSandboxes: 1 })).gpus, 1, 'the stand-in is seen by the probe');
+      const cap = await b.capacity();
+      assert.equal(cap.gpus, undefined);
+      assert.equal(cap.gpu_devices, undefined);
+      assert.equal(cap.mig_instances, undefined);
+      assert.doesNotThrow(() => assertGpuBackend('process', cap));
+    } finally {
+      process.env.PATH = oldPath;
+      await rm(bin, { recursive: true, force: true });
+    }
   });
 
   test('create → first successful exec latency (20 runs, reported as a diagnostic)', async (t) => {

@@ -88,3 +88,20 @@ export async function probeCapacity(opts: { dataDir: string; maxSandboxes: numbe
   }
   return cap;
 }
+
+/**
+ * What a backend that cannot pass devices through (process) may offer: the
+ * probe without GPUs and MIG instances, and what was left out, to say so.
+ * Offering them would make the control plane refuse the whole host
+ * (HOST_GPU_REQUIRES_QEMU), which is how `npm start` failed on a machine
+ * where nvidia-smi answers.
+ */
+export function withoutDevices(cap: HostCapacity): { capacity: HostCapacity; leftOut: string[] } {
+  const { gpus, gpu_kind, gpu_devices, mig_instances, mig_profiles, ...rest } = cap;
+  const leftOut: string[] = [];
+  const whole = gpu_devices?.length ?? gpus ?? 0;
+  if (whole > 0) leftOut.push(`${whole} GPU${whole === 1 ? '' : 's'}${gpu_kind ? ` (${gpu_kind})` : ''}`);
+  const migs = mig_instances?.length ?? Object.values(mig_profiles ?? {}).reduce((a, b) => a + b, 0);
+  if (migs > 0) leftOut.push(`${migs} MIG instance${migs === 1 ? '' : 's'}`);
+  return { capacity: rest, leftOut };
+}

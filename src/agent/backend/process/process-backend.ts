@@ -29,7 +29,7 @@ import {
   type SpawnOptions,
 } from '../../backend.js';
 import { resolveImage } from '../../images.js';
-import { probeCapacity } from '../host-capacity.js';
+import { probeCapacity, withoutDevices } from '../host-capacity.js';
 import { Cgroups } from './cgroups.js';
 import { CheckpointStore, expectedArchiveBytes } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
@@ -152,6 +152,7 @@ export class ProcessBackend implements Backend {
   private readonly checkpoints: CheckpointStore;
   private readonly sandboxesDir: string;
   private closed = false;
+  private saidLeftOut = false;
 
   private constructor(
     private readonly opts: z.output<typeof optionsSchema>,
@@ -206,7 +207,11 @@ export class ProcessBackend implements Backend {
   }
 
   async capacity(): Promise<HostCapacity> {
-    const cap = await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes });
+    const { capacity: cap, leftOut } = withoutDevices(await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes }));
+    if (leftOut.length > 0 && !this.saidLeftOut) {
+      this.saidLeftOut = true;
+      this.log?.warn({ left_out: leftOut }, `this host has ${leftOut.join(' and ')}: the process backend cannot pass devices through, so they are not offered (a qemu host can)`);
+    }
     // Sandbox disks are preallocated, so free space already lacks them, and placement subtracts each VM's storage_gb
     // again: a probe while sandboxes run must not count them twice.
     const held = [...this.records.values()].reduce((n, r) => n + r.state.storage_gb, 0);
