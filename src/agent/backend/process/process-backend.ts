@@ -1,5 +1,5 @@
 import { existsSync } from 'node:fs';
-import { mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { join, resolve } from 'node:path';
 import { Transform, type Readable } from 'node:stream';
@@ -182,7 +182,10 @@ export class ProcessBackend implements Backend {
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
-    await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
+    // Closed to host users whatever the data dir's mode: a layer holds files owned by on-disk id 0 (sandbox root),
+    // set-uid ones included when the sandbox has no disk of its own (no nosuid mount under them).
+    await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true, mode: 0o700 });
+    await chmod(join(opts.dataDir, 'sandboxes'), 0o700);
     await mkdir(opts.imageDir, { recursive: true });
     const firewall = await Firewall.open(opts.bridgePrefix);
     const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, logger);

@@ -97,7 +97,9 @@ export async function mountDisk(sandboxDir: string): Promise<void> {
   const mnt = join(sandboxDir, DISK_MOUNT);
   if ((await mountPoints()).has(mnt)) return;
   await mkdir(mnt, { recursive: true, mode: 0o755 });
-  await mustRun(tool('mount', 'mount'), ['-t', 'ext4', '-o', 'loop', join(sandboxDir, DISK_IMAGE), mnt]);
+  // Sandbox root is on-disk id 0 (idmapped layer): without nosuid a set-uid or file-capability binary the guest made
+  // would be host root's for any host user who reaches it. The guest runs with no_new_privs, so it loses nothing.
+  await mustRun(tool('mount', 'mount'), ['-t', 'ext4', '-o', 'loop,nosuid,nodev', join(sandboxDir, DISK_IMAGE), mnt]);
 }
 
 /** Unmounts the disk and detaches its loop device; idempotent. */
