@@ -42,12 +42,32 @@ export function spawnPiped(argv: readonly string[], hostEnv: Record<string, stri
     child.once('close', (code, signal) => resolve({ exitCode: code, signal }));
   });
   exited.catch(() => undefined);
+  // 'close' waits for EOF on the pipes, and a guest process that left the group (setsid) can hold them open
+  // for ever: once the helper is gone and a kill was asked for (a timeout, a client gone), stop waiting.
+  let gone = false;
+  let killed = false;
+  const letGo = (): void => {
+    if (!gone || !killed) return;
+    setTimeout(() => {
+      for (const s of [child.stdout, child.stderr, child.stdin]) s?.destroy();
+    }, 200).unref();
+  };
+  child.once('exit', () => {
+    gone = true;
+    letGo();
+  });
   return {
     stdout: child.stdout!,
     stderr: child.stderr!,
     stdin,
     resize: () => undefined,
-    kill: (signal = 'SIGKILL') => killGroup(child.pid, signal),
+    kill: (signal = 'SIGKILL') => {
+      killGroup(child.pid, signal);
+      if (signal === 'SIGKILL' && !killed) {
+        killed = true;
+        letGo();
+      }
+    },
     wait: () => exited,
   };
 }
