@@ -521,6 +521,8 @@ static int cmd_enter(int argc, char **argv) {
   if (child == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     sigprocmask(SIG_SETMASK, &old, NULL);
+    /* Only stdio: exec (libuv's too) passes on whatever the host side inherited without O_CLOEXEC. */
+    if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
     confine(net_raw);
     if (strcmp(op, "put") == 0) _exit(op_put(rest));
     if (strcmp(op, "get") == 0) _exit(op_get(rest));
