@@ -144,12 +144,6 @@ interface SandboxRecord {
 
 const DEFAULT_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin';
 
-/** A sandbox created before the log moved onto its disk still writes the old file. */
-function consoleLogOf(dir: string, storageGb: number): string {
-  const path = consoleLogPath(dir, storageGb);
-  return existsSync(path) || !existsSync(join(dir, 'console.log')) ? path : join(dir, 'console.log');
-}
-
 /** Linux's MAX_ARG_STRLEN (32 pages), NUL included. */
 const MAX_ARG_STRLEN = 32 * 4096;
 /** Well under ARG_MAX (a quarter of the 8 MiB default stack), pointers included. */
@@ -791,7 +785,7 @@ export class ProcessBackend implements Backend {
       created_at: s.created_at,
       init_pid: alive ? s.init_pid : 0,
       endpoints: alive ? this.endpoints(record) : [],
-      console_log: consoleLogOf(this.sandboxDir(s.name), s.storage_gb),
+      console_log: consoleLogPath(this.sandboxDir(s.name), s.storage_gb),
     };
   }
 
