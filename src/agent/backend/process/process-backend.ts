@@ -40,7 +40,7 @@ import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { Firewall, type FirewallState } from './firewall.js';
 import { allocateBridge, allocateVeth, attachSandbox, bridgeForwarding, deleteLink, detachSandbox, ensureBridge, hardenLink, listLinks, listRoutes, parseSubnet, reserve, type Subnet } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
-import { consoleLogPath, createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, requireDiskTools, type LayerUsage } from './storage.js';
+import { createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, requireDiskTools, type LayerUsage } from './storage.js';
 
 /**
  * The `process` backend: each sandbox is a set of Linux namespaces (pid,
@@ -54,7 +54,7 @@ import { consoleLogPath, createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsa
  *   <dataDir>/sandboxes/<name>/disk/upper/  the writable layer (what a checkpoint archives; upper/ without a disk)
  *   <dataDir>/sandboxes/<name>/disk/work/   overlayfs work dir
  *   <dataDir>/sandboxes/<name>/root/        mount point (mounted only inside the sandbox's mount namespace)
- *   <dataDir>/sandboxes/<name>/disk/console.log  serial-style log of the init's output (on the disk: it counts against storage_gb; console.log beside state.json without a disk)
+ *   <dataDir>/sandboxes/<name>/console.log  serial-style log of the init's output
  */
 
 export const optionsSchema = z.object({
@@ -335,7 +335,7 @@ export class ProcessBackend implements Backend {
           hostname: spec.name,
           uidBase: state.uid_base,
           cgroupProcs: this.cgroups.procsFiles(spec.name),
-          consoleLog: consoleLogPath(dir, state.storage_gb),
+          consoleLog: join(dir, 'console.log'),
           address: `${ip}/${this.subnet.prefixLen}`,
           gateway: this.subnet.gateway,
           tools: this.tools,
@@ -785,7 +785,7 @@ export class ProcessBackend implements Backend {
       created_at: s.created_at,
       init_pid: alive ? s.init_pid : 0,
       endpoints: alive ? this.endpoints(record) : [],
-      console_log: consoleLogPath(this.sandboxDir(s.name), s.storage_gb),
+      console_log: join(this.sandboxDir(s.name), 'console.log'),
     };
   }
 

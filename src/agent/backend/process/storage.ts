@@ -55,16 +55,6 @@ export function layerDirs(sandboxDir: string, storageGb: number): LayerDirs {
   return { upper: join(base, 'upper'), work: join(base, 'work') };
 }
 
-/**
- * The init's console log. Anything the init starts writes there (a guest can
- * add a respawning inittab entry and SIGHUP its init), so with a disk it lives
- * on that disk, beside the layer and out of the guest's view: it counts
- * against storage_gb instead of filling the data dir's filesystem.
- */
-export function consoleLogPath(sandboxDir: string, storageGb: number): string {
-  return join(storageGb > 0 ? join(sandboxDir, DISK_MOUNT) : sandboxDir, 'console.log');
-}
-
 /** HOST_FEATURE_MISSING naming the package, at open rather than at the first create. */
 export function requireDiskTools(): void {
   tool('mkfs.ext4', 'e2fsprogs');
