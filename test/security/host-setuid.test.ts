@@ -54,6 +54,29 @@ describe('security review: set-uid files of a sandbox layer on the host', { skip
     });
   }
 
+  test("a host user reads no tenant's checkpoint archive", async () => {
+    const b = lab.backend;
+    const made = await sh(b, 'disk', 'echo tenant-secret-in-layer > /root/secret');
+    assert.equal(made.exitCode, 0, made.stderr);
+    const cp = await b.checkpoint('disk', { comment: '' });
+    const archive = join(await b.checkpointDir(cp.id), 'rootfs.tar');
+    assert.match(await readFile(archive, 'latin1'), /tenant-secret-in-layer/, 'the premise: the archive holds the file');
+    const run = spawnSync('setpriv', ['--reuid=65534', '--regid=65534', '--clear-groups', '/bin/sh', '-c', 'cat "$0"', archive], { encoding: 'latin1' });
+    assert.doesNotMatch(run.stdout, /tenant-secret-in-layer/, 'a host user read a checkpoint');
+    assert.notEqual(run.status, 0);
+  });
+
+  test('with the disk nodev, deleting an image file (an overlay whiteout, a 0:0 device) still works, and survives a checkpoint', async () => {
+    const b = lab.backend;
+    const del = await sh(b, 'disk', 'rm /etc/inittab && test ! -e /etc/inittab && echo gone');
+    assert.equal(del.stdout, 'gone\n', del.stderr);
+    const cp = await b.checkpoint('disk', { comment: '' });
+    await b.create({ name: 'restored', checkpointId: cp.id, cpus: 1, ram_mb: 128, storage_gb: 1, tenant: 'rev-a' });
+    const r = await sh(b, 'restored', 'test ! -e /etc/inittab && echo still-gone');
+    assert.equal(r.stdout, 'still-gone\n', r.stderr);
+    await b.destroy('restored');
+  });
+
   test('the host mount of a sandbox disk is nosuid and nodev', async () => {
     const mnt = join(lab.backend.sandboxDir('disk'), 'disk');
     const line = (await readFile('/proc/self/mountinfo', 'utf8')).split('\n').find((l) => l.split(' ')[4] === mnt);
