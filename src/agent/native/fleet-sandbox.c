@@ -367,15 +367,25 @@ static int open_ns(int pid, const char *ns) {
   return fd;
 }
 
-static int copy_fd(int in, int out) {
+/* Copies until EOF, or exactly `limit` bytes when limit >= 0 (an earlier EOF: -1, EIO). */
+static int copy_fd(int in, int out, long long limit) {
   static char buf[1 << 17];
   for (;;) {
-    ssize_t r = read(in, buf, sizeof buf);
-    if (r == 0) return 0;
+    if (limit == 0) return 0;
+    size_t want = limit > 0 && (unsigned long long)limit < sizeof buf ? (size_t)limit : sizeof buf;
+    ssize_t r = read(in, buf, want);
+    if (r == 0) {
+      if (limit > 0) {
+        errno = EIO;
+        return -1;
+      }
+      return 0;
+    }
     if (r < 0) {
       if (errno == EINTR) continue;
       return -1;
     }
+    if (limit > 0) limit -= r;
     for (ssize_t off = 0; off < r;) {
       ssize_t w = write(out, buf + off, (size_t)(r - off));
       if (w < 0) {
@@ -399,7 +409,7 @@ static int op_put(char **a) {
     dprintf(2, "%s: %s\n", tmp, strerror(errno));
     return 1;
   }
-  if (copy_fd(0, fd) < 0 || fchmod(fd, (mode_t)strtoul(mode, NULL, 8)) < 0 || close(fd) < 0 || rename(tmp, path) < 0) {
+  if (copy_fd(0, fd, -1) < 0 || fchmod(fd, (mode_t)strtoul(mode, NULL, 8)) < 0 || close(fd) < 0 || rename(tmp, path) < 0) {
     dprintf(2, "%s: %s\n", path, strerror(errno));
     unlink(tmp);
     return 1;
@@ -420,7 +430,8 @@ static int op_get(char **a) {
   }
   fcntl(fd, F_SETFL, 0);
   dprintf(1, "%lld\n", (long long)st.st_size);
-  if (copy_fd(fd, 1) < 0) {
+  /* Never past the size just announced (the agent's Content-Length): the guest may be growing the file. */
+  if (copy_fd(fd, 1, (long long)st.st_size) < 0) {
     dprintf(2, "%s: %s\n", a[0], strerror(errno));
     return 1;
   }
@@ -510,6 +521,8 @@ static int cmd_enter(int argc, char **argv) {
   if (child == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     sigprocmask(SIG_SETMASK, &old, NULL);
+    /* Only stdio: exec (libuv's too) passes on whatever the host side inherited without O_CLOEXEC. */
+    if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
     confine(net_raw);
     if (strcmp(op, "put") == 0) _exit(op_put(rest));
     if (strcmp(op, "get") == 0) _exit(op_get(rest));

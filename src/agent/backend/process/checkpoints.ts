@@ -1,7 +1,7 @@
 import { spawn } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { createReadStream, createWriteStream } from 'node:fs';
-import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
@@ -62,8 +62,11 @@ export class CheckpointStore {
   constructor(readonly dir: string, readonly staging: string) {}
 
   async init(): Promise<void> {
-    await mkdir(this.dir, { recursive: true });
-    await mkdir(this.staging, { recursive: true });
+    // Tenants' layers (0644 archives inside): closed to host users whatever the data dir's mode.
+    for (const d of [this.dir, this.staging]) {
+      await mkdir(d, { recursive: true, mode: 0o700 });
+      await chmod(d, 0o700);
+    }
   }
 
   path(id: string): string {

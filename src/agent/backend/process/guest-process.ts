@@ -3,7 +3,7 @@ import { existsSync } from 'node:fs';
 import { readFile, readlink } from 'node:fs/promises';
 import { constants as osConstants } from 'node:os';
 import { PassThrough, Writable } from 'node:stream';
-import { featureMissing, sandboxFailed, type ExitStatus, type ProcessHandle } from '../../backend.js';
+import { featureMissing, invalidSpec, sandboxFailed, type ExitStatus, type ProcessHandle } from '../../backend.js';
 import { runTool } from './exec-util.js';
 
 /**
@@ -42,12 +42,32 @@ export function spawnPiped(argv: readonly string[], hostEnv: Record<string, stri
     child.once('close', (code, signal) => resolve({ exitCode: code, signal }));
   });
   exited.catch(() => undefined);
+  // 'close' waits for EOF on the pipes, and a guest process that left the group (setsid) can hold them open
+  // for ever: once the helper is gone and a kill was asked for (a timeout, a client gone), stop waiting.
+  let gone = false;
+  let killed = false;
+  const letGo = (): void => {
+    if (!gone || !killed) return;
+    setTimeout(() => {
+      for (const s of [child.stdout, child.stderr, child.stdin]) s?.destroy();
+    }, 200).unref();
+  };
+  child.once('exit', () => {
+    gone = true;
+    letGo();
+  });
   return {
     stdout: child.stdout!,
     stderr: child.stderr!,
     stdin,
     resize: () => undefined,
-    kill: (signal = 'SIGKILL') => killGroup(child.pid, signal),
+    kill: (signal = 'SIGKILL') => {
+      killGroup(child.pid, signal);
+      if (signal === 'SIGKILL' && !killed) {
+        killed = true;
+        letGo();
+      }
+    },
     wait: () => exited,
   };
 }
@@ -114,6 +134,8 @@ function spawnScriptPty(argv: readonly string[], hostEnv: Record<string, string>
   if (!existsSync('/usr/bin/script')) throw featureMissing('pty', 'a TTY needs node-pty (npm install with build-essential and python3) or script(1) from util-linux');
   // script runs "$SHELL -c command" on the host: a fixed shell and PATH, and only absolute paths in the command (the helper sizes the pty).
   const command = `exec ${argv.map(shq).join(' ')}`;
+  // One exec argument for the whole argv: over MAX_ARG_STRLEN the exec would fail with E2BIG.
+  if (Buffer.byteLength(command) >= 32 * 4096) throw invalidSpec('argv is too long for a TTY through script(1): at most 128 KiB in all', [{ path: 'argv', message: 'too long' }]);
   const child = spawn('/usr/bin/script', ['-q', '-e', '-f', '-c', command, '/dev/null'], { detached: true, stdio: ['pipe', 'pipe', 'pipe'], env: { ...hostEnv, PATH: HOST_PATH, SHELL: '/bin/sh' } });
   child.stdin.on('error', () => undefined);
   const exited = new Promise<ExitStatus>((resolve, reject) => {

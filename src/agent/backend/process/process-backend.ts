@@ -1,5 +1,5 @@
 import { existsSync } from 'node:fs';
-import { mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { join, resolve } from 'node:path';
 import { Transform, type Readable } from 'node:stream';
@@ -144,6 +144,29 @@ interface SandboxRecord {
 
 const DEFAULT_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin';
 
+/** Linux's MAX_ARG_STRLEN (32 pages), NUL included. */
+const MAX_ARG_STRLEN = 32 * 4096;
+/** Well under ARG_MAX (a quarter of the 8 MiB default stack), pointers included. */
+const MAX_EXEC_BYTES = 1024 * 1024;
+
+/**
+ * The helper's exec carries argv and the hex-encoded guest environment (twice
+ * the bytes): over the kernel's limits it fails with E2BIG, which is the
+ * caller's input, so a 400 naming the limit rather than a failed exec.
+ */
+function checkExecSize(argv: readonly string[], hostEnv: Record<string, string>): Record<string, string> {
+  let total = 0;
+  for (const [what, s] of [...argv.map((a) => ['argv', a] as const), ...Object.entries(hostEnv).map(([k, v]) => ['env', `${k}=${v}`] as const)]) {
+    const bytes = Buffer.byteLength(s) + 1;
+    if (bytes > MAX_ARG_STRLEN) {
+      throw invalidSpec(`an ${what} entry is too long: at most ${what === 'env' ? Math.floor((MAX_ARG_STRLEN - 16) / 2) : MAX_ARG_STRLEN - 1} bytes each`, [{ path: what, message: 'entry too long' }]);
+    }
+    total += bytes + 8;
+  }
+  if (total > MAX_EXEC_BYTES) throw invalidSpec(`argv and env together are too large: at most about ${MAX_EXEC_BYTES / 2} bytes of environment`, [{ path: 'env', message: 'too large' }]);
+  return hostEnv;
+}
+
 export class ProcessBackend implements Backend {
   readonly kind = 'process' as const;
   private readonly records = new Map<string, SandboxRecord>();
@@ -183,7 +206,10 @@ export class ProcessBackend implements Backend {
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
-    await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true });
+    // Closed to host users whatever the data dir's mode: a layer holds files owned by on-disk id 0 (sandbox root),
+    // set-uid ones included when the sandbox has no disk of its own (no nosuid mount under them).
+    await mkdir(join(opts.dataDir, 'sandboxes'), { recursive: true, mode: 0o700 });
+    await chmod(join(opts.dataDir, 'sandboxes'), 0o700);
     await mkdir(opts.imageDir, { recursive: true });
     const firewall = await Firewall.open(opts.bridgePrefix);
     const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, logger);
@@ -385,9 +411,10 @@ export class ProcessBackend implements Backend {
       env.TERM ??= 'xterm-256color';
       const size = { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) };
       const argv = await this.enter(record, { op: 'exec', argv: opts.argv }, cwd, size);
-      return spawnPty(argv, encodeGuestEnv(env), size, this.opts.pty);
+      return spawnPty(argv, checkExecSize(argv, encodeGuestEnv(env)), size, this.opts.pty);
     }
-    return spawnPiped(await this.enter(record, { op: 'exec', argv: opts.argv }, cwd), encodeGuestEnv(env), opts.stdin);
+    const argv = await this.enter(record, { op: 'exec', argv: opts.argv }, cwd);
+    return spawnPiped(argv, checkExecSize(argv, encodeGuestEnv(env)), opts.stdin);
   }
 
   /** The helper's argv for `op` inside a running sandbox (its host environment is fixed: see spawnPiped). */

@@ -97,10 +97,12 @@ export async function mountDisk(sandboxDir: string): Promise<void> {
   const mnt = join(sandboxDir, DISK_MOUNT);
   if ((await mountPoints()).has(mnt)) return;
   await mkdir(mnt, { recursive: true, mode: 0o755 });
+  // Sandbox root is on-disk id 0 (idmapped layer): without nosuid a set-uid or file-capability binary the guest made
+  // would be host root's for any host user who reaches it. The guest runs with no_new_privs, so it loses nothing.
   // noinit_itable: the kernel's lazy inode-table zeroing goes to the loop device as write-zeroes, which
   // the loop driver turns into hole punches in the image, quietly un-preallocating it. The image was
   // fallocated, so its unwritten blocks already read as zeros: nothing needs zeroing.
-  await mustRun(tool('mount', 'mount'), ['-t', 'ext4', '-o', 'loop,noinit_itable', join(sandboxDir, DISK_IMAGE), mnt]);
+  await mustRun(tool('mount', 'mount'), ['-t', 'ext4', '-o', 'loop,nosuid,nodev,noinit_itable', join(sandboxDir, DISK_IMAGE), mnt]);
 }
 
 /** Unmounts the disk and detaches its loop device; idempotent. */

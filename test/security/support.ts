@@ -1,0 +1,103 @@
+import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { existsSync } from 'node:fs';
+import { chmod, mkdir, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { CreateSpec, ProcessHandle } from '../../src/agent/backend.js';
+import { ProcessBackend } from '../../src/agent/backend/process/process-backend.js';
+import { buildImage } from '../../src/agent/images.js';
+
+/** Shared set-up of the review's attack tests: one process backend on a scratch data dir, real sandboxes. */
+
+export function missingFeature(): string | undefined {
+  if (process.platform !== 'linux') return 'Linux (namespaces)';
+  if (process.getuid?.() !== 0) return 'root';
+  if (!existsSync('/bin/busybox')) return 'busybox-static';
+  if (spawnSync('sh', ['-c', 'command -v gcc && command -v setpriv']).status !== 0) return 'gcc and setpriv';
+  return undefined;
+}
+
+export interface Ran {
+  exitCode: number | null;
+  signal: string | null;
+  stdout: string;
+  stderr: string;
+}
+
+export async function collect(h: ProcessHandle, timeoutMs = 15_000): Promise<Ran> {
+  let stdout = '';
+  let stderr = '';
+  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
+  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+  const timer = setTimeout(() => h.kill('SIGKILL'), timeoutMs);
+  try {
+    const st = await h.wait();
+    return { exitCode: st.exitCode, signal: st.signal, stdout, stderr };
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+export async function sh(b: ProcessBackend, name: string, script: string): Promise<Ran> {
+  return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
+}
+
+export interface Lab {
+  readonly root: string;
+  readonly dataDir: string;
+  readonly backend: ProcessBackend;
+  /** A static binary compiled from `source` on the host. */
+  compile(name: string, source: string): Promise<Buffer>;
+  close(): Promise<void>;
+}
+
+/**
+ * A backend whose data directory is world-traversable (0755), as a package
+ * or an operator's mkdir leaves one: what sandboxes put on the host must
+ * still be out of a host user's reach.
+ */
+export async function openLab(sandboxes: ReadonlyArray<Omit<CreateSpec, 'cpus' | 'ram_mb'>>): Promise<Lab> {
+  const root = await mkdtemp(join(tmpdir(), 'sec-review-'));
+  await chmod(root, 0o755);
+  await buildImage(join(root, 'images'), 'base');
+  const dataDir = join(root, 'data');
+  await mkdir(dataDir, { mode: 0o755 });
+  await chmod(dataDir, 0o755);
+  let backend: ProcessBackend | undefined;
+  const close = async (): Promise<void> => {
+    if (backend) {
+      for (const s of await backend.list().catch(() => [])) await backend.destroy(s.name).catch(() => undefined);
+      await backend.prune().catch(() => undefined);
+      await backend.close().catch(() => undefined);
+    }
+    await rm(root, { recursive: true, force: true });
+  };
+  try {
+    backend = await ProcessBackend.open({
+      dataDir,
+      imageDir: join(root, 'images'),
+      subnet: `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`,
+      bridgePrefix: `r${randomBytes(2).toString('hex')}`,
+      maxSandboxes: 4,
+    });
+    for (const s of sandboxes) await backend.create({ cpus: 1, ram_mb: 128, ...s });
+  } catch (err) {
+    await close();
+    throw err;
+  }
+  const b = backend;
+  return {
+    root,
+    dataDir,
+    backend: b,
+    async compile(name, source) {
+      await writeFile(join(root, `${name}.c`), source);
+      const cc = spawnSync('gcc', ['-static', '-O1', '-o', join(root, name), join(root, `${name}.c`)], { encoding: 'utf8' });
+      assert.equal(cc.status, 0, cc.stderr);
+      return readFile(join(root, name));
+    },
+    close,
+  };
+}
