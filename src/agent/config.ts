@@ -48,6 +48,7 @@ export const agentConfigSchema = z
     AGENT_GRANT_SECRET: z.string().min(32, 'must be at least 32 characters').optional(),
     AGENT_ALLOW_CROSS_TENANT: bool.default(false),
     /** Lowest host id handed to sandbox user namespaces (65536-id blocks at or above it). */
+    AGENT_CONSOLE_LOG_MAX_BYTES: z.coerce.number().int().min(4096, 'at least 4096').default(16 * 1024 * 1024),
     AGENT_UID_BASE: z.coerce.number({ message: 'must be a multiple of 65536' }).int().min(65536).max(2 ** 31).multipleOf(65536, 'must be a multiple of 65536').default(2 ** 28),
     /** Cap on one artifact pull from a peer. */
     AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
@@ -80,6 +81,7 @@ export interface AgentConfig {
   allowCrossTenant: boolean;
   pullTimeoutMs: number;
   uidBase: number;
+  consoleLogMaxBytes: number;
 }
 
 export class AgentConfigError extends Error {
@@ -134,6 +136,7 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     allowCrossTenant: raw.AGENT_ALLOW_CROSS_TENANT,
     pullTimeoutMs: raw.AGENT_PULL_TIMEOUT_MS,
     uidBase: raw.AGENT_UID_BASE,
+    consoleLogMaxBytes: raw.AGENT_CONSOLE_LOG_MAX_BYTES,
   };
 }
 

@@ -37,6 +37,7 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     publishHost: config.publishHost,
     defaultImage: config.defaultImage,
     uidBase: config.uidBase,
+    consoleLogMaxBytes: config.consoleLogMaxBytes,
     logger: logger.child({ component: 'backend' }),
   });
 }

@@ -58,7 +58,7 @@ export interface Lab {
  * or an operator's mkdir leaves one: what sandboxes put on the host must
  * still be out of a host user's reach.
  */
-export async function openLab(sandboxes: ReadonlyArray<Omit<CreateSpec, 'cpus' | 'ram_mb'>>): Promise<Lab> {
+export async function openLab(sandboxes: ReadonlyArray<Omit<CreateSpec, 'cpus' | 'ram_mb'>>, options: { consoleLogMaxBytes?: number } = {}): Promise<Lab> {
   const root = await mkdtemp(join(tmpdir(), 'sec-review-'));
   await chmod(root, 0o755);
   await buildImage(join(root, 'images'), 'base');
@@ -81,6 +81,7 @@ export async function openLab(sandboxes: ReadonlyArray<Omit<CreateSpec, 'cpus' |
       subnet: `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`,
       bridgePrefix: `r${randomBytes(2).toString('hex')}`,
       maxSandboxes: 4,
+      ...options,
     });
     for (const s of sandboxes) await backend.create({ cpus: 1, ram_mb: 128, ...s });
   } catch (err) {

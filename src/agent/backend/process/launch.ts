@@ -1,6 +1,6 @@
 import { spawn } from 'node:child_process';
-import { closeSync, existsSync, openSync } from 'node:fs';
-import { readFile, readlink, writeFile } from 'node:fs/promises';
+import { closeSync, constants, existsSync, open as fsOpen } from 'node:fs';
+import { readFile, readlink, rm, writeFile } from 'node:fs/promises';
 import { basename, dirname } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
@@ -122,6 +122,8 @@ export interface LaunchOptions {
   readonly uidBase: number;
   readonly cgroupProcs: readonly string[];
   readonly consoleLog: string;
+  /** At most this many bytes of console output are kept (see openConsoleWriter). */
+  readonly consoleLogMaxBytes: number;
   /** Guest address with prefix length, e.g. 10.213.0.2/16, and its gateway. */
   readonly address: string;
   readonly gateway: string;
@@ -141,12 +143,62 @@ export interface Launched {
   readonly unsharePid: number;
 }
 
+/**
+ * The init's stdout and stderr (and so everything it starts) go to the
+ * console log, which lives on the data directory's filesystem, outside the
+ * sandbox's disk and its storage_gb: a guest that respawns a chatty process
+ * from its inittab must not fill the host. So the init writes into a FIFO
+ * read by a detached busybox that appends at most `max` bytes, notes the cut
+ * and then drains and discards the rest (the guest never blocks on its
+ * console). Like the init, it outlives the agent; it ends at EOF, when the
+ * sandbox's last process is gone. Returns the write end (the caller closes
+ * its copy once the init has it).
+ */
+async function openConsoleWriter(logPath: string, max: number, busybox: string): Promise<number> {
+  const fifo = `${logPath}.fifo`;
+  await rm(fifo, { force: true });
+  await mustRun(busybox, ['mkfifo', '-m', '600', fifo]);
+  const script = `exec < "$1"
+rm -f "$1"
+head -c "$2" >> "$3"
+if [ "$(head -c 1 | wc -c)" -gt 0 ]; then echo "
+[fleet: console log cut at $2 bytes; the rest is discarded]" >> "$3"; fi
+exec cat > /dev/null`;
+  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath], { detached: true, stdio: 'ignore', env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' } });
+  writer.unref();
+  // Opening the write end waits (in the thread pool) for the writer to open the read end. Should the writer
+  // die first, or not come, a read end opened here releases that wait, and the create fails.
+  const opened = new Promise<number>((resolve, reject) => fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => (err ? reject(err) : resolve(fd))));
+  let timer: NodeJS.Timeout | undefined;
+  const failed = new Promise<never>((_, reject) => {
+    const fail = (why: string): void => {
+      fsOpen(fifo, constants.O_RDONLY | constants.O_NONBLOCK, (err, fd) => {
+        if (!err) closeSync(fd);
+      });
+      reject(sandboxFailed(`the console log writer ${why}`));
+    };
+    writer.once('exit', (code) => fail(`exited (code ${code}) before the init started`));
+    writer.once('error', (err) => fail(`could not start: ${err.message}`));
+    timer = setTimeout(() => fail('did not open its FIFO within 10 s'), 10_000);
+  });
+  try {
+    return await Promise.race([opened, failed]);
+  } catch (err) {
+    void opened.then(closeSync, () => undefined);
+    throw err;
+  } finally {
+    clearTimeout(timer);
+    writer.removeAllListeners('exit');
+    writer.removeAllListeners('error');
+  }
+}
+
 export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   // mount-root clones the layer directory: upper/ and work/ must be its children under those names.
   if (basename(opts.upper) !== 'upper' || basename(opts.work) !== 'work' || dirname(opts.upper) !== dirname(opts.work)) {
     throw sandboxFailed(`the writable layer must be <dir>/upper and <dir>/work, got ${opts.upper} and ${opts.work}`);
   }
-  const log = openSync(opts.consoleLog, 'a');
+  const log = await openConsoleWriter(opts.consoleLog, opts.consoleLogMaxBytes, opts.tools.busybox);
   let child;
   try {
     child = spawn(

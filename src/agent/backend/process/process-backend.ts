@@ -78,6 +78,8 @@ export const optionsSchema = z.object({
    * 65536 ids, picked at random among the free blocks in [uidBase, 2^32).
    */
   uidBase: z.number().int().min(USERNS_SIZE).max(2 ** 31).multipleOf(USERNS_SIZE).default(2 ** 28),
+  /** The console log lives on the data dir's filesystem, outside the sandbox's disk: at most this many bytes of it are kept. */
+  consoleLogMaxBytes: z.number().int().min(4096).default(16 * 1024 * 1024),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -341,6 +343,7 @@ export class ProcessBackend implements Backend {
           uidBase: state.uid_base,
           cgroupProcs: this.cgroups.procsFiles(spec.name),
           consoleLog: join(dir, 'console.log'),
+          consoleLogMaxBytes: this.opts.consoleLogMaxBytes,
           address: `${ip}/${this.subnet.prefixLen}`,
           gateway: this.subnet.gateway,
           tools: this.tools,
