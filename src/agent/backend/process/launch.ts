@@ -158,9 +158,10 @@ async function openConsoleWriter(logPath: string, max: number, busybox: string):
   const fifo = `${logPath}.fifo`;
   await rm(fifo, { force: true });
   await mustRun(busybox, ['mkfifo', '-m', '600', fifo]);
+  // dd, not head: head buffers its output, holding back the first lines ("fleet sandbox up") until 4 KiB came.
   const script = `exec < "$1"
 rm -f "$1"
-head -c "$2" >> "$3"
+dd bs=65536 count="$2" iflag=count_bytes 2>/dev/null >> "$3"
 if [ "$(head -c 1 | wc -c)" -gt 0 ]; then echo "
 [fleet: console log cut at $2 bytes; the rest is discarded]" >> "$3"; fi
 exec cat > /dev/null`;
