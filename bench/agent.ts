@@ -6,6 +6,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
+import { Cgroups } from '../src/agent/backend/process/cgroups.js';
 import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../test/agent/harness.js';
 
 /**
@@ -176,17 +177,17 @@ async function execProfile(a: RunningAgent, execs: number, log: (s: string) => v
   const state = JSON.parse(await readFile(join(a.opts.dataDir, 'sandboxes', 'bench-exec', 'state.json'), 'utf8')) as { init_pid: number; init_start: string };
   const helperDir = join(a.opts.dataDir, 'runtime-helper');
   const helper = join(helperDir, (await readdir(helperDir)).find((n) => /^fleet-sandbox-[0-9a-f]+$/.test(n))!);
-  const cg = (await readFile(`/proc/${state.init_pid}/cgroup`, 'utf8')).trim().split('\n').map((l) => l.split(':').slice(2).join(':'));
-  const cgArgs = cg.map((c) => ['--cg', join('/sys/fs/cgroup', c, 'cgroup.procs')]).flat();
+  const cgArgs = Cgroups.detect(`fleet-${a.opts.bridgePrefix}`).procsFiles('bench-exec').flatMap((f) => ['--cg', f]);
   const enter = [helper, 'enter', String(state.init_pid), '--start', state.init_start, ...cgArgs, '--cwd', '/', '--', 'exec', 'true'];
   const nodeSpawn = async (argv: string[]): Promise<number> => {
     const t0 = performance.now();
     await new Promise<void>((resolve, reject) => {
       const c = spawn(argv[0]!, argv.slice(1), { detached: true, stdio: ['ignore', 'pipe', 'pipe'], env: { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') } });
+      let err = '';
       c.stdout.resume();
-      c.stderr.resume();
+      c.stderr.setEncoding('utf8').on('data', (d: string) => (err += d));
       c.once('error', reject);
-      c.once('close', (code) => (code === 0 ? resolve() : reject(new Error(`${argv[0]} exited ${code}`))));
+      c.once('close', (code) => (code === 0 ? resolve() : reject(new Error(`${argv[0]} exited ${code}: ${err}`))));
     });
     return performance.now() - t0;
   };
