@@ -7,6 +7,7 @@ import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { Cgroups } from '../src/agent/backend/process/cgroups.js';
+import { spawnViaSpawner } from '../src/agent/backend/process/guest-process.js';
 import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../test/agent/harness.js';
 
 /**
@@ -17,7 +18,8 @@ import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSub
  * 2. exec round trip of `true`, p50 over --execs (default 200), and beside it,
  *    in the same run, the profile: an HTTP round trip that spawns nothing
  *    (GET the VM), the spawn-to-exit time the agent reports, a Node spawn of
- *    /bin/true and of the helper's `enter … true` from this process, and the
+ *    /bin/true and of the helper's `enter … true` from this process (the old
+ *    path), the same through agent A's exec spawner socket (the new one), and the
  *    same helper run from a static busybox sh loop (fork+exec from a small
  *    process: what a long-lived spawner could reach);
  * 3. artifact pull of a --gib GiB (default 1) checkpoint from A to B, with
@@ -179,6 +181,15 @@ async function execProfile(a: RunningAgent, execs: number, log: (s: string) => v
   const helper = join(helperDir, (await readdir(helperDir)).find((n) => /^fleet-sandbox-[0-9a-f]+$/.test(n))!);
   const cgArgs = Cgroups.detect(`fleet-${a.opts.bridgePrefix}`).procsFiles('bench-exec').flatMap((f) => ['--cg', f]);
   const enter = [helper, 'enter', String(state.init_pid), '--start', state.init_start, ...cgArgs, '--cwd', '/', '--', 'exec', 'true'];
+  const viaSpawner = async (): Promise<number> => {
+    const t0 = performance.now();
+    const h = spawnViaSpawner(join(a.opts.dataDir, 'exec.sock'), enter.slice(1), { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') }, false);
+    h.stdout.resume();
+    h.stderr.resume();
+    const st = await h.wait();
+    if (st.exitCode !== 0) throw new Error(`exec through the spawner exited ${st.exitCode ?? st.signal}`);
+    return performance.now() - t0;
+  };
   const nodeSpawn = async (argv: string[]): Promise<number> => {
     const t0 = performance.now();
     await new Promise<void>((resolve, reject) => {
@@ -193,12 +204,15 @@ async function execProfile(a: RunningAgent, execs: number, log: (s: string) => v
   };
   const trueMs: number[] = [];
   const helperMs: number[] = [];
+  const spawnerMs: number[] = [];
   for (let i = 0; i < execs; i++) {
     trueMs.push(await nodeSpawn(['/bin/true']));
     helperMs.push(await nodeSpawn(enter));
+    spawnerMs.push(await viaSpawner());
   }
   log(`  peer: Node spawn of /bin/true from the bench process: ${f(trueMs)}`);
-  log(`  peer: Node spawn of the helper's enter … exec true from the bench process: ${f(helperMs)}`);
+  log(`  old path, no HTTP: Node spawn of the helper's enter … exec true from the bench process: ${f(helperMs)}`);
+  log(`  new path, no HTTP: the same enter … exec true through agent A's spawner socket, from the bench process: ${f(spawnerMs)}`);
   // A static shell forking the helper: the fork+exec of a small process instead of Node's.
   const loop = `i=0; while [ $i -lt ${execs} ]; do "$@" || exit 1; i=$((i+1)); done`;
   let t0 = performance.now();

@@ -210,86 +210,91 @@ export class Spawner {
 
   /** `enterArgs`: the helper's argv after its path (`enter …`); `hostEnv`: FLEET_E<n> only (encodeGuestEnv). */
   spawn(enterArgs: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
-    const strings = [...enterArgs, ...Object.entries(hostEnv).map(([k, v]) => `${k}=${v}`)];
-    const body = Buffer.concat([Buffer.alloc(8), ...strings.map((a) => Buffer.from(`${a}\0`, 'utf8'))]);
-    body.writeUInt32LE(enterArgs.length, 0);
-    body.writeUInt32LE(strings.length - enterArgs.length, 4);
-    const head = Buffer.alloc(4);
-    head.writeUInt32LE(body.length, 0);
-
-    const sock = connect({ path: this.socketPath, allowHalfOpen: true });
-    sock.write(Buffer.concat([head, body]));
-    if (!withStdin) sock.end();
-    const stdout = new PassThrough();
-    const stderr = new PassThrough();
-    let pgid: number | undefined;
-    let pendingSignal: NodeJS.Signals | undefined;
-    let status: ExitStatus | undefined;
-    let gone = false;
-    let failure: Error | undefined;
-    const signalGroup = (signal: NodeJS.Signals): void => {
-      if (gone || status) return;
-      if (pgid === undefined) pendingSignal = signal;
-      else killGroup(pgid, signal);
-    };
-    let buf: Buffer = Buffer.alloc(0);
-    const resumeSock = (): void => {
-      if (!stdout.writableNeedDrain && !stderr.writableNeedDrain) sock.resume();
-    };
-    stdout.on('drain', resumeSock);
-    stderr.on('drain', resumeSock);
-    sock.on('data', (chunk: Buffer) => {
-      buf = buf.length === 0 ? chunk : Buffer.concat([buf, chunk]);
-      while (buf.length >= 5) {
-        const len = buf.readUInt32LE(1);
-        if (buf.length < 5 + len) break;
-        const type = String.fromCharCode(buf[0]!);
-        const payload = buf.subarray(5, 5 + len);
-        buf = buf.subarray(5 + len);
-        if (type === 'P') {
-          pgid = payload.readUInt32LE(0);
-          if (pendingSignal) killGroup(pgid, pendingSignal);
-        } else if (type === 'O' || type === 'R') {
-          if (!(type === 'O' ? stdout : stderr).write(payload)) sock.pause();
-        } else if (type === 'X') {
-          const code = payload.readInt32LE(0);
-          const sig = payload.readInt32LE(4);
-          status = sig ? { exitCode: null, signal: signalNames.get(sig) ?? 'SIGKILL' } : { exitCode: code, signal: null };
-          // The relay leaves once this side closes: only now may its pid be reused.
-          sock.end();
-        }
-      }
-    });
-    sock.on('error', (err) => {
-      if (pgid === undefined) failure = err;
-    });
-    const exited = new Promise<ExitStatus>((resolve, reject) => {
-      sock.once('close', () => {
-        gone = true;
-        stdout.end();
-        stderr.end();
-        if (status) resolve(status);
-        else if (failure) reject(sandboxFailed(`could not start the process: ${failure.message}`, {}, failure));
-        // The relay died without a status: its group was killed (as a spawned helper's would be).
-        else resolve({ exitCode: null, signal: 'SIGKILL' });
-      });
-    });
-    exited.catch(() => undefined);
-    const stdin = withStdin
-      ? new Writable({
-          write(chunk: Buffer, _enc, cb) {
-            if (sock.writableEnded || sock.destroyed) return cb();
-            sock.write(chunk, () => cb());
-          },
-          final(cb) {
-            if (!sock.writableEnded && !sock.destroyed) sock.end();
-            cb();
-          },
-        })
-      : endedWritable();
-    stdin.on('error', () => undefined);
-    return { stdout, stderr, stdin, resize: () => undefined, kill: (signal = 'SIGKILL') => signalGroup(signal), wait: () => exited };
+    return spawnViaSpawner(this.socketPath, enterArgs, hostEnv, withStdin);
   }
+}
+
+/** One exec through a spawner's socket (see Spawner; the protocol is in fleet-sandbox.c). */
+export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
+  const strings = [...enterArgs, ...Object.entries(hostEnv).map(([k, v]) => `${k}=${v}`)];
+  const body = Buffer.concat([Buffer.alloc(8), ...strings.map((a) => Buffer.from(`${a}\0`, 'utf8'))]);
+  body.writeUInt32LE(enterArgs.length, 0);
+  body.writeUInt32LE(strings.length - enterArgs.length, 4);
+  const head = Buffer.alloc(4);
+  head.writeUInt32LE(body.length, 0);
+
+  const sock = connect({ path: socketPath, allowHalfOpen: true });
+  sock.write(Buffer.concat([head, body]));
+  if (!withStdin) sock.end();
+  const stdout = new PassThrough();
+  const stderr = new PassThrough();
+  let pgid: number | undefined;
+  let pendingSignal: NodeJS.Signals | undefined;
+  let status: ExitStatus | undefined;
+  let gone = false;
+  let failure: Error | undefined;
+  const signalGroup = (signal: NodeJS.Signals): void => {
+    if (gone || status) return;
+    if (pgid === undefined) pendingSignal = signal;
+    else killGroup(pgid, signal);
+  };
+  let buf: Buffer = Buffer.alloc(0);
+  const resumeSock = (): void => {
+    if (!stdout.writableNeedDrain && !stderr.writableNeedDrain) sock.resume();
+  };
+  stdout.on('drain', resumeSock);
+  stderr.on('drain', resumeSock);
+  sock.on('data', (chunk: Buffer) => {
+    buf = buf.length === 0 ? chunk : Buffer.concat([buf, chunk]);
+    while (buf.length >= 5) {
+      const len = buf.readUInt32LE(1);
+      if (buf.length < 5 + len) break;
+      const type = String.fromCharCode(buf[0]!);
+      const payload = buf.subarray(5, 5 + len);
+      buf = buf.subarray(5 + len);
+      if (type === 'P') {
+        pgid = payload.readUInt32LE(0);
+        if (pendingSignal) killGroup(pgid, pendingSignal);
+      } else if (type === 'O' || type === 'R') {
+        if (!(type === 'O' ? stdout : stderr).write(payload)) sock.pause();
+      } else if (type === 'X') {
+        const code = payload.readInt32LE(0);
+        const sig = payload.readInt32LE(4);
+        status = sig ? { exitCode: null, signal: signalNames.get(sig) ?? 'SIGKILL' } : { exitCode: code, signal: null };
+        // The relay leaves once this side closes: only now may its pid be reused.
+        sock.end();
+      }
+    }
+  });
+  sock.on('error', (err) => {
+    if (pgid === undefined) failure = err;
+  });
+  const exited = new Promise<ExitStatus>((resolve, reject) => {
+    sock.once('close', () => {
+      gone = true;
+      stdout.end();
+      stderr.end();
+      if (status) resolve(status);
+      else if (failure) reject(sandboxFailed(`could not start the process: ${failure.message}`, {}, failure));
+      // The relay died without a status: its group was killed (as a spawned helper's would be).
+      else resolve({ exitCode: null, signal: 'SIGKILL' });
+    });
+  });
+  exited.catch(() => undefined);
+  const stdin = withStdin
+    ? new Writable({
+        write(chunk: Buffer, _enc, cb) {
+          if (sock.writableEnded || sock.destroyed) return cb();
+          sock.write(chunk, () => cb());
+        },
+        final(cb) {
+          if (!sock.writableEnded && !sock.destroyed) sock.end();
+          cb();
+        },
+      })
+    : endedWritable();
+  stdin.on('error', () => undefined);
+  return { stdout, stderr, stdin, resize: () => undefined, kill: (signal = 'SIGKILL') => signalGroup(signal), wait: () => exited };
 }
 
 function killGroup(pid: number | undefined, signal: NodeJS.Signals): void {
