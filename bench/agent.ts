@@ -6,6 +6,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
+import { get as httpGet } from 'node:http';
+import { fetchFile } from '../src/agent/artifacts.js';
 import { Cgroups } from '../src/agent/backend/process/cgroups.js';
 import { spawnViaSpawner } from '../src/agent/backend/process/guest-process.js';
 import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../test/agent/harness.js';
@@ -122,6 +124,25 @@ export default async function agentBench(args: string[]): Promise<void> {
       copyRates.push(await plainCopy(false));
       hashRates.push(await plainCopy(true));
       const grant = await a.client.grantArtifact(cp.id, 600);
+      // Where a pull's time goes: the same file from agent A's artifact route, received by this process (a) into
+      // /dev/null (the sender and HTTP alone), (b) with the receiver the agent uses (worker thread, sha256, file).
+      const fileUrl = `${a.url}/v1/artifacts/${cp.id}/files/rootfs.tar`;
+      const auth = { authorization: `Bearer ${grant.grant}` };
+      let t = performance.now();
+      await new Promise<void>((resolve, reject) => {
+        httpGet(fileUrl, { headers: auth }, (res) => {
+          res.on('data', () => undefined);
+          res.on('end', resolve);
+          res.on('error', reject);
+        }).on('error', reject);
+      });
+      const nullRate = cp.size_bytes / 1e6 / ((performance.now() - t) / 1000);
+      t = performance.now();
+      const recvDst = join(b.opts.dataDir, 'recv-peer.tar');
+      const got = await fetchFile(fileUrl, auth, AbortSignal.timeout(600_000), recvDst);
+      const recvRate = got.size / 1e6 / ((performance.now() - t) / 1000);
+      await rm(recvDst);
+      log(`  round ${round} peers: HTTP from A into /dev/null ${nullRate.toFixed(0)} MB/s; the agent's receiver (worker, sha256, file) in this process ${recvRate.toFixed(0)} MB/s`);
       t0 = performance.now();
       const moved = await b.client.pullArtifact(
         { snapshot_id: `${cp.id}-pull${round}`, source_snapshot_id: cp.id, digest: cp.digest, from: { url: a.url, grant: grant.grant } },

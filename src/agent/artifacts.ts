@@ -306,7 +306,7 @@ function receive(url: string, headers: Record<string, string>, fd: number, signa
   });
 }
 
-async function fetchFile(url: string, headers: Record<string, string>, signal: AbortSignal, dest: string): Promise<{ size: number; sha256: string }> {
+export async function fetchFile(url: string, headers: Record<string, string>, signal: AbortSignal, dest: string): Promise<{ size: number; sha256: string }> {
   const fh = await open(dest, 'wx', 0o600);
   let r: ReceiverResult;
   try {
