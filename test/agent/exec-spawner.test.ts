@@ -166,8 +166,10 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     term.kill('SIGTERM');
     const t = await run(term);
     assert.deepEqual([t.exitCode, t.stdout.toString()], [3, 'got-term\n']);
-    const sleeper = await b.spawn('sp', { argv: ['sleep', '60'], stdin: false });
+    const sleeper = await b.spawn('sp', { argv: ['sleep', '60'], stdin: true });
     const t0 = performance.now();
+    sleeper.stdin.write('stdin left open\n');
+    await new Promise((r) => setTimeout(r, 100));
     sleeper.kill('SIGKILL');
     assert.equal((await sleeper.wait()).signal, 'SIGKILL');
     assert.ok(performance.now() - t0 < 5000);

@@ -266,6 +266,8 @@ export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[]
       }
     }
   });
+  // The relay is gone (its status sent, or its group killed): nothing more to send it.
+  sock.on('end', () => sock.end());
   sock.on('error', (err) => {
     if (pgid === undefined) failure = err;
   });
