@@ -178,23 +178,6 @@ export default async function agentBench(args: string[]): Promise<void> {
 
 /** Exec of `true` through the API, and where its time goes, all on one warm sandbox in the same run. */
 async function execProfile(a: RunningAgent, execs: number, log: (s: string) => void): Promise<void> {
-  const execMs: number[] = [];
-  const insideMs: number[] = [];
-  const getMs: number[] = [];
-  for (let i = 0; i < execs; i++) {
-    let t0 = performance.now();
-    const r = await a.client.exec('bench-exec', { argv: ['true'] });
-    execMs.push(performance.now() - t0);
-    insideMs.push(r.duration_ms);
-    if (r.exit_code !== 0) throw new Error(`exec of true exited ${r.exit_code}`);
-    t0 = performance.now();
-    await a.client.getVm('bench-exec');
-    getMs.push(performance.now() - t0);
-  }
-  const f = (xs: number[]) => `p50 ${pct(xs, 50).toFixed(2)} ms, p99 ${pct(xs, 99).toFixed(2)} ms`;
-  log(`exec round trip of true: ${f(execMs)} (n=${execs})`);
-  log(`  of which spawn → exit inside the agent (duration_ms): ${f(insideMs)}`);
-  log(`  peer: GET /v1/vms/:name round trip (same HTTP and auth path, no spawn): ${f(getMs)}`);
 
   // The helper's own share, outside the agent: the same argv the agent runs, from this process.
   const state = JSON.parse(await readFile(join(a.opts.dataDir, 'sandboxes', 'bench-exec', 'state.json'), 'utf8')) as { init_pid: number; init_start: string };
@@ -223,14 +206,30 @@ async function execProfile(a: RunningAgent, execs: number, log: (s: string) => v
     });
     return performance.now() - t0;
   };
+  // Interleaved, one of each per iteration: on a shared machine the load changes from second to second.
+  const execMs: number[] = [];
+  const insideMs: number[] = [];
+  const getMs: number[] = [];
   const trueMs: number[] = [];
   const helperMs: number[] = [];
   const spawnerMs: number[] = [];
   for (let i = 0; i < execs; i++) {
+    let t0 = performance.now();
+    const r = await a.client.exec('bench-exec', { argv: ['true'] });
+    execMs.push(performance.now() - t0);
+    insideMs.push(r.duration_ms);
+    if (r.exit_code !== 0) throw new Error(`exec of true exited ${r.exit_code}`);
+    t0 = performance.now();
+    await a.client.getVm('bench-exec');
+    getMs.push(performance.now() - t0);
     trueMs.push(await nodeSpawn(['/bin/true']));
     helperMs.push(await nodeSpawn(enter));
     spawnerMs.push(await viaSpawner());
   }
+  const f = (xs: number[]) => `p50 ${pct(xs, 50).toFixed(2)} ms, p99 ${pct(xs, 99).toFixed(2)} ms`;
+  log(`exec round trip of true: ${f(execMs)} (n=${execs})`);
+  log(`  of which spawn → exit inside the agent (duration_ms): ${f(insideMs)}`);
+  log(`  peer: GET /v1/vms/:name round trip (same HTTP and auth path, no spawn): ${f(getMs)}`);
   log(`  peer: Node spawn of /bin/true from the bench process: ${f(trueMs)}`);
   log(`  old path, no HTTP: Node spawn of the helper's enter … exec true from the bench process: ${f(helperMs)}`);
   log(`  new path, no HTTP: the same enter … exec true through agent A's spawner socket, from the bench process: ${f(spawnerMs)}`);
