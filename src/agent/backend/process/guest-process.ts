@@ -233,6 +233,7 @@ export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[]
   let status: ExitStatus | undefined;
   let gone = false;
   let failure: Error | undefined;
+  let settle: ((st: ExitStatus) => void) | undefined;
   const signalGroup = (signal: NodeJS.Signals): void => {
     if (gone || status) return;
     if (pgid === undefined) pendingSignal = signal;
@@ -261,7 +262,11 @@ export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[]
         const code = payload.readInt32LE(0);
         const sig = payload.readInt32LE(4);
         status = sig ? { exitCode: null, signal: signalNames.get(sig) ?? 'SIGKILL' } : { exitCode: code, signal: null };
-        // The relay leaves once this side closes: only now may its pid be reused.
+        // Every output frame came before the status: the caller has it all now, without waiting for the close.
+        stdout.end();
+        stderr.end();
+        settle?.(status);
+        // The relay leaves once this side closes: only now may its pid be reused (status is set: no more signals).
         sock.end();
       }
     }
@@ -272,10 +277,11 @@ export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[]
     if (pgid === undefined) failure = err;
   });
   const exited = new Promise<ExitStatus>((resolve, reject) => {
+    settle = resolve;
     sock.once('close', () => {
       gone = true;
-      stdout.end();
-      stderr.end();
+      if (!stdout.writableEnded) stdout.end();
+      if (!stderr.writableEnded) stderr.end();
       if (status) resolve(status);
       else if (failure) reject(sandboxFailed(`could not start the process: ${failure.message}`, {}, failure));
       // The relay died without a status: its group was killed (as a spawned helper's would be).
