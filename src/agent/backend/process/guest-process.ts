@@ -195,12 +195,23 @@ export class Spawner {
       child.once('exit', (code, signal) => {
         const was = this.up;
         this.up = false;
-        if (!was) reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
+        if (!was) return reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
         if (this.closed) return;
         this.onError(new Error(`the exec spawner exited (${signal ?? code}): ${stderr.trim()}; restarting it`));
-        setTimeout(() => this.launch().catch((err: Error) => this.onError(err)), 200).unref();
+        this.restart(200);
       });
     });
+  }
+
+  /** A failed restart is retried every 5 s; meanwhile execs spawn the helper. */
+  private restart(delayMs: number): void {
+    setTimeout(() => {
+      if (this.closed) return;
+      this.launch().catch((err: Error) => {
+        this.onError(err);
+        this.restart(5000);
+      });
+    }, delayMs).unref();
   }
 
   close(): void {
