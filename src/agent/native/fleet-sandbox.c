@@ -36,6 +36,24 @@
  *         unlink PATH
  *       The host-side parent waits and exits with the child's status (a
  *       fatal signal is re-raised), so a caller sees the guest's status.
+ *   fleet-sandbox serve SOCKET
+ *       The agent's long-lived spawner, so an exec costs a fork of this small
+ *       process instead of a fork of Node plus an execve: listens on SOCKET
+ *       (a path in the agent's 0700 data directory, made 0600), accepts only
+ *       connections from uid 0, and per connection forks a relay that runs
+ *       exactly `enter` (and nothing else) with the request's arguments and
+ *       FLEET_E<n> environment, over pipes it relays as frames. The protocol
+ *       (all integers little-endian):
+ *         agent -> relay: u32 length, then u32 nargs, u32 nenv and that many
+ *           NUL-terminated strings (args after "enter", then FLEET_E<n>=hex);
+ *           then the guest's raw stdin; a half-close is its end of input.
+ *         relay -> agent: frames of u8 type, u32 length, payload: 'P' u32
+ *           the relay's pid (its process group: the agent signals it as it
+ *           signals a spawned helper), 'O' stdout bytes, 'R' stderr bytes,
+ *           'X' i32 exit code (-1 when signalled), i32 signal number.
+ *       The relay stays until the agent closes its side, so the process
+ *       group the agent may still signal is never a reused pid; if the
+ *       agent vanishes (hang-up), the relay kills its group.
  *
  * Confinement, in this order: capability bounding set and capsets reduced
  * to Docker's default set minus MKNOD, SYS_CHROOT and (unless --net-raw)
@@ -551,12 +569,215 @@ static int cmd_enter(int argc, char **argv) {
   return 128 + sig;
 }
 
+/* ---- serve ---- */
+
+#include <poll.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#define MAX_REQUEST (4u << 20)
+
+static int read_full(int fd, void *buf, size_t n) {
+  for (size_t off = 0; off < n;) {
+    ssize_t r = read(fd, (char *)buf + off, n - off);
+    if (r == 0) return -1;
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    off += (size_t)r;
+  }
+  return 0;
+}
+
+static int write_full(int fd, const void *buf, size_t n) {
+  for (size_t off = 0; off < n;) {
+    ssize_t w = write(fd, (const char *)buf + off, n - off);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    off += (size_t)w;
+  }
+  return 0;
+}
+
+static void send_frame(int conn, char type, const void *data, uint32_t len) {
+  unsigned char hdr[5] = {(unsigned char)type, (unsigned char)len, (unsigned char)(len >> 8), (unsigned char)(len >> 16), (unsigned char)(len >> 24)};
+  /* The agent is gone: nobody is left to read the guest's output or to stop it. */
+  if (write_full(conn, hdr, 5) < 0 || (len && write_full(conn, data, len) < 0)) kill(0, SIGKILL);
+}
+
+static uint32_t le32(const unsigned char *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void relay(int conn) {
+  if (setsid() < 0) _exit(125);
+  signal(SIGCHLD, SIG_DFL);
+  for (size_t s = 0; s < sizeof FORWARDED / sizeof FORWARDED[0]; s++) signal(FORWARDED[s], SIG_IGN);
+  uint32_t me = (uint32_t)getpid();
+  unsigned char pidle[4] = {(unsigned char)me, (unsigned char)(me >> 8), (unsigned char)(me >> 16), (unsigned char)(me >> 24)};
+  send_frame(conn, 'P', pidle, 4);
+
+  unsigned char lenb[4];
+  if (read_full(conn, lenb, 4) < 0) _exit(125);
+  uint32_t len = le32(lenb);
+  if (len < 8 || len > MAX_REQUEST) _exit(125);
+  char *req = malloc((size_t)len + 1);
+  if (!req || read_full(conn, req, len) < 0) _exit(125);
+  req[len] = 0;
+  uint32_t nargs = le32((unsigned char *)req), nenv = le32((unsigned char *)req + 4);
+  if (nargs < 2 || nargs > len || nenv > len) _exit(125);
+  char **argv = calloc((size_t)nargs + 2, sizeof *argv);
+  char **envv = calloc((size_t)nenv + 1, sizeof *envv);
+  if (!argv || !envv) _exit(125);
+  argv[0] = "fleet-sandbox";
+  argv[1] = "enter";
+  char *p = req + 8, *end = req + len;
+  for (uint32_t i = 0; i < nargs + nenv; i++) {
+    char *z = memchr(p, 0, (size_t)(end - p));
+    if (!z) _exit(125);
+    if (i < nargs) argv[i + 1] = p;
+    else envv[i - nargs] = p;
+    p = z + 1;
+  }
+  /* Only `enter`: the socket is never a way to mount, boot or anything else the helper can do. */
+  if (strcmp(argv[1], "enter") != 0 || strcmp(req + 8, "enter") != 0) _exit(125);
+  for (uint32_t i = 0; i < nenv; i++)
+    if (strncmp(envv[i], "FLEET_E", 7) != 0 || !strchr(envv[i], '=')) _exit(125);
+
+  int in[2], out[2], err[2];
+  if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) _exit(125);
+  pid_t child = fork();
+  if (child < 0) _exit(125);
+  if (child == 0) {
+    /* From here on exactly what a helper spawned by the agent would be: stdio on pipes, nothing else open, default signals. */
+    if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) _exit(125);
+    if (syscall(SYS_close_range, 3, ~0U, 0) < 0) _exit(125);
+    for (int sig = 1; sig < 32; sig++) signal(sig, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    clearenv();
+    for (uint32_t i = 0; i < nenv; i++)
+      if (putenv(envv[i]) != 0) _exit(125);
+    _exit(cmd_enter((int)nargs + 1, argv));
+  }
+  close(in[0]);
+  close(out[1]);
+  close(err[1]);
+  fcntl(in[1], F_SETFL, O_NONBLOCK);
+
+  static char buf[1 << 16], inbuf[1 << 16];
+  size_t inlen = 0, inoff = 0;
+  int conn_eof = 0, out_open = 1, err_open = 1, in_open = 1;
+  while (out_open || err_open) {
+    struct pollfd fds[4] = {
+        {conn, (short)(!conn_eof && inlen == 0 ? POLLIN : 0), 0},
+        {out_open ? out[0] : -1, POLLIN, 0},
+        {err_open ? err[0] : -1, POLLIN, 0},
+        {in_open && inlen > 0 ? in[1] : -1, POLLOUT, 0},
+    };
+    if (poll(fds, 4, -1) < 0) {
+      if (errno == EINTR) continue;
+      kill(0, SIGKILL);
+    }
+    if (fds[0].revents & (POLLHUP | POLLERR)) kill(0, SIGKILL);
+    if (fds[0].revents & POLLIN) {
+      ssize_t r = read(conn, inbuf, sizeof inbuf);
+      if (r > 0 && in_open) inlen = (size_t)r, inoff = 0;
+      else if (r == 0) {
+        conn_eof = 1;
+        if (in_open) close(in[1]), in_open = 0;
+      } else if (r < 0 && errno != EINTR) kill(0, SIGKILL);
+    }
+    if (fds[3].revents) {
+      ssize_t w = write(in[1], inbuf + inoff, inlen - inoff);
+      if (w > 0) {
+        inoff += (size_t)w;
+        if (inoff == inlen) inlen = inoff = 0;
+      } else if (w < 0 && errno != EAGAIN && errno != EINTR) {
+        /* The guest closed its stdin: what is still sent is dropped, as a pipe would. */
+        close(in[1]), in_open = 0, inlen = inoff = 0;
+      }
+      if (!in_open || (conn_eof && inlen == 0 && in_open)) {
+        if (in_open) close(in[1]), in_open = 0;
+      }
+    }
+    for (int k = 1; k <= 2; k++) {
+      if (!fds[k].revents) continue;
+      int fd = k == 1 ? out[0] : err[0];
+      ssize_t r = read(fd, buf, sizeof buf);
+      if (r > 0) send_frame(conn, k == 1 ? 'O' : 'R', buf, (uint32_t)r);
+      else if (r == 0 || errno != EINTR) {
+        close(fd);
+        if (k == 1) out_open = 0;
+        else err_open = 0;
+      }
+    }
+  }
+  int status;
+  while (waitpid(child, &status, 0) < 0) {
+    if (errno != EINTR) kill(0, SIGKILL);
+  }
+  int32_t code = WIFEXITED(status) ? WEXITSTATUS(status) : -1, sig = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  unsigned char x[8];
+  for (int b = 0; b < 4; b++) x[b] = (unsigned char)((uint32_t)code >> (8 * b)), x[4 + b] = (unsigned char)((uint32_t)sig >> (8 * b));
+  send_frame(conn, 'X', x, 8);
+  /* Until the agent closes its side: only then may this pid (its process group) be reused. */
+  while (read(conn, buf, sizeof buf) > 0) {
+  }
+  _exit(0);
+}
+
+static int cmd_serve(int argc, char **argv) {
+  if (argc != 3) usage();
+  clearenv();
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  struct sockaddr_un addr;
+  memset(&addr, 0, sizeof addr);
+  addr.sun_family = AF_UNIX;
+  if (strlen(argv[2]) >= sizeof addr.sun_path) usage();
+  strcpy(addr.sun_path, argv[2]);
+  int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (lfd < 0) fail("socket", NULL);
+  unlink(argv[2]);
+  mode_t old = umask(0177);
+  if (bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0) fail("bind", argv[2]);
+  umask(old);
+  if (chmod(argv[2], 0600) < 0 || listen(lfd, 128) < 0) fail("listen", argv[2]);
+  signal(SIGCHLD, SIG_IGN); /* relays are reaped by the kernel */
+  signal(SIGPIPE, SIG_IGN);
+  if (write(1, "ready\n", 6) != 6) fail("write the ready signal", NULL);
+  for (;;) {
+    int conn = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) continue;
+      fail("accept", NULL);
+    }
+    struct ucred cred;
+    socklen_t cl = sizeof cred;
+    if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cl) < 0 || cred.uid != 0) {
+      close(conn);
+      continue;
+    }
+    pid_t r = fork();
+    if (r == 0) {
+      close(lfd);
+      relay(conn);
+    }
+    close(conn);
+  }
+  return 125;
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) usage();
   if (strcmp(argv[1], "boot") == 0) return cmd_boot(argc, argv);
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
   if (strcmp(argv[1], "wait-root") == 0) return cmd_wait_root(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
+  if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
   usage();
   return 125;
 }

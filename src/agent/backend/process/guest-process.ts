@@ -1,4 +1,5 @@
-import { spawn } from 'node:child_process';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { connect } from 'node:net';
 import { existsSync } from 'node:fs';
 import { readFile, readlink } from 'node:fs/promises';
 import { constants as osConstants } from 'node:os';
@@ -169,6 +170,172 @@ function spawnScriptPty(argv: readonly string[], hostEnv: Record<string, string>
     },
     wait: () => exited,
   };
+}
+
+/**
+ * The helper's `serve` mode (fleet-sandbox.c): one long-lived process per
+ * agent that forks a relay per exec, which runs the helper's `enter` with the
+ * same arguments and environment the agent would have spawned it with. Node
+ * forking itself for every exec cost most of an exec's time. While it is not
+ * running (not yet started, died and being restarted) `ready` is false and
+ * callers spawn the helper directly.
+ */
+export class Spawner {
+  private child: ChildProcess | undefined;
+  private closed = false;
+  private up = false;
+
+  private constructor(
+    private readonly helper: string,
+    readonly socketPath: string,
+    private readonly onError: (err: Error) => void,
+  ) {}
+
+  /** Starts the spawner and waits for it to listen; null when the socket path is too long for a unix socket. */
+  static async start(helper: string, socketPath: string, onError: (err: Error) => void): Promise<Spawner | null> {
+    if (Buffer.byteLength(socketPath) >= 100) return null;
+    const s = new Spawner(helper, socketPath, onError);
+    await s.launch();
+    return s;
+  }
+
+  get ready(): boolean {
+    return this.up && !this.closed;
+  }
+
+  private launch(): Promise<void> {
+    return new Promise((resolve, reject) => {
+      const child = spawn(this.helper, ['serve', this.socketPath], { stdio: ['ignore', 'pipe', 'pipe'], env: {} });
+      this.child = child;
+      let stderr = '';
+      child.stderr!.setEncoding('utf8').on('data', (d: string) => (stderr = (stderr + d).slice(-500)));
+      child.stdout!.setEncoding('utf8').once('data', () => {
+        this.up = true;
+        resolve();
+      });
+      child.once('error', reject);
+      child.once('exit', (code, signal) => {
+        const was = this.up;
+        this.up = false;
+        if (!was) return reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
+        if (this.closed) return;
+        this.onError(new Error(`the exec spawner exited (${signal ?? code}): ${stderr.trim()}; restarting it`));
+        this.restart(200);
+      });
+    });
+  }
+
+  /** A failed restart is retried every 5 s; meanwhile execs spawn the helper. */
+  private restart(delayMs: number): void {
+    setTimeout(() => {
+      if (this.closed) return;
+      this.launch().catch((err: Error) => {
+        this.onError(err);
+        this.restart(5000);
+      });
+    }, delayMs).unref();
+  }
+
+  close(): void {
+    this.closed = true;
+    this.child?.kill('SIGKILL');
+  }
+
+  /** `enterArgs`: the helper's argv after its path (`enter …`); `hostEnv`: FLEET_E<n> only (encodeGuestEnv). */
+  spawn(enterArgs: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
+    return spawnViaSpawner(this.socketPath, enterArgs, hostEnv, withStdin);
+  }
+}
+
+/** One exec through a spawner's socket (see Spawner; the protocol is in fleet-sandbox.c). */
+export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
+  const strings = [...enterArgs, ...Object.entries(hostEnv).map(([k, v]) => `${k}=${v}`)];
+  const body = Buffer.concat([Buffer.alloc(8), ...strings.map((a) => Buffer.from(`${a}\0`, 'utf8'))]);
+  body.writeUInt32LE(enterArgs.length, 0);
+  body.writeUInt32LE(strings.length - enterArgs.length, 4);
+  const head = Buffer.alloc(4);
+  head.writeUInt32LE(body.length, 0);
+
+  const sock = connect({ path: socketPath, allowHalfOpen: true });
+  sock.write(Buffer.concat([head, body]));
+  if (!withStdin) sock.end();
+  const stdout = new PassThrough();
+  const stderr = new PassThrough();
+  let pgid: number | undefined;
+  let pendingSignal: NodeJS.Signals | undefined;
+  let status: ExitStatus | undefined;
+  let gone = false;
+  let failure: Error | undefined;
+  let settle: ((st: ExitStatus) => void) | undefined;
+  const signalGroup = (signal: NodeJS.Signals): void => {
+    if (gone || status) return;
+    if (pgid === undefined) pendingSignal = signal;
+    else killGroup(pgid, signal);
+  };
+  let buf: Buffer = Buffer.alloc(0);
+  const resumeSock = (): void => {
+    if (!stdout.writableNeedDrain && !stderr.writableNeedDrain) sock.resume();
+  };
+  stdout.on('drain', resumeSock);
+  stderr.on('drain', resumeSock);
+  sock.on('data', (chunk: Buffer) => {
+    buf = buf.length === 0 ? chunk : Buffer.concat([buf, chunk]);
+    while (buf.length >= 5) {
+      const len = buf.readUInt32LE(1);
+      if (buf.length < 5 + len) break;
+      const type = String.fromCharCode(buf[0]!);
+      const payload = buf.subarray(5, 5 + len);
+      buf = buf.subarray(5 + len);
+      if (type === 'P') {
+        pgid = payload.readUInt32LE(0);
+        if (pendingSignal) killGroup(pgid, pendingSignal);
+      } else if (type === 'O' || type === 'R') {
+        if (!(type === 'O' ? stdout : stderr).write(payload)) sock.pause();
+      } else if (type === 'X') {
+        const code = payload.readInt32LE(0);
+        const sig = payload.readInt32LE(4);
+        status = sig ? { exitCode: null, signal: signalNames.get(sig) ?? 'SIGKILL' } : { exitCode: code, signal: null };
+        // Every output frame came before the status: the caller has it all now, without waiting for the close.
+        stdout.end();
+        stderr.end();
+        settle?.(status);
+        // The relay leaves once this side closes: only now may its pid be reused (status is set: no more signals).
+        sock.end();
+      }
+    }
+  });
+  // The relay is gone (its status sent, or its group killed): nothing more to send it.
+  sock.on('end', () => sock.end());
+  sock.on('error', (err) => {
+    if (pgid === undefined) failure = err;
+  });
+  const exited = new Promise<ExitStatus>((resolve, reject) => {
+    settle = resolve;
+    sock.once('close', () => {
+      gone = true;
+      if (!stdout.writableEnded) stdout.end();
+      if (!stderr.writableEnded) stderr.end();
+      if (status) resolve(status);
+      else if (failure) reject(sandboxFailed(`could not start the process: ${failure.message}`, {}, failure));
+      // The relay died without a status: its group was killed (as a spawned helper's would be).
+      else resolve({ exitCode: null, signal: 'SIGKILL' });
+    });
+  });
+  exited.catch(() => undefined);
+  const stdin = withStdin
+    ? new Writable({
+        write(chunk: Buffer, _enc, cb) {
+          if (sock.writableEnded || sock.destroyed) return cb();
+          sock.write(chunk, () => cb());
+        },
+        final(cb) {
+          if (!sock.writableEnded && !sock.destroyed) sock.end();
+          cb();
+        },
+      })
+    : endedWritable();
+  stdin.on('error', () => undefined);
+  return { stdout, stderr, stdin, resize: () => undefined, kill: (signal = 'SIGKILL') => signalGroup(signal), wait: () => exited };
 }
 
 function killGroup(pid: number | undefined, signal: NodeJS.Signals): void {

@@ -34,7 +34,7 @@ import { Cgroups } from './cgroups.js';
 import { CheckpointStore, expectedArchiveBytes } from './checkpoints.js';
 import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
 import { resolveInRoot } from './guest-path.js';
-import { spawnPiped, spawnPty } from './guest-process.js';
+import { Spawner, spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, launchInit, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
 import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { Firewall, type FirewallState } from './firewall.js';
@@ -178,6 +178,7 @@ export class ProcessBackend implements Backend {
   private readonly sandboxesDir: string;
   private closed = false;
   private saidLeftOut = false;
+  private spawner: Spawner | null = null;
 
   private constructor(
     private readonly opts: z.output<typeof optionsSchema>,
@@ -217,6 +218,10 @@ export class ProcessBackend implements Backend {
     const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, logger);
     await backend.checkpoints.init();
     await backend.recover();
+    backend.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) => logger?.warn({ err }, 'exec spawner')).catch((err: unknown) => {
+      logger?.warn({ err }, 'the exec spawner did not start: every exec spawns the helper');
+      return null;
+    });
     return backend;
   }
 
@@ -417,7 +422,9 @@ export class ProcessBackend implements Backend {
       return spawnPty(argv, checkExecSize(argv, encodeGuestEnv(env)), size, this.opts.pty);
     }
     const argv = await this.enter(record, { op: 'exec', argv: opts.argv }, cwd);
-    return spawnPiped(argv, checkExecSize(argv, encodeGuestEnv(env)), opts.stdin);
+    const hostEnv = checkExecSize(argv, encodeGuestEnv(env));
+    if (this.spawner?.ready) return this.spawner.spawn(argv.slice(1), hostEnv, opts.stdin);
+    return spawnPiped(argv, hostEnv, opts.stdin);
   }
 
   /** The helper's argv for `op` inside a running sandbox (its host environment is fixed: see spawnPiped). */
@@ -731,6 +738,7 @@ export class ProcessBackend implements Backend {
 
   async close(): Promise<void> {
     this.closed = true;
+    this.spawner?.close();
     for (const r of this.records.values()) await this.unpublish(r);
   }
 
