@@ -2,7 +2,8 @@ import type { Logger } from 'pino';
 import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
 import type { Position } from '../domain/event-store.port.js';
 import { vmStream } from '../domain/ids.js';
-import { migrationRecorder, type MigrationCommand, type MigrationStep } from '../domain/snapshot/migration.events.js';
+import { decodeMigrationStreamEvent, migrationDecider, type MigrationCommand } from '../domain/migration/migration.decider.js';
+import type { MigrationStep } from '../domain/migration/migration.events.js';
 import { placementRequestOf, type StoredVmSpec } from '../domain/vm/spec.js';
 import { vmDecider, type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
 import type { CommandHandler } from './command-handler.js';
@@ -79,7 +80,7 @@ export class ForkMigrate {
       if (t.status === 'unregistered') throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
     }
 
-    await this.record(vmId, { type: 'VmMigrationStarted', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } }, actor);
+    await this.record(vmId, { type: 'StartMigration', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } }, actor);
     let step: MigrationStep = 'snapshot';
     let snapshotId: string | undefined;
     let targetId: string | undefined;
@@ -157,7 +158,7 @@ export class ForkMigrate {
       }
       if (reserved && targetId) await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
       if (snapshotId) await this.snapshots.delete(snapshotId, actor, { force: true, reason: 'migrate' }).catch(() => undefined);
-      await this.record(vmId, { type: 'VmMigrationFailed', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
+      await this.record(vmId, { type: 'FailMigration', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
       throw new AppError(
         'MIGRATION_FAILED',
         e?.status ?? 502,
@@ -169,11 +170,11 @@ export class ForkMigrate {
   }
 
   private async stepDone(vmId: string, step: MigrationStep, detail: Record<string, string>, actor: Actor): Promise<Position | undefined> {
-    return this.record(vmId, { type: 'VmMigrationStepCompleted', data: { vm_id: vmId, step, detail } }, actor);
+    return this.record(vmId, { type: 'CompleteMigrationStep', data: { vm_id: vmId, step, detail } }, actor);
   }
 
   private async record(vmId: string, command: MigrationCommand, actor: Actor): Promise<Position | undefined> {
-    const r = await this.handler.handle(vmStream(vmId), migrationRecorder, () => undefined, command, actor, { expected: 'any' });
+    const r = await this.handler.handle(vmStream(vmId), migrationDecider, decodeMigrationStreamEvent, command, actor);
     return r.position;
   }
 }

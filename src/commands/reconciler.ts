@@ -6,8 +6,7 @@ import { AppError, NotFoundError } from '../domain/errors.js';
 import type { RecordedEvent } from '../domain/event-store.port.js';
 import { classifyHostAgentError, type HostAgent } from '../domain/host-agent.port.js';
 import { hostDecider, type HostCommand } from '../domain/host/host.decider.js';
-import type { Decider } from '../domain/decider.js';
-import { migrationEventSchema, type MigrationEvent } from '../domain/snapshot/migration.events.js';
+import { decodeMigrationStreamEvent, migrationDecider } from '../domain/migration/migration.decider.js';
 import { HEALTH_DEFAULTS, healthDecider, nextHealth, type HealthcheckSpec, type VmHealthState } from '../domain/health/health.decider.js';
 import { isHealthEventType, parseHealthEvent, VM_HEALTH_STREAM_PREFIX, type HealthEvent } from '../domain/health/health.events.js';
 import { hostStream, isValidId, vmStream } from '../domain/ids.js';
@@ -654,9 +653,11 @@ export class Reconciler {
     return (await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent)).state;
   }
 
-  /** The VM's state plus any migration in flight (its steps are on the VM stream, ignored by the VM decider). */
+  /** The VM's state plus any migration in flight before its switch (its steps are on the VM stream, ignored by the VM decider). */
   private async loadVmView(vmId: string): Promise<VmView> {
-    return (await this.handler.load(vmStream(vmId), vmViewDecider, decodeVmViewEvent)).state;
+    const vm = await this.loadVm(vmId);
+    const { state: m } = await this.handler.load(vmStream(vmId), migrationDecider, decodeMigrationStreamEvent);
+    return { vm, migrating: m.status === 'in_progress' && !m.switched ? { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) } : undefined };
   }
 
   /**
@@ -692,36 +693,6 @@ export class Reconciler {
 interface VmView {
   readonly vm: VmState;
   readonly migrating?: { readonly target: string | undefined; readonly lastStepAt: number } | undefined;
-}
-
-type VmViewEvent = VmEvent | MigrationEvent;
-
-const vmViewDecider: Decider<never, VmViewEvent, VmView> = {
-  decide: () => [],
-  initialState: { vm: vmDecider.initialState },
-  evolve(view, e) {
-    switch (e.type) {
-      case 'VmMigrationStarted':
-        return { ...view, migrating: { target: e.data.target_host_id, lastStepAt: Date.parse(e.data.at) } };
-      case 'VmMigrationStepCompleted':
-        if (!view.migrating) return view;
-        return { ...view, migrating: { target: e.data.step === 'place' ? (e.data.detail.host_id ?? view.migrating.target) : view.migrating.target, lastStepAt: Date.parse(e.data.at) } };
-      case 'VmMigrationFailed':
-        return { ...view, migrating: undefined };
-      case 'VmMigrated':
-        return { vm: vmDecider.evolve(view.vm, e), migrating: undefined };
-      default:
-        return { ...view, vm: vmDecider.evolve(view.vm, e) };
-    }
-  },
-};
-
-function decodeVmViewEvent(r: RecordedEvent): VmViewEvent | undefined {
-  if (r.type.startsWith('VmMigration')) {
-    const parsed = migrationEventSchema.safeParse({ type: r.type, data: r.data });
-    return parsed.success ? parsed.data : undefined;
-  }
-  return decodeVmEvent(r);
 }
 
 function decodeHealthEvent(r: RecordedEvent): HealthEvent | undefined {

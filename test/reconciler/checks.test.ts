@@ -7,7 +7,7 @@ import { CommandHandler } from '../../src/commands/command-handler.js';
 import { decodeHostEvent } from '../../src/commands/host-commands.js';
 import { hostDecider } from '../../src/domain/host/host.decider.js';
 import { hostStream, vmStream } from '../../src/domain/ids.js';
-import { migrationRecorder } from '../../src/domain/snapshot/migration.events.js';
+import { migrationRecorder } from '../support/migration-recorder.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 import { ADMIN_KEY, AgentFaultProxy, prepareTestImages, skipReason, sleep, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
 
