@@ -1,17 +1,19 @@
 import type { Logger } from 'pino';
+import { bindAggregate, type BoundOf } from './command-handler.js';
+import { migrationAggregate } from '../domain/migration/migration.decider.js';
+import { vmAggregate } from '../domain/vm/vm.aggregate.js';
 import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
 import type { Position } from '../domain/event-store.port.js';
-import { vmStream } from '../domain/ids.js';
-import { decodeMigrationStreamEvent, migrationDecider, type MigrationCommand } from '../domain/migration/migration.decider.js';
+import { type MigrationCommand } from '../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../domain/migration/migration.events.js';
 import { placementRequestOf, type StoredVmSpec } from '../domain/vm/spec.js';
-import { vmDecider, type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
+import { type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
 import type { CommandHandler } from './command-handler.js';
 import type { HostCommands } from './host-commands.js';
 import type { Placer } from './placement/place-and-reserve.js';
 import { bootSandbox } from './vm/boot-sandbox.js';
 import type { SnapshotCommands } from './snapshot-commands.js';
-import { decodeVmEvent, sandboxName, type Actor, type GuestInputs, type VmCommands } from './vm-commands.js';
+import { sandboxName, type Actor, type GuestInputs, type VmCommands } from './vm-commands.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -32,6 +34,9 @@ const LIVE_CAPABLE_BACKENDS: ReadonlySet<string> = new Set(['firecracker']);
  * target → destroy the source; the VM keeps its id).
  */
 export class ForkMigrate {
+  private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
+  private readonly vmHandler: BoundOf<typeof vmAggregate>;
+
   constructor(
     private readonly handler: CommandHandler,
     private readonly hosts: HostCommands,
@@ -39,7 +44,11 @@ export class ForkMigrate {
     private readonly vms: VmCommands,
     private readonly snapshots: SnapshotCommands,
     private readonly logger: Logger,
-  ) {}
+  ) {
+    this.migrationHandler = bindAggregate(handler, migrationAggregate);
+    this.vmHandler = bindAggregate(handler, vmAggregate);
+  }
+
 
   async fork(vmId: string, opts: { comment?: string | undefined; reuse_snapshot_id?: string | undefined }, actor: Actor): Promise<ForkResult> {
     const src = await this.vms.get(vmId, actor);
@@ -123,7 +132,7 @@ export class ForkMigrate {
       await this.stepDone(vmId, 'boot', { host_id: targetId }, actor);
 
       step = 'switch';
-      const switched = await this.handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, {
+      const switched = await this.vmHandler.handle(vmId, {
         type: 'CompleteMigration',
         data: { vm_id: vmId, from_host_id: fromHostId, host_id: targetId, decision: placed.choice.decision, reservation: placed.reservation, snapshot_id: snapshotId, url: info.ip ? `http://${info.ip}` : '', endpoints },
       } satisfies VmCommand, actor);
@@ -174,7 +183,7 @@ export class ForkMigrate {
   }
 
   private async record(vmId: string, command: MigrationCommand, actor: Actor): Promise<Position | undefined> {
-    const r = await this.handler.handle(vmStream(vmId), migrationDecider, decodeMigrationStreamEvent, command, actor);
+    const r = await this.migrationHandler.handle(vmId, command, actor);
     return r.position;
   }
 }

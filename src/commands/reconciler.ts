@@ -1,20 +1,22 @@
 import { createHash, randomUUID } from 'node:crypto';
+import { bindAggregate, type BoundOf } from './command-handler.js';
+import { deadLetterAggregate } from '../domain/deadletter/deadletter.aggregate.js';
+import { healthAggregate } from '../domain/health/health.aggregate.js';
+import { hostAggregate } from '../domain/host/host.aggregate.js';
+import { migrationAggregate } from '../domain/migration/migration.decider.js';
+import { vmAggregate } from '../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
-import { deadLetterDecider, type DeadLetterCommand, type DeadLetterState } from '../domain/deadletter/deadletter.decider.js';
-import { DEADLETTER_STREAM_PREFIX, isDeadLetterEventType, parseDeadLetterEvent, type DeadLetterEvent } from '../domain/deadletter/deadletter.events.js';
-import { AppError, NotFoundError } from '../domain/errors.js';
-import type { RecordedEvent } from '../domain/event-store.port.js';
+import { type DeadLetterCommand, type DeadLetterState } from '../domain/deadletter/deadletter.decider.js';
+import { AppError } from '../domain/errors.js';
 import { classifyHostAgentError, type HostAgent } from '../domain/host-agent.port.js';
-import { hostDecider, type HostCommand } from '../domain/host/host.decider.js';
-import { decodeMigrationStreamEvent, migrationDecider } from '../domain/migration/migration.decider.js';
-import { HEALTH_DEFAULTS, healthDecider, nextHealth, type HealthcheckSpec, type VmHealthState } from '../domain/health/health.decider.js';
-import { isHealthEventType, parseHealthEvent, VM_HEALTH_STREAM_PREFIX, type HealthEvent } from '../domain/health/health.events.js';
-import { hostStream, isValidId, vmStream } from '../domain/ids.js';
-import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
-import type { VmEndReason, VmEvent } from '../domain/vm/vm.events.js';
+import { type HostCommand } from '../domain/host/host.decider.js';
+import { HEALTH_DEFAULTS, nextHealth, type HealthcheckSpec, type VmHealthState } from '../domain/health/health.decider.js';
+import { isValidId } from '../domain/ids.js';
+import { isTerminal, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
+import type { VmEndReason } from '../domain/vm/vm.events.js';
 import type { CommandHandler, CommandMeta } from './command-handler.js';
-import { decodeHostEvent, type HostCommands } from './host-commands.js';
-import { decodeVmEvent, SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from './vm-commands.js';
+import type { HostCommands } from './host-commands.js';
+import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from './vm-commands.js';
 
 /** The fleet's reconcile settings (the seed's FleetConfig). */
 export interface ReconcilerConfig {
@@ -138,15 +140,6 @@ export function deadLetterId(kind: string, hostId: string, entity: string): stri
   return createHash('sha256').update(`${kind}\0${hostId}\0${entity}`).digest('hex').slice(0, 24);
 }
 
-export function deadLetterStream(id: string): string {
-  if (!isValidId(id)) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`);
-  return DEADLETTER_STREAM_PREFIX + id;
-}
-
-function decodeDeadLetterEvent(r: RecordedEvent): DeadLetterEvent | undefined {
-  return isDeadLetterEventType(r.type) ? parseDeadLetterEvent(r.type, r.data) : undefined;
-}
-
 const SYSTEM: Actor = { correlationId: 'reconciler', actor: 'reconciler', tenantId: 'system', admin: true };
 
 interface Failure {
@@ -184,6 +177,12 @@ export class Reconciler {
   private readonly absent = new Map<string, number>();
   private readonly probes = new Map<string, { lastAt: number; failures: number; state: VmHealthState['status'] }>();
 
+  private readonly deadLetterHandler: BoundOf<typeof deadLetterAggregate>;
+  private readonly healthHandler: BoundOf<typeof healthAggregate>;
+  private readonly hostHandler: BoundOf<typeof hostAggregate>;
+  private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
+  private readonly vmHandler: BoundOf<typeof vmAggregate>;
+
   constructor(
     private readonly handler: CommandHandler,
     private readonly hosts: HostCommands,
@@ -193,7 +192,14 @@ export class Reconciler {
     private readonly logger: Logger,
     private readonly onCycle: (summary: ReconcileSummary) => void = () => undefined,
     private readonly clock: () => Date = () => new Date(),
-  ) {}
+  ) {
+    this.deadLetterHandler = bindAggregate(handler, deadLetterAggregate);
+    this.healthHandler = bindAggregate(handler, healthAggregate);
+    this.hostHandler = bindAggregate(handler, hostAggregate);
+    this.migrationHandler = bindAggregate(handler, migrationAggregate);
+    this.vmHandler = bindAggregate(handler, vmAggregate);
+  }
+
 
   get isActive(): boolean {
     return this.active;
@@ -419,7 +425,7 @@ export class Reconciler {
     const now = this.clock().getTime();
     let p = this.probes.get(hint.id);
     if (!p) {
-      const { state } = await this.handler.load(VM_HEALTH_STREAM_PREFIX + hint.id, healthDecider, decodeHealthEvent);
+      const { state } = await this.healthHandler.load(hint.id);
       p = { lastAt: 0, failures: state.status === 'unknown' ? 0 : state.failures, state: state.status };
       this.probes.set(hint.id, p);
     }
@@ -444,7 +450,7 @@ export class Reconciler {
     if (!passed) s.health_failing++;
     const next = nextHealth(p.state, passed, p.failures, hc, now - hint.state_changed_at.getTime());
     if (next !== p.state) {
-      await this.handler.handle(VM_HEALTH_STREAM_PREFIX + hint.id, healthDecider, decodeHealthEvent, { type: 'RecordHealthVerdict', data: { vm_id: hint.id, state: next, failures: p.failures, message } }, actor);
+      await this.healthHandler.handle(hint.id, { type: 'RecordHealthVerdict', data: { vm_id: hint.id, state: next, failures: p.failures, message } }, actor);
       this.logger.info({ vm_id: hint.id, health: next, failures: p.failures, message }, 'vm health changed');
       p.state = next;
     }
@@ -606,8 +612,7 @@ export class Reconciler {
    * reconciler keeps trying (and dead-letters it again after the same count).
    */
   async retryDeadLetter(id: string, meta: CommandMeta): Promise<{ state: DeadLetterState; error?: { code: string; message: string } }> {
-    const stream = deadLetterStream(id);
-    const retried = await this.handler.handle(stream, deadLetterDecider, decodeDeadLetterEvent, { type: 'RetryDeadLetter', data: { id, actor: meta.actor } }, meta);
+    const retried = await this.deadLetterHandler.handle(id, { type: 'RetryDeadLetter', data: { id, actor: meta.actor } }, meta);
     const letter = retried.state;
     if (letter.status !== 'retrying') return { state: letter };
     for (const key of this.orphanFailures.keys()) if (key === `${letter.host_id}/${letter.entity_id}`) this.orphanFailures.delete(key);
@@ -617,13 +622,13 @@ export class Reconciler {
         const vm = await this.loadVm(vmId);
         if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === letter.host_id) {
           // The sandbox belongs to a live VM after all: nothing to destroy.
-          const r = await this.handler.handle(stream, deadLetterDecider, decodeDeadLetterEvent, { type: 'ResolveDeadLetter', data: { id, outcome: 'gone' } }, meta);
+          const r = await this.deadLetterHandler.handle(id, { type: 'ResolveDeadLetter', data: { id, outcome: 'gone' } }, meta);
           return { state: r.state };
         }
       }
       const agent = await this.hosts.agentFor(letter.host_id);
       const res = await agent.destroyVm(letter.entity_id, { force: true, timeoutMs: this.config.agentTimeoutMs });
-      const r = await this.handler.handle(stream, deadLetterDecider, decodeDeadLetterEvent, { type: 'ResolveDeadLetter', data: { id, outcome: res.destroyed ? 'succeeded' : 'gone' } }, meta);
+      const r = await this.deadLetterHandler.handle(id, { type: 'ResolveDeadLetter', data: { id, outcome: res.destroyed ? 'succeeded' : 'gone' } }, meta);
       this.logger.info({ dead_letter: id, host_id: letter.host_id, sandbox: letter.entity_id }, 'dead letter retried: resolved');
       return { state: r.state };
     } catch (err) {
@@ -633,7 +638,7 @@ export class Reconciler {
   }
 
   async discardDeadLetter(id: string, note: string | undefined, meta: CommandMeta): Promise<DeadLetterState> {
-    const r = await this.handler.handle(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent, { type: 'DiscardDeadLetter', data: { id, actor: meta.actor, note } }, meta);
+    const r = await this.deadLetterHandler.handle(id, { type: 'DiscardDeadLetter', data: { id, actor: meta.actor, note } }, meta);
     return r.state;
   }
 
@@ -650,13 +655,13 @@ export class Reconciler {
 
   /** Through the VM decider, so it shares the command handler's state cache with VmCommands. */
   private async loadVm(vmId: string): Promise<VmState> {
-    return (await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent)).state;
+    return (await this.vmHandler.load(vmId)).state;
   }
 
   /** The VM's state plus any migration in flight before its switch (its steps are on the VM stream, ignored by the VM decider). */
   private async loadVmView(vmId: string): Promise<VmView> {
     const vm = await this.loadVm(vmId);
-    const { state: m } = await this.handler.load(vmStream(vmId), migrationDecider, decodeMigrationStreamEvent);
+    const { state: m } = await this.migrationHandler.load(vmId);
     return { vm, migrating: m.status === 'in_progress' && !m.switched ? { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) } : undefined };
   }
 
@@ -673,30 +678,26 @@ export class Reconciler {
   }
 
   private async loadDeadLetter(id: string): Promise<DeadLetterState> {
-    return (await this.handler.load(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent)).state;
+    return (await this.deadLetterHandler.load(id)).state;
   }
 
   private async runVm(vmId: string, command: VmCommand, meta: CommandMeta): Promise<ExistingVmState | undefined> {
-    const r = await this.handler.handle<VmCommand, VmEvent, VmState>(vmStream(vmId), vmDecider, decodeVmEvent, command, meta);
+    const r = await this.vmHandler.handle(vmId, command, meta);
     return r.state.status === 'initial' ? undefined : r.state;
   }
 
   private async runHost(hostId: string, command: HostCommand, meta: CommandMeta): Promise<void> {
-    await this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, command, meta);
+    await this.hostHandler.handle(hostId, command, meta);
   }
 
   private async runDeadLetter(id: string, command: DeadLetterCommand, meta: CommandMeta): Promise<void> {
-    await this.handler.handle(deadLetterStream(id), deadLetterDecider, decodeDeadLetterEvent, command, meta);
+    await this.deadLetterHandler.handle(id, command, meta);
   }
 }
 
 interface VmView {
   readonly vm: VmState;
   readonly migrating?: { readonly target: string | undefined; readonly lastStepAt: number } | undefined;
-}
-
-function decodeHealthEvent(r: RecordedEvent): HealthEvent | undefined {
-  return isHealthEventType(r.type) ? parseHealthEvent(r.type, r.data) : undefined;
 }
 
 function errInfo(err: unknown): { message: string; code?: string } {

@@ -1,22 +1,19 @@
 import { createHash, randomBytes } from 'node:crypto';
+import { bindAggregate, type BoundOf } from './command-handler.js';
+import { vmAggregate } from '../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
 import type { AttachStart, ExecResult, ExecStreamStart } from '../domain/agent-protocol.js';
 import { AppError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position, RecordedEvent } from '../domain/event-store.port.js';
+import type { Position } from '../domain/event-store.port.js';
 import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../domain/host-agent.port.js';
-import { vmStream } from '../domain/ids.js';
 import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../domain/vm/spec.js';
-import { vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
-import { isVmEventType, parseVmEvent, type VmEndReason, type VmEvent } from '../domain/vm/vm.events.js';
+import { type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
+import { type VmEndReason } from '../domain/vm/vm.events.js';
 import type { SecretBox } from '../domain/secret-box.port.js';
 import type { CommandHandler, CommandMeta } from './command-handler.js';
 import type { HostCommands } from './host-commands.js';
 import type { Placer, PlaceHints } from './placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './vm/boot-sandbox.js';
-
-export function decodeVmEvent(r: RecordedEvent): VmEvent | undefined {
-  return isVmEventType(r.type) ? parseVmEvent(r.type, r.data) : undefined;
-}
 
 export { SANDBOX_PREFIX, sandboxName } from './vm/boot-sandbox.js';
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
@@ -74,6 +71,8 @@ export class VmCommands {
   private readonly lastActivity = new Map<string, number>();
   private seeds: SeedArtifacts | undefined;
 
+  private readonly vmHandler: BoundOf<typeof vmAggregate>;
+
   constructor(
     private readonly handler: CommandHandler,
     private readonly hosts: HostCommands,
@@ -81,7 +80,10 @@ export class VmCommands {
     private readonly secrets: SecretBox,
     private readonly config: VmCommandsConfig,
     private readonly logger: Logger,
-  ) {}
+  ) {
+    this.vmHandler = bindAggregate(handler, vmAggregate);
+  }
+
 
   /**
    * Creates a VM and waits for it to run. With an idempotency key the VM id
@@ -148,7 +150,7 @@ export class VmCommands {
     let vm = first.vm;
     while ((vm.status === 'requested' || vm.status === 'placed' || vm.status === 'booting') && Date.now() < deadline) {
       await new Promise((resolve) => setTimeout(resolve, 100));
-      const { state } = await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent);
+      const { state } = await this.vmHandler.load(vmId);
       if (state.status !== 'initial') vm = state;
     }
     return { vm, position: undefined };
@@ -251,7 +253,7 @@ export class VmCommands {
   /** The VM as its stream says, for this caller: another tenant's VM does not exist (404, not 403). */
   async get(vmId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingVmState> {
     if (!/^[a-z0-9-]{1,64}$/.test(vmId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
-    const { state } = await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent);
+    const { state } = await this.vmHandler.load(vmId);
     if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`, { vm_id: vmId });
     return state;
   }
@@ -319,7 +321,7 @@ export class VmCommands {
   }
 
   private async run(vmId: string, command: VmCommand, meta: CommandMeta): Promise<VmResult> {
-    const r = await this.handler.handle<VmCommand, VmEvent, VmState>(vmStream(vmId), vmDecider, decodeVmEvent, command, meta);
+    const r = await this.vmHandler.handle(vmId, command, meta);
     if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} has no state after ${command.type}`);
     return { vm: r.state, position: r.position };
   }

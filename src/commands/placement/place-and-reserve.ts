@@ -1,11 +1,10 @@
 import { AppError } from '../../domain/errors.js';
-import { hostStream } from '../../domain/ids.js';
-import { hostDecider } from '../../domain/host/host.decider.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { hostAggregate } from '../../domain/host/host.aggregate.js';
 import type { Placement, PlacementOptions, PlacementPolicy, PlacementRequest } from '../../domain/placement/placement.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { VmReservation } from '../../domain/vm/vm.events.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import { decodeHostEvent } from '../host-commands.js';
 import type { PlacementView } from '../placement-view.js';
 
 /** What a VM takes on its host. */
@@ -45,11 +44,16 @@ export interface PlacerConfig {
 export class Placer {
   private readonly hostQueues = new Map<string, Promise<void>>();
 
+  private readonly hostHandler: BoundOf<typeof hostAggregate>;
+
   constructor(
     private readonly handler: CommandHandler,
     private readonly view: PlacementView,
     private readonly config: PlacerConfig,
-  ) {}
+  ) {
+    this.hostHandler = bindAggregate(handler, hostAggregate);
+  }
+
 
   async placeAndReserve(vmId: string, request: PlacementRequest, shape: ReservedShape, meta: CommandMeta, hints: PlaceHints = {}): Promise<Reserved> {
     const placeOpts: PlacementOptions = { policy: this.config.policy, hints: { artifactHosts: hints.artifactHosts }, excludeHosts: hints.excludeHosts };
@@ -72,11 +76,7 @@ export class Placer {
       const hostId = choice.decision.host_id;
       try {
         const reserved = await this.onHost(hostId, () =>
-          this.handler.handle(
-            hostStream(hostId),
-            hostDecider,
-            decodeHostEvent,
-            {
+          this.hostHandler.handle(hostId, {
               type: 'ReserveCapacity',
               data: {
                 host_id: hostId,
@@ -120,7 +120,7 @@ export class Placer {
   }
 
   async release(hostId: string, vmId: string, meta: CommandMeta): Promise<void> {
-    const r = await this.onHost(hostId, () => this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, { type: 'ReleaseCapacity', data: { host_id: hostId, vm_id: vmId } }, meta));
+    const r = await this.onHost(hostId, () => this.hostHandler.handle(hostId, { type: 'ReleaseCapacity', data: { host_id: hostId, vm_id: vmId } }, meta));
     this.view.set(hostId, r.state, r.revision);
   }
 

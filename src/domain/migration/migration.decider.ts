@@ -1,6 +1,8 @@
+import type { Aggregate } from '../aggregate.js';
 import { assertNever, compact, type Decider } from '../decider.js';
 import { AppError, ConflictError } from '../errors.js';
 import type { RecordedEvent } from '../event-store.port.js';
+import { vmStream } from '../vm/vm.aggregate.js';
 import { parseVmEvent, type VmMigrated } from '../vm/vm.events.js';
 import { isMigrationEventType, MIGRATION_STEPS, parseMigrationEvent, type MigrationEvent, type MigrationStep } from './migration.events.js';
 
@@ -100,3 +102,6 @@ export function decodeMigrationStreamEvent(r: RecordedEvent): MigrationStreamEve
   if (r.type === 'VmMigrated') return parseVmEvent(r.type, r.data) as VmMigrated;
   return undefined;
 }
+
+/** On the VM's own stream, so a migration reads as part of the VM's story. */
+export const migrationAggregate: Aggregate<MigrationCommand, MigrationStreamEvent, MigrationState> = { streamName: vmStream, decode: decodeMigrationStreamEvent, decider: migrationDecider };
