@@ -1,22 +1,22 @@
 import { createHash, randomUUID } from 'node:crypto';
-import { bindAggregate, type BoundOf } from './command-handler.js';
-import { deadLetterAggregate } from '../domain/deadletter/deadletter.aggregate.js';
-import { healthAggregate } from '../domain/health/health.aggregate.js';
-import { hostAggregate } from '../domain/host/host.aggregate.js';
-import { migrationAggregate } from '../domain/migration/migration.decider.js';
-import { vmAggregate } from '../domain/vm/vm.aggregate.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { deadLetterAggregate } from '../../domain/deadletter/deadletter.aggregate.js';
+import { healthAggregate } from '../../domain/health/health.aggregate.js';
+import { hostAggregate } from '../../domain/host/host.aggregate.js';
+import { migrationAggregate } from '../../domain/migration/migration.decider.js';
+import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
-import { type DeadLetterCommand, type DeadLetterState } from '../domain/deadletter/deadletter.decider.js';
-import { AppError } from '../domain/errors.js';
-import { classifyHostAgentError, type HostAgent } from '../domain/host-agent.port.js';
-import { type HostCommand } from '../domain/host/host.decider.js';
-import { HEALTH_DEFAULTS, nextHealth, type HealthcheckSpec, type VmHealthState } from '../domain/health/health.decider.js';
-import { isValidId } from '../domain/ids.js';
-import { isTerminal, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
-import type { VmEndReason } from '../domain/vm/vm.events.js';
-import type { CommandHandler, CommandMeta } from './command-handler.js';
-import type { HostCommands } from './host-commands.js';
-import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from './vm-commands.js';
+import { type DeadLetterCommand, type DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
+import { AppError } from '../../domain/errors.js';
+import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
+import { type HostCommand } from '../../domain/host/host.decider.js';
+import { HEALTH_DEFAULTS, nextHealth, type HealthcheckSpec, type VmHealthState } from '../../domain/health/health.decider.js';
+import { isValidId } from '../../domain/ids.js';
+import { isTerminal, type ExistingVmState, type VmCommand, type VmState } from '../../domain/vm/vm.decider.js';
+import type { VmEndReason } from '../../domain/vm/vm.events.js';
+import type { CommandHandler, CommandMeta } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 
 /** The fleet's reconcile settings (the seed's FleetConfig). */
 export interface ReconcilerConfig {

@@ -1,20 +1,20 @@
 import { randomBytes } from 'node:crypto';
-import { bindAggregate, type BoundOf } from './command-handler.js';
-import { tenantAggregate } from '../domain/tenant/tenant.aggregate.js';
-import { snapshotAggregate } from '../domain/snapshot/snapshot.aggregate.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { tenantAggregate } from '../../domain/tenant/tenant.aggregate.js';
+import { snapshotAggregate } from '../../domain/snapshot/snapshot.aggregate.js';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position } from '../domain/event-store.port.js';
-import { classifyHostAgentError } from '../domain/host-agent.port.js';
-import { idSchema } from '../domain/ids.js';
-import { type ExistingSnapshot, type SnapshotCommand } from '../domain/snapshot/snapshot.decider.js';
-import { layerKeySchema, snapshotModeSchema, type SnapshotDeleteReason } from '../domain/snapshot/snapshot.events.js';
-import { QuotaExceededError, quotaUsage, type QuotaLimits, type QuotaPool, type TenantCommand } from '../domain/tenant/tenant.decider.js';
-import { validationErrorFromZod } from '../domain/vm/spec.js';
-import { CommandHandler, type CommandMeta } from './command-handler.js';
-import type { HostCommands } from './host-commands.js';
-import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from './vm-commands.js';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { classifyHostAgentError } from '../../domain/host-agent.port.js';
+import { idSchema } from '../../domain/ids.js';
+import { type ExistingSnapshot, type SnapshotCommand } from '../../domain/snapshot/snapshot.decider.js';
+import { layerKeySchema, snapshotModeSchema, type SnapshotDeleteReason } from '../../domain/snapshot/snapshot.events.js';
+import { QuotaExceededError, quotaUsage, type QuotaLimits, type QuotaPool, type TenantCommand } from '../../domain/tenant/tenant.decider.js';
+import { validationErrorFromZod } from '../../domain/vm/spec.js';
+import { CommandHandler, type CommandMeta } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from '../vm/vm-commands.js';
 
 /** Metadata keys the service writes itself; a caller may not set them. */
 export const RESERVED_METADATA_KEYS = ['comment', 'vm_id', 'mode', 'host_id', 'arch', 'layer_key', 'tenant_id', 'kind'] as const;

@@ -1,21 +1,21 @@
 import { createHash, randomBytes } from 'node:crypto';
-import { bindAggregate, type BoundOf } from './command-handler.js';
-import { vmAggregate } from '../domain/vm/vm.aggregate.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
-import type { AttachStart, ExecResult, ExecStreamStart } from '../domain/agent-protocol.js';
-import { AppError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position } from '../domain/event-store.port.js';
-import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../domain/host-agent.port.js';
-import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../domain/vm/spec.js';
-import { type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
-import { type VmEndReason } from '../domain/vm/vm.events.js';
-import type { SecretBox } from '../domain/secret-box.port.js';
-import type { CommandHandler, CommandMeta } from './command-handler.js';
-import type { HostCommands } from './host-commands.js';
-import type { Placer, PlaceHints } from './placement/place-and-reserve.js';
-import { bootSandbox, sandboxName } from './vm/boot-sandbox.js';
+import type { AttachStart, ExecResult, ExecStreamStart } from '../../domain/agent-protocol.js';
+import { AppError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../../domain/host-agent.port.js';
+import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../../domain/vm/spec.js';
+import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
+import { type VmEndReason } from '../../domain/vm/vm.events.js';
+import type { SecretBox } from '../../domain/secret-box.port.js';
+import type { CommandHandler, CommandMeta } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
+import { bootSandbox, sandboxName } from './boot-sandbox.js';
 
-export { SANDBOX_PREFIX, sandboxName } from './vm/boot-sandbox.js';
+export { SANDBOX_PREFIX, sandboxName } from './boot-sandbox.js';
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
 
 /** A VM's sealed guest inputs in clear, for a later boot of its disk (fork, migrate). */

@@ -1,19 +1,19 @@
 import type { Logger } from 'pino';
-import { bindAggregate, type BoundOf } from './command-handler.js';
-import { migrationAggregate } from '../domain/migration/migration.decider.js';
-import { vmAggregate } from '../domain/vm/vm.aggregate.js';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position } from '../domain/event-store.port.js';
-import { type MigrationCommand } from '../domain/migration/migration.decider.js';
-import type { MigrationStep } from '../domain/migration/migration.events.js';
-import { placementRequestOf, type StoredVmSpec } from '../domain/vm/spec.js';
-import { type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
-import type { CommandHandler } from './command-handler.js';
-import type { HostCommands } from './host-commands.js';
-import type { Placer } from './placement/place-and-reserve.js';
-import { bootSandbox } from './vm/boot-sandbox.js';
-import type { SnapshotCommands } from './snapshot-commands.js';
-import { sandboxName, type Actor, type GuestInputs, type VmCommands } from './vm-commands.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { migrationAggregate } from '../../domain/migration/migration.decider.js';
+import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
+import type { MigrationStep } from '../../domain/migration/migration.events.js';
+import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
+import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
+import type { CommandHandler } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import type { Placer } from '../placement/place-and-reserve.js';
+import { bootSandbox } from '../vm/boot-sandbox.js';
+import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
+import { sandboxName, type Actor, type GuestInputs, type VmCommands } from '../vm/vm-commands.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
