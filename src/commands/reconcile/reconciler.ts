@@ -1,4 +1,6 @@
 import { createHash, randomUUID } from 'node:crypto';
+import { decideVm, isAbandonedRequest, isOrphan, isStaleReservation, suspect, type MigrationInFlight, type VmHint } from '../../domain/reconcile/reconcile.js';
+import { assertNever } from '../../domain/decider.js';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { deadLetterAggregate } from '../../domain/deadletter/deadletter.aggregate.js';
 import { healthAggregate } from '../../domain/health/health.aggregate.js';
@@ -12,8 +14,7 @@ import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.
 import { type HostCommand } from '../../domain/host/host.decider.js';
 import { HEALTH_DEFAULTS, nextHealth, type HealthcheckSpec, type VmHealthState } from '../../domain/health/health.decider.js';
 import { isValidId } from '../../domain/ids.js';
-import { isTerminal, type ExistingVmState, type VmCommand, type VmState } from '../../domain/vm/vm.decider.js';
-import type { VmEndReason } from '../../domain/vm/vm.events.js';
+import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host-commands.js';
 import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
@@ -287,7 +288,7 @@ export class Reconciler {
       if (hint.state !== 'requested' || now - hint.state_changed_at.getTime() < this.config.halfDoneGraceMs) continue;
       try {
         const vm = await this.loadVm(hint.id);
-        if (vm.status !== 'requested' || now - Date.parse(vm.transitioned_at) < this.config.halfDoneGraceMs) continue;
+        if (!isAbandonedRequest(vm, now, this.config)) continue;
         await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'placement', error: 'the control plane stopped before this VM was placed; the reconciler rolled the request back', error_code: 'INTERRUPTED' } }, actor);
         s.half_done_rolled_back++;
         // A reservation may have landed before the crash: the per-host sweep releases it (the VM is now terminal).
@@ -366,11 +367,9 @@ export class Reconciler {
     for (const name of listed) {
       if (liveHere.has(name)) continue;
       const vmId = name.slice(SANDBOX_PREFIX.length);
-      const view = isValidId(vmId) ? await this.loadVmView(vmId) : undefined;
-      const vm = view?.vm ?? ({ status: 'initial' } as const);
-      if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === hostId) continue; // ours, the hint lagged
-      if (vm.status === 'requested') continue;
-      if (view && this.migratingTo(view, hostId, now)) continue; // the target of a migration in flight
+      const vm = isValidId(vmId) ? await this.loadVm(vmId) : vmDecider.initialState;
+      const migration = isValidId(vmId) ? await this.loadMigration(vmId) : undefined;
+      if (!isOrphan(vm, migration, hostId, now, this.config)) continue;
       if (await this.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor)) gone.add(name);
     }
 
@@ -468,48 +467,36 @@ export class Reconciler {
     actor: Actor,
   ): Promise<void> {
     const name = sandboxName(hint.id);
-    const age = now - hint.state_changed_at.getTime();
-    const grace = this.config.halfDoneGraceMs;
-
-    if (hint.state === 'running') {
-      if (!listed.has(name)) {
-        const vm = await this.loadVm(hint.id);
-        // Running before the listing started, yet not listed: the sandbox is gone. Twice in a row, so an agent
-        // still recovering its sandboxes after a restart (or a clock skewed between replicas) costs a cycle, not a VM.
-        if (vm.status === 'running' && vm.host_id === hostId && Date.parse(vm.transitioned_at) < listStarted) {
-          const seen = (this.absent.get(hint.id) ?? 0) + 1;
-          this.absent.set(hint.id, seen);
-          if (seen < 2) {
-            this.logger.info({ vm_id: hint.id, host_id: hostId }, 'running vm not listed by its host; failed as missing if still absent next cycle');
-            return;
-          }
-          this.absent.delete(hint.id);
-          await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'missing', error: `host ${hostId} no longer lists sandbox ${name}`, error_code: 'SANDBOX_MISSING' } }, actor);
-          s.vms_missing_provider++;
-          gone.add(name);
-          this.logger.warn({ vm_id: hint.id, host_id: hostId }, 'running vm missing from its host: failed');
-        }
+    const listedHere = listed.has(name);
+    if (hint.state === 'running' && listedHere) this.absent.delete(hint.id);
+    const suspicion = suspect(vmHintOf(hint), listedHere, now, this.config);
+    if (suspicion === undefined) return;
+    if (suspicion === 'stuck') s.stuck_tasks_suspected++;
+    if (suspicion === 'idle') s.idle_vms_suspected++;
+    const vm = await this.loadVm(hint.id);
+    const verdict = decideVm(suspicion, vmHintOf(hint), vm, { hostId, listed: listedHere, listStarted, now, absentBefore: this.absent.get(hint.id) ?? 0 }, this.config);
+    switch (verdict.kind) {
+      case 'none':
         return;
-      }
-      this.absent.delete(hint.id);
-      const maxRuntimeMs = hint.max_runtime_s ? hint.max_runtime_s * 1000 : this.config.taskStuckTimeoutMs;
-      if (maxRuntimeMs > 0 && age > maxRuntimeMs) {
-        s.stuck_tasks_suspected++;
-        const vm = await this.loadVm(hint.id);
-        if (vm.status !== 'running' || now - Date.parse(vm.transitioned_at) <= maxRuntimeMs) return;
-        const reason: VmEndReason = hint.max_runtime_s ? 'max_runtime' : 'stuck';
-        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason, error: `no state change for ${Math.round(age / 1000)} s (limit ${Math.round(maxRuntimeMs / 1000)} s)`, error_code: 'VM_STUCK' } }, actor);
+      case 'absent_once':
+        this.absent.set(hint.id, (this.absent.get(hint.id) ?? 0) + 1);
+        this.logger.info({ vm_id: hint.id, host_id: hostId }, 'running vm not listed by its host; failed as missing if still absent next cycle');
+        return;
+      case 'fail_missing':
+        this.absent.delete(hint.id);
+        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'missing', error: `host ${hostId} no longer lists sandbox ${name}`, error_code: 'SANDBOX_MISSING' } }, actor);
+        s.vms_missing_provider++;
+        gone.add(name);
+        this.logger.warn({ vm_id: hint.id, host_id: hostId }, 'running vm missing from its host: failed');
+        return;
+      case 'fail_stuck':
+        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: 'VM_STUCK' } }, actor);
         s.stuck_tasks_failed++;
-        this.logger.warn({ vm_id: hint.id, host_id: hostId, reason }, 'stuck vm failed; destroying its sandbox');
+        this.logger.warn({ vm_id: hint.id, host_id: hostId, reason: verdict.reason }, 'stuck vm failed; destroying its sandbox');
         if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
         return;
-      }
-      const idleMs = hint.idle_timeout_s ? hint.idle_timeout_s * 1000 : this.config.defaultIdleTimeoutMs;
-      if (idleMs > 0 && now - hint.last_activity_at.getTime() > idleMs + this.config.activityCoalesceMs) {
-        s.idle_vms_suspected++;
-        const vm = await this.loadVm(hint.id);
-        if (vm.status !== 'running' || now - Date.parse(vm.last_activity_at) <= idleMs + this.config.activityCoalesceMs) return;
-        this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: now - Date.parse(vm.last_activity_at) }, 'idle vm: destroying');
+      case 'destroy_idle':
+        this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: verdict.idleMs }, 'idle vm: destroying');
         try {
           await this.vms.destroy(hint.id, actor, 'idle');
           s.idle_vms_failed++;
@@ -519,29 +506,23 @@ export class Reconciler {
           s.errors++;
           this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'idle destroy did not finish');
         }
-      }
-      return;
-    }
-
-    if (age < grace || (hint.state !== 'placed' && hint.state !== 'booting' && hint.state !== 'destroying')) return;
-    const vm = await this.loadVm(hint.id);
-    if (vm.status === 'initial' || vm.host_id !== hostId || now - Date.parse(vm.transitioned_at) < grace) return;
-
-    if (vm.status === 'destroying') {
-      if (!(await this.tryDestroy(agent, name, hint.id, hostId))) return;
-      gone.add(name);
-      await this.vms.releaseCapacity(hostId, hint.id, actor);
-      await this.runVm(hint.id, { type: 'ConfirmDestroyed', data: { vm_id: hint.id } }, actor);
-      s.half_done_completed++;
-      this.logger.info({ vm_id: hint.id, host_id: hostId }, 'half-done destroy completed');
-      return;
-    }
-    if (vm.status === 'placed' || vm.status === 'booting') {
-      const got = vm.status === 'placed' ? 'capacity was reserved but the boot had not started' : listed.has(name) ? 'the sandbox was created but the boot did not finish' : 'the boot had started but no sandbox was created';
-      await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'boot_failure', error: `the control plane stopped while this VM was ${vm.status}: ${got}; the reconciler rolled it back`, error_code: 'INTERRUPTED' } }, actor);
-      s.half_done_rolled_back++;
-      this.logger.warn({ vm_id: hint.id, host_id: hostId, phase: vm.status, sandbox: listed.has(name) }, 'half-done create rolled back');
-      if (!listed.has(name) || (await this.tryDestroy(agent, name, hint.id, hostId))) gone.add(name);
+        return;
+      case 'complete_destroy':
+        if (!(await this.tryDestroy(agent, name, hint.id, hostId))) return;
+        gone.add(name);
+        await this.vms.releaseCapacity(hostId, hint.id, actor);
+        await this.runVm(hint.id, { type: 'ConfirmDestroyed', data: { vm_id: hint.id } }, actor);
+        s.half_done_completed++;
+        this.logger.info({ vm_id: hint.id, host_id: hostId }, 'half-done destroy completed');
+        return;
+      case 'roll_back_boot':
+        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'boot_failure', error: verdict.error, error_code: 'INTERRUPTED' } }, actor);
+        s.half_done_rolled_back++;
+        this.logger.warn({ vm_id: hint.id, host_id: hostId, phase: verdict.phase, sandbox: listedHere }, 'half-done create rolled back');
+        if (!listedHere || (await this.tryDestroy(agent, name, hint.id, hostId))) gone.add(name);
+        return;
+      default:
+        assertNever(verdict, 'reconcile verdict');
     }
   }
 
@@ -553,9 +534,8 @@ export class Reconciler {
       const name = sandboxName(vmId);
       if (listed.has(name) && !gone.has(name)) continue;
       const vm = await this.loadVm(vmId);
-      const elsewhere = vm.status !== 'initial' && !isTerminal(vm.status) && vm.status !== 'requested' && vm.host_id !== hostId;
-      const stale = vm.status === 'initial' || isTerminal(vm.status) || (elsewhere && !this.migratingTo(await this.loadVmView(vmId), hostId, this.clock().getTime()));
-      if (!stale) continue;
+      const liveElsewhere = vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id !== hostId;
+      if (!isStaleReservation(vm, liveElsewhere ? await this.loadMigration(vmId) : undefined, hostId, this.clock().getTime(), this.config)) continue;
       try {
         await this.vms.releaseCapacity(hostId, vmId, actor);
         s.capacity_released++;
@@ -658,23 +638,10 @@ export class Reconciler {
     return (await this.vmHandler.load(vmId)).state;
   }
 
-  /** The VM's state plus any migration in flight before its switch (its steps are on the VM stream, ignored by the VM decider). */
-  private async loadVmView(vmId: string): Promise<VmView> {
-    const vm = await this.loadVm(vmId);
+  /** A migration of the VM in flight before its switch (its steps are on the VM stream, ignored by the VM decider). */
+  private async loadMigration(vmId: string): Promise<MigrationInFlight | undefined> {
     const { state: m } = await this.migrationHandler.load(vmId);
-    return { vm, migrating: m.status === 'in_progress' && !m.switched ? { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) } : undefined };
-  }
-
-  /**
-   * A live VM migrating to `hostId`, with its last step younger than the
-   * grace: its reservation and sandbox there are the migration's, not
-   * leftovers. Past the grace the migration is abandoned (its control plane
-   * died) and both are collected; the VM keeps running on its source.
-   */
-  private migratingTo(view: VmView, hostId: string, now: number): boolean {
-    const m = view.migrating;
-    // Before its `place` step names the target, a migration may already hold a reservation anywhere.
-    return !!m && (m.target === undefined || m.target === hostId) && view.vm.status === 'running' && now - m.lastStepAt < this.config.halfDoneGraceMs;
+    return m.status === 'in_progress' && !m.switched ? { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) } : undefined;
   }
 
   private async loadDeadLetter(id: string): Promise<DeadLetterState> {
@@ -695,9 +662,8 @@ export class Reconciler {
   }
 }
 
-interface VmView {
-  readonly vm: VmState;
-  readonly migrating?: { readonly target: string | undefined; readonly lastStepAt: number } | undefined;
+function vmHintOf(h: LiveVmHint): VmHint {
+  return { id: h.id, state: h.state, stateChangedAt: h.state_changed_at.getTime(), lastActivityAt: h.last_activity_at.getTime(), maxRuntimeS: h.max_runtime_s, idleTimeoutS: h.idle_timeout_s };
 }
 
 function errInfo(err: unknown): { message: string; code?: string } {
