@@ -1,154 +1,29 @@
-import { createHash, randomUUID } from 'node:crypto';
+import { randomUUID } from 'node:crypto';
+import { DeadLetters } from '../dead-letters/dead-letters.js';
+import { HealthProbes } from './health-probes.js';
+import { emptySummary, errInfo, type LiveVmHint, type ReconcileReadModel, type ReconcilerConfig, type ReconcileSummary } from './reconcile-types.js';
+export type { LiveVmHint, ReconcileReadModel, ReconcilerConfig, ReconcileSummary, SummaryCounter, VmHealthcheck } from './reconcile-types.js';
+export { deadLetterId } from '../dead-letters/dead-letters.js';
 import { decideVm, isAbandonedRequest, isOrphan, isStaleReservation, suspect, type MigrationInFlight, type VmHint } from '../../domain/reconcile/reconcile.js';
 import { assertNever } from '../../domain/decider.js';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
-import { deadLetterAggregate } from '../../domain/deadletter/deadletter.aggregate.js';
-import { healthAggregate } from '../../domain/health/health.aggregate.js';
 import { hostAggregate } from '../../domain/host/host.aggregate.js';
 import { migrationAggregate } from '../../domain/migration/migration.decider.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
-import { type DeadLetterCommand, type DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
-import { AppError } from '../../domain/errors.js';
+import { type DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
+
 import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
 import { type HostCommand } from '../../domain/host/host.decider.js';
-import { HEALTH_DEFAULTS, nextHealth, type HealthcheckSpec, type VmHealthState } from '../../domain/health/health.decider.js';
+
 import { isValidId } from '../../domain/ids.js';
 import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host-commands.js';
 import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 
-/** The fleet's reconcile settings (the seed's FleetConfig). */
-export interface ReconcilerConfig {
-  readonly intervalMs: number;
-  /** Leak ceiling for a running VM with no state change; a spec's max_runtime_s overrides it. 0 disables. */
-  readonly taskStuckTimeoutMs: number;
-  /** Idle expiry for VMs whose spec sets no idle_timeout_s. 0 disables. */
-  readonly defaultIdleTimeoutMs: number;
-  readonly orphanDestroyMaxRetries: number;
-  readonly hostUnreachableAfterCycles: number;
-  /**
-   * How old a VM left in requested/placed/booting/destroying must be before it
-   * counts as abandoned by a crashed control plane. Longer than the slowest
-   * live create (startup script included), or the reconciler races it.
-   */
-  readonly halfDoneGraceMs: number;
-  /** Per call to an agent from the reconciler. */
-  readonly agentTimeoutMs: number;
-  /**
-   * VmCommands records exec/attach activity at most this often, so the
-   * recorded time may trail the real one by this much: idle expiry waits it
-   * out, or a VM in use could be taken for idle.
-   */
-  readonly activityCoalesceMs: number;
-}
-
-/** A non-terminal VM as the `vms` read model lists it: only a hint; every action re-reads the stream. */
-export interface LiveVmHint {
-  readonly id: string;
-  readonly state: string;
-  readonly host_id: string | null;
-  readonly state_changed_at: Date;
-  readonly last_activity_at: Date;
-  readonly max_runtime_s: number | null;
-  readonly idle_timeout_s: number | null;
-  /** The spec's healthcheck, when it declared one. */
-  readonly healthcheck?: VmHealthcheck | null | undefined;
-}
-
-export interface VmHealthcheck extends HealthcheckSpec {
-  readonly http?: { readonly port: number; readonly path?: string | undefined } | undefined;
-  readonly exec?: readonly string[] | undefined;
-}
-
-/** What the reconciler reads from the read models (wired by the service; commands never touch a driver). */
-export interface ReconcileReadModel {
-  /** Every host not deregistered. */
-  hostIds(): Promise<string[]>;
-  /** Every VM not destroyed or failed. */
-  liveVms(): Promise<LiveVmHint[]>;
-}
-
-/** One cycle's outcome (the seed's ReconcileSummary). */
-export interface ReconcileSummary {
-  cycle: number;
-  started_at: string;
-  duration_ms: number;
-  hosts_checked: number;
-  hosts_unanswered: number;
-  hosts_marked_unreachable: number;
-  hosts_recovered: number;
-  tracked_vms: number;
-  provider_vms: number;
-  orphans_destroyed: number;
-  orphans_failed: number;
-  orphans_dead_lettered: number;
-  orphans_skipped: number;
-  stuck_tasks_suspected: number;
-  stuck_tasks_failed: number;
-  idle_vms_suspected: number;
-  idle_vms_failed: number;
-  vms_missing_provider: number;
-  /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
-  vms_host_lost: number;
-  /** VMs whose healthcheck gave a verdict this cycle, and how many of those failed. Neither causes a teardown. */
-  health_checked: number;
-  health_failing: number;
-  half_done_rolled_back: number;
-  half_done_completed: number;
-  capacity_released: number;
-  /** Things hosts had to put back in their sandbox network boundary (a missing or edited firewall table, a flipped sysctl). */
-  network_repairs: number;
-  errors: number;
-}
-
-export type SummaryCounter = Exclude<keyof ReconcileSummary, 'cycle' | 'started_at' | 'duration_ms'>;
-
-function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
-  return {
-    cycle,
-    started_at: startedAt.toISOString(),
-    duration_ms: 0,
-    hosts_checked: 0,
-    hosts_unanswered: 0,
-    hosts_marked_unreachable: 0,
-    hosts_recovered: 0,
-    tracked_vms: 0,
-    provider_vms: 0,
-    orphans_destroyed: 0,
-    orphans_failed: 0,
-    orphans_dead_lettered: 0,
-    orphans_skipped: 0,
-    stuck_tasks_suspected: 0,
-    stuck_tasks_failed: 0,
-    idle_vms_suspected: 0,
-    idle_vms_failed: 0,
-    vms_missing_provider: 0,
-    vms_host_lost: 0,
-    health_checked: 0,
-    health_failing: 0,
-    half_done_rolled_back: 0,
-    half_done_completed: 0,
-    capacity_released: 0,
-    network_repairs: 0,
-    errors: 0,
-  };
-}
-
-/** The id of the dead letter for one (kind, host, entity): stable, so a recurring failure is one record. */
-export function deadLetterId(kind: string, hostId: string, entity: string): string {
-  return createHash('sha256').update(`${kind}\0${hostId}\0${entity}`).digest('hex').slice(0, 24);
-}
 
 const SYSTEM: Actor = { correlationId: 'reconciler', actor: 'reconciler', tenantId: 'system', admin: true };
-
-interface Failure {
-  count: number;
-  firstAt: string;
-  lastError: string;
-  lastCode: string | undefined;
-}
 
 /**
  * The reconcile loop: every interval, per host, compares what the streams
@@ -172,14 +47,12 @@ export class Reconciler {
   private generation = 0;
   private cycleNo = 0;
   private last: ReconcileSummary | undefined;
-  private readonly orphanFailures = new Map<string, Failure>();
   private readonly hostMisses = new Map<string, number>();
   /** VMs seen absent from their host's listing: failed `missing` only on the second listing in a row. */
   private readonly absent = new Map<string, number>();
-  private readonly probes = new Map<string, { lastAt: number; failures: number; state: VmHealthState['status'] }>();
+  private readonly health: HealthProbes;
+  private readonly deadLetters: DeadLetters;
 
-  private readonly deadLetterHandler: BoundOf<typeof deadLetterAggregate>;
-  private readonly healthHandler: BoundOf<typeof healthAggregate>;
   private readonly hostHandler: BoundOf<typeof hostAggregate>;
   private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
@@ -194,11 +67,11 @@ export class Reconciler {
     private readonly onCycle: (summary: ReconcileSummary) => void = () => undefined,
     private readonly clock: () => Date = () => new Date(),
   ) {
-    this.deadLetterHandler = bindAggregate(handler, deadLetterAggregate);
-    this.healthHandler = bindAggregate(handler, healthAggregate);
     this.hostHandler = bindAggregate(handler, hostAggregate);
     this.migrationHandler = bindAggregate(handler, migrationAggregate);
     this.vmHandler = bindAggregate(handler, vmAggregate);
+    this.health = new HealthProbes(handler, config, logger, clock);
+    this.deadLetters = new DeadLetters(handler, hosts, (id) => this.loadVm(id), config, logger, clock);
   }
 
 
@@ -254,7 +127,7 @@ export class Reconciler {
     const [hostIds, live] = await Promise.all([this.readModel.hostIds(), this.readModel.liveVms()]);
     s.tracked_vms = live.length;
     const liveIds = new Set(live.map((v) => v.id));
-    for (const id of this.probes.keys()) if (!liveIds.has(id)) this.probes.delete(id);
+    this.health.keepOnly(liveIds);
     for (const id of this.absent.keys()) if (!liveIds.has(id)) this.absent.delete(id);
     const byHost = new Map<string, LiveVmHint[]>();
     for (const v of live) {
@@ -370,7 +243,7 @@ export class Reconciler {
       const vm = isValidId(vmId) ? await this.loadVm(vmId) : vmDecider.initialState;
       const migration = isValidId(vmId) ? await this.loadMigration(vmId) : undefined;
       if (!isOrphan(vm, migration, hostId, now, this.config)) continue;
-      if (await this.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor)) gone.add(name);
+      if (await this.deadLetters.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor)) gone.add(name);
     }
 
     for (const hint of hints) {
@@ -389,7 +262,7 @@ export class Reconciler {
     const probed = hints.filter((h) => h.state === 'running' && h.healthcheck && listed.has(sandboxName(h.id)) && !gone.has(sandboxName(h.id)));
     await Promise.all(
       probed.map((h) =>
-        this.probeHealth(agent, h, s, actor).catch((err: unknown) => {
+        this.health.probe(agent, h, s, actor).catch((err: unknown) => {
           s.errors++;
           this.logger.warn({ vm_id: h.id, err: errInfo(err) }, 'health probe could not be recorded');
         }),
@@ -410,48 +283,6 @@ export class Reconciler {
     } catch (err) {
       s.errors++;
       this.logger.warn({ host_id: hostId, err: errInfo(err) }, 'host could not reassert its network boundary');
-    }
-  }
-
-  /**
-   * Runs a VM's declared healthcheck inside it (exec, or an HTTP GET by the
-   * guest's own wget against its loopback) at most every interval_seconds —
-   * no more often than the reconcile cycle — and records the verdict only
-   * when it changes. A failing probe reports; it never destroys.
-   */
-  private async probeHealth(agent: HostAgent, hint: LiveVmHint, s: ReconcileSummary, actor: Actor): Promise<void> {
-    const hc = hint.healthcheck!;
-    const now = this.clock().getTime();
-    let p = this.probes.get(hint.id);
-    if (!p) {
-      const { state } = await this.healthHandler.load(hint.id);
-      p = { lastAt: 0, failures: state.status === 'unknown' ? 0 : state.failures, state: state.status };
-      this.probes.set(hint.id, p);
-    }
-    if (now - p.lastAt < (hc.interval_seconds ?? HEALTH_DEFAULTS.interval_seconds) * 1000) return;
-    p.lastAt = now;
-    const timeoutS = hc.timeout_seconds ?? HEALTH_DEFAULTS.timeout_seconds;
-    const argv = hc.exec ? [...hc.exec] : ['wget', '-q', '-O', '/dev/null', '-T', String(timeoutS), `http://127.0.0.1:${hc.http!.port}${hc.http!.path ?? '/'}`];
-    let passed: boolean;
-    let message = '';
-    try {
-      const r = await agent.exec(sandboxName(hint.id), { argv, timeout_ms: timeoutS * 1000 }, { timeoutMs: timeoutS * 1000 + this.config.agentTimeoutMs });
-      passed = r.exit_code === 0 && !r.timed_out;
-      if (!passed) message = r.timed_out ? `probe timed out after ${timeoutS} s` : `probe exited ${r.exit_code}: ${(r.stderr || r.stdout).slice(-500)}`;
-    } catch (err) {
-      // The agent, not the guest, failed: no verdict this cycle.
-      this.logger.debug({ vm_id: hint.id, err: errInfo(err) }, 'health probe not run');
-      p.lastAt = 0;
-      return;
-    }
-    s.health_checked++;
-    p.failures = passed ? 0 : p.failures + 1;
-    if (!passed) s.health_failing++;
-    const next = nextHealth(p.state, passed, p.failures, hc, now - hint.state_changed_at.getTime());
-    if (next !== p.state) {
-      await this.healthHandler.handle(hint.id, { type: 'RecordHealthVerdict', data: { vm_id: hint.id, state: next, failures: p.failures, message } }, actor);
-      this.logger.info({ vm_id: hint.id, health: next, failures: p.failures, message }, 'vm health changed');
-      p.state = next;
     }
   }
 
@@ -547,79 +378,13 @@ export class Reconciler {
     }
   }
 
-  /** Returns true when the orphan is gone. Consecutive failures dead-letter it; a dead letter is skipped until an operator acts. */
-  private async destroyOrphan(hostId: string, agent: HostAgent, name: string, vmId: string | undefined, s: ReconcileSummary, actor: Actor): Promise<boolean> {
-    const key = `${hostId}/${name}`;
-    const id = deadLetterId('orphan_destroy', hostId, name);
-    const letter = await this.loadDeadLetter(id);
-    if (letter.status === 'open' || letter.status === 'discarded') {
-      s.orphans_skipped++;
-      return false;
-    }
-    try {
-      await agent.destroyVm(name, { force: true, timeoutMs: this.config.agentTimeoutMs });
-      this.orphanFailures.delete(key);
-      s.orphans_destroyed++;
-      this.logger.info({ host_id: hostId, sandbox: name, vm_id: vmId }, 'orphan sandbox destroyed');
-      if (letter.status === 'retrying') await this.runDeadLetter(id, { type: 'ResolveDeadLetter', data: { id, outcome: 'succeeded' } }, actor);
-      return true;
-    } catch (err) {
-      s.orphans_failed++;
-      const prev = this.orphanFailures.get(key);
-      const f: Failure = { count: (prev?.count ?? 0) + 1, firstAt: prev?.firstAt ?? this.clock().toISOString(), lastError: (err as Error).message, lastCode: err instanceof AppError ? err.code : undefined };
-      this.orphanFailures.set(key, f);
-      this.logger.warn({ host_id: hostId, sandbox: name, failures: f.count, err: errInfo(err) }, 'orphan destroy failed');
-      if (f.count >= this.config.orphanDestroyMaxRetries) {
-        await this.runDeadLetter(
-          id,
-          {
-            type: 'RecordDeadLetter',
-            data: { id, kind: 'orphan_destroy', entity_id: name, host_id: hostId, vm_id: vmId, reason: f.lastError, error_code: f.lastCode, retry_count: f.count, first_failed_at: f.firstAt },
-          },
-          actor,
-        );
-        this.orphanFailures.delete(key);
-        s.orphans_dead_lettered++;
-        this.logger.error({ host_id: hostId, sandbox: name, dead_letter: id, failures: f.count }, 'orphan destroy dead-lettered: skipped until an operator retries or discards it');
-      }
-      return false;
-    }
-  }
-
-  /**
-   * An operator's retry: marks the dead letter retrying, then tries the work
-   * at once. Success resolves it; failure leaves it retrying, and the
-   * reconciler keeps trying (and dead-letters it again after the same count).
-   */
+  /** An operator's retry of a dead letter: marks it retrying, then tries the work at once. */
   async retryDeadLetter(id: string, meta: CommandMeta): Promise<{ state: DeadLetterState; error?: { code: string; message: string } }> {
-    const retried = await this.deadLetterHandler.handle(id, { type: 'RetryDeadLetter', data: { id, actor: meta.actor } }, meta);
-    const letter = retried.state;
-    if (letter.status !== 'retrying') return { state: letter };
-    for (const key of this.orphanFailures.keys()) if (key === `${letter.host_id}/${letter.entity_id}`) this.orphanFailures.delete(key);
-    try {
-      const vmId = letter.entity_id.startsWith(SANDBOX_PREFIX) ? letter.entity_id.slice(SANDBOX_PREFIX.length) : undefined;
-      if (vmId && isValidId(vmId)) {
-        const vm = await this.loadVm(vmId);
-        if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === letter.host_id) {
-          // The sandbox belongs to a live VM after all: nothing to destroy.
-          const r = await this.deadLetterHandler.handle(id, { type: 'ResolveDeadLetter', data: { id, outcome: 'gone' } }, meta);
-          return { state: r.state };
-        }
-      }
-      const agent = await this.hosts.agentFor(letter.host_id);
-      const res = await agent.destroyVm(letter.entity_id, { force: true, timeoutMs: this.config.agentTimeoutMs });
-      const r = await this.deadLetterHandler.handle(id, { type: 'ResolveDeadLetter', data: { id, outcome: res.destroyed ? 'succeeded' : 'gone' } }, meta);
-      this.logger.info({ dead_letter: id, host_id: letter.host_id, sandbox: letter.entity_id }, 'dead letter retried: resolved');
-      return { state: r.state };
-    } catch (err) {
-      this.logger.warn({ dead_letter: id, err: errInfo(err) }, 'dead letter retry failed; the reconciler keeps retrying');
-      return { state: letter, error: { code: err instanceof AppError ? err.code : 'INTERNAL', message: (err as Error).message } };
-    }
+    return this.deadLetters.retry(id, meta);
   }
 
   async discardDeadLetter(id: string, note: string | undefined, meta: CommandMeta): Promise<DeadLetterState> {
-    const r = await this.deadLetterHandler.handle(id, { type: 'DiscardDeadLetter', data: { id, actor: meta.actor, note } }, meta);
-    return r.state;
+    return this.deadLetters.discard(id, note, meta);
   }
 
   private async tryDestroy(agent: HostAgent, name: string, vmId: string, hostId: string): Promise<boolean> {
@@ -644,10 +409,6 @@ export class Reconciler {
     return m.status === 'in_progress' && !m.switched ? { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) } : undefined;
   }
 
-  private async loadDeadLetter(id: string): Promise<DeadLetterState> {
-    return (await this.deadLetterHandler.load(id)).state;
-  }
-
   private async runVm(vmId: string, command: VmCommand, meta: CommandMeta): Promise<ExistingVmState | undefined> {
     const r = await this.vmHandler.handle(vmId, command, meta);
     return r.state.status === 'initial' ? undefined : r.state;
@@ -657,15 +418,9 @@ export class Reconciler {
     await this.hostHandler.handle(hostId, command, meta);
   }
 
-  private async runDeadLetter(id: string, command: DeadLetterCommand, meta: CommandMeta): Promise<void> {
-    await this.deadLetterHandler.handle(id, command, meta);
-  }
 }
 
 function vmHintOf(h: LiveVmHint): VmHint {
   return { id: h.id, state: h.state, stateChangedAt: h.state_changed_at.getTime(), lastActivityAt: h.last_activity_at.getTime(), maxRuntimeS: h.max_runtime_s, idleTimeoutS: h.idle_timeout_s };
 }
 
-function errInfo(err: unknown): { message: string; code?: string } {
-  return err instanceof AppError ? { message: err.message, code: err.code } : { message: err instanceof Error ? err.message : String(err) };
-}
