@@ -1,5 +1,6 @@
 import { randomBytes } from 'node:crypto';
-import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { SnapshotGc } from '../gc/snapshot-gc.js';
+import { bindAggregate, type BoundOf, type Loaded } from '../command-handler.js';
 import { tenantAggregate } from '../../domain/tenant/tenant.aggregate.js';
 import { snapshotAggregate } from '../../domain/snapshot/snapshot.aggregate.js';
 import type { Logger } from 'pino';
@@ -8,7 +9,7 @@ import { AppError, ConflictError, NotFoundError, ValidationError } from '../../d
 import type { Position } from '../../domain/event-store.port.js';
 import { classifyHostAgentError } from '../../domain/host-agent.port.js';
 import { idSchema } from '../../domain/ids.js';
-import { type ExistingSnapshot, type SnapshotCommand } from '../../domain/snapshot/snapshot.decider.js';
+import { type ExistingSnapshot, type SnapshotAggregate, type SnapshotCommand } from '../../domain/snapshot/snapshot.decider.js';
 import { layerKeySchema, snapshotModeSchema, type SnapshotDeleteReason } from '../../domain/snapshot/snapshot.events.js';
 import { QuotaExceededError, quotaUsage, type QuotaLimits, type QuotaPool, type TenantCommand } from '../../domain/tenant/tenant.decider.js';
 import { validationErrorFromZod } from '../../domain/vm/spec.js';
@@ -87,8 +88,6 @@ export interface SnapshotResult {
   readonly position: Position | undefined;
 }
 
-const SYSTEM: CommandMeta = { correlationId: 'snapshot-gc', actor: 'system:snapshot-gc' };
-
 /**
  * Snapshots of running VMs (`snapshot-<id>`), the per-tenant quota
  * (`tenant-<id>`), artifact moves between hosts, and their collection.
@@ -97,8 +96,7 @@ export class SnapshotCommands implements SeedArtifacts {
   private readonly tenantQueues = new Map<string, Promise<void>>();
   /** Quota reservations retry many times: losing a race to a sibling is the normal case, not an error. */
   private readonly quotaHandler: CommandHandler;
-  private timer: NodeJS.Timeout | undefined;
-  private collecting: Promise<void> | undefined;
+  private readonly gc: SnapshotGc;
 
   private readonly quotaTenantHandler: BoundOf<typeof tenantAggregate>;
   private readonly snapshotHandler: BoundOf<typeof snapshotAggregate>;
@@ -113,6 +111,7 @@ export class SnapshotCommands implements SeedArtifacts {
     quotaHandler?: CommandHandler,
   ) {
     this.quotaHandler = quotaHandler ?? handler;
+    this.gc = new SnapshotGc(this, reads, config, logger);
     this.quotaTenantHandler = bindAggregate(this.quotaHandler, tenantAggregate);
     this.snapshotHandler = bindAggregate(handler, snapshotAggregate);
   }
@@ -256,7 +255,8 @@ export class SnapshotCommands implements SeedArtifacts {
     );
   }
 
-  private async dropCopies(s: ExistingSnapshot, meta: CommandMeta): Promise<SnapshotResult | undefined> {
+  /** Deletes a deleted snapshot's artifact from every host still holding it. */
+  async dropCopies(s: ExistingSnapshot, meta: CommandMeta): Promise<SnapshotResult | undefined> {
     let last: SnapshotResult | undefined;
     for (const hostId of s.holders) {
       try {
@@ -372,59 +372,20 @@ export class SnapshotCommands implements SeedArtifacts {
   // ---------------------------------------------------------------- collection
 
   start(): void {
-    if (this.timer) return;
-    this.timer = setInterval(() => void this.collect().catch((err: unknown) => this.logger.warn({ err: { message: (err as Error).message } }, 'snapshot collection failed')), this.config.gcIntervalMs);
-    this.timer.unref();
+    this.gc.start();
   }
 
   async stop(): Promise<void> {
-    if (this.timer) clearInterval(this.timer);
-    this.timer = undefined;
-    await this.collecting?.catch(() => undefined);
+    await this.gc.stop();
   }
 
-  /**
-   * One collection pass: snapshots past retention_until; layer artifacts idle
-   * past ARTIFACT_IDLE_TTL; the LRU beyond ARTIFACT_MAX_PER_TENANT; unfinished
-   * agent deletes. Never one a live VM seeds from or a lineage names.
-   */
+  /** One collection pass (see SnapshotGc). */
   async collect(now = new Date()): Promise<{ expired: number; idle: number; evicted: number; retried: number }> {
-    if (this.collecting) {
-      await this.collecting.catch(() => undefined);
-    }
-    const out = { expired: 0, idle: 0, evicted: 0, retried: 0 };
-    const run = (async () => {
-      for (const s of await this.reads.expired(now)) if (await this.collectOne(s, 'retention')) out.expired++;
-      if (this.config.idleTtlMs > 0) for (const s of await this.reads.idleLayers(new Date(now.getTime() - this.config.idleTtlMs))) if (await this.collectOne(s, 'idle')) out.idle++;
-      if (this.config.maxPerTenant > 0) for (const s of await this.reads.layersOverCap(this.config.maxPerTenant)) if (await this.collectOne(s, 'lru')) out.evicted++;
-      for (const s of await this.reads.deletedWithHolders()) {
-        const { state } = await this.snapshotHandler.load(s.id);
-        if (state.status === 'deleted' && state.holders.length > 0) {
-          await this.dropCopies(state, SYSTEM);
-          out.retried++;
-        }
-      }
-    })();
-    this.collecting = run;
-    try {
-      await run;
-    } finally {
-      if (this.collecting === run) this.collecting = undefined;
-    }
-    return out;
+    return this.gc.collect(now);
   }
 
-  private async collectOne(row: { id: string; tenant_id: string }, reason: SnapshotDeleteReason): Promise<boolean> {
-    try {
-      const users = await this.reads.liveVmsSeededFrom(row.id);
-      if (users.length > 0) return false;
-      if ((await this.reads.dependentsOf(row.id)).length > 0) return false;
-      await this.delete(row.id, { ...SYSTEM, tenantId: row.tenant_id, admin: true }, { reason });
-      return true;
-    } catch (err) {
-      this.logger.warn({ snapshot_id: row.id, reason, err: { message: (err as Error).message } }, 'snapshot not collected');
-      return false;
-    }
+  async load(snapshotId: string): Promise<Loaded<SnapshotAggregate>> {
+    return this.snapshotHandler.load(snapshotId);
   }
 
   private async run(snapshotId: string, command: SnapshotCommand, meta: CommandMeta): Promise<SnapshotResult> {
