@@ -1,5 +1,5 @@
 import { cpus, loadavg } from 'node:os';
-import type { Actor } from '../src/commands/vm-commands.js';
+import type { Actor } from '../src/commands/vm/vm-commands.js';
 import { hostAllocation } from '../src/domain/host/host.decider.js';
 import { emptyAllocation } from '../src/domain/placement/fit.js';
 import { place, type PlacementHost, type PlacementRequest } from '../src/domain/placement/placement.js';

@@ -3,8 +3,9 @@ import type { Logger } from 'pino';
 import { CommandHandler } from '../commands/command-handler.js';
 import { HostCommands } from '../commands/host-commands.js';
 import { PlacementView } from '../commands/placement-view.js';
-import { VmCommands } from '../commands/vm-commands.js';
-import { Reconciler, type ReconcileSummary } from '../commands/reconciler.js';
+import { VmCommands } from '../commands/vm/vm-commands.js';
+import { Placer } from '../commands/placement/place-and-reserve.js';
+import { Reconciler, type ReconcileSummary } from '../commands/reconcile/reconciler.js';
 import { deadLettersProjection } from '../projections/dead-letters/dead-letters.projection.js';
 import { countDeadLettersByState } from '../projections/dead-letters/dead-letters.queries.js';
 import { Counter } from 'prom-client';
@@ -25,8 +26,8 @@ import { billingProjection } from '../projections/billing/billing.projection.js'
 import { metricsProjection } from '../projections/metrics/metrics.projection.js';
 import { snapshotsProjection } from '../projections/snapshots/snapshots.projection.js';
 import * as snapshotQueries from '../projections/snapshots/snapshots.queries.js';
-import { SnapshotCommands } from '../commands/snapshot-commands.js';
-import { ForkMigrate } from '../commands/fork-migrate.js';
+import { SnapshotCommands } from '../commands/snapshot/snapshot-commands.js';
+import { ForkMigrate } from '../commands/migrate/fork-migrate.js';
 import { snapshotRoutes } from './http/snapshots.routes.js';
 import { registerConsumerMetrics } from './http/consumer-metrics.js';
 import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
@@ -111,14 +112,14 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     }
     const hosts = new HostCommands(handler, connector, secretBox, config.CPU_OVERCOMMIT_RATIO ?? 1);
     const view = new PlacementView(hosts, () => listSchedulableHostIds(pool));
+    const placer = new Placer(handler, view, { policy: config.PLACEMENT_POLICY });
     const vms = new VmCommands(
       handler,
       hosts,
-      view,
+      placer,
       secretBox,
       {
         limits: { ...DEFAULT_SPEC_LIMITS, maxStartupScriptTimeoutMs: config.MAX_STARTUP_SCRIPT_TIMEOUT_MS },
-        policy: config.PLACEMENT_POLICY,
         execDefaultTimeoutMs: config.EXEC_DEFAULT_TIMEOUT_MS,
         execMaxTimeoutMs: config.EXEC_MAX_TIMEOUT_MS,
         startupScriptTimeoutMs: config.STARTUP_SCRIPT_TIMEOUT_MS,
@@ -154,7 +155,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       new CommandHandler(store, undefined, 200),
     );
     vms.setSeedArtifacts(snapshots);
-    const forkMigrate = new ForkMigrate(handler, hosts, view, vms, snapshots, config.PLACEMENT_POLICY, logger.child({ component: 'migrate' }));
+    const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
     metrics.gauge('fleet_projection_lag_seconds', 'Seconds the read model is behind the newest event it has been handed', ['projection'], async () =>

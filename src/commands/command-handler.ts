@@ -1,4 +1,5 @@
 import { randomUUID } from 'node:crypto';
+import type { Aggregate } from '../domain/aggregate.js';
 import type { Decider } from '../domain/decider.js';
 import { ConcurrencyError, type EventMetadata, type EventStore, type ExpectedRevision, type Position, type RecordedEvent } from '../domain/event-store.port.js';
 
@@ -30,6 +31,19 @@ export interface Handled<S, E> {
 }
 
 export type Clock = () => Date;
+
+export interface HandleOptions {
+  readonly expected?: ExpectedRevision;
+  readonly onConflict?: (err: ConcurrencyError, attempt: number) => boolean;
+}
+
+export type BoundOf<A> = A extends Aggregate<infer C, infer E, infer S> ? BoundHandler<C, E, S> : never;
+
+/** A command handler bound to one aggregate: callers name an instance by id, never a stream. */
+export interface BoundHandler<C, E, S> {
+  load(id: string): Promise<Loaded<S>>;
+  handle(id: string, command: C | ((state: S) => C), meta: CommandMeta, options?: HandleOptions): Promise<Handled<S, E>>;
+}
 
 /**
  * Decodes a stored event into a domain event: the stream is the source of
@@ -101,7 +115,7 @@ export class CommandHandler {
     decode: EventCodec<E>,
     command: C | ((state: S) => C),
     meta: CommandMeta,
-    options: { expected?: ExpectedRevision; onConflict?: (err: ConcurrencyError, attempt: number) => boolean } = {},
+    options: HandleOptions = {},
   ): Promise<Handled<S, E>> {
     // A cached state is tried without a read: a stale one loses the append (expected revision) and is re-read.
     // Only a state just read may answer "nothing to do" or refuse: a stale cache must not decide those.
@@ -190,4 +204,15 @@ function withoutNul<T>(value: T): T {
 function jitter(attempt: number): Promise<void> {
   const ms = Math.random() * Math.min(50, 2 ** attempt);
   return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/**
+ * The handler for one aggregate (emmett's `CommandHandler({ evolve, initialState })`):
+ * its streams, decoder and decider in one place, bound once; callers name an instance by id.
+ */
+export function bindAggregate<C, E extends DomainEvent, S>(handler: CommandHandler, aggregate: Aggregate<C, E, S>): BoundHandler<C, E, S> {
+  return {
+    load: (id) => handler.load(aggregate.streamName(id), aggregate.decider, aggregate.decode),
+    handle: (id, command, meta, options) => handler.handle(aggregate.streamName(id), aggregate.decider, aggregate.decode, command, meta, options),
+  };
 }

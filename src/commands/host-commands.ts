@@ -1,13 +1,15 @@
 import { z } from 'zod';
-import { capacityOverridesSchema, hostBackendSchema, labelsSchema, parseHostEvent, isHostEventType, type HostEvent } from '../domain/host/host.events.js';
-import { hostDecider, type HostCommand, type HostState } from '../domain/host/host.decider.js';
-import { hostStream, idSchema } from '../domain/ids.js';
+import { bindAggregate, type BoundOf } from './command-handler.js';
+import { hostAggregate } from '../domain/host/host.aggregate.js';
+import { capacityOverridesSchema, hostBackendSchema, labelsSchema, type HostEvent } from '../domain/host/host.events.js';
+import { type HostCommand, type HostState } from '../domain/host/host.decider.js';
+import { idSchema } from '../domain/ids.js';
 import { AppError, NotFoundError } from '../domain/errors.js';
 import type { HostAgent, HostAgentConnector } from '../domain/host-agent.port.js';
 import type { SecretBox } from '../domain/secret-box.port.js';
 import type { CapacityResponse } from '../domain/agent-protocol.js';
 import type { HostCapacity } from '../domain/capacity.js';
-import type { Position, RecordedEvent } from '../domain/event-store.port.js';
+import type { Position } from '../domain/event-store.port.js';
 import { CommandHandler, type CommandMeta, type Handled } from './command-handler.js';
 
 export const registerHostRequestSchema = z.object({
@@ -21,10 +23,6 @@ export const registerHostRequestSchema = z.object({
   capacity_overrides: capacityOverridesSchema.default({}),
 }).strict();
 export type RegisterHostRequest = z.input<typeof registerHostRequestSchema>;
-
-export function decodeHostEvent(r: RecordedEvent): HostEvent | undefined {
-  return isHostEventType(r.type) ? parseHostEvent(r.type, r.data) : undefined;
-}
 
 /**
  * Token context binds a sealed host token to its host and the URL it is sent
@@ -49,13 +47,18 @@ export class HostCommands {
   private readonly agents = new Map<string, { sealed: string; url: string; agent: HostAgent }>();
   private resealing: Promise<void> = Promise.resolve();
 
+  private readonly hostHandler: BoundOf<typeof hostAggregate>;
+
   constructor(
     private readonly handler: CommandHandler,
     private readonly connector: HostAgentConnector,
     private readonly secrets: SecretBox,
     /** The fleet's CPU overcommit ratio, for hosts registered without their own. */
     private readonly defaultCpuOvercommitRatio = 1,
-  ) {}
+  ) {
+    this.hostHandler = bindAggregate(handler, hostAggregate);
+  }
+
 
   async register(input: unknown, meta: CommandMeta): Promise<HostResult> {
     const req = registerHostRequestSchema.parse(input);
@@ -87,7 +90,7 @@ export class HostCommands {
   }
 
   async load(hostId: string): Promise<{ state: HostState; revision: bigint | 'no_stream' }> {
-    return this.handler.load(hostStream(hostId), hostDecider, decodeHostEvent);
+    return this.hostHandler.load(hostId);
   }
 
   /** The agent client for a registered host, rebuilt from its events after a restart. */
@@ -133,7 +136,7 @@ export class HostCommands {
   }
 
   private async run(hostId: string, command: HostCommand, meta: CommandMeta): Promise<HostResult> {
-    const r: Handled<HostState, HostEvent> = await this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, command, meta);
+    const r: Handled<HostState, HostEvent> = await this.hostHandler.handle(hostId, command, meta);
     return { state: r.state, position: r.position };
   }
 }

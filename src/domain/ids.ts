@@ -27,16 +27,6 @@ export function assertId(value: unknown, field = 'id'): asserts value is string 
 export const HOST_STREAM_PREFIX = 'host-';
 export const VM_STREAM_PREFIX = 'vm-';
 
-export function hostStream(hostId: string): string {
-  assertId(hostId, 'host_id');
-  return HOST_STREAM_PREFIX + hostId;
-}
-
-export function vmStream(vmId: string): string {
-  assertId(vmId, 'vm_id');
-  return VM_STREAM_PREFIX + vmId;
-}
-
 /** The id of a `host-<id>` / `vm-<id>` stream, or undefined when the stream is of another category or malformed. */
 export function idFromStream(stream: string, prefix: typeof HOST_STREAM_PREFIX | typeof VM_STREAM_PREFIX): string | undefined {
   if (!stream.startsWith(prefix)) return undefined;

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import type { Actor } from '../../src/commands/vm-commands.js';
-import { decodeVmEvent } from '../../src/commands/vm-commands.js';
+import type { Actor } from '../../src/commands/vm/vm-commands.js';
+import { decodeVmEvent } from '../../src/domain/vm/vm.aggregate.js';
 import type { RecordedEvent } from '../../src/domain/event-store.port.js';
 import { hostAllocation } from '../../src/domain/host/host.decider.js';
 import { vmDecider, type VmState } from '../../src/domain/vm/vm.decider.js';

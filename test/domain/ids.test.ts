@@ -1,7 +1,9 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { AppError } from '../../src/domain/errors.js';
-import { assertId, HOST_STREAM_PREFIX, hostStream, idFromStream, isValidId, VM_STREAM_PREFIX, vmStream } from '../../src/domain/ids.js';
+import { hostStream } from '../../src/domain/host/host.aggregate.js';
+import { assertId, HOST_STREAM_PREFIX, idFromStream, isValidId, VM_STREAM_PREFIX } from '../../src/domain/ids.js';
+import { vmStream } from '../../src/domain/vm/vm.aggregate.js';
 import { assertStreamName } from '../../src/domain/event-store.port.js';
 
 test('ids: lowercase [a-z0-9-], 1–64, alphanumeric at both ends', () => {

@@ -4,10 +4,10 @@ import { pino } from 'pino';
 import { configSchema } from '../../src/adapters/config.js';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
 import { CommandHandler } from '../../src/commands/command-handler.js';
-import { decodeHostEvent } from '../../src/commands/host-commands.js';
+import { decodeHostEvent, hostStream } from '../../src/domain/host/host.aggregate.js';
 import { hostDecider } from '../../src/domain/host/host.decider.js';
-import { hostStream, vmStream } from '../../src/domain/ids.js';
-import { migrationRecorder } from '../../src/domain/snapshot/migration.events.js';
+import { vmStream } from '../../src/domain/vm/vm.aggregate.js';
+import { migrationRecorder } from '../support/migration-recorder.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 import { ADMIN_KEY, AgentFaultProxy, prepareTestImages, skipReason, sleep, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
 

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { pino } from 'pino';
-import { Reconciler, type ReconcilerConfig, type ReconcileSummary } from '../../src/commands/reconciler.js';
+import { Reconciler, type ReconcilerConfig, type ReconcileSummary } from '../../src/commands/reconcile/reconciler.js';
 
 const CONFIG: ReconcilerConfig = {
   intervalMs: 50,

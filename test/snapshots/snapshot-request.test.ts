@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { createSnapshotRequestSchema } from '../../src/commands/snapshot-commands.js';
+import { createSnapshotRequestSchema } from '../../src/commands/snapshot/snapshot-commands.js';
 
 /** A snapshot request's expiry is refused up front when Postgres could not store it: recorded, it would stop the snapshots read model. */
 describe('snapshot request: retention bounds', () => {

@@ -6,7 +6,7 @@ import { snapshotsProjection } from '../../src/projections/snapshots/snapshots.p
 import { findSnapshotByLayerKey, listSnapshotsByDigest } from '../../src/projections/snapshots/snapshots.queries.js';
 import { pino } from 'pino';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
-import type { Actor } from '../../src/commands/vm-commands.js';
+import type { Actor } from '../../src/commands/vm/vm-commands.js';
 import { AppError } from '../../src/domain/errors.js';
 import { ADMIN_KEY, eventually, problemOf, registerHost, startControlPlane, type AgentFleet, type ControlPlane, type Reply, startCheckedFleet } from '../support/control-plane.js';
 

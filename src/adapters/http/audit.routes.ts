@@ -3,10 +3,12 @@ import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import { z } from 'zod';
 import { ValidationError, NotFoundError } from '../../domain/errors.js';
 import { assertStreamName, streamCategory, type EventStore, type JsonValue, type RecordedEvent } from '../../domain/event-store.port.js';
-import { evolveVm, initialVmState, type ExistingVmState, type VmState } from '../../domain/vm/vm.decider.js';
-import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
+import { eventTime, upTo, type AsOf } from '../../commands/vm/vm-history.js';
+import { TENANT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';
 import type { Caller } from './auth.js';
 import { problemResponses } from './common.js';
+
+export { vmAsOf, type AsOf } from '../../commands/vm/vm-history.js';
 
 /** One event as an auditor reads it. */
 export interface AuditEntry {
@@ -43,11 +45,6 @@ export function redactSealed(value: JsonValue, parentKey?: string): JsonValue {
   return value;
 }
 
-function eventTime(e: RecordedEvent): string {
-  const at = (e.data as { at?: unknown } | null)?.at;
-  return typeof at === 'string' ? at : e.created.toISOString();
-}
-
 export function toAuditEntry(e: RecordedEvent): AuditEntry {
   return {
     position: e.position,
@@ -67,16 +64,14 @@ export function toAuditEntry(e: RecordedEvent): AuditEntry {
 /** Who owns a stream: the tenant named by its first event (VM, snapshot) or by its id (tenant-…); hosts and the rest are the operator's. */
 export async function streamOwner(store: EventStore, stream: string): Promise<string | undefined> {
   const category = streamCategory(stream);
-  if (category === 'tenant') return stream.slice('tenant-'.length);
+  if (category === 'tenant') return stream.slice(TENANT_STREAM_PREFIX.length);
   if (category !== 'vm' && category !== 'snapshot') return undefined;
   const [first] = await store.readStream(stream, { maxCount: 1 });
   const t = (first?.data as { tenant_id?: unknown } | null)?.tenant_id;
   return typeof t === 'string' ? t : undefined;
 }
 
-/** `as_of`: a position as the API returns them, or an ISO-8601 time. */
-export type AsOf = { readonly position: string } | { readonly time: Date };
-
+/** `as_of` as a caller gives it: a position as the API returns them, or an ISO-8601 time. */
 export function parseAsOf(store: EventStore, value: string): AsOf {
   if (/^[0-9a-f]{16}-[0-9a-f]{16}$/.test(value)) return { position: store.parsePosition(value) };
   const t = new Date(value);
@@ -84,27 +79,6 @@ export function parseAsOf(store: EventStore, value: string): AsOf {
     throw new ValidationError(`as_of ${JSON.stringify(value)} is neither a position (<16 hex>-<16 hex>) nor an ISO-8601 time such as 2026-01-01T12:00:00Z`, [{ path: 'querystring.as_of', message: 'not a position or a time' }]);
   }
   return { time: t };
-}
-
-function upTo(events: readonly RecordedEvent[], asOf: AsOf): RecordedEvent[] {
-  return 'position' in asOf ? events.filter((e) => e.position <= asOf.position) : events.filter((e) => Date.parse(eventTime(e)) <= asOf.time.getTime());
-}
-
-/**
- * The VM as it was at `asOf`, folded with the decider from its own events up
- * to that point; undefined when it did not exist yet (or never did).
- */
-export async function vmAsOf(store: EventStore, vmId: string, asOf: AsOf): Promise<{ state: ExistingVmState; events: number } | undefined> {
-  const stream = `vm-${vmId}`;
-  try {
-    assertStreamName(stream);
-  } catch {
-    return undefined;
-  }
-  const events = upTo(await store.readStream(stream), asOf);
-  let state: VmState = initialVmState;
-  for (const e of events) if (isVmEventType(e.type)) state = evolveVm(state, parseVmEvent(e.type, e.data));
-  return state.status === 'initial' ? undefined : { state, events: events.length };
 }
 
 export interface AuditRoutesDeps {

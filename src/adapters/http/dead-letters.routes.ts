@@ -2,7 +2,7 @@ import type { FastifyInstance } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
-import type { Reconciler } from '../../commands/reconciler.js';
+import type { Reconciler } from '../../commands/reconcile/reconciler.js';
 import type { DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
 import { NotFoundError } from '../../domain/errors.js';
 import { idSchema } from '../../domain/ids.js';

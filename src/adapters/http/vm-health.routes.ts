@@ -2,7 +2,7 @@ import type { FastifyInstance } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
-import type { VmCommands } from '../../commands/vm-commands.js';
+import type { VmCommands } from '../../commands/vm/vm-commands.js';
 import { idSchema } from '../../domain/ids.js';
 import { getVmHealth } from '../../projections/vm-health/vm-health.projection.js';
 import { problemResponses } from './common.js';

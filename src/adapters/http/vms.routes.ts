@@ -4,7 +4,7 @@ import type { Pool } from 'pg';
 import { Readable } from 'node:stream';
 import type { WebSocket } from 'ws';
 import { z } from 'zod';
-import type { Actor, VmCommands } from '../../commands/vm-commands.js';
+import type { Actor, VmCommands } from '../../commands/vm/vm-commands.js';
 import { attachStartSchema, clientFrameSchema, execResultSchema, execStreamStartSchema } from '../../domain/agent-protocol.js';
 import type { AgentStream } from '../../domain/host-agent.port.js';
 import { AppError, NotFoundError } from '../../domain/errors.js';

@@ -151,6 +151,7 @@ export type VmActivityRecorded = z.infer<typeof vmActivityRecordedSchema>;
 export type VmDestroyRequested = z.infer<typeof vmDestroyRequestedSchema>;
 export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
 export type VmFailed = z.infer<typeof vmFailedSchema>;
+export type VmMigrated = z.infer<typeof vmMigratedSchema>;
 
 /** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseVmEvent(type: string, data: unknown): VmEvent {

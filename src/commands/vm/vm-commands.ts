@@ -1,27 +1,21 @@
 import { createHash, randomBytes } from 'node:crypto';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
-import type { AgentSpec, AttachStart, ExecResult, ExecStreamStart } from '../domain/agent-protocol.js';
-import { AppError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position, RecordedEvent } from '../domain/event-store.port.js';
-import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../domain/host-agent.port.js';
-import { hostStream, vmStream } from '../domain/ids.js';
-import { hostDecider } from '../domain/host/host.decider.js';
-import type { Placement, PlacementPolicy } from '../domain/placement/placement.js';
-import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../domain/vm/spec.js';
-import { vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../domain/vm/vm.decider.js';
-import { isVmEventType, parseVmEvent, type Endpoint, type VmEndReason, type VmEvent } from '../domain/vm/vm.events.js';
-import type { SecretBox } from '../domain/secret-box.port.js';
-import type { CommandHandler, CommandMeta } from './command-handler.js';
-import { decodeHostEvent, type HostCommands } from './host-commands.js';
-import type { PlacementView } from './placement-view.js';
+import type { AttachStart, ExecResult, ExecStreamStart } from '../../domain/agent-protocol.js';
+import { AppError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../../domain/host-agent.port.js';
+import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../../domain/vm/spec.js';
+import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
+import { type VmEndReason } from '../../domain/vm/vm.events.js';
+import type { SecretBox } from '../../domain/secret-box.port.js';
+import type { CommandHandler, CommandMeta } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
+import { bootSandbox, sandboxName } from './boot-sandbox.js';
 
-export function decodeVmEvent(r: RecordedEvent): VmEvent | undefined {
-  return isVmEventType(r.type) ? parseVmEvent(r.type, r.data) : undefined;
-}
-
-/** Sandboxes the fleet owns carry this prefix on their host, so the reconciler can tell ours from anything else. */
-export const SANDBOX_PREFIX = 'fl-';
-export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
+export { SANDBOX_PREFIX, sandboxName } from './boot-sandbox.js';
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
 
 /** A VM's sealed guest inputs in clear, for a later boot of its disk (fork, migrate). */
@@ -33,12 +27,9 @@ export interface GuestInputs {
 
 export interface VmCommandsConfig {
   readonly limits: SpecLimits;
-  readonly policy: PlacementPolicy;
   readonly execDefaultTimeoutMs: number;
   readonly execMaxTimeoutMs: number;
   readonly startupScriptTimeoutMs: number;
-  /** Bounded re-decisions when a reservation loses a race for a host. */
-  readonly maxPlacementAttempts?: number;
   /** Exec/attach activity is recorded at most this often per VM (idle expiry needs minutes, not every call). */
   readonly activityCoalesceMs?: number;
 }
@@ -78,17 +69,21 @@ export interface Actor extends CommandMeta {
  */
 export class VmCommands {
   private readonly lastActivity = new Map<string, number>();
-  private readonly hostQueues = new Map<string, Promise<void>>();
   private seeds: SeedArtifacts | undefined;
+
+  private readonly vmHandler: BoundOf<typeof vmAggregate>;
 
   constructor(
     private readonly handler: CommandHandler,
     private readonly hosts: HostCommands,
-    private readonly view: PlacementView,
+    private readonly placer: Placer,
     private readonly secrets: SecretBox,
     private readonly config: VmCommandsConfig,
     private readonly logger: Logger,
-  ) {}
+  ) {
+    this.vmHandler = bindAggregate(handler, vmAggregate);
+  }
+
 
   /**
    * Creates a VM and waits for it to run. With an idempotency key the VM id
@@ -155,7 +150,7 @@ export class VmCommands {
     let vm = first.vm;
     while ((vm.status === 'requested' || vm.status === 'placed' || vm.status === 'booting') && Date.now() < deadline) {
       await new Promise((resolve) => setTimeout(resolve, 100));
-      const { state } = await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent);
+      const { state } = await this.vmHandler.load(vmId);
       if (state.status !== 'initial') vm = state;
     }
     return { vm, position: undefined };
@@ -164,11 +159,12 @@ export class VmCommands {
   private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<VmResult> {
     const vmId = vm.vm_id;
     const started = Date.now();
-    // Place: decide on the view, reserve on the host stream at the revision decided on; a lost race re-decides.
-    let placed: VmResult;
+    // Place: decide on the view, reserve on the host stream; a lost race re-decides.
     let hostId: string;
     try {
-      ({ placed, hostId } = await this.reserve(vmId, spec, actor, where));
+      const r = await this.placer.placeAndReserve(vmId, placementRequestOf(spec), spec, actor, where);
+      hostId = r.hostId;
+      await this.run(vmId, { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: r.choice.decision, reservation: r.reservation } }, actor);
     } catch (err) {
       const reason: VmEndReason = err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED' ? 'capacity' : 'placement';
       await this.fail(vmId, reason, err, actor);
@@ -180,52 +176,21 @@ export class VmCommands {
       await this.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
       const agent = await agentFor();
-      const name = sandboxName(vmId);
-      // Ports are published when the sandbox is made; the in-guest agent only reports them.
-      const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
-      const info = await agent.createVm({
-        name,
-        image: spec.image,
-        checkpoint_id: spec.seed_snapshot_id,
-        cpus: spec.cpus,
-        ram_mb: spec.ram_mb,
-        storage_gb: spec.storage_gb,
-        tenant: vm.tenant_id,
-        expose,
-        ...(spec.net_raw ? { net_raw: true } : {}),
-        // The agent applies these only inside the guest: to the startup script, the in-guest agent and every exec.
-        env: spec.secrets ?? {},
-      });
-      created = true;
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
       const token = randomBytes(32).toString('base64url');
-      const dirs = new Set([RESERVED_GUEST_DIR, ...Object.keys(spec.files ?? {}).map((p) => p.slice(0, p.lastIndexOf('/')) || '/')]);
-      const mkdir = await agent.exec(name, { argv: ['mkdir', '-p', ...dirs], timeout_ms: 10_000 });
-      if (mkdir.exit_code !== 0) throw new AppError('GUEST_SETUP_FAILED', 502, `could not create guest directories: ${tail(mkdir.stderr)}`);
-      await agent.upload(name, `${RESERVED_GUEST_DIR}/token`, Buffer.from(token), { mode: '0600' });
-      for (const [path, content] of Object.entries(spec.files ?? {})) {
-        await agent.upload(name, path, Buffer.from(content, 'base64'));
-      }
-      if (spec.startup_script) {
-        const timeoutMs = spec.startup_script_timeout_s !== undefined ? spec.startup_script_timeout_s * 1000 : this.config.startupScriptTimeoutMs;
-        await agent.upload(name, `${RESERVED_GUEST_DIR}/startup.sh`, Buffer.from(spec.startup_script), { mode: '0755' });
-        const r = await agent.exec(name, { argv: ['/bin/sh', `${RESERVED_GUEST_DIR}/startup.sh`], timeout_ms: timeoutMs }, { timeoutMs: timeoutMs + 10_000 });
-        if (r.timed_out) throw new AppError('STARTUP_SCRIPT_TIMEOUT', 504, `startup script did not finish within ${timeoutMs} ms`);
-        if (r.exit_code !== 0) {
-          throw new AppError('STARTUP_SCRIPT_FAILED', 422, `startup script exited with code ${r.exit_code}: ${tail(r.stderr || r.stdout)}`, { exit_code: r.exit_code });
-        }
-      }
-      let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
-      if (spec.agent) {
-        const agentSpec: AgentSpec = {
-          files: spec.agent.files ?? {},
-          command: spec.agent.command,
-          drain_command: spec.agent.drain_command ?? '',
-          expose,
-        };
-        const started = await agent.startAgent(name, agentSpec);
-        endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
-      }
+      const { info, endpoints } = await bootSandbox(
+        agent,
+        {
+          vmId,
+          tenantId: vm.tenant_id,
+          spec,
+          image: spec.image,
+          checkpointId: spec.seed_snapshot_id,
+          env: spec.secrets ?? {},
+          agent: spec.agent ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} } : undefined,
+        },
+        { onCreated: () => (created = true), setup: (name) => this.setUpGuest(agent, name, spec, token) },
+      );
       const url = info.ip ? `http://${info.ip}` : '';
       return await this.run(
         vmId,
@@ -250,109 +215,23 @@ export class VmCommands {
     }
   }
 
-  /**
-   * Chooses a host and reserves on its stream; re-decides when the host
-   * refuses (bounded). The decision holds its share in the view at once, so
-   * concurrent creates spread out; reservations on one host are queued in
-   * this process, and each is checked by the host decider against the
-   * stream's state at the revision it appends after (other processes lose an
-   * optimistic-concurrency conflict and re-check). Expecting the decision's
-   * own revision instead made every concurrent create after the first fail
-   * its append: 500 creates on 20 hosts placed 35.
-   */
-  private async reserve(vmId: string, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<{ placed: VmResult; hostId: string }> {
-    const placeOpts = { policy: this.config.policy, hints: { artifactHosts: where.artifactHosts }, excludeHosts: where.excludeHosts };
-    const request = placementRequestOf(spec);
-    const attempts = this.config.maxPlacementAttempts ?? 32;
-    let reloaded = false;
-    for (let attempt = 1; ; attempt++) {
-      await this.view.fresh();
-      let choice: Placement;
-      try {
-        choice = this.view.placeAndHold(vmId, request, placeOpts);
-      } catch (err) {
-        // A cached view may predate a host just registered or capacity released elsewhere: refuse only on a fresh one.
-        if (reloaded || !(err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED')) throw err;
-        reloaded = true;
-        this.view.invalidate();
-        await this.view.fresh();
-        choice = this.view.placeAndHold(vmId, request, placeOpts);
-      }
-      const hostId = choice.decision.host_id;
-      try {
-        const reserved = await this.onHost(hostId, () =>
-          this.handler.handle(
-            hostStream(hostId),
-            hostDecider,
-            decodeHostEvent,
-            {
-              type: 'ReserveCapacity',
-              data: {
-                host_id: hostId,
-                vm_id: vmId,
-                cpus: spec.cpus,
-                ram_mb: spec.ram_mb,
-                storage_gb: spec.storage_gb,
-                gpus: spec.gpus,
-                gpu_kind: spec.gpu_kind,
-                gpu_profile: spec.gpu_profile,
-                gpu_uuids: choice.gpu_uuids.length ? choice.gpu_uuids : undefined,
-                mig_instance_uuids: choice.mig_instance_uuids.length ? choice.mig_instance_uuids : undefined,
-              },
-            },
-            actor,
-          ),
-        );
-        this.view.set(hostId, reserved.state, reserved.revision);
-        this.view.release(vmId);
-        const r = reserved.events[0]?.type === 'CapacityReserved' ? reserved.events[0].data : undefined;
-        const held = r ?? (reserved.state.status !== 'unregistered' ? reserved.state.reservations.get(vmId) : undefined);
-        if (!held) throw new AppError('INTERNAL', 500, `reservation for vm ${vmId} on host ${hostId} vanished`);
-        const placed = await this.run(
-          vmId,
-          {
-            type: 'PlaceVm',
-            data: {
-              vm_id: vmId,
-              host_id: hostId,
-              decision: choice.decision,
-              reservation: {
-                cpus: held.cpus,
-                ram_mb: held.ram_mb,
-                storage_gb: held.storage_gb,
-                gpus: held.gpus,
-                gpu_kind: held.gpu_kind,
-                gpu_profile: held.gpu_profile,
-                gpu_uuids: held.gpu_uuids,
-                mig_instance_uuids: held.mig_instance_uuids,
-              },
-            },
-          },
-          actor,
-        );
-        return { placed, hostId };
-      } catch (err) {
-        this.view.release(vmId);
-        const lostRace = err instanceof AppError && (err.code === 'CONCURRENCY_CONFLICT' || err.code === 'HOST_CAPACITY_EXHAUSTED' || err.code.startsWith('HOST_') || err.code === 'GPU_BINDING_UNAVAILABLE');
-        if (!lostRace || attempt >= attempts) throw err;
-        await this.view.refresh(hostId);
-      }
+  /** A new VM's guest: the fleet's directory and token, the caller's files, then its startup script. */
+  private async setUpGuest(agent: HostAgent, name: string, spec: VmSpec, token: string): Promise<void> {
+    const dirs = new Set([RESERVED_GUEST_DIR, ...Object.keys(spec.files ?? {}).map((p) => p.slice(0, p.lastIndexOf('/')) || '/')]);
+    const mkdir = await agent.exec(name, { argv: ['mkdir', '-p', ...dirs], timeout_ms: 10_000 });
+    if (mkdir.exit_code !== 0) throw new AppError('GUEST_SETUP_FAILED', 502, `could not create guest directories: ${tail(mkdir.stderr)}`);
+    await agent.upload(name, `${RESERVED_GUEST_DIR}/token`, Buffer.from(token), { mode: '0600' });
+    for (const [path, content] of Object.entries(spec.files ?? {})) {
+      await agent.upload(name, path, Buffer.from(content, 'base64'));
     }
-  }
-
-  /** Runs host-stream writes of this process one at a time per host: writers of one stream would only collide. */
-  private async onHost<T>(hostId: string, fn: () => Promise<T>): Promise<T> {
-    const prev = this.hostQueues.get(hostId) ?? Promise.resolve();
-    const run = prev.then(fn, fn);
-    const tail = run.then(
-      () => undefined,
-      () => undefined,
-    );
-    this.hostQueues.set(hostId, tail);
-    try {
-      return await run;
-    } finally {
-      if (this.hostQueues.get(hostId) === tail) this.hostQueues.delete(hostId);
+    if (spec.startup_script) {
+      const timeoutMs = spec.startup_script_timeout_s !== undefined ? spec.startup_script_timeout_s * 1000 : this.config.startupScriptTimeoutMs;
+      await agent.upload(name, `${RESERVED_GUEST_DIR}/startup.sh`, Buffer.from(spec.startup_script), { mode: '0755' });
+      const r = await agent.exec(name, { argv: ['/bin/sh', `${RESERVED_GUEST_DIR}/startup.sh`], timeout_ms: timeoutMs }, { timeoutMs: timeoutMs + 10_000 });
+      if (r.timed_out) throw new AppError('STARTUP_SCRIPT_TIMEOUT', 504, `startup script did not finish within ${timeoutMs} ms`);
+      if (r.exit_code !== 0) {
+        throw new AppError('STARTUP_SCRIPT_FAILED', 422, `startup script exited with code ${r.exit_code}: ${tail(r.stderr || r.stdout)}`, { exit_code: r.exit_code });
+      }
     }
   }
 
@@ -374,7 +253,7 @@ export class VmCommands {
   /** The VM as its stream says, for this caller: another tenant's VM does not exist (404, not 403). */
   async get(vmId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingVmState> {
     if (!/^[a-z0-9-]{1,64}$/.test(vmId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
-    const { state } = await this.handler.load(vmStream(vmId), vmDecider, decodeVmEvent);
+    const { state } = await this.vmHandler.load(vmId);
     if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`, { vm_id: vmId });
     return state;
   }
@@ -438,20 +317,14 @@ export class VmCommands {
   }
 
   async releaseCapacity(hostId: string, vmId: string, meta: CommandMeta): Promise<void> {
-    const r = await this.onHost(hostId, () => this.handler.handle(hostStream(hostId), hostDecider, decodeHostEvent, { type: 'ReleaseCapacity', data: { host_id: hostId, vm_id: vmId } }, meta));
-    this.view.set(hostId, r.state, r.revision);
+    await this.placer.release(hostId, vmId, meta);
   }
 
   private async run(vmId: string, command: VmCommand, meta: CommandMeta): Promise<VmResult> {
-    const r = await this.handler.handle<VmCommand, VmEvent, VmState>(vmStream(vmId), vmDecider, decodeVmEvent, command, meta);
+    const r = await this.vmHandler.handle(vmId, command, meta);
     if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} has no state after ${command.type}`);
     return { vm: r.state, position: r.position };
   }
-}
-
-interface PlaceHints {
-  readonly artifactHosts?: ReadonlySet<string> | undefined;
-  readonly excludeHosts?: ReadonlySet<string> | undefined;
 }
 
 /** Every occurrence of a secret value replaced, longest first so a value containing another is not half-shown. */

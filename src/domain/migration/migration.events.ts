@@ -1,13 +1,15 @@
 import { z } from 'zod';
-import type { Decider } from '../decider.js';
 import { idSchema } from '../ids.js';
+import { parseStoredEvent } from '../stored-event.js';
 
 /**
  * The steps of a cold migration, written to the VM's own stream so it reads
  * as one story (the VM decider ignores them; only VmMigrated moves the VM).
+ * `switch` is VmMigrated itself, never a step event of its own.
  */
 export const migrationStepSchema = z.enum(['snapshot', 'place', 'move', 'boot', 'switch', 'destroy_source', 'cleanup']);
 export type MigrationStep = z.infer<typeof migrationStepSchema>;
+export const MIGRATION_STEPS: readonly MigrationStep[] = migrationStepSchema.options;
 
 const at = z.iso.datetime({ offset: true });
 
@@ -17,13 +19,13 @@ export const migrationEventSchema = z.discriminatedUnion('type', [
   z.object({ type: z.literal('VmMigrationFailed'), data: z.object({ vm_id: idSchema, step: migrationStepSchema, error: z.string(), error_code: z.string().optional(), at }) }),
 ]);
 export type MigrationEvent = z.infer<typeof migrationEventSchema>;
+export type MigrationEventType = MigrationEvent['type'];
+export const MIGRATION_EVENT_TYPES: readonly MigrationEventType[] = migrationEventSchema.options.map((o) => o.shape.type.value);
 
-type Omit_at<E> = E extends { type: infer T; data: infer D } ? { type: T; data: Omit<D, 'at'> } : never;
-export type MigrationCommand = Omit_at<MigrationEvent>;
+export function parseMigrationEvent(type: string, data: unknown): MigrationEvent {
+  return parseStoredEvent(migrationEventSchema, type, data);
+}
 
-/** Records a step as it happened: no state to check, the flow owns the order. */
-export const migrationRecorder: Decider<MigrationCommand, MigrationEvent, null> = {
-  decide: (c, _s, ctx) => [{ ...c, data: { ...c.data, at: ctx.now.toISOString() } } as MigrationEvent],
-  evolve: (s) => s,
-  initialState: null,
-};
+export function isMigrationEventType(type: string): type is MigrationEventType {
+  return (MIGRATION_EVENT_TYPES as readonly string[]).includes(type);
+}

@@ -1,46 +1,21 @@
 import { randomBytes } from 'node:crypto';
+import { SnapshotGc } from '../gc/snapshot-gc.js';
+import { bindAggregate, type BoundOf, type Loaded } from '../command-handler.js';
+import { tenantAggregate } from '../../domain/tenant/tenant.aggregate.js';
+import { snapshotAggregate } from '../../domain/snapshot/snapshot.aggregate.js';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position, RecordedEvent } from '../domain/event-store.port.js';
-import { classifyHostAgentError } from '../domain/host-agent.port.js';
-import { idSchema } from '../domain/ids.js';
-import { snapshotDecider, type ExistingSnapshot, type SnapshotAggregate, type SnapshotCommand } from '../domain/snapshot/snapshot.decider.js';
-import {
-  isSnapshotEventType,
-  layerKeySchema,
-  parseSnapshotEvent,
-  SNAPSHOT_STREAM_PREFIX,
-  snapshotModeSchema,
-  TENANT_STREAM_PREFIX,
-  type SnapshotDeleteReason,
-  type SnapshotEvent,
-} from '../domain/snapshot/snapshot.events.js';
-import {
-  isTenantEventType,
-  parseTenantEvent,
-  QuotaExceededError,
-  quotaUsage,
-  tenantDecider,
-  type QuotaLimits,
-  type QuotaPool,
-  type TenantCommand,
-  type TenantEvent,
-} from '../domain/tenant/tenant.decider.js';
-import { validationErrorFromZod } from '../domain/vm/spec.js';
-import { CommandHandler, type CommandMeta } from './command-handler.js';
-import type { HostCommands } from './host-commands.js';
-import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from './vm-commands.js';
-
-export const snapshotStream = (id: string): string => `${SNAPSHOT_STREAM_PREFIX}${id}`;
-export const tenantStream = (tenantId: string): string => `${TENANT_STREAM_PREFIX}${tenantId}`;
-
-export function decodeSnapshotEvent(r: RecordedEvent): SnapshotEvent | undefined {
-  return isSnapshotEventType(r.type) ? parseSnapshotEvent(r.type, r.data) : undefined;
-}
-export function decodeTenantEvent(r: RecordedEvent): TenantEvent | undefined {
-  return isTenantEventType(r.type) ? parseTenantEvent(r.type, r.data) : undefined;
-}
+import { AppError, ConflictError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { classifyHostAgentError } from '../../domain/host-agent.port.js';
+import { idSchema } from '../../domain/ids.js';
+import { type ExistingSnapshot, type SnapshotAggregate, type SnapshotCommand } from '../../domain/snapshot/snapshot.decider.js';
+import { layerKeySchema, snapshotModeSchema, type SnapshotDeleteReason } from '../../domain/snapshot/snapshot.events.js';
+import { QuotaExceededError, quotaUsage, type QuotaLimits, type QuotaPool, type TenantCommand } from '../../domain/tenant/tenant.decider.js';
+import { validationErrorFromZod } from '../../domain/vm/spec.js';
+import { CommandHandler, type CommandMeta } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from '../vm/vm-commands.js';
 
 /** Metadata keys the service writes itself; a caller may not set them. */
 export const RESERVED_METADATA_KEYS = ['comment', 'vm_id', 'mode', 'host_id', 'arch', 'layer_key', 'tenant_id', 'kind'] as const;
@@ -113,8 +88,6 @@ export interface SnapshotResult {
   readonly position: Position | undefined;
 }
 
-const SYSTEM: CommandMeta = { correlationId: 'snapshot-gc', actor: 'system:snapshot-gc' };
-
 /**
  * Snapshots of running VMs (`snapshot-<id>`), the per-tenant quota
  * (`tenant-<id>`), artifact moves between hosts, and their collection.
@@ -123,8 +96,10 @@ export class SnapshotCommands implements SeedArtifacts {
   private readonly tenantQueues = new Map<string, Promise<void>>();
   /** Quota reservations retry many times: losing a race to a sibling is the normal case, not an error. */
   private readonly quotaHandler: CommandHandler;
-  private timer: NodeJS.Timeout | undefined;
-  private collecting: Promise<void> | undefined;
+  private readonly gc: SnapshotGc;
+
+  private readonly quotaTenantHandler: BoundOf<typeof tenantAggregate>;
+  private readonly snapshotHandler: BoundOf<typeof snapshotAggregate>;
 
   constructor(
     private readonly handler: CommandHandler,
@@ -136,6 +111,9 @@ export class SnapshotCommands implements SeedArtifacts {
     quotaHandler?: CommandHandler,
   ) {
     this.quotaHandler = quotaHandler ?? handler;
+    this.gc = new SnapshotGc(this, reads, config, logger);
+    this.quotaTenantHandler = bindAggregate(this.quotaHandler, tenantAggregate);
+    this.snapshotHandler = bindAggregate(handler, snapshotAggregate);
   }
 
   // ---------------------------------------------------------------- create
@@ -207,7 +185,7 @@ export class SnapshotCommands implements SeedArtifacts {
       archived = true;
       // The real size replaces the estimate, and is refused if siblings took the room meanwhile: never over quota.
       await this.onTenant(tenantId, () =>
-        this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'SizeSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes, limits } } satisfies TenantCommand, actor),
+        this.quotaTenantHandler.handle(tenantId, { type: 'SizeSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes, limits } } satisfies TenantCommand, actor),
       );
       const done = await this.run(snapshotId, { type: 'CompleteSnapshot', data: { snapshot_id: snapshotId, digest: cp.digest, size_bytes: cp.size_bytes, kind: cp.kind, files: cp.files } }, actor);
       let last = done;
@@ -223,7 +201,7 @@ export class SnapshotCommands implements SeedArtifacts {
         await agent?.deleteCheckpoint(snapshotId).catch((de: unknown) => this.logger.warn({ snapshot_id: snapshotId, err: { message: (de as Error).message } }, 'refused archive not deleted on its host'));
       }
       if (e?.code === 'CHECKPOINT_TOO_LARGE') {
-        const { state } = await this.quotaHandler.load(tenantStream(tenantId), tenantDecider, decodeTenantEvent);
+        const { state } = await this.quotaTenantHandler.load(tenantId);
         throw new QuotaExceededError(tenantId, 'bytes', limits, quotaUsage(state, pool), { pool });
       }
       throw err;
@@ -235,7 +213,7 @@ export class SnapshotCommands implements SeedArtifacts {
   /** The snapshot as its stream says, for this caller: another tenant's snapshot does not exist (404). */
   async get(snapshotId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingSnapshot> {
     if (!idSchema.safeParse(snapshotId).success) throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`);
-    const { state } = await this.handler.load(snapshotStream(snapshotId), snapshotDecider, decodeSnapshotEvent);
+    const { state } = await this.snapshotHandler.load(snapshotId);
     if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`, { snapshot_id: snapshotId });
     return state;
   }
@@ -277,7 +255,8 @@ export class SnapshotCommands implements SeedArtifacts {
     );
   }
 
-  private async dropCopies(s: ExistingSnapshot, meta: CommandMeta): Promise<SnapshotResult | undefined> {
+  /** Deletes a deleted snapshot's artifact from every host still holding it. */
+  async dropCopies(s: ExistingSnapshot, meta: CommandMeta): Promise<SnapshotResult | undefined> {
     let last: SnapshotResult | undefined;
     for (const hostId of s.holders) {
       try {
@@ -354,11 +333,7 @@ export class SnapshotCommands implements SeedArtifacts {
   /** Reserves `expected` bytes in `pool`; returns the headroom the archive may use (max_bytes less the others), undefined without a byte limit. */
   private async reserveQuota(tenantId: string, snapshotId: string, meta: CommandMeta, pool: QuotaPool, limits: QuotaLimits, expected: number): Promise<number | undefined> {
     const r = await this.onTenant(tenantId, () =>
-      this.quotaHandler.handle(
-        tenantStream(tenantId),
-        tenantDecider,
-        decodeTenantEvent,
-        { type: 'ReserveSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, limits, pool, expected_bytes: expected } } satisfies TenantCommand,
+      this.quotaTenantHandler.handle(tenantId, { type: 'ReserveSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, limits, pool, expected_bytes: expected } } satisfies TenantCommand,
         meta,
       ),
     );
@@ -369,12 +344,12 @@ export class SnapshotCommands implements SeedArtifacts {
 
   private async releaseQuota(tenantId: string, snapshotId: string, meta: CommandMeta): Promise<void> {
     await this.onTenant(tenantId, () =>
-      this.quotaHandler.handle(tenantStream(tenantId), tenantDecider, decodeTenantEvent, { type: 'ReleaseSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId } } satisfies TenantCommand, meta),
+      this.quotaTenantHandler.handle(tenantId, { type: 'ReleaseSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId } } satisfies TenantCommand, meta),
     );
   }
 
   async quotaUsage(tenantId: string): Promise<{ count: number; bytes: number; max_count: number; max_bytes: number; builds: { count: number; bytes: number; max_count: number; max_bytes: number } }> {
-    const { state } = await this.quotaHandler.load(tenantStream(tenantId), tenantDecider, decodeTenantEvent);
+    const { state } = await this.quotaTenantHandler.load(tenantId);
     return { ...quotaUsage(state, 'snapshots'), ...this.config.quota, builds: { ...quotaUsage(state, 'builds'), ...this.config.buildQuota } };
   }
 
@@ -397,63 +372,24 @@ export class SnapshotCommands implements SeedArtifacts {
   // ---------------------------------------------------------------- collection
 
   start(): void {
-    if (this.timer) return;
-    this.timer = setInterval(() => void this.collect().catch((err: unknown) => this.logger.warn({ err: { message: (err as Error).message } }, 'snapshot collection failed')), this.config.gcIntervalMs);
-    this.timer.unref();
+    this.gc.start();
   }
 
   async stop(): Promise<void> {
-    if (this.timer) clearInterval(this.timer);
-    this.timer = undefined;
-    await this.collecting?.catch(() => undefined);
+    await this.gc.stop();
   }
 
-  /**
-   * One collection pass: snapshots past retention_until; layer artifacts idle
-   * past ARTIFACT_IDLE_TTL; the LRU beyond ARTIFACT_MAX_PER_TENANT; unfinished
-   * agent deletes. Never one a live VM seeds from or a lineage names.
-   */
+  /** One collection pass (see SnapshotGc). */
   async collect(now = new Date()): Promise<{ expired: number; idle: number; evicted: number; retried: number }> {
-    if (this.collecting) {
-      await this.collecting.catch(() => undefined);
-    }
-    const out = { expired: 0, idle: 0, evicted: 0, retried: 0 };
-    const run = (async () => {
-      for (const s of await this.reads.expired(now)) if (await this.collectOne(s, 'retention')) out.expired++;
-      if (this.config.idleTtlMs > 0) for (const s of await this.reads.idleLayers(new Date(now.getTime() - this.config.idleTtlMs))) if (await this.collectOne(s, 'idle')) out.idle++;
-      if (this.config.maxPerTenant > 0) for (const s of await this.reads.layersOverCap(this.config.maxPerTenant)) if (await this.collectOne(s, 'lru')) out.evicted++;
-      for (const s of await this.reads.deletedWithHolders()) {
-        const { state } = await this.handler.load(snapshotStream(s.id), snapshotDecider, decodeSnapshotEvent);
-        if (state.status === 'deleted' && state.holders.length > 0) {
-          await this.dropCopies(state, SYSTEM);
-          out.retried++;
-        }
-      }
-    })();
-    this.collecting = run;
-    try {
-      await run;
-    } finally {
-      if (this.collecting === run) this.collecting = undefined;
-    }
-    return out;
+    return this.gc.collect(now);
   }
 
-  private async collectOne(row: { id: string; tenant_id: string }, reason: SnapshotDeleteReason): Promise<boolean> {
-    try {
-      const users = await this.reads.liveVmsSeededFrom(row.id);
-      if (users.length > 0) return false;
-      if ((await this.reads.dependentsOf(row.id)).length > 0) return false;
-      await this.delete(row.id, { ...SYSTEM, tenantId: row.tenant_id, admin: true }, { reason });
-      return true;
-    } catch (err) {
-      this.logger.warn({ snapshot_id: row.id, reason, err: { message: (err as Error).message } }, 'snapshot not collected');
-      return false;
-    }
+  async load(snapshotId: string): Promise<Loaded<SnapshotAggregate>> {
+    return this.snapshotHandler.load(snapshotId);
   }
 
   private async run(snapshotId: string, command: SnapshotCommand, meta: CommandMeta): Promise<SnapshotResult> {
-    const r = await this.handler.handle<SnapshotCommand, SnapshotEvent, SnapshotAggregate>(snapshotStream(snapshotId), snapshotDecider, decodeSnapshotEvent, command, meta);
+    const r = await this.snapshotHandler.handle(snapshotId, command, meta);
     if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `snapshot ${snapshotId} has no state after ${command.type}`);
     return { snapshot: r.state, position: r.position };
   }

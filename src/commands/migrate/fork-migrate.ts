@@ -1,19 +1,19 @@
 import type { Logger } from 'pino';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { Position } from '../domain/event-store.port.js';
-import { hostDecider } from '../domain/host/host.decider.js';
-import { hostStream, vmStream } from '../domain/ids.js';
-import { migrationRecorder, type MigrationCommand, type MigrationStep } from '../domain/snapshot/migration.events.js';
-import { placementRequestOf, type StoredVmSpec } from '../domain/vm/spec.js';
-import { vmDecider, type ExistingVmState, type VmCommand } from '../domain/vm/vm.decider.js';
-import type { Endpoint } from '../domain/vm/vm.events.js';
-import type { AgentSpec } from '../domain/agent-protocol.js';
-import type { PlacementPolicy } from '../domain/placement/placement.js';
-import type { CommandHandler } from './command-handler.js';
-import { decodeHostEvent, type HostCommands } from './host-commands.js';
-import type { PlacementView } from './placement-view.js';
-import type { SnapshotCommands } from './snapshot-commands.js';
-import { decodeVmEvent, sandboxName, type Actor, type GuestInputs, type VmCommands } from './vm-commands.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { migrationAggregate } from '../../domain/migration/migration.decider.js';
+import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
+import type { MigrationStep } from '../../domain/migration/migration.events.js';
+import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
+import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
+import type { CommandHandler } from '../command-handler.js';
+import type { HostCommands } from '../host-commands.js';
+import type { Placer } from '../placement/place-and-reserve.js';
+import { bootSandbox } from '../vm/boot-sandbox.js';
+import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
+import { sandboxName, type Actor, type GuestInputs, type VmCommands } from '../vm/vm-commands.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -34,15 +34,21 @@ const LIVE_CAPABLE_BACKENDS: ReadonlySet<string> = new Set(['firecracker']);
  * target → destroy the source; the VM keeps its id).
  */
 export class ForkMigrate {
+  private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
+  private readonly vmHandler: BoundOf<typeof vmAggregate>;
+
   constructor(
     private readonly handler: CommandHandler,
     private readonly hosts: HostCommands,
-    private readonly view: PlacementView,
+    private readonly placer: Placer,
     private readonly vms: VmCommands,
     private readonly snapshots: SnapshotCommands,
-    private readonly policy: PlacementPolicy,
     private readonly logger: Logger,
-  ) {}
+  ) {
+    this.migrationHandler = bindAggregate(handler, migrationAggregate);
+    this.vmHandler = bindAggregate(handler, vmAggregate);
+  }
+
 
   async fork(vmId: string, opts: { comment?: string | undefined; reuse_snapshot_id?: string | undefined }, actor: Actor): Promise<ForkResult> {
     const src = await this.vms.get(vmId, actor);
@@ -83,7 +89,7 @@ export class ForkMigrate {
       if (t.status === 'unregistered') throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
     }
 
-    await this.record(vmId, { type: 'VmMigrationStarted', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } }, actor);
+    await this.record(vmId, { type: 'StartMigration', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } }, actor);
     let step: MigrationStep = 'snapshot';
     let snapshotId: string | undefined;
     let targetId: string | undefined;
@@ -96,55 +102,39 @@ export class ForkMigrate {
 
       step = 'place';
       const request = { ...placementRequestOf(vm.spec), host_id: undefined, pinned_host_id: undefined, ...(opts.target_host_id ? { host_id: opts.target_host_id } : {}) };
-      const placeOpts = { policy: this.policy, excludeHosts: new Set([fromHostId]), hints: { artifactHosts: new Set(snap.snapshot.holders) } };
-      let choice;
-      try {
-        await this.view.fresh();
-        choice = this.view.placeAndHold(`${vmId}-migrate`, request, placeOpts);
-      } catch (err) {
-        if (!(err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED')) throw err;
-        // The cached view may predate an uncordon or a release: decide once more on every host re-read from its stream.
-        for (const h of await this.view.snapshot()) await this.view.refresh(h.id);
-        choice = this.view.placeAndHold(`${vmId}-migrate`, request, placeOpts);
-      }
-      this.view.release(`${vmId}-migrate`);
-      targetId = choice.decision.host_id;
       const spec = vm.spec;
-      const res = await this.handler.handle(hostStream(targetId), hostDecider, decodeHostEvent, {
-        type: 'ReserveCapacity',
-        data: { host_id: targetId, vm_id: vmId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, gpus: spec.gpus, gpu_kind: spec.gpu_kind, gpu_profile: spec.gpu_profile, gpu_uuids: choice.gpu_uuids.length ? choice.gpu_uuids : undefined, mig_instance_uuids: choice.mig_instance_uuids.length ? choice.mig_instance_uuids : undefined },
-      }, actor);
+      const placed = await this.placer.placeAndReserve(vmId, request, spec, actor, { excludeHosts: new Set([fromHostId]), artifactHosts: new Set(snap.snapshot.holders), holdKey: `${vmId}-migrate` });
+      targetId = placed.hostId;
       reserved = true;
-      this.view.set(targetId, res.state, res.revision);
-      const held = res.state.status !== 'unregistered' ? res.state.reservations.get(vmId) : undefined;
-      if (!held) throw new AppError('INTERNAL', 500, `reservation for vm ${vmId} on host ${targetId} vanished`);
-      await this.stepDone(vmId, 'place', { host_id: targetId, artifact_local: String(choice.decision.artifact_local) }, actor);
+      await this.stepDone(vmId, 'place', { host_id: targetId, artifact_local: String(placed.choice.decision.artifact_local) }, actor);
 
       step = 'move';
       await this.snapshots.ensureOn(snapshotId, targetId, actor);
-      await this.stepDone(vmId, 'move', { host_id: targetId, transferred: String(!choice.decision.artifact_local) }, actor);
+      await this.stepDone(vmId, 'move', { host_id: targetId, transferred: String(!placed.choice.decision.artifact_local) }, actor);
 
       step = 'boot';
       const agent = await this.hosts.agentFor(targetId);
       const name = sandboxName(vmId);
       const guest = this.vms.openGuestInputs(vm);
-      const info = await agent.createVm({ name, checkpoint_id: snapshotId, cpus: spec.cpus, ram_mb: spec.ram_mb, storage_gb: spec.storage_gb, tenant: vm.tenant_id, env: guest.secrets, ...(spec.net_raw ? { net_raw: true } : {}) });
-      booted = true;
-      let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
-      const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
-      if (spec.agent || expose.length > 0) {
-        const agentSpec: AgentSpec = { files: {}, command: guest.agentCommand ?? 'true', drain_command: guest.drainCommand ?? '', expose };
-        const started = await agent.startAgent(name, agentSpec);
-        endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
-      }
+      // The disk carries the guest's files and token; the target publishes the same ports and starts the same in-guest agent.
+      const { info, endpoints } = await bootSandbox(
+        agent,
+        {
+          vmId,
+          tenantId: vm.tenant_id,
+          spec,
+          checkpointId: snapshotId,
+          env: guest.secrets,
+          agent: spec.agent ? { command: guest.agentCommand ?? 'true', drainCommand: guest.drainCommand ?? '', files: {} } : undefined,
+        },
+        { onCreated: () => (booted = true) },
+      );
       await this.stepDone(vmId, 'boot', { host_id: targetId }, actor);
 
       step = 'switch';
-      const decision = choice.decision;
-      const reservation = { cpus: held.cpus, ram_mb: held.ram_mb, storage_gb: held.storage_gb, gpus: held.gpus, gpu_kind: held.gpu_kind, gpu_profile: held.gpu_profile, gpu_uuids: held.gpu_uuids, mig_instance_uuids: held.mig_instance_uuids };
-      const switched = await this.handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, {
+      const switched = await this.vmHandler.handle(vmId, {
         type: 'CompleteMigration',
-        data: { vm_id: vmId, from_host_id: fromHostId, host_id: targetId, decision, reservation, snapshot_id: snapshotId, url: info.ip ? `http://${info.ip}` : '', endpoints },
+        data: { vm_id: vmId, from_host_id: fromHostId, host_id: targetId, decision: placed.choice.decision, reservation: placed.reservation, snapshot_id: snapshotId, url: info.ip ? `http://${info.ip}` : '', endpoints },
       } satisfies VmCommand, actor);
       if (switched.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} vanished`);
       let position = switched.position;
@@ -177,7 +167,7 @@ export class ForkMigrate {
       }
       if (reserved && targetId) await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
       if (snapshotId) await this.snapshots.delete(snapshotId, actor, { force: true, reason: 'migrate' }).catch(() => undefined);
-      await this.record(vmId, { type: 'VmMigrationFailed', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
+      await this.record(vmId, { type: 'FailMigration', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
       throw new AppError(
         'MIGRATION_FAILED',
         e?.status ?? 502,
@@ -189,11 +179,11 @@ export class ForkMigrate {
   }
 
   private async stepDone(vmId: string, step: MigrationStep, detail: Record<string, string>, actor: Actor): Promise<Position | undefined> {
-    return this.record(vmId, { type: 'VmMigrationStepCompleted', data: { vm_id: vmId, step, detail } }, actor);
+    return this.record(vmId, { type: 'CompleteMigrationStep', data: { vm_id: vmId, step, detail } }, actor);
   }
 
   private async record(vmId: string, command: MigrationCommand, actor: Actor): Promise<Position | undefined> {
-    const r = await this.handler.handle(vmStream(vmId), migrationRecorder, () => undefined, command, actor, { expected: 'any' });
+    const r = await this.migrationHandler.handle(vmId, command, actor);
     return r.position;
   }
 }

@@ -1,0 +1,123 @@
+import { AppError } from '../../domain/errors.js';
+import type { HealthcheckSpec } from '../../domain/health/health.decider.js';
+
+/** The fleet's reconcile settings (the seed's FleetConfig). */
+export interface ReconcilerConfig {
+  readonly intervalMs: number;
+  /** Leak ceiling for a running VM with no state change; a spec's max_runtime_s overrides it. 0 disables. */
+  readonly taskStuckTimeoutMs: number;
+  /** Idle expiry for VMs whose spec sets no idle_timeout_s. 0 disables. */
+  readonly defaultIdleTimeoutMs: number;
+  readonly orphanDestroyMaxRetries: number;
+  readonly hostUnreachableAfterCycles: number;
+  /**
+   * How old a VM left in requested/placed/booting/destroying must be before it
+   * counts as abandoned by a crashed control plane. Longer than the slowest
+   * live create (startup script included), or the reconciler races it.
+   */
+  readonly halfDoneGraceMs: number;
+  /** Per call to an agent from the reconciler. */
+  readonly agentTimeoutMs: number;
+  /**
+   * VmCommands records exec/attach activity at most this often, so the
+   * recorded time may trail the real one by this much: idle expiry waits it
+   * out, or a VM in use could be taken for idle.
+   */
+  readonly activityCoalesceMs: number;
+}
+
+/** A non-terminal VM as the `vms` read model lists it: only a hint; every action re-reads the stream. */
+export interface LiveVmHint {
+  readonly id: string;
+  readonly state: string;
+  readonly host_id: string | null;
+  readonly state_changed_at: Date;
+  readonly last_activity_at: Date;
+  readonly max_runtime_s: number | null;
+  readonly idle_timeout_s: number | null;
+  /** The spec's healthcheck, when it declared one. */
+  readonly healthcheck?: VmHealthcheck | null | undefined;
+}
+
+export interface VmHealthcheck extends HealthcheckSpec {
+  readonly http?: { readonly port: number; readonly path?: string | undefined } | undefined;
+  readonly exec?: readonly string[] | undefined;
+}
+
+/** What the reconciler reads from the read models (wired by the service; commands never touch a driver). */
+export interface ReconcileReadModel {
+  /** Every host not deregistered. */
+  hostIds(): Promise<string[]>;
+  /** Every VM not destroyed or failed. */
+  liveVms(): Promise<LiveVmHint[]>;
+}
+
+/** One cycle's outcome (the seed's ReconcileSummary). */
+export interface ReconcileSummary {
+  cycle: number;
+  started_at: string;
+  duration_ms: number;
+  hosts_checked: number;
+  hosts_unanswered: number;
+  hosts_marked_unreachable: number;
+  hosts_recovered: number;
+  tracked_vms: number;
+  provider_vms: number;
+  orphans_destroyed: number;
+  orphans_failed: number;
+  orphans_dead_lettered: number;
+  orphans_skipped: number;
+  stuck_tasks_suspected: number;
+  stuck_tasks_failed: number;
+  idle_vms_suspected: number;
+  idle_vms_failed: number;
+  vms_missing_provider: number;
+  /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
+  vms_host_lost: number;
+  /** VMs whose healthcheck gave a verdict this cycle, and how many of those failed. Neither causes a teardown. */
+  health_checked: number;
+  health_failing: number;
+  half_done_rolled_back: number;
+  half_done_completed: number;
+  capacity_released: number;
+  /** Things hosts had to put back in their sandbox network boundary (a missing or edited firewall table, a flipped sysctl). */
+  network_repairs: number;
+  errors: number;
+}
+
+export type SummaryCounter = Exclude<keyof ReconcileSummary, 'cycle' | 'started_at' | 'duration_ms'>;
+
+export function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
+  return {
+    cycle,
+    started_at: startedAt.toISOString(),
+    duration_ms: 0,
+    hosts_checked: 0,
+    hosts_unanswered: 0,
+    hosts_marked_unreachable: 0,
+    hosts_recovered: 0,
+    tracked_vms: 0,
+    provider_vms: 0,
+    orphans_destroyed: 0,
+    orphans_failed: 0,
+    orphans_dead_lettered: 0,
+    orphans_skipped: 0,
+    stuck_tasks_suspected: 0,
+    stuck_tasks_failed: 0,
+    idle_vms_suspected: 0,
+    idle_vms_failed: 0,
+    vms_missing_provider: 0,
+    vms_host_lost: 0,
+    health_checked: 0,
+    health_failing: 0,
+    half_done_rolled_back: 0,
+    half_done_completed: 0,
+    capacity_released: 0,
+    network_repairs: 0,
+    errors: 0,
+  };
+}
+
+export function errInfo(err: unknown): { message: string; code?: string } {
+  return err instanceof AppError ? { message: err.message, code: err.code } : { message: err instanceof Error ? err.message : String(err) };
+}

@@ -1,0 +1,64 @@
+import type { VmInfo } from '../../domain/agent-protocol.js';
+import type { HostAgent } from '../../domain/host-agent.port.js';
+import type { StoredVmSpec } from '../../domain/vm/spec.js';
+import type { Endpoint } from '../../domain/vm/vm.events.js';
+
+/** Sandboxes the fleet owns carry this prefix on their host, so the reconciler can tell ours from anything else. */
+export const SANDBOX_PREFIX = 'fl-';
+export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
+
+export interface SandboxBoot {
+  readonly vmId: string;
+  readonly tenantId: string;
+  readonly spec: Pick<StoredVmSpec, 'cpus' | 'ram_mb' | 'storage_gb' | 'expose' | 'net_raw'> & { readonly agent?: Pick<NonNullable<StoredVmSpec['agent']>, 'expose'> | undefined };
+  /** Exclusive with `checkpointId`. */
+  readonly image?: string | undefined;
+  /** A disk to boot from, already on the host (a seed snapshot, or the VM's own disk when it migrates). */
+  readonly checkpointId?: string | undefined;
+  /** Applied only inside the guest: to the startup script, the in-guest agent and every exec. */
+  readonly env: Record<string, string>;
+  /** The in-guest agent in clear; `files` empty for a disk that already carries them. */
+  readonly agent?: { readonly command: string; readonly drainCommand: string; readonly files: Record<string, string> } | undefined;
+}
+
+export interface BootedSandbox {
+  readonly info: VmInfo;
+  readonly endpoints: Endpoint[];
+}
+
+/**
+ * Makes a VM's sandbox on a host, for every flow that boots one (create,
+ * fork, migrate): created with every port the VM and its in-guest agent
+ * expose (ports are published when the sandbox is made; the in-guest agent
+ * only reports them), then `setup` (guest files, startup script), then the
+ * in-guest agent. `onCreated` tells the caller there is a sandbox to undo.
+ */
+export async function bootSandbox(
+  agent: HostAgent,
+  boot: SandboxBoot,
+  hooks: { readonly onCreated?: () => void; readonly setup?: (name: string) => Promise<void> } = {},
+): Promise<BootedSandbox> {
+  const { spec } = boot;
+  const name = sandboxName(boot.vmId);
+  const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
+  const info = await agent.createVm({
+    name,
+    image: boot.image,
+    checkpoint_id: boot.checkpointId,
+    cpus: spec.cpus,
+    ram_mb: spec.ram_mb,
+    storage_gb: spec.storage_gb,
+    tenant: boot.tenantId,
+    expose,
+    ...(spec.net_raw ? { net_raw: true } : {}),
+    env: boot.env,
+  });
+  hooks.onCreated?.();
+  if (hooks.setup) await hooks.setup(name);
+  let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+  if (boot.agent) {
+    const started = await agent.startAgent(name, { files: boot.agent.files, command: boot.agent.command, drain_command: boot.agent.drainCommand, expose });
+    endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+  }
+  return { info, endpoints };
+}

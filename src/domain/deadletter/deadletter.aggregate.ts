@@ -1,0 +1,17 @@
+import type { Aggregate } from '../aggregate.js';
+import { NotFoundError } from '../errors.js';
+import type { RecordedEvent } from '../event-store.port.js';
+import { isValidId } from '../ids.js';
+import { deadLetterDecider, type DeadLetterCommand, type DeadLetterState } from './deadletter.decider.js';
+import { DEADLETTER_STREAM_PREFIX, isDeadLetterEventType, parseDeadLetterEvent, type DeadLetterEvent } from './deadletter.events.js';
+
+export function deadLetterStream(id: string): string {
+  if (!isValidId(id)) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`);
+  return DEADLETTER_STREAM_PREFIX + id;
+}
+
+export function decodeDeadLetterEvent(r: RecordedEvent): DeadLetterEvent | undefined {
+  return isDeadLetterEventType(r.type) ? parseDeadLetterEvent(r.type, r.data) : undefined;
+}
+
+export const deadLetterAggregate: Aggregate<DeadLetterCommand, DeadLetterEvent, DeadLetterState> = { streamName: deadLetterStream, decode: decodeDeadLetterEvent, decider: deadLetterDecider };
