@@ -26,9 +26,34 @@ async function findTests(dir: string): Promise<string[]> {
   return out;
 }
 
+/**
+ * Kinds, for fast feedback (`npm run test:unit|test:int|test:e2e`):
+ * - unit: pure code (deciders, placement, reconcile decisions, specs and
+ *   config parsing): no Postgres is started and none is offered, so a test
+ *   that needs one fails loudly instead of hiding here; no root needed;
+ * - e2e: the API as a client sees it (control plane, consumers, snapshots);
+ * - int: the rest (event stores, projections, agents and sandboxes,
+ *   reconciler, security attacks).
+ */
+type Kind = 'unit' | 'int' | 'e2e';
+const UNIT = [/^test\/domain\//, /\.decider\.test\.ts$/, /-deciders\.test\.ts$/, /config\.test\.ts$/, /^test\/snapshots\/snapshot-request\.test\.ts$/];
+const E2E = [/^test\/control-plane\//, /^test\/consumers\//, /^test\/snapshots\//];
+
+function kindOf(file: string): Kind {
+  const f = file.split(path.sep).join('/');
+  if (UNIT.some((re) => re.test(f))) return 'unit';
+  return E2E.some((re) => re.test(f)) ? 'e2e' : 'int';
+}
+
 async function main(): Promise<number> {
-  const filters = process.argv.slice(2);
-  const all = (await findTests('test')).sort();
+  const args = process.argv.slice(2);
+  const kindArg = args.find((a) => a.startsWith('--kind='))?.slice('--kind='.length);
+  if (kindArg !== undefined && !['unit', 'int', 'e2e'].includes(kindArg)) {
+    process.stderr.write(`--kind must be unit, int or e2e, not "${kindArg}"\n`);
+    return 2;
+  }
+  const filters = args.filter((a) => !a.startsWith('--kind='));
+  const all = (await findTests('test')).sort().filter((f) => kindArg === undefined || kindOf(f) === kindArg);
   const files = filters.length === 0 ? all : all.filter((f) => filters.some((x) => f.includes(x)));
   if (files.length === 0) {
     process.stderr.write(`no test files match ${filters.join(' ')}\n`);
@@ -37,7 +62,9 @@ async function main(): Promise<number> {
 
   let server: EmbeddedPostgres | undefined;
   const env = { ...process.env };
-  if (!env.TEST_DATABASE_URL) {
+  if (kindArg === 'unit') {
+    delete env.TEST_DATABASE_URL;
+  } else if (!env.TEST_DATABASE_URL) {
     // One directory per run: two runs at once (a developer's and an editor's) must not wipe each other's server.
     const dataDir = path.resolve('.tmp', `test-pg-${process.pid}`);
     await fs.rm(dataDir, { recursive: true, force: true });
