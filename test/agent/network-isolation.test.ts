@@ -7,11 +7,11 @@ import { connect, createServer, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { allocateBridge, allocateVeth, hash8, parseSubnet } from '../../src/agent/backend/process/network.js';
 import { buildImage } from '../../src/agent/images.js';
 import { REPO_ROOT } from './harness.js';
+import { collect, type Ran } from '../support/process.js';
 
 /**
  * The sandbox network boundary attacked from a sandbox's own link, on real
@@ -55,25 +55,7 @@ const must = (cmd: string, args: string[]): string => {
 /** As root inside only the network namespace of a sandbox's init. */
 const inNetns = (pid: number, args: string[]) => run('nsenter', ['-t', String(pid), '-n', '--', ...args]);
 
-interface Ran {
-  exitCode: number | null;
-  stdout: string;
-  stderr: string;
-}
 
-async function collect(h: ProcessHandle, timeoutMs = 15_000): Promise<Ran> {
-  let stdout = '';
-  let stderr = '';
-  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
-  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-  const timer = setTimeout(() => h.kill('SIGKILL'), timeoutMs);
-  try {
-    const st = await h.wait();
-    return { exitCode: st.exitCode, stdout, stderr };
-  } finally {
-    clearTimeout(timer);
-  }
-}
 
 const sh = async (b: ProcessBackend, name: string, script: string): Promise<Ran> => collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));

@@ -10,13 +10,13 @@ import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
 import { AppError } from '../../src/domain/errors.js';
-import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { bridgeForwarding, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
 import { parseGpuCsv, parseMigList, probeCapacity } from '../../src/agent/backend/host-capacity.js';
 import { assertGpuBackend } from '../../src/domain/host/host-capacity.js';
 import { resolveInRoot } from '../../src/agent/backend/process/guest-path.js';
 import { buildImage } from '../../src/agent/images.js';
+import { collect, type Ran } from '../support/process.js';
 
 /**
  * Real sandboxes on this machine (root, overlayfs, namespaces, cgroups,
@@ -48,26 +48,7 @@ if (skip) console.log(`# SKIP process backend tests: host feature missing: ${ski
 const uniquePrefix = (letter: string): string => `${letter}${randomBytes(2).toString('hex')}`;
 const uniqueSubnet = (): string => `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`;
 
-interface Ran {
-  exitCode: number | null;
-  signal: string | null;
-  stdout: string;
-  stderr: string;
-}
 
-async function collect(h: ProcessHandle, timeoutMs = 10_000): Promise<Ran> {
-  let stdout = '';
-  let stderr = '';
-  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
-  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-  const timer = setTimeout(() => h.kill('SIGKILL'), timeoutMs);
-  try {
-    const st = await h.wait();
-    return { ...st, stdout, stderr };
-  } finally {
-    clearTimeout(timer);
-  }
-}
 
 async function sh(b: ProcessBackend, name: string, script: string, opts: { input?: string; env?: Record<string, string>; cwd?: string } = {}): Promise<Ran> {
   const h = await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: opts.input !== undefined, ...(opts.env ? { env: opts.env } : {}), ...(opts.cwd ? { cwd: opts.cwd } : {}) });

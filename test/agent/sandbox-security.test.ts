@@ -7,10 +7,10 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
-import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { buildImage } from '../../src/agent/images.js';
 import { startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
+import { collect, type Ran } from '../support/process.js';
 
 /**
  * Attacks on the sandbox boundary (issue 13, deliverables 1-3), each
@@ -54,25 +54,7 @@ int main(void) {
 }
 `;
 
-interface Ran {
-  exitCode: number | null;
-  stdout: string;
-  stderr: string;
-}
 
-async function collect(h: ProcessHandle, timeoutMs = 10_000): Promise<Ran> {
-  let stdout = '';
-  let stderr = '';
-  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
-  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-  const timer = setTimeout(() => h.kill('SIGKILL'), timeoutMs);
-  try {
-    const st = await h.wait();
-    return { exitCode: st.exitCode, stdout, stderr };
-  } finally {
-    clearTimeout(timer);
-  }
-}
 
 async function sh(b: ProcessBackend, name: string, script: string, env?: Record<string, string>): Promise<Ran> {
   return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false, ...(env ? { env } : {}) }));

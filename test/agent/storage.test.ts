@@ -7,11 +7,11 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { AppError } from '../../src/domain/errors.js';
-import type { ProcessHandle } from '../../src/agent/backend.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
 import { expectedArchiveBytes } from '../../src/agent/backend/process/checkpoints.js';
 import { loopDevices, mountPoints } from '../../src/agent/backend/process/storage.js';
 import { buildImage } from '../../src/agent/images.js';
+import { collect, type Ran } from '../support/process.js';
 
 /**
  * storage_gb on the process backend: each sandbox's writable layer is its
@@ -35,19 +35,8 @@ if (skip) console.log(`# SKIP storage tests: host feature missing: ${skip}`);
 const GIB = 1024 ** 3;
 const MIB = 1024 ** 2;
 
-async function run(b: ProcessBackend, name: string, script: string, timeoutMs = 60_000): Promise<{ exitCode: number | null; stdout: string; stderr: string }> {
-  const h: ProcessHandle = await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false });
-  let stdout = '';
-  let stderr = '';
-  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
-  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-  const timer = setTimeout(() => h.kill('SIGKILL'), timeoutMs);
-  try {
-    const st = await h.wait();
-    return { exitCode: st.exitCode, stdout, stderr };
-  } finally {
-    clearTimeout(timer);
-  }
+async function run(b: ProcessBackend, name: string, script: string, timeoutMs = 60_000): Promise<Ran> {
+  return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }), timeoutMs);
 }
 
 async function rejectsWithCode(p: Promise<unknown>, code: string): Promise<void> {

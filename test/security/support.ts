@@ -5,9 +5,12 @@ import { existsSync } from 'node:fs';
 import { chmod, mkdir, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import type { CreateSpec, ProcessHandle } from '../../src/agent/backend.js';
+import type { CreateSpec } from '../../src/agent/backend.js';
 import { ProcessBackend } from '../../src/agent/backend/process/process-backend.js';
 import { buildImage } from '../../src/agent/images.js';
+import { collect, type Ran } from '../support/process.js';
+
+export { collect, type Ran };
 
 /** Shared set-up of the review's attack tests: one process backend on a scratch data dir, real sandboxes. */
 
@@ -19,26 +22,7 @@ export function missingFeature(): string | undefined {
   return undefined;
 }
 
-export interface Ran {
-  exitCode: number | null;
-  signal: string | null;
-  stdout: string;
-  stderr: string;
-}
 
-export async function collect(h: ProcessHandle, timeoutMs = 15_000): Promise<Ran> {
-  let stdout = '';
-  let stderr = '';
-  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
-  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-  const timer = setTimeout(() => h.kill('SIGKILL'), timeoutMs);
-  try {
-    const st = await h.wait();
-    return { exitCode: st.exitCode, signal: st.signal, stdout, stderr };
-  } finally {
-    clearTimeout(timer);
-  }
-}
 
 export async function sh(b: ProcessBackend, name: string, script: string): Promise<Ran> {
   return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
