@@ -9,7 +9,8 @@ import { collect, missingFeature, openLab, sh, type Lab } from './support.js';
  * (int 0x80: another audit arch, so the process is killed), clone with
  * CLONE_NEWUSER (not only unshare), clone3 (ENOSYS, so libc falls back to
  * a clone the filter can read), and the mount/namespace/io_uring family.
- * Also: no cgroup filesystem the guest could write to.
+ * Also: every syscall newer than the filter's review is ENOSYS, and there is
+ * no cgroup filesystem the guest could write to.
  */
 
 const skip = missingFeature() ?? (process.arch === 'x64' ? undefined : 'x86-64 (the probe uses the x32 and i386 entries)');
@@ -38,6 +39,9 @@ int main(void) {
   show("kexec_load", syscall(SYS_kexec_load, 0, 0, 0, 0));
   show("init_module", syscall(SYS_init_module, 0, 0, ""));
   show("open_by_handle_at", syscall(SYS_open_by_handle_at, 0, 0, 0));
+  show("open_tree_attr", syscall(467, -100, "/", 1, 0, 0));
+  show("beyond_table", syscall(1000));
+  show("mseal", syscall(462, 0, 0, 0));
   pid_t c = fork();
   if (c == 0) {
     long r;
@@ -73,6 +77,10 @@ describe('security review: seccomp corners and cgroups', { skip: skip ? `host fe
       assert.equal(got[k], 'EPERM', `${k}: ${got[k]}`);
     }
     assert.match(got.int80 ?? '', /Bad system call/, `an i386 syscall ran: ${got.int80}`);
+    // Newer than the filter's review: ENOSYS, not whatever the kernel would do; the newest reviewed one still runs.
+    assert.equal(got.open_tree_attr, 'ENOSYS');
+    assert.equal(got.beyond_table, 'ENOSYS');
+    assert.notEqual(got.mseal, 'ENOSYS', 'mseal (462, reviewed) reaches the kernel');
   });
 
   test('the guest sees no cgroup filesystem to write, and cannot mount one', async () => {
