@@ -6,6 +6,7 @@ import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { VmReservation } from '../../domain/vm/vm.events.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { PlacementView } from '../placement-view.js';
+import { KeyedQueue } from '../keyed-queue.js';
 
 /** What a VM takes on its host. */
 export type ReservedShape = Pick<StoredVmSpec, 'cpus' | 'ram_mb' | 'storage_gb' | 'gpus' | 'gpu_kind' | 'gpu_profile'>;
@@ -42,7 +43,7 @@ export interface PlacerConfig {
  * first fail its append: 500 creates on 20 hosts placed 35.
  */
 export class Placer {
-  private readonly hostQueues = new Map<string, Promise<void>>();
+  private readonly hostQueues = new KeyedQueue();
 
   private readonly hostHandler: BoundOf<typeof hostAggregate>;
 
@@ -125,18 +126,7 @@ export class Placer {
   }
 
   /** Runs host-stream writes of this process one at a time per host: writers of one stream would only collide. */
-  private async onHost<T>(hostId: string, fn: () => Promise<T>): Promise<T> {
-    const prev = this.hostQueues.get(hostId) ?? Promise.resolve();
-    const run = prev.then(fn, fn);
-    const tail = run.then(
-      () => undefined,
-      () => undefined,
-    );
-    this.hostQueues.set(hostId, tail);
-    try {
-      return await run;
-    } finally {
-      if (this.hostQueues.get(hostId) === tail) this.hostQueues.delete(hostId);
-    }
+  private onHost<T>(hostId: string, fn: () => Promise<T>): Promise<T> {
+    return this.hostQueues.run(hostId, fn);
   }
 }

@@ -16,6 +16,7 @@ import { validationErrorFromZod } from '../../domain/vm/spec.js';
 import { CommandHandler, type CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host-commands.js';
 import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from '../vm/vm-commands.js';
+import { KeyedQueue } from '../keyed-queue.js';
 
 /** Metadata keys the service writes itself; a caller may not set them. */
 export const RESERVED_METADATA_KEYS = ['comment', 'vm_id', 'mode', 'host_id', 'arch', 'layer_key', 'tenant_id', 'kind'] as const;
@@ -93,7 +94,7 @@ export interface SnapshotResult {
  * (`tenant-<id>`), artifact moves between hosts, and their collection.
  */
 export class SnapshotCommands implements SeedArtifacts {
-  private readonly tenantQueues = new Map<string, Promise<void>>();
+  private readonly tenantQueues = new KeyedQueue();
   /** Quota reservations retry many times: losing a race to a sibling is the normal case, not an error. */
   private readonly quotaHandler: CommandHandler;
   private readonly gc: SnapshotGc;
@@ -354,19 +355,8 @@ export class SnapshotCommands implements SeedArtifacts {
   }
 
   /** Writers of one tenant stream in this process go one at a time; other processes lose a revision conflict and retry. */
-  private async onTenant<T>(tenantId: string, fn: () => Promise<T>): Promise<T> {
-    const prev = this.tenantQueues.get(tenantId) ?? Promise.resolve();
-    const run = prev.then(fn, fn);
-    const tail = run.then(
-      () => undefined,
-      () => undefined,
-    );
-    this.tenantQueues.set(tenantId, tail);
-    try {
-      return await run;
-    } finally {
-      if (this.tenantQueues.get(tenantId) === tail) this.tenantQueues.delete(tenantId);
-    }
+  private onTenant<T>(tenantId: string, fn: () => Promise<T>): Promise<T> {
+    return this.tenantQueues.run(tenantId, fn);
   }
 
   // ---------------------------------------------------------------- collection
