@@ -6,7 +6,7 @@ import { runInNewContext } from 'node:vm';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import WebSocket from 'ws';
 import type { RunningAgent } from '../agent/harness.js';
-import { keyOf, registerHost, startCheckedFleet, startControlPlane, withTimeout, type AgentFleet, type ControlPlane } from '../support/control-plane.js';
+import { handshake, keyOf, registerHost, startCheckedFleet, startControlPlane, withTimeout, type AgentFleet, type ControlPlane } from '../support/control-plane.js';
 
 /**
  * Streams through the control plane stay bounded whatever the client does,
@@ -129,15 +129,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     const ws = new WebSocket(`${base.replace('http', 'ws')}${path}`, { headers: { authorization: `Bearer ${keyOf('acme')}` } });
     sockets.push(ws);
     const s = new Session(ws);
-    await withTimeout(
-      new Promise<void>((resolve, reject) => {
-        ws.once('open', () => resolve());
-        ws.once('unexpected-response', (_req, res) => reject(Object.assign(new Error(`handshake answered ${res.statusCode}`), { status: res.statusCode })));
-        ws.once('error', reject);
-      }),
-      10_000,
-      'websocket handshake',
-    );
+    await handshake(ws);
     return s;
   };
 

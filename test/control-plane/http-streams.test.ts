@@ -3,6 +3,7 @@ import { after, before, describe, it, type TestContext } from 'node:test';
 import WebSocket from 'ws';
 import type { RunningAgent } from '../agent/harness.js';
 import {
+  handshake,
   keyOf,
   registerHost,
   startControlPlane,
@@ -100,15 +101,7 @@ describe('command API over real HTTP: fetch and websockets (real agent)', { time
     const ws = new WebSocket(`${base.replace('http', 'ws')}${path}`, { headers: as ? { authorization: `Bearer ${keyOf(as)}` } : {} });
     sockets.push(ws);
     const s = new Session(ws);
-    await withTimeout(
-      new Promise<void>((resolve, reject) => {
-        ws.once('open', () => resolve());
-        ws.once('unexpected-response', (_req, res) => reject(Object.assign(new Error(`handshake answered ${res.statusCode}`), { status: res.statusCode })));
-        ws.once('error', reject);
-      }),
-      10_000,
-      'websocket handshake',
-    );
+    await handshake(ws);
     return s;
   };
 

@@ -4,11 +4,13 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { LightMyRequestResponse } from 'fastify';
 import { pino } from 'pino';
+import type WebSocket from 'ws';
 import { configSchema, type Config } from '../../src/adapters/config.js';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
 import type { HostAgentConnector } from '../../src/domain/host-agent.port.js';
 import {
   featureSkip,
+  withTimeout,
   missingPrerequisite,
   prepareImages,
   startAgent,
@@ -251,4 +253,20 @@ export async function eventually<T>(fn: () => Promise<T | undefined | false>, ms
   }
 }
 
-export { withTimeout } from '../agent/harness.js';
+export { withTimeout };
+
+/**
+ * Waits for a websocket's handshake (10 s at most): resolves once open, rejects
+ * with `status` set when the server answered the upgrade with an HTTP status.
+ */
+export async function handshake(ws: WebSocket): Promise<void> {
+  await withTimeout(
+    new Promise<void>((resolve, reject) => {
+      ws.once('open', () => resolve());
+      ws.once('unexpected-response', (_req, res) => reject(Object.assign(new Error(`handshake answered ${res.statusCode}`), { status: res.statusCode })));
+      ws.once('error', reject);
+    }),
+    10_000,
+    'websocket handshake',
+  );
+}
