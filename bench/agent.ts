@@ -7,9 +7,9 @@ import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { get as httpGet } from 'node:http';
-import { fetchFile } from '../src/agent/artifacts.js';
-import { Cgroups } from '../src/agent/backend/process/cgroups.js';
-import { spawnViaSpawner } from '../src/agent/backend/process/guest-process.js';
+import { fetchFile } from '../packages/agent/src/artifacts.js';
+import { Cgroups } from '../packages/agent/src/backend/process/cgroups.js';
+import { spawnViaSpawner } from '../packages/agent/src/backend/process/guest-process.js';
 import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../test/agent/harness.js';
 
 /**

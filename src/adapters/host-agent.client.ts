@@ -40,8 +40,8 @@ import {
   startAgentResponseSchema,
   uploadResponseSchema,
   vmInfoSchema,
-} from '../domain/agent-protocol.js';
-import { AppError, ConflictError, NotFoundError, ValidationError, type FieldError } from '../domain/errors.js';
+} from '@fleet/agent-protocol';
+import { AppError, ConflictError, NotFoundError, ValidationError, type FieldError } from '@fleet/agent-protocol';
 import {
   HostAgentError,
   HostCapacityError,

@@ -5,7 +5,7 @@ import { fileURLToPath } from 'node:url';
 import type { Logger } from 'pino';
 
 const ROOT = resolve(fileURLToPath(new URL('../..', import.meta.url)));
-const AGENT_MAIN = join(ROOT, 'src/agent/main.ts');
+const AGENT_MAIN = join(ROOT, 'packages/agent/src/main.ts');
 
 /**
  * The embedded default's local host overcommits CPU 4:1 (unless CPU_OVERCOMMIT_RATIO says otherwise), so a

@@ -3,7 +3,7 @@ import { parseAsOf, redactSealed, toAuditEntry, vmAsOf, type AuditEntry } from '
 import { createLogger } from '../adapters/logger.js';
 import { readSecrets, secretsFile } from '../adapters/secrets.js';
 import { resolve } from 'node:path';
-import { AppError } from '../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { assertStreamName, type JsonValue } from '../domain/event-store.port.js';
 import { connectForCli } from './connect.js';
 

@@ -1,5 +1,5 @@
 import type { Observable } from 'rxjs';
-import { AppError, ValidationError } from './errors.js';
+import { AppError, ValidationError } from '@fleet/agent-protocol';
 
 /**
  * The event store port. Two adapters implement it and pass one conformance

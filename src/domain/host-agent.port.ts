@@ -20,8 +20,8 @@ import type {
   StartAgentResponse,
   UploadResponse,
   VmInfo,
-} from './agent-protocol.js';
-import { AppError, NotFoundError, UnavailableError } from './errors.js';
+} from '@fleet/agent-protocol';
+import { AppError, NotFoundError, UnavailableError } from '@fleet/agent-protocol';
 
 /**
  * The port the control plane's command handlers drive one host agent

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { ValidationError } from './errors.js';
+import { ValidationError } from '@fleet/agent-protocol';
 
 /**
  * Entity ids are lowercase `[a-z0-9-]`, 1–64 characters, starting and ending

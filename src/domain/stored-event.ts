@@ -1,5 +1,5 @@
 import type { z } from 'zod';
-import { AppError } from './errors.js';
+import { AppError } from '@fleet/agent-protocol';
 
 /**
  * Reads a stored event (type + data) back through its aggregate's event

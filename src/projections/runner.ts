@@ -2,7 +2,7 @@ import type { Pool } from 'pg';
 import { Subscription } from 'rxjs';
 import type { Logger } from 'pino';
 import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
-import { AppError } from '../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import type { Projection, Sql } from './projection.js';
 
 export const CHECKPOINTS_MIGRATION = {

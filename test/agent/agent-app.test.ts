@@ -5,10 +5,10 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import type { FastifyInstance } from 'fastify';
-import type { Backend } from '../../src/agent/backend.js';
-import { mintGrant, verifyGrant } from '../../src/agent/grants.js';
-import { buildAgentApp } from '../../src/agent/server.js';
-import { AgentConfigError, parseAgentEnv } from '../../src/agent/config.js';
+import type { Backend } from '../../packages/agent/src/backend.js';
+import { mintGrant, verifyGrant } from '../../packages/agent/src/grants.js';
+import { buildAgentApp } from '../../packages/agent/src/server.js';
+import { AgentConfigError, parseAgentEnv } from '../../packages/agent/src/config.js';
 
 /**
  * The HTTP edge in-process (app.inject): authentication and input
@@ -218,7 +218,7 @@ describe('artifact grants', () => {
 
 describe('fleet-agent bin', { timeout: 30_000 }, () => {
   it('starts the agent program and refuses a bad configuration by name, without echoing the token', () => {
-    const bin = join(import.meta.dirname, '..', '..', 'bin', 'fleet-agent.mjs');
+    const bin = join(import.meta.dirname, '..', '..', 'packages', 'agent', 'bin', 'fleet-agent.mjs');
     const help = spawnSync(process.execPath, [bin, '--help'], { encoding: 'utf8', cwd: tmpdir(), timeout: 20_000 });
     assert.equal(help.status, 0);
     assert.match(help.stdout, /usage: fleet-agent/);

@@ -6,9 +6,9 @@ import { chmod, mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import type { ProcessHandle } from '../../src/agent/backend.js';
-import { ProcessBackend } from '../../src/agent/backend/process/process-backend.js';
-import { buildImage } from '../../src/agent/images.js';
+import type { ProcessHandle } from '../../packages/agent/src/backend.js';
+import { ProcessBackend } from '../../packages/agent/src/backend/process/process-backend.js';
+import { buildImage } from '../../packages/agent/src/images.js';
 
 /**
  * The exec spawner (fleet-sandbox serve): execs are forked from one

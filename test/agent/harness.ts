@@ -6,11 +6,11 @@ import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { HostAgentClient } from '../../src/adapters/host-agent.client.js';
-import { buildImage } from '../../src/agent/images.js';
-import { AppError } from '../../src/domain/errors.js';
+import { buildImage } from '../../packages/agent/src/images.js';
+import { AppError } from '@fleet/agent-protocol';
 
 /**
- * Starts real host-agent processes (`node --import tsx src/agent/main.ts`)
+ * Starts real host-agent processes (`node --import tsx packages/agent/src/main.ts`)
  * for integration tests and benchmarks, each with its own data directory,
  * bridge prefix and subnet, on a free port the agent picks itself (port 0,
  * read back from its "listening" log line).
@@ -67,7 +67,7 @@ export interface RunningAgent {
 
 export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): Promise<RunningAgent> {
   const token = opts.token ?? `tok-${randomBytes(16).toString('hex')}`;
-  const proc = spawn(process.execPath, ['--import', 'tsx', join(REPO_ROOT, 'src/agent/main.ts')], {
+  const proc = spawn(process.execPath, ['--import', 'tsx', join(REPO_ROOT, 'packages/agent/src/main.ts')], {
     cwd: REPO_ROOT,
     env: {
       ...process.env,

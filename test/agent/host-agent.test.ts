@@ -7,9 +7,9 @@ import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import WebSocket from 'ws';
 import { HostAgentClient } from '../../src/adapters/host-agent.client.js';
-import { listLinks } from '../../src/agent/backend/process/network.js';
-import type { ServerFrame } from '../../src/domain/agent-protocol.js';
-import { AppError } from '../../src/domain/errors.js';
+import { listLinks } from '../../packages/agent/src/backend/process/network.js';
+import type { ServerFrame } from '@fleet/agent-protocol';
+import { AppError } from '@fleet/agent-protocol';
 import { classifyHostAgentError, type AgentStream } from '../../src/domain/host-agent.port.js';
 import {
   featureSkip,

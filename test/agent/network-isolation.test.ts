@@ -7,9 +7,9 @@ import { connect, createServer, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
-import { allocateBridge, allocateVeth, hash8, parseSubnet } from '../../src/agent/backend/process/network.js';
-import { buildImage } from '../../src/agent/images.js';
+import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
+import { allocateBridge, allocateVeth, hash8, parseSubnet } from '../../packages/agent/src/backend/process/network.js';
+import { buildImage } from '../../packages/agent/src/images.js';
 import { REPO_ROOT } from './harness.js';
 import { collect, type Ran } from '../support/process.js';
 

@@ -9,13 +9,13 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
-import { AppError } from '../../src/domain/errors.js';
-import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
-import { bridgeForwarding, generateMac, parseSubnet, reserve } from '../../src/agent/backend/process/network.js';
-import { parseGpuCsv, parseMigList, probeCapacity } from '../../src/agent/backend/host-capacity.js';
+import { AppError } from '@fleet/agent-protocol';
+import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
+import { bridgeForwarding, generateMac, parseSubnet, reserve } from '../../packages/agent/src/backend/process/network.js';
+import { parseGpuCsv, parseMigList, probeCapacity } from '../../packages/agent/src/backend/host-capacity.js';
 import { assertGpuBackend } from '../../src/domain/host/host-capacity.js';
-import { resolveInRoot } from '../../src/agent/backend/process/guest-path.js';
-import { buildImage } from '../../src/agent/images.js';
+import { resolveInRoot } from '../../packages/agent/src/backend/process/guest-path.js';
+import { buildImage } from '../../packages/agent/src/images.js';
 import { collect, type Ran } from '../support/process.js';
 
 /**
@@ -130,7 +130,7 @@ describe('process backend: cgroup v2 layout', () => {
     try {
       await writeFile(join(fake, 'cgroup.controllers'), 'cpuset cpu io memory pids\n');
       await writeFile(join(fake, 'cgroup.subtree_control'), '');
-      const { Cgroups } = await import('../../src/agent/backend/process/cgroups.js');
+      const { Cgroups } = await import('../../packages/agent/src/backend/process/cgroups.js');
       const cg = Cgroups.detect('fleet-v2t', fake);
       assert.equal(cg.version, 2);
       await mkdir(join(fake, 'fleet-v2t'), { recursive: true });
@@ -571,7 +571,7 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     prefixes.push(bridgePrefix);
     const options = { dataDir: await mkdtemp(join(root, 'crash-')), imageDir, subnet: uniqueSubnet(), bridgePrefix };
     const script = `
-      import { ProcessBackend } from ${JSON.stringify(new URL('../../src/agent/backend/process/process-backend.ts', import.meta.url).pathname)};
+      import { ProcessBackend } from ${JSON.stringify(new URL('../../packages/agent/src/backend/process/process-backend.ts', import.meta.url).pathname)};
       const b = await ProcessBackend.open(${JSON.stringify(options)});
       const i = await b.create({ name: 'survivor', cpus: 1, ram_mb: 64, tenant: 'acme', expose: [{ port: 8080, as: 'http' }] });
       process.stdout.write(JSON.stringify(i) + '\\n');

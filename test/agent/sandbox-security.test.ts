@@ -7,8 +7,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
-import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
-import { buildImage } from '../../src/agent/images.js';
+import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
+import { buildImage } from '../../packages/agent/src/images.js';
 import { startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
 import { collect, type Ran } from '../support/process.js';
 

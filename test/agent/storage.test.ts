@@ -6,11 +6,11 @@ import { mkdir, mkdtemp, readdir, rm, stat, statfs } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
-import { AppError } from '../../src/domain/errors.js';
-import { ProcessBackend, type ProcessBackendOptions } from '../../src/agent/backend/process/process-backend.js';
-import { expectedArchiveBytes } from '../../src/agent/backend/process/checkpoints.js';
-import { loopDevices, mountPoints } from '../../src/agent/backend/process/storage.js';
-import { buildImage } from '../../src/agent/images.js';
+import { AppError } from '@fleet/agent-protocol';
+import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
+import { expectedArchiveBytes } from '../../packages/agent/src/backend/process/checkpoints.js';
+import { loopDevices, mountPoints } from '../../packages/agent/src/backend/process/storage.js';
+import { buildImage } from '../../packages/agent/src/images.js';
 import { collect, type Ran } from '../support/process.js';
 
 /**

@@ -1,6 +1,6 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import type { AddressInfo } from 'node:net';
-import type { HostCapacity } from '../../src/domain/capacity.js';
+import type { HostCapacity } from '@fleet/agent-protocol';
 
 /**
  * TEST DOUBLE of the host agent: a tiny, real HTTP server speaking the

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { fold, type Decider } from '../../src/domain/decider.js';
-import { AppError } from '../../src/domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 
 export const T0 = new Date('2026-01-01T00:00:00.000Z');
 export const at = (seconds: number): Date => new Date(T0.getTime() + seconds * 1000);

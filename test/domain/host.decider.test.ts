@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import type { HostCapacity } from '../../src/domain/capacity.js';
+import type { HostCapacity } from '@fleet/agent-protocol';
 import { fold } from '../../src/domain/decider.js';
-import { AppError } from '../../src/domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { hostAllocation, hostDecider, type HostCommand, type HostState, type RegisterHostData } from '../../src/domain/host/host.decider.js';
 import { parseHostEvent, type HostEvent } from '../../src/domain/host/host.events.js';
 import { at, given, T0 } from './gwt.js';

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { AppError } from '../../src/domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { hostStream } from '../../src/domain/host/host.aggregate.js';
 import { assertId, HOST_STREAM_PREFIX, idFromStream, isValidId, VM_STREAM_PREFIX } from '../../src/domain/ids.js';
 import { vmStream } from '../../src/domain/vm/vm.aggregate.js';

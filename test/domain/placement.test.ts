@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import type { HostCapacity } from '../../src/domain/capacity.js';
-import { AppError } from '../../src/domain/errors.js';
+import type { HostCapacity } from '@fleet/agent-protocol';
+import { AppError } from '@fleet/agent-protocol';
 import { emptyAllocation, type HostAllocation } from '../../src/domain/placement/fit.js';
 import { CapacityExhaustedError, place, placementDecisionSchema, type PlacementHost, type PlacementRequest } from '../../src/domain/placement/placement.js';
 

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { ValidationError } from '../../src/domain/errors.js';
+import { ValidationError } from '@fleet/agent-protocol';
 import {
   DEFAULT_SPEC_LIMITS,
   publicSpec,

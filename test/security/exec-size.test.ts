@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import { AppError } from '../../src/domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { collect, missingFeature, openLab, type Lab } from './support.js';
 
 /**

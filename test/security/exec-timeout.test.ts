@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import { runBuffered } from '../../src/agent/exec.js';
+import { runBuffered } from '../../packages/agent/src/exec.js';
 import { missingFeature, openLab, type Lab } from './support.js';
 
 /**

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import { after, before, describe, test } from 'node:test';
-import type { EnterOp } from '../../src/agent/backend/process/launch.js';
+import type { EnterOp } from '../../packages/agent/src/backend/process/launch.js';
 import { missingFeature, openLab, sh, type Lab } from './support.js';
 
 /**

@@ -5,9 +5,9 @@ import { existsSync } from 'node:fs';
 import { chmod, mkdir, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import type { CreateSpec } from '../../src/agent/backend.js';
-import { ProcessBackend } from '../../src/agent/backend/process/process-backend.js';
-import { buildImage } from '../../src/agent/images.js';
+import type { CreateSpec } from '../../packages/agent/src/backend.js';
+import { ProcessBackend } from '../../packages/agent/src/backend/process/process-backend.js';
+import { buildImage } from '../../packages/agent/src/images.js';
 import { collect, type Ran } from '../support/process.js';
 
 export { collect, type Ran };

@@ -7,7 +7,7 @@ import { findSnapshotByLayerKey, listSnapshotsByDigest } from '../../src/project
 import { pino } from 'pino';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
 import type { Actor } from '../../src/commands/vm/vm-commands.js';
-import { AppError } from '../../src/domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { ADMIN_KEY, eventually, problemOf, registerHost, startControlPlane, type AgentFleet, type ControlPlane, type Reply, startCheckedFleet } from '../support/control-plane.js';
 
 /**

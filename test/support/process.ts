@@ -1,4 +1,4 @@
-import type { ProcessHandle } from '../../src/agent/backend.js';
+import type { ProcessHandle } from '../../packages/agent/src/backend.js';
 
 /** What a sandbox process printed and how it ended. */
 export interface Ran {

@@ -28,7 +28,7 @@ import {
 } from '@eventstore/db-client';
 import type { Logger } from 'pino';
 import { Observable } from 'rxjs';
-import { ValidationError } from '../../domain/errors.js';
+import { ValidationError } from '@fleet/agent-protocol';
 import {
   ConcurrencyError,
   EventStoreUnavailableError,

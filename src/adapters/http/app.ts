@@ -2,7 +2,7 @@ import fastifySwagger from '@fastify/swagger';
 import fastifyWebsocket from '@fastify/websocket';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest } from 'fastify';
 import { jsonSchemaTransform, serializerCompiler, validatorCompiler, type ZodTypeProvider } from 'fastify-type-provider-zod';
-import { UnauthorizedError, ValidationError } from '../../domain/errors.js';
+import { UnauthorizedError, ValidationError } from '@fleet/agent-protocol';
 import { nulPath } from './common.js';
 import { problem, errorHandler } from './problem.js';
 import { bearerOf, type ApiKeys } from './auth.js';

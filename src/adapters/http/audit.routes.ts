@@ -1,7 +1,7 @@
 import type { FastifyInstance } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import { z } from 'zod';
-import { ValidationError, NotFoundError } from '../../domain/errors.js';
+import { ValidationError, NotFoundError } from '@fleet/agent-protocol';
 import { assertStreamName, streamCategory, type EventStore, type JsonValue, type RecordedEvent } from '../../domain/event-store.port.js';
 import { eventTime, upTo, type AsOf } from '../../commands/vm/vm-history.js';
 import { TENANT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';

@@ -1,5 +1,5 @@
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { ForbiddenError, UnauthorizedError } from '../../domain/errors.js';
+import { ForbiddenError, UnauthorizedError } from '@fleet/agent-protocol';
 import { ADMIN_TENANT } from '../config.js';
 import { safeEqual } from '../crypto.js';
 

@@ -4,7 +4,7 @@ import type { Pool } from 'pg';
 import { z } from 'zod';
 import type { Reconciler } from '../../commands/reconcile/reconciler.js';
 import type { DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
-import { NotFoundError } from '../../domain/errors.js';
+import { NotFoundError } from '@fleet/agent-protocol';
 import { idSchema } from '../../domain/ids.js';
 import { getDeadLetter, listDeadLetters } from '../../projections/dead-letters/dead-letters.queries.js';
 import type { ProjectionRunner } from '../../projections/runner.js';

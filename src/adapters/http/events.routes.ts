@@ -4,7 +4,7 @@ import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Logger } from 'pino';
 import type { Subscription } from 'rxjs';
 import { z } from 'zod';
-import { AppError, ForbiddenError } from '../../domain/errors.js';
+import { AppError, ForbiddenError } from '@fleet/agent-protocol';
 import type { EventStore, Position, RecordedEvent } from '../../domain/event-store.port.js';
 import { vmEventSchema, type VmEvent, type VmStatus } from '../../domain/vm/vm.events.js';
 import { problemResponses } from './common.js';

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { ValidationError } from '../../domain/errors.js';
+import { ValidationError } from '@fleet/agent-protocol';
 import { nulPath } from './common.js';
 
 /** Opaque keyset cursors: base64url JSON of the last row's sort key. */

@@ -1,6 +1,6 @@
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { hasZodFastifySchemaValidationErrors, isResponseSerializationError } from 'fastify-type-provider-zod';
-import { AppError, type FieldError } from '../../domain/errors.js';
+import { AppError, type FieldError } from '@fleet/agent-protocol';
 
 /** RFC 7807 problem document; `code` is the stable, machine-readable part. */
 export interface Problem {

@@ -4,7 +4,7 @@ import type { Pool } from 'pg';
 import { z } from 'zod';
 import type { ForkMigrate } from '../../commands/migrate/fork-migrate.js';
 import { assertLayerKey, type SnapshotCommands } from '../../commands/snapshot/snapshot-commands.js';
-import { NotFoundError, ValidationError } from '../../domain/errors.js';
+import { NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { ExistingSnapshot } from '../../domain/snapshot/snapshot.decider.js';
 import { exportStatusSchema, snapshotModeSchema, snapshotStateSchema } from '../../domain/snapshot/snapshot.events.js';
 import type { ProjectionRunner } from '../../projections/runner.js';

@@ -2,7 +2,7 @@ import type { FastifyInstance } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
-import { ForbiddenError, ValidationError } from '../../domain/errors.js';
+import { ForbiddenError, ValidationError } from '@fleet/agent-protocol';
 import { queryUsage, usageCsv } from '../../projections/billing/billing.queries.js';
 import { HOUR_MS } from '../../projections/billing/billing.projection.js';
 import { problemResponses } from './common.js';

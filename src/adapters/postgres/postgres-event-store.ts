@@ -1,6 +1,6 @@
 import { Observable } from 'rxjs';
 import pg from 'pg';
-import { ConflictError, ValidationError } from '../../domain/errors.js';
+import { ConflictError, ValidationError } from '@fleet/agent-protocol';
 import {
   ConcurrencyError,
   EventStoreUnavailableError,

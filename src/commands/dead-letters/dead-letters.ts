@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import type { Logger } from 'pino';
 import { deadLetterAggregate } from '../../domain/deadletter/deadletter.aggregate.js';
 import type { DeadLetterCommand, DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
-import { AppError } from '../../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import { isValidId } from '../../domain/ids.js';
 import { isTerminal, type VmState } from '../../domain/vm/vm.decider.js';

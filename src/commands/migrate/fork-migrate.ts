@@ -2,7 +2,7 @@ import type { Logger } from 'pino';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { migrationAggregate } from '../../domain/migration/migration.decider.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';

@@ -1,4 +1,4 @@
-import { AppError } from '../../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { hostAggregate } from '../../domain/host/host.aggregate.js';
 import type { Placement, PlacementOptions, PlacementPolicy, PlacementRequest } from '../../domain/placement/placement.js';

@@ -1,4 +1,4 @@
-import { AppError } from '../../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import type { HealthcheckSpec } from '../../domain/health/health.decider.js';
 
 /** The fleet's reconcile settings (the seed's FleetConfig). */

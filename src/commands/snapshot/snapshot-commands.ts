@@ -5,7 +5,7 @@ import { tenantAggregate } from '../../domain/tenant/tenant.aggregate.js';
 import { snapshotAggregate } from '../../domain/snapshot/snapshot.aggregate.js';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../../domain/errors.js';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import { classifyHostAgentError } from '../../domain/host-agent.port.js';
 import { idSchema } from '../../domain/ids.js';

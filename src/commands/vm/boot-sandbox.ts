@@ -1,4 +1,4 @@
-import type { VmInfo } from '../../domain/agent-protocol.js';
+import type { VmInfo } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';

@@ -1,5 +1,5 @@
 import type { Aggregate } from '../aggregate.js';
-import { NotFoundError } from '../errors.js';
+import { NotFoundError } from '@fleet/agent-protocol';
 import type { RecordedEvent } from '../event-store.port.js';
 import { isValidId } from '../ids.js';
 import { deadLetterDecider, type DeadLetterCommand, type DeadLetterState } from './deadletter.decider.js';

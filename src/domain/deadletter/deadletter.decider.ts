@@ -1,5 +1,5 @@
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
-import { ConflictError, NotFoundError } from '../errors.js';
+import { ConflictError, NotFoundError } from '@fleet/agent-protocol';
 import type { DeadLetterEvent, DeadLetterKind } from './deadletter.events.js';
 
 export type DeadLetterCommand =

@@ -1,5 +1,5 @@
-import type { HostCapacity } from '../capacity.js';
-import { ValidationError, type FieldError } from '../errors.js';
+import type { HostCapacity } from '@fleet/agent-protocol';
+import { ValidationError, type FieldError } from '@fleet/agent-protocol';
 import { wholeGpuDevices } from '../placement/fit.js';
 import type { CapacityOverrides, HostBackend } from './host.events.js';
 

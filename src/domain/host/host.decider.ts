@@ -1,7 +1,7 @@
 import { z } from 'zod';
-import { hostCapacitySchema, type HostCapacity } from '../capacity.js';
+import { hostCapacitySchema, type HostCapacity } from '@fleet/agent-protocol';
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
-import { ValidationError } from '../errors.js';
+import { ValidationError } from '@fleet/agent-protocol';
 import { idSchema } from '../ids.js';
 import {
   emptyAllocation,

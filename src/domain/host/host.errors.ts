@@ -1,4 +1,4 @@
-import { ConflictError, NotFoundError } from '../errors.js';
+import { ConflictError, NotFoundError } from '@fleet/agent-protocol';
 import { describeShortfall, type ResourceRequest, type Shortfall } from '../placement/fit.js';
 
 export class HostNotFoundError extends NotFoundError {

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { hostCapacitySchema } from '../capacity.js';
+import { hostCapacitySchema } from '@fleet/agent-protocol';
 import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 

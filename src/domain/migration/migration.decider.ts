@@ -1,6 +1,6 @@
 import type { Aggregate } from '../aggregate.js';
 import { assertNever, compact, type Decider } from '../decider.js';
-import { AppError, ConflictError } from '../errors.js';
+import { AppError, ConflictError } from '@fleet/agent-protocol';
 import type { RecordedEvent } from '../event-store.port.js';
 import { vmStream } from '../vm/vm.aggregate.js';
 import { parseVmEvent, type VmMigrated } from '../vm/vm.events.js';

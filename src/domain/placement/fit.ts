@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import type { GpuDevice, HostCapacity } from '../capacity.js';
+import type { GpuDevice, HostCapacity } from '@fleet/agent-protocol';
 
 /**
  * What is taken on a host, derived from its per-VM reservations (never stored

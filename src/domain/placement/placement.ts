@@ -1,6 +1,6 @@
 import { z } from 'zod';
-import { normalizeArch, type HostCapacity } from '../capacity.js';
-import { ConflictError } from '../errors.js';
+import { normalizeArch, type HostCapacity } from '@fleet/agent-protocol';
+import { ConflictError } from '@fleet/agent-protocol';
 import type { HostBackend } from '../host/host.events.js';
 import {
   describeShortfall,

@@ -1,5 +1,5 @@
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
-import { AppError, ConflictError, NotFoundError } from '../errors.js';
+import { AppError, ConflictError, NotFoundError } from '@fleet/agent-protocol';
 import type { ExportRecord, ExportStatus, SnapshotDeleteReason, SnapshotEvent, SnapshotKind, SnapshotMode, SnapshotState } from './snapshot.events.js';
 
 export type RequestSnapshotData = Omit<Extract<SnapshotEvent, { type: 'SnapshotRequested' }>['data'], 'at'>;

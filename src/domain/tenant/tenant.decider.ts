@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { assertNever, type DecideContext, type Decider } from '../decider.js';
-import { AppError } from '../errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { parseStoredEvent } from '../stored-event.js';
 import { idSchema } from '../ids.js';
 

@@ -1,6 +1,6 @@
 import { z } from 'zod';
-import { archSchema } from '../capacity.js';
-import { ValidationError, type FieldError } from '../errors.js';
+import { archSchema } from '@fleet/agent-protocol';
+import { ValidationError, type FieldError } from '@fleet/agent-protocol';
 import { hostBackendSchema, labelsSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
 import type { PlacementRequest } from '../placement/placement.js';

@@ -1,4 +1,4 @@
-import { ConflictError, NotFoundError } from '../errors.js';
+import { ConflictError, NotFoundError } from '@fleet/agent-protocol';
 
 export class VmNotFoundError extends NotFoundError {
   constructor(vmId: string) {

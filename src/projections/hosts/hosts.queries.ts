@@ -1,4 +1,4 @@
-import type { HostCapacity } from '../../domain/capacity.js';
+import type { HostCapacity } from '@fleet/agent-protocol';
 import type { Sql } from '../projection.js';
 
 export interface HostRow {

@@ -1,5 +1,5 @@
 import { readFileSync } from 'node:fs';
-import { AppError } from '../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import type { Backend } from './backend.js';
 import { AgentConfigError, imageDirFromEnv, loadAgentConfig, type AgentConfig } from './config.js';
 import { buildImage, listImages } from './images.js';
@@ -18,7 +18,7 @@ Configuration comes from AGENT_* environment variables (docs/host-agent.md).`;
 
 const VERSION = (() => {
   try {
-    return (JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version?: string }).version ?? '0';
+    return (JSON.parse(readFileSync(new URL('../package.json', import.meta.url), 'utf8')) as { version?: string }).version ?? '0';
   } catch {
     return '0';
   }

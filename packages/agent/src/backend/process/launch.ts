@@ -14,7 +14,7 @@ import { mustRun, processStartTime, sleep } from './exec-util.js';
  *
  * Every host-side process here starts with a fixed environment. The last
  * step of a start, and every exec, is the static helper
- * (src/agent/native/fleet-sandbox.c), a host file the guest never sees:
+ * (packages/agent/src/native/fleet-sandbox.c), a host file the guest never sees:
  * it pivots into the sandbox root (start) or enters the init's namespaces
  * and root (exec), reduces capabilities to Docker's default set minus
  * CAP_MKNOD, CAP_SYS_CHROOT and (unless the spec asks) CAP_NET_RAW, sets

@@ -9,8 +9,8 @@ import {
   type ArtifactManifest,
   type ArtifactMoved,
   type Checkpoint as WireCheckpoint,
-} from '../domain/agent-protocol.js';
-import { AppError, ConflictError } from '../domain/errors.js';
+} from '@fleet/agent-protocol';
+import { AppError, ConflictError } from '@fleet/agent-protocol';
 import type { Backend, Checkpoint } from './backend.js';
 
 /** The checkpoint's rootfs archive; its sha256 is the checkpoint's digest (see backend.ts). */

@@ -6,7 +6,7 @@ import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { z } from 'zod';
-import { AppError } from '../../../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { BackendErrorCode, checkpointNotFound, invalidSpec, sandboxFailed, type Checkpoint } from '../../backend.js';
 
 /**

@@ -1,5 +1,5 @@
 import type { z } from 'zod';
-import { ValidationError } from '../domain/errors.js';
+import { ValidationError } from '@fleet/agent-protocol';
 
 /** Parses a request part (body, query, param, websocket frame) or throws one ValidationError naming every bad field. */
 export function parse<S extends z.ZodType>(schema: S, value: unknown, what: string): z.output<S> {

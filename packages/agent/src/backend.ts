@@ -1,17 +1,17 @@
 import type { Readable, Writable } from 'node:stream';
-import { AppError, ConflictError, NotFoundError, ValidationError } from '../domain/errors.js';
-import type { HostCapacity } from '../domain/capacity.js';
+import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
+import type { HostCapacity } from '@fleet/agent-protocol';
 
 /**
  * The host agent's sandbox runtime. The HTTP server (exec with timeouts and
  * output caps, streaming exec, attach, files, artifacts) is built on this
  * interface only; a backend knows nothing of HTTP.
  *
- * ## Constructing the `process` backend (src/agent/backend/process/process-backend.ts)
+ * ## Constructing the `process` backend (packages/agent/src/backend/process/process-backend.ts)
  *
  *   const backend = await ProcessBackend.open({
  *     dataDir,            // AGENT_DATA_DIR: sandboxes/, checkpoints/, staging/ live here
- *     imageDir,           // AGENT_IMAGE_DIR: one directory per image name (see src/agent/images.ts)
+ *     imageDir,           // AGENT_IMAGE_DIR: one directory per image name (see packages/agent/src/images.ts)
  *     subnet,             // AGENT_SUBNET, IPv4 CIDR, default "10.213.0.0/16"; the first address is the gateway
  *     bridgePrefix,       // AGENT_BRIDGE_PREFIX, [a-z0-9]{1,5}, e.g. "fb"; names every bridge, veth and cgroup
  *     maxSandboxes,       // AGENT_MAX_SANDBOXES: capacity().vm_count, and create refuses beyond it
@@ -22,7 +22,7 @@ import type { HostCapacity } from '../domain/capacity.js';
  *     logger,             // optional pino logger
  *   });
  *   // open() calls recover(): sandboxes that survived an agent crash are listed again.
- *   // Design, isolation model and host requirements: src/agent/backend/process/README.md
+ *   // Design, isolation model and host requirements: packages/agent/src/backend/process/README.md
  *
  * Two agents on one machine (the integration tests) MUST use distinct dataDir,
  * subnet and bridgePrefix: bridges, routes and cgroups are host-global.

@@ -1,5 +1,5 @@
 import { lstat, readlink } from 'node:fs/promises';
-import { AppError } from '../../../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { guestPathNotFound, invalidSpec, pathEscapes } from '../../backend.js';
 
 const MAX_LINKS = 40;

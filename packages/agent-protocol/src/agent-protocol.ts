@@ -2,7 +2,7 @@ import { z } from 'zod';
 import { hostCapacitySchema } from './capacity.js';
 
 /**
- * The host-agent wire protocol (`/v1`), shared by the agent (src/agent) and
+ * The host-agent wire protocol (`/v1`), shared by the agent (packages/agent) and
  * the control plane's client (src/adapters/host-agent.client.ts). snake_case
  * on the wire, like the seed's JSON tags. Both sides parse with these
  * schemas, so a field renamed on one side fails loudly on the other.
@@ -37,8 +37,8 @@ export const errorBodySchema = z.object({
 export type ErrorBody = z.infer<typeof errorBodySchema>;
 
 /**
- * Codes the agent answers with (the backend's codes in src/agent/backend.ts
- * pass through unchanged), beyond the generic ones in src/domain/errors.ts.
+ * Codes the agent answers with (the backend's codes in packages/agent/src/backend.ts
+ * pass through unchanged), beyond the generic ones in packages/agent-protocol/src/errors.ts.
  */
 export const AgentErrorCode = {
   validation: 'VALIDATION_FAILED',

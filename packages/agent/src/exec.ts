@@ -6,8 +6,8 @@ import {
   execStreamStartSchema,
   type ExecResult,
   type ServerFrame,
-} from '../domain/agent-protocol.js';
-import { AppError, ValidationError } from '../domain/errors.js';
+} from '@fleet/agent-protocol';
+import { AppError, ValidationError } from '@fleet/agent-protocol';
 import type { Backend, ProcessHandle } from './backend.js';
 import { parse } from './parse.js';
 

@@ -6,8 +6,8 @@ import { Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError } from '../../../domain/errors.js';
-import type { HostCapacity } from '../../../domain/capacity.js';
+import { AppError } from '@fleet/agent-protocol';
+import type { HostCapacity } from '@fleet/agent-protocol';
 import {
   capacityExhausted,
   featureMissing,

@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// Starts the host agent (src/agent/main.ts) through tsx, passing arguments,
+// Starts the host agent (src/main.ts) through tsx, passing arguments,
 // environment and signals through, and exiting with the agent's status.
 // tsx is resolved from this package, so the bin works from any directory.
 import { spawn } from 'node:child_process';
@@ -16,7 +16,7 @@ try {
   process.stderr.write('fleet-agent: the tsx package is missing; run `npm ci` in ' + root + '\n');
   process.exit(1);
 }
-const child = spawn(process.execPath, ['--import', pathToFileURL(tsx).href, join(root, 'src/agent/main.ts'), ...process.argv.slice(2)], {
+const child = spawn(process.execPath, ['--import', pathToFileURL(tsx).href, join(root, 'src/main.ts'), ...process.argv.slice(2)], {
   stdio: 'inherit',
   cwd: process.cwd(),
   env: process.env,

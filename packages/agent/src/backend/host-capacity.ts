@@ -1,6 +1,6 @@
 import { statfs } from 'node:fs/promises';
 import { availableParallelism, totalmem } from 'node:os';
-import type { GpuDevice, HostCapacity, MigInstance } from '../../domain/capacity.js';
+import type { GpuDevice, HostCapacity, MigInstance } from '@fleet/agent-protocol';
 import { runTool } from './process/exec-util.js';
 
 /** Node's process.arch in GOARCH vocabulary. */

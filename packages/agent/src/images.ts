@@ -3,7 +3,7 @@ import { randomBytes } from 'node:crypto';
 import { access, chmod, copyFile, mkdir, readdir, readFile, rename, rm, stat, symlink, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { promisify } from 'node:util';
-import { AppError } from '../domain/errors.js';
+import { AppError } from '@fleet/agent-protocol';
 import { featureMissing, imageNotFound, invalidSpec } from './backend.js';
 
 /**

@@ -2,7 +2,7 @@
  * fleet-sandbox: the only host-side program between the agent and a guest.
  *
  * Built static (no ld.so, so no LD_* variable is ever honoured) by the agent
- * at open (src/agent/native/helper.ts) and always started with a fixed
+ * at open (packages/agent/src/native/helper.ts) and always started with a fixed
  * environment. The guest's environment travels in FLEET_E<n>=<hex of K=V>
  * variables that nothing on the host interprets; it becomes `environ` only
  * after the process is inside the sandbox, confined, right before execve.

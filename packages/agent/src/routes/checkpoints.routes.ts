@@ -1,0 +1,99 @@
+import { createReadStream } from 'node:fs';
+import { stat } from 'node:fs/promises';
+import type { FastifyInstance, FastifyRequest } from 'fastify';
+import { AGENT_API_PREFIX, artifactFileNameSchema, artifactMoveSchema, createCheckpointRequestSchema, createGrantRequestSchema, type LayerUsageResponse } from '@fleet/agent-protocol';
+import { AppError } from '@fleet/agent-protocol';
+import { buildManifest, parseRange, pullArtifact, servableFile, toWireCheckpoint } from '../artifacts.js';
+import { mintGrant, verifyGrant } from '../grants.js';
+import { parse } from '../parse.js';
+import { idParam, isCode, nameParam, type AgentRouteContext } from './context.js';
+
+/** Checkpoints of sandboxes and the artifact moves between hosts (grant-authenticated downloads, pulls). */
+export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
+  const { backend, config, now, activePulls } = ctx;
+  // ---- checkpoints ----------------------------------------------------------------
+  app.post(`${AGENT_API_PREFIX}/vms/:name/checkpoints`, async (req, reply) => {
+    const name = nameParam(req);
+    const body = parse(createCheckpointRequestSchema, req.body ?? {}, 'checkpoint request');
+    const cp = await backend.checkpoint(name, { comment: body.comment, live: body.live, ...(body.id ? { id: body.id } : {}), ...(body.max_bytes ? { maxBytes: body.max_bytes } : {}) });
+    return reply.code(201).send(toWireCheckpoint(cp, name));
+  });
+
+  app.get(`${AGENT_API_PREFIX}/vms/:name/layer-usage`, async (req): Promise<LayerUsageResponse> => backend.layerUsage(nameParam(req)));
+
+  app.get(`${AGENT_API_PREFIX}/checkpoints`, async () => ({ checkpoints: (await backend.listCheckpoints()).map((c) => toWireCheckpoint(c)) }));
+
+  app.get(`${AGENT_API_PREFIX}/checkpoints/:id`, async (req) => toWireCheckpoint(await backend.getCheckpoint(idParam(req))));
+
+  app.delete(`${AGENT_API_PREFIX}/checkpoints/:id`, async (req) => {
+    const id = idParam(req);
+    const existed = await backend.getCheckpoint(id).then(
+      () => true,
+      (err: unknown) => {
+        if (isCode(err, 'CHECKPOINT_NOT_FOUND')) return false;
+        throw err;
+      },
+    );
+    await backend.deleteCheckpoint(id);
+    return { id, deleted: existed };
+  });
+
+  // ---- artifacts --------------------------------------------------------------------
+  app.post(`${AGENT_API_PREFIX}/artifacts/grants`, async (req, reply) => {
+    const body = parse(createGrantRequestSchema, req.body, 'grant request');
+    await backend.getCheckpoint(body.snapshot_id);
+    const expiresAt = now() + body.ttl_s * 1000;
+    return reply.code(201).send({ snapshot_id: body.snapshot_id, grant: mintGrant(config.grantSecret, body.snapshot_id, expiresAt), expires_at: new Date(expiresAt).toISOString() });
+  });
+
+  const checkGrant = (req: FastifyRequest, id: string): void => {
+    const m = /^Bearer ([^\s]+)$/.exec(req.headers.authorization ?? '');
+    if (!m) throw new AppError('GRANT_INVALID', 401, 'present an artifact grant as "Authorization: Bearer <grant>"');
+    const check = verifyGrant(config.grantSecret, m[1] as string, id, now());
+    if (check.ok) return;
+    if (check.reason === 'expired') throw new AppError('GRANT_EXPIRED', 403, 'the artifact grant has expired; ask the source host for a new one');
+    if (check.reason === 'wrong_snapshot') throw new AppError('GRANT_INVALID', 403, `the artifact grant is not for snapshot "${id}"`);
+    throw new AppError('GRANT_INVALID', 403, 'the artifact grant is not valid for this host');
+  };
+
+  app.get(`${AGENT_API_PREFIX}/artifacts/:id/manifest`, { config: { auth: 'grant' } }, async (req) => {
+    const id = idParam(req);
+    checkGrant(req, id);
+    return buildManifest(backend, id);
+  });
+
+  app.get(`${AGENT_API_PREFIX}/artifacts/:id/files/:file`, { config: { auth: 'grant' } }, async (req, reply) => {
+    const id = idParam(req);
+    checkGrant(req, id);
+    const file = parse(artifactFileNameSchema, (req.params as { file?: string }).file, 'file name');
+    const path = await servableFile(backend, id, file);
+    const size = (await stat(path)).size;
+    void reply.header('accept-ranges', 'bytes').type('application/octet-stream');
+    const range = parseRange(req.headers.range, size);
+    if (range === 'unsatisfiable') {
+      return reply.code(416).header('content-range', `bytes */${size}`).send({ code: 'RANGE_NOT_SATISFIABLE', message: `the file is ${size} bytes` });
+    }
+    if (range) {
+      return reply
+        .code(206)
+        .header('content-range', `bytes ${range.start}-${range.end}/${size}`)
+        .header('content-length', range.end - range.start + 1)
+        .send(createReadStream(path, { start: range.start, end: range.end, highWaterMark: 1024 * 1024 }));
+    }
+    return reply.header('content-length', size).send(createReadStream(path, { highWaterMark: 1024 * 1024 }));
+  });
+
+  app.post(`${AGENT_API_PREFIX}/artifacts/pull`, async (req) => {
+    const move = parse(artifactMoveSchema, req.body, 'artifact move');
+    return pullArtifact(backend, {
+      snapshotId: move.snapshot_id,
+      sourceSnapshotId: move.source_snapshot_id ?? move.snapshot_id,
+      digest: move.digest,
+      fromUrl: move.from.url,
+      grant: move.from.grant,
+      files: move.files,
+      timeoutMs: config.pullTimeoutMs,
+      active: activePulls,
+    });
+  });
+}
