@@ -36,7 +36,7 @@ async function findTests(dir: string): Promise<string[]> {
  *   reconciler, security attacks).
  */
 type Kind = 'unit' | 'int' | 'e2e';
-const UNIT = [/^test\/domain\//, /\.decider\.test\.ts$/, /-deciders\.test\.ts$/, /config\.test\.ts$/, /^test\/snapshots\/snapshot-request\.test\.ts$/];
+const UNIT = [/^test\/domain\//, /^test\/packages\//, /\.decider\.test\.ts$/, /-deciders\.test\.ts$/, /config\.test\.ts$/, /^test\/snapshots\/snapshot-request\.test\.ts$/];
 const E2E = [/^test\/control-plane\//, /^test\/consumers\//, /^test\/snapshots\//];
 
 function kindOf(file: string): Kind {
