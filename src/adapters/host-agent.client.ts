@@ -353,7 +353,7 @@ export class HostAgentClient implements HostAgent {
         if (!retry) throw err;
         const delay = this.#backoffMs * 2 ** (attempt - 1) * (0.5 + Math.random());
         this.#log?.warn(
-          { host_id: this.hostId, method: spec.method, path: spec.path, attempt, code: (err as AppError).code, delay_ms: Math.round(delay) },
+          { host_id: this.hostId, method: spec.method, path: spec.path, attempt, code: (err).code, delay_ms: Math.round(delay) },
           'host agent call failed; retrying',
         );
         await sleep(delay, spec.opts?.signal);
@@ -383,7 +383,7 @@ export class HostAgentClient implements HostAgent {
     try {
       // A streamed body goes out as it is read (half duplex: the answer comes after it).
       const streamed = body !== undefined && typeof body !== 'string' && !(body instanceof Uint8Array);
-      res = await fetch(url, { method: spec.method, headers, body: body as RequestInit['body'], signal, ...(streamed ? { duplex: 'half' } : {}) } as RequestInit);
+      res = await fetch(url, { method: spec.method, headers, body: body as RequestInit['body'], signal, ...(streamed ? { duplex: 'half' } : {}) });
     } catch (err) {
       throw this.#transportError(err, what, timeoutMs, spec.opts?.signal);
     }

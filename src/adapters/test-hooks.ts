@@ -33,7 +33,7 @@ export function withAgentDelays(connector: HostAgentConnector, delays: Map<strin
             return (value as (...a: unknown[]) => unknown).apply(target, args);
           };
         },
-      }) as HostAgent;
+      });
     },
   };
 }

@@ -244,7 +244,7 @@ export function toJsonValue(value: unknown, path = 'data', seen: Set<object> = n
     case 'object':
       break;
   }
-  const obj = value as object;
+  const obj = value;
   if (obj instanceof Date) {
     if (Number.isNaN(obj.getTime())) throw new InvalidEventDataError(path, 'invalid Date');
     return obj.toISOString();

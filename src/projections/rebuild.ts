@@ -107,8 +107,8 @@ async function liveCheckpoint(client: PoolClient, name: string, lock: boolean): 
 async function applyBatch(client: PoolClient, projection: Projection, batch: readonly RecordedEvent[], inTx: boolean): Promise<void> {
   if (!inTx) await client.query('BEGIN');
   try {
-    if (projection.applyBatch) await projection.applyBatch(client as unknown as Sql, batch);
-    else for (const e of batch) await projection.apply(client as unknown as Sql, e);
+    if (projection.applyBatch) await projection.applyBatch(client, batch);
+    else for (const e of batch) await projection.apply(client, e);
     if (!inTx) await client.query('COMMIT');
   } catch (err) {
     if (!inTx) await client.query('ROLLBACK').catch(() => undefined);

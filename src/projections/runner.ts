@@ -201,11 +201,11 @@ export class ProjectionRunner {
       const stored = row.rows[0]?.position ?? undefined;
       const fresh = stored === undefined ? events : events.filter((e) => e.position > stored); // older ones: applied by someone else already
       if (s.projection.applyBatch) {
-        if (fresh.length > 0) await s.projection.applyBatch(client as unknown as Sql, fresh);
+        if (fresh.length > 0) await s.projection.applyBatch(client, fresh);
       } else {
         for (const event of fresh) {
           try {
-            await s.projection.apply(client as unknown as Sql, event);
+            await s.projection.apply(client, event);
           } catch (err) {
             // Name the event: an operator must be able to find the one the read model stopped at.
             throw new Error(`${s.projection.name}: applying ${event.type} at ${event.position} (${event.streamId}@${event.revision}) failed: ${(err as Error).message}`, { cause: err });

@@ -94,7 +94,7 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
       reject(new Error(`agent did not start within ${startTimeoutMs} ms:\n${out}`));
     }, startTimeoutMs);
     let buf = '';
-    proc.stdout!.on('data', (chunk: Buffer) => {
+    proc.stdout.on('data', (chunk: Buffer) => {
       out += chunk.toString();
       buf += chunk.toString();
       let nl: number;
@@ -112,7 +112,7 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
         }
       }
     });
-    proc.stderr!.on('data', (chunk: Buffer) => {
+    proc.stderr.on('data', (chunk: Buffer) => {
       out += chunk.toString();
     });
     proc.once('exit', (code, signal) => {

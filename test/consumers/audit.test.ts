@@ -101,7 +101,7 @@ describe('audit and replay', { timeout: 120_000 }, () => {
     const cli = (args: string[]) => run(process.execPath, ['--import', 'tsx', 'src/cli/fleet.ts', ...args], { env, timeout: 60_000 });
     const audit = await cli(['audit', 'vm-v1']);
     assert.match(audit.stdout, /^vm-v1: 6 event\(s\)/);
-    assert.match(audit.stdout, /#   3  2026-05-01T09:00:02.000Z  VmBooted\n\s+position [0-9a-f]{16}-[0-9a-f]{16}  actor tenant:acme  tenant acme\n\s+correlation [0-9a-f-]{36}  causation [0-9a-f-]{36}/);
+    assert.match(audit.stdout, /# {3}3 {2}2026-05-01T09:00:02.000Z {2}VmBooted\n\s+position [0-9a-f]{16}-[0-9a-f]{16} {2}actor tenant:acme {2}tenant acme\n\s+correlation [0-9a-f-]{36} {2}causation [0-9a-f-]{36}/);
     assert.match(audit.stdout, /"auth_token_encrypted":"\[sealed\]"/);
     const upTo = await cli(['audit', 'vm-v1', '--as-of', positions[1]!]);
     assert.match(upTo.stdout, /^vm-v1: 2 event\(s\) up to/);

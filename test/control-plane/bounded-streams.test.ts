@@ -217,7 +217,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     const chunks = async function* (): AsyncGenerator<Uint8Array> {
       for (let i = 0; i < 12; i++) yield Buffer.alloc(256 * 1024, 7);
     };
-    const streamed = await fetch(`${tightBase}/v1/vms/${tightVm}/files?path=/tmp/three`, { method: 'PUT', headers: auth, body: ReadableStream.from(chunks()), duplex: 'half' } as RequestInit);
+    const streamed = await fetch(`${tightBase}/v1/vms/${tightVm}/files?path=/tmp/three`, { method: 'PUT', headers: auth, body: ReadableStream.from(chunks()), duplex: 'half' });
     assert.equal(streamed.status, 413);
     assert.equal(((await streamed.json()) as { code: string }).code, 'FILE_TOO_LARGE');
     // The agent removes its partial file once it sees the transfer cut (which may be just after the answer).
@@ -229,7 +229,7 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     } while (left !== 'none' && Date.now() < deadline);
     assert.equal(left, 'none');
     // Under the cap (the other control plane's): streamed to the agent and written whole.
-    const up = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/tmp/three`, { method: 'PUT', headers: auth, body: ReadableStream.from(chunks()), duplex: 'half' } as RequestInit);
+    const up = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/tmp/three`, { method: 'PUT', headers: auth, body: ReadableStream.from(chunks()), duplex: 'half' });
     assert.equal(up.status, 200, await up.clone().text());
     assert.equal(((await up.json()) as { size_bytes: number }).size_bytes, 3 * MiB);
     const wc = await exec(files!, vm, 'wc -c < /tmp/three');

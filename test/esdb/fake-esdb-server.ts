@@ -171,10 +171,10 @@ export class FakeEsdbServer {
       batchAppend: (call: grpc.ServerDuplexStream<BatchAppendReq, BatchAppendResp>) => this.count('Streams.BatchAppend') && this.onBatchAppend(call),
       delete: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(unimplemented('Streams.Delete')),
       tombstone: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(unimplemented('Streams.Tombstone')),
-    } as unknown as grpc.UntypedServiceImplementation);
+    });
     server.addService(featuresGrpc.ServerFeaturesService, {
       getSupportedMethods: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => this.count('ServerFeatures.GetSupportedMethods') && callback(null, this.supportedMethods()),
-    } as unknown as grpc.UntypedServiceImplementation);
+    });
     this.boundPort = await new Promise<number>((resolve, reject) =>
       server.bindAsync(`127.0.0.1:${this.boundPort}`, grpc.ServerCredentials.createInsecure(), (err, port) => (err ? reject(err) : resolve(port))),
     );

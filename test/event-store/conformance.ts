@@ -91,7 +91,7 @@ function collect(source: Observable<SubscriptionItem>, done: (items: Subscriptio
       },
       error: (err: unknown) => {
         clearTimeout(timer);
-        reject(err as Error);
+        reject(err);
       },
       complete: () => {
         clearTimeout(timer);

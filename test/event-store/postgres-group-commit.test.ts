@@ -24,10 +24,10 @@ const txOf = (r: AppendResult): string => r.position.slice(0, 16);
 async function holdStreams(url: string, streams: string[]): Promise<{ release(stream: string): Promise<void>; end(): Promise<void> }> {
   const client = new pg.Client({ connectionString: url });
   await client.connect();
-  for (const s of streams) await client.query(`SELECT pg_advisory_lock(${0x45_53}, hashtext($1))`, [s]);
+  for (const s of streams) await client.query(`SELECT pg_advisory_lock(17747, hashtext($1))`, [s]);
   return {
     release: async (s) => {
-      await client.query(`SELECT pg_advisory_unlock(${0x45_53}, hashtext($1))`, [s]);
+      await client.query(`SELECT pg_advisory_unlock(17747, hashtext($1))`, [s]);
     },
     end: () => client.end(),
   };

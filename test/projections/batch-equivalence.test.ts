@@ -83,7 +83,7 @@ describe('read models: one event at a time equals a run at once', { timeout: 60_
         const client = await db.pool.connect();
         try {
           await client.query('BEGIN');
-          await p.apply(client as unknown as Sql, e);
+          await p.apply(client, e);
           await client.query(`INSERT INTO projection_checkpoints (name, position) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE SET position = $2`, [p.name, e.position]);
           await client.query('COMMIT');
         } finally {

@@ -24,7 +24,7 @@ describe('snapshot decider', () => {
     assert.deepEqual(s.holders, ['h1']);
   });
   it('a second request on the same id is refused; completing twice is idempotent', () => {
-    given(snapshotDecider, [requested]).when({ type: 'RequestSnapshot', data: requested.data } as SnapshotCommand).thenThrows('SNAPSHOT_EXISTS', 409);
+    given(snapshotDecider, [requested]).when({ type: 'RequestSnapshot', data: requested.data }).thenThrows('SNAPSHOT_EXISTS', 409);
     given(snapshotDecider, [requested, taken]).when({ type: 'CompleteSnapshot', data: { snapshot_id: ID, digest: 'a'.repeat(64), size_bytes: 10, kind: 'disk' } }).then([]);
   });
   it('moves add holders once; drops remove them; deleted is terminal and idempotent', () => {

@@ -153,7 +153,7 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const evs = await c.service.store.readStream(`snapshot-${st.s1.id}`);
     const moved = evs.find((e) => e.type === 'SnapshotArtifactMoved');
     assert.ok(moved, 'the move is an event');
-    assert.equal((moved!.data as any).to_host_id, 'h2');
+    assert.equal((moved.data as any).to_host_id, 'h2');
     const s = ok(await c.request('GET', `/v1/snapshots/${st.s1.id}?after=${vm.position}`, { as: 'acme' }));
     assert.deepEqual(s.holders, ['h1', 'h2']);
     assert.deepEqual(ok(await c.request('GET', `/v1/artifacts/${st.s1.digest}`, { as: 'acme' })).hosts, ['h1', 'h2']);
@@ -189,7 +189,7 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const c = cp!;
     const refused = await c.request('DELETE', `/v1/snapshots/${st.s1.id}`, { as: 'acme' });
     expectProblem(refused, 409, 'SNAPSHOT_HAS_DEPENDENTS');
-    assert.deepEqual(problemOf(refused as any) && (refused.body as any).details.dependents, [st.s2.id]);
+    assert.deepEqual(problemOf(refused as any) && (refused.body).details.dependents, [st.s2.id]);
     const d = ok(await c.request('DELETE', `/v1/snapshots/${st.s1.id}?force=true`, { as: 'acme' }));
     assert.equal(d.state, 'deleted');
     assert.deepEqual(d.holders, []);
@@ -244,7 +244,7 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     ok(await c.request('POST', '/v1/hosts/h2/cordon', { body: {} }));
     const failed = await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { target_host_id: 'h2' } });
     expectProblem(failed, 409, 'MIGRATION_FAILED');
-    assert.equal((failed.body as any).details.step, 'place');
+    assert.equal((failed.body).details.step, 'place');
     assert.equal((await exec(vmId, 'cat /root/marker')).stdout.trim(), 'hello-from-source');
     ok(await c.request('POST', '/v1/hosts/h2/uncordon', { body: {} }));
 
@@ -276,7 +276,7 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     assert.equal(refused.length, 40);
     for (const r of refused) {
       expectProblem(r, 429, 'QUOTA_EXCEEDED');
-      const d = (r.body as any).details;
+      const d = (r.body).details;
       assert.equal(d.limit, 10);
       assert.equal(d.usage.count, 10);
       assert.match(problemOf(r).detail, /10 of 10 snapshots/);

@@ -298,7 +298,7 @@ export async function runSession(
         break;
       default: {
         const never: never = frame;
-        void never;
+        never;
       }
     }
   });

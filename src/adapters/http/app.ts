@@ -130,7 +130,7 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
 
   for (const routes of opts.routes) await app.register(async (scope) => routes(scope));
   await app.ready();
-  return app as unknown as FastifyInstance;
+  return app;
 }
 
 

@@ -28,7 +28,7 @@ export class Metrics {
     const g: Gauge<L> = new Gauge<L>({
       name,
       help,
-      labelNames: labelNames as L[],
+      labelNames: labelNames,
       registers: [this.registry],
       async collect() {
         const values = await collect();

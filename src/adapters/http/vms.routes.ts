@@ -241,7 +241,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
         // Refused before the upgrade, as an HTTP 429 the client's handshake sees.
         preHandler: async (req) => {
           if (!req.ws) return;
-          sessions.reserve(req.caller.actor, (req.params as { id: string }).id, req.raw.socket);
+          sessions.reserve(req.caller.actor, (req.params).id, req.raw.socket);
         },
         handler: async () => {
           throw new AppError('WEBSOCKET_REQUIRED', 400, `${mode} streams over a websocket: connect with an Upgrade: websocket request`);
@@ -357,7 +357,7 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
   socket.on('message', (raw) => {
     touch();
     if (!stream) {
-      if (pending.length >= WS_MAX_PENDING_FRAMES) return closeWith('FRAME_QUEUE_FULL', `more than ${WS_MAX_PENDING_FRAMES} frames sent before the session started`, WS_CLOSE.FRAME_QUEUE_FULL);
+      if (pending.length >= WS_MAX_PENDING_FRAMES) return void closeWith('FRAME_QUEUE_FULL', `more than ${WS_MAX_PENDING_FRAMES} frames sent before the session started`, WS_CLOSE.FRAME_QUEUE_FULL);
       pending.push(raw.toString());
       // Frames that arrive while the agent session opens wait behind the start frame; they must not start a second one.
       if (!starting) {
@@ -374,10 +374,10 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
     try {
       frame = JSON.parse(text);
     } catch {
-      return sendError('VALIDATION_FAILED', 'frames are JSON text');
+      return void sendError('VALIDATION_FAILED', 'frames are JSON text');
     }
     const parsed = clientFrameSchema.safeParse(frame);
-    if (!parsed.success) return sendError('VALIDATION_FAILED', `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+    if (!parsed.success) return void sendError('VALIDATION_FAILED', `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
     const s = stream;
     if (!s) return;
     s.send(parsed.data);
@@ -397,20 +397,20 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
       try {
         first = JSON.parse(pending.shift()!);
       } catch {
-        return sendError('VALIDATION_FAILED', 'the start frame must be JSON text');
+        return void sendError('VALIDATION_FAILED', 'the start frame must be JSON text');
       }
       const actor = actorOf(req);
       if (mode === 'exec') {
         const s = execStreamStartSchema.safeParse(first);
-        if (!s.success) return sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+        if (!s.success) return void sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
         stream = await vms.execStream(req.params.id, s.data, actor);
       } else {
         const s = attachStartSchema.safeParse(first);
-        if (!s.success) return sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+        if (!s.success) return void sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
         stream = await vms.attach(req.params.id, s.data, actor);
       }
       // The client left while the session opened: close it, or its process would run on unattended.
-      if (clientGone) return stream.close();
+      if (clientGone) return void stream.close();
       for (const text of pending.splice(0)) forward(text);
       for await (const frame of stream.frames) {
         if (socket.readyState !== socket.OPEN) break;

@@ -174,7 +174,7 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
   const short = (gate: PlacementGate, resource: ShortResource, free: number): void => {
     rejected[gate] = (rejected[gate] ?? 0) + 1;
     const f = Math.max(0, free);
-    if (bestFree[resource] === undefined || f > bestFree[resource]!) bestFree[resource] = f;
+    if (bestFree[resource] === undefined || f > bestFree[resource]) bestFree[resource] = f;
   };
 
   let cpuOvercommitAtBest: CpuOvercommit | undefined;

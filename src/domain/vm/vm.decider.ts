@@ -219,7 +219,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       const s = existing(state, vm_id);
       // A late failure report for a VM that already ended changes nothing.
       if (isTerminal(s.status)) return [];
-      const phase = s.status as VmPhase;
+      const phase = s.status;
       const d = command.data;
       return [{ type: 'VmFailed', data: compact({ vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, at }) }];
     }

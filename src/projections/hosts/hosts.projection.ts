@@ -106,7 +106,7 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
   const hostEvents = events.filter((r) => r.streamId.startsWith('host-') && isHostEventType(r.type)).map((r) => ({ r, e: parseHostEvent(r.type, r.data) }));
   if (hostEvents.length === 0) return;
   const ids = [...new Set(hostEvents.map(({ e }) => e.data.host_id))];
-  const loaded = await sql.query<Record<string, unknown>>(`SELECT ${HOST_COLUMNS.map(([c]) => c).join(', ')} FROM hosts WHERE id = ANY($1::text[])`, [ids]);
+  const loaded = await sql.query(`SELECT ${HOST_COLUMNS.map(([c]) => c).join(', ')} FROM hosts WHERE id = ANY($1::text[])`, [ids]);
   const hosts = new Map<string, HostRowState>(loaded.rows.map((row) => [row.id as string, { ...(row as unknown as HostRowState), revision: String(row.revision) }]));
 
   const pairKey = (h: string, v: string): string => `${h}\u0000${v}`;

@@ -101,7 +101,7 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
   const vmEvents = events.filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type)).map((r) => ({ r, e: parseVmEvent(r.type, r.data) }));
   if (vmEvents.length === 0) return;
   const ids = [...new Set(vmEvents.map(({ e }) => e.data.vm_id))];
-  const { rows } = await sql.query<Record<string, unknown>>(`SELECT ${COLUMNS.map(([c]) => c).join(', ')} FROM vms WHERE id = ANY($1::text[])`, [ids]);
+  const { rows } = await sql.query(`SELECT ${COLUMNS.map(([c]) => c).join(', ')} FROM vms WHERE id = ANY($1::text[])`, [ids]);
   const byId = new Map<string, VmRowState>(rows.map((row) => [row.id as string, { ...(row as unknown as VmRowState), revision: String(row.revision) }]));
   const touched = new Set<string>();
   for (const { r, e } of vmEvents) {

@@ -23,7 +23,7 @@ let ptyModule: Promise<PtyModule | null> | undefined;
 /** node-pty is an optional dependency (native build): without it a TTY spawn is HOST_FEATURE_MISSING. */
 function loadPty(): Promise<PtyModule | null> {
   ptyModule ??= import('node-pty').then(
-    (m) => ((m as { default?: PtyModule }).default ?? m) as PtyModule,
+    (m) => ((m as { default?: PtyModule }).default ?? m),
     () => null,
   );
   return ptyModule;
@@ -83,7 +83,7 @@ export async function spawnPty(argv: readonly string[], hostEnv: Record<string, 
   const pty = impl === 'script' ? null : await loadPty();
   if (!pty) return spawnScriptPty(argv, hostEnv);
   const [cmd, ...args] = argv;
-  const term = pty.spawn(cmd!, args, { name: 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env: hostEnv, encoding: null } as Parameters<PtyModule['spawn']>[2]);
+  const term = pty.spawn(cmd!, args, { name: 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env: hostEnv, encoding: null });
   const stdout = new PassThrough();
   const stderr = new PassThrough();
   stderr.end();
@@ -104,7 +104,7 @@ export async function spawnPty(argv: readonly string[], hostEnv: Record<string, 
   const stdin = new Writable({
     write(chunk: Buffer, _enc, cb) {
       try {
-        term.write(chunk as unknown as string);
+        term.write(chunk);
         cb();
       } catch (err) {
         cb(err as Error);
@@ -208,8 +208,8 @@ export class Spawner {
       const child = spawn(this.helper, ['serve', this.socketPath], { stdio: ['ignore', 'pipe', 'pipe'], env: {} });
       this.child = child;
       let stderr = '';
-      child.stderr!.setEncoding('utf8').on('data', (d: string) => (stderr = (stderr + d).slice(-500)));
-      child.stdout!.setEncoding('utf8').once('data', () => {
+      child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr = (stderr + d).slice(-500)));
+      child.stdout.setEncoding('utf8').once('data', () => {
         this.up = true;
         resolve();
       });
@@ -217,7 +217,7 @@ export class Spawner {
       child.once('exit', (code, signal) => {
         const was = this.up;
         this.up = false;
-        if (!was) return reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
+        if (!was) return void reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
         if (this.closed) return;
         this.onError(new Error(`the exec spawner exited (${signal ?? code}): ${stderr.trim()}; restarting it`));
         this.restart(200);
@@ -325,7 +325,7 @@ export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[]
   const stdin = withStdin
     ? new Writable({
         write(chunk: Buffer, _enc, cb) {
-          if (sock.writableEnded || sock.destroyed) return cb();
+          if (sock.writableEnded || sock.destroyed) return void cb();
           sock.write(chunk, () => cb());
         },
         final(cb) {
