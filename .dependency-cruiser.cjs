@@ -31,7 +31,8 @@ module.exports = {
     },
     {
       name: 'agent-is-its-own-program',
-      comment: 'the host agent (packages/agent) is installed on hosts without the control plane: it imports nothing from it, only the protocol package.',
+      comment:
+        'the host agent (packages/agent) is installed on hosts without the control plane: it imports nothing from it, only the protocol package.',
       severity: 'error',
       from: { path: '^packages/agent/' },
       to: { path: '^src/' },
@@ -62,6 +63,10 @@ module.exports = {
     tsConfig: { fileName: 'tsconfig.json' },
     preserveSymlinks: false,
     tsPreCompilationDeps: true,
-    enhancedResolveOptions: { exportsFields: ['exports'], conditionNames: ['import', 'require', 'node', 'default'], extensions: ['.ts', '.js'] },
+    enhancedResolveOptions: {
+      exportsFields: ['exports'],
+      conditionNames: ['import', 'require', 'node', 'default'],
+      extensions: ['.ts', '.js'],
+    },
   },
 };

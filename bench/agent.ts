@@ -52,7 +52,10 @@ export default async function agentBench(args: string[]): Promise<void> {
     const mk = async () => {
       const dataDir = await mkdtemp(join(tmpdir(), 'bench-agent-'));
       dirs.push(dataDir);
-      const agent = await startAgent({ dataDir, imageDir: images.imageDir, subnet: uniqueSubnet(), bridgePrefix: uniquePrefix(), env: { AGENT_LOG_LEVEL: 'warn' } }, 60_000);
+      const agent = await startAgent(
+        { dataDir, imageDir: images.imageDir, subnet: uniqueSubnet(), bridgePrefix: uniquePrefix(), env: { AGENT_LOG_LEVEL: 'warn' } },
+        60_000,
+      );
       agents.push(agent);
       return agent;
     };
@@ -74,7 +77,8 @@ export default async function agentBench(args: string[]): Promise<void> {
       await a.client.destroyVm(name, { force: true });
       if ((i + 1) % 10 === 0) log(`  create→exec ${i + 1}/${runs}: last ${createMs.at(-1)!.toFixed(1)} ms`);
     }
-    if (only.has('create')) log(`create → first exec: p50 ${pct(createMs, 50).toFixed(1)} ms, p99 ${pct(createMs, 99).toFixed(1)} ms (n=${runs})`);
+    if (only.has('create'))
+      log(`create → first exec: p50 ${pct(createMs, 50).toFixed(1)} ms, p99 ${pct(createMs, 99).toFixed(1)} ms (n=${runs})`);
 
     // 2. exec round trip
     await a.client.createVm({ name: 'bench-exec', image: 'base' });
@@ -85,7 +89,11 @@ export default async function agentBench(args: string[]): Promise<void> {
     // 3. artifact pull of a large checkpoint
     const bytes = Math.round(gib * 1024 * 1024 * 1024);
     log(`writing ${gib} GiB of random data in a sandbox…`);
-    await a.client.exec('bench-exec', { argv: ['sh', '-c', `head -c ${bytes} /dev/urandom > /big.bin`], timeout_ms: 600_000 }, { timeoutMs: 660_000 });
+    await a.client.exec(
+      'bench-exec',
+      { argv: ['sh', '-c', `head -c ${bytes} /dev/urandom > /big.bin`], timeout_ms: 600_000 },
+      { timeoutMs: 660_000 },
+    );
     log('checkpointing…');
     let t0 = performance.now();
     const cp = await a.client.checkpoint('bench-exec', { comment: 'bench' }, { timeoutMs: 600_000 });
@@ -142,7 +150,9 @@ export default async function agentBench(args: string[]): Promise<void> {
       const got = await fetchFile(fileUrl, auth, AbortSignal.timeout(600_000), recvDst);
       const recvRate = got.size / 1e6 / ((performance.now() - t) / 1000);
       await rm(recvDst);
-      log(`  round ${round} peers: HTTP from A into /dev/null ${nullRate.toFixed(0)} MB/s; the agent's receiver (worker, sha256, file) in this process ${recvRate.toFixed(0)} MB/s`);
+      log(
+        `  round ${round} peers: HTTP from A into /dev/null ${nullRate.toFixed(0)} MB/s; the agent's receiver (worker, sha256, file) in this process ${recvRate.toFixed(0)} MB/s`,
+      );
       t0 = performance.now();
       const moved = await b.client.pullArtifact(
         { snapshot_id: `${cp.id}-pull${round}`, source_snapshot_id: cp.id, digest: cp.digest, from: { url: a.url, grant: grant.grant } },
@@ -159,8 +169,12 @@ export default async function agentBench(args: string[]): Promise<void> {
     const copyRate = Math.max(...copyRates);
     const pullRate = Math.max(...pullRates);
     const ratios = pullRates.map((p, i) => `${((p / copyRates[i]!) * 100).toFixed(0)}%`);
-    log(`plain copy (read+write, best of ${pullRounds}): ${copyRate.toFixed(0)} MB/s; copy with sha256: ${Math.max(...hashRates).toFixed(0)} MB/s`);
-    log(`artifact pull A→B (HTTP, sha256-verified, atomic commit; best of ${pullRounds}): ${pullRate.toFixed(0)} MB/s = ${((pullRate / copyRate) * 100).toFixed(0)}% of the plain copy (per round: ${ratios.join(', ')})`);
+    log(
+      `plain copy (read+write, best of ${pullRounds}): ${copyRate.toFixed(0)} MB/s; copy with sha256: ${Math.max(...hashRates).toFixed(0)} MB/s`,
+    );
+    log(
+      `artifact pull A→B (HTTP, sha256-verified, atomic commit; best of ${pullRounds}): ${pullRate.toFixed(0)} MB/s = ${((pullRate / copyRate) * 100).toFixed(0)}% of the plain copy (per round: ${ratios.join(', ')})`,
+    );
   } finally {
     for (const agent of agents) {
       try {
@@ -178,16 +192,28 @@ export default async function agentBench(args: string[]): Promise<void> {
 
 /** Exec of `true` through the API, and where its time goes, all on one warm sandbox in the same run. */
 async function execProfile(a: RunningAgent, execs: number, log: (s: string) => void): Promise<void> {
-
   // The helper's own share, outside the agent: the same argv the agent runs, from this process.
-  const state = JSON.parse(await readFile(join(a.opts.dataDir, 'sandboxes', 'bench-exec', 'state.json'), 'utf8')) as { init_pid: number; init_start: string };
+  const state = JSON.parse(await readFile(join(a.opts.dataDir, 'sandboxes', 'bench-exec', 'state.json'), 'utf8')) as {
+    init_pid: number;
+    init_start: string;
+  };
   const helperDir = join(a.opts.dataDir, 'runtime-helper');
-  const helper = join(helperDir, (await readdir(helperDir)).find((n) => /^fleet-sandbox-[0-9a-f]+$/.test(n))!);
-  const cgArgs = Cgroups.detect(`fleet-${a.opts.bridgePrefix}`).procsFiles('bench-exec').flatMap((f) => ['--cg', f]);
+  const helper = join(
+    helperDir,
+    (await readdir(helperDir)).find((n) => /^fleet-sandbox-[0-9a-f]+$/.test(n))!,
+  );
+  const cgArgs = Cgroups.detect(`fleet-${a.opts.bridgePrefix}`)
+    .procsFiles('bench-exec')
+    .flatMap((f) => ['--cg', f]);
   const enter = [helper, 'enter', String(state.init_pid), '--start', state.init_start, ...cgArgs, '--cwd', '/', '--', 'exec', 'true'];
   const viaSpawner = async (): Promise<number> => {
     const t0 = performance.now();
-    const h = spawnViaSpawner(join(a.opts.dataDir, 'exec.sock'), enter.slice(1), { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') }, false);
+    const h = spawnViaSpawner(
+      join(a.opts.dataDir, 'exec.sock'),
+      enter.slice(1),
+      { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') },
+      false,
+    );
     h.stdout.resume();
     h.stderr.resume();
     const st = await h.wait();
@@ -197,7 +223,11 @@ async function execProfile(a: RunningAgent, execs: number, log: (s: string) => v
   const nodeSpawn = async (argv: string[]): Promise<number> => {
     const t0 = performance.now();
     await new Promise<void>((resolve, reject) => {
-      const c = spawn(argv[0]!, argv.slice(1), { detached: true, stdio: ['ignore', 'pipe', 'pipe'], env: { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') } });
+      const c = spawn(argv[0]!, argv.slice(1), {
+        detached: true,
+        stdio: ['ignore', 'pipe', 'pipe'],
+        env: { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') },
+      });
       let err = '';
       c.stdout.resume();
       c.stderr.setEncoding('utf8').on('data', (d: string) => (err += d));
@@ -236,13 +266,17 @@ async function execProfile(a: RunningAgent, execs: number, log: (s: string) => v
   // A static shell forking the helper: the fork+exec of a small process instead of Node's.
   const loop = `i=0; while [ $i -lt ${execs} ]; do "$@" || exit 1; i=$((i+1)); done`;
   let t0 = performance.now();
-  let r = spawnSync('/bin/busybox', ['sh', '-c', loop, 'loop', ...enter], { env: { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') } });
+  let r = spawnSync('/bin/busybox', ['sh', '-c', loop, 'loop', ...enter], {
+    env: { FLEET_E0: Buffer.from('PATH=/bin:/usr/bin').toString('hex') },
+  });
   const shHelper = (performance.now() - t0) / execs;
   if (r.status !== 0) throw new Error(`helper loop failed: ${String(r.stderr)}`);
   t0 = performance.now();
   r = spawnSync('/bin/busybox', ['sh', '-c', loop, 'loop', '/bin/true']);
   const shTrue = (performance.now() - t0) / execs;
-  log(`  peer: busybox sh loop, per iteration: helper enter … true ${shHelper.toFixed(2)} ms, /bin/true ${shTrue.toFixed(2)} ms (mean of ${execs})`);
+  log(
+    `  peer: busybox sh loop, per iteration: helper enter … true ${shHelper.toFixed(2)} ms, /bin/true ${shTrue.toFixed(2)} ms (mean of ${execs})`,
+  );
 }
 
 function pct(xs: number[], p: number): number {

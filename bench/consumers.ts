@@ -68,14 +68,46 @@ function ev(kind: 'vm' | 'host', type: string, data: Record<string, unknown>, te
     (kind === 'vm' ? vmEventSchema : hostEventSchema).parse({ type, data });
     validated++;
   }
-  return { id: randomUUID(), type, data, metadata: { correlationId: randomUUID(), tenantId: tenant, actor: tenant ? `tenant:${tenant}` : 'admin' } };
+  return {
+    id: randomUUID(),
+    type,
+    data,
+    metadata: { correlationId: randomUUID(), tenantId: tenant, actor: tenant ? `tenant:${tenant}` : 'admin' },
+  };
 }
 
 function hostRegistered(h: number, n: number): Append {
-  const capacity = { cpus: 128, ram_mb: 1_048_576, storage_gb: 8_000, vm_count: 500, arch: 'amd64', gpus: h % 10 === 0 ? 8 : 0, ...(h % 10 === 0 ? { gpu_kind: 'a100' } : {}) };
+  const capacity = {
+    cpus: 128,
+    ram_mb: 1_048_576,
+    storage_gb: 8_000,
+    vm_count: 500,
+    arch: 'amd64',
+    gpus: h % 10 === 0 ? 8 : 0,
+    ...(h % 10 === 0 ? { gpu_kind: 'a100' } : {}),
+  };
   return {
     stream: `host-h${h}`,
-    events: [ev('host', 'HostRegistered', { host_id: `h${h}`, url: `http://10.1.0.${h}:7070`, region: h % 2 ? 'eu' : 'us', backend: 'process', labels: { rack: `r${h % 4}` }, capacity, probed_capacity: capacity, overrides: {}, token_encrypted: 'v1.c2VhbGVkLXRva2Vu', at: new Date(BASE - 3_600_000).toISOString() }, undefined, n)],
+    events: [
+      ev(
+        'host',
+        'HostRegistered',
+        {
+          host_id: `h${h}`,
+          url: `http://10.1.0.${h}:7070`,
+          region: h % 2 ? 'eu' : 'us',
+          backend: 'process',
+          labels: { rack: `r${h % 4}` },
+          capacity,
+          probed_capacity: capacity,
+          overrides: {},
+          token_encrypted: 'v1.c2VhbGVkLXRva2Vu',
+          at: new Date(BASE - 3_600_000).toISOString(),
+        },
+        undefined,
+        n,
+      ),
+    ],
   };
 }
 
@@ -93,40 +125,132 @@ function vmLifecycle(i: number, r: () => number, n: number): { appends: Append[]
   const ram = cpus * 1024;
   const t0 = BASE + i * 2_000 + Math.floor(r() * 1_000);
   const iso = (t: number): string => new Date(t).toISOString();
-  const res = { vm_id: id, cpus, ram_mb: ram, storage_gb: 10, gpus: gpu ? 1 : 0, ...(gpu ? { gpu_kind: 'a100' } : {}), gpu_uuids: [], mig_instance_uuids: [] };
+  const res = {
+    vm_id: id,
+    cpus,
+    ram_mb: ram,
+    storage_gb: 10,
+    gpus: gpu ? 1 : 0,
+    ...(gpu ? { gpu_kind: 'a100' } : {}),
+    gpu_uuids: [],
+    mig_instance_uuids: [],
+  };
   const { vm_id: _vm, ...vmRes } = res;
   const vm: NewEvent[] = [];
   const host: NewEvent[] = [];
   let k = n;
-  vm.push(ev('vm', 'VmRequested', { vm_id: id, spec: { cpus, ram_mb: ram, storage_gb: 10, gpus: gpu ? 1 : 0, ...(gpu ? { gpu_kind: 'a100' } : {}), image: 'busybox' }, tenant_id: tenant, at: iso(t0) }, tenant, k++));
+  vm.push(
+    ev(
+      'vm',
+      'VmRequested',
+      {
+        vm_id: id,
+        spec: { cpus, ram_mb: ram, storage_gb: 10, gpus: gpu ? 1 : 0, ...(gpu ? { gpu_kind: 'a100' } : {}), image: 'busybox' },
+        tenant_id: tenant,
+        at: iso(t0),
+      },
+      tenant,
+      k++,
+    ),
+  );
   host.push(ev('host', 'CapacityReserved', { ...res, host_id: `h${h}`, at: iso(t0 + 40) }, tenant, k++));
-  vm.push(ev('vm', 'VmPlaced', { vm_id: id, host_id: `h${h}`, decision: { host_id: `h${h}`, policy: 'spread', candidates: HOSTS, headroom_cpus: 100, headroom_ram: 900_000, artifact_local: false, artifact_holders: 0 }, reservation: vmRes, at: iso(t0 + 50) }, tenant, k++));
+  vm.push(
+    ev(
+      'vm',
+      'VmPlaced',
+      {
+        vm_id: id,
+        host_id: `h${h}`,
+        decision: {
+          host_id: `h${h}`,
+          policy: 'spread',
+          candidates: HOSTS,
+          headroom_cpus: 100,
+          headroom_ram: 900_000,
+          artifact_local: false,
+          artifact_holders: 0,
+        },
+        reservation: vmRes,
+        at: iso(t0 + 50),
+      },
+      tenant,
+      k++,
+    ),
+  );
   vm.push(ev('vm', 'VmBootStarted', { vm_id: id, host_id: `h${h}`, at: iso(t0 + 60) }, tenant, k++));
   const fate = r();
   let billedMs = 0;
   if (fate < 0.08) {
-    vm.push(ev('vm', 'VmFailed', { vm_id: id, reason: 'boot_failure', error: 'guest agent did not answer within 30 s', error_code: 'BOOT_TIMEOUT', phase: 'booting', at: iso(t0 + 30_060) }, tenant, k++));
+    vm.push(
+      ev(
+        'vm',
+        'VmFailed',
+        {
+          vm_id: id,
+          reason: 'boot_failure',
+          error: 'guest agent did not answer within 30 s',
+          error_code: 'BOOT_TIMEOUT',
+          phase: 'booting',
+          at: iso(t0 + 30_060),
+        },
+        tenant,
+        k++,
+      ),
+    );
     host.push(ev('host', 'CapacityReleased', { ...res, host_id: `h${h}`, at: iso(t0 + 30_100) }, tenant, k++));
   } else {
     const bootMs = 300 + Math.floor(r() * 4_000);
     const booted = t0 + 60 + bootMs;
-    vm.push(ev('vm', 'VmBooted', { vm_id: id, url: `http://10.1.0.${h}:${20_000 + (i % 20_000)}`, endpoints: [], boot_ms: bootMs, auth_token_encrypted: 'v1.c2VhbGVk', at: iso(booted) }, tenant, k++));
+    vm.push(
+      ev(
+        'vm',
+        'VmBooted',
+        {
+          vm_id: id,
+          url: `http://10.1.0.${h}:${20_000 + (i % 20_000)}`,
+          endpoints: [],
+          boot_ms: bootMs,
+          auth_token_encrypted: 'v1.c2VhbGVk',
+          at: iso(booted),
+        },
+        tenant,
+        k++,
+      ),
+    );
     const runMs = 60_000 + Math.floor(r() * 3 * 3_600_000);
-    for (let a = 1; a <= Math.floor(r() * 3); a++) vm.push(ev('vm', 'VmActivityRecorded', { vm_id: id, at: iso(booted + Math.floor((runMs * a) / 4)) }, tenant, k++));
+    for (let a = 1; a <= Math.floor(r() * 3); a++)
+      vm.push(ev('vm', 'VmActivityRecorded', { vm_id: id, at: iso(booted + Math.floor((runMs * a) / 4)) }, tenant, k++));
     if (fate < 0.1) {
       // still running: an open interval at the end of the log
     } else if (fate < 0.13) {
-      vm.push(ev('vm', 'VmFailed', { vm_id: id, reason: 'host_lost', error: 'host stopped answering', phase: 'running', at: iso(booted + runMs) }, tenant, k++));
+      vm.push(
+        ev(
+          'vm',
+          'VmFailed',
+          { vm_id: id, reason: 'host_lost', error: 'host stopped answering', phase: 'running', at: iso(booted + runMs) },
+          tenant,
+          k++,
+        ),
+      );
       host.push(ev('host', 'CapacityReleased', { ...res, host_id: `h${h}`, at: iso(booted + runMs + 50) }, tenant, k++));
       billedMs = runMs;
     } else {
-      vm.push(ev('vm', 'VmDestroyRequested', { vm_id: id, reason: r() < 0.7 ? 'client' : 'idle', at: iso(booted + runMs - 1_500) }, tenant, k++));
+      vm.push(
+        ev('vm', 'VmDestroyRequested', { vm_id: id, reason: r() < 0.7 ? 'client' : 'idle', at: iso(booted + runMs - 1_500) }, tenant, k++),
+      );
       vm.push(ev('vm', 'VmDestroyed', { vm_id: id, reason: 'client', at: iso(booted + runMs) }, tenant, k++));
       host.push(ev('host', 'CapacityReleased', { ...res, host_id: `h${h}`, at: iso(booted + runMs + 50) }, tenant, k++));
       billedMs = runMs;
     }
   }
-  return { appends: [{ stream: `vm-${id}`, events: vm }, { stream: `host-h${h}`, events: host }], count: vm.length + host.length, billedMs };
+  return {
+    appends: [
+      { stream: `vm-${id}`, events: vm },
+      { stream: `host-h${h}`, events: host },
+    ],
+    count: vm.length + host.length,
+    billedMs,
+  };
 }
 
 export default async function consumersBench(args: string[]): Promise<void> {
@@ -136,7 +260,12 @@ export default async function consumersBench(args: string[]): Promise<void> {
   const keep = args.includes('--keep');
   const logger = pino({ level: 'warn' });
   const root = await fs.mkdtemp(path.join(os.tmpdir(), 'fleet-bench-consumers-'));
-  progress(`starting embedded Postgres in ${root} (load average ${os.loadavg().map((l) => l.toFixed(1)).join(' ')})`);
+  progress(
+    `starting embedded Postgres in ${root} (load average ${os
+      .loadavg()
+      .map((l) => l.toFixed(1))
+      .join(' ')})`,
+  );
   const server = await startEmbeddedPostgres({ dataDir: path.join(root, 'data'), port: await freePort(), database: 'bench' });
   let store: PostgresEventStore | undefined;
   let pool: pg.Pool | undefined;
@@ -186,7 +315,9 @@ export default async function consumersBench(args: string[]): Promise<void> {
       clearInterval(ticker);
     }
     const fillS = (performance.now() - t0) / 1000;
-    progress(`appended ${fmt(appended)} events (${fmt(vmCount)} VMs, ${HOSTS} hosts, ${fmt(validated)} checked against their schemas) in ${fillS.toFixed(1)} s`);
+    progress(
+      `appended ${fmt(appended)} events (${fmt(vmCount)} VMs, ${HOSTS} hosts, ${fmt(validated)} checked against their schemas) in ${fillS.toFixed(1)} s`,
+    );
     await pool.query('VACUUM ANALYZE es_events');
 
     // ---- replay every read model from zero
@@ -194,7 +325,16 @@ export default async function consumersBench(args: string[]): Promise<void> {
     runner = new ProjectionRunner(store, pool, PROJECTIONS, logger);
     const names = runner.names;
     progress(`replaying ${fmt(appended)} events into ${names.join(', ')}`);
-    const replayTick = setInterval(() => progress(`replay: ${runner!.status().map((s) => `${s.name} ${fmt(s.eventsApplied)}`).join(', ')}`), 5_000);
+    const replayTick = setInterval(
+      () =>
+        progress(
+          `replay: ${runner!
+            .status()
+            .map((s) => `${s.name} ${fmt(s.eventsApplied)}`)
+            .join(', ')}`,
+        ),
+      5_000,
+    );
     const r0 = performance.now();
     try {
       await runner.start();
@@ -203,10 +343,17 @@ export default async function consumersBench(args: string[]): Promise<void> {
     }
     const replayS = (performance.now() - r0) / 1000;
     const failed = runner.status().filter((s) => !s.caughtUp || s.eventsApplied !== appended);
-    if (failed.length > 0) throw new Error(`replay incomplete: ${failed.map((s) => `${s.name} ${s.eventsApplied}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`);
-    const billed = await pool.query<{ ms: string }>(`SELECT (sum(quantity) * 1000)::bigint::text AS ms FROM billing_usage WHERE metric = 'vm_seconds'`);
+    if (failed.length > 0)
+      throw new Error(
+        `replay incomplete: ${failed.map((s) => `${s.name} ${s.eventsApplied}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`,
+      );
+    const billed = await pool.query<{ ms: string }>(
+      `SELECT (sum(quantity) * 1000)::bigint::text AS ms FROM billing_usage WHERE metric = 'vm_seconds'`,
+    );
     const billedOk = BigInt(billed.rows[0]?.ms ?? '0') === expectedBilledMs;
-    progress(`replay done in ${replayS.toFixed(1)} s; billed VM-ms ${billed.rows[0]?.ms} vs generator ${expectedBilledMs}: ${billedOk ? 'equal' : 'DIFFERENT'}`);
+    progress(
+      `replay done in ${replayS.toFixed(1)} s; billed VM-ms ${billed.rows[0]?.ms} vs generator ${expectedBilledMs}: ${billedOk ? 'equal' : 'DIFFERENT'}`,
+    );
     const usageRows = Number((await pool.query<{ n: string }>('SELECT count(*) AS n FROM billing_usage')).rows[0]?.n);
 
     progress('billing alone: rebuild into a shadow schema and compare');
@@ -217,7 +364,14 @@ export default async function consumersBench(args: string[]): Promise<void> {
 
     // ---- live: append at `rate` events/s (single-event appends, as commands make them) and time each to the billing checkpoint
     progress(`live with every read model following: ${fmt(rate)} events/s for ${liveSeconds} s`);
-    const live = await liveLoad(store, r, vmCount + 1_000_000, rate, liveSeconds, () => runner!.status().find((s) => s.name === 'billing')?.position);
+    const live = await liveLoad(
+      store,
+      r,
+      vmCount + 1_000_000,
+      rate,
+      liveSeconds,
+      () => runner!.status().find((s) => s.name === 'billing')?.position,
+    );
     await runner.stop();
     await quiesce(pool);
     // Billing on its own: a slow neighbour's open transaction holds back what every subscriber may see (see docs/benchmarks.md).
@@ -229,7 +383,8 @@ export default async function consumersBench(args: string[]): Promise<void> {
     await quiesce(pool);
     progress(`live again with no read model running (the store's own delivery): ${fmt(rate)} events/s for ${liveSeconds} s`);
     const alone = await liveLoad(store, r, vmCount + 2_000_000, rate, liveSeconds, undefined);
-    const p = (xs: readonly number[]): string => `p50 ${percentile(xs, 50).toFixed(1)} ms, p99 ${percentile(xs, 99).toFixed(1)} ms, max ${(xs.at(-1) ?? Number.NaN).toFixed(1)} ms`;
+    const p = (xs: readonly number[]): string =>
+      `p50 ${percentile(xs, 50).toFixed(1)} ms, p99 ${percentile(xs, 99).toFixed(1)} ms, max ${(xs.at(-1) ?? Number.NaN).toFixed(1)} ms`;
 
     const rows: Array<[string, string]> = [
       ['events in the log', fmt(appended)],
@@ -238,16 +393,30 @@ export default async function consumersBench(args: string[]): Promise<void> {
       ['billing alone (rebuild --verify)', `${billingS.toFixed(1)} s, ${fmt(appended / billingS)} events/s, drift ${drift}`],
       ['billed VM-seconds = generator total', `${billedOk ? 'yes' : 'NO'} (${usageRows} usage rows)`],
       ['fill (appends of one lifecycle each, 8 writers)', `${fillS.toFixed(1)} s, ${fmt(appended / fillS)} events/s`],
-      [`live, read models following: single-event appends at ${fmt(rate)}/s`, `${fmt(live.rate)} events/s achieved; append ${p(live.appendMs)}`],
-      ['live lag, append commit → billing applied', `${p(live.lags)} (${fmt(live.lags.length)} events${live.missing ? `, ${live.missing} never applied` : ''})`],
+      [
+        `live, read models following: single-event appends at ${fmt(rate)}/s`,
+        `${fmt(live.rate)} events/s achieved; append ${p(live.appendMs)}`,
+      ],
+      [
+        'live lag, append commit → billing applied',
+        `${p(live.lags)} (${fmt(live.lags.length)} events${live.missing ? `, ${live.missing} never applied` : ''})`,
+      ],
       ['same run: append commit → a plain subscription delivers it', p(live.delivery)],
       [`live, billing alone following: appends at ${fmt(rate)}/s`, `${fmt(solo.rate)} events/s achieved; append ${p(solo.appendMs)}`],
-      ['live lag, append commit → billing applied (billing alone)', `${p(solo.lags)} (${fmt(solo.lags.length)} events${solo.missing ? `, ${solo.missing} never applied` : ''})`],
+      [
+        'live lag, append commit → billing applied (billing alone)',
+        `${p(solo.lags)} (${fmt(solo.lags.length)} events${solo.missing ? `, ${solo.missing} never applied` : ''})`,
+      ],
       ['same run: append commit → a plain subscription delivers it', p(solo.delivery)],
       [`live, no read model running: appends at ${fmt(rate)}/s`, `${fmt(alone.rate)} events/s achieved; append ${p(alone.appendMs)}`],
       ['same run: append commit → a plain subscription delivers it', p(alone.delivery)],
     ];
-    out.push(`machine: ${os.availableParallelism()} cores, ${os.cpus()[0]?.model ?? '?'}, Node ${process.version}; load average at the end ${os.loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+    out.push(
+      `machine: ${os.availableParallelism()} cores, ${os.cpus()[0]?.model ?? '?'}, Node ${process.version}; load average at the end ${os
+        .loadavg()
+        .map((l) => l.toFixed(1))
+        .join(' ')}`,
+    );
     out.push('| measure | result |', '|---|---|', ...rows.map(([a, b]) => `| ${a} | ${b} |`));
     process.stdout.write(`${out.join('\n')}\n`);
     if (!billedOk || drift !== 0 || live.missing > 0 || solo.missing > 0) throw new Error('consumer results are wrong (see the table)');
@@ -272,7 +441,14 @@ interface LiveResult {
 }
 
 /** Appends single events at `rate`/s for `seconds`, lifecycles interleaved the way concurrent commands interleave them. */
-async function liveLoad(store: PostgresEventStore, r: () => number, firstVm: number, rate: number, seconds: number, checkpoint: (() => string | undefined) | undefined): Promise<LiveResult> {
+async function liveLoad(
+  store: PostgresEventStore,
+  r: () => number,
+  firstVm: number,
+  rate: number,
+  seconds: number,
+  checkpoint: (() => string | undefined) | undefined,
+): Promise<LiveResult> {
   const pending: Array<{ position: string; at: number }> = [];
   const lags: number[] = [];
   const appendMs: number[] = [];
@@ -292,8 +468,10 @@ async function liveLoad(store: PostgresEventStore, r: () => number, firstVm: num
   const queue: Array<{ stream: string; event: NewEvent }> = [];
   let vm = firstVm;
   const refill = (): void => {
-    const lists = Array.from({ length: 20 }, () => vmLifecycle(vm++, r, 10_000_000)).flatMap((l) => l.appends.map((a) => a.events.map((event) => ({ stream: a.stream, event }))));
-    for (let any = true; any; ) {
+    const lists = Array.from({ length: 20 }, () => vmLifecycle(vm++, r, 10_000_000)).flatMap((l) =>
+      l.appends.map((a) => a.events.map((event) => ({ stream: a.stream, event }))),
+    );
+    for (let any = true; any;) {
       any = false;
       for (const list of lists) {
         const e = list.shift();
@@ -329,7 +507,8 @@ async function liveLoad(store: PostgresEventStore, r: () => number, firstVm: num
   await Promise.all(inflight);
   const rateAchieved = sent / ((performance.now() - l0) / 1000);
   const deadline = performance.now() + 30_000;
-  while ((pending.length > 0 || delivered.size < committed.size) && performance.now() < deadline) await new Promise((res) => setTimeout(res, 5));
+  while ((pending.length > 0 || delivered.size < committed.size) && performance.now() < deadline)
+    await new Promise((res) => setTimeout(res, 5));
   clearInterval(watcher);
   rawSub.unsubscribe();
   const delivery = [...committed].map(([pos, at]) => (delivered.get(pos) ?? Number.NaN) - at).filter((x) => !Number.isNaN(x));
@@ -345,7 +524,9 @@ async function liveLoad(store: PostgresEventStore, r: () => number, firstVm: num
 async function quiesce(pool: pg.Pool): Promise<void> {
   const deadline = Date.now() + 60_000;
   while (Date.now() < deadline) {
-    const { rows } = await pool.query<{ n: string }>('SELECT count(*) AS n FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()');
+    const { rows } = await pool.query<{ n: string }>(
+      'SELECT count(*) AS n FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()',
+    );
     if (Number(rows[0]?.n ?? 0) === 0) return;
     await new Promise((res) => setTimeout(res, 50));
   }

@@ -29,12 +29,20 @@ export default async function controlPlaneBench(args: string[]): Promise<void> {
     return i >= 0 ? Number(args[i + 1]) : dflt;
   };
   const log = (s: string): void => void process.stdout.write(`${s}\n`);
-  log(`machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+  log(
+    `machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg()
+      .map((l) => l.toFixed(1))
+      .join(' ')}`,
+  );
 
   benchPlacement(opt('hosts', 10_000), opt('decisions', 2_000), log);
   await benchRace(opt('race', 500), log);
   await benchOverhead(opt('creates', 300), log);
-  log(`load at the end: ${loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+  log(
+    `load at the end: ${loadavg()
+      .map((l) => l.toFixed(1))
+      .join(' ')}`,
+  );
 }
 
 function pct(sorted: readonly number[], p: number): number {
@@ -52,7 +60,14 @@ function benchPlacement(n: number, decisions: number, log: (s: string) => void):
       backend: 'process',
       arch: i % 7 === 0 ? 'arm64' : undefined,
       labels: { zone: `z${i % 3}`, tier: i % 2 ? 'a' : 'b' },
-      capacity: { cpus: 32, ram_mb: 131_072, storage_gb: 1000, vm_count: 64, gpus: i % 10 === 0 ? 4 : 0, gpu_kind: i % 10 === 0 ? 'a100' : undefined },
+      capacity: {
+        cpus: 32,
+        ram_mb: 131_072,
+        storage_gb: 1000,
+        vm_count: 64,
+        gpus: i % 10 === 0 ? 4 : 0,
+        gpu_kind: i % 10 === 0 ? 'a100' : undefined,
+      },
       allocated: { ...emptyAllocation(), cpus: i % 32, ram_mb: (i * 1024) % 131_072, storage_gb: i % 1000, vm_count: i % 64 },
       revision: 3n,
     });
@@ -125,7 +140,9 @@ async function benchRace(creates: number, log: (s: string) => void): Promise<voi
     const overCommits = [...stub.hosts.values()].reduce((a, h) => a + h.overCommits, 0);
     log(`race: ${JSON.stringify(tally)} in ${(wall / 1000).toFixed(2)} s (${(creates / (wall / 1000)).toFixed(0)} creates/s answered)`);
     log(`race: per-create latency p50 ${ms(pct(lat, 0.5))}, p99 ${ms(pct(lat, 0.99))}`);
-    log(`race: host streams hold ${reserved} reservations for ${total} slots, never over capacity at any event; stub refusals for lack of room: ${overCommits}`);
+    log(
+      `race: host streams hold ${reserved} reservations for ${total} slots, never over capacity at any event; stub refusals for lack of room: ${overCommits}`,
+    );
     if (tally.running !== total || tally.CAPACITY_EXHAUSTED !== creates - total || reserved !== total) log('race: UNEXPECTED OUTCOME');
   } finally {
     await cp.close();
@@ -176,12 +193,16 @@ async function benchOverhead(creates: number, log: (s: string) => void): Promise
     }
     const perCreate = (k: string): string => `${(spent[k]! / creates).toFixed(1)} ms`;
     const sum = times.reduce((a, b) => a + b, 0);
-    log(`create: mean ${(sum / creates).toFixed(1)} ms, of which event-store appends ${perCreate('append')}, stream reads ${perCreate('readStream')}, agent calls ${perCreate('agent')} (destroys included in these sums for every third VM)`);
+    log(
+      `create: mean ${(sum / creates).toFixed(1)} ms, of which event-store appends ${perCreate('append')}, stream reads ${perCreate('readStream')}, agent calls ${perCreate('agent')} (destroys included in these sums for every third VM)`,
+    );
     times.sort((a, b) => a - b);
     destroys.sort((a, b) => a - b);
     log(`create (everything but the agent's work): p50 ${ms(pct(times, 0.5))}, p99 ${ms(pct(times, 0.99))} (aim: p50 < 10 ms)`);
     log(`destroy: p50 ${ms(pct(destroys, 0.5))}, p99 ${ms(pct(destroys, 0.99))} over ${destroys.length}`);
-    log(`agent calls per create: ${((stub.calls.creates + stub.calls.execs + stub.calls.uploads) / (creates + 20)).toFixed(1)} (create, mkdir exec, token upload)`);
+    log(
+      `agent calls per create: ${((stub.calls.creates + stub.calls.execs + stub.calls.uploads) / (creates + 20)).toFixed(1)} (create, mkdir exec, token upload)`,
+    );
   } finally {
     await cp.close();
     await stub.close();

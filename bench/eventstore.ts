@@ -68,7 +68,13 @@ interface Load {
 }
 
 /** `writers` concurrent loops, each making a writer for its own stream and calling it until `seconds` pass. */
-async function load(label: string, writers: number, batch: number, seconds: number, writer: (stream: string) => (events: NewEvent[]) => Promise<void>): Promise<Load> {
+async function load(
+  label: string,
+  writers: number,
+  batch: number,
+  seconds: number,
+  writer: (stream: string) => (events: NewEvent[]) => Promise<void>,
+): Promise<Load> {
   const latencies: number[] = [];
   let events = 0;
   const started = performance.now();
@@ -226,9 +232,22 @@ export default async function eventstoreBench(args: string[]): Promise<void> {
         ];
         if (emmett && rawPool) {
           const [em, raw] = [emmett, rawPool];
-          systems.push({ label: `  Emmett 0.42 appendToStream, expected version, ${w}`, unit: 'appends/s', run: (l, s) => emmettLoad(em, l, writers, s) });
-          systems.push({ label: `  ceiling: autocommit one-row INSERT, ${w}`, unit: 'rows/s', run: (l, s) => plainInsertLoad(raw, l, writers, s) });
-          if (writers > 1) systems.push({ label: `  ceiling: one multi-row INSERT per flush, ${w}`, unit: 'rows/s', run: (l, s) => coalescedInsertLoad(raw, l, writers, s) });
+          systems.push({
+            label: `  Emmett 0.42 appendToStream, expected version, ${w}`,
+            unit: 'appends/s',
+            run: (l, s) => emmettLoad(em, l, writers, s),
+          });
+          systems.push({
+            label: `  ceiling: autocommit one-row INSERT, ${w}`,
+            unit: 'rows/s',
+            run: (l, s) => plainInsertLoad(raw, l, writers, s),
+          });
+          if (writers > 1)
+            systems.push({
+              label: `  ceiling: one multi-row INSERT per flush, ${w}`,
+              unit: 'rows/s',
+              run: (l, s) => coalescedInsertLoad(raw, l, writers, s),
+            });
         }
         // Round robin in short slices, so load from elsewhere on the machine falls on every system alike.
         const results = systems.map(() => ({ events: 0, elapsed: 0, latencies: [] as number[] }));
@@ -262,7 +281,13 @@ export default async function eventstoreBench(args: string[]): Promise<void> {
       const label = 'single-event appends, 32 writers, NOTIFY in the transaction';
       progress(`${label} for ${seconds}s`);
       const r = await appendLoad(inTx, label, 32, 1, seconds);
-      rows.push({ name: label, rate: `${fmt(r.perSecond)} appends/s`, p50: ms(percentile(r.latencies, 50)), p99: ms(percentile(r.latencies, 99)), note: 'not the default' });
+      rows.push({
+        name: label,
+        rate: `${fmt(r.perSecond)} appends/s`,
+        p50: ms(percentile(r.latencies, 50)),
+        p99: ms(percentile(r.latencies, 99)),
+        note: 'not the default',
+      });
     } finally {
       await inTx.close();
     }
@@ -271,7 +296,12 @@ export default async function eventstoreBench(args: string[]): Promise<void> {
       const label = `batches of 100, ${writers} writer${writers > 1 ? 's' : ''}`;
       progress(`${label} for ${seconds}s`);
       const r = await appendLoad(store, label, writers, 100, seconds);
-      rows.push({ name: label, rate: `${fmt(r.perSecond)} events/s`, p50: ms(percentile(r.latencies, 50)), p99: ms(percentile(r.latencies, 99)) });
+      rows.push({
+        name: label,
+        rate: `${fmt(r.perSecond)} events/s`,
+        p50: ms(percentile(r.latencies, 50)),
+        p99: ms(percentile(r.latencies, 99)),
+      });
     }
 
     let total = Number((await admin.query<{ n: string }>('SELECT count(*) AS n FROM es_events')).rows[0]?.n ?? 0);
@@ -285,7 +315,11 @@ export default async function eventstoreBench(args: string[]): Promise<void> {
           Array.from({ length: per }, async (_, w) => {
             let expected: bigint | 'no_stream' = 'no_stream';
             for (let done = 0; done < need / per; done += 500) {
-              const r = await store!.append(`fill-w${w}`, Array.from({ length: 500 }, (_, i) => event(i)), expected);
+              const r = await store!.append(
+                `fill-w${w}`,
+                Array.from({ length: 500 }, (_, i) => event(i)),
+                expected,
+              );
               expected = r.nextExpectedRevision;
               total += 500;
             }
@@ -336,7 +370,8 @@ export default async function eventstoreBench(args: string[]): Promise<void> {
     }
 
     const widths = [Math.max(...rows.map((r) => r.name.length), 9), Math.max(...rows.map((r) => r.rate.length), 10), 10, 10];
-    const line = (cells: string[]): string => cells.map((c, i) => (i === 0 ? c.padEnd(widths[i] as number) : c.padStart(widths[i] as number))).join('  ');
+    const line = (cells: string[]): string =>
+      cells.map((c, i) => (i === 0 ? c.padEnd(widths[i] as number) : c.padStart(widths[i] as number))).join('  ');
     // Other work on the machine competes for the same cores: say how busy it was.
     const load = `1-min load average ${loadBefore.toFixed(1)} at start, ${(os.loadavg()[0] ?? 0).toFixed(1)} at end`;
     process.stdout.write(`\nEvent store benchmark (Postgres adapter, embedded server)\n${machine(pgVersion)}\n${load}\n\n`);

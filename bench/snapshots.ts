@@ -2,7 +2,12 @@ import pg from 'pg';
 import { pino } from 'pino';
 import { runMigrations } from '../src/adapters/postgres/migrations.js';
 import { snapshotsProjection } from '../src/projections/snapshots/snapshots.projection.js';
-import { DIGEST_QUERY, findSnapshotByLayerKey, LAYER_QUERY, listSnapshotsByDigest } from '../src/projections/snapshots/snapshots.queries.js';
+import {
+  DIGEST_QUERY,
+  findSnapshotByLayerKey,
+  LAYER_QUERY,
+  listSnapshotsByDigest,
+} from '../src/projections/snapshots/snapshots.queries.js';
 import { createTestDatabase } from '../test/support/postgres.js';
 import { prepareAgents, registerHost, startCheckedAgent, startControlPlane } from '../test/support/control-plane.js';
 
@@ -72,8 +77,12 @@ async function indexBench(rows: number, lookups: number, log: (s: string) => voi
       layerMs.push(performance.now() - s);
       if (r) layerHits++;
     }
-    log(`artifact index by digest: ${lookups} lookups, p50 ${pct(digestMs, 50).toFixed(3)} ms, p99 ${pct(digestMs, 99).toFixed(3)} ms, max ${Math.max(...digestMs).toFixed(3)} ms (hits ${digestHits})`);
-    log(`layer cache by key+arch:  ${lookups} lookups, p50 ${pct(layerMs, 50).toFixed(3)} ms, p99 ${pct(layerMs, 99).toFixed(3)} ms, max ${Math.max(...layerMs).toFixed(3)} ms (hits ${layerHits})`);
+    log(
+      `artifact index by digest: ${lookups} lookups, p50 ${pct(digestMs, 50).toFixed(3)} ms, p99 ${pct(digestMs, 99).toFixed(3)} ms, max ${Math.max(...digestMs).toFixed(3)} ms (hits ${digestHits})`,
+    );
+    log(
+      `layer cache by key+arch:  ${lookups} lookups, p50 ${pct(layerMs, 50).toFixed(3)} ms, p99 ${pct(layerMs, 99).toFixed(3)} ms, max ${Math.max(...layerMs).toFixed(3)} ms (hits ${layerHits})`,
+    );
     // The same lookups timed inside the server (plpgsql, clock_timestamp around each query): what the index costs
     // without the client round trip and the Node event loop, which on a loaded shared machine dominate the tail.
     const client = await pool.connect();
@@ -102,7 +111,9 @@ async function indexBench(rows: number, lookups: number, log: (s: string) => voi
           [lookups, rows, layer],
         );
         const x = r.rows[0]!;
-        log(`${layer ? 'layer cache, in-server ' : 'artifact index, in-server'}: ${lookups} lookups, p50 ${x.p50.toFixed(3)} ms, p99 ${x.p99.toFixed(3)} ms, max ${x.max.toFixed(3)} ms`);
+        log(
+          `${layer ? 'layer cache, in-server ' : 'artifact index, in-server'}: ${lookups} lookups, p50 ${x.p50.toFixed(3)} ms, p99 ${x.p99.toFixed(3)} ms, max ${x.max.toFixed(3)} ms`,
+        );
       }
     } finally {
       client.release();
@@ -139,7 +150,13 @@ async function forkBench(runs: number, mib: number, log: (s: string) => void): P
     const src = await cp.request('POST', '/v1/vms', { as: 'acme', body: { cpus: 1, ram_mb: 512, storage_gb: 2 } });
     if (src.status !== 201) throw new Error(`source VM: ${JSON.stringify(src.body)}`);
     const id = (src.body as { id: string }).id;
-    const w = await cp.request('POST', `/v1/vms/${id}/exec`, { as: 'acme', body: { argv: ['/bin/sh', '-c', `dd if=/dev/urandom of=/root/layer bs=1M count=${mib} 2>/dev/null && sync && du -sm /root/layer`], timeout_ms: 120_000 } });
+    const w = await cp.request('POST', `/v1/vms/${id}/exec`, {
+      as: 'acme',
+      body: {
+        argv: ['/bin/sh', '-c', `dd if=/dev/urandom of=/root/layer bs=1M count=${mib} 2>/dev/null && sync && du -sm /root/layer`],
+        timeout_ms: 120_000,
+      },
+    });
     log(`source sandbox ${id}: writable layer ${JSON.stringify((w.body as { stdout?: string }).stdout?.trim())} MiB`);
     const total: number[] = [];
     for (let i = 0; i < runs; i++) {
@@ -156,11 +173,15 @@ async function forkBench(runs: number, mib: number, log: (s: string) => void): P
       const evs = await cp.service.store.readStream(`snapshot-${snapId}`);
       const at = (type: string): number => Date.parse((evs.find((e) => e.type === type)?.data as { at: string }).at);
       const cpMs = at('SnapshotTaken') - at('SnapshotRequested');
-      log(`fork ${i + 1}: request → fork running ${(tFork - t0).toFixed(0)} ms (checkpoint ${cpMs} ms, boot from it ${(f.body as { boot_ms: number }).boot_ms} ms), → first exec ${ms.toFixed(0)} ms`);
+      log(
+        `fork ${i + 1}: request → fork running ${(tFork - t0).toFixed(0)} ms (checkpoint ${cpMs} ms, boot from it ${(f.body as { boot_ms: number }).boot_ms} ms), → first exec ${ms.toFixed(0)} ms`,
+      );
       await cp.request('DELETE', `/v1/vms/${fid}`, { as: 'acme' });
       await cp.request('DELETE', `/v1/snapshots/${snapId}?force=true`, { as: 'acme' });
     }
-    log(`fork of a ${mib} MiB writable layer, request → first exec: p50 ${pct(total, 50).toFixed(0)} ms, max ${Math.max(...total).toFixed(0)} ms over ${runs} runs`);
+    log(
+      `fork of a ${mib} MiB writable layer, request → first exec: p50 ${pct(total, 50).toFixed(0)} ms, max ${Math.max(...total).toFixed(0)} ms over ${runs} runs`,
+    );
   } finally {
     await cp.close();
     await fleet.close();

@@ -46,7 +46,11 @@ async function startEmbeddedDefault(extraEnv: Record<string, string>): Promise<S
     AGENT_LOG_LEVEL: 'warn',
     ...extraEnv,
   };
-  const child = spawn(process.execPath, ['--import', 'tsx', join(ROOT, 'src/main.ts')], { cwd: ROOT, env, stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, ['--import', 'tsx', join(ROOT, 'src/main.ts')], {
+    cwd: ROOT,
+    env,
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
   let out = '';
   child.stdout?.on('data', (d: Buffer) => (out += d.toString()));
   child.stderr?.on('data', (d: Buffer) => (out += d.toString()));
@@ -98,10 +102,18 @@ interface Sample {
 async function oneTti(s: Started, tag: string): Promise<Sample> {
   const h = { authorization: `Bearer ${s.key}`, 'content-type': 'application/json' };
   const t0 = performance.now();
-  const created = await fetch(`${s.base}/v1/vms`, { method: 'POST', headers: h, body: JSON.stringify({ cpus: 1, ram_mb: 128, storage_gb: 1 }) });
+  const created = await fetch(`${s.base}/v1/vms`, {
+    method: 'POST',
+    headers: h,
+    body: JSON.stringify({ cpus: 1, ram_mb: 128, storage_gb: 1 }),
+  });
   const vm = (await created.json()) as { id?: string; code?: string; detail?: string };
   if (!created.ok || !vm.id) throw new Error(`create ${tag} failed: ${created.status} ${vm.code ?? ''} ${vm.detail ?? ''}`);
-  const exec = await fetch(`${s.base}/v1/vms/${vm.id}/exec`, { method: 'POST', headers: h, body: JSON.stringify({ argv: ['echo', 'ready'] }) });
+  const exec = await fetch(`${s.base}/v1/vms/${vm.id}/exec`, {
+    method: 'POST',
+    headers: h,
+    body: JSON.stringify({ argv: ['echo', 'ready'] }),
+  });
   const res = (await exec.json()) as { stdout?: string; exit_code?: number };
   const ms = performance.now() - t0;
   if (!exec.ok || res.stdout?.trim() !== 'ready') throw new Error(`exec in ${vm.id} failed: ${exec.status} ${JSON.stringify(res)}`);
@@ -133,7 +145,11 @@ export default async function ttiBench(args: string[]): Promise<void> {
   const staggerMs = opt('stagger-ms', 200);
   const keep = args.includes('--keep');
   const log = (s: string): void => void process.stdout.write(`${s}\n`);
-  log(`machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+  log(
+    `machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg()
+      .map((l) => l.toFixed(1))
+      .join(' ')}`,
+  );
   log('starting `npm start` (embedded default) in a throwaway data directory…');
   // A burst needs room for every sandbox at once: 1-CPU sandboxes on this host's cores, overcommitted
   // (they are idle apart from one echo); never below the embedded default's own 4:1.
@@ -185,7 +201,9 @@ export default async function ttiBench(args: string[]): Promise<void> {
     const bursts: number[] = [];
     let burstFail = 0;
     for (let round = 0; bursts.length + burstFail < runs; round++) {
-      const results = await Promise.allSettled(Array.from({ length: Math.min(burst, runs - bursts.length - burstFail) }, (_, i) => oneTti(s, `burst${round}.${i}`)));
+      const results = await Promise.allSettled(
+        Array.from({ length: Math.min(burst, runs - bursts.length - burstFail) }, (_, i) => oneTti(s, `burst${round}.${i}`)),
+      );
       for (const r of results) {
         if (r.status === 'fulfilled') bursts.push(r.value.ms);
         else {
@@ -199,7 +217,11 @@ export default async function ttiBench(args: string[]): Promise<void> {
     log(lines.at(-1)!);
     log('\npublished medians on the ComputeSDK leaderboard (measured across the internet to each provider): Daytona 110 ms, E2B 440 ms;');
     log('the figures above are on one machine over loopback, no network crossed.');
-    log(`load at the end: ${loadavg().map((l) => l.toFixed(1)).join(' ')}`);
+    log(
+      `load at the end: ${loadavg()
+        .map((l) => l.toFixed(1))
+        .join(' ')}`,
+    );
   } finally {
     await stop(s, keep);
   }

@@ -36,7 +36,14 @@ async function findTests(dir: string): Promise<string[]> {
  *   reconciler, security attacks).
  */
 type Kind = 'unit' | 'int' | 'e2e';
-const UNIT = [/^test\/domain\//, /^test\/packages\//, /\.decider\.test\.ts$/, /-deciders\.test\.ts$/, /config\.test\.ts$/, /^test\/snapshots\/snapshot-request\.test\.ts$/];
+const UNIT = [
+  /^test\/domain\//,
+  /^test\/packages\//,
+  /\.decider\.test\.ts$/,
+  /-deciders\.test\.ts$/,
+  /config\.test\.ts$/,
+  /^test\/snapshots\/snapshot-request\.test\.ts$/,
+];
 const E2E = [/^test\/control-plane\//, /^test\/consumers\//, /^test\/snapshots\//];
 
 function kindOf(file: string): Kind {
@@ -71,7 +78,9 @@ async function main(): Promise<number> {
     await fs.rm(`${dataDir}.log`, { force: true });
     await fs.rm(`${dataDir}.password`, { force: true });
     const port = await freePort();
-    process.stderr.write(`starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`);
+    process.stderr.write(
+      `starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`,
+    );
     server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres', logger: createLogger('warn', 'test-runner') });
     env.TEST_DATABASE_URL = server.adminUrl;
   } else {

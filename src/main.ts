@@ -49,7 +49,12 @@ async function main(): Promise<void> {
     let databaseUrl = config.DATABASE_URL;
     if (!databaseUrl) {
       logger.info({ dataDir: join(dataDir, 'pg') }, 'starting the embedded Postgres');
-      const pg: EmbeddedPostgres = await startEmbeddedPostgres({ dataDir: join(dataDir, 'pg'), port: config.EMBEDDED_PG_PORT, logger, password: secrets.embedded_pg_password });
+      const pg: EmbeddedPostgres = await startEmbeddedPostgres({
+        dataDir: join(dataDir, 'pg'),
+        port: config.EMBEDDED_PG_PORT,
+        logger,
+        password: secrets.embedded_pg_password,
+      });
       stops.push(() => pg.stop());
       databaseUrl = pg.url;
     }
@@ -92,7 +97,10 @@ async function main(): Promise<void> {
           `  (kept in ${join(dataDir, 'secrets.json')}; shown again by: npm run fleet -- keys)\n\n`,
       );
     } else {
-      logger.info({ api: apiUrl, keys_file: join(dataDir, 'secrets.json') }, 'ready; the generated keys are shown by: npm run fleet -- keys');
+      logger.info(
+        { api: apiUrl, keys_file: join(dataDir, 'secrets.json') },
+        'ready; the generated keys are shown by: npm run fleet -- keys',
+      );
     }
   } catch (err) {
     logger.fatal({ err }, 'start-up failed');

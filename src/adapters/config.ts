@@ -10,9 +10,7 @@ import { z } from 'zod';
 /** The admin key's principal; never a tenant's id (see ApiKeys). */
 export const ADMIN_TENANT = 'admin';
 
-const bool = z
-  .enum(['true', 'false', '1', '0', 'yes', 'no'])
-  .transform((v) => v === 'true' || v === '1' || v === 'yes');
+const bool = z.enum(['true', 'false', '1', '0', 'yes', 'no']).transform((v) => v === 'true' || v === '1' || v === 'yes');
 
 const durationMs = z.coerce.number().int().nonnegative();
 
@@ -43,17 +41,26 @@ export const configSchema = z.object({
     .default('')
     .transform((v, ctx) => {
       const out: Array<{ tenant: string; key: string }> = [];
-      for (const part of v.split(',').map((s) => s.trim()).filter(Boolean)) {
+      for (const part of v
+        .split(',')
+        .map((s) => s.trim())
+        .filter(Boolean)) {
         const i = part.indexOf(':');
         const tenant = part.slice(0, i);
         const key = part.slice(i + 1);
         if (tenant === ADMIN_TENANT) {
-          ctx.addIssue({ code: 'custom', message: `entry "${ADMIN_TENANT}": the tenant id "${ADMIN_TENANT}" is reserved for the admin key (ADMIN_API_KEY); give this tenant another id` });
+          ctx.addIssue({
+            code: 'custom',
+            message: `entry "${ADMIN_TENANT}": the tenant id "${ADMIN_TENANT}" is reserved for the admin key (ADMIN_API_KEY); give this tenant another id`,
+          });
           return z.NEVER;
         }
         if (i <= 0 || !/^[a-z0-9][a-z0-9_-]{0,62}$/.test(tenant) || key.length < 16) {
           // Named by its tenant or its place, never by its text: without a colon the whole entry may be a key.
-          ctx.addIssue({ code: 'custom', message: `entry ${i > 0 ? JSON.stringify(tenant) : `#${out.length + 1}`} must be tenant:key with a lowercase tenant id and a key of at least 16 characters` });
+          ctx.addIssue({
+            code: 'custom',
+            message: `entry ${i > 0 ? JSON.stringify(tenant) : `#${out.length + 1}`} must be tenant:key with a lowercase tenant id and a key of at least 16 characters`,
+          });
           return z.NEVER;
         }
         out.push({ tenant, key });
@@ -111,9 +118,17 @@ export const configSchema = z.object({
   SNAPSHOT_GC_INTERVAL_MS: z.coerce.number().int().min(100, 'at least 100 ms').default(60_000),
   // ---- bounded resources at the edge (sec-http) ----
   /** Largest file GET/PUT /v1/vms/:id/files moves; a larger one is refused with 413 FILE_TOO_LARGE. */
-  FILE_MAX_BYTES: z.coerce.number().int().min(1).default(1024 * 1024 * 1024),
+  FILE_MAX_BYTES: z.coerce
+    .number()
+    .int()
+    .min(1)
+    .default(1024 * 1024 * 1024),
   /** Largest JSON (or text) request body; POST /v1/vms takes max(this, 24 MiB) for its inline files. */
-  API_BODY_LIMIT_BYTES: z.coerce.number().int().min(1024, 'at least 1024').default(1024 * 1024),
+  API_BODY_LIMIT_BYTES: z.coerce
+    .number()
+    .int()
+    .min(1024, 'at least 1024')
+    .default(1024 * 1024),
   /** Open exec/attach websockets per VM and per tenant (per replica); one more is refused with 429 TOO_MANY_SESSIONS. */
   WS_MAX_SESSIONS_PER_VM: z.coerce.number().int().min(1).default(8),
   WS_MAX_SESSIONS_PER_TENANT: z.coerce.number().int().min(1).default(32),

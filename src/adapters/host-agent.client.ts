@@ -172,7 +172,12 @@ export class HostAgentClient implements HostAgent {
     return this.#stream(`/vms/${seg(name)}/attach`, start, opts);
   }
 
-  upload(name: string, path: string, data: Uint8Array | AsyncIterable<Uint8Array>, opts?: CallOptions & { mode?: string }): Promise<UploadResponse> {
+  upload(
+    name: string,
+    path: string,
+    data: Uint8Array | AsyncIterable<Uint8Array>,
+    opts?: CallOptions & { mode?: string },
+  ): Promise<UploadResponse> {
     return this.#call({
       method: 'PUT',
       path: `/vms/${seg(name)}/files`,
@@ -209,7 +214,13 @@ export class HostAgentClient implements HostAgent {
     throw lastErr;
   }
 
-  async #openDownloadOnce(name: string, path: string, maxBytes: number | undefined, what: string, opts?: CallOptions): Promise<FileDownload> {
+  async #openDownloadOnce(
+    name: string,
+    path: string,
+    maxBytes: number | undefined,
+    what: string,
+    opts?: CallOptions,
+  ): Promise<FileDownload> {
     const headTimeoutMs = opts?.timeoutMs ?? this.#timeoutMs;
     const abort = new AbortController();
     const headTimer = setTimeout(() => abort.abort(Object.assign(new Error('head timeout'), { name: 'TimeoutError' })), headTimeoutMs);
@@ -221,7 +232,12 @@ export class HostAgentClient implements HostAgent {
       res = await fetch(url, { headers: { authorization: `Bearer ${this.#token}` }, signal: abort.signal });
     } catch (err) {
       opts?.signal?.removeEventListener('abort', onCallerAbort);
-      throw this.#transportError(abort.signal.reason?.name === 'TimeoutError' ? abort.signal.reason : err, what, headTimeoutMs, opts?.signal);
+      throw this.#transportError(
+        abort.signal.reason?.name === 'TimeoutError' ? abort.signal.reason : err,
+        what,
+        headTimeoutMs,
+        opts?.signal,
+      );
     } finally {
       clearTimeout(headTimer);
     }
@@ -279,11 +295,25 @@ export class HostAgentClient implements HostAgent {
   }
 
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse> {
-    return this.#call({ method: 'POST', path: `/vms/${seg(name)}/agent`, json: spec, schema: startAgentResponseSchema, idempotent: false, opts });
+    return this.#call({
+      method: 'POST',
+      path: `/vms/${seg(name)}/agent`,
+      json: spec,
+      schema: startAgentResponseSchema,
+      idempotent: false,
+      opts,
+    });
   }
 
   checkpoint(name: string, req: CreateCheckpointRequest, opts?: CallOptions): Promise<Checkpoint> {
-    return this.#call({ method: 'POST', path: `/vms/${seg(name)}/checkpoints`, json: req, schema: checkpointSchema, idempotent: false, opts });
+    return this.#call({
+      method: 'POST',
+      path: `/vms/${seg(name)}/checkpoints`,
+      json: req,
+      schema: checkpointSchema,
+      idempotent: false,
+      opts,
+    });
   }
 
   layerUsage(name: string, opts?: CallOptions): Promise<LayerUsageResponse> {
@@ -296,7 +326,13 @@ export class HostAgentClient implements HostAgent {
   }
 
   deleteCheckpoint(id: string, opts?: CallOptions): Promise<{ id: string; deleted: boolean }> {
-    return this.#call({ method: 'DELETE', path: `/checkpoints/${seg(id)}`, schema: deleteCheckpointResponseSchema, idempotent: true, opts });
+    return this.#call({
+      method: 'DELETE',
+      path: `/checkpoints/${seg(id)}`,
+      schema: deleteCheckpointResponseSchema,
+      idempotent: true,
+      opts,
+    });
   }
 
   grantArtifact(snapshotId: string, ttlSeconds?: number, opts?: CallOptions): Promise<GrantResponse> {
@@ -313,7 +349,14 @@ export class HostAgentClient implements HostAgent {
   pullArtifact(move: ArtifactMove, opts?: CallOptions): Promise<ArtifactMoved> {
     // A pull moves gigabytes: its bound is the caller's, defaulting to 30 minutes, not the short per-call default.
     const callOpts: CallOptions = { ...opts, timeoutMs: opts?.timeoutMs ?? 30 * 60_000 };
-    return this.#call({ method: 'POST', path: '/artifacts/pull', json: move, schema: artifactMovedSchema, idempotent: false, opts: callOpts });
+    return this.#call({
+      method: 'POST',
+      path: '/artifacts/pull',
+      json: move,
+      schema: artifactMovedSchema,
+      idempotent: false,
+      opts: callOpts,
+    });
   }
 
   prune(opts?: CallOptions): Promise<PruneResponse> {
@@ -353,7 +396,7 @@ export class HostAgentClient implements HostAgent {
         if (!retry) throw err;
         const delay = this.#backoffMs * 2 ** (attempt - 1) * (0.5 + Math.random());
         this.#log?.warn(
-          { host_id: this.hostId, method: spec.method, path: spec.path, attempt, code: (err).code, delay_ms: Math.round(delay) },
+          { host_id: this.hostId, method: spec.method, path: spec.path, attempt, code: err.code, delay_ms: Math.round(delay) },
           'host agent call failed; retrying',
         );
         await sleep(delay, spec.opts?.signal);
@@ -383,7 +426,13 @@ export class HostAgentClient implements HostAgent {
     try {
       // A streamed body goes out as it is read (half duplex: the answer comes after it).
       const streamed = body !== undefined && typeof body !== 'string' && !(body instanceof Uint8Array);
-      res = await fetch(url, { method: spec.method, headers, body: body as RequestInit['body'], signal, ...(streamed ? { duplex: 'half' } : {}) });
+      res = await fetch(url, {
+        method: spec.method,
+        headers,
+        body: body as RequestInit['body'],
+        signal,
+        ...(streamed ? { duplex: 'half' } : {}),
+      });
     } catch (err) {
       throw this.#transportError(err, what, timeoutMs, spec.opts?.signal);
     }
@@ -403,18 +452,26 @@ export class HostAgentClient implements HostAgent {
     }
     const parsed = spec.schema.safeParse(json);
     if (!parsed.success) {
-      throw new HostAgentError(`${what} answered a body that does not match the protocol: ${parsed.error.issues[0]?.message ?? 'invalid'}`, {
-        host_id: this.hostId,
-      });
+      throw new HostAgentError(
+        `${what} answered a body that does not match the protocol: ${parsed.error.issues[0]?.message ?? 'invalid'}`,
+        {
+          host_id: this.hostId,
+        },
+      );
     }
     return parsed.data;
   }
 
   #transportError(err: unknown, what: string, timeoutMs: number, callerSignal?: AbortSignal): AppError {
-    if (callerSignal?.aborted) return new HostUnreachableError(`${what} was cancelled`, { host_id: this.hostId, cancelled: true }, { cause: err });
+    if (callerSignal?.aborted)
+      return new HostUnreachableError(`${what} was cancelled`, { host_id: this.hostId, cancelled: true }, { cause: err });
     const name = (err as { name?: string }).name;
     if (name === 'TimeoutError' || name === 'AbortError') {
-      return new HostUnreachableError(`${what} timed out after ${timeoutMs} ms`, { host_id: this.hostId, timeout_ms: timeoutMs }, { cause: err });
+      return new HostUnreachableError(
+        `${what} timed out after ${timeoutMs} ms`,
+        { host_id: this.hostId, timeout_ms: timeoutMs },
+        { cause: err },
+      );
     }
     const cause = (err as { cause?: { code?: string; message?: string } }).cause;
     const reason = cause?.code ?? cause?.message ?? (err as Error).message ?? 'network error';
@@ -452,7 +509,10 @@ export class HostAgentClient implements HostAgent {
         }
         ws.terminate();
       };
-      const timer = setTimeout(() => fail(new HostUnreachableError(`${what} did not start within ${connectTimeoutMs} ms`, { host_id: hostId })), connectTimeoutMs);
+      const timer = setTimeout(
+        () => fail(new HostUnreachableError(`${what} did not start within ${connectTimeoutMs} ms`, { host_id: hostId })),
+        connectTimeoutMs,
+      );
       const onAbort = () => fail(new HostUnreachableError(`${what} was cancelled`, { host_id: hostId, cancelled: true }));
       opts?.signal?.addEventListener('abort', onAbort, { once: true });
 
@@ -490,7 +550,14 @@ export class HostAgentClient implements HostAgent {
         }
         if (!settled) {
           if (frame.type === 'error') {
-            fail(errorFromAgent(frame.code === 'VALIDATION_FAILED' ? 400 : statusForCode(frame.code), { code: frame.code, message: frame.message }, what, hostId));
+            fail(
+              errorFromAgent(
+                frame.code === 'VALIDATION_FAILED' ? 400 : statusForCode(frame.code),
+                { code: frame.code, message: frame.message },
+                what,
+                hostId,
+              ),
+            );
             return;
           }
           settled = true;
@@ -498,12 +565,24 @@ export class HostAgentClient implements HostAgent {
           resolve(stream);
         }
         if (!queue.push(frame)) {
-          fail(new AppError('FRAME_QUEUE_FULL', 502, `${what}: more than ${FrameQueue.HARD_CAP} frames were waiting for the relay`, { host_id: hostId }));
+          fail(
+            new AppError('FRAME_QUEUE_FULL', 502, `${what}: more than ${FrameQueue.HARD_CAP} frames were waiting for the relay`, {
+              host_id: hostId,
+            }),
+          );
           return;
         }
         if (frame.type === 'exit' || frame.type === 'error') queue.end();
       });
-      ws.on('error', (err) => fail(new HostUnreachableError(`${what} failed: ${(err as NodeJS.ErrnoException).code ?? err.message}`, { host_id: hostId }, { cause: err })));
+      ws.on('error', (err) =>
+        fail(
+          new HostUnreachableError(
+            `${what} failed: ${(err as NodeJS.ErrnoException).code ?? err.message}`,
+            { host_id: hostId },
+            { cause: err },
+          ),
+        ),
+      );
       ws.on('close', () => {
         opts?.signal?.removeEventListener('abort', onAbort);
         if (!settled) fail(new HostUnreachableError(`${what} closed before the process started`, { host_id: hostId }));
@@ -522,17 +601,30 @@ export class HostAgentClientFactory implements HostAgentConnector {
 }
 
 /** Maps an agent's error answer back to the AppError subclass the control plane understands. */
-export function errorFromAgent(status: number, body: { code: string; message: string; details?: Record<string, unknown> } | undefined, what: string, hostId: string): AppError {
+export function errorFromAgent(
+  status: number,
+  body: { code: string; message: string; details?: Record<string, unknown> } | undefined,
+  what: string,
+  hostId: string,
+): AppError {
   const code = body?.code;
   const message = body?.message ?? `HTTP ${status}`;
   const details: Record<string, unknown> = { ...(body?.details ?? {}), host_id: hostId };
   if (code === 'HOST_CAPACITY_EXHAUSTED') return new HostCapacityError(`host ${hostId} refused for capacity: ${message}`, details);
   if (status >= 500 || !code) {
-    return new HostAgentError(`${what} failed with ${status}${code ? ` ${code}` : ''}: ${message}`, { ...details, agent_code: code, agent_status: status });
+    return new HostAgentError(`${what} failed with ${status}${code ? ` ${code}` : ''}: ${message}`, {
+      ...details,
+      agent_code: code,
+      agent_status: status,
+    });
   }
   // The agent refusing our token means the host is misregistered, not that the control plane's caller is unauthorized.
   if (status === 401 && code === 'UNAUTHORIZED') {
-    return new HostAgentError(`${what} was refused: the host agent did not accept the control plane's token`, { ...details, agent_code: code, agent_status: status });
+    return new HostAgentError(`${what} was refused: the host agent did not accept the control plane's token`, {
+      ...details,
+      agent_code: code,
+      agent_status: status,
+    });
   }
   if (status === 404) return new NotFoundError(code, message, details);
   if (status === 409) return new ConflictError(code, message, details);
@@ -552,7 +644,12 @@ function statusForCode(code: string): number {
 }
 
 export function fileTooLarge(size: number, maxBytes: number): AppError {
-  return new AppError('FILE_TOO_LARGE', 413, `the file is ${size} bytes, more than the ${maxBytes} bytes a transfer may move (FILE_MAX_BYTES)`, { size_bytes: size, max_bytes: maxBytes });
+  return new AppError(
+    'FILE_TOO_LARGE',
+    413,
+    `the file is ${size} bytes, more than the ${maxBytes} bytes a transfer may move (FILE_MAX_BYTES)`,
+    { size_bytes: size, max_bytes: maxBytes },
+  );
 }
 
 async function readAtMost(res: Response, max: number): Promise<Uint8Array> {
@@ -580,10 +677,14 @@ function seg(s: string): string {
 function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   return new Promise((resolve) => {
     const t = setTimeout(resolve, ms);
-    signal?.addEventListener('abort', () => {
-      clearTimeout(t);
-      resolve();
-    }, { once: true });
+    signal?.addEventListener(
+      'abort',
+      () => {
+        clearTimeout(t);
+        resolve();
+      },
+      { once: true },
+    );
   });
 }
 

@@ -83,7 +83,10 @@ export class PgAdvisoryLease {
         await withTimeout(client.query('SELECT 1'), Math.max(this.opts.pollMs * 2, 1000));
         return;
       }
-      const { rows } = await withTimeout(client.query<{ ok: boolean }>('SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS ok', [this.key]), Math.max(this.opts.pollMs * 2, 1000));
+      const { rows } = await withTimeout(
+        client.query<{ ok: boolean }>('SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS ok', [this.key]),
+        Math.max(this.opts.pollMs * 2, 1000),
+      );
       if (rows[0]?.ok && !this.stopped) {
         this.holding = true;
         this.opts.logger.info({ lease: this.opts.name }, 'lease acquired');
@@ -109,7 +112,12 @@ export class PgAdvisoryLease {
   }
 
   private async connect(): Promise<pg.Client> {
-    const client = new pg.Client({ connectionString: this.opts.databaseUrl, application_name: `fleet-lease-${this.opts.name}`, keepAlive: true, keepAliveInitialDelayMillis: 5000 });
+    const client = new pg.Client({
+      connectionString: this.opts.databaseUrl,
+      application_name: `fleet-lease-${this.opts.name}`,
+      keepAlive: true,
+      keepAliveInitialDelayMillis: 5000,
+    });
     client.on('error', (err) => {
       this.opts.logger.warn({ lease: this.opts.name, err: { message: err.message } }, 'lease connection error');
       if (this.client === client) {
@@ -123,4 +131,3 @@ export class PgAdvisoryLease {
     return client;
   }
 }
-

@@ -26,9 +26,20 @@ export interface LocalAgent {
  * start. Its sandboxes outlive it (as on any host): stopping the service
  * leaves VMs running, and the next start finds them again.
  */
-export async function startLocalAgent(opts: { dataDir: string; port: number; token: string; logger: Logger; env?: NodeJS.ProcessEnv }): Promise<LocalAgent> {
+export async function startLocalAgent(opts: {
+  dataDir: string;
+  port: number;
+  token: string;
+  logger: Logger;
+  env?: NodeJS.ProcessEnv;
+}): Promise<LocalAgent> {
   const dataDir = resolve(opts.dataDir, 'agent');
-  const env = localAgentEnv(opts.env ?? process.env, { AGENT_PORT: String(opts.port), AGENT_TOKEN: opts.token, AGENT_DATA_DIR: dataDir, AGENT_HOST: '127.0.0.1' });
+  const env = localAgentEnv(opts.env ?? process.env, {
+    AGENT_PORT: String(opts.port),
+    AGENT_TOKEN: opts.token,
+    AGENT_DATA_DIR: dataDir,
+    AGENT_HOST: '127.0.0.1',
+  });
   await ensureHostPackages(opts.logger);
   if (!existsSync(join(dataDir, 'images', 'base'))) {
     opts.logger.info('building the base sandbox image (first start)…');
@@ -124,7 +135,10 @@ async function ensureHostPackages(logger: Logger): Promise<void> {
   const missing = HOST_PACKAGES.filter(([file]) => !existsSync(file)).map(([, pkg]) => pkg);
   if (missing.length === 0) return;
   const canInstall = process.getuid?.() === 0 && existsSync('/usr/bin/apt-get');
-  if (!canInstall) throw new Error(`the local host agent needs ${missing.join(', ')}: install them (Debian: apt-get install ${missing.join(' ')}) and start again`);
+  if (!canInstall)
+    throw new Error(
+      `the local host agent needs ${missing.join(', ')}: install them (Debian: apt-get install ${missing.join(' ')}) and start again`,
+    );
   logger.info({ packages: missing }, 'installing the Debian packages the local host agent needs (apt-get)…');
   const env = { ...process.env, DEBIAN_FRONTEND: 'noninteractive' };
   const install = ['install', '-y', '-q', '--no-install-recommends', ...missing];

@@ -46,12 +46,14 @@ export async function loadOrCreateSecrets(dataDir: string): Promise<LoadedSecret
   const file = secretsFile(dataDir);
   try {
     const stored = storedSchema.parse(JSON.parse(await readFile(file, 'utf8')));
-    if (stored.embedded_pg_password !== undefined) return { secrets: { ...stored, embedded_pg_password: stored.embedded_pg_password }, created: false };
+    if (stored.embedded_pg_password !== undefined)
+      return { secrets: { ...stored, embedded_pg_password: stored.embedded_pg_password }, created: false };
     const secrets = { ...stored, embedded_pg_password: randomPassword() };
     await writeAtomically(file, secrets);
     return { secrets, created: false };
   } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw new Error(`${file} is unreadable or malformed; fix or delete it: ${(err as Error).message}`);
+    if ((err as NodeJS.ErrnoException).code !== 'ENOENT')
+      throw new Error(`${file} is unreadable or malformed; fix or delete it: ${(err as Error).message}`);
   }
   const secrets: GeneratedSecrets = {
     token_encryption_key: randomBytes(32).toString('base64'),

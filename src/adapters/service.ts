@@ -49,7 +49,15 @@ import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
 
 /** Every read model the service keeps. */
-export const PROJECTIONS: readonly Projection[] = [hostsProjection, vmsProjection, billingProjection, metricsProjection, deadLettersProjection, vmHealthProjection, snapshotsProjection];
+export const PROJECTIONS: readonly Projection[] = [
+  hostsProjection,
+  vmsProjection,
+  billingProjection,
+  metricsProjection,
+  deadLettersProjection,
+  vmHealthProjection,
+  snapshotsProjection,
+];
 
 export interface ServiceOptions {
   readonly config: Config;
@@ -158,8 +166,11 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
-    metrics.gauge('fleet_projection_lag_seconds', 'Seconds the read model is behind the newest event it has been handed', ['projection'], async () =>
-      runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
+    metrics.gauge(
+      'fleet_projection_lag_seconds',
+      'Seconds the read model is behind the newest event it has been handed',
+      ['projection'],
+      async () => runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
     );
     metrics.gauge('fleet_projection_events_applied', 'Events applied by this process per read model', ['projection'], async () =>
       runner.status().map((s) => ({ labels: { projection: s.name }, value: s.eventsApplied })),
@@ -184,11 +195,21 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     // Reconciler: runs on the one replica holding the lease. Projections run on every replica:
     // their checkpoint row is locked per batch, so they are already safe side by side, and each
     // replica needs its own runner caught up for read-your-writes.
-    const reconcileCycles = new Counter({ name: 'fleet_reconcile_cycles_total', help: 'Reconcile cycles completed by this replica', registers: [metrics.registry] });
-    const reconcileActions = new Counter({ name: 'fleet_reconcile_actions_total', help: 'Reconciler findings and actions by kind (ReconcileSummary fields), summed over cycles', labelNames: ['kind'], registers: [metrics.registry] });
+    const reconcileCycles = new Counter({
+      name: 'fleet_reconcile_cycles_total',
+      help: 'Reconcile cycles completed by this replica',
+      registers: [metrics.registry],
+    });
+    const reconcileActions = new Counter({
+      name: 'fleet_reconcile_actions_total',
+      help: 'Reconciler findings and actions by kind (ReconcileSummary fields), summed over cycles',
+      labelNames: ['kind'],
+      registers: [metrics.registry],
+    });
     const onCycle = (summary: ReconcileSummary): void => {
       reconcileCycles.inc();
-      for (const [k, v] of Object.entries(summary)) if (typeof v === 'number' && k !== 'cycle' && k !== 'duration_ms' && v > 0) reconcileActions.inc({ kind: k }, v);
+      for (const [k, v] of Object.entries(summary))
+        if (typeof v === 'number' && k !== 'cycle' && k !== 'duration_ms' && v > 0) reconcileActions.inc({ kind: k }, v);
     };
     const reconciler = new Reconciler(
       handler,
@@ -224,7 +245,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         await Promise.all([reconciler.stop(), snapshots.stop()]);
       },
     });
-    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], async () => [{ labels: {}, value: lease.held ? 1 : 0 }]);
+    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], async () => [
+      { labels: {}, value: lease.held ? 1 : 0 },
+    ]);
     metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], async () =>
       Object.entries(reconciler.lastSummary ?? {}).flatMap(([k, v]) => (typeof v === 'number' ? [{ labels: { field: k }, value: v }] : [])),
     );
@@ -245,14 +268,19 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
           database: async () => void (await pool.query('SELECT 1')),
           projections: async () => {
             const down = runner.status().filter((s) => !s.running);
-            if (down.length > 0) throw new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`);
+            if (down.length > 0)
+              throw new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`);
           },
         },
       },
       routes: [
         hostRoutes({ hosts, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         vmRoutes({
-          vms, pool, runner, readYourWritesTimeoutMs: rywTimeout, store,
+          vms,
+          pool,
+          runner,
+          readYourWritesTimeoutMs: rywTimeout,
+          store,
           limits: {
             fileMaxBytes: config.FILE_MAX_BYTES,
             // Inline files are up to 16 MiB decoded, sent as base64.
@@ -263,7 +291,14 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
           },
         }),
         vmHealthRoutes({ vms, pool }),
-        deadLetterRoutes({ reconciler, pool, runner, readYourWritesTimeoutMs: rywTimeout, isLeader: () => lease.held, intervalMs: config.RECONCILE_INTERVAL_MS }),
+        deadLetterRoutes({
+          reconciler,
+          pool,
+          runner,
+          readYourWritesTimeoutMs: rywTimeout,
+          isLeader: () => lease.held,
+          intervalMs: config.RECONCILE_INTERVAL_MS,
+        }),
         usageRoutes({ pool }),
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),

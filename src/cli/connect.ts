@@ -20,7 +20,10 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
   if (!url) {
     // Read, never generated here: keys made by a CLI run would never be printed by the service's first start.
     const secrets = await readSecrets(resolve(config.DATA_DIR));
-    if (!secrets) throw new Error(`${secretsFile(resolve(config.DATA_DIR))} does not exist: start the service once (npm start) on this DATA_DIR, or set DATABASE_URL`);
+    if (!secrets)
+      throw new Error(
+        `${secretsFile(resolve(config.DATA_DIR))} does not exist: start the service once (npm start) on this DATA_DIR, or set DATABASE_URL`,
+      );
     // No password in the file yet: the service has not started since passwords were generated, so the server has the old one.
     const password = secrets.embedded_pg_password ?? LEGACY_PASSWORD;
     const candidate = `postgres://postgres:${encodeURIComponent(password)}@127.0.0.1:${config.EMBEDDED_PG_PORT}/fleet`;
@@ -29,7 +32,12 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
       await probe.connect();
       url = candidate;
     } catch {
-      const server = await startEmbeddedPostgres({ dataDir: join(resolve(config.DATA_DIR), 'pg'), port: config.EMBEDDED_PG_PORT, logger, password });
+      const server = await startEmbeddedPostgres({
+        dataDir: join(resolve(config.DATA_DIR), 'pg'),
+        port: config.EMBEDDED_PG_PORT,
+        logger,
+        password,
+      });
       closers.push(() => server.stop());
       url = server.url;
     } finally {
@@ -38,7 +46,9 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
   }
   const pool = createPool({ url, max: 4, applicationName: 'fleet-cli', logger });
   closers.push(async () => void (await pool.end()));
-  const store: EventStore = config.EVENTSTORE_URL ? new EsdbEventStore({ connectionString: config.EVENTSTORE_URL, logger }) : new PostgresEventStore({ pool, logger });
+  const store: EventStore = config.EVENTSTORE_URL
+    ? new EsdbEventStore({ connectionString: config.EVENTSTORE_URL, logger })
+    : new PostgresEventStore({ pool, logger });
   closers.push(() => store.close());
   return {
     pool,

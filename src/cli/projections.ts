@@ -30,7 +30,10 @@ async function main(argv: string[]): Promise<number> {
       const { rows } = await conn.pool.query<{ name: string; position: string | null; events_applied: string; last_event_at: Date | null }>(
         'SELECT name, position, events_applied, last_event_at FROM projection_checkpoints ORDER BY name',
       );
-      for (const r of rows) process.stdout.write(`${r.name.padEnd(16)} position ${r.position ?? '(start)'}  events ${r.events_applied}  last event ${r.last_event_at?.toISOString() ?? '-'}\n`);
+      for (const r of rows)
+        process.stdout.write(
+          `${r.name.padEnd(16)} position ${r.position ?? '(start)'}  events ${r.events_applied}  last event ${r.last_event_at?.toISOString() ?? '-'}\n`,
+        );
       return 0;
     }
     if (cmd !== 'rebuild') {
@@ -62,7 +65,9 @@ async function main(argv: string[]): Promise<number> {
       for (const d of report.drift) {
         const ok = d.onlyLive === 0 && d.onlyRebuilt === 0;
         if (!ok) drifted = true;
-        process.stdout.write(`  ${d.table}: ${ok ? 'no drift' : `DRIFT: ${d.onlyLive} live-only row(s), ${d.onlyRebuilt} rebuilt-only row(s), e.g. ${d.sampleKeys.join(', ')}`}\n`);
+        process.stdout.write(
+          `  ${d.table}: ${ok ? 'no drift' : `DRIFT: ${d.onlyLive} live-only row(s), ${d.onlyRebuilt} rebuilt-only row(s), e.g. ${d.sampleKeys.join(', ')}`}\n`,
+        );
       }
     }
     return drifted ? 1 : 0;

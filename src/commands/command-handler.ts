@@ -1,7 +1,14 @@
 import { randomUUID } from 'node:crypto';
 import type { Aggregate } from '../domain/aggregate.js';
 import type { Decider } from '../domain/decider.js';
-import { ConcurrencyError, type EventMetadata, type EventStore, type ExpectedRevision, type Position, type RecordedEvent } from '../domain/event-store.port.js';
+import {
+  ConcurrencyError,
+  type EventMetadata,
+  type EventStore,
+  type ExpectedRevision,
+  type Position,
+  type RecordedEvent,
+} from '../domain/event-store.port.js';
 
 /** Who asked and why: carried into every event's metadata. */
 export interface CommandMeta {
@@ -142,7 +149,8 @@ export class CommandHandler {
       }
       // An event that does not read back through its own schema is never stored: once in the log it
       // would stop every projection at it, on every replica, until someone hand-edits history.
-      for (const e of events) decode({ id: '', streamId, type: e.type, revision: 0n, position: '', data: e.data as never, metadata: {}, created: now });
+      for (const e of events)
+        decode({ id: '', streamId, type: e.type, revision: 0n, position: '', data: e.data as never, metadata: {}, created: now });
       try {
         const result = await this.store.append(
           streamId,
@@ -213,6 +221,7 @@ function jitter(attempt: number): Promise<void> {
 export function bindAggregate<C, E extends DomainEvent, S>(handler: CommandHandler, aggregate: Aggregate<C, E, S>): BoundHandler<C, E, S> {
   return {
     load: (id) => handler.load(aggregate.streamName(id), aggregate.decider, aggregate.decode),
-    handle: (id, command, meta, options) => handler.handle(aggregate.streamName(id), aggregate.decider, aggregate.decode, command, meta, options),
+    handle: (id, command, meta, options) =>
+      handler.handle(aggregate.streamName(id), aggregate.decider, aggregate.decode, command, meta, options),
   };
 }

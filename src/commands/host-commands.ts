@@ -12,16 +12,21 @@ import type { HostCapacity } from '@fleet/agent-protocol';
 import type { Position } from '../domain/event-store.port.js';
 import { CommandHandler, type CommandMeta, type Handled } from './command-handler.js';
 
-export const registerHostRequestSchema = z.object({
-  id: idSchema,
-  url: z.string().url().refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
-  token: z.string().min(16, 'the host agent bearer token: at least 16 characters'),
-  region: z.string().max(64).default(''),
-  backend: hostBackendSchema.default('process'),
-  labels: labelsSchema.default({}),
-  /** Operator overrides applied over what the agent reports (e.g. to hold back headroom, or declare GPU kind). */
-  capacity_overrides: capacityOverridesSchema.default({}),
-}).strict();
+export const registerHostRequestSchema = z
+  .object({
+    id: idSchema,
+    url: z
+      .string()
+      .url()
+      .refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
+    token: z.string().min(16, 'the host agent bearer token: at least 16 characters'),
+    region: z.string().max(64).default(''),
+    backend: hostBackendSchema.default('process'),
+    labels: labelsSchema.default({}),
+    /** Operator overrides applied over what the agent reports (e.g. to hold back headroom, or declare GPU kind). */
+    capacity_overrides: capacityOverridesSchema.default({}),
+  })
+  .strict();
 export type RegisterHostRequest = z.input<typeof registerHostRequestSchema>;
 
 /**
@@ -59,14 +64,30 @@ export class HostCommands {
     this.hostHandler = bindAggregate(handler, hostAggregate);
   }
 
-
   async register(input: unknown, meta: CommandMeta): Promise<HostResult> {
     const req = registerHostRequestSchema.parse(input);
     // Probe first: a host whose agent does not answer with this token is not registered at all.
     const agent = this.connector.connect({ hostId: req.id, url: req.url, token: req.token });
     const probed = toHostCapacity(await agent.capacity({ timeoutMs: 10_000 }));
     const sealed = this.secrets.seal(req.token, hostTokenContext(req.id, req.url));
-    const r = await this.run(req.id, { type: 'RegisterHost', data: { host_id: req.id, url: req.url, region: req.region, backend: req.backend, labels: req.labels, probed_capacity: probed, overrides: req.capacity_overrides, default_cpu_overcommit_ratio: this.defaultCpuOvercommitRatio, token_encrypted: sealed } }, meta);
+    const r = await this.run(
+      req.id,
+      {
+        type: 'RegisterHost',
+        data: {
+          host_id: req.id,
+          url: req.url,
+          region: req.region,
+          backend: req.backend,
+          labels: req.labels,
+          probed_capacity: probed,
+          overrides: req.capacity_overrides,
+          default_cpu_overcommit_ratio: this.defaultCpuOvercommitRatio,
+          token_encrypted: sealed,
+        },
+      },
+      meta,
+    );
     this.agents.delete(req.id);
     return r;
   }
@@ -110,7 +131,11 @@ export class HostCommands {
       try {
         token = this.secrets.open(state.token_encrypted, legacyHostTokenContext(state.host_id));
       } catch {
-        throw new AppError('HOST_TOKEN_UNREADABLE', 500, `host ${state.host_id}: its stored token does not decrypt with the configured TOKEN_ENCRYPTION_KEY for its URL; re-register the host`);
+        throw new AppError(
+          'HOST_TOKEN_UNREADABLE',
+          500,
+          `host ${state.host_id}: its stored token does not decrypt with the configured TOKEN_ENCRYPTION_KEY for its URL; re-register the host`,
+        );
       }
       this.reseal(state.host_id, state.token_encrypted, token, state.url);
     }
@@ -123,7 +148,13 @@ export class HostCommands {
   private reseal(hostId: string, previous: string, token: string, url: string): void {
     const token_encrypted = this.secrets.seal(token, hostTokenContext(hostId, url));
     this.resealing = this.resealing
-      .then(() => this.run(hostId, { type: 'ResealHostToken', data: { host_id: hostId, previous, token_encrypted } }, { correlationId: `reseal-${hostId}`, actor: 'system', tenantId: 'admin' }))
+      .then(() =>
+        this.run(
+          hostId,
+          { type: 'ResealHostToken', data: { host_id: hostId, previous, token_encrypted } },
+          { correlationId: `reseal-${hostId}`, actor: 'system', tenantId: 'admin' },
+        ),
+      )
       .then(
         () => undefined,
         () => undefined,

@@ -121,12 +121,11 @@ export class ConcurrencyError extends AppError {
   readonly expected: ExpectedRevision;
   readonly actual: bigint | 'no_stream';
   constructor(stream: string, expected: ExpectedRevision, actual: bigint | 'no_stream') {
-    super(
-      'CONCURRENCY_CONFLICT',
-      409,
-      `stream ${stream}: expected revision ${String(expected)}, actual ${String(actual)}`,
-      { stream, expected: String(expected), actual: String(actual) },
-    );
+    super('CONCURRENCY_CONFLICT', 409, `stream ${stream}: expected revision ${String(expected)}, actual ${String(actual)}`, {
+      stream,
+      expected: String(expected),
+      actual: String(actual),
+    });
     this.stream = stream;
     this.expected = expected;
     this.actual = actual;
@@ -198,7 +197,8 @@ const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i;
 export function assertStreamName(stream: unknown): asserts stream is string {
   if (typeof stream !== 'string' || stream.length === 0) throw new InvalidStreamNameError(stream, 'must be a non-empty string');
   if (stream.length > 200) throw new InvalidStreamNameError(stream, 'longer than 200 characters');
-  if (!STREAM_NAME.test(stream)) throw new InvalidStreamNameError(stream, 'must be <category>-<id>: a lowercase category, a dash, then letters, digits or ._:@-');
+  if (!STREAM_NAME.test(stream))
+    throw new InvalidStreamNameError(stream, 'must be <category>-<id>: a lowercase category, a dash, then letters, digits or ._:@-');
 }
 
 export function assertEventType(type: unknown): asserts type is string {
@@ -254,7 +254,8 @@ export function toJsonValue(value: unknown, path = 'data', seen: Set<object> = n
   try {
     if (Array.isArray(obj)) return obj.map((item, i) => toJsonValue(item, `${path}[${i}]`, seen));
     const proto = Object.getPrototypeOf(obj) as unknown;
-    if (proto !== Object.prototype && proto !== null) throw new InvalidEventDataError(path, 'only plain objects, arrays and Dates are JSON');
+    if (proto !== Object.prototype && proto !== null)
+      throw new InvalidEventDataError(path, 'only plain objects, arrays and Dates are JSON');
     const out: { [key: string]: JsonValue } = {};
     for (const [key, inner] of Object.entries(obj)) {
       if (inner === undefined) continue; // JSON.stringify drops undefined properties; so do we
@@ -275,12 +276,21 @@ export function validateAppend(
   assertStreamName(streamId);
   assertExpectedRevision(expected);
   if (!Array.isArray(events) || events.length === 0) {
-    throw new ValidationError('append needs at least one event', [{ path: 'events', message: 'must be a non-empty array' }], 'INVALID_EVENT_DATA');
+    throw new ValidationError(
+      'append needs at least one event',
+      [{ path: 'events', message: 'must be a non-empty array' }],
+      'INVALID_EVENT_DATA',
+    );
   }
   const ids = new Set<string>();
   const out = events.map((event, i) => {
     if (typeof event.id !== 'string' || !UUID.test(event.id)) throw new InvalidEventIdError(event.id);
-    if (ids.has(event.id.toLowerCase())) throw new ValidationError(`event id ${event.id} appears twice in one batch`, [{ path: `events[${i}].id`, message: 'duplicate' }], 'INVALID_EVENT_ID');
+    if (ids.has(event.id.toLowerCase()))
+      throw new ValidationError(
+        `event id ${event.id} appears twice in one batch`,
+        [{ path: `events[${i}].id`, message: 'duplicate' }],
+        'INVALID_EVENT_ID',
+      );
     ids.add(event.id.toLowerCase());
     assertEventType(event.type);
     const data = toJsonValue(event.data, `events[${i}].data`);
@@ -308,7 +318,11 @@ export function parsePositionPair(value: unknown): { high: bigint; low: bigint }
 export function checkMaxCount(value: unknown): number | undefined {
   if (value === undefined) return undefined;
   if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
-    throw new ValidationError(`maxCount must be a non-negative integer, got ${String(value)}`, [{ path: 'maxCount', message: 'not a non-negative integer' }], 'INVALID_MAX_COUNT');
+    throw new ValidationError(
+      `maxCount must be a non-negative integer, got ${String(value)}`,
+      [{ path: 'maxCount', message: 'not a non-negative integer' }],
+      'INVALID_MAX_COUNT',
+    );
   }
   return value;
 }

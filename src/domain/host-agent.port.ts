@@ -65,7 +65,12 @@ export interface HostAgent {
   attach(name: string, start: AttachStart, opts?: StreamOptions): Promise<AgentStream>;
 
   /** `data` may be a stream: it is sent as it comes, never collected first, and never retried. */
-  upload(name: string, path: string, data: Uint8Array | AsyncIterable<Uint8Array>, opts?: CallOptions & { mode?: string }): Promise<UploadResponse>;
+  upload(
+    name: string,
+    path: string,
+    data: Uint8Array | AsyncIterable<Uint8Array>,
+    opts?: CallOptions & { mode?: string },
+  ): Promise<UploadResponse>;
   /**
    * Opens a file for reading: answers once the agent has announced the size, before any byte moves;
    * a file larger than `maxBytes` is refused then (FILE_TOO_LARGE, 413). The bytes are read once, as

@@ -9,7 +9,11 @@ import { AppError } from '@fleet/agent-protocol';
 export function parseStoredEvent<S extends z.ZodType>(schema: S, type: string, data: unknown): z.output<S> {
   const parsed = schema.safeParse({ type, data });
   if (!parsed.success) {
-    throw new AppError('STORED_EVENT_INVALID', 500, `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.map(String).join('.')}: ${i.message}`).join('; ')}`);
+    throw new AppError(
+      'STORED_EVENT_INVALID',
+      500,
+      `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.map(String).join('.')}: ${i.message}`).join('; ')}`,
+    );
   }
   return parsed.data;
 }

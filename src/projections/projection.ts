@@ -2,7 +2,10 @@ import type { RecordedEvent } from '../domain/event-store.port.js';
 
 /** The part of a pg client a projection needs: one query at a time, inside the runner's transaction. */
 export interface Sql {
-  query<R extends Record<string, unknown> = Record<string, unknown>>(text: string, params?: unknown[]): Promise<{ rows: R[]; rowCount: number | null }>;
+  query<R extends Record<string, unknown> = Record<string, unknown>>(
+    text: string,
+    params?: unknown[],
+  ): Promise<{ rows: R[]; rowCount: number | null }>;
 }
 
 export interface Migration {

@@ -84,7 +84,14 @@ export async function rebuildProjection(
         );
         await client.query('COMMIT');
       }
-      return { projection: projection.name, events, position, mode: opts.verify ? 'verified' : 'replaced', drift, seconds: (Date.now() - started) / 1000 };
+      return {
+        projection: projection.name,
+        events,
+        position,
+        mode: opts.verify ? 'verified' : 'replaced',
+        drift,
+        seconds: (Date.now() - started) / 1000,
+      };
     } catch (err) {
       await client.query('ROLLBACK').catch(() => undefined);
       throw err;
@@ -119,10 +126,17 @@ async function applyBatch(client: PoolClient, projection: Projection, batch: rea
 async function compare(client: PoolClient, shadow: string, table: string, key: readonly string[]): Promise<TableDrift> {
   const keyExpr = key.map((k) => `${k}::text`).join(` || '/' || `);
   const diff = async (a: string, b: string): Promise<{ n: number; keys: string[] }> => {
-    const { rows } = await client.query<{ k: string }>(`SELECT ${keyExpr} AS k FROM (SELECT * FROM ${a}.${table} EXCEPT ALL SELECT * FROM ${b}.${table}) d ORDER BY 1`);
+    const { rows } = await client.query<{ k: string }>(
+      `SELECT ${keyExpr} AS k FROM (SELECT * FROM ${a}.${table} EXCEPT ALL SELECT * FROM ${b}.${table}) d ORDER BY 1`,
+    );
     return { n: rows.length, keys: rows.slice(0, 5).map((r) => r.k) };
   };
   const onlyLive = await diff('public', shadow);
   const onlyRebuilt = await diff(shadow, 'public');
-  return { table, onlyLive: onlyLive.n, onlyRebuilt: onlyRebuilt.n, sampleKeys: [...new Set([...onlyLive.keys, ...onlyRebuilt.keys])].slice(0, 5) };
+  return {
+    table,
+    onlyLive: onlyLive.n,
+    onlyRebuilt: onlyRebuilt.n,
+    sampleKeys: [...new Set([...onlyLive.keys, ...onlyRebuilt.keys])].slice(0, 5),
+  };
 }

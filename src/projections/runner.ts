@@ -49,7 +49,19 @@ export class ProjectionRunner {
     private readonly logger: Logger,
   ) {
     for (const p of projections) {
-      this.states.set(p.name, { projection: p, running: false, caughtUp: false, position: undefined, eventsApplied: 0, lastError: undefined, oldestPendingAt: undefined, sub: undefined, waiters: new Set(), retryTimer: undefined, failures: 0 });
+      this.states.set(p.name, {
+        projection: p,
+        running: false,
+        caughtUp: false,
+        position: undefined,
+        eventsApplied: 0,
+        lastError: undefined,
+        oldestPendingAt: undefined,
+        sub: undefined,
+        waiters: new Set(),
+        retryTimer: undefined,
+        failures: 0,
+      });
     }
   }
 
@@ -183,7 +195,10 @@ export class ProjectionRunner {
     // (and /readyz, which reports the projection down with this error) should say so, not flood.
     s.failures++;
     const delay = Math.min(30_000, 1000 * 2 ** Math.min(s.failures - 1, 5));
-    this.logger.error({ projection: s.projection.name, failures: s.failures, err }, `projection failed; restarting from its checkpoint in ${delay / 1000}s`);
+    this.logger.error(
+      { projection: s.projection.name, failures: s.failures, err },
+      `projection failed; restarting from its checkpoint in ${delay / 1000}s`,
+    );
     s.retryTimer = setTimeout(() => void this.run(s), delay);
     s.retryTimer.unref();
   }
@@ -208,7 +223,10 @@ export class ProjectionRunner {
             await s.projection.apply(client, event);
           } catch (err) {
             // Name the event: an operator must be able to find the one the read model stopped at.
-            throw new Error(`${s.projection.name}: applying ${event.type} at ${event.position} (${event.streamId}@${event.revision}) failed: ${(err as Error).message}`, { cause: err });
+            throw new Error(
+              `${s.projection.name}: applying ${event.type} at ${event.position} (${event.streamId}@${event.revision}) failed: ${(err as Error).message}`,
+              { cause: err },
+            );
           }
         }
       }
@@ -243,14 +261,21 @@ export class ProjectionRunner {
   }
 
   private async loadCheckpoint(name: string): Promise<Position | undefined> {
-    const { rows } = await this.pool.query<{ position: string | null }>('SELECT position FROM projection_checkpoints WHERE name = $1', [name]);
+    const { rows } = await this.pool.query<{ position: string | null }>('SELECT position FROM projection_checkpoints WHERE name = $1', [
+      name,
+    ]);
     return rows[0]?.position ?? undefined;
   }
 }
 
 export class ReadModelLagError extends AppError {
   constructor(position: Position, projection: string, reached: Position | undefined) {
-    super('READ_MODEL_LAGGING', 503, `read model ${projection} has not caught up to position ${position} yet (at ${reached ?? 'start'}); retry shortly`, { projection });
+    super(
+      'READ_MODEL_LAGGING',
+      503,
+      `read model ${projection} has not caught up to position ${position} yet (at ${reached ?? 'start'}); retry shortly`,
+      { projection },
+    );
   }
 }
 

@@ -149,13 +149,30 @@ describe('host agent HTTP edge', { timeout: 30_000 }, () => {
     { method: 'POST', url: '/v1/artifacts/grants', body: {} },
     { method: 'POST', url: '/v1/artifacts/grants', body: { snapshot_id: 'c1', ttl_s: 999_999 } },
     { method: 'POST', url: '/v1/artifacts/pull', body: {} },
-    { method: 'POST', url: '/v1/artifacts/pull', body: { snapshot_id: 'c1', digest: 'abc', from: { url: 'http://127.0.0.1:1', grant: 'g' } } },
-    { method: 'POST', url: '/v1/artifacts/pull', body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'not a url', grant: 'g' } } },
-    { method: 'POST', url: '/v1/artifacts/pull', body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'file:///etc/passwd', grant: 'g' } } },
     {
       method: 'POST',
       url: '/v1/artifacts/pull',
-      body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'http://127.0.0.1:1', grant: 'g' }, files: { '../etc': 'a'.repeat(64) } },
+      body: { snapshot_id: 'c1', digest: 'abc', from: { url: 'http://127.0.0.1:1', grant: 'g' } },
+    },
+    {
+      method: 'POST',
+      url: '/v1/artifacts/pull',
+      body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'not a url', grant: 'g' } },
+    },
+    {
+      method: 'POST',
+      url: '/v1/artifacts/pull',
+      body: { snapshot_id: 'c1', digest: 'a'.repeat(64), from: { url: 'file:///etc/passwd', grant: 'g' } },
+    },
+    {
+      method: 'POST',
+      url: '/v1/artifacts/pull',
+      body: {
+        snapshot_id: 'c1',
+        digest: 'a'.repeat(64),
+        from: { url: 'http://127.0.0.1:1', grant: 'g' },
+        files: { '../etc': 'a'.repeat(64) },
+      },
     },
   ];
 
@@ -192,7 +209,11 @@ describe('host agent HTTP edge', { timeout: 30_000 }, () => {
     assert.equal(r1.json().code, 'GRANT_EXPIRED');
 
     const other = mintGrant(SECRET, 'snap2', Date.now() + 60_000);
-    const r2 = await app.inject({ method: 'GET', url: '/v1/artifacts/snap1/files/rootfs.tar', headers: { authorization: `Bearer ${other}` } });
+    const r2 = await app.inject({
+      method: 'GET',
+      url: '/v1/artifacts/snap1/files/rootfs.tar',
+      headers: { authorization: `Bearer ${other}` },
+    });
     assert.equal(r2.statusCode, 403);
     assert.equal(r2.json().code, 'GRANT_INVALID');
 

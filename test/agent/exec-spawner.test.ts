@@ -26,7 +26,10 @@ function missingFeature(): string | undefined {
 }
 const skip = missingFeature();
 
-async function run(h: ProcessHandle, input?: Buffer | string): Promise<{ exitCode: number | null; signal: string | null; stdout: Buffer; stderr: string }> {
+async function run(
+  h: ProcessHandle,
+  input?: Buffer | string,
+): Promise<{ exitCode: number | null; signal: string | null; stdout: Buffer; stderr: string }> {
   const out: Buffer[] = [];
   let stderr = '';
   h.stdout.on('data', (d: Buffer) => out.push(d));
@@ -77,7 +80,13 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     root = await mkdtemp(join(tmpdir(), 'spawner-test-'));
     await buildImage(join(root, 'images'), 'base');
     dataDir = join(root, 'data');
-    b = await ProcessBackend.open({ dataDir, imageDir: join(root, 'images'), subnet: `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`, bridgePrefix: prefix, maxSandboxes: 4 });
+    b = await ProcessBackend.open({
+      dataDir,
+      imageDir: join(root, 'images'),
+      subnet: `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`,
+      bridgePrefix: prefix,
+      maxSandboxes: 4,
+    });
     await b.create({ name: 'sp', cpus: 1, ram_mb: 128, tenant: 't' });
   });
 
@@ -118,7 +127,12 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     assert.match(status.stdout.toString(), /NoNewPrivs:\s+1/);
     assert.match(status.stdout.toString(), /Seccomp:\s+2/);
     const env = await run(await b.spawn('sp', { argv: ['env'], env: { ONLY: 'guest' }, stdin: false }));
-    assert.deepEqual(env.stdout.toString().trim().split('\n').sort(), ['HOME=/root', 'HOSTNAME=sp', 'ONLY=guest', `PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin`]);
+    assert.deepEqual(env.stdout.toString().trim().split('\n').sort(), [
+      'HOME=/root',
+      'HOSTNAME=sp',
+      'ONLY=guest',
+      `PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin`,
+    ]);
 
     // A non-root peer, with the directory and socket opened up for the attempt: refused by the spawner itself.
     const dirMode = (await stat(dataDir)).mode & 0o777;
@@ -128,7 +142,10 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     try {
       const probe = spawn(
         process.execPath,
-        ['-e', `const s=require('net').connect(${JSON.stringify(sock)});let n=0;s.on('data',d=>n+=d.length);s.on('error',e=>{if(e.code==='EACCES'||e.code==='ENOENT')console.log('error '+e.code)});s.on('close',()=>{console.log('bytes '+n);process.exit(0)});s.write(Buffer.alloc(4));setTimeout(()=>{console.log('open '+n);process.exit(0)},3000)`],
+        [
+          '-e',
+          `const s=require('net').connect(${JSON.stringify(sock)});let n=0;s.on('data',d=>n+=d.length);s.on('error',e=>{if(e.code==='EACCES'||e.code==='ENOENT')console.log('error '+e.code)});s.on('close',()=>{console.log('bytes '+n);process.exit(0)});s.write(Buffer.alloc(4));setTimeout(()=>{console.log('open '+n);process.exit(0)},3000)`,
+        ],
         { uid: 65534, gid: 65534, stdio: ['ignore', 'pipe', 'inherit'] },
       );
       let said = '';
@@ -155,13 +172,19 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     assert.equal(echoed.exitCode, 0);
     assert.ok(echoed.stdout.equals(big), `cat returned ${echoed.stdout.length} of ${big.length} bytes intact`);
     // Output written before stdin is read, with stdin pending: no deadlock.
-    const first = await run(await b.spawn('sp', { argv: ['sh', '-c', 'head -c 200000 /dev/zero; wc -c'], stdin: true }), Buffer.alloc(300_000, 1));
+    const first = await run(
+      await b.spawn('sp', { argv: ['sh', '-c', 'head -c 200000 /dev/zero; wc -c'], stdin: true }),
+      Buffer.alloc(300_000, 1),
+    );
     assert.equal(first.stdout.length, 200_000 + '300000\n'.length);
     // No stdin: end of input at once.
     const none = await run(await b.spawn('sp', { argv: ['wc', '-c'], stdin: false }));
     assert.equal(none.stdout.toString().trim(), '0');
     // A signal reaches the guest; a SIGKILL ends it at once.
-    const term = await b.spawn('sp', { argv: ['sh', '-c', 'trap "echo got-term; exit 3" TERM; while :; do sleep 0.05; done'], stdin: false });
+    const term = await b.spawn('sp', {
+      argv: ['sh', '-c', 'trap "echo got-term; exit 3" TERM; while :; do sleep 0.05; done'],
+      stdin: false,
+    });
     await new Promise((r) => setTimeout(r, 300));
     term.kill('SIGTERM');
     const t = await run(term);

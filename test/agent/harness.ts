@@ -152,7 +152,8 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
       // The agent's nftables tables, once none of its sandboxes is left on a veth (the agent removes them itself then).
       const links = spawnSync('ip', ['-o', 'link', 'show'], { encoding: 'utf8' }).stdout ?? '';
       if (!new RegExp(`^\\d+: ${opts.bridgePrefix}v`, 'm').test(links)) {
-        for (const family of ['inet', 'bridge']) spawnSync('nft', ['delete', 'table', family, `fleet_${opts.bridgePrefix}`], { stdio: 'ignore' });
+        for (const family of ['inet', 'bridge'])
+          spawnSync('nft', ['delete', 'table', family, `fleet_${opts.bridgePrefix}`], { stdio: 'ignore' });
       }
     },
     async kill() {
@@ -225,7 +226,10 @@ export function uniqueSubnet(): string {
 export async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
   try {
-    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} took longer than ${ms} ms`)), ms)))]);
+    return await Promise.race([
+      p,
+      new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} took longer than ${ms} ms`)), ms))),
+    ]);
   } finally {
     clearTimeout(timer);
   }

@@ -41,7 +41,10 @@ async function expectCode(p: Promise<unknown>, code: string): Promise<AppError> 
   assert.fail(`expected ${code}, but the call succeeded`);
 }
 
-async function collect(stream: AgentStream, untilMs = 15_000): Promise<{ stdout: string; stderr: string; exit?: Extract<ServerFrame, { type: 'exit' }> }> {
+async function collect(
+  stream: AgentStream,
+  untilMs = 15_000,
+): Promise<{ stdout: string; stderr: string; exit?: Extract<ServerFrame, { type: 'exit' }> }> {
   let stdout = '';
   let stderr = '';
   let exit: Extract<ServerFrame, { type: 'exit' }> | undefined;
@@ -124,7 +127,8 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     for (const agent of [a, b]) {
       if (!agent || agent.proc.exitCode !== null || agent.proc.signalCode !== null) continue;
       try {
-        for (const vm of await agent.client.listVms('', { timeoutMs: 10_000 })) await agent.client.destroyVm(vm.name, { force: true, timeoutMs: 20_000 });
+        for (const vm of await agent.client.listVms('', { timeoutMs: 10_000 }))
+          await agent.client.destroyVm(vm.name, { force: true, timeoutMs: 20_000 });
         await agent.client.prune({ timeoutMs: 20_000 });
       } catch (err) {
         process.stderr.write(`cleanup of ${agent.url} failed: ${String(err)}\n${agent.output().slice(-4000)}\n`);
@@ -264,7 +268,8 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
 
   it('bounds what a caller can make it hold: a download over max_bytes is refused before it streams, stdin waits for the pipe, early frames are capped', async (t) => {
     if (guard(t)) return;
-    const rss = async (): Promise<number> => Number(/VmRSS:\s+(\d+) kB/.exec(await readFileText(`/proc/${a!.proc.pid}/status`, 'utf8'))![1]) * 1024;
+    const rss = async (): Promise<number> =>
+      Number(/VmRSS:\s+(\d+) kB/.exec(await readFileText(`/proc/${a!.proc.pid}/status`, 'utf8'))![1]) * 1024;
     await a!.client.exec('a1', { argv: ['truncate', '-s', '100G', '/tmp/huge'] });
     const before = await rss();
     try {
@@ -280,7 +285,14 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
 
     // A process that never reads stdin: the agent stops reading the socket, so the sender is held back.
     const raw = new WebSocket(`ws://127.0.0.1:${a!.port}/v1/vms/a1/exec`, { headers: { authorization: `Bearer ${a!.token}` } });
-    await withTimeout(new Promise<void>((resolve, reject) => { raw.once('open', () => resolve()); raw.once('error', reject); }), 10_000, 'open');
+    await withTimeout(
+      new Promise<void>((resolve, reject) => {
+        raw.once('open', () => resolve());
+        raw.once('error', reject);
+      }),
+      10_000,
+      'open',
+    );
     raw.send(JSON.stringify({ type: 'start', argv: ['sleep', '60'] }));
     const frame = JSON.stringify({ type: 'stdin', data: Buffer.alloc(512 * 1024).toString('base64') });
     let sent = 0;
@@ -299,7 +311,14 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
 
     // Hundreds of frames behind the start frame, before the process exists: refused, not queued without end.
     const early = new WebSocket(`ws://127.0.0.1:${a!.port}/v1/vms/a1/exec`, { headers: { authorization: `Bearer ${a!.token}` } });
-    await withTimeout(new Promise<void>((resolve, reject) => { early.once('open', () => resolve()); early.once('error', reject); }), 10_000, 'open');
+    await withTimeout(
+      new Promise<void>((resolve, reject) => {
+        early.once('open', () => resolve());
+        early.once('error', reject);
+      }),
+      10_000,
+      'open',
+    );
     const closed = new Promise<number>((resolve) => early.once('close', (code) => resolve(code)));
     const sock = (early as unknown as { _socket: Socket })._socket;
     sock.cork();
@@ -396,18 +415,31 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
   it('moves an artifact between two agents and verifies it', async (t) => {
     if (guard(t) || !state.cpId) return;
     const grant = await a!.client.grantArtifact(state.cpId, 60);
-    const moved = await b!.client.pullArtifact({ snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: grant.grant } });
+    const moved = await b!.client.pullArtifact({
+      snapshot_id: state.cpId,
+      digest: state.cpDigest!,
+      from: { url: a!.url, grant: grant.grant },
+    });
     assert.equal(moved.snapshot_id, state.cpId);
     assert.equal(moved.kind, 'disk');
     assert.ok(moved.size_bytes > 0);
     const onB = (await b!.client.listCheckpoints()).find((x) => x.id === state.cpId);
     assert.equal(onB?.digest, state.cpDigest);
     // A retried pull of the same bytes succeeds without a second copy.
-    const again = await b!.client.pullArtifact({ snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: grant.grant } });
+    const again = await b!.client.pullArtifact({
+      snapshot_id: state.cpId,
+      digest: state.cpDigest!,
+      from: { url: a!.url, grant: grant.grant },
+    });
     assert.equal(again.snapshot_id, state.cpId);
 
     // Two pulls of the same snapshot at once: both succeed, one copy is kept.
-    const twin = { snapshot_id: `${state.cpId}-twin`, source_snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: grant.grant } };
+    const twin = {
+      snapshot_id: `${state.cpId}-twin`,
+      source_snapshot_id: state.cpId,
+      digest: state.cpDigest!,
+      from: { url: a!.url, grant: grant.grant },
+    };
     const [p1, p2] = await Promise.all([b!.client.pullArtifact(twin), b!.client.pullArtifact(twin)]);
     assert.equal(p1.snapshot_id, twin.snapshot_id);
     assert.equal(p2.snapshot_id, twin.snapshot_id);
@@ -421,7 +453,9 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
 
     for (const agent of [a!, b!]) assert.ok(!agent.output().includes(grant.grant), 'a grant never reaches a log line');
     // Range reads are served under the grant.
-    const part = await fetch(`${a!.url}/v1/artifacts/${state.cpId}/files/rootfs.tar`, { headers: { authorization: `Bearer ${grant.grant}`, range: 'bytes=0-99' } });
+    const part = await fetch(`${a!.url}/v1/artifacts/${state.cpId}/files/rootfs.tar`, {
+      headers: { authorization: `Bearer ${grant.grant}`, range: 'bytes=0-99' },
+    });
     assert.equal(part.status, 206);
     assert.equal((await part.arrayBuffer()).byteLength, 100);
   });
@@ -431,7 +465,12 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const grant = await a!.client.grantArtifact(state.cpId, 1);
     await new Promise((r) => setTimeout(r, 1100));
     const expired = await expectCode(
-      b!.client.pullArtifact({ snapshot_id: 'exp1', source_snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: grant.grant } }),
+      b!.client.pullArtifact({
+        snapshot_id: 'exp1',
+        source_snapshot_id: state.cpId,
+        digest: state.cpDigest!,
+        from: { url: a!.url, grant: grant.grant },
+      }),
       'ARTIFACT_TRANSFER_FAILED',
     );
     assert.equal(expired.details?.peer_code, 'GRANT_EXPIRED');
@@ -439,14 +478,24 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const a2cp = await a!.client.checkpoint('a2', { comment: 'other' });
     const wrongGrant = await a!.client.grantArtifact(a2cp.id, 60);
     const wrong = await expectCode(
-      b!.client.pullArtifact({ snapshot_id: 'wrong1', source_snapshot_id: state.cpId, digest: state.cpDigest!, from: { url: a!.url, grant: wrongGrant.grant } }),
+      b!.client.pullArtifact({
+        snapshot_id: 'wrong1',
+        source_snapshot_id: state.cpId,
+        digest: state.cpDigest!,
+        from: { url: a!.url, grant: wrongGrant.grant },
+      }),
       'ARTIFACT_TRANSFER_FAILED',
     );
     assert.equal(wrong.details?.peer_code, 'GRANT_INVALID');
 
     const good = await a!.client.grantArtifact(state.cpId, 60);
     await expectCode(
-      b!.client.pullArtifact({ snapshot_id: 'dig1', source_snapshot_id: state.cpId, digest: 'f'.repeat(64), from: { url: a!.url, grant: good.grant } }),
+      b!.client.pullArtifact({
+        snapshot_id: 'dig1',
+        source_snapshot_id: state.cpId,
+        digest: 'f'.repeat(64),
+        from: { url: a!.url, grant: good.grant },
+      }),
       'ARTIFACT_DIGEST_MISMATCH',
     );
     const ids = (await b!.client.listCheckpoints()).map((x) => x.id);
@@ -469,7 +518,10 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     await fh.write(buf, 0, 1, 1_000_000);
     await fh.close();
     const grant = await c.grantArtifact(cp.id, 60);
-    const err = await expectCode(b!.client.pullArtifact({ snapshot_id: cp.id, digest: cp.digest, from: { url: a!.url, grant: grant.grant } }), 'ARTIFACT_DIGEST_MISMATCH');
+    const err = await expectCode(
+      b!.client.pullArtifact({ snapshot_id: cp.id, digest: cp.digest, from: { url: a!.url, grant: grant.grant } }),
+      'ARTIFACT_DIGEST_MISMATCH',
+    );
     assert.match(err.message, /rootfs\.tar/);
     assert.ok(!(await b!.client.listCheckpoints()).some((x) => x.id === cp.id));
     await assertNoStaging(b!);
@@ -509,7 +561,11 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     await new Promise<void>((r) => proxy.listen(0, '127.0.0.1', r));
     const proxyPort = (proxy.address() as { port: number }).port;
     const err = await expectCode(
-      b!.client.pullArtifact({ snapshot_id: state.bigCpId, digest: state.bigDigest!, from: { url: `http://127.0.0.1:${proxyPort}`, grant: grant.grant } }),
+      b!.client.pullArtifact({
+        snapshot_id: state.bigCpId,
+        digest: state.bigDigest!,
+        from: { url: `http://127.0.0.1:${proxyPort}`, grant: grant.grant },
+      }),
       'ARTIFACT_TRANSFER_FAILED',
     );
     assert.ok(killed, 'the peer was killed mid-transfer');
@@ -530,7 +586,9 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     if (guard(t)) return;
     const prefix = aOpts.bridgePrefix;
     // Creates in flight at staggered points, then a crash.
-    const inflight = [0, 1, 2, 3].map((i) => a!.client.createVm({ name: `crash${i}`, image: 'base' }, { timeoutMs: 20_000 }).catch(() => undefined));
+    const inflight = [0, 1, 2, 3].map((i) =>
+      a!.client.createVm({ name: `crash${i}`, image: 'base' }, { timeoutMs: 20_000 }).catch(() => undefined),
+    );
     await new Promise((r) => setTimeout(r, 60));
     await a!.kill();
     await Promise.all(inflight);
@@ -540,13 +598,31 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     assert.ok(listed.has('a1') && listed.has('a2'), 'the sandboxes that ran before survive');
 
     const dirs = await readdir(join(aOpts.dataDir, 'sandboxes')).catch(() => [] as string[]);
-    assert.deepEqual(dirs.filter((d) => !listed.has(d)), [], 'no sandbox directory without a sandbox');
+    assert.deepEqual(
+      dirs.filter((d) => !listed.has(d)),
+      [],
+      'no sandbox directory without a sandbox',
+    );
     const cg = await readdir(`/sys/fs/cgroup/pids/fleet-${prefix}`, { withFileTypes: true }).catch(() => []);
     const cgNames = cg.filter((e) => e.isDirectory()).map((e) => e.name);
-    assert.deepEqual(cgNames.filter((n) => !listed.has(n)), [], 'no cgroup without a sandbox');
+    assert.deepEqual(
+      cgNames.filter((n) => !listed.has(n)),
+      [],
+      'no cgroup without a sandbox',
+    );
     const veths = (await listLinks('veth')).filter((l) => l.startsWith(`${prefix}v`));
-    const owned = new Set(await Promise.all([...listed].map(async (n) => (JSON.parse(await readFileText(join(aOpts.dataDir, 'sandboxes', n, 'state.json'), 'utf8')) as { veth: string }).veth)));
-    assert.deepEqual(veths.filter((v) => !owned.has(v)), [], 'no veth without a sandbox');
+    const owned = new Set(
+      await Promise.all(
+        [...listed].map(
+          async (n) => (JSON.parse(await readFileText(join(aOpts.dataDir, 'sandboxes', n, 'state.json'), 'utf8')) as { veth: string }).veth,
+        ),
+      ),
+    );
+    assert.deepEqual(
+      veths.filter((v) => !owned.has(v)),
+      [],
+      'no veth without a sandbox',
+    );
     for (const name of listed) {
       const info = await a.client.getVm(name);
       if (info.state === 'running') assert.equal((await a.client.exec(name, { argv: ['true'] })).exit_code, 0, `${name} runs`);
@@ -590,5 +666,9 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
 
 async function assertNoStaging(agent: RunningAgent): Promise<void> {
   const entries = await readdir(join(agent.opts.dataDir, 'staging')).catch(() => [] as string[]);
-  assert.deepEqual(entries.filter((e) => e.startsWith('pull-')), [], 'no staging directory is left behind');
+  assert.deepEqual(
+    entries.filter((e) => e.startsWith('pull-')),
+    [],
+    'no staging directory is left behind',
+  );
 }

@@ -55,9 +55,8 @@ const must = (cmd: string, args: string[]): string => {
 /** As root inside only the network namespace of a sandbox's init. */
 const inNetns = (pid: number, args: string[]) => run('nsenter', ['-t', String(pid), '-n', '--', ...args]);
 
-
-
-const sh = async (b: ProcessBackend, name: string, script: string): Promise<Ran> => collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
+const sh = async (b: ProcessBackend, name: string, script: string): Promise<Ran> =>
+  collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 describe('network isolation: pure parts', () => {
@@ -106,7 +105,13 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
     const imageDir = join(root, 'images');
     await buildImage(imageDir, 'base');
     prefix = `n${randomBytes(2).toString('hex')}`;
-    opts = { dataDir: join(root, 'data'), imageDir, subnet: `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`, bridgePrefix: prefix, maxSandboxes: 16 };
+    opts = {
+      dataDir: join(root, 'data'),
+      imageDir,
+      subnet: `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`,
+      bridgePrefix: prefix,
+      maxSandboxes: 16,
+    };
     gateway = parseSubnet(opts.subnet!).gateway;
     b = await ProcessBackend.open(opts);
     if (run('sh', ['-c', 'command -v gcc']).status === 0) {
@@ -117,7 +122,7 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
 
   after(async () => {
     await restoreSysctls();
-    for (const s of await b?.list().catch(() => []) ?? []) await b.destroy(s.name).catch(() => undefined);
+    for (const s of (await b?.list().catch(() => [])) ?? []) await b.destroy(s.name).catch(() => undefined);
     await b?.prune().catch(() => undefined);
     await b?.close().catch(() => undefined);
     for (const family of ['inet', 'bridge']) run('nft', ['delete', 'table', family, `fleet_${prefix}`]);
@@ -125,7 +130,8 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
     for (const l of (JSON.parse(links || '[]') as Array<{ ifname: string }>).map((x) => x.ifname.split('@')[0]!)) {
       if (l.startsWith(prefix) || l === dummy) run('ip', ['link', 'del', l]);
     }
-    for (const c of ['', 'cpu', 'memory', 'pids', 'freezer']) await rmdir(join('/sys/fs/cgroup', c, `fleet-${prefix}`)).catch(() => undefined);
+    for (const c of ['', 'cpu', 'memory', 'pids', 'freezer'])
+      await rmdir(join('/sys/fs/cgroup', c, `fleet-${prefix}`)).catch(() => undefined);
     if (root) await rm(root, { recursive: true, force: true });
   });
 
@@ -182,7 +188,10 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
       const report = await b.reassertNetwork();
       for (const n of ['fwd-a', 'fwd-b']) {
         const br = b.networkOf(n).bridge;
-        assert.ok(report.repairs.some((r) => r.includes(`ipv4.conf.${br}.forwarding was 1`)), JSON.stringify(report));
+        assert.ok(
+          report.repairs.some((r) => r.includes(`ipv4.conf.${br}.forwarding was 1`)),
+          JSON.stringify(report),
+        );
         assert.equal((await readFile(`/proc/sys/net/ipv4/conf/${br}/forwarding`, 'utf8')).trim(), '0');
       }
     } finally {
@@ -262,7 +271,8 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
 
       const hostRoutes = must('ip', ['-6', 'route', 'show']);
       assert.doesNotMatch(hostRoutes, new RegExp(prefix6), 'the host installed the advertised prefix');
-      for (const link of [bridge, veth]) assert.doesNotMatch(hostRoutes, new RegExp(`dev ${link}\\b`), `the host has an IPv6 route through ${link}`);
+      for (const link of [bridge, veth])
+        assert.doesNotMatch(hostRoutes, new RegExp(`dev ${link}\\b`), `the host has an IPv6 route through ${link}`);
       assert.doesNotMatch(must('ip', ['-6', 'addr', 'show', 'dev', bridge]), /inet6/, 'the bridge has an IPv6 address');
       const peerRoutes = inNetns(peer.init_pid, ['ip', '-6', 'route', 'show']).stdout;
       assert.doesNotMatch(peerRoutes, new RegExp(prefix6), 'a peer sandbox accepted the advertisement');
@@ -287,7 +297,11 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
       assert.equal(inNetns(a.init_pid, ['ip', 'link', 'set', 'eth0', 'address', '02:de:ad:be:ef:01']).status, 0);
       // The peer must learn the sandbox's MAC afresh (from frames the port now drops).
       assert.equal(inNetns(v.init_pid, ['ip', 'neigh', 'flush', 'dev', 'eth0']).status, 0);
-      assert.notEqual(inNetns(a.init_pid, ['/bin/busybox', 'ping', '-c', '2', '-W', '1', v.ip]).status, 0, 'frames from a forged MAC got through');
+      assert.notEqual(
+        inNetns(a.init_pid, ['/bin/busybox', 'ping', '-c', '2', '-W', '1', v.ip]).status,
+        0,
+        'frames from a forged MAC got through',
+      );
     } finally {
       await b.destroy('spoof-a');
       await b.destroy('spoof-v');
@@ -331,9 +345,13 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
     await b.create({ name: 'last', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'eta' });
     assert.equal(run('nft', ['list', 'table', 'inet', `fleet_${prefix}`]).status, 0);
     await b.destroy('last');
-    for (const family of ['inet', 'bridge']) assert.notEqual(run('nft', ['list', 'table', family, `fleet_${prefix}`]).status, 0, `table ${family} fleet_${prefix} left behind`);
+    for (const family of ['inet', 'bridge'])
+      assert.notEqual(run('nft', ['list', 'table', family, `fleet_${prefix}`]).status, 0, `table ${family} fleet_${prefix} left behind`);
     const links = (JSON.parse(must('ip', ['-j', 'link', 'show'])) as Array<{ ifname: string }>).map((l) => l.ifname);
-    assert.deepEqual(links.filter((l) => l.startsWith(prefix)), []);
+    assert.deepEqual(
+      links.filter((l) => l.startsWith(prefix)),
+      [],
+    );
     const report = await b.prune();
     assert.deepEqual([report.bridges, report.veths, report.errors], [[], [], []]);
     assert.equal((await b.reassertNetwork()).repaired, 0, 'no sandbox, no table: nothing to repair');

@@ -37,8 +37,10 @@ function missingFeature(): string | undefined {
     if (!/\toverlay$/m.test(spawnSync('cat', ['/proc/filesystems'], { encoding: 'utf8' }).stdout)) return 'overlayfs';
   }
   const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
-  if (!v2 && !['cpu', 'memory', 'pids', 'freezer'].every((c) => existsSync(`/sys/fs/cgroup/${c}/tasks`))) return 'cgroups (v1 cpu/memory/pids/freezer or v2)';
-  if (spawnSync('unshare', ['--pid', '--mount', '--uts', '--ipc', '--net', '--fork', 'true']).status !== 0) return 'unshare of pid/mount/uts/ipc/net namespaces';
+  if (!v2 && !['cpu', 'memory', 'pids', 'freezer'].every((c) => existsSync(`/sys/fs/cgroup/${c}/tasks`)))
+    return 'cgroups (v1 cpu/memory/pids/freezer or v2)';
+  if (spawnSync('unshare', ['--pid', '--mount', '--uts', '--ipc', '--net', '--fork', 'true']).status !== 0)
+    return 'unshare of pid/mount/uts/ipc/net namespaces';
   return undefined;
 }
 
@@ -48,10 +50,18 @@ if (skip) console.log(`# SKIP process backend tests: host feature missing: ${ski
 const uniquePrefix = (letter: string): string => `${letter}${randomBytes(2).toString('hex')}`;
 const uniqueSubnet = (): string => `10.${250 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`;
 
-
-
-async function sh(b: ProcessBackend, name: string, script: string, opts: { input?: string; env?: Record<string, string>; cwd?: string } = {}): Promise<Ran> {
-  const h = await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: opts.input !== undefined, ...(opts.env ? { env: opts.env } : {}), ...(opts.cwd ? { cwd: opts.cwd } : {}) });
+async function sh(
+  b: ProcessBackend,
+  name: string,
+  script: string,
+  opts: { input?: string; env?: Record<string, string>; cwd?: string } = {},
+): Promise<Ran> {
+  const h = await b.spawn(name, {
+    argv: ['/bin/sh', '-c', script],
+    stdin: opts.input !== undefined,
+    ...(opts.env ? { env: opts.env } : {}),
+    ...(opts.cwd ? { cwd: opts.cwd } : {}),
+  });
   if (opts.input !== undefined) h.stdin.end(opts.input);
   return collect(h);
 }
@@ -78,8 +88,14 @@ describe('process backend: pure parts', () => {
     assert.match(generateMac('vm-1'), /^02(:[0-9a-f]{2}){5}$/);
     const tiny = parseSubnet('10.9.9.0/29'); // .2-.6 usable
     const full = new Set(['10.9.9.2', '10.9.9.3', '10.9.9.4', '10.9.9.5', '10.9.9.6']);
-    assert.throws(() => reserve(tiny, 'x', undefined, full), (e: unknown) => e instanceof AppError && e.code === 'HOST_CAPACITY_EXHAUSTED');
-    assert.throws(() => parseSubnet('10.0.0.0'), (e: unknown) => e instanceof AppError && e.code === 'INVALID_SANDBOX_SPEC');
+    assert.throws(
+      () => reserve(tiny, 'x', undefined, full),
+      (e: unknown) => e instanceof AppError && e.code === 'HOST_CAPACITY_EXHAUSTED',
+    );
+    assert.throws(
+      () => parseSubnet('10.0.0.0'),
+      (e: unknown) => e instanceof AppError && e.code === 'INVALID_SANDBOX_SPEC',
+    );
   });
 
   test('guest path resolution on a plain directory: .., relative and absolute symlinks, loops', async () => {
@@ -112,10 +128,21 @@ describe('process backend: pure parts', () => {
   });
 
   test('nvidia-smi output parses into devices and MIG instances', () => {
-    const devs = parseGpuCsv('GPU-aaa, NVIDIA A100-SXM4-40GB, 00000000:07:00.0, 40960, 535.54.03, 8.0, Enabled\nGPU-bbb, NVIDIA L4, 00000000:08:00.0, 23034, 535.54.03, 8.9, [N/A]\n');
+    const devs = parseGpuCsv(
+      'GPU-aaa, NVIDIA A100-SXM4-40GB, 00000000:07:00.0, 40960, 535.54.03, 8.0, Enabled\nGPU-bbb, NVIDIA L4, 00000000:08:00.0, 23034, 535.54.03, 8.9, [N/A]\n',
+    );
     assert.equal(devs.length, 2);
-    assert.deepEqual(devs[1], { uuid: 'GPU-bbb', model: 'NVIDIA L4', pci_bus_id: '00000000:08:00.0', memory_mb: 23034, driver_version: '535.54.03', compute_cap: '8.9' });
-    const migs = parseMigList('GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-aaa)\n  MIG 1g.5gb      Device  0: (UUID: MIG-111)\n  MIG 1g.5gb      Device  1: (UUID: MIG-222)\nGPU 1: NVIDIA L4 (UUID: GPU-bbb)\n');
+    assert.deepEqual(devs[1], {
+      uuid: 'GPU-bbb',
+      model: 'NVIDIA L4',
+      pci_bus_id: '00000000:08:00.0',
+      memory_mb: 23034,
+      driver_version: '535.54.03',
+      compute_cap: '8.9',
+    });
+    const migs = parseMigList(
+      'GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-aaa)\n  MIG 1g.5gb      Device  0: (UUID: MIG-111)\n  MIG 1g.5gb      Device  1: (UUID: MIG-222)\nGPU 1: NVIDIA L4 (UUID: GPU-bbb)\n',
+    );
     assert.deepEqual(migs, [
       { uuid: 'MIG-111', profile: '1g.5gb', kind: 'mig', parent_gpu_uuid: 'GPU-aaa' },
       { uuid: 'MIG-222', profile: '1g.5gb', kind: 'mig', parent_gpu_uuid: 'GPU-aaa' },
@@ -140,7 +167,12 @@ describe('process backend: cgroup v2 layout', () => {
       assert.equal(await readFile(join(fake, 'fleet-v2t', 'sb', 'memory.max'), 'utf8'), String(256 * 1024 * 1024));
       assert.equal(await readFile(join(fake, 'fleet-v2t', 'sb', 'pids.max'), 'utf8'), '100');
       assert.deepEqual(cg.procsFiles('sb'), [join(fake, 'fleet-v2t', 'sb', 'cgroup.procs')]);
-      assert.deepEqual(await cg.readLimits('sb'), { cpuQuotaUs: 150000, cpuPeriodUs: 100000, memoryBytes: 256 * 1024 * 1024, pidsMax: 100 });
+      assert.deepEqual(await cg.readLimits('sb'), {
+        cpuQuotaUs: 150000,
+        cpuPeriodUs: 100000,
+        memoryBytes: 256 * 1024 * 1024,
+        pidsMax: 100,
+      });
       assert.deepEqual(await cg.list(), ['sb']);
     } finally {
       await rm(fake, { recursive: true, force: true });
@@ -156,10 +188,19 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
   let b: ProcessBackend;
   let opts: ProcessBackendOptions;
 
-  async function openBackend(extra: Partial<ProcessBackendOptions> = {}): Promise<{ backend: ProcessBackend; options: ProcessBackendOptions }> {
+  async function openBackend(
+    extra: Partial<ProcessBackendOptions> = {},
+  ): Promise<{ backend: ProcessBackend; options: ProcessBackendOptions }> {
     const bridgePrefix = extra.bridgePrefix ?? uniquePrefix('p');
     prefixes.push(bridgePrefix);
-    const options: ProcessBackendOptions = { dataDir: await mkdtemp(join(root, 'data-')), imageDir, subnet: uniqueSubnet(), bridgePrefix, maxSandboxes: 16, ...extra };
+    const options: ProcessBackendOptions = {
+      dataDir: await mkdtemp(join(root, 'data-')),
+      imageDir,
+      subnet: uniqueSubnet(),
+      bridgePrefix,
+      maxSandboxes: 16,
+      ...extra,
+    };
     const backend = await ProcessBackend.open(options);
     backends.push(backend);
     return { backend, options };
@@ -192,7 +233,11 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal(info.image, 'base');
     assert.equal(info.mac, generateMac('basic'));
     assert.ok(info.init_pid > 0);
-    const r = await sh(b, 'basic', 'echo "out:$FROM_SPEC:$FROM_EXEC:$(pwd):$(hostname)"; cat; echo err >&2; exit 7', { input: 'piped-in\n', env: { FROM_EXEC: 'exec' }, cwd: '/tmp' });
+    const r = await sh(b, 'basic', 'echo "out:$FROM_SPEC:$FROM_EXEC:$(pwd):$(hostname)"; cat; echo err >&2; exit 7', {
+      input: 'piped-in\n',
+      env: { FROM_EXEC: 'exec' },
+      cwd: '/tmp',
+    });
     assert.equal(r.exitCode, 7);
     assert.equal(r.stdout, 'out:spec:exec:/tmp:basic\npiped-in\n');
     assert.equal(r.stderr, 'err\n');
@@ -206,7 +251,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     await rejectsWithCode(b.spawn('ghost', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_FOUND');
     const log = await readFile(info.console_log, 'utf8');
     assert.match(log, /fleet sandbox up: basic/, 'the init writes its output to the serial-style log');
-    assert.deepEqual((await b.list('bas')).map((s) => s.name), ['basic']);
+    assert.deepEqual(
+      (await b.list('bas')).map((s) => s.name),
+      ['basic'],
+    );
     assert.deepEqual(await b.list('zzz'), []);
   });
 
@@ -215,13 +263,20 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     const infos = await Promise.all(names.map((name) => b.create({ name, cpus: 1, ram_mb: 64, tenant: 'acme' })));
     assert.equal(new Set(infos.map((i) => i.ip)).size, 4);
     const outs = await Promise.all(names.map((n) => sh(b, n, 'hostname')));
-    assert.deepEqual(outs.map((o) => o.stdout.trim()), names);
+    assert.deepEqual(
+      outs.map((o) => o.stdout.trim()),
+      names,
+    );
     await Promise.all(names.map((n) => b.destroy(n)));
 
     await mkdir(join(imageDir, 'noinit', 'bin'), { recursive: true });
     await rejectsWithCode(b.create({ name: 'broken', image: 'noinit', cpus: 1, ram_mb: 64, tenant: 'acme' }), 'SANDBOX_FAILED');
     assert.ok(!existsSync(join(opts.dataDir, 'sandboxes', 'broken')), 'sandbox directory left behind');
-    assert.ok(!existsSync(`/sys/fs/cgroup/memory/fleet-${opts.bridgePrefix}/broken`) && !existsSync(`/sys/fs/cgroup/fleet-${opts.bridgePrefix}/broken`), 'cgroup left behind');
+    assert.ok(
+      !existsSync(`/sys/fs/cgroup/memory/fleet-${opts.bridgePrefix}/broken`) &&
+        !existsSync(`/sys/fs/cgroup/fleet-${opts.bridgePrefix}/broken`),
+      'cgroup left behind',
+    );
     await rejectsWithCode(b.get('broken'), 'SANDBOX_NOT_FOUND');
     const again = await b.create({ name: 'after-broken', cpus: 1, ram_mb: 64, tenant: 'acme' });
     assert.equal(again.ip, infos.map((i) => i.ip).sort()[0], 'the failed create released its address');
@@ -238,7 +293,11 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     const cg = await readFile(`/proc/${info.init_pid}/cgroup`, 'utf8');
     assert.match(cg, new RegExp(`fleet-${opts.bridgePrefix}/limited`), 'the init runs in the sandbox cgroup');
     // Exec'd processes join it too: the pid limit bites inside the sandbox.
-    const r = await sh(b, 'limited', 'for i in $(seq 1 80); do sleep 5 >/dev/null 2>&1 & done 2>/dev/null; n=$(ls /proc | grep -c "^[0-9]"); killall sleep 2>/dev/null; echo $n');
+    const r = await sh(
+      b,
+      'limited',
+      'for i in $(seq 1 80); do sleep 5 >/dev/null 2>&1 & done 2>/dev/null; n=$(ls /proc | grep -c "^[0-9]"); killall sleep 2>/dev/null; echo $n',
+    );
     assert.ok(Number(r.stdout.trim()) <= 64, `at most 64 pids, saw ${r.stdout.trim()}`);
     await b.destroy('limited');
   });
@@ -250,7 +309,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.ok(!/node|tsx|systemd/.test(procs), `host processes visible in the sandbox:\n${procs}`);
     assert.ok(procs.split('\n').filter(Boolean).length < 10, `only the sandbox's own processes: ${procs}`);
     // Tokens are spelled in pieces so the script's own command line cannot match them.
-    const r = await sh(b, 'iso', `
+    const r = await sh(
+      b,
+      'iso',
+      `
       echo x > /../../../../tmp/${marker} && echo "wrote""-inside"
       mount -t tmpfs t /mnt 2>/dev/null && echo "MOU""NTED"
       mknod /tmp/disk b 8 0 2>/dev/null && echo "MK""NOD"
@@ -258,7 +320,8 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
       mv /dev/.fleet /dev/.moved 2>/dev/null && echo "SWA""PPED"
       touch /dev/.fleet/x 2>/dev/null && echo "SWA""PPED"
       cp /bin/sh /dev/.fleet/busybox 2>/dev/null && echo "SWA""PPED"
-      tr '\\0' ' ' < /proc/1/cmdline`);
+      tr '\\0' ' ' < /proc/1/cmdline`,
+    );
     assert.match(r.stdout, /wrote-inside/);
     assert.ok(!existsSync(`/tmp/${marker}`), 'a write climbing out with .. landed on the host');
     assert.ok(!/MOUNTED|MKNOD|CHROOTED|SWAPPED/.test(r.stdout), `privileged operation allowed: ${r.stdout}`);
@@ -269,10 +332,17 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
   test('network: same tenant reachable, another tenant blocked; cross-tenant allowed only by the operator flag', async () => {
     // busybox ping opens a raw socket: the pinging sandboxes opt in to CAP_NET_RAW.
     const a1 = await b.create({ name: 'net-a1', cpus: 1, ram_mb: 64, tenant: 'alpha', net_raw: true });
-    const a2 = await b.create({ name: 'net-a2', cpus: 1, ram_mb: 64, tenant: 'alpha', ipHint: parseSubnet(opts.subnet!).gateway.replace(/\.1$/, '.200') });
+    const a2 = await b.create({
+      name: 'net-a2',
+      cpus: 1,
+      ram_mb: 64,
+      tenant: 'alpha',
+      ipHint: parseSubnet(opts.subnet!).gateway.replace(/\.1$/, '.200'),
+    });
     const b1 = await b.create({ name: 'net-b1', cpus: 1, ram_mb: 64, tenant: 'beta', net_raw: true });
     assert.match(a2.ip, /\.200$/, 'a free ip hint is honoured');
-    const ping = async (from: string, ip: string): Promise<boolean> => (await sh(b, from, `ping -c 1 -W 1 ${ip} >/dev/null 2>&1`)).exitCode === 0;
+    const ping = async (from: string, ip: string): Promise<boolean> =>
+      (await sh(b, from, `ping -c 1 -W 1 ${ip} >/dev/null 2>&1`)).exitCode === 0;
     assert.equal(await ping('net-a1', a2.ip), true, 'same tenant reaches its peer');
     assert.equal(await ping('net-a1', b1.ip), false, 'a sandbox reached another tenant');
     assert.equal(await ping('net-b1', a1.ip), false, 'a sandbox reached another tenant');
@@ -294,7 +364,11 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
 
   test('guest paths are confined: .. and symlink escapes are refused, absolute symlinks stay inside', async () => {
     const info = await b.create({ name: 'paths', cpus: 1, ram_mb: 64, tenant: 'acme' });
-    const made = await sh(b, 'paths', 'ln -s ../../../../../../etc /tmp/up && ln -s /etc /tmp/abs && mkdir -p /data && echo inside > /data/f');
+    const made = await sh(
+      b,
+      'paths',
+      'ln -s ../../../../../../etc /tmp/up && ln -s /etc /tmp/abs && mkdir -p /data && echo inside > /data/f',
+    );
     assert.equal(made.exitCode, 0, made.stderr);
     await rejectsWithCode(b.resolveGuestPath('paths', '../../etc/passwd', { forWrite: false }), 'PATH_ESCAPES_SANDBOX');
     await rejectsWithCode(b.resolveGuestPath('paths', '/data/../../../x', { forWrite: true }), 'PATH_ESCAPES_SANDBOX');
@@ -330,7 +404,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     await rejectsWithCode(b.writeGuestFile('paths', '/tmp/up/x', Readable.from([Buffer.from('x')])), 'PATH_ESCAPES_SANDBOX');
     await rejectsWithCode(b.writeGuestFile('paths', '/data', Readable.from([Buffer.from('x')])), 'GUEST_PATH_NOT_A_FILE');
     await rejectsWithCode(b.readGuestFile('paths', '/data'), 'GUEST_PATH_NOT_A_FILE');
-    await rejectsWithCode(b.writeGuestFile('paths', '/data/big', Readable.from([randomBytes(70_000), randomBytes(70_000)]), { maxBytes: 100_000 }), 'PAYLOAD_TOO_LARGE');
+    await rejectsWithCode(
+      b.writeGuestFile('paths', '/data/big', Readable.from([randomBytes(70_000), randomBytes(70_000)]), { maxBytes: 100_000 }),
+      'PAYLOAD_TOO_LARGE',
+    );
     const leftovers = await sh(b, 'paths', 'ls -a /data');
     assert.ok(!/big/.test(leftovers.stdout), `an oversized upload left ${leftovers.stdout}`);
     await b.destroy('paths');
@@ -359,7 +436,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal(restored.checkpoint_id, cp.id);
     const r = await sh(b, 'ck-dst', 'cat /srv/state; test -e /etc/hosts && echo hosts-back; ls /opq');
     assert.equal(r.stdout, 'persisted\na\n', `file present, deletion (whiteout) preserved: ${JSON.stringify(r)}`);
-    await rejectsWithCode(b.create({ name: 'ck-bad', checkpointId: 'no-such', cpus: 1, ram_mb: 64, tenant: 'acme' }), 'CHECKPOINT_NOT_FOUND');
+    await rejectsWithCode(
+      b.create({ name: 'ck-bad', checkpointId: 'no-such', cpus: 1, ram_mb: 64, tenant: 'acme' }),
+      'CHECKPOINT_NOT_FOUND',
+    );
     await rejectsWithCode(b.checkpoint('ck-src', { id: cp.id }), 'CHECKPOINT_EXISTS');
 
     // Import: a staged copy under a new id commits atomically; a corrupt one leaves nothing.
@@ -407,8 +487,19 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal(await res.text(), 'hello-from-guest\n');
 
     // busybox has no UDP server: a host node process joins only the sandbox's network namespace to echo.
-    const echo = spawn('nsenter', ['-t', String(info.init_pid), '-n', '--', process.execPath, '-e',
-      `const s=require('dgram').createSocket('udp4');s.on('message',(m,r)=>s.send(Buffer.concat([Buffer.from('echo:'),m]),r.port,r.address));s.bind(9000,()=>console.log('bound'))`], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const echo = spawn(
+      'nsenter',
+      [
+        '-t',
+        String(info.init_pid),
+        '-n',
+        '--',
+        process.execPath,
+        '-e',
+        `const s=require('dgram').createSocket('udp4');s.on('message',(m,r)=>s.send(Buffer.concat([Buffer.from('echo:'),m]),r.port,r.address));s.bind(9000,()=>console.log('bound'))`,
+      ],
+      { stdio: ['ignore', 'pipe', 'inherit'] },
+    );
     try {
       await new Promise<void>((resolve, reject) => {
         echo.stdout.once('data', () => resolve());
@@ -456,7 +547,11 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
   });
 
   async function ttyRoundTrip(backend: ProcessBackend, name: string): Promise<{ out: string; exitCode: number | null }> {
-    const h = await backend.spawn(name, { argv: ['/bin/sh', '-c', 'stty size; read x; stty size; exit 4'], stdin: true, tty: { rows: 30, cols: 100 } });
+    const h = await backend.spawn(name, {
+      argv: ['/bin/sh', '-c', 'stty size; read x; stty size; exit 4'],
+      stdin: true,
+      tty: { rows: 30, cols: 100 },
+    });
     let out = '';
     h.stdout.setEncoding('utf8').on('data', (d: string) => (out += d));
     for (let i = 0; i < 100 && !out.includes('30 100'); i++) await new Promise((r) => setTimeout(r, 20));
@@ -504,7 +599,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     const got = await b.get('dies');
     assert.equal(got.state, 'stopped');
     assert.equal(got.init_pid, 0);
-    assert.deepEqual((await b.list('dies')).map((s) => s.state), ['stopped']);
+    assert.deepEqual(
+      (await b.list('dies')).map((s) => s.state),
+      ['stopped'],
+    );
     await rejectsWithCode(b.spawn('dies', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_RUNNING');
     await rejectsWithCode(b.resolveGuestPath('dies', '/etc', { forWrite: false }), 'SANDBOX_NOT_RUNNING');
     // Its layer is still there to checkpoint.
@@ -602,14 +700,20 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
       fresh = await ProcessBackend.open(options);
       backends.push(fresh);
       const listed = await fresh.list();
-      assert.deepEqual(listed.map((s) => [s.name, s.state, s.init_pid]), [['survivor', 'running', created.init_pid]]);
+      assert.deepEqual(
+        listed.map((s) => [s.name, s.state, s.init_pid]),
+        [['survivor', 'running', created.init_pid]],
+      );
       assert.equal(listed[0]!.endpoints[0]!.host_port, created.endpoints[0]!.host_port, 'republished on the same host port');
       const r = await sh(fresh, 'survivor', 'mkdir -p /w && echo back > /w/index.html && httpd -p 8080 -h /w && echo ok');
       assert.equal(r.stdout, 'ok\n');
       const res = await fetch(`${listed[0]!.endpoints[0]!.url}/index.html`, { signal: AbortSignal.timeout(5000) });
       assert.equal(await res.text(), 'back\n');
       await fresh.destroy('survivor');
-      assert.ok(!existsSync(`/proc/${created.init_pid}`) || (await readFile(`/proc/${created.init_pid}/stat`, 'utf8').catch(() => '')).includes(') Z'));
+      assert.ok(
+        !existsSync(`/proc/${created.init_pid}`) ||
+          (await readFile(`/proc/${created.init_pid}/stat`, 'utf8').catch(() => '')).includes(') Z'),
+      );
     } finally {
       child.kill('SIGKILL');
       // Whatever failed above, a backend on that data directory owns the survivor: after() destroys it.
@@ -631,7 +735,9 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     // A host-side mount a crashed agent could leave (by design the backend mounts only inside sandboxes).
     assert.equal(spawnSync('mount', ['-t', 'tmpfs', 'stray', join(strayDir, 'root')]).status, 0);
     const v2 = p.cgroupVersion === 2;
-    const cgDirs = v2 ? [`/sys/fs/cgroup/fleet-${prefix}/ghost`] : ['cpu', 'memory', 'pids', 'freezer'].map((c) => `/sys/fs/cgroup/${c}/fleet-${prefix}/ghost`);
+    const cgDirs = v2
+      ? [`/sys/fs/cgroup/fleet-${prefix}/ghost`]
+      : ['cpu', 'memory', 'pids', 'freezer'].map((c) => `/sys/fs/cgroup/${c}/fleet-${prefix}/ghost`);
     for (const d of cgDirs) await mkdir(d, { recursive: true });
     const sleeper = spawn('sleep', ['60'], { stdio: 'ignore' });
     for (const d of cgDirs) await writeFile(join(d, 'cgroup.procs'), String(sleeper.pid));
@@ -651,6 +757,10 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     assert.equal((await sh(p, 'keeper', 'echo still-here')).stdout, 'still-here\n', 'prune spared the live sandbox');
     await p.destroy('keeper');
     const after = await p.prune();
-    assert.deepEqual([after.veths, after.cgroups.filter((c) => c !== `fleet-${prefix}`), after.directories], [[], [], []], 'nothing left behind by destroy');
+    assert.deepEqual(
+      [after.veths, after.cgroups.filter((c) => c !== `fleet-${prefix}`), after.directories],
+      [[], [], []],
+      'nothing left behind by destroy',
+    );
   });
 });

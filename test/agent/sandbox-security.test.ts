@@ -54,8 +54,6 @@ int main(void) {
 }
 `;
 
-
-
 async function sh(b: ProcessBackend, name: string, script: string, env?: Record<string, string>): Promise<Ran> {
   return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false, ...(env ? { env } : {}) }));
 }
@@ -109,8 +107,13 @@ describe('sandbox security boundary', { skip: skip ? `host feature missing: ${sk
     const marker = join(root, `marker-${name}`);
     const names = ['sh', 'stty', 'setpriv', 'nsenter', 'busybox', 'script', 'env', 'unshare', 'cat', 'ip', 'tar'];
     const trap = `#!/bin/sh\necho "$0" >> ${marker}\nexit 0\n`;
-    const made = await sh(backend, name, `mkdir -p /trap /guestbin && for n in ${names.join(' ')}; do printf '%s' "$TRAP" > /trap/$n && chmod 755 /trap/$n; done
-printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cmd && chmod 755 /guestbin/guest-cmd`, { TRAP: trap });
+    const made = await sh(
+      backend,
+      name,
+      `mkdir -p /trap /guestbin && for n in ${names.join(' ')}; do printf '%s' "$TRAP" > /trap/$n && chmod 755 /trap/$n; done
+printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cmd && chmod 755 /guestbin/guest-cmd`,
+      { TRAP: trap },
+    );
     assert.equal(made.exitCode, 0, made.stderr);
     return { hostPath: join(backend.sandboxDir(name), 'upper', 'trap'), marker };
   }
@@ -128,7 +131,10 @@ printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cm
     assert.equal(r.exitCode, 0, r.stderr);
     assert.equal(r.stdout, 'guest-path-works /nonexistent-probe.so\n', 'the guest resolves its own PATH and sees its LD_PRELOAD');
     assert.doesNotMatch(r.stderr, /ld\.so|LD_PRELOAD|cannot be preloaded/, 'a host-side process honoured the tenant LD_PRELOAD');
-    assert.ok(!existsSync(marker), `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`);
+    assert.ok(
+      !existsSync(marker),
+      `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`,
+    );
     await b.destroy('env-piped');
   });
 
@@ -138,9 +144,17 @@ printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cm
       const name = `env-tty-${pty}`;
       await backend.create({ name, cpus: 1, ram_mb: 64, tenant: 'acme' });
       const { hostPath, marker } = await plantHostPathTraps(backend, name);
-      const h = await backend.spawn(name, { argv: ['/bin/sh', '-c', 'guest-cmd; stty size; exit 3'], stdin: true, tty: { rows: 33, cols: 101 }, env: hostileEnv(hostPath) });
+      const h = await backend.spawn(name, {
+        argv: ['/bin/sh', '-c', 'guest-cmd; stty size; exit 3'],
+        stdin: true,
+        tty: { rows: 33, cols: 101 },
+        env: hostileEnv(hostPath),
+      });
       const r = await collect(h);
-      assert.ok(!existsSync(marker), `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`);
+      assert.ok(
+        !existsSync(marker),
+        `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`,
+      );
       assert.doesNotMatch(r.stdout + r.stderr, /ld\.so|cannot be preloaded/, 'a host-side process honoured the tenant LD_PRELOAD');
       assert.equal(r.exitCode, 3);
       assert.match(r.stdout, /guest-path-works \/nonexistent-probe\.so/);
@@ -152,19 +166,39 @@ printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cm
   test('through the agent API: exec and a TTY attach with LD_PRELOAD and a PATH into the layer reach no host-side process', async () => {
     let agent: RunningAgent | undefined;
     try {
-      agent = await startAgent({ dataDir: await mkdtemp(join(root, 'agent-')), imageDir: join(root, 'images'), subnet: uniqueSubnet(), bridgePrefix: uniquePrefix(), env: { AGENT_LOG_LEVEL: 'warn' } }, 60_000);
+      agent = await startAgent(
+        {
+          dataDir: await mkdtemp(join(root, 'agent-')),
+          imageDir: join(root, 'images'),
+          subnet: uniqueSubnet(),
+          bridgePrefix: uniquePrefix(),
+          env: { AGENT_LOG_LEVEL: 'warn' },
+        },
+        60_000,
+      );
       await agent.client.createVm({ name: 'api', image: 'base' });
       const hostUpper = join(agent.opts.dataDir, 'sandboxes', 'api', 'upper');
       const marker = join(root, 'marker-api');
       const plant = await agent.client.exec('api', {
-        argv: ['/bin/sh', '-c', `mkdir -p /trap && for n in sh stty setpriv nsenter busybox script env; do printf '#!/bin/sh\necho "$0" >> ${marker}\n' > /trap/$n; chmod 755 /trap/$n; done`],
+        argv: [
+          '/bin/sh',
+          '-c',
+          `mkdir -p /trap && for n in sh stty setpriv nsenter busybox script env; do printf '#!/bin/sh\necho "$0" >> ${marker}\n' > /trap/$n; chmod 755 /trap/$n; done`,
+        ],
       });
       assert.equal(plant.exit_code, 0, plant.stderr);
       const env = hostileEnv(join(hostUpper, 'trap'));
       const r = await agent.client.exec('api', { argv: ['/bin/sh', '-c', 'echo "in:$LD_PRELOAD"'], env });
       assert.doesNotMatch(r.stderr, /ld\.so|cannot be preloaded/, 'a host-side process honoured the tenant LD_PRELOAD');
       assert.equal(r.stdout, 'in:/nonexistent-probe.so\n');
-      const s = await agent.client.attach('api', { type: 'start', cmd: ['/bin/sh', '-c', 'stty size; echo "in:$LD_PRELOAD"; exit 5'], tty: true, rows: 31, cols: 99, env });
+      const s = await agent.client.attach('api', {
+        type: 'start',
+        cmd: ['/bin/sh', '-c', 'stty size; echo "in:$LD_PRELOAD"; exit 5'],
+        tty: true,
+        rows: 31,
+        cols: 99,
+        env,
+      });
       let out = '';
       let code: number | undefined;
       for await (const f of s.frames) {
@@ -172,7 +206,10 @@ printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cm
         if (f.type === 'exit') code = f.code ?? undefined;
       }
       s.close();
-      assert.ok(!existsSync(marker), `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`);
+      assert.ok(
+        !existsSync(marker),
+        `a host-side process ran a program from the tenant's PATH: ${existsSync(marker) ? await readFile(marker, 'utf8') : ''}`,
+      );
       assert.doesNotMatch(out, /ld\.so|cannot be preloaded/);
       assert.match(out, /31 99[\s\S]*in:\/nonexistent-probe\.so/);
       assert.equal(code, 5);
@@ -204,7 +241,8 @@ printf '#!/bin/sh\\necho guest-path-works "$LD_PRELOAD"\\n' > /guestbin/guest-cm
 
   test('CAP_NET_RAW only when the spec asks for it', async () => {
     const NET_RAW = 13n;
-    const capEff = async (name: string): Promise<bigint> => BigInt(`0x${/CapEff:\s+([0-9a-f]+)/.exec((await sh(b, name, 'cat /proc/self/status')).stdout)![1]}`);
+    const capEff = async (name: string): Promise<bigint> =>
+      BigInt(`0x${/CapEff:\s+([0-9a-f]+)/.exec((await sh(b, name, 'cat /proc/self/status')).stdout)![1]}`);
     await b.create({ name: 'raw-no', cpus: 1, ram_mb: 64, tenant: 'acme' });
     await b.create({ name: 'raw-yes', cpus: 1, ram_mb: 64, tenant: 'acme', net_raw: true });
     assert.equal((await capEff('raw-no')) & (1n << NET_RAW), 0n, 'CAP_NET_RAW kept without net_raw');
@@ -228,7 +266,10 @@ echo 1 > /proc/sys/kernel/sysrq 2>/dev/null && echo SYSCTL-WRITABLE
 for p in /proc/bus /proc/fs /proc/irq /proc/sys /proc/sysrq-trigger; do grep -q " $p ro," /proc/self/mountinfo && echo "$p ro"; done
 true`,
     );
-    for (const line of r.stdout.trim().split('\n').filter((l) => /^\/(proc|sys)\/\S+ \d+$/.test(l))) {
+    for (const line of r.stdout
+      .trim()
+      .split('\n')
+      .filter((l) => /^\/(proc|sys)\/\S+ \d+$/.test(l))) {
       assert.match(line, / 0$/, `masked path has content: ${line}`);
     }
     assert.match(r.stdout, /\/proc\/keys 0/);
@@ -242,7 +283,11 @@ true`,
 
   test('user namespace: sandbox root is an unprivileged host id, its files are root-owned inside and on disk', async () => {
     await b.create({ name: 'userns', cpus: 1, ram_mb: 64, tenant: 'acme' });
-    const r = await sh(b, 'userns', 'cat /proc/self/uid_map /proc/self/gid_map; id -u; touch /made-inside; stat -c %u:%g /made-inside /bin/busybox');
+    const r = await sh(
+      b,
+      'userns',
+      'cat /proc/self/uid_map /proc/self/gid_map; id -u; touch /made-inside; stat -c %u:%g /made-inside /bin/busybox',
+    );
     const [uidMap, gidMap] = r.stdout.split('\n').map((l) => l.trim().split(/\s+/).map(Number));
     assert.equal(uidMap![0], 0);
     assert.ok(uidMap![1]! > 0, `sandbox root is host uid ${uidMap![1]}`);
@@ -259,13 +304,25 @@ true`,
 
   test('a checkpoint restores under another id block with the same ownership inside', async () => {
     await b.create({ name: 'cp-src', cpus: 1, ram_mb: 64, tenant: 'acme' });
-    const made = await sh(b, 'cp-src', 'mkdir -p /home/u && touch /home/u/f /rootfile && chown -R 1000:1000 /home/u && rm /etc/hosts && cat /proc/self/uid_map');
+    const made = await sh(
+      b,
+      'cp-src',
+      'mkdir -p /home/u && touch /home/u/f /rootfile && chown -R 1000:1000 /home/u && rm /etc/hosts && cat /proc/self/uid_map',
+    );
     assert.equal(made.exitCode, 0, made.stderr);
     const cp = await b.checkpoint('cp-src', { comment: 'userns' });
     await b.create({ name: 'cp-dst', cpus: 1, ram_mb: 64, tenant: 'acme', checkpointId: cp.id });
-    const r = await sh(b, 'cp-dst', 'stat -c "%n %u:%g" /home/u/f /rootfile /bin/busybox; [ -e /etc/hosts ] || echo hosts-deleted; cat /proc/self/uid_map');
+    const r = await sh(
+      b,
+      'cp-dst',
+      'stat -c "%n %u:%g" /home/u/f /rootfile /bin/busybox; [ -e /etc/hosts ] || echo hosts-deleted; cat /proc/self/uid_map',
+    );
     assert.match(r.stdout, /\/home\/u\/f 1000:1000\n\/rootfile 0:0\n\/bin\/busybox 0:0\nhosts-deleted\n/);
-    assert.notEqual(r.stdout.split('hosts-deleted\n')[1]!.trim().split(/\s+/)[1], made.stdout.trim().split(/\s+/)[1], 'both sandboxes got the same id block');
+    assert.notEqual(
+      r.stdout.split('hosts-deleted\n')[1]!.trim().split(/\s+/)[1],
+      made.stdout.trim().split(/\s+/)[1],
+      'both sandboxes got the same id block',
+    );
     await b.destroy('cp-src');
     await b.destroy('cp-dst');
   });
@@ -277,5 +334,4 @@ true`,
     assert.equal(r.stdout, '0:0 644\nhello');
     await b.destroy('own');
   });
-
 });

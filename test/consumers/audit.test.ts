@@ -15,11 +15,32 @@ describe('audit and replay', { timeout: 120_000 }, () => {
   before(async () => {
     h = await startHarness('audit');
     const events = lifecycle('v1', 'acme', 'h1', { requested: T('09:00:00.000'), booted: T('09:00:02.000'), ended: T('10:00:00.000') });
-    for (const e of events) positions.push((await h.service.store.append('vm-v1', [{ ...e, metadata: { ...e.metadata, causationId: randomUUID() } }], 'any')).position);
+    for (const e of events)
+      positions.push(
+        (await h.service.store.append('vm-v1', [{ ...e, metadata: { ...e.metadata, causationId: randomUUID() } }], 'any')).position,
+      );
     await appendLifecycle(h.service.store, 'g1', lifecycle('g1', 'globex', 'h1', { requested: T('09:00:00.000') }));
-    const cordoned = hostEventSchema.parse({ type: 'HostCordoned', data: { host_id: 'h1', reason: 'maintenance', at: T('09:30:00.000').toISOString() } });
-    await h.service.store.append('host-h1', [{ id: randomUUID(), type: cordoned.type, data: cordoned.data, metadata: { actor: 'admin', correlationId: randomUUID() } }], 'any');
-    await h.service.store.append('tenant-acme', [{ id: randomUUID(), type: 'QuotaReserved', data: { tenant_id: 'acme', snapshot_id: 's1', at: T('09:10:00.000').toISOString() }, metadata: { actor: 'tenant:acme' } }], 'any');
+    const cordoned = hostEventSchema.parse({
+      type: 'HostCordoned',
+      data: { host_id: 'h1', reason: 'maintenance', at: T('09:30:00.000').toISOString() },
+    });
+    await h.service.store.append(
+      'host-h1',
+      [{ id: randomUUID(), type: cordoned.type, data: cordoned.data, metadata: { actor: 'admin', correlationId: randomUUID() } }],
+      'any',
+    );
+    await h.service.store.append(
+      'tenant-acme',
+      [
+        {
+          id: randomUUID(),
+          type: 'QuotaReserved',
+          data: { tenant_id: 'acme', snapshot_id: 's1', at: T('09:10:00.000').toISOString() },
+          metadata: { actor: 'tenant:acme' },
+        },
+      ],
+      'any',
+    );
   });
   after(async () => h?.close());
 
@@ -30,9 +51,18 @@ describe('audit and replay', { timeout: 120_000 }, () => {
     assert.equal(r.statusCode, 200, r.body);
     const body = r.json();
     assert.equal(body.owner, 'acme');
-    assert.deepEqual(body.events.map((e: { type: string }) => e.type), ['VmRequested', 'VmPlaced', 'VmBootStarted', 'VmBooted', 'VmDestroyRequested', 'VmDestroyed']);
-    assert.deepEqual(body.events.map((e: { position: string }) => e.position), positions);
-    assert.deepEqual(body.events.map((e: { revision: string }) => e.revision), ['0', '1', '2', '3', '4', '5']);
+    assert.deepEqual(
+      body.events.map((e: { type: string }) => e.type),
+      ['VmRequested', 'VmPlaced', 'VmBootStarted', 'VmBooted', 'VmDestroyRequested', 'VmDestroyed'],
+    );
+    assert.deepEqual(
+      body.events.map((e: { position: string }) => e.position),
+      positions,
+    );
+    assert.deepEqual(
+      body.events.map((e: { revision: string }) => e.revision),
+      ['0', '1', '2', '3', '4', '5'],
+    );
     const first = body.events[0];
     assert.equal(first.time, '2026-05-01T09:00:00.000Z');
     assert.equal(first.actor, 'tenant:acme');
@@ -101,7 +131,10 @@ describe('audit and replay', { timeout: 120_000 }, () => {
     const cli = (args: string[]) => run(process.execPath, ['--import', 'tsx', 'src/cli/fleet.ts', ...args], { env, timeout: 60_000 });
     const audit = await cli(['audit', 'vm-v1']);
     assert.match(audit.stdout, /^vm-v1: 6 event\(s\)/);
-    assert.match(audit.stdout, /# {3}3 {2}2026-05-01T09:00:02.000Z {2}VmBooted\n\s+position [0-9a-f]{16}-[0-9a-f]{16} {2}actor tenant:acme {2}tenant acme\n\s+correlation [0-9a-f-]{36} {2}causation [0-9a-f-]{36}/);
+    assert.match(
+      audit.stdout,
+      /# {3}3 {2}2026-05-01T09:00:02.000Z {2}VmBooted\n\s+position [0-9a-f]{16}-[0-9a-f]{16} {2}actor tenant:acme {2}tenant acme\n\s+correlation [0-9a-f-]{36} {2}causation [0-9a-f-]{36}/,
+    );
     assert.match(audit.stdout, /"auth_token_encrypted":"\[sealed\]"/);
     const upTo = await cli(['audit', 'vm-v1', '--as-of', positions[1]!]);
     assert.match(upTo.stdout, /^vm-v1: 2 event\(s\) up to/);
@@ -109,7 +142,10 @@ describe('audit and replay', { timeout: 120_000 }, () => {
     assert.match(vm.stdout, /^vm\s+v1\n/);
     assert.match(vm.stdout, /\nstate\s+running\n/);
     assert.match(vm.stdout, /\nspec\s+2 CPU, 1024 MB RAM, 1 GB disk\n/);
-    await assert.rejects(cli(['vm', 'v1', '--as-of', '2020-01-01T00:00:00Z']), (err: { code: number; stderr: string }) => err.code === 1 && /did not exist/.test(err.stderr));
+    await assert.rejects(
+      cli(['vm', 'v1', '--as-of', '2020-01-01T00:00:00Z']),
+      (err: { code: number; stderr: string }) => err.code === 1 && /did not exist/.test(err.stderr),
+    );
     await assert.rejects(cli(['vm', 'v1']), (err: { code: number; stderr: string }) => err.code === 2 && /needs --as-of/.test(err.stderr));
   });
 });

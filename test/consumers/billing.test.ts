@@ -19,31 +19,62 @@ describe('billing usage', { timeout: 120_000 }, () => {
     h = await startHarness('billing');
     const store = h.service.store;
     // A: 10:30:00.000 → 12:15:00.500, 2 CPUs, 1024 MB
-    last = await appendLifecycle(store, 'vm-a', lifecycle('vm-a', 'acme', 'h1', { requested: T('10:29:58.000'), booted: T('10:30:00.000'), ended: T('12:15:00.500') }));
+    last = await appendLifecycle(
+      store,
+      'vm-a',
+      lifecycle('vm-a', 'acme', 'h1', { requested: T('10:29:58.000'), booted: T('10:30:00.000'), ended: T('12:15:00.500') }),
+    );
     // B: a GPU VM straddling 12:00 by one millisecond each side, ended by a failure
-    last = await appendLifecycle(store, 'vm-b', lifecycle('vm-b', 'acme', 'h1', { requested: T('11:59:50.000'), booted: T('11:59:59.999'), ended: T('12:00:00.001'), failed: true }, { cpus: 4, ram_mb: 2048, gpus: 2, gpu_kind: 'a100' }));
+    last = await appendLifecycle(
+      store,
+      'vm-b',
+      lifecycle(
+        'vm-b',
+        'acme',
+        'h1',
+        { requested: T('11:59:50.000'), booted: T('11:59:59.999'), ended: T('12:00:00.001'), failed: true },
+        { cpus: 4, ram_mb: 2048, gpus: 2, gpu_kind: 'a100' },
+      ),
+    );
     // C: globex, still running since 11:00
-    last = await appendLifecycle(store, 'vm-c', lifecycle('vm-c', 'globex', 'h2', { requested: T('10:59:59.000'), booted: T('11:00:00.000') }, { cpus: 1, ram_mb: 512 }));
+    last = await appendLifecycle(
+      store,
+      'vm-c',
+      lifecycle('vm-c', 'globex', 'h2', { requested: T('10:59:59.000'), booted: T('11:00:00.000') }, { cpus: 1, ram_mb: 512 }),
+    );
     // D: destroyed before it booted: never billed
-    last = await appendLifecycle(store, 'vm-d', lifecycle('vm-d', 'acme', 'h1', { requested: T('10:00:00.000'), ended: T('10:00:01.000') }));
+    last = await appendLifecycle(
+      store,
+      'vm-d',
+      lifecycle('vm-d', 'acme', 'h1', { requested: T('10:00:00.000'), ended: T('10:00:01.000') }),
+    );
     await h.service.runner.waitFor(last, 15_000);
   });
   after(async () => h?.close());
 
   it('splits a run exactly at hour boundaries', () => {
-    const pieces = splitUsage({ cpus: 2, ram_mb: 1024, gpus: 0, gpu_kind: '' }, T('10:30:00.000').getTime(), T('12:15:00.500').getTime()).filter((p) => p.metric === 'vm_seconds');
-    assert.deepEqual(pieces.map((p) => [new Date(p.hourMs).toISOString(), p.milli]), [
-      ['2026-03-01T10:00:00.000Z', 1_800_000n],
-      ['2026-03-01T11:00:00.000Z', 3_600_000n],
-      ['2026-03-01T12:00:00.000Z', 900_500n],
-    ]);
+    const pieces = splitUsage(
+      { cpus: 2, ram_mb: 1024, gpus: 0, gpu_kind: '' },
+      T('10:30:00.000').getTime(),
+      T('12:15:00.500').getTime(),
+    ).filter((p) => p.metric === 'vm_seconds');
+    assert.deepEqual(
+      pieces.map((p) => [new Date(p.hourMs).toISOString(), p.milli]),
+      [
+        ['2026-03-01T10:00:00.000Z', 1_800_000n],
+        ['2026-03-01T11:00:00.000Z', 3_600_000n],
+        ['2026-03-01T12:00:00.000Z', 900_500n],
+      ],
+    );
   });
 
   it('keeps closed usage per tenant and hour from event times, and the open interval of a running VM', async () => {
     const { rows } = await h.db.pool.query<{ tenant_id: string; hour: Date; metric: string; kind: string; quantity: string }>(
       'SELECT tenant_id, hour, metric, kind, quantity::text FROM billing_usage ORDER BY tenant_id, hour, metric, kind',
     );
-    const got = rows.map((r) => `${r.tenant_id} ${r.hour.toISOString().slice(11, 16)} ${r.metric}${r.kind ? `:${r.kind}` : ''} ${Number(r.quantity)}`);
+    const got = rows.map(
+      (r) => `${r.tenant_id} ${r.hour.toISOString().slice(11, 16)} ${r.metric}${r.kind ? `:${r.kind}` : ''} ${Number(r.quantity)}`,
+    );
     assert.deepEqual(got, [
       'acme 10:00 cpu_seconds 3600',
       'acme 10:00 ram_mb_seconds 1843200',
@@ -58,29 +89,66 @@ describe('billing usage', { timeout: 120_000 }, () => {
       'acme 12:00 vm_seconds 900.501',
     ]);
     const open = await h.db.pool.query('SELECT vm_id, tenant_id, started_at FROM billing_vms WHERE started_at IS NOT NULL');
-    assert.deepEqual(open.rows.map((r) => [r.vm_id, r.tenant_id, (r.started_at as Date).toISOString()]), [['vm-c', 'globex', '2026-03-01T11:00:00.000Z']]);
+    assert.deepEqual(
+      open.rows.map((r) => [r.vm_id, r.tenant_id, (r.started_at as Date).toISOString()]),
+      [['vm-c', 'globex', '2026-03-01T11:00:00.000Z']],
+    );
   });
 
   it('bills a running VM up to now in a query, without writing it', async () => {
-    const rows = await queryUsage(h.db.pool, { from: T('10:00:00'), to: T('14:00:00'), groupBy: 'hour', tenantId: 'globex', now: T('12:30:00.250') });
-    assert.deepEqual(rows.map((r) => [r.period_start, r.vm_seconds, r.cpu_seconds, r.ram_mb_seconds, r.includes_running]), [
-      ['2026-03-01T11:00:00.000Z', 3600, 3600, 1_843_200, true],
-      ['2026-03-01T12:00:00.000Z', 1800.25, 1800.25, 921_728, true],
-    ]);
-    const daily = await queryUsage(h.db.pool, { from: T('00:00:00'), to: new Date('2026-03-02T00:00:00Z'), groupBy: 'day', tenantId: undefined, now: T('12:30:00.250') });
-    assert.deepEqual(daily.map((r) => [r.tenant_id, r.period_start, r.vm_seconds, r.gpu_seconds]), [
-      ['acme', '2026-03-01T00:00:00.000Z', 6300.502, { a100: 0.004 }],
-      ['globex', '2026-03-01T00:00:00.000Z', 5400.25, {}],
-    ]);
+    const rows = await queryUsage(h.db.pool, {
+      from: T('10:00:00'),
+      to: T('14:00:00'),
+      groupBy: 'hour',
+      tenantId: 'globex',
+      now: T('12:30:00.250'),
+    });
+    assert.deepEqual(
+      rows.map((r) => [r.period_start, r.vm_seconds, r.cpu_seconds, r.ram_mb_seconds, r.includes_running]),
+      [
+        ['2026-03-01T11:00:00.000Z', 3600, 3600, 1_843_200, true],
+        ['2026-03-01T12:00:00.000Z', 1800.25, 1800.25, 921_728, true],
+      ],
+    );
+    const daily = await queryUsage(h.db.pool, {
+      from: T('00:00:00'),
+      to: new Date('2026-03-02T00:00:00Z'),
+      groupBy: 'day',
+      tenantId: undefined,
+      now: T('12:30:00.250'),
+    });
+    assert.deepEqual(
+      daily.map((r) => [r.tenant_id, r.period_start, r.vm_seconds, r.gpu_seconds]),
+      [
+        ['acme', '2026-03-01T00:00:00.000Z', 6300.502, { a100: 0.004 }],
+        ['globex', '2026-03-01T00:00:00.000Z', 5400.25, {}],
+      ],
+    );
     const { rows: written } = await h.db.pool.query("SELECT count(*)::int AS n FROM billing_usage WHERE tenant_id = 'globex'");
     assert.equal(written[0].n, 0);
   });
 
   it('closes the open interval exactly when the destroy event lands', async () => {
-    const ended = await appendLifecycle(h.service.store, 'vm-c', lifecycle('vm-c', 'globex', 'h2', { requested: T('10:59:59.000'), booted: T('11:00:00.000'), ended: T('13:00:00.000') }).slice(-2));
+    const ended = await appendLifecycle(
+      h.service.store,
+      'vm-c',
+      lifecycle('vm-c', 'globex', 'h2', { requested: T('10:59:59.000'), booted: T('11:00:00.000'), ended: T('13:00:00.000') }).slice(-2),
+    );
     await h.service.runner.waitFor(ended, 10_000);
-    const rows = await queryUsage(h.db.pool, { from: T('10:00:00'), to: T('14:00:00'), groupBy: 'hour', tenantId: 'globex', now: new Date() });
-    assert.deepEqual(rows.map((r) => [r.period_start.slice(11, 16), r.vm_seconds, r.includes_running]), [['11:00', 3600, false], ['12:00', 3600, false]]);
+    const rows = await queryUsage(h.db.pool, {
+      from: T('10:00:00'),
+      to: T('14:00:00'),
+      groupBy: 'hour',
+      tenantId: 'globex',
+      now: new Date(),
+    });
+    assert.deepEqual(
+      rows.map((r) => [r.period_start.slice(11, 16), r.vm_seconds, r.includes_running]),
+      [
+        ['11:00', 3600, false],
+        ['12:00', 3600, false],
+      ],
+    );
   });
 
   it('GET /v1/usage: own tenant only, admin any or all, JSON and CSV, validated', async () => {
@@ -98,7 +166,10 @@ describe('billing usage', { timeout: 120_000 }, () => {
     assert.equal(csv.statusCode, 200);
     assert.match(String(csv.headers['content-type']), /^text\/csv/);
     const lines = csv.body.trim().split('\r\n');
-    assert.equal(lines[0], 'tenant_id,period_start,vm_seconds,cpu_seconds,ram_mb_seconds,gpu_seconds:a100,snapshot_gb_hours,includes_running');
+    assert.equal(
+      lines[0],
+      'tenant_id,period_start,vm_seconds,cpu_seconds,ram_mb_seconds,gpu_seconds:a100,snapshot_gb_hours,includes_running',
+    );
     assert.equal(lines[2], 'acme,2026-03-01T11:00:00.000Z,3600.001,7200.004,3686402.048,0.002,0,false');
     const viaParam = await h.service.app.inject({ url: `/v1/usage?${q}&format=csv`, headers: auth(KEYS.acme) });
     assert.equal(viaParam.body, csv.body);

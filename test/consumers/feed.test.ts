@@ -7,7 +7,18 @@ import { ApiKeys } from '../../src/adapters/http/auth.js';
 import { eventsRoutes, FeedStats, toEnvironmentEvent } from '../../src/adapters/http/events.routes.js';
 import { Metrics } from '../../src/adapters/http/metrics.js';
 import type { RecordedEvent } from '../../src/domain/event-store.port.js';
-import { ADMIN_KEY, KEYS, appendLifecycle, auth, lifecycle, openSse, startHarness, vmEvent, type Harness, type SseClient } from './support.js';
+import {
+  ADMIN_KEY,
+  KEYS,
+  appendLifecycle,
+  auth,
+  lifecycle,
+  openSse,
+  startHarness,
+  vmEvent,
+  type Harness,
+  type SseClient,
+} from './support.js';
 
 const T0 = new Date('2026-04-01T08:00:00.000Z');
 const at = (s: number): Date => new Date(T0.getTime() + s * 1000);
@@ -16,8 +27,11 @@ const at = (s: number): Date => new Date(T0.getTime() + s * 1000);
 async function expectedFor(h: Harness, tenant: string | undefined, after?: string): Promise<string[]> {
   const all = await h.service.store.readAll({ after });
   const owners = new Map<string, string>();
-  for (const e of await h.service.store.readAll()) if (e.type === 'VmRequested') owners.set(e.streamId, (e.data as { tenant_id: string }).tenant_id);
-  return all.filter((e: RecordedEvent) => toEnvironmentEvent(e) && (tenant === undefined || owners.get(e.streamId) === tenant)).map((e) => e.position);
+  for (const e of await h.service.store.readAll())
+    if (e.type === 'VmRequested') owners.set(e.streamId, (e.data as { tenant_id: string }).tenant_id);
+  return all
+    .filter((e: RecordedEvent) => toEnvironmentEvent(e) && (tenant === undefined || owners.get(e.streamId) === tenant))
+    .map((e) => e.position);
 }
 
 const ids = (c: SseClient): string[] => c.frames.filter((f) => f.event === undefined).map((f) => f.id!);
@@ -38,8 +52,16 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
     await h.service.app.listen({ port: 0, host: '127.0.0.1' });
     base = `http://127.0.0.1:${(h.service.app.server.address() as AddressInfo).port}`;
     for (let i = 0; i < 4; i++) {
-      await appendLifecycle(h.service.store, `a${i}`, lifecycle(`a${i}`, 'acme', 'h1', { requested: at(i * 60), booted: at(i * 60 + 2), ended: at(i * 60 + 30) }));
-      await appendLifecycle(h.service.store, `g${i}`, lifecycle(`g${i}`, 'globex', 'h1', { requested: at(i * 60 + 1), booted: at(i * 60 + 3) }));
+      await appendLifecycle(
+        h.service.store,
+        `a${i}`,
+        lifecycle(`a${i}`, 'acme', 'h1', { requested: at(i * 60), booted: at(i * 60 + 2), ended: at(i * 60 + 30) }),
+      );
+      await appendLifecycle(
+        h.service.store,
+        `g${i}`,
+        lifecycle(`g${i}`, 'globex', 'h1', { requested: at(i * 60 + 1), booted: at(i * 60 + 3) }),
+      );
     }
   });
   after(async () => {
@@ -54,7 +76,13 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
     await acme.waitFor('acme caught up', () => caughtUp(acme));
     assert.deepEqual(ids(acme), await expectedFor(h, 'acme'));
     const first = JSON.parse(acme.frames[0]!.data!);
-    assert.deepEqual(first, { id: acme.frames[0]!.id, event: 'vm.requested', vm_id: 'a0', state: 'requested', updated_at: at(0).toISOString() });
+    assert.deepEqual(first, {
+      id: acme.frames[0]!.id,
+      event: 'vm.requested',
+      vm_id: 'a0',
+      state: 'requested',
+      updated_at: at(0).toISOString(),
+    });
     const booted = acme.frames.map((f) => JSON.parse(f.data!)).find((e) => e.event === 'vm.booted');
     assert.equal(booted.state, 'running');
     assert.match(booted.url, /^http:\/\//);
@@ -78,7 +106,12 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
     const mid = everything[Math.floor(everything.length / 2)]!;
     // Appends run while the client catches up: catch-up and live must meet without a gap or a repeat.
     const writing = (async () => {
-      for (let i = 10; i < 30; i++) await appendLifecycle(h.service.store, `a${i}`, lifecycle(`a${i}`, 'acme', 'h1', { requested: at(i * 60), booted: at(i * 60 + 2), ended: at(i * 60 + 9) }));
+      for (let i = 10; i < 30; i++)
+        await appendLifecycle(
+          h.service.store,
+          `a${i}`,
+          lifecycle(`a${i}`, 'acme', 'h1', { requested: at(i * 60), booted: at(i * 60 + 2), ended: at(i * 60 + 9) }),
+        );
       await appendLifecycle(h.service.store, 'g99', lifecycle('g99', 'globex', 'h1', { requested: at(5000) }));
       return appendLifecycle(h.service.store, 'a99', lifecycle('a99', 'acme', 'h1', { requested: at(5000), booted: at(5001) }));
     })();
@@ -118,7 +151,15 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
       const big = 'x'.repeat(8 * 1024);
       let total = 0;
       for (let batch = 0; batch < 12; batch++) {
-        const events = Array.from({ length: 100 }, (_, i) => vmEvent('VmFailed', { vm_id: 'slow', reason: 'host_lost', error: `${batch}-${i} ${big}`, phase: 'booting', at: at(9001).toISOString() }));
+        const events = Array.from({ length: 100 }, (_, i) =>
+          vmEvent('VmFailed', {
+            vm_id: 'slow',
+            reason: 'host_lost',
+            error: `${batch}-${i} ${big}`,
+            phase: 'booting',
+            at: at(9001).toISOString(),
+          }),
+        );
         total += events.length * big.length;
         await h.service.store.append('vm-slow', events, 'any');
       }
@@ -155,10 +196,19 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
   });
 
   /** A second API on the same store with tighter feed limits. */
-  async function feedApp(opts: { heartbeatMs?: number; maxBufferBytes?: number; closeGraceMs?: number; stallTimeoutMs?: number; stats?: FeedStats }): Promise<{ url: string; close(): Promise<void> }> {
+  async function feedApp(opts: {
+    heartbeatMs?: number;
+    maxBufferBytes?: number;
+    closeGraceMs?: number;
+    stallTimeoutMs?: number;
+    stats?: FeedStats;
+  }): Promise<{ url: string; close(): Promise<void> }> {
     const app: FastifyInstance = await buildApp({
       logger: false,
-      apiKeys: new ApiKeys([{ key: ADMIN_KEY, tenant: 'admin', admin: true }, { key: KEYS.acme, tenant: 'acme', admin: false }]),
+      apiKeys: new ApiKeys([
+        { key: ADMIN_KEY, tenant: 'admin', admin: true },
+        { key: KEYS.acme, tenant: 'acme', admin: false },
+      ]),
       metrics: new Metrics({ defaultMetrics: false }),
       readiness: { checks: {} },
       routes: [eventsRoutes({ store: h.service.store, closeGraceMs: 200, ...opts })],

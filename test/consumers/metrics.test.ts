@@ -19,7 +19,16 @@ describe('/metrics from events', { timeout: 120_000 }, () => {
     let last = '';
     // Boot times 0.3 s, 1.5 s, 1.5 s and 45 s; one VM never boots.
     const boots = [0.3, 1.5, 1.5, 45];
-    for (const [i, b] of boots.entries()) last = await appendLifecycle(h.service.store, `m${i}`, lifecycle(`m${i}`, i === 3 ? 'globex' : 'acme', 'h1', { requested: t(0), booted: new Date(t(0).getTime() + b * 1000), ended: i === 0 ? t(59) : undefined }));
+    for (const [i, b] of boots.entries())
+      last = await appendLifecycle(
+        h.service.store,
+        `m${i}`,
+        lifecycle(`m${i}`, i === 3 ? 'globex' : 'acme', 'h1', {
+          requested: t(0),
+          booted: new Date(t(0).getTime() + b * 1000),
+          ended: i === 0 ? t(59) : undefined,
+        }),
+      );
     last = await appendLifecycle(h.service.store, 'm9', lifecycle('m9', 'acme', 'h1', { requested: t(0) }));
     await h.service.runner.waitFor(last, 15_000);
   });
@@ -53,10 +62,15 @@ describe('/metrics from events', { timeout: 120_000 }, () => {
     for (const name of ['fleet_projection_lag_events', 'fleet_projection_lag_seconds']) {
       const fam = families.get(name)!;
       assert.equal(fam.type, 'GAUGE');
-      for (const p of ['hosts', 'vms', 'billing', 'metrics']) assert.ok(fam.metrics.some((x) => x.labels!.projection === p), `${name} has ${p}`);
+      for (const p of ['hosts', 'vms', 'billing', 'metrics'])
+        assert.ok(
+          fam.metrics.some((x) => x.labels!.projection === p),
+          `${name} has ${p}`,
+        );
       for (const x of fam.metrics) assert.equal(Number(x.value), 0, `${name}{${x.labels!.projection}} after catching up`);
     }
-    for (const name of ['fleet_feed_clients', 'fleet_feed_lag_events', 'fleet_feed_lag_seconds']) assert.equal(families.get(name)?.type, 'GAUGE', name);
+    for (const name of ['fleet_feed_clients', 'fleet_feed_lag_events', 'fleet_feed_lag_seconds'])
+      assert.equal(families.get(name)?.type, 'GAUGE', name);
     const snapshots = families.get('fleet_snapshot_transitions_total')!;
     assert.equal(snapshots.type, 'COUNTER');
     assert.ok(snapshots.metrics.some((x) => x.labels!.state === 'ready' && x.labels!.mode === 'manual' && x.value === '0'));

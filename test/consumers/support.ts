@@ -25,7 +25,10 @@ export async function startHarness(prefix: string): Promise<Harness> {
       logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
       databaseUrl: db.url,
       tokenEncryptionKey: Buffer.alloc(32, 7),
-      apiKeys: apiKeysFrom(ADMIN_KEY, Object.entries(KEYS).map(([tenant, key]) => ({ tenant, key }))),
+      apiKeys: apiKeysFrom(
+        ADMIN_KEY,
+        Object.entries(KEYS).map(([tenant, key]) => ({ tenant, key })),
+      ),
       defaultMetrics: false,
       httpLogger: false,
     });
@@ -64,27 +67,77 @@ export function lifecycle(
   times: { requested: Date; booted?: Date; ended?: Date; failed?: boolean },
   shape: VmShape = {},
 ): NewEvent[] {
-  const s = { cpus: shape.cpus ?? 2, ram_mb: shape.ram_mb ?? 1024, gpus: shape.gpus ?? 0, ...(shape.gpu_kind ? { gpu_kind: shape.gpu_kind } : {}) };
+  const s = {
+    cpus: shape.cpus ?? 2,
+    ram_mb: shape.ram_mb ?? 1024,
+    gpus: shape.gpus ?? 0,
+    ...(shape.gpu_kind ? { gpu_kind: shape.gpu_kind } : {}),
+  };
   const iso = (d: Date): string => d.toISOString();
   const t = times.requested.getTime();
   const meta = { tenantId: tenant, actor: `tenant:${tenant}` };
   const events: NewEvent[] = [
     vmEvent('VmRequested', { vm_id: vmId, spec: { ...s, storage_gb: 1 }, tenant_id: tenant, at: iso(times.requested) }, meta),
-    vmEvent('VmPlaced', {
-      vm_id: vmId,
-      host_id: hostId,
-      decision: { host_id: hostId, policy: 'spread', candidates: 3, headroom_cpus: 10, headroom_ram: 10_000, artifact_local: false, artifact_holders: 0 },
-      reservation: { cpus: s.cpus, ram_mb: s.ram_mb, storage_gb: 1, gpus: s.gpus, ...(s.gpus > 0 ? { gpu_kind: shape.gpu_kind ?? 'a100' } : {}), gpu_uuids: [], mig_instance_uuids: [] },
-      at: iso(new Date(t + 5)),
-    }, meta),
+    vmEvent(
+      'VmPlaced',
+      {
+        vm_id: vmId,
+        host_id: hostId,
+        decision: {
+          host_id: hostId,
+          policy: 'spread',
+          candidates: 3,
+          headroom_cpus: 10,
+          headroom_ram: 10_000,
+          artifact_local: false,
+          artifact_holders: 0,
+        },
+        reservation: {
+          cpus: s.cpus,
+          ram_mb: s.ram_mb,
+          storage_gb: 1,
+          gpus: s.gpus,
+          ...(s.gpus > 0 ? { gpu_kind: shape.gpu_kind ?? 'a100' } : {}),
+          gpu_uuids: [],
+          mig_instance_uuids: [],
+        },
+        at: iso(new Date(t + 5)),
+      },
+      meta,
+    ),
     vmEvent('VmBootStarted', { vm_id: vmId, host_id: hostId, at: iso(new Date(t + 10)) }, meta),
   ];
   if (times.booted) {
-    events.push(vmEvent('VmBooted', { vm_id: vmId, url: `http://10.0.0.1:${8000 + (vmId.length % 100)}`, endpoints: [], boot_ms: times.booted.getTime() - t, auth_token_encrypted: 'v1.c2VhbGVk', at: iso(times.booted) }, meta));
+    events.push(
+      vmEvent(
+        'VmBooted',
+        {
+          vm_id: vmId,
+          url: `http://10.0.0.1:${8000 + (vmId.length % 100)}`,
+          endpoints: [],
+          boot_ms: times.booted.getTime() - t,
+          auth_token_encrypted: 'v1.c2VhbGVk',
+          at: iso(times.booted),
+        },
+        meta,
+      ),
+    );
   }
   if (times.ended) {
     if (times.failed) {
-      events.push(vmEvent('VmFailed', { vm_id: vmId, reason: 'host_lost', error: 'host stopped answering', phase: times.booted ? 'running' : 'booting', at: iso(times.ended) }, meta));
+      events.push(
+        vmEvent(
+          'VmFailed',
+          {
+            vm_id: vmId,
+            reason: 'host_lost',
+            error: 'host stopped answering',
+            phase: times.booted ? 'running' : 'booting',
+            at: iso(times.ended),
+          },
+          meta,
+        ),
+      );
     } else {
       events.push(vmEvent('VmDestroyRequested', { vm_id: vmId, reason: 'client', at: iso(new Date(times.ended.getTime() - 1)) }, meta));
       events.push(vmEvent('VmDestroyed', { vm_id: vmId, reason: 'client', at: iso(times.ended) }, meta));
@@ -153,7 +206,8 @@ export async function openSse(url: string, headers: Record<string, string>, opts
             if (line.startsWith(':')) comments.push(line.slice(1).trim());
             else if (line.startsWith('id: ')) ((frame.id = line.slice(4)), (isFrame = true));
             else if (line.startsWith('event: ')) ((frame.event = line.slice(7)), (isFrame = true));
-            else if (line.startsWith('data: ')) ((frame.data = (frame.data === undefined ? '' : `${frame.data}\n`) + line.slice(6)), (isFrame = true));
+            else if (line.startsWith('data: '))
+              ((frame.data = (frame.data === undefined ? '' : `${frame.data}\n`) + line.slice(6)), (isFrame = true));
           }
           if (isFrame && frame.data !== undefined) frames.push(frame);
         }

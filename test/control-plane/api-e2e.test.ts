@@ -60,8 +60,16 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
   it('registers hosts: admin only, the agent probed with the given token, nothing recorded when it refuses', async (t) => {
     if (guard(t)) return;
     const c = cp!;
-    expectProblem(await c.request('POST', '/v1/hosts', { as: 'acme', body: { id: 'h1', url: agent.url, token: agent.token } }), 403, 'FORBIDDEN');
-    expectProblem(await c.request('POST', '/v1/hosts', { as: 'none', body: { id: 'h1', url: agent.url, token: agent.token } }), 401, 'UNAUTHORIZED');
+    expectProblem(
+      await c.request('POST', '/v1/hosts', { as: 'acme', body: { id: 'h1', url: agent.url, token: agent.token } }),
+      403,
+      'FORBIDDEN',
+    );
+    expectProblem(
+      await c.request('POST', '/v1/hosts', { as: 'none', body: { id: 'h1', url: agent.url, token: agent.token } }),
+      401,
+      'UNAUTHORIZED',
+    );
 
     const badToken = await registerHost(c, 'hbad', { url: agent.url, token: 'not-the-agent-token-at-all' });
     expectProblem(badToken, 502, 'AGENT_ERROR');
@@ -98,7 +106,10 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     assert.deepEqual(got.body.allocated, { cpus: 0, ram_mb: 0, storage_gb: 0, vm_count: 0, gpus: 0 });
     assert.ok(!JSON.stringify(got.body).includes(agent.token), 'no read of a host shows its token');
     const events = await c.service.store.readStream('host-h1');
-    assert.ok(!JSON.stringify(events.map((e) => [e.data, e.metadata])).includes(agent.token), 'the token is sealed before it enters an event');
+    assert.ok(
+      !JSON.stringify(events.map((e) => [e.data, e.metadata])).includes(agent.token),
+      'the token is sealed before it enters an event',
+    );
   });
 
   it('lists hosts with cursor pagination; cordon/uncordon; deregister (refused while holding VMs unless forced)', async (t) => {
@@ -107,10 +118,16 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     expectProblem(await c.request('GET', '/v1/hosts', { as: 'globex' }), 403, 'FORBIDDEN');
     const p1 = await c.request('GET', `/v1/hosts?limit=2&after=${state.hostsPosition}`);
     assert.equal(p1.status, 200);
-    assert.deepEqual(p1.body.hosts.map((h: { id: string }) => h.id), ['h1', 'h2']);
+    assert.deepEqual(
+      p1.body.hosts.map((h: { id: string }) => h.id),
+      ['h1', 'h2'],
+    );
     assert.equal(typeof p1.body.next_cursor, 'string');
     const p2 = await c.request('GET', `/v1/hosts?limit=2&cursor=${encodeURIComponent(p1.body.next_cursor)}`);
-    assert.deepEqual(p2.body.hosts.map((h: { id: string }) => h.id), ['h3']);
+    assert.deepEqual(
+      p2.body.hosts.map((h: { id: string }) => h.id),
+      ['h3'],
+    );
     assert.equal(p2.body.next_cursor, null);
 
     const cordoned = await c.request('POST', '/v1/hosts/h2/cordon', { body: { reason: 'maintenance' } });
@@ -137,9 +154,19 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     assert.equal(gone.status, 200, JSON.stringify(gone.body));
     assert.equal(gone.body.state, 'deregistered');
     const listed = await c.request('GET', `/v1/hosts?after=${gone.body.position}`);
-    assert.deepEqual(listed.body.hosts.map((h: { id: string }) => h.id), ['h1', 'h2']);
+    assert.deepEqual(
+      listed.body.hosts.map((h: { id: string }) => h.id),
+      ['h1', 'h2'],
+    );
     const all = await c.request('GET', '/v1/hosts?include_deregistered=true');
-    assert.deepEqual(all.body.hosts.map((h: { id: string; state: string }) => [h.id, h.state]), [['h1', 'active'], ['h2', 'active'], ['h3', 'deregistered']]);
+    assert.deepEqual(
+      all.body.hosts.map((h: { id: string; state: string }) => [h.id, h.state]),
+      [
+        ['h1', 'active'],
+        ['h2', 'active'],
+        ['h3', 'deregistered'],
+      ],
+    );
 
     // h2 leaves with force while holding a VM; the VM's sandbox is the operator's to clean (h2 is h1's agent here).
     const v2 = await c.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base', host_id: 'h2', ram_mb: 256 } });
@@ -195,7 +222,10 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     const out = await c.request('POST', `/v1/vms/${vm.id}/exec`, { as: 'acme', body: { argv: ['cat', '/tmp/startup.out'] } });
     assert.equal(out.status, 200);
     assert.equal(out.body.stdout, 'started\nhello from the caller\n', 'the startup script ran after the caller files were in place');
-    const token = await c.request('POST', `/v1/vms/${vm.id}/exec`, { as: 'acme', body: { argv: ['sh', '-c', 'test -s /etc/fleet/token && echo present'] } });
+    const token = await c.request('POST', `/v1/vms/${vm.id}/exec`, {
+      as: 'acme',
+      body: { argv: ['sh', '-c', 'test -s /etc/fleet/token && echo present'] },
+    });
     assert.equal(token.body.stdout, 'present\n', 'the per-VM credential is in the reserved directory');
   });
 
@@ -251,7 +281,11 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     const c = cp!;
     const id = state.vm!;
     const bytes = Buffer.from(Array.from({ length: 4096 }, (_, i) => i % 256));
-    const up = await c.request('PUT', `/v1/vms/${id}/files?path=/tmp/blob.bin`, { as: 'acme', rawBody: bytes, contentType: 'application/octet-stream' });
+    const up = await c.request('PUT', `/v1/vms/${id}/files?path=/tmp/blob.bin`, {
+      as: 'acme',
+      rawBody: bytes,
+      contentType: 'application/octet-stream',
+    });
     assert.equal(up.status, 200, JSON.stringify(up.body));
     assert.deepEqual(up.body, { path: '/tmp/blob.bin', size_bytes: 4096 });
     const down = await c.request('GET', `/v1/vms/${id}/files?path=/tmp/blob.bin`, { as: 'acme' });
@@ -260,15 +294,42 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     const caller = await c.request('GET', `/v1/vms/${id}/files?path=/srv/hello.txt`, { as: 'acme' });
     assert.equal(caller.raw.payload, 'hello from the caller\n');
 
-    expectProblem(await c.request('PUT', `/v1/vms/${id}/files?path=/etc/fleet/token`, { as: 'acme', rawBody: 'x', contentType: 'application/octet-stream' }), 400, 'RESERVED_GUEST_PATH');
-    expectProblem(await c.request('PUT', `/v1/vms/${id}/files?path=/tmp/../etc/fleet/token`, { as: 'acme', rawBody: 'x', contentType: 'application/octet-stream' }), 400, 'INVALID_GUEST_PATH');
+    expectProblem(
+      await c.request('PUT', `/v1/vms/${id}/files?path=/etc/fleet/token`, {
+        as: 'acme',
+        rawBody: 'x',
+        contentType: 'application/octet-stream',
+      }),
+      400,
+      'RESERVED_GUEST_PATH',
+    );
+    expectProblem(
+      await c.request('PUT', `/v1/vms/${id}/files?path=/tmp/../etc/fleet/token`, {
+        as: 'acme',
+        rawBody: 'x',
+        contentType: 'application/octet-stream',
+      }),
+      400,
+      'INVALID_GUEST_PATH',
+    );
     expectProblem(await c.request('GET', `/v1/vms/${id}/files?path=/tmp/nothing-here`, { as: 'acme' }), 404, 'GUEST_PATH_NOT_FOUND');
 
     // A symlink inside the guest that climbs out of its root: the agent refuses (403), and so do we — not a 502.
-    const ln = await c.request('POST', `/v1/vms/${id}/exec`, { as: 'acme', body: { argv: ['ln', '-s', '../../../../../../..', '/tmp/up'] } });
+    const ln = await c.request('POST', `/v1/vms/${id}/exec`, {
+      as: 'acme',
+      body: { argv: ['ln', '-s', '../../../../../../..', '/tmp/up'] },
+    });
     assert.equal(ln.body.exit_code, 0, JSON.stringify(ln.body));
     expectProblem(await c.request('GET', `/v1/vms/${id}/files?path=/tmp/up/etc/passwd`, { as: 'acme' }), 403, 'PATH_ESCAPES_SANDBOX');
-    expectProblem(await c.request('PUT', `/v1/vms/${id}/files?path=/tmp/up/tmp/planted`, { as: 'acme', rawBody: 'x', contentType: 'application/octet-stream' }), 403, 'PATH_ESCAPES_SANDBOX');
+    expectProblem(
+      await c.request('PUT', `/v1/vms/${id}/files?path=/tmp/up/tmp/planted`, {
+        as: 'acme',
+        rawBody: 'x',
+        contentType: 'application/octet-stream',
+      }),
+      403,
+      'PATH_ESCAPES_SANDBOX',
+    );
   });
 
   it('Idempotency-Key: a retried create returns the same VM; concurrent creates with one key make one VM', async (t) => {
@@ -286,7 +347,9 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     assert.equal(other.status, 201, JSON.stringify(other.body));
     assert.notEqual(other.body.id, first.body.id);
 
-    const burst = await Promise.all(Array.from({ length: 6 }, () => c.request('POST', '/v1/vms', { as: 'acme', body, headers: { 'idempotency-key': 'burst-1' } })));
+    const burst = await Promise.all(
+      Array.from({ length: 6 }, () => c.request('POST', '/v1/vms', { as: 'acme', body, headers: { 'idempotency-key': 'burst-1' } })),
+    );
     const ids = new Set(burst.map((r) => r.body.id));
     assert.equal(ids.size, 1, JSON.stringify(burst.map((r) => [r.status, r.body.id ?? r.body.code])));
     for (const r of burst) assert.ok(r.status === 200 || r.status === 201, JSON.stringify(r.body));
@@ -308,7 +371,11 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
       }
       assert.equal((await c.request('DELETE', `/v1/vms/${id}`, { as })).body.state, 'destroyed');
     }
-    expectProblem(await c.request('POST', '/v1/vms', { as: 'acme', body, headers: { 'idempotency-key': 'bad key with spaces' } }), 400, 'VALIDATION_FAILED');
+    expectProblem(
+      await c.request('POST', '/v1/vms', { as: 'acme', body, headers: { 'idempotency-key': 'bad key with spaces' } }),
+      400,
+      'VALIDATION_FAILED',
+    );
   });
 
   it("tenant isolation: another tenant's VM is a 404 on every VM route; lists show own VMs; admin sees all", async (t) => {
@@ -353,7 +420,10 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     assert.equal(page2.body.vms.length, 1);
     assert.notEqual(page2.body.vms[0].id, page1.body.vms[0].id);
     const runningOnly = await c.request('GET', '/v1/vms?state=running&host_id=h1', { as: 'acme' });
-    assert.deepEqual(runningOnly.body.vms.map((v: { id: string }) => v.id), [id]);
+    assert.deepEqual(
+      runningOnly.body.vms.map((v: { id: string }) => v.id),
+      [id],
+    );
   });
 
   it('destroy: the VM ends destroyed, its sandbox is gone and its capacity released (read-your-writes via ?after)', async (t) => {

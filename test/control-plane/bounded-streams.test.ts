@@ -6,7 +6,16 @@ import { runInNewContext } from 'node:vm';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import WebSocket from 'ws';
 import type { RunningAgent } from '../agent/harness.js';
-import { handshake, keyOf, registerHost, startCheckedFleet, startControlPlane, withTimeout, type AgentFleet, type ControlPlane } from '../support/control-plane.js';
+import {
+  handshake,
+  keyOf,
+  registerHost,
+  startCheckedFleet,
+  startControlPlane,
+  withTimeout,
+  type AgentFleet,
+  type ControlPlane,
+} from '../support/control-plane.js';
 
 /**
  * Streams through the control plane stay bounded whatever the client does,
@@ -45,7 +54,10 @@ async function rssWatch(agent: RunningAgent): Promise<{ stop(): { cp: number; ag
   const peak = { ...base };
   const timer = setInterval(() => {
     peak.cp = Math.max(peak.cp, cpRss());
-    void agentRss(agent).then((v) => (peak.agent = Math.max(peak.agent, v)), () => undefined);
+    void agentRss(agent).then(
+      (v) => (peak.agent = Math.max(peak.agent, v)),
+      () => undefined,
+    );
   }, 200);
   const grew = () => ({ cp: peak.cp - base.cp, agent: peak.agent - base.agent });
   return {
@@ -85,7 +97,10 @@ class Session {
   async until(pred: () => boolean, what: string, ms = 15_000): Promise<void> {
     const deadline = Date.now() + ms;
     while (!pred()) {
-      if (Date.now() > deadline) throw new Error(`${what} not reached in ${ms} ms; frames ${JSON.stringify(this.frames).slice(0, 300)}; closed ${JSON.stringify(this.closed)}`);
+      if (Date.now() > deadline)
+        throw new Error(
+          `${what} not reached in ${ms} ms; frames ${JSON.stringify(this.frames).slice(0, 300)}; closed ${JSON.stringify(this.closed)}`,
+        );
       await new Promise((r) => setTimeout(r, 20));
     }
   }
@@ -170,7 +185,10 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     await exec(files!, vm, 'truncate -s 100G /big');
     const watch = await rssWatch(agent);
     const t0 = Date.now();
-    const res = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/big`, { headers: { authorization: `Bearer ${keyOf('acme')}` }, signal: AbortSignal.timeout(60_000) });
+    const res = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/big`, {
+      headers: { authorization: `Bearer ${keyOf('acme')}` },
+      signal: AbortSignal.timeout(60_000),
+    });
     const took = Date.now() - t0;
     const grew = watch.stop();
     t.diagnostic(`refused in ${took} ms; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
@@ -190,7 +208,9 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     await exec(files!, vm, 'truncate -s 1G /medium');
     const watch = await rssWatch(agent);
     // The client is a process of its own, so what is measured here is the control plane alone.
-    const client = spawn(process.execPath, ['-e', READ_AND_COUNT, `${filesBase}/v1/vms/${vm}/files?path=/medium`, keyOf('acme')], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const client = spawn(process.execPath, ['-e', READ_AND_COUNT, `${filesBase}/v1/vms/${vm}/files?path=/medium`, keyOf('acme')], {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    });
     let out = '';
     client.stdout.on('data', (d: Buffer) => (out += d.toString()));
     const exited = new Promise<void>((resolve) => client.once('exit', () => resolve()));
@@ -217,7 +237,12 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     const chunks = async function* (): AsyncGenerator<Uint8Array> {
       for (let i = 0; i < 12; i++) yield Buffer.alloc(256 * 1024, 7);
     };
-    const streamed = await fetch(`${tightBase}/v1/vms/${tightVm}/files?path=/tmp/three`, { method: 'PUT', headers: auth, body: ReadableStream.from(chunks()), duplex: 'half' });
+    const streamed = await fetch(`${tightBase}/v1/vms/${tightVm}/files?path=/tmp/three`, {
+      method: 'PUT',
+      headers: auth,
+      body: ReadableStream.from(chunks()),
+      duplex: 'half',
+    });
     assert.equal(streamed.status, 413);
     assert.equal(((await streamed.json()) as { code: string }).code, 'FILE_TOO_LARGE');
     // The agent removes its partial file once it sees the transfer cut (which may be just after the answer).
@@ -229,7 +254,12 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     } while (left !== 'none' && Date.now() < deadline);
     assert.equal(left, 'none');
     // Under the cap (the other control plane's): streamed to the agent and written whole.
-    const up = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/tmp/three`, { method: 'PUT', headers: auth, body: ReadableStream.from(chunks()), duplex: 'half' });
+    const up = await fetch(`${filesBase}/v1/vms/${vm}/files?path=/tmp/three`, {
+      method: 'PUT',
+      headers: auth,
+      body: ReadableStream.from(chunks()),
+      duplex: 'half',
+    });
     assert.equal(up.status, 200, await up.clone().text());
     assert.equal(((await up.json()) as { size_bytes: number }).size_bytes, 3 * MiB);
     const wc = await exec(files!, vm, 'wc -c < /tmp/three');
@@ -251,7 +281,9 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
       const watch = await rssWatch(agent);
       for (let i = 0; i < 60 && !watch.over(); i++) await sleep(100);
       const grew = watch.stop();
-      t.diagnostic(`output before the pause ${Math.round(s.outputBytes / MiB)} MiB; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
+      t.diagnostic(
+        `output before the pause ${Math.round(s.outputBytes / MiB)} MiB; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`,
+      );
       if (watch.over()) s.ws.terminate();
       assert.ok(grew.cp < BOUND, `the control plane grew by ${Math.round(grew.cp / MiB)} MiB`);
       assert.ok(grew.agent < BOUND, `the agent grew by ${Math.round(grew.agent / MiB)} MiB`);
@@ -281,7 +313,9 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
       } else await sleep(5);
     }
     const grew = watch.stop();
-    t.diagnostic(`stdin accepted ${Math.round(sent / MiB)} MiB; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`);
+    t.diagnostic(
+      `stdin accepted ${Math.round(sent / MiB)} MiB; grew cp ${Math.round(grew.cp / MiB)} MiB, agent ${Math.round(grew.agent / MiB)} MiB`,
+    );
     s.ws.terminate();
     assert.ok(sent < BOUND, `the client pushed ${Math.round(sent / MiB)} MiB of stdin into a process that reads none`);
     assert.ok(grew.cp < BOUND && grew.agent < BOUND, `grew ${JSON.stringify(grew)}`);
@@ -300,7 +334,10 @@ describe('bounded streams through the control plane (real agent, real sandbox)',
     }
     await idle.until(() => idle.closed !== undefined, 'the idle close', 10_000);
     assert.equal(idle.closed!.code, 4408);
-    assert.ok(idle.frames.some((f) => f.type === 'error' && f.code === 'ATTACH_IDLE_TIMEOUT'), JSON.stringify(idle.frames));
+    assert.ok(
+      idle.frames.some((f) => f.type === 'error' && f.code === 'ATTACH_IDLE_TIMEOUT'),
+      JSON.stringify(idle.frames),
+    );
     assert.equal(busy.closed, undefined, 'the busy session is still open');
     assert.match(busy.output, /line 7/);
     busy.ws.close();

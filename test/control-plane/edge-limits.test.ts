@@ -30,7 +30,10 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
       env: { METRICS_TOKEN, SSE_MAX_PER_TENANT: '2', WS_MAX_SESSIONS_PER_VM: '2', WS_MAX_SESSIONS_PER_TENANT: '3' },
     });
     const h = stub.add('h1', { vm_count: 4 });
-    const r = await cp.request('POST', '/v1/hosts', { body: { id: 'h1', url: h.url, token: h.token, backend: 'process', region: 'test' }, headers: { 'x-request-id': 'deploy-42:step.1' } });
+    const r = await cp.request('POST', '/v1/hosts', {
+      body: { id: 'h1', url: h.url, token: h.token, backend: 'process', region: 'test' },
+      headers: { 'x-request-id': 'deploy-42:step.1' },
+    });
     assert.equal(r.status, 201, JSON.stringify(r.body));
     base = await cp.listen();
   });
@@ -59,7 +62,10 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
       ['GET', '/v1/reconciler', undefined],
     ];
     for (const [method, url, body] of routes) {
-      const r = await cp!.request(method, url, { as: 'acme', ...(body !== undefined ? { rawBody: body, contentType: 'application/json' } : {}) });
+      const r = await cp!.request(method, url, {
+        as: 'acme',
+        ...(body !== undefined ? { rawBody: body, contentType: 'application/json' } : {}),
+      });
       assert.equal(r.status, 403, `${method} ${url} ${body ?? ''}: ${JSON.stringify(r.body)}`);
       assert.equal(r.body.code, 'FORBIDDEN');
       assert.equal(r.body.errors, undefined, 'no field list reaches a tenant');
@@ -75,7 +81,10 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
     const r = await cp!.request('POST', '/v1/vms/nope/exec', { as: 'acme', rawBody: big, contentType: 'application/json' });
     assert.equal(r.status, 413, JSON.stringify(r.body).slice(0, 300));
     assert.equal(r.body.code, 'PAYLOAD_TOO_LARGE');
-    const cordon = await cp!.request('POST', '/v1/hosts/h1/cordon', { rawBody: JSON.stringify({ reason: 'x'.repeat(1100 * 1024) }), contentType: 'application/json' });
+    const cordon = await cp!.request('POST', '/v1/hosts/h1/cordon', {
+      rawBody: JSON.stringify({ reason: 'x'.repeat(1100 * 1024) }),
+      contentType: 'application/json',
+    });
     assert.equal(cordon.status, 413);
     // 3 MiB of inline files reach validation (and are judged there), not the body limit.
     const files = { '/tmp/a': Buffer.alloc(2 * 1024 * 1024).toString('base64') };
@@ -160,7 +169,14 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
           ws.once('unexpected-response', (_req, res) => {
             const chunks: Buffer[] = [];
             res.on('data', (c: Buffer) => chunks.push(c));
-            res.on('end', () => reject(Object.assign(new Error(`handshake ${res.statusCode}`), { status: res.statusCode, body: JSON.parse(Buffer.concat(chunks).toString()) })));
+            res.on('end', () =>
+              reject(
+                Object.assign(new Error(`handshake ${res.statusCode}`), {
+                  status: res.statusCode,
+                  body: JSON.parse(Buffer.concat(chunks).toString()),
+                }),
+              ),
+            );
           });
           ws.once('error', reject);
         }),
@@ -200,7 +216,14 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
     open.push({ close: () => ws.terminate() });
     const frames: Array<{ type: string; code?: string }> = [];
     ws.on('message', (raw) => frames.push(JSON.parse(raw.toString()) as { type: string; code?: string }));
-    await withTimeout(new Promise<void>((resolve, reject) => { ws.once('open', () => resolve()); ws.once('error', reject); }), 10_000, 'open');
+    await withTimeout(
+      new Promise<void>((resolve, reject) => {
+        ws.once('open', () => resolve());
+        ws.once('error', reject);
+      }),
+      10_000,
+      'open',
+    );
     const closed = new Promise<number>((resolve) => ws.once('close', (code) => resolve(code)));
     // One burst: the start frame, then far more frames than the relay holds while the session opens.
     const start = JSON.stringify({ type: 'start', argv: ['cat'] });
@@ -212,7 +235,10 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
     raw.uncork();
     const code = await withTimeout(closed, 10_000, 'the close');
     assert.equal(code, 4008, JSON.stringify(frames));
-    assert.ok(frames.some((f) => f.code === 'FRAME_QUEUE_FULL'), JSON.stringify(frames));
+    assert.ok(
+      frames.some((f) => f.code === 'FRAME_QUEUE_FULL'),
+      JSON.stringify(frames),
+    );
   });
 
   it('the tenant id "admin" is reserved: refused in API_KEYS (naming the variable) and by ApiKeys', () => {

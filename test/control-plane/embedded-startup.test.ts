@@ -17,8 +17,17 @@ import { prepareImages, REPO_ROOT, uniquePrefix, uniqueSubnet } from '../agent/h
  * secrets in its environment.
  */
 
-async function runUntil(args: string[], env: Record<string, string>, ready: (out: string) => boolean, timeoutMs: number): Promise<{ out: string; code: number | null }> {
-  const child = spawn(process.execPath, ['--import', 'tsx', ...args], { cwd: REPO_ROOT, env: { PATH: process.env.PATH ?? '/usr/bin:/bin', ...env }, stdio: ['ignore', 'pipe', 'pipe'] });
+async function runUntil(
+  args: string[],
+  env: Record<string, string>,
+  ready: (out: string) => boolean,
+  timeoutMs: number,
+): Promise<{ out: string; code: number | null }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', ...args], {
+    cwd: REPO_ROOT,
+    env: { PATH: process.env.PATH ?? '/usr/bin:/bin', ...env },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
   let out = '';
   child.stdout.on('data', (d: Buffer) => (out += d.toString()));
   child.stderr.on('data', (d: Buffer) => (out += d.toString()));
@@ -47,7 +56,12 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
   it('secrets.json written before the Postgres password existed gets one added, the other keys kept', async () => {
     const dir = path.join(root, 'old-secrets');
     await fs.mkdir(dir);
-    const old = { token_encryption_key: randomBytes(32).toString('base64'), admin_api_key: 'adm_old', demo_api_key: 'demo_old', local_agent_token: 'tok_old' };
+    const old = {
+      token_encryption_key: randomBytes(32).toString('base64'),
+      admin_api_key: 'adm_old',
+      demo_api_key: 'demo_old',
+      local_agent_token: 'tok_old',
+    };
     await fs.writeFile(path.join(dir, 'secrets.json'), JSON.stringify(old), { mode: 0o600 });
     const loaded = await loadOrCreateSecrets(dir);
     assert.equal(loaded.created, false);
@@ -57,33 +71,56 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
     assert.equal((await fs.stat(path.join(dir, 'secrets.json'))).mode & 0o777, 0o600);
   });
 
-  it('prints the keys on the first start only; the Postgres password is generated, and `fleet keys` shows the keys', { timeout: 240_000 }, async () => {
-    const dataDir = path.join(root, 'data');
-    const env = { DATA_DIR: dataDir, PORT: String(await freePort()), EMBEDDED_PG_PORT: String(await freePort()), START_LOCAL_AGENT: 'false', LOG_LEVEL: 'info', NODE_ENV: 'production' };
-    const first = await runUntil(['src/main.ts'], env, (o) => /admin key:/.test(o) || /"ready|start-up failed/.test(o), 120_000);
-    const secrets = JSON.parse(await fs.readFile(path.join(dataDir, 'secrets.json'), 'utf8')) as Record<string, string>;
-    assert.ok(first.out.includes(secrets.admin_api_key!), `first start prints the admin key:\n${first.out.slice(-2000)}`);
-    assert.ok(first.out.includes(secrets.demo_api_key!));
-    assert.equal(first.code, 0, first.out.slice(-2000));
+  it(
+    'prints the keys on the first start only; the Postgres password is generated, and `fleet keys` shows the keys',
+    { timeout: 240_000 },
+    async () => {
+      const dataDir = path.join(root, 'data');
+      const env = {
+        DATA_DIR: dataDir,
+        PORT: String(await freePort()),
+        EMBEDDED_PG_PORT: String(await freePort()),
+        START_LOCAL_AGENT: 'false',
+        LOG_LEVEL: 'info',
+        NODE_ENV: 'production',
+      };
+      const first = await runUntil(['src/main.ts'], env, (o) => /admin key:/.test(o) || /"ready|start-up failed/.test(o), 120_000);
+      const secrets = JSON.parse(await fs.readFile(path.join(dataDir, 'secrets.json'), 'utf8')) as Record<string, string>;
+      assert.ok(first.out.includes(secrets.admin_api_key!), `first start prints the admin key:\n${first.out.slice(-2000)}`);
+      assert.ok(first.out.includes(secrets.demo_api_key!));
+      assert.equal(first.code, 0, first.out.slice(-2000));
 
-    const second = await runUntil(['src/main.ts'], env, (o) => /generated keys are shown by/.test(o) || /start-up failed/.test(o), 120_000);
-    assert.match(second.out, /generated keys are shown by: npm run fleet -- keys/, second.out.slice(-2000));
-    assert.ok(!second.out.includes(secrets.admin_api_key!), 'a later start does not print the admin key');
-    assert.ok(!second.out.includes(secrets.demo_api_key!), 'nor the demo key');
-    assert.equal(second.code, 0);
+      const second = await runUntil(
+        ['src/main.ts'],
+        env,
+        (o) => /generated keys are shown by/.test(o) || /start-up failed/.test(o),
+        120_000,
+      );
+      assert.match(second.out, /generated keys are shown by: npm run fleet -- keys/, second.out.slice(-2000));
+      assert.ok(!second.out.includes(secrets.admin_api_key!), 'a later start does not print the admin key');
+      assert.ok(!second.out.includes(secrets.demo_api_key!), 'nor the demo key');
+      assert.equal(second.code, 0);
 
-    // Postgres was initialised with the generated password, not the constant one.
-    assert.ok(secrets.embedded_pg_password && secrets.embedded_pg_password !== LEGACY_PASSWORD);
-    const keys = await runUntil(['src/cli/fleet.ts', 'keys'], { DATA_DIR: dataDir }, () => false, 60_000);
-    assert.equal(keys.code, 0, keys.out);
-    assert.ok(keys.out.includes(secrets.admin_api_key!) && keys.out.includes(secrets.demo_api_key!), keys.out);
-    assert.ok(!keys.out.includes(secrets.token_encryption_key!), 'keys shows API keys, not the encryption key');
+      // Postgres was initialised with the generated password, not the constant one.
+      assert.ok(secrets.embedded_pg_password && secrets.embedded_pg_password !== LEGACY_PASSWORD);
+      const keys = await runUntil(['src/cli/fleet.ts', 'keys'], { DATA_DIR: dataDir }, () => false, 60_000);
+      assert.equal(keys.code, 0, keys.out);
+      assert.ok(keys.out.includes(secrets.admin_api_key!) && keys.out.includes(secrets.demo_api_key!), keys.out);
+      assert.ok(!keys.out.includes(secrets.token_encryption_key!), 'keys shows API keys, not the encryption key');
 
-    // The server is down now; start it as the CLI would and try the constant password.
-    const audit = await runUntil(['src/cli/fleet.ts', 'audit', 'host-local'], { DATA_DIR: dataDir, EMBEDDED_PG_PORT: env.EMBEDDED_PG_PORT }, () => false, 90_000);
-    assert.match(audit.out, /host-local has no events|event\(s\)/, audit.out);
-    const probe = await runUntil(
-      ['--input-type=module', '-e', `
+      // The server is down now; start it as the CLI would and try the constant password.
+      const audit = await runUntil(
+        ['src/cli/fleet.ts', 'audit', 'host-local'],
+        { DATA_DIR: dataDir, EMBEDDED_PG_PORT: env.EMBEDDED_PG_PORT },
+        () => false,
+        90_000,
+      );
+      assert.match(audit.out, /host-local has no events|event\(s\)/, audit.out);
+      const probe = await runUntil(
+        [
+          '--input-type=module',
+          '-e',
+          `
         import { startEmbeddedPostgres } from ${JSON.stringify(path.join(REPO_ROOT, 'src/adapters/postgres/embedded.ts'))};
         import pg from 'pg';
         const s = await startEmbeddedPostgres({ dataDir: ${JSON.stringify(path.join(dataDir, 'pg'))}, port: ${env.EMBEDDED_PG_PORT}, password: ${JSON.stringify(secrets.embedded_pg_password)} });
@@ -93,55 +130,68 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
         await c.end().catch(() => {});
         await s.stop();
         process.stdout.write('constant password: ' + code + '\\n');
-      `],
-      {},
-      (o) => /constant password:/.test(o),
-      90_000,
-    );
-    assert.match(probe.out, /constant password: 28P01/, probe.out);
-  });
+      `,
+        ],
+        {},
+        (o) => /constant password:/.test(o),
+        90_000,
+      );
+      assert.match(probe.out, /constant password: 28P01/, probe.out);
+    },
+  );
 
-  it('starts the local agent with its own settings only: no admin key, encryption key or database URL in its environment', { timeout: 120_000 }, async (t) => {
-    if (process.getuid?.() !== 0) {
-      t.skip('the host agent needs root');
-      return;
-    }
-    const images = await prepareImages();
-    if ('skip' in images) {
-      t.skip(images.skip);
-      return;
-    }
-    const dataDir = path.join(root, 'local');
-    await fs.mkdir(path.join(dataDir, 'agent', 'images'), { recursive: true });
-    // The base image is already built for the test run: no second build here.
-    await fs.symlink(path.join(images.imageDir, 'base'), path.join(dataDir, 'agent', 'images', 'base'));
-    const prefix = uniquePrefix();
-    const controlPlaneEnv = {
-      ...process.env,
-      ADMIN_API_KEY: `adm_${randomBytes(16).toString('hex')}`,
-      TOKEN_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
-      DATABASE_URL: 'postgres://fleet:dbsecret@127.0.0.1:1/fleet',
-      API_KEYS: `acme:${randomBytes(16).toString('hex')}`,
-      AGENT_BRIDGE_PREFIX: prefix,
-      AGENT_SUBNET: uniqueSubnet(),
-      AGENT_LOG_LEVEL: 'warn',
-    };
-    const agent = await startLocalAgent({ dataDir, port: await freePort(), token: randomBytes(24).toString('base64url'), logger: pino({ level: 'silent' }), env: controlPlaneEnv });
-    try {
-      const environ = (await fs.readFile(`/proc/${agent.pid}/environ`, 'utf8')).split('\0').filter(Boolean);
-      const names = environ.map((e) => e.slice(0, e.indexOf('=')));
-      for (const secret of ['ADMIN_API_KEY', 'TOKEN_ENCRYPTION_KEY', 'DATABASE_URL', 'API_KEYS']) assert.ok(!names.includes(secret), `${secret} is not in the agent's environment`);
-      assert.ok(!environ.some((e) => e.includes(controlPlaneEnv.TOKEN_ENCRYPTION_KEY) || e.includes(controlPlaneEnv.ADMIN_API_KEY)));
-      assert.ok(names.includes('AGENT_TOKEN') && names.includes('AGENT_DATA_DIR'), names.join(' '));
-      assert.ok(environ.includes(`AGENT_BRIDGE_PREFIX=${prefix}`), 'its own AGENT_* settings pass through');
-      const r = await fetch(`${agent.url}/healthz`);
-      assert.equal(r.status, 200);
-    } finally {
-      await agent.stop();
-      const cg = '/sys/fs/cgroup';
-      for (const c of await fs.readdir(cg).catch(() => [] as string[])) await fs.rmdir(path.join(cg, c, `fleet-${prefix}`)).catch(() => undefined);
-      await fs.rmdir(path.join(cg, `fleet-${prefix}`)).catch(() => undefined);
-    }
-  });
+  it(
+    'starts the local agent with its own settings only: no admin key, encryption key or database URL in its environment',
+    { timeout: 120_000 },
+    async (t) => {
+      if (process.getuid?.() !== 0) {
+        t.skip('the host agent needs root');
+        return;
+      }
+      const images = await prepareImages();
+      if ('skip' in images) {
+        t.skip(images.skip);
+        return;
+      }
+      const dataDir = path.join(root, 'local');
+      await fs.mkdir(path.join(dataDir, 'agent', 'images'), { recursive: true });
+      // The base image is already built for the test run: no second build here.
+      await fs.symlink(path.join(images.imageDir, 'base'), path.join(dataDir, 'agent', 'images', 'base'));
+      const prefix = uniquePrefix();
+      const controlPlaneEnv = {
+        ...process.env,
+        ADMIN_API_KEY: `adm_${randomBytes(16).toString('hex')}`,
+        TOKEN_ENCRYPTION_KEY: randomBytes(32).toString('base64'),
+        DATABASE_URL: 'postgres://fleet:dbsecret@127.0.0.1:1/fleet',
+        API_KEYS: `acme:${randomBytes(16).toString('hex')}`,
+        AGENT_BRIDGE_PREFIX: prefix,
+        AGENT_SUBNET: uniqueSubnet(),
+        AGENT_LOG_LEVEL: 'warn',
+      };
+      const agent = await startLocalAgent({
+        dataDir,
+        port: await freePort(),
+        token: randomBytes(24).toString('base64url'),
+        logger: pino({ level: 'silent' }),
+        env: controlPlaneEnv,
+      });
+      try {
+        const environ = (await fs.readFile(`/proc/${agent.pid}/environ`, 'utf8')).split('\0').filter(Boolean);
+        const names = environ.map((e) => e.slice(0, e.indexOf('=')));
+        for (const secret of ['ADMIN_API_KEY', 'TOKEN_ENCRYPTION_KEY', 'DATABASE_URL', 'API_KEYS'])
+          assert.ok(!names.includes(secret), `${secret} is not in the agent's environment`);
+        assert.ok(!environ.some((e) => e.includes(controlPlaneEnv.TOKEN_ENCRYPTION_KEY) || e.includes(controlPlaneEnv.ADMIN_API_KEY)));
+        assert.ok(names.includes('AGENT_TOKEN') && names.includes('AGENT_DATA_DIR'), names.join(' '));
+        assert.ok(environ.includes(`AGENT_BRIDGE_PREFIX=${prefix}`), 'its own AGENT_* settings pass through');
+        const r = await fetch(`${agent.url}/healthz`);
+        assert.equal(r.status, 200);
+      } finally {
+        await agent.stop();
+        const cg = '/sys/fs/cgroup';
+        for (const c of await fs.readdir(cg).catch(() => [] as string[]))
+          await fs.rmdir(path.join(cg, c, `fleet-${prefix}`)).catch(() => undefined);
+        await fs.rmdir(path.join(cg, `fleet-${prefix}`)).catch(() => undefined);
+      }
+    },
+  );
 });
-

@@ -57,12 +57,16 @@ describe('failed creates end failed, classified, with capacity released (real ag
 
   /** The VM a failed create left behind: the newest failed VM on `host` not seen before. */
   async function failedVm(host: string): Promise<{ id: string; reason: string; error_code: string; error: string }> {
-    return eventually(async () => {
-      const r = await cp!.request('GET', `/v1/vms?state=failed&host_id=${host}`, { as: 'acme' });
-      const vm = (r.body.vms as Array<{ id: string; reason: string; error_code: string; error: string }>).find((v) => !seen.has(v.id));
-      if (vm) seen.add(vm.id);
-      return vm;
-    }, 20_000, `a failed VM on ${host}`);
+    return eventually(
+      async () => {
+        const r = await cp!.request('GET', `/v1/vms?state=failed&host_id=${host}`, { as: 'acme' });
+        const vm = (r.body.vms as Array<{ id: string; reason: string; error_code: string; error: string }>).find((v) => !seen.has(v.id));
+        if (vm) seen.add(vm.id);
+        return vm;
+      },
+      20_000,
+      `a failed VM on ${host}`,
+    );
   }
 
   /** Stream-level: the host holds nothing for the VM, and its reservation was both made and released. */
@@ -79,7 +83,11 @@ describe('failed creates end failed, classified, with capacity released (real ag
   }
 
   async function assertNoSandbox(agent: RunningAgent, vmId: string): Promise<void> {
-    assert.deepEqual((await agent.client.listVms(`fl-${vmId}`)).map((v) => v.name), [], 'the failed VM left no sandbox');
+    assert.deepEqual(
+      (await agent.client.listVms(`fl-${vmId}`)).map((v) => v.name),
+      [],
+      'the failed VM left no sandbox',
+    );
   }
 
   function expectStatus(r: Reply, status: number, code: string): void {
@@ -154,7 +162,10 @@ describe('failed creates end failed, classified, with capacity released (real ag
     const reg = await registerHost(cp!, 'hb', b, { capacity_overrides: { cpus: 8 } });
     assert.equal(reg.status, 201, JSON.stringify(reg.body));
     await cp!.service.runner.waitFor(reg.body.position, 20_000);
-    const pending = cp!.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base', ram_mb: 256, host_id: 'hb', startup_script: 'sleep 60' } });
+    const pending = cp!.request('POST', '/v1/vms', {
+      as: 'acme',
+      body: { image: 'base', ram_mb: 256, host_id: 'hb', startup_script: 'sleep 60' },
+    });
     // Kill the agent once the sandbox exists and the startup script is running.
     await eventually(async () => (await b.client.listVms('fl-')).length > 0, 30_000, 'the sandbox on hb');
     await new Promise((r) => setTimeout(r, 500));

@@ -35,13 +35,10 @@ export async function startFaultProxy(target: string): Promise<FaultProxy> {
       res.end(JSON.stringify({ code: 'AGENT_ERROR', message: `injected ${status} for ${req.method} ${path}` }));
       return;
     }
-    const out = request(
-      { host: upstream.hostname, port: upstream.port, method: req.method, path: req.url, headers: req.headers },
-      (up) => {
-        res.writeHead(up.statusCode ?? 502, up.headers);
-        up.pipe(res);
-      },
-    );
+    const out = request({ host: upstream.hostname, port: upstream.port, method: req.method, path: req.url, headers: req.headers }, (up) => {
+      res.writeHead(up.statusCode ?? 502, up.headers);
+      up.pipe(res);
+    });
     out.on('error', () => {
       if (!res.headersSent) res.writeHead(502, { 'content-type': 'application/json' });
       res.end(JSON.stringify({ code: 'AGENT_ERROR', message: 'proxy: upstream failed' }));

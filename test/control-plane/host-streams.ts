@@ -33,7 +33,6 @@ export function foldHosts(events: readonly RecordedEvent[]): Map<string, HostSta
   return hosts;
 }
 
-
 /**
  * The whole log through a global read. A global read shows only what every
  * earlier transaction has settled (read models write in the same Postgres),

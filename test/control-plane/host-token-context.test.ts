@@ -38,7 +38,15 @@ describe('host token sealed with the host URL', { timeout: 120_000 }, () => {
   const meta = { correlationId: 'test', actor: 'admin', tenantId: 'admin' };
   /** A second replica on the same database: nothing cached, the records are read as they are now. */
   const replica = async (): Promise<Service> =>
-    startService({ config: cp!.config, logger: pino({ level: 'silent' }), databaseUrl: cp!.db.url, tokenEncryptionKey: cp!.tokenKey, apiKeys: apiKeysFrom('admin-key-for-the-replica-0000', []), defaultMetrics: false, httpLogger: false });
+    startService({
+      config: cp!.config,
+      logger: pino({ level: 'silent' }),
+      databaseUrl: cp!.db.url,
+      tokenEncryptionKey: cp!.tokenKey,
+      apiKeys: apiKeysFrom('admin-key-for-the-replica-0000', []),
+      defaultMetrics: false,
+      httpLogger: false,
+    });
 
   before(async () => {
     const started = await startCheckedFleet();
@@ -103,7 +111,11 @@ describe('host token sealed with the host URL', { timeout: 120_000 }, () => {
     assert.equal(box.open(token, hostTokenContext('ht2', agent.url)), agent.token);
     // The first service had the old record folded in memory: its next write finds the reseal and uses the new token.
     assert.equal((await cp!.request('POST', '/v1/hosts/ht2/probe')).status, 200);
-    assert.equal((await cp!.service.store.readStream('host-ht2')).filter((e) => e.type === 'HostTokenResealed').length, 1, 'sealed again once, not on every use');
+    assert.equal(
+      (await cp!.service.store.readStream('host-ht2')).filter((e) => e.type === 'HostTokenResealed').length,
+      1,
+      'sealed again once, not on every use',
+    );
     const audit = await cp!.request('GET', '/v1/audit/streams/host-ht2');
     assert.ok(!JSON.stringify(audit.body).includes(token), 'audit shows the new ciphertext sealed');
   });

@@ -60,7 +60,8 @@ class Session {
     await withTimeout(
       (async () => {
         while (!pred()) {
-          if (this.closed && !pred()) throw new Error(`socket closed (${this.closed.code}) before ${what}; frames ${JSON.stringify(this.frames).slice(0, 500)}`);
+          if (this.closed && !pred())
+            throw new Error(`socket closed (${this.closed.code}) before ${what}; frames ${JSON.stringify(this.frames).slice(0, 500)}`);
           await new Promise<void>((r) => (this.wake = r));
         }
       })(),
@@ -203,7 +204,10 @@ describe('command API over real HTTP: fetch and websockets (real agent)', { time
     const other = await open(`/v1/vms/${vmId}/exec`, 'globex');
     other.send({ type: 'start', argv: ['true'] });
     await other.until(() => other.closed !== undefined, 'the close');
-    assert.deepEqual(other.frames.map((f) => [f.type, f.code]), [['error', 'VM_NOT_FOUND']]);
+    assert.deepEqual(
+      other.frames.map((f) => [f.type, f.code]),
+      [['error', 'VM_NOT_FOUND']],
+    );
     assert.equal(other.closed!.code, 1008);
 
     const bad = await open(`/v1/vms/${vmId}/exec`, 'acme');
@@ -216,7 +220,10 @@ describe('command API over real HTTP: fetch and websockets (real agent)', { time
     const garbled = await open(`/v1/vms/${vmId}/exec`, 'acme');
     garbled.ws.send('not json');
     await garbled.until(() => garbled.closed !== undefined, 'the close');
-    assert.deepEqual(garbled.frames.map((f) => [f.type, f.code]), [['error', 'VALIDATION_FAILED']]);
+    assert.deepEqual(
+      garbled.frames.map((f) => [f.type, f.code]),
+      [['error', 'VALIDATION_FAILED']],
+    );
     assert.equal(garbled.closed!.code, 1008);
 
     const later = await open(`/v1/vms/${vmId}/attach`, 'acme');
@@ -224,7 +231,10 @@ describe('command API over real HTTP: fetch and websockets (real agent)', { time
     await later.until(() => later.frames.some((f) => f.type === 'started'), 'started');
     later.send({ type: 'resize', rows: 0, cols: 80 });
     await later.until(() => later.closed !== undefined, 'the close');
-    assert.ok(later.frames.some((f) => f.type === 'error' && f.code === 'VALIDATION_FAILED'), JSON.stringify(later.frames));
+    assert.ok(
+      later.frames.some((f) => f.type === 'error' && f.code === 'VALIDATION_FAILED'),
+      JSON.stringify(later.frames),
+    );
   });
 
   it('destroys over HTTP; streams to a destroyed VM are refused', async (t) => {

@@ -129,7 +129,11 @@ describe('control plane races (stub agent test double)', { timeout: 240_000 }, (
     const ms = performance.now() - t0;
     process.stdout.write(`# 500 concurrent creates on ${HOSTS} hosts: ${ms.toFixed(0)} ms, ${JSON.stringify(tally(results))}\n`);
     for (const r of results) {
-      if (r.status === "rejected") assert.match((r.reason as Error).message, /no host fits: 20 hosts: 10 short of CPUs \(need 1, best has 0\), 10 with no VM slot free/);
+      if (r.status === 'rejected')
+        assert.match(
+          (r.reason as Error).message,
+          /no host fits: 20 hosts: 10 short of CPUs \(need 1, best has 0\), 10 with no VM slot free/,
+        );
     }
     assert.deepEqual(tally(results), { 'ok:running': TOTAL, CAPACITY_EXHAUSTED: 500 - TOTAL });
     await verifyFromStreams(cp, stub, 'r', 'race-1');
@@ -167,9 +171,7 @@ describe('control plane races (stub agent test double)', { timeout: 240_000 }, (
     assert.equal(created.vm.status, 'running');
     const vmId = created.vm.vm_id;
     const destroysBefore = stub.calls.destroys;
-    const answers = await Promise.all(
-      Array.from({ length: 12 }, () => cp.request('DELETE', `/v1/vms/${vmId}`, { as: 'acme' })),
-    );
+    const answers = await Promise.all(Array.from({ length: 12 }, () => cp.request('DELETE', `/v1/vms/${vmId}`, { as: 'acme' })));
     for (const a of answers) {
       assert.equal(a.status, 200, JSON.stringify(a.body));
       assert.equal(a.body.state, 'destroyed');

@@ -66,7 +66,10 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     assert.equal(badName.body.code, 'VALIDATION_FAILED');
     const big = await cp!.request('POST', '/v1/vms', { as: 'acme', body: { secrets: { BIG: `${secret}${'x'.repeat(40_000)}` } } });
     assert.equal(big.status, 400);
-    const many = await cp!.request('POST', '/v1/vms', { as: 'acme', body: { secrets: Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`S${i}`, secret])) } });
+    const many = await cp!.request('POST', '/v1/vms', {
+      as: 'acme',
+      body: { secrets: Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`S${i}`, secret])) },
+    });
     assert.equal(many.status, 400);
     for (const r of [badName, big, many]) assertClean(JSON.stringify(r.body), '400 body');
   });
@@ -79,7 +82,10 @@ describe('VM secrets', { timeout: 240_000 }, () => {
         ram_mb: 256,
         secrets: { MY_SECRET: secret },
         startup_script: `CRED=${scriptCred}\necho "$MY_SECRET" > /root/startup-saw`,
-        agent: { command: `echo "$MY_SECRET" > /root/agent-saw; TOKEN=${agentCred} sleep 600`, drain_command: `curl -H 'x: ${agentCred}' deregister` },
+        agent: {
+          command: `echo "$MY_SECRET" > /root/agent-saw; TOKEN=${agentCred} sleep 600`,
+          drain_command: `curl -H 'x: ${agentCred}' deregister`,
+        },
       },
     });
     assert.equal(created.status, 201, JSON.stringify(created.body));
@@ -96,7 +102,10 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     assert.equal(startup.body.stdout.trim(), secret, 'the startup script saw the secret');
     let agentSaw = '';
     for (let i = 0; i < 50 && agentSaw === ''; i++) {
-      const r = await cp!.request('POST', `/v1/vms/${vmId}/exec`, { as: 'acme', body: { argv: ['sh', '-c', 'cat /root/agent-saw 2>/dev/null || true'] } });
+      const r = await cp!.request('POST', `/v1/vms/${vmId}/exec`, {
+        as: 'acme',
+        body: { argv: ['sh', '-c', 'cat /root/agent-saw 2>/dev/null || true'] },
+      });
       agentSaw = String(r.body.stdout).trim();
       if (agentSaw === '') await new Promise((r2) => setTimeout(r2, 100));
     }
@@ -134,7 +143,10 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     const reader = feed.body!.getReader();
     const deadline = Date.now() + 3000;
     while (Date.now() < deadline && !text.includes('caught-up')) {
-      const { value, done } = await Promise.race([reader.read(), new Promise<{ value: undefined; done: true }>((r) => setTimeout(() => r({ value: undefined, done: true }), 500))]);
+      const { value, done } = await Promise.race([
+        reader.read(),
+        new Promise<{ value: undefined; done: true }>((r) => setTimeout(() => r({ value: undefined, done: true }), 500)),
+      ]);
       if (value) text += Buffer.from(value).toString();
       if (done && !value) continue;
     }
@@ -155,7 +167,10 @@ describe('VM secrets', { timeout: 240_000 }, () => {
 
   it('scrubs a secret a failing startup script prints from the error, the event and the response', async (t) => {
     if (guard(t)) return;
-    const r = await cp!.request('POST', '/v1/vms', { as: 'acme', body: { ram_mb: 256, secrets: { MY_SECRET: secret }, startup_script: 'echo "oops $MY_SECRET" >&2; exit 3' } });
+    const r = await cp!.request('POST', '/v1/vms', {
+      as: 'acme',
+      body: { ram_mb: 256, secrets: { MY_SECRET: secret }, startup_script: 'echo "oops $MY_SECRET" >&2; exit 3' },
+    });
     assert.equal(r.status, 422, JSON.stringify(r.body));
     assert.match(r.body.detail, /oops \[sealed\]/);
     assertClean(JSON.stringify(r.body), 'failure response');
@@ -174,7 +189,19 @@ describe('VM secrets', { timeout: 240_000 }, () => {
         {
           id: randomUUID(),
           type: 'VmRequested',
-          data: { vm_id: oldId, tenant_id: 'acme', at: new Date().toISOString(), spec: { cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0, startup_script: `export PW=${oldCred}`, agent: { command: `run ${oldCred}`, expose: [] } } },
+          data: {
+            vm_id: oldId,
+            tenant_id: 'acme',
+            at: new Date().toISOString(),
+            spec: {
+              cpus: 1,
+              ram_mb: 256,
+              storage_gb: 1,
+              gpus: 0,
+              startup_script: `export PW=${oldCred}`,
+              agent: { command: `run ${oldCred}`, expose: [] },
+            },
+          },
           metadata: { actor: 'acme', tenantId: 'acme', correlationId: 'old' },
         },
       ],
@@ -191,9 +218,15 @@ describe('VM secrets', { timeout: 240_000 }, () => {
     const row = await c.db.pool.query<{ spec: string }>(`SELECT spec::text FROM vms WHERE id = $1`, [oldId]);
     assert.ok(!row.rows[0]!.spec.includes(oldCred), 'the read model keeps no clear script');
     // A row written by the code before sealing held the clear script: the read model's migration masks it.
-    await c.db.pool.query(`UPDATE vms SET spec = jsonb_set(jsonb_set(spec, '{startup_script}', to_jsonb($2::text)), '{agent,command}', to_jsonb($2::text)) WHERE id = $1`, [oldId, `export PW=${oldCred}`]);
+    await c.db.pool.query(
+      `UPDATE vms SET spec = jsonb_set(jsonb_set(spec, '{startup_script}', to_jsonb($2::text)), '{agent,command}', to_jsonb($2::text)) WHERE id = $1`,
+      [oldId, `export PW=${oldCred}`],
+    );
     await c.db.pool.query(vmsProjection.migrations.find((m) => m.id === 'vms_0002_sealed_spec')!.sql);
-    const masked = await c.db.pool.query<{ spec: { startup_script: string; agent: { command: string } } }>(`SELECT spec FROM vms WHERE id = $1`, [oldId]);
+    const masked = await c.db.pool.query<{ spec: { startup_script: string; agent: { command: string } } }>(
+      `SELECT spec FROM vms WHERE id = $1`,
+      [oldId],
+    );
     assert.deepEqual([masked.rows[0]!.spec.startup_script, masked.rows[0]!.spec.agent.command], ['[sealed]', '[sealed]']);
     const report = await rebuildProjection(c.service.store, c.db.pool, vmsProjection, { verify: true });
     for (const d of report.drift) assert.deepEqual([d.table, d.onlyLive, d.onlyRebuilt], [d.table, 0, 0]);

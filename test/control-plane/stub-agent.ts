@@ -67,15 +67,32 @@ export async function startStubAgents(): Promise<StubAgents> {
     if (method === 'GET' && path === '/capacity') return send(200, { ...host.capacity, backend: 'process', vms_running: host.live.size });
     if (method === 'POST' && path === '/vms') {
       calls.creates++;
-      const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as { name: string; cpus?: number; ram_mb?: number; tenant?: string; image?: string };
-      if (host.failCreateWith) return send(host.failCreateWith, { code: 'AGENT_ERROR', message: host.failCreateMessage ?? 'stub: injected failure' });
+      const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as {
+        name: string;
+        cpus?: number;
+        ram_mb?: number;
+        tenant?: string;
+        image?: string;
+      };
+      if (host.failCreateWith)
+        return send(host.failCreateWith, { code: 'AGENT_ERROR', message: host.failCreateMessage ?? 'stub: injected failure' });
       if (host.live.has(body.name)) return send(409, { code: 'SANDBOX_EXISTS', message: `${body.name} exists` });
       if (host.live.size >= host.capacity.vm_count) {
         host.overCommits++;
         return send(507, { code: 'HOST_CAPACITY_EXHAUSTED', message: 'stub: no room' });
       }
       host.live.add(body.name);
-      return send(201, { name: body.name, state: 'running', image: body.image ?? 'base', tenant: body.tenant ?? 'default', ip: '10.0.0.2', cpus: body.cpus ?? 1, ram_mb: body.ram_mb ?? 512, created_at: new Date().toISOString(), endpoints: [] });
+      return send(201, {
+        name: body.name,
+        state: 'running',
+        image: body.image ?? 'base',
+        tenant: body.tenant ?? 'default',
+        ip: '10.0.0.2',
+        cpus: body.cpus ?? 1,
+        ram_mb: body.ram_mb ?? 512,
+        created_at: new Date().toISOString(),
+        endpoints: [],
+      });
     }
     const vm = /^\/vms\/([^/]+)(\/.*)?$/.exec(path);
     if (!vm) return send(404, { code: 'NOT_FOUND', message: `stub: no route ${method} ${path}` });
@@ -89,7 +106,16 @@ export async function startStubAgents(): Promise<StubAgents> {
     if (!host.live.has(name)) return send(404, { code: 'SANDBOX_NOT_FOUND', message: `no sandbox ${name}` });
     if (method === 'POST' && sub === '/exec') {
       calls.execs++;
-      return send(200, { exit_code: 0, stdout: '', stderr: '', encoding: 'utf8', stdout_truncated: false, stderr_truncated: false, timed_out: false, duration_ms: 0 });
+      return send(200, {
+        exit_code: 0,
+        stdout: '',
+        stderr: '',
+        encoding: 'utf8',
+        stdout_truncated: false,
+        stderr_truncated: false,
+        timed_out: false,
+        duration_ms: 0,
+      });
     }
     if (method === 'PUT' && sub === '/files') {
       calls.uploads++;

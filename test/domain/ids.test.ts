@@ -26,5 +26,8 @@ test('ids: stream helpers build valid stream names and read them back', () => {
   assert.equal(idFromStream('vm-v-1', VM_STREAM_PREFIX), 'v-1');
   assert.equal(idFromStream('host-h1', VM_STREAM_PREFIX), undefined);
   assert.equal(idFromStream('host-H1', HOST_STREAM_PREFIX), undefined);
-  assert.throws(() => vmStream('../etc'), (e: unknown) => e instanceof AppError && e.code === 'INVALID_ID');
+  assert.throws(
+    () => vmStream('../etc'),
+    (e: unknown) => e instanceof AppError && e.code === 'INVALID_ID',
+  );
 });

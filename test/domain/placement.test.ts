@@ -3,9 +3,21 @@ import { describe, test } from 'node:test';
 import type { HostCapacity } from '@fleet/agent-protocol';
 import { AppError } from '@fleet/agent-protocol';
 import { emptyAllocation, type HostAllocation } from '../../src/domain/placement/fit.js';
-import { CapacityExhaustedError, place, placementDecisionSchema, type PlacementHost, type PlacementRequest } from '../../src/domain/placement/placement.js';
+import {
+  CapacityExhaustedError,
+  place,
+  placementDecisionSchema,
+  type PlacementHost,
+  type PlacementRequest,
+} from '../../src/domain/placement/placement.js';
 
-function host(id: string, over: Partial<Omit<PlacementHost, 'capacity' | 'allocated'>> & { capacity?: Partial<HostCapacity>; allocated?: Partial<HostAllocation> } = {}): PlacementHost {
+function host(
+  id: string,
+  over: Partial<Omit<PlacementHost, 'capacity' | 'allocated'>> & {
+    capacity?: Partial<HostCapacity>;
+    allocated?: Partial<HostAllocation>;
+  } = {},
+): PlacementHost {
   const { capacity, allocated, ...rest } = over;
   return {
     id,
@@ -35,8 +47,18 @@ function refusal(fn: () => unknown): CapacityExhaustedError {
 
 describe('placement: decision', () => {
   test('returns the host, policy, candidates, headroom after placement, and the revision to reserve at', () => {
-    const p = place({ cpus: 2, ram_mb: 4096, storage_gb: 10 }, [host('h1', { allocated: { cpus: 1, ram_mb: 1024 }, revision: 7n })], { policy: 'spread' });
-    assert.deepEqual(p.decision, { host_id: 'h1', policy: 'spread', candidates: 1, headroom_cpus: 5, headroom_ram: 11264, artifact_local: false, artifact_holders: 0 });
+    const p = place({ cpus: 2, ram_mb: 4096, storage_gb: 10 }, [host('h1', { allocated: { cpus: 1, ram_mb: 1024 }, revision: 7n })], {
+      policy: 'spread',
+    });
+    assert.deepEqual(p.decision, {
+      host_id: 'h1',
+      policy: 'spread',
+      candidates: 1,
+      headroom_cpus: 5,
+      headroom_ram: 11264,
+      artifact_local: false,
+      artifact_holders: 0,
+    });
     assert.equal(p.revision, 7n);
     assert.deepEqual(p.gpu_uuids, []);
     assert.deepEqual(p.mig_instance_uuids, []);
@@ -57,7 +79,10 @@ describe('placement: decision', () => {
   });
 
   test('headroom is normalised: a big host half full beats a small empty one only when its scarcest share is larger', () => {
-    const big = host('big', { capacity: { cpus: 64, ram_mb: 262144, storage_gb: 1000, vm_count: 100 }, allocated: { cpus: 32, ram_mb: 131072, storage_gb: 500, vm_count: 50 } });
+    const big = host('big', {
+      capacity: { cpus: 64, ram_mb: 262144, storage_gb: 1000, vm_count: 100 },
+      allocated: { cpus: 32, ram_mb: 131072, storage_gb: 500, vm_count: 50 },
+    });
     const tiny = host('tiny', { capacity: { cpus: 2, ram_mb: 2048, storage_gb: 10, vm_count: 2 } });
     // tiny after placement: cpus 1/2, ram 1024/2048, storage 9/10, vms 1/2 → 0.5; big: ~0.49 → tiny.
     assert.equal(place(small, [big, tiny]).decision.host_id, 'tiny');
@@ -81,7 +106,10 @@ describe('placement: gates', () => {
       ...[1, 2, 3, 4, 5, 6, 7].map((i) => host(`r${i}`, { allocated: { ram_mb: 16384 - (i === 4 ? 2048 : 1024) } })),
     ];
     const err = refusal(() => place({ cpus: 1, ram_mb: 4096, storage_gb: 1, arch: 'amd64' }, hosts));
-    assert.equal(err.message, 'no host fits: 12 hosts: 3 cordoned, 2 wrong arch (need amd64), 7 short of RAM (need 4096 MB, best has 2048)');
+    assert.equal(
+      err.message,
+      'no host fits: 12 hosts: 3 cordoned, 2 wrong arch (need amd64), 7 short of RAM (need 4096 MB, best has 2048)',
+    );
     assert.deepEqual(err.refusal, {
       hosts: 12,
       inactive: { cordoned: 3 },
@@ -104,7 +132,15 @@ describe('placement: gates', () => {
       host('b6', { region: 'eu', labels: { zone: 'a', ssd: 'yes' }, allocated: { storage_gb: 95 } }),
       host('b7', { region: 'eu', labels: { zone: 'a', ssd: 'yes' }, allocated: { vm_count: 10 } }),
     ];
-    const req: PlacementRequest = { cpus: 2, ram_mb: 1024, storage_gb: 10, backend: 'process', region: 'eu', arch: 'amd64', labels: { zone: 'a', ssd: 'yes' } };
+    const req: PlacementRequest = {
+      cpus: 2,
+      ram_mb: 1024,
+      storage_gb: 10,
+      backend: 'process',
+      region: 'eu',
+      arch: 'amd64',
+      labels: { zone: 'a', ssd: 'yes' },
+    };
     const err = refusal(() => place(req, hosts, { excludeHosts: new Set(['x']) }));
     assert.equal(
       err.message,
@@ -164,7 +200,11 @@ describe('placement: GPUs and MIG', () => {
         ],
         ...over,
       },
-      allocated: { gpus: bound.filter((u) => u.includes('-G')).length, gpu_device_uuids: bound.filter((u) => u.includes('-G')), mig_instance_uuids: bound.filter((u) => u.includes('-M')) },
+      allocated: {
+        gpus: bound.filter((u) => u.includes('-G')).length,
+        gpu_device_uuids: bound.filter((u) => u.includes('-G')),
+        mig_instance_uuids: bound.filter((u) => u.includes('-M')),
+      },
     });
 
   test('binds free device uuids on an inventory host', () => {
@@ -176,8 +216,14 @@ describe('placement: GPUs and MIG', () => {
   test('GPU gate: kind and free count, with the best free in the message', () => {
     const hosts = [inventory('g1', ['g1-G1', 'g1-G2']), inventory('g2', ['g2-G1']), host('cpu')];
     assert.equal(place({ ...small, gpus: 2, gpu_kind: 'a100' }, hosts).decision.host_id, 'g2');
-    assert.match(refusal(() => place({ ...small, gpus: 3, gpu_kind: 'a100' }, hosts)).message, /3 short of a100 GPUs \(need 3, best has 2\)/);
-    assert.match(refusal(() => place({ ...small, gpus: 1, gpu_kind: 'h100' }, hosts)).message, /3 short of h100 GPUs \(need 1, best has 0\)/);
+    assert.match(
+      refusal(() => place({ ...small, gpus: 3, gpu_kind: 'a100' }, hosts)).message,
+      /3 short of a100 GPUs \(need 3, best has 2\)/,
+    );
+    assert.match(
+      refusal(() => place({ ...small, gpus: 1, gpu_kind: 'h100' }, hosts)).message,
+      /3 short of h100 GPUs \(need 1, best has 0\)/,
+    );
     // No kind asked: any kind.
     assert.equal(place({ ...small, gpus: 1 }, hosts).decision.host_id, 'g2');
   });
@@ -205,7 +251,11 @@ describe('placement: GPUs and MIG', () => {
   });
 
   test('MIG by profile count when the host reports no instances', () => {
-    const counted = host('c', { backend: 'qemu', capacity: { gpu_kind: 'a100', mig_profiles: { '1g.10gb': 4 } }, allocated: { mig_profiles: { '1g.10gb': 3 } } });
+    const counted = host('c', {
+      backend: 'qemu',
+      capacity: { gpu_kind: 'a100', mig_profiles: { '1g.10gb': 4 } },
+      allocated: { mig_profiles: { '1g.10gb': 3 } },
+    });
     const p = place({ ...small, gpus: 1, gpu_kind: 'a100', gpu_profile: '1g.10gb' }, [counted]);
     assert.equal(p.decision.host_id, 'c');
     assert.deepEqual(p.mig_instance_uuids, []);
@@ -240,7 +290,9 @@ describe('placement: artifact locality', () => {
       assert.equal(p.decision.artifact_holders, 0);
     }
     // Locality never turns a refusal into a placement either.
-    refusal(() => place({ ...small, ram_mb: 8192 }, [host('full-holder', { allocated: { ram_mb: 16000 } })], { hints: { artifactHosts: holders } }));
+    refusal(() =>
+      place({ ...small, ram_mb: 8192 }, [host('full-holder', { allocated: { ram_mb: 16000 } })], { hints: { artifactHosts: holders } }),
+    );
   });
 
   test('among several qualifying holders, the policy and then the host id decide', () => {
@@ -289,14 +341,25 @@ test('placement errors are AppErrors with a stable code', () => {
 
 describe('placement: CPU overcommit', () => {
   test('an overcommitted host is judged in vCPUs (cores × ratio), RAM in plain MB; the decision says so', () => {
-    const laptop = host('laptop', { cpu_overcommit_ratio: 4, capacity: { cpus: 2, ram_mb: 8192 }, allocated: { cpus: 7, ram_mb: 7 * 256, vm_count: 7 } });
+    const laptop = host('laptop', {
+      cpu_overcommit_ratio: 4,
+      capacity: { cpus: 2, ram_mb: 8192 },
+      allocated: { cpus: 7, ram_mb: 7 * 256, vm_count: 7 },
+    });
     const p = place({ cpus: 1, ram_mb: 256, storage_gb: 1 }, [laptop]);
     assert.equal(p.decision.headroom_cpus, 0);
     assert.deepEqual(p.decision.cpu_overcommit, { ratio: 4, cores: 2, schedulable: 8 });
     placementDecisionSchema.parse(p.decision);
     // RAM is never overcommitted: 8 vCPUs free do not stretch 8192 MB
-    const roomy = host('roomy', { cpu_overcommit_ratio: 4, capacity: { cpus: 2, ram_mb: 1024 }, allocated: { ram_mb: 1024, vm_count: 1, cpus: 1 } });
-    assert.match(refusal(() => place({ cpus: 1, ram_mb: 256, storage_gb: 1 }, [roomy])).message, /1 short of RAM \(need 256 MB, best has 0\)/);
+    const roomy = host('roomy', {
+      cpu_overcommit_ratio: 4,
+      capacity: { cpus: 2, ram_mb: 1024 },
+      allocated: { ram_mb: 1024, vm_count: 1, cpus: 1 },
+    });
+    assert.match(
+      refusal(() => place({ cpus: 1, ram_mb: 256, storage_gb: 1 }, [roomy])).message,
+      /1 short of RAM \(need 256 MB, best has 0\)/,
+    );
   });
 
   test('a refusal for CPUs counts in the overcommitted units of the best host', () => {

@@ -60,7 +60,12 @@ describe('vm spec', () => {
       startup_script: 'echo hi',
       startup_script_timeout_s: 20,
       files: { '/srv/app/config.json': b64('{}') },
-      agent: { command: '/usr/local/bin/agent', drain_command: 'kill -TERM 1', files: { '/opt/agent/cfg': b64('x') }, expose: [{ port: 9000, as: 'agent', protocol: 'udp' }] },
+      agent: {
+        command: '/usr/local/bin/agent',
+        drain_command: 'kill -TERM 1',
+        files: { '/opt/agent/cfg': b64('x') },
+        expose: [{ port: 9000, as: 'agent', protocol: 'udp' }],
+      },
       expose: [{ port: 443, as: 'https' }],
       healthcheck: { http: { port: 8080, path: '/healthz' }, interval_seconds: 5 },
     });
@@ -136,14 +141,38 @@ describe('vm spec', () => {
 
   test('total file bytes are bounded', () => {
     const limits = { ...DEFAULT_SPEC_LIMITS, maxFilesBytes: 10 };
-    assert.deepEqual(paths(invalid({ files: { '/a': b64('123456') }, agent: { command: 'x', files: { '/b': b64('123456') } } }, limits)), ['files']);
+    assert.deepEqual(paths(invalid({ files: { '/a': b64('123456') }, agent: { command: 'x', files: { '/b': b64('123456') } } }, limits)), [
+      'files',
+    ]);
   });
 
   test('expose: ports 1–65535, protocol tcp or udp, labels unique across expose and agent.expose', () => {
-    assert.deepEqual(paths(invalid({ expose: [{ port: 0, as: 'a' }, { port: 65536, as: 'b' }] })), ['expose[0].port', 'expose[1].port']);
+    assert.deepEqual(
+      paths(
+        invalid({
+          expose: [
+            { port: 0, as: 'a' },
+            { port: 65536, as: 'b' },
+          ],
+        }),
+      ),
+      ['expose[0].port', 'expose[1].port'],
+    );
     assert.deepEqual(paths(invalid({ expose: [{ port: 80, as: 'a', protocol: 'sctp' }] })), ['expose[0].protocol']);
-    assert.deepEqual(paths(invalid({ expose: [{ port: 80, as: 'web' }, { port: 81, as: 'web' }] })), ['expose[1].as']);
-    assert.deepEqual(paths(invalid({ expose: [{ port: 80, as: 'web' }], agent: { command: 'x', expose: [{ port: 81, as: 'web' }] } })), ['agent.expose[0].as']);
+    assert.deepEqual(
+      paths(
+        invalid({
+          expose: [
+            { port: 80, as: 'web' },
+            { port: 81, as: 'web' },
+          ],
+        }),
+      ),
+      ['expose[1].as'],
+    );
+    assert.deepEqual(paths(invalid({ expose: [{ port: 80, as: 'web' }], agent: { command: 'x', expose: [{ port: 81, as: 'web' }] } })), [
+      'agent.expose[0].as',
+    ]);
   });
 
   test('healthcheck takes exactly one of http or exec', () => {
@@ -168,7 +197,10 @@ describe('vm spec', () => {
   });
 
   test('the stored spec keeps file paths, never file contents', () => {
-    const spec = validateVmSpec({ files: { '/srv/b': b64('secret'), '/srv/a': b64('x') }, agent: { command: 'run', files: { '/opt/c': b64('token') } } });
+    const spec = validateVmSpec({
+      files: { '/srv/b': b64('secret'), '/srv/a': b64('x') },
+      agent: { command: 'run', files: { '/opt/c': b64('token') } },
+    });
     const stored = toStoredSpec(spec, { agent_command: 'sealed-run' });
     assert.deepEqual(stored.file_paths, ['/srv/a', '/srv/b']);
     assert.deepEqual(stored.agent, { command_encrypted: 'sealed-run', file_paths: ['/opt/c'] });
@@ -177,7 +209,11 @@ describe('vm spec', () => {
   });
 
   test('credential-bearing fields are stored only sealed: an unsealed one is refused, not kept in clear', () => {
-    const spec = validateVmSpec({ startup_script: 'export K=hunter2', secrets: { API_KEY: 'hunter3' }, agent: { command: 'run --token hunter4' } });
+    const spec = validateVmSpec({
+      startup_script: 'export K=hunter2',
+      secrets: { API_KEY: 'hunter3' },
+      agent: { command: 'run --token hunter4' },
+    });
     assert.throws(() => toStoredSpec(spec), /startup_script must be sealed/);
     assert.throws(() => toStoredSpec(spec, { startup_script: 'c1', agent_command: 'c2' }), /secrets must be sealed/);
     const stored = toStoredSpec(spec, { startup_script: 'c1', agent_command: 'c2', secrets: 'c3' });
@@ -185,12 +221,21 @@ describe('vm spec', () => {
     assert.equal(stored.startup_script_encrypted, 'c1');
     assert.equal(stored.secrets_encrypted, 'c3');
     assert.equal(stored.agent?.command_encrypted, 'c2');
-    assert.deepEqual(publicSpec(stored), { ...publicSpec({ ...stored, startup_script_encrypted: undefined, secrets_encrypted: undefined, agent: undefined }), startup_script: '[sealed]', agent: { command: '[sealed]' } });
+    assert.deepEqual(publicSpec(stored), {
+      ...publicSpec({ ...stored, startup_script_encrypted: undefined, secrets_encrypted: undefined, agent: undefined }),
+      startup_script: '[sealed]',
+      agent: { command: '[sealed]' },
+    });
   });
 
   test('secrets: env-style names, bounded count and size, and the 400 never quotes a value', () => {
     assert.deepEqual(validateVmSpec({ secrets: { A_1: 'x', _B: '' } }).secrets, { A_1: 'x', _B: '' });
-    for (const bad of [{ '1A': 'hunter2' }, { 'A-B': 'hunter2' }, { A: 'hunter2'.repeat(10_000) }, Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`K${i}`, 'hunter2']))]) {
+    for (const bad of [
+      { '1A': 'hunter2' },
+      { 'A-B': 'hunter2' },
+      { A: 'hunter2'.repeat(10_000) },
+      Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`K${i}`, 'hunter2'])),
+    ]) {
       const e = invalid({ secrets: bad });
       assert.equal(e.code, 'VALIDATION_FAILED');
       assert.ok(!e.message.includes('hunter2'), e.message);
@@ -198,12 +243,23 @@ describe('vm spec', () => {
   });
 
   test('a spec from an event written before sealing still parses, and reads show it sealed', () => {
-    const old = storedVmSpecSchema.parse({ cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0, startup_script: 'export PW=hunter2', agent: { command: 'run hunter2', drain_command: 'bye hunter2', expose: [] } });
+    const old = storedVmSpecSchema.parse({
+      cpus: 1,
+      ram_mb: 256,
+      storage_gb: 1,
+      gpus: 0,
+      startup_script: 'export PW=hunter2',
+      agent: { command: 'run hunter2', drain_command: 'bye hunter2', expose: [] },
+    });
     assert.equal(old.startup_script, 'export PW=hunter2');
     const shown = publicSpec(old);
     assert.equal(shown.startup_script, '[sealed]');
     assert.deepEqual(shown.agent, { expose: [], command: '[sealed]', drain_command: '[sealed]' });
-    assert.deepEqual(publicSpec({ ...old, agent: { command: 'run', drain_command: '' } }).agent, { command: '[sealed]', drain_command: '' }, 'an empty drain command is nothing to hide');
+    assert.deepEqual(
+      publicSpec({ ...old, agent: { command: 'run', drain_command: '' } }).agent,
+      { command: '[sealed]', drain_command: '' },
+      'an empty drain command is nothing to hide',
+    );
     assert.ok(!JSON.stringify(shown).includes('hunter2'));
   });
 });

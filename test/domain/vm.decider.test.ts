@@ -8,7 +8,15 @@ import { parseVmEvent, type VmEvent, type VmReservation } from '../../src/domain
 import { at, given, T0 } from './gwt.js';
 
 const spec = validateVmSpec({ cpus: 2, ram_mb: 2048, files: { '/srv/x': Buffer.from('payload').toString('base64') } });
-const decision: PlacementDecision = { host_id: 'h1', policy: 'spread', candidates: 3, headroom_cpus: 6, headroom_ram: 14336, artifact_local: false, artifact_holders: 0 };
+const decision: PlacementDecision = {
+  host_id: 'h1',
+  policy: 'spread',
+  candidates: 3,
+  headroom_cpus: 6,
+  headroom_ram: 14336,
+  artifact_local: false,
+  artifact_holders: 0,
+};
 const reservation: VmReservation = { cpus: 2, ram_mb: 2048, storage_gb: 1, gpus: 0, gpu_uuids: [], mig_instance_uuids: [] };
 
 const request: VmCommand = { type: 'RequestVm', data: { vm_id: 'v1', spec, tenant_id: 't1', task_id: 'task-9', idempotency_key: 'key-1' } };
@@ -57,17 +65,34 @@ describe('vm: lifecycle', () => {
       .then([
         {
           type: 'VmRequested',
-          data: { vm_id: 'v1', spec: { ...validateVmSpec({ cpus: 2, ram_mb: 2048 }), file_paths: ['/srv/x'] }, tenant_id: 't1', task_id: 'task-9', idempotency_key: 'key-1', at: T0.toISOString() },
+          data: {
+            vm_id: 'v1',
+            spec: { ...validateVmSpec({ cpus: 2, ram_mb: 2048 }), file_paths: ['/srv/x'] },
+            tenant_id: 't1',
+            task_id: 'task-9',
+            idempotency_key: 'key-1',
+            at: T0.toISOString(),
+          },
         },
       ]);
   });
 
   test('requested → placed → booting → running → destroying → destroyed', () => {
-    given(vmDecider, REQUESTED).when(placeCmd, at(1)).then([{ type: 'VmPlaced', data: { vm_id: 'v1', host_id: 'h1', decision, reservation, at: at(1).toISOString() } }]);
-    given(vmDecider, PLACED).when(startBoot, at(2)).then([{ type: 'VmBootStarted', data: { vm_id: 'v1', host_id: 'h1', at: at(2).toISOString() } }]);
-    given(vmDecider, BOOTING).when(booted, at(3)).then([{ type: 'VmBooted', data: { ...bootedData, at: at(3).toISOString() } }]);
-    given(vmDecider, RUNNING).when(destroy('idle'), at(4)).then([{ type: 'VmDestroyRequested', data: { vm_id: 'v1', reason: 'idle', at: at(4).toISOString() } }]);
-    given(vmDecider, DESTROYING).when(destroyed, at(5)).then([{ type: 'VmDestroyed', data: { vm_id: 'v1', reason: 'client', at: at(5).toISOString() } }]);
+    given(vmDecider, REQUESTED)
+      .when(placeCmd, at(1))
+      .then([{ type: 'VmPlaced', data: { vm_id: 'v1', host_id: 'h1', decision, reservation, at: at(1).toISOString() } }]);
+    given(vmDecider, PLACED)
+      .when(startBoot, at(2))
+      .then([{ type: 'VmBootStarted', data: { vm_id: 'v1', host_id: 'h1', at: at(2).toISOString() } }]);
+    given(vmDecider, BOOTING)
+      .when(booted, at(3))
+      .then([{ type: 'VmBooted', data: { ...bootedData, at: at(3).toISOString() } }]);
+    given(vmDecider, RUNNING)
+      .when(destroy('idle'), at(4))
+      .then([{ type: 'VmDestroyRequested', data: { vm_id: 'v1', reason: 'idle', at: at(4).toISOString() } }]);
+    given(vmDecider, DESTROYING)
+      .when(destroyed, at(5))
+      .then([{ type: 'VmDestroyed', data: { vm_id: 'v1', reason: 'client', at: at(5).toISOString() } }]);
   });
 
   test('the state carries what the command layer needs', () => {
@@ -128,7 +153,9 @@ describe('vm: idempotency', () => {
   });
 
   test('activity is recorded only forward in time (the command layer coalesces)', () => {
-    given(vmDecider, RUNNING).when(activity, at(60)).then([{ type: 'VmActivityRecorded', data: { vm_id: 'v1', at: at(60).toISOString() } }]);
+    given(vmDecider, RUNNING)
+      .when(activity, at(60))
+      .then([{ type: 'VmActivityRecorded', data: { vm_id: 'v1', at: at(60).toISOString() } }]);
     given(vmDecider, RUNNING).when(activity, at(3)).then([]);
     const state = given(vmDecider, RUNNING).when(activity, at(60)).thenState();
     assert.ok(state.status === 'running');
@@ -147,7 +174,19 @@ describe('vm: failure', () => {
   ] as const) {
     test(`fails from ${name}, recording the phase where it stopped`, () => {
       const g = given(vmDecider, events).when(fail('host_lost'), at(30));
-      g.then([{ type: 'VmFailed', data: { vm_id: 'v1', reason: 'host_lost', error: 'agent answered 503', error_code: 'AGENT_UNAVAILABLE', phase: name, at: at(30).toISOString() } }]);
+      g.then([
+        {
+          type: 'VmFailed',
+          data: {
+            vm_id: 'v1',
+            reason: 'host_lost',
+            error: 'agent answered 503',
+            error_code: 'AGENT_UNAVAILABLE',
+            phase: name,
+            at: at(30).toISOString(),
+          },
+        },
+      ]);
       const s = g.thenState();
       assert.ok(s.status === 'failed');
       assert.equal(s.phase, name);
@@ -172,19 +211,34 @@ describe('vm: failure', () => {
 
 describe('vm: illegal transitions', () => {
   test('a command on a VM that does not exist is VM_NOT_FOUND', () => {
-    for (const c of [placeCmd, startBoot, booted, activity, destroy(), destroyed, fail()]) given(vmDecider).when(c).thenThrows('VM_NOT_FOUND', 404);
+    for (const c of [placeCmd, startBoot, booted, activity, destroy(), destroyed, fail()])
+      given(vmDecider).when(c).thenThrows('VM_NOT_FOUND', 404);
   });
 
   test('steps out of order are VM_INVALID_STATE (409)', () => {
-    given(vmDecider, RUNNING).when(placeCmd).thenThrows('VM_INVALID_STATE', 409, /vm v1 is running: cannot place it/);
-    given(vmDecider, PLACED).when({ ...placeCmd, data: { ...(placeCmd.data as object), host_id: 'h2' } as never }).thenThrows('VM_INVALID_STATE');
-    given(vmDecider, REQUESTED).when(startBoot).thenThrows('VM_INVALID_STATE', 409, /requested: cannot start booting/);
-    given(vmDecider, PLACED).when(booted).thenThrows('VM_INVALID_STATE', 409, /placed: cannot mark it booted/);
-    given(vmDecider, BOOTING).when(activity).thenThrows('VM_INVALID_STATE', 409, /booting: cannot record activity/);
-    given(vmDecider, RUNNING).when(destroyed).thenThrows('VM_INVALID_STATE', 409, /request its destruction first/);
+    given(vmDecider, RUNNING)
+      .when(placeCmd)
+      .thenThrows('VM_INVALID_STATE', 409, /vm v1 is running: cannot place it/);
+    given(vmDecider, PLACED)
+      .when({ ...placeCmd, data: { ...(placeCmd.data as object), host_id: 'h2' } as never })
+      .thenThrows('VM_INVALID_STATE');
+    given(vmDecider, REQUESTED)
+      .when(startBoot)
+      .thenThrows('VM_INVALID_STATE', 409, /requested: cannot start booting/);
+    given(vmDecider, PLACED)
+      .when(booted)
+      .thenThrows('VM_INVALID_STATE', 409, /placed: cannot mark it booted/);
+    given(vmDecider, BOOTING)
+      .when(activity)
+      .thenThrows('VM_INVALID_STATE', 409, /booting: cannot record activity/);
+    given(vmDecider, RUNNING)
+      .when(destroyed)
+      .thenThrows('VM_INVALID_STATE', 409, /request its destruction first/);
     given(vmDecider, DESTROYED).when(startBoot).thenThrows('VM_INVALID_STATE');
     given(vmDecider, FAILED).when(booted).thenThrows('VM_INVALID_STATE');
-    given(vmDecider, DESTROYING).when(placeCmd).thenThrows('VM_INVALID_STATE', 409, /release the reservation/);
+    given(vmDecider, DESTROYING)
+      .when(placeCmd)
+      .thenThrows('VM_INVALID_STATE', 409, /release the reservation/);
   });
 
   test('destroying a VM that was never placed ends it at once: nothing exists on a host', () => {

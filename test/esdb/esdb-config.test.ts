@@ -4,7 +4,14 @@ import { EsdbEventStore } from '../../src/adapters/esdb/esdb-event-store.js';
 import { EventStoreUnavailableError } from '../../src/domain/event-store.port.js';
 
 describe('EventStoreDB adapter configuration', () => {
-  for (const bad of ['esdb://', 'http://127.0.0.1:2113', 'esdb://127.0.0.1:2113?tls=maybe', 'esdb://127.0.0.1:notaport', 'esdb://127.0.0.1:2113?tsl=false', 'esdb://127.0.0.1:2113?throwOnAppendFailure=false']) {
+  for (const bad of [
+    'esdb://',
+    'http://127.0.0.1:2113',
+    'esdb://127.0.0.1:2113?tls=maybe',
+    'esdb://127.0.0.1:notaport',
+    'esdb://127.0.0.1:2113?tsl=false',
+    'esdb://127.0.0.1:2113?throwOnAppendFailure=false',
+  ]) {
     it(`rejects the connection string ${JSON.stringify(bad)} with a typed error naming EVENTSTORE_URL`, () => {
       assert.throws(
         () => new EsdbEventStore({ connectionString: bad }),
@@ -19,7 +26,11 @@ describe('EventStoreDB adapter configuration', () => {
   }
 
   it('a bad connection string with credentials: the error names the problem, not the password', () => {
-    for (const bad of ['esdb://admin:s3cret-passw0rd@127.0.0.1:abc', 'esdb://admin:s3cret-passw0rd@127.0.0.1:2113?bogus=1', 'esdb://admin:s3cret-passw0rd@127.0.0.1:2113?tls=maybe']) {
+    for (const bad of [
+      'esdb://admin:s3cret-passw0rd@127.0.0.1:abc',
+      'esdb://admin:s3cret-passw0rd@127.0.0.1:2113?bogus=1',
+      'esdb://admin:s3cret-passw0rd@127.0.0.1:2113?tls=maybe',
+    ]) {
       assert.throws(
         () => new EsdbEventStore({ connectionString: bad }),
         (err: Error & { code?: string }) => {

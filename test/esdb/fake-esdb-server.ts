@@ -46,7 +46,12 @@ const clientRequire = createRequire(createRequire(import.meta.url).resolve('@eve
 const { Any: AnyMessage } = clientRequire('google-protobuf/google/protobuf/any_pb.js') as { Any: new () => Any };
 const { Empty: GoogleEmptyMessage } = clientRequire('google-protobuf/google/protobuf/empty_pb.js') as { Empty: new () => GoogleEmpty };
 
-const { ReadResp: ReadRespMessage, AppendResp: AppendRespMessage, BatchAppendResp: BatchAppendRespMessage, ReadReq: ReadReqMessage } = streamsPb;
+const {
+  ReadResp: ReadRespMessage,
+  AppendResp: AppendRespMessage,
+  BatchAppendResp: BatchAppendRespMessage,
+  ReadReq: ReadReqMessage,
+} = streamsPb;
 
 /** "created" travels as 100-ns ticks since the Unix epoch (the client divides by 10,000 to get ms). */
 const TICKS_PER_MS = 10_000n;
@@ -71,8 +76,7 @@ export interface StoredEvent {
 type Expected = { kind: 'any' } | { kind: 'no_stream' } | { kind: 'stream_exists' } | { kind: 'revision'; revision: bigint };
 
 type AppendOutcome =
-  | { ok: true; revision: bigint; commit: bigint; prepare: bigint }
-  | { ok: false; current: bigint | 'no_stream'; expected: Expected };
+  { ok: true; revision: bigint; commit: bigint; prepare: bigint } | { ok: false; current: bigint | 'no_stream'; expected: Expected };
 
 interface Proposed {
   id: string;
@@ -124,7 +128,13 @@ export class FakeEsdbServer {
     // (e.g. `$epoch-information` in `$epochs`); seeding one here keeps the
     // adapter's "system events are excluded" rule under test.
     this.write('$epochs', [
-      { id: randomUUID(), type: '$epoch-information', contentType: 'application/json', data: Buffer.from('{"epochNumber":0}'), metadata: new Uint8Array() },
+      {
+        id: randomUUID(),
+        type: '$epoch-information',
+        contentType: 'application/json',
+        data: Buffer.from('{"epochNumber":0}'),
+        metadata: new Uint8Array(),
+      },
     ]);
   }
 
@@ -167,16 +177,21 @@ export class FakeEsdbServer {
     const server = new grpc.Server();
     server.addService(streamsGrpc.StreamsService, {
       read: (call: grpc.ServerWritableStream<ReadReq, ReadResp>) => this.count('Streams.Read') && this.onRead(call),
-      append: (call: grpc.ServerReadableStream<AppendReq, unknown>, callback: grpc.sendUnaryData<unknown>) => this.count('Streams.Append') && this.onAppend(call, callback),
-      batchAppend: (call: grpc.ServerDuplexStream<BatchAppendReq, BatchAppendResp>) => this.count('Streams.BatchAppend') && this.onBatchAppend(call),
+      append: (call: grpc.ServerReadableStream<AppendReq, unknown>, callback: grpc.sendUnaryData<unknown>) =>
+        this.count('Streams.Append') && this.onAppend(call, callback),
+      batchAppend: (call: grpc.ServerDuplexStream<BatchAppendReq, BatchAppendResp>) =>
+        this.count('Streams.BatchAppend') && this.onBatchAppend(call),
       delete: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(unimplemented('Streams.Delete')),
       tombstone: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => callback(unimplemented('Streams.Tombstone')),
     });
     server.addService(featuresGrpc.ServerFeaturesService, {
-      getSupportedMethods: (_call: unknown, callback: grpc.sendUnaryData<unknown>) => this.count('ServerFeatures.GetSupportedMethods') && callback(null, this.supportedMethods()),
+      getSupportedMethods: (_call: unknown, callback: grpc.sendUnaryData<unknown>) =>
+        this.count('ServerFeatures.GetSupportedMethods') && callback(null, this.supportedMethods()),
     });
     this.boundPort = await new Promise<number>((resolve, reject) =>
-      server.bindAsync(`127.0.0.1:${this.boundPort}`, grpc.ServerCredentials.createInsecure(), (err, port) => (err ? reject(err) : resolve(port))),
+      server.bindAsync(`127.0.0.1:${this.boundPort}`, grpc.ServerCredentials.createInsecure(), (err, port) =>
+        err ? reject(err) : resolve(port),
+      ),
     );
     this.server = server;
   }
@@ -466,7 +481,11 @@ export class FakeEsdbServer {
       const f = options.getFilter()!;
       const expression = f.hasStreamIdentifier() ? f.getStreamIdentifier()! : f.getEventType()!;
       const regex = expression.getRegex();
-      filter = { on: f.hasStreamIdentifier() ? 'stream' : 'type', prefixes: expression.getPrefixList(), regex: regex ? new RegExp(regex) : undefined };
+      filter = {
+        on: f.hasStreamIdentifier() ? 'stream' : 'type',
+        prefixes: expression.getPrefixList(),
+        regex: regex ? new RegExp(regex) : undefined,
+      };
       const window = f.hasMax() ? f.getMax() : DEFAULT_WINDOW;
       checkpointEvery = Math.max(1, f.getCheckpointintervalmultiplier()) * window;
     }
@@ -501,7 +520,11 @@ export class FakeEsdbServer {
         const from = streamOptions.hasRevision() ? Number(BigInt(streamOptions.getRevision())) : streamOptions.hasEnd() ? events.length : 0;
         selected = events.slice(from, from + count);
       } else {
-        const from = streamOptions.hasRevision() ? Math.min(Number(BigInt(streamOptions.getRevision())), events.length - 1) : streamOptions.hasStart() ? -1 : events.length - 1;
+        const from = streamOptions.hasRevision()
+          ? Math.min(Number(BigInt(streamOptions.getRevision())), events.length - 1)
+          : streamOptions.hasStart()
+            ? -1
+            : events.length - 1;
         selected = [];
         for (let i = from; i >= 0 && selected.length < count; i--) selected.push(events[i]!);
       }
@@ -682,4 +705,3 @@ function eventResp(event: StoredEvent, uuidAsString: boolean): ReadResp {
   resp.setEvent(readEvent);
   return resp;
 }
-

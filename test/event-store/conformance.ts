@@ -73,12 +73,18 @@ async function eventually<T>(fn: () => Promise<T>, ok: (value: T) => boolean, ti
 }
 
 /** Subscribes, collects items until `done(items)` holds, then unsubscribes. Rejects on timeout or error. */
-function collect(source: Observable<SubscriptionItem>, done: (items: SubscriptionItem[]) => boolean, timeoutMs = 15_000): { items: SubscriptionItem[]; finished: Promise<SubscriptionItem[]> } {
+function collect(
+  source: Observable<SubscriptionItem>,
+  done: (items: SubscriptionItem[]) => boolean,
+  timeoutMs = 15_000,
+): { items: SubscriptionItem[]; finished: Promise<SubscriptionItem[]> } {
   const items: SubscriptionItem[] = [];
   const finished = new Promise<SubscriptionItem[]>((resolve, reject) => {
     const timer = setTimeout(() => {
       sub.unsubscribe();
-      reject(new Error(`subscription timed out after ${timeoutMs} ms with ${items.length} items: ${JSON.stringify(items.map(describeItem))}`));
+      reject(
+        new Error(`subscription timed out after ${timeoutMs} ms with ${items.length} items: ${JSON.stringify(items.map(describeItem))}`),
+      );
     }, timeoutMs);
     const sub = source.subscribe({
       next: (item) => {
@@ -113,11 +119,18 @@ const itemPosition = (i: SubscriptionItem): Position | undefined => (i.kind === 
 
 function assertStrictlyIncreasing(positions: Position[], what: string): void {
   for (let i = 1; i < positions.length; i++) {
-    assert.ok((positions[i - 1] as string) < (positions[i] as string), `${what}: ${positions[i - 1]} then ${positions[i]} is not strictly increasing`);
+    assert.ok(
+      (positions[i - 1] as string) < (positions[i] as string),
+      `${what}: ${positions[i - 1]} then ${positions[i]} is not strictly increasing`,
+    );
   }
 }
 
-export function describeEventStoreConformance(name: string, open: () => Promise<ConformanceTarget>, options: ConformanceOptions = {}): void {
+export function describeEventStoreConformance(
+  name: string,
+  open: () => Promise<ConformanceTarget>,
+  options: ConformanceOptions = {},
+): void {
   const timeout = options.timeoutMs ?? 30_000;
   describe(`EventStore conformance: ${name}`, { timeout: timeout * 40 }, () => {
     let target: ConformanceTarget;
@@ -137,7 +150,10 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         assert.equal(result.nextExpectedRevision, 1n);
         assert.equal(store.parsePosition(result.position), result.position);
         const read = await store.readStream(s);
-        assert.deepEqual(read.map((e) => e.revision), [0n, 1n]);
+        assert.deepEqual(
+          read.map((e) => e.revision),
+          [0n, 1n],
+        );
         assert.equal(read[1]?.position, result.position, 'the append result names the position of its last event');
       });
 
@@ -200,7 +216,10 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         const withAny = await store.append(s, batch, 'any');
         assert.deepEqual(withAny, first);
         const read = await store.readStream(s);
-        assert.deepEqual(read.map((e) => e.id), batch.map((e) => e.id));
+        assert.deepEqual(
+          read.map((e) => e.id),
+          batch.map((e) => e.id),
+        );
       });
 
       it('re-appending a later batch at its original expected revision is idempotent too', { timeout }, async () => {
@@ -219,16 +238,43 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         const batch = [0, 1, 2, 3, 4].map((n) => ev('Counted', { n }));
         await store.append(s, batch, 'no_stream');
         const fwd = await store.readStream(s);
-        assert.deepEqual(fwd.map((e) => e.revision), [0n, 1n, 2n, 3n, 4n]);
-        assert.deepEqual(fwd.map((e) => e.id), batch.map((e) => e.id));
-        assert.deepEqual(fwd.map((e) => e.data), [0, 1, 2, 3, 4].map((n) => ({ n })));
+        assert.deepEqual(
+          fwd.map((e) => e.revision),
+          [0n, 1n, 2n, 3n, 4n],
+        );
+        assert.deepEqual(
+          fwd.map((e) => e.id),
+          batch.map((e) => e.id),
+        );
+        assert.deepEqual(
+          fwd.map((e) => e.data),
+          [0, 1, 2, 3, 4].map((n) => ({ n })),
+        );
         assert.ok(fwd.every((e) => e.streamId === s && e.type === 'Counted'));
-        assertStrictlyIncreasing(fwd.map((e) => e.position), 'stream positions');
-        assert.deepEqual((await store.readStream(s, { direction: 'backwards' })).map((e) => e.revision), [4n, 3n, 2n, 1n, 0n]);
-        assert.deepEqual((await store.readStream(s, { fromRevision: 2n })).map((e) => e.revision), [2n, 3n, 4n]);
-        assert.deepEqual((await store.readStream(s, { fromRevision: 2n, maxCount: 2 })).map((e) => e.revision), [2n, 3n]);
-        assert.deepEqual((await store.readStream(s, { direction: 'backwards', fromRevision: 2n })).map((e) => e.revision), [2n, 1n, 0n]);
-        assert.deepEqual((await store.readStream(s, { direction: 'backwards', maxCount: 2 })).map((e) => e.revision), [4n, 3n]);
+        assertStrictlyIncreasing(
+          fwd.map((e) => e.position),
+          'stream positions',
+        );
+        assert.deepEqual(
+          (await store.readStream(s, { direction: 'backwards' })).map((e) => e.revision),
+          [4n, 3n, 2n, 1n, 0n],
+        );
+        assert.deepEqual(
+          (await store.readStream(s, { fromRevision: 2n })).map((e) => e.revision),
+          [2n, 3n, 4n],
+        );
+        assert.deepEqual(
+          (await store.readStream(s, { fromRevision: 2n, maxCount: 2 })).map((e) => e.revision),
+          [2n, 3n],
+        );
+        assert.deepEqual(
+          (await store.readStream(s, { direction: 'backwards', fromRevision: 2n })).map((e) => e.revision),
+          [2n, 1n, 0n],
+        );
+        assert.deepEqual(
+          (await store.readStream(s, { direction: 'backwards', maxCount: 2 })).map((e) => e.revision),
+          [4n, 3n],
+        );
         assert.deepEqual(await store.readStream(s, { fromRevision: 9n }), []);
       });
 
@@ -246,17 +292,36 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         await store.append(`${cat}-b`, [ev('Ra', { i: 1 }), ev('Ra', { i: 2 })], 'no_stream');
         await store.append(`${cat}-a`, [ev('Ra', { i: 3 })], 0n);
         const filter = { streamPrefixes: [`${cat}-`] };
-        const mine = await eventually(() => store.readAll({ after: a.position, filter }), (r) => r.length >= 3);
-        assert.deepEqual(mine.map((e) => (e.data as { i: number }).i), [1, 2, 3]);
+        const mine = await eventually(
+          () => store.readAll({ after: a.position, filter }),
+          (r) => r.length >= 3,
+        );
+        assert.deepEqual(
+          mine.map((e) => (e.data as { i: number }).i),
+          [1, 2, 3],
+        );
         assert.ok(mine.every((e) => e.position > a.position));
-        assertStrictlyIncreasing(mine.map((e) => e.position), 'readAll positions');
+        assertStrictlyIncreasing(
+          mine.map((e) => e.position),
+          'readAll positions',
+        );
         const two = await store.readAll({ after: a.position, filter, maxCount: 2 });
-        assert.deepEqual(two.map((e) => (e.data as { i: number }).i), [1, 2]);
+        assert.deepEqual(
+          two.map((e) => (e.data as { i: number }).i),
+          [1, 2],
+        );
         const fromStart = await store.readAll({ filter });
-        assert.deepEqual(fromStart.map((e) => (e.data as { i: number }).i), [0, 1, 2, 3]);
+        assert.deepEqual(
+          fromStart.map((e) => (e.data as { i: number }).i),
+          [0, 1, 2, 3],
+        );
         assert.equal(fromStart[0]?.position, a.position, 'readAll and append agree on positions');
         const stream = await store.readStream(`${cat}-b`);
-        assert.deepEqual(stream.map((e) => e.position), fromStart.slice(1, 3).map((e) => e.position), 'readStream and readAll agree on positions');
+        assert.deepEqual(
+          stream.map((e) => e.position),
+          fromStart.slice(1, 3).map((e) => e.position),
+          'readStream and readAll agree on positions',
+        );
         for (const bad of [-1, 1.5, Number.NaN]) {
           await assert.rejects(store.readAll({ maxCount: bad }), { code: 'INVALID_MAX_COUNT' });
           await assert.rejects(store.readStream(`${cat}-b`, { maxCount: bad }), { code: 'INVALID_MAX_COUNT' });
@@ -270,17 +335,32 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         const t2 = typeName();
         await store.append(`${cat}-1`, [ev(t1), ev(t2)], 'no_stream');
         await store.append(`${other}-1`, [ev(t1)], 'no_stream');
-        const byPrefix = await eventually(() => store.readAll({ filter: { streamPrefixes: [`${cat}-`, `${other}-`] } }), (r) => r.length >= 3);
-        assert.deepEqual(byPrefix.map((e) => e.streamId), [`${cat}-1`, `${cat}-1`, `${other}-1`]);
+        const byPrefix = await eventually(
+          () => store.readAll({ filter: { streamPrefixes: [`${cat}-`, `${other}-`] } }),
+          (r) => r.length >= 3,
+        );
+        assert.deepEqual(
+          byPrefix.map((e) => e.streamId),
+          [`${cat}-1`, `${cat}-1`, `${other}-1`],
+        );
         const byType = await store.readAll({ filter: { eventTypes: [t1] } });
-        assert.deepEqual(byType.map((e) => e.streamId), [`${cat}-1`, `${other}-1`]);
+        assert.deepEqual(
+          byType.map((e) => e.streamId),
+          [`${cat}-1`, `${other}-1`],
+        );
         const both = await store.readAll({ filter: { streamPrefixes: [`${cat}-`], eventTypes: [t2] } });
-        assert.deepEqual(both.map((e) => e.type), [t2]);
+        assert.deepEqual(
+          both.map((e) => e.type),
+          [t2],
+        );
       });
 
       it('headPosition is at or beyond the last append', { timeout }, async () => {
         const r = await store.append(`${category()}-1`, [ev()], 'no_stream');
-        const head = await eventually(() => store.headPosition(), (h) => h !== undefined && h >= r.position);
+        const head = await eventually(
+          () => store.headPosition(),
+          (h) => h !== undefined && h >= r.position,
+        );
         assert.ok(head !== undefined && head >= r.position, `head ${String(head)} before ${r.position}`);
       });
     });
@@ -300,21 +380,39 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         });
         await finished;
         const evs = events(items);
-        assert.deepEqual(evs.map((e) => (e.data as { i: number }).i), [0, 1, 2, 3]);
+        assert.deepEqual(
+          evs.map((e) => (e.data as { i: number }).i),
+          [0, 1, 2, 3],
+        );
         const caughtUp = items.findIndex((i) => i.kind === 'caught-up');
         assert.equal(items.filter((i) => i.kind === 'caught-up').length, 1, 'caught-up is emitted once');
-        assert.ok(items.findIndex((i) => i.kind === 'event' && (i.event.data as { i: number }).i === 2) < caughtUp, 'history before caught-up');
-        assert.ok(items.findIndex((i) => i.kind === 'event' && (i.event.data as { i: number }).i === 3) > caughtUp, 'the live event after caught-up');
-        assertStrictlyIncreasing(items.flatMap((i) => (i.kind === 'caught-up' ? [] : [itemPosition(i) as Position])), 'subscription positions');
+        assert.ok(
+          items.findIndex((i) => i.kind === 'event' && (i.event.data as { i: number }).i === 2) < caughtUp,
+          'history before caught-up',
+        );
+        assert.ok(
+          items.findIndex((i) => i.kind === 'event' && (i.event.data as { i: number }).i === 3) > caughtUp,
+          'the live event after caught-up',
+        );
+        assertStrictlyIncreasing(
+          items.flatMap((i) => (i.kind === 'caught-up' ? [] : [itemPosition(i) as Position])),
+          'subscription positions',
+        );
       });
 
       it('resumes after a checkpoint, exclusive', { timeout }, async () => {
         const cat = category();
         const first = await store.append(`${cat}-1`, [ev('Sub', { i: 0 })], 'no_stream');
         await store.append(`${cat}-1`, [ev('Sub', { i: 1 }), ev('Sub', { i: 2 })], 0n);
-        const { items, finished } = collect(store.subscribeToAll({ after: first.position, filter: { streamPrefixes: [`${cat}-`] } }), (all) => events(all).length >= 2 && all.some((i) => i.kind === 'caught-up'));
+        const { items, finished } = collect(
+          store.subscribeToAll({ after: first.position, filter: { streamPrefixes: [`${cat}-`] } }),
+          (all) => events(all).length >= 2 && all.some((i) => i.kind === 'caught-up'),
+        );
         await finished;
-        assert.deepEqual(events(items).map((e) => (e.data as { i: number }).i), [1, 2]);
+        assert.deepEqual(
+          events(items).map((e) => (e.data as { i: number }).i),
+          [1, 2],
+        );
         assert.ok(events(items).every((e) => e.position > first.position));
       });
 
@@ -324,14 +422,26 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         const unwanted = typeName();
         await store.append(`${cat}-1`, [ev(wanted, { i: 0 }), ev(unwanted), ev(unwanted), ev(wanted, { i: 1 })], 'no_stream');
         await store.append(`${cat}-2`, [ev(unwanted), ev(wanted, { i: 2 })], 'no_stream');
-        const { items, finished } = collect(store.subscribeToAll({ filter: { eventTypes: [wanted] } }), (all) => events(all).length >= 3 && all.some((i) => i.kind === 'caught-up'));
+        const { items, finished } = collect(
+          store.subscribeToAll({ filter: { eventTypes: [wanted] } }),
+          (all) => events(all).length >= 3 && all.some((i) => i.kind === 'caught-up'),
+        );
         await finished;
-        assert.deepEqual(events(items).map((e) => (e.data as { i: number }).i), [0, 1, 2]);
+        assert.deepEqual(
+          events(items).map((e) => (e.data as { i: number }).i),
+          [0, 1, 2],
+        );
         assert.ok(events(items).every((e) => e.type === wanted));
-        assertStrictlyIncreasing(items.flatMap((i) => (i.kind === 'caught-up' ? [] : [itemPosition(i) as Position])), 'events and checkpoints');
+        assertStrictlyIncreasing(
+          items.flatMap((i) => (i.kind === 'caught-up' ? [] : [itemPosition(i) as Position])),
+          'events and checkpoints',
+        );
         const caughtUp = items.find((i) => i.kind === 'caught-up');
         const last = events(items).at(-1);
-        assert.ok(caughtUp?.kind === 'caught-up' && caughtUp.position !== undefined && last && caughtUp.position >= last.position, 'caught-up position is at or after the last delivered event');
+        assert.ok(
+          caughtUp?.kind === 'caught-up' && caughtUp.position !== undefined && last && caughtUp.position >= last.position,
+          'caught-up position is at or after the last delivered event',
+        );
       });
 
       it('filters by stream prefix, live as well as catching up', { timeout }, async () => {
@@ -351,7 +461,10 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
           return events(all).length >= 2;
         });
         await finished;
-        assert.deepEqual(events(items).map((e) => (e.data as { i: number }).i), [0, 1]);
+        assert.deepEqual(
+          events(items).map((e) => (e.data as { i: number }).i),
+          [0, 1],
+        );
       });
 
       it('a bad checkpoint errors the subscription with INVALID_CHECKPOINT', { timeout }, async () => {
@@ -386,7 +499,13 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         });
       }
 
-      for (const [label, bad] of [['-1n', -1n], ['the number 1', 1], ['"nope"', 'nope'], ['null', null], ['"NO_STREAM"', 'NO_STREAM']] as const) {
+      for (const [label, bad] of [
+        ['-1n', -1n],
+        ['the number 1', 1],
+        ['"nope"', 'nope'],
+        ['null', null],
+        ['"NO_STREAM"', 'NO_STREAM'],
+      ] as const) {
         it(`expected revision ${label}`, { timeout }, async () => {
           const s = `${category()}-1`;
           await rejectsWithCode(store.append(s, [ev()], bad as unknown as ExpectedRevision), 'INVALID_EXPECTED_REVISION');
@@ -410,7 +529,10 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         it(`event data holding ${label}`, { timeout }, async () => {
           const s = `${category()}-1`;
           // the bad event is second: the first must not be written either
-          await rejectsWithCode(store.append(s, [ev('Ok', { fine: true }), { id: randomUUID(), type: 'Bad', data }], 'no_stream'), 'INVALID_EVENT_DATA');
+          await rejectsWithCode(
+            store.append(s, [ev('Ok', { fine: true }), { id: randomUUID(), type: 'Bad', data }], 'no_stream'),
+            'INVALID_EVENT_DATA',
+          );
           assert.deepEqual(await store.readStream(s), []);
         });
       }
@@ -427,7 +549,14 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         assert.deepEqual(await store.readStream(s), []);
       });
 
-      for (const bad of ['', 'junk', '0000000000000000-000000000000000g', '0-0', '00000000000000000000000000000000', ' 0000000000000000-0000000000000000']) {
+      for (const bad of [
+        '',
+        'junk',
+        '0000000000000000-000000000000000g',
+        '0-0',
+        '00000000000000000000000000000000',
+        ' 0000000000000000-0000000000000000',
+      ]) {
         it(`checkpoint ${JSON.stringify(bad)}`, { timeout }, async () => {
           throwsWithCode(() => store.parsePosition(bad), 'INVALID_CHECKPOINT');
           await rejectsWithCode(store.readAll({ after: bad }), 'INVALID_CHECKPOINT');
@@ -438,7 +567,18 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
     describe('event contents', () => {
       it('data and metadata round-trip', { timeout }, async () => {
         const s = `${category()}-1`;
-        const data = { text: 'héllo ✓ "quoted" \\ back', zero: 'a\u0000b', n: 1.5, neg: -7, big: 9007199254740991, t: true, f: false, nil: null, list: [1, 'two', { three: 3 }], nested: { deep: { deeper: [] } } };
+        const data = {
+          text: 'héllo ✓ "quoted" \\ back',
+          zero: 'a\u0000b',
+          n: 1.5,
+          neg: -7,
+          big: 9007199254740991,
+          t: true,
+          f: false,
+          nil: null,
+          list: [1, 'two', { three: 3 }],
+          nested: { deep: { deeper: [] } },
+        };
         const metadata = {
           correlationId: randomUUID(),
           causationId: randomUUID(),
@@ -457,7 +597,10 @@ export function describeEventStoreConformance(name: string, open: () => Promise<
         assert.deepEqual(plain.data, { when: '2026-01-01T00:00:00.000Z' }, 'a Date becomes its ISO string, as in JSON');
         assert.equal(plain.metadata.correlationId, undefined);
         assert.equal(typeof plain.metadata, 'object');
-        const viaAll = await eventually(() => store.readAll({ filter: { streamPrefixes: [s] } }), (r) => r.length >= 2);
+        const viaAll = await eventually(
+          () => store.readAll({ filter: { streamPrefixes: [s] } }),
+          (r) => r.length >= 2,
+        );
         assert.deepEqual({ ...viaAll[0]?.metadata }, metadata);
         assert.deepEqual(viaAll[0]?.data, data);
       });

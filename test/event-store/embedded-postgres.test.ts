@@ -74,7 +74,9 @@ describe('embedded Postgres', { timeout: 180_000 }, () => {
       process.stdout.write(String(s.pid) + '\\n');
       process.kill(process.pid, 'SIGKILL');
     `;
-    const child = spawn(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const child = spawn(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    });
     let out = '';
     child.stdout.on('data', (d: Buffer) => (out += d.toString()));
     await new Promise((resolve) => child.on('exit', resolve));
@@ -112,7 +114,10 @@ describe('embedded Postgres', { timeout: 180_000 }, () => {
     const dataDir = path.join(root, 'busy');
     const running = await startEmbeddedPostgres({ dataDir, port: await freePort() });
     try {
-      await assert.rejects(startEmbeddedPostgres({ dataDir, port: await freePort() }), (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_IN_USE');
+      await assert.rejects(
+        startEmbeddedPostgres({ dataDir, port: await freePort() }),
+        (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_IN_USE',
+      );
       const { rows } = await query(running.url, 'SELECT 1 AS ok');
       assert.deepEqual(rows, [{ ok: 1 }]);
     } finally {
@@ -139,7 +144,10 @@ describe('embedded Postgres', { timeout: 180_000 }, () => {
     const dataDir = path.join(root, 'other');
     await fs.mkdir(dataDir, { recursive: true });
     await fs.writeFile(path.join(dataDir, 'notes.txt'), 'mine');
-    await assert.rejects(startEmbeddedPostgres({ dataDir, port: await freePort() }), (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_DATA_DIR');
+    await assert.rejects(
+      startEmbeddedPostgres({ dataDir, port: await freePort() }),
+      (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_DATA_DIR',
+    );
     assert.equal(await fs.readFile(path.join(dataDir, 'notes.txt'), 'utf8'), 'mine');
   });
 
@@ -178,77 +186,92 @@ describe('embedded Postgres', { timeout: 180_000 }, () => {
     return u.toString();
   };
 
-  it('has a random superuser password: the given one works, the old constant does not; without one it is kept beside the data dir (0600)', { timeout: 60_000 }, async () => {
-    const given = `pw-${randomBytes(12).toString('hex')}`;
-    const s = await startEmbeddedPostgres({ dataDir: path.join(root, 'pw'), port: await freePort(), password: given });
-    try {
-      assert.equal(new URL(s.url).password, given);
-      await query(s.url, 'SELECT 1');
-      assert.equal(await refused(withPassword(s.adminUrl, LEGACY_PASSWORD)), '28P01', "the constant password 'postgres' is refused");
-    } finally {
-      await s.stop();
-    }
-    const dataDir = path.join(root, 'pw-default');
-    const d = await startEmbeddedPostgres({ dataDir, port: await freePort() });
-    try {
-      const kept = (await fs.readFile(`${dataDir}.password`, 'utf8')).trim();
-      assert.equal((await fs.stat(`${dataDir}.password`)).mode & 0o777, 0o600);
-      assert.ok(kept.length >= 24 && kept !== LEGACY_PASSWORD);
-      assert.equal(new URL(d.url).password, kept);
-      assert.equal(await refused(withPassword(d.adminUrl, LEGACY_PASSWORD)), '28P01');
-    } finally {
-      await d.stop();
-    }
-  });
+  it(
+    'has a random superuser password: the given one works, the old constant does not; without one it is kept beside the data dir (0600)',
+    { timeout: 60_000 },
+    async () => {
+      const given = `pw-${randomBytes(12).toString('hex')}`;
+      const s = await startEmbeddedPostgres({ dataDir: path.join(root, 'pw'), port: await freePort(), password: given });
+      try {
+        assert.equal(new URL(s.url).password, given);
+        await query(s.url, 'SELECT 1');
+        assert.equal(await refused(withPassword(s.adminUrl, LEGACY_PASSWORD)), '28P01', "the constant password 'postgres' is refused");
+      } finally {
+        await s.stop();
+      }
+      const dataDir = path.join(root, 'pw-default');
+      const d = await startEmbeddedPostgres({ dataDir, port: await freePort() });
+      try {
+        const kept = (await fs.readFile(`${dataDir}.password`, 'utf8')).trim();
+        assert.equal((await fs.stat(`${dataDir}.password`)).mode & 0o777, 0o600);
+        assert.ok(kept.length >= 24 && kept !== LEGACY_PASSWORD);
+        assert.equal(new URL(d.url).password, kept);
+        assert.equal(await refused(withPassword(d.adminUrl, LEGACY_PASSWORD)), '28P01');
+      } finally {
+        await d.stop();
+      }
+    },
+  );
 
-  it('moves a data directory made with the old constant password to the generated one on start, data kept', { timeout: 90_000 }, async () => {
-    const dataDir = path.join(root, 'legacy');
-    // What every data directory made before this change has: initdb with the constant password.
-    const old = await startEmbeddedPostgres({ dataDir, port: await freePort(), database: 'app_db', password: LEGACY_PASSWORD });
-    try {
-      await query(old.url, 'CREATE TABLE kept (v text); INSERT INTO kept VALUES ($$from before$$)');
-    } finally {
-      await old.stop();
-    }
-    const fresh = `pw-${randomBytes(12).toString('hex')}`;
-    const s = await startEmbeddedPostgres({ dataDir, port: await freePort(), database: 'app_db', password: fresh });
-    try {
-      assert.deepEqual((await query(s.url, 'SELECT v FROM kept')).rows, [{ v: 'from before' }]);
-      assert.equal(await refused(withPassword(s.adminUrl, LEGACY_PASSWORD)), '28P01', 'the constant password no longer works');
-    } finally {
-      await s.stop();
-    }
-    // A password that is neither is a clear error, not a hang.
-    await assert.rejects(startEmbeddedPostgres({ dataDir, port: await freePort(), password: 'not-the-one-for-this-dir' }), (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_AUTH');
-  });
+  it(
+    'moves a data directory made with the old constant password to the generated one on start, data kept',
+    { timeout: 90_000 },
+    async () => {
+      const dataDir = path.join(root, 'legacy');
+      // What every data directory made before this change has: initdb with the constant password.
+      const old = await startEmbeddedPostgres({ dataDir, port: await freePort(), database: 'app_db', password: LEGACY_PASSWORD });
+      try {
+        await query(old.url, 'CREATE TABLE kept (v text); INSERT INTO kept VALUES ($$from before$$)');
+      } finally {
+        await old.stop();
+      }
+      const fresh = `pw-${randomBytes(12).toString('hex')}`;
+      const s = await startEmbeddedPostgres({ dataDir, port: await freePort(), database: 'app_db', password: fresh });
+      try {
+        assert.deepEqual((await query(s.url, 'SELECT v FROM kept')).rows, [{ v: 'from before' }]);
+        assert.equal(await refused(withPassword(s.adminUrl, LEGACY_PASSWORD)), '28P01', 'the constant password no longer works');
+      } finally {
+        await s.stop();
+      }
+      // A password that is neither is a clear error, not a hang.
+      await assert.rejects(
+        startEmbeddedPostgres({ dataDir, port: await freePort(), password: 'not-the-one-for-this-dir' }),
+        (err: Error & { code?: string }) => err.code === 'EMBEDDED_PG_AUTH',
+      );
+    },
+  );
 
-  it('as root, reaches a data dir under a 0700 directory without changing the mode of any ancestor, and gives the server none of our environment', { timeout: 60_000 }, async (t) => {
-    if (typeof process.getuid !== 'function' || process.getuid() !== 0) {
-      t.skip('not running as root');
-      return;
-    }
-    const closed = path.join(root, 'private');
-    await fs.mkdir(closed, { mode: 0o700 });
-    await fs.chmod(closed, 0o700);
-    const dataDir = path.join(closed, 'nested', 'pg');
-    await fs.mkdir(path.dirname(dataDir), { mode: 0o700 });
-    const ancestors: string[] = [];
-    for (let d = path.dirname(dataDir); d !== path.dirname(d); d = path.dirname(d)) ancestors.push(d);
-    const before = new Map(await Promise.all(ancestors.map(async (d) => [d, (await fs.stat(d)).mode] as const)));
-    process.env.TOKEN_ENCRYPTION_KEY_PROBE = 'must-not-reach-postgres';
-    let s;
-    try {
-      s = await startEmbeddedPostgres({ dataDir, port: await freePort() });
-    } finally {
-      delete process.env.TOKEN_ENCRYPTION_KEY_PROBE;
-    }
-    try {
-      await query(s.url, 'SELECT 1');
-      for (const d of ancestors) assert.equal((await fs.stat(d)).mode, before.get(d), `mode of ${d} unchanged`);
-      const environ = (await fs.readFile(`/proc/${s.pid}/environ`, 'utf8')).split('\0');
-      assert.ok(!environ.some((e) => e.startsWith('TOKEN_ENCRYPTION_KEY_PROBE=')), 'the server does not inherit our environment');
-    } finally {
-      await s.stop();
-    }
-  });
+  it(
+    'as root, reaches a data dir under a 0700 directory without changing the mode of any ancestor, and gives the server none of our environment',
+    { timeout: 60_000 },
+    async (t) => {
+      if (typeof process.getuid !== 'function' || process.getuid() !== 0) {
+        t.skip('not running as root');
+        return;
+      }
+      const closed = path.join(root, 'private');
+      await fs.mkdir(closed, { mode: 0o700 });
+      await fs.chmod(closed, 0o700);
+      const dataDir = path.join(closed, 'nested', 'pg');
+      await fs.mkdir(path.dirname(dataDir), { mode: 0o700 });
+      const ancestors: string[] = [];
+      for (let d = path.dirname(dataDir); d !== path.dirname(d); d = path.dirname(d)) ancestors.push(d);
+      const before = new Map(await Promise.all(ancestors.map(async (d) => [d, (await fs.stat(d)).mode] as const)));
+      process.env.TOKEN_ENCRYPTION_KEY_PROBE = 'must-not-reach-postgres';
+      let s;
+      try {
+        s = await startEmbeddedPostgres({ dataDir, port: await freePort() });
+      } finally {
+        delete process.env.TOKEN_ENCRYPTION_KEY_PROBE;
+      }
+      try {
+        await query(s.url, 'SELECT 1');
+        for (const d of ancestors) assert.equal((await fs.stat(d)).mode, before.get(d), `mode of ${d} unchanged`);
+        const environ = (await fs.readFile(`/proc/${s.pid}/environ`, 'utf8')).split('\0');
+        assert.ok(!environ.some((e) => e.startsWith('TOKEN_ENCRYPTION_KEY_PROBE=')), 'the server does not inherit our environment');
+      } finally {
+        await s.stop();
+      }
+    },
+  );
 });

@@ -36,7 +36,10 @@ async function open(fake: FakeEsdbServer): Promise<ConformanceTarget> {
     },
     async appendRaw(streamId, event) {
       // A foreign writer: the bare client, no metadata.
-      await raw.appendToStream(streamId, jsonEvent({ id: event.id, type: event.type, data: JSON.parse(event.data) as Record<string, unknown> }));
+      await raw.appendToStream(
+        streamId,
+        jsonEvent({ id: event.id, type: event.type, data: JSON.parse(event.data) as Record<string, unknown> }),
+      );
     },
   };
 }

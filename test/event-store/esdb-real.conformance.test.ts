@@ -35,7 +35,10 @@ if (!url) {
           await raw.dispose();
         },
         async appendRaw(streamId, event) {
-          await raw.appendToStream(streamId, jsonEvent({ id: event.id, type: event.type, data: JSON.parse(event.data) as Record<string, unknown> }));
+          await raw.appendToStream(
+            streamId,
+            jsonEvent({ id: event.id, type: event.type, data: JSON.parse(event.data) as Record<string, unknown> }),
+          );
         },
       };
     },

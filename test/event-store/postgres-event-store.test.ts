@@ -27,7 +27,9 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
   });
 
   async function listenerConnections(): Promise<number> {
-    const { rows } = await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'fleet-event-store-listener'`);
+    const { rows } = await db.pool.query<{ n: string }>(
+      `SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'fleet-event-store-listener'`,
+    );
     return Number(rows[0]?.n ?? 0);
   }
 
@@ -59,12 +61,18 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
     await store.append(`${cat()}-2`, [a], 'no_stream');
   });
 
-  it('revisions beyond bigint: a conflict on append, the stream\'s end on read', async () => {
+  it("revisions beyond bigint: a conflict on append, the stream's end on read", async () => {
     const s = `${cat()}-1`;
     await store.append(s, [ev(), ev()], 'no_stream');
-    await assert.rejects(store.append(s, [ev()], 2n ** 64n), (err: Error & { code?: string; actual?: unknown }) => err.code === 'CONCURRENCY_CONFLICT' && err.actual === 1n);
+    await assert.rejects(
+      store.append(s, [ev()], 2n ** 64n),
+      (err: Error & { code?: string; actual?: unknown }) => err.code === 'CONCURRENCY_CONFLICT' && err.actual === 1n,
+    );
     assert.deepEqual(await store.readStream(s, { fromRevision: 2n ** 64n }), []);
-    assert.deepEqual((await store.readStream(s, { direction: 'backwards', fromRevision: 2n ** 64n, maxCount: 1 })).map((e) => e.revision), [1n]);
+    assert.deepEqual(
+      (await store.readStream(s, { direction: 'backwards', fromRevision: 2n ** 64n, maxCount: 1 })).map((e) => e.revision),
+      [1n],
+    );
     assert.equal((await store.readStream(s)).length, 2);
   });
 
@@ -81,9 +89,14 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
         await until('caught-up', () => live.items.some((i) => i.kind === 'caught-up'));
         const checkpoints = live.items.flatMap((i) => (i.kind === 'checkpoint' ? [i.position] : []));
         assert.ok(checkpoints.length >= 4, `expected checkpoints over the noise pages, got ${checkpoints.length}`);
-        const positions = live.items.flatMap((i) => (i.kind === 'event' ? [i.event.position] : i.kind === 'checkpoint' ? [i.position] : []));
+        const positions = live.items.flatMap((i) =>
+          i.kind === 'event' ? [i.event.position] : i.kind === 'checkpoint' ? [i.position] : [],
+        );
         for (let i = 1; i < positions.length; i++) assert.ok((positions[i - 1] as string) < (positions[i] as string));
-        assert.deepEqual(eventsOf(live.items).map((e) => e.position), [hit.position]);
+        assert.deepEqual(
+          eventsOf(live.items).map((e) => e.position),
+          [hit.position],
+        );
       } finally {
         live.sub.unsubscribe();
       }
@@ -117,7 +130,10 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
     const live = record(store, { filter: { streamPrefixes: [`${c}-`] } });
     try {
       await until('caught-up', () => live.items.some((i) => i.kind === 'caught-up'));
-      await db.pool.query(`SELECT status FROM es_append($1, 'no_stream', ARRAY[$2::uuid], ARRAY['Quiet'], ARRAY['{}'], ARRAY[NULL::text], false)`, [`${c}-1`, randomUUID()]);
+      await db.pool.query(
+        `SELECT status FROM es_append($1, 'no_stream', ARRAY[$2::uuid], ARRAY['Quiet'], ARRAY['{}'], ARRAY[NULL::text], false)`,
+        [`${c}-1`, randomUUID()],
+      );
       await until('the unannounced event', () => eventsOf(live.items).length === 1, 5_000);
     } finally {
       live.sub.unsubscribe();
@@ -151,7 +167,9 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
       const admin = new pg.Client({ connectionString: db.url });
       await admin.connect();
       try {
-        await admin.query(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND application_name IN ('conn-loss-reader', 'fleet-event-store-listener')`);
+        await admin.query(
+          `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND application_name IN ('conn-loss-reader', 'fleet-event-store-listener')`,
+        );
       } finally {
         await admin.end();
       }
@@ -182,8 +200,14 @@ describe('Postgres event store specifics', { timeout: 180_000 }, () => {
     pool.on('error', () => undefined);
     const s = new PostgresEventStore({ pool, ownsPool: true });
     try {
-      await assert.rejects(s.ping(), (err: Error & { code?: string; status?: number }) => err.code === 'EVENT_STORE_UNAVAILABLE' && err.status === 503);
-      await assert.rejects(s.append(`${cat()}-1`, [ev()], 'any'), (err: Error & { code?: string }) => err.code === 'EVENT_STORE_UNAVAILABLE');
+      await assert.rejects(
+        s.ping(),
+        (err: Error & { code?: string; status?: number }) => err.code === 'EVENT_STORE_UNAVAILABLE' && err.status === 503,
+      );
+      await assert.rejects(
+        s.append(`${cat()}-1`, [ev()], 'any'),
+        (err: Error & { code?: string }) => err.code === 'EVENT_STORE_UNAVAILABLE',
+      );
     } finally {
       await s.close();
     }
@@ -209,7 +233,10 @@ describe('runMigrations', { timeout: 60_000 }, () => {
       const results = await Promise.all(pools.map((p) => runMigrations(p, migrations)));
       assert.equal(results.flatMap((r) => r.applied).length, 2, 'each applied by exactly one replica');
       const { rows } = await db.pool.query<{ id: string }>('SELECT id FROM schema_migrations ORDER BY applied_at, id');
-      assert.deepEqual(rows.map((r) => r.id), ['test/001-a', 'test/002-b']);
+      assert.deepEqual(
+        rows.map((r) => r.id),
+        ['test/001-a', 'test/002-b'],
+      );
       assert.deepEqual((await runMigrations(db.pool, migrations)).applied, []);
     } finally {
       await Promise.all(pools.map((p) => p.end()));
@@ -217,14 +244,26 @@ describe('runMigrations', { timeout: 60_000 }, () => {
   });
 
   it('a failing migration rolls back and is not recorded; an edited one is refused', async () => {
-    await assert.rejects(runMigrations(db.pool, [{ id: 'test/003-bad', sql: 'CREATE TABLE c (id int); SELECT no_such_function();' }]), (err: Error & { code?: string }) => {
-      assert.equal(err.code, 'MIGRATION_FAILED');
-      assert.match(err.message, /test\/003-bad/);
-      return true;
-    });
+    await assert.rejects(
+      runMigrations(db.pool, [{ id: 'test/003-bad', sql: 'CREATE TABLE c (id int); SELECT no_such_function();' }]),
+      (err: Error & { code?: string }) => {
+        assert.equal(err.code, 'MIGRATION_FAILED');
+        assert.match(err.message, /test\/003-bad/);
+        return true;
+      },
+    );
     const c = await db.pool.query(`SELECT to_regclass('c') AS t`);
     assert.equal(c.rows[0]?.t, null, 'nothing of the failed migration remains');
-    await assert.rejects(runMigrations(db.pool, [{ id: 'test/001-a', sql: 'CREATE TABLE a2 (id int)' }]), (err: Error & { code?: string }) => err.code === 'MIGRATION_CHANGED');
-    await assert.rejects(runMigrations(db.pool, [{ id: 'x', sql: 'SELECT 1' }, { id: 'x', sql: 'SELECT 2' }]), (err: Error & { code?: string }) => err.code === 'MIGRATION_INVALID');
+    await assert.rejects(
+      runMigrations(db.pool, [{ id: 'test/001-a', sql: 'CREATE TABLE a2 (id int)' }]),
+      (err: Error & { code?: string }) => err.code === 'MIGRATION_CHANGED',
+    );
+    await assert.rejects(
+      runMigrations(db.pool, [
+        { id: 'x', sql: 'SELECT 1' },
+        { id: 'x', sql: 'SELECT 2' },
+      ]),
+      (err: Error & { code?: string }) => err.code === 'MIGRATION_INVALID',
+    );
   });
 });

@@ -111,16 +111,28 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
     assert.equal(vr.nextExpectedRevision, 0n);
     assert.equal(txOf(tr), txOf(vr), 'the two successes committed in one transaction');
     assert.notEqual(txOf(tr), txOf(gate), 'after the gate, in a flush of their own');
-    assert.deepEqual((await store.readStream(`${c}-exists`)).map((e) => e.id), [existing.id]);
-    assert.deepEqual((await store.readStream(`${c}-overlap`)).map((e) => e.id), [overlap.id]);
+    assert.deepEqual(
+      (await store.readStream(`${c}-exists`)).map((e) => e.id),
+      [existing.id],
+    );
+    assert.deepEqual(
+      (await store.readStream(`${c}-overlap`)).map((e) => e.id),
+      [overlap.id],
+    );
     assert.deepEqual(await store.readStream(`${c}-missing`), []);
     const readT = await store.readStream(`${c}-t`);
-    assert.deepEqual(readT.map((e) => [e.id, e.revision]), [
-      [t[0]?.id, 0n],
-      [t[1]?.id, 1n],
-    ]);
+    assert.deepEqual(
+      readT.map((e) => [e.id, e.revision]),
+      [
+        [t[0]?.id, 0n],
+        [t[1]?.id, 1n],
+      ],
+    );
     assert.equal(readT[1]?.position, tr.position);
-    assert.deepEqual((await store.readStream(`${c}-v`)).map((e) => e.position), [vr.position]);
+    assert.deepEqual(
+      (await store.readStream(`${c}-v`)).map((e) => e.position),
+      [vr.position],
+    );
   });
 
   it('appends to one stream in one flush check exact expected revisions, each seeing the one before', async () => {
@@ -140,12 +152,15 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
     assert.equal((reason(results[3]) as ConcurrencyError).actual, 3n);
     assert.equal((reason(results[4]) as ConcurrencyError).actual, 3n);
     const read = await store.readStream(s);
-    assert.deepEqual(read.map((e) => [e.id, e.revision]), [
-      [a.id, 0n],
-      [b.id, 1n],
-      [c1.id, 2n],
-      [c2.id, 3n],
-    ]);
+    assert.deepEqual(
+      read.map((e) => [e.id, e.revision]),
+      [
+        [a.id, 0n],
+        [b.id, 1n],
+        [c1.id, 2n],
+        [c2.id, 3n],
+      ],
+    );
     assert.equal(read[3]?.position, rc.position);
   });
 
@@ -175,10 +190,15 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
     try {
       await until('caught-up', () => live.items.some((i) => i.kind === 'caught-up'));
       await until('listening', async () => {
-        const { rows } = await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'fleet-event-store-listener'`);
+        const { rows } = await db.pool.query<{ n: string }>(
+          `SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'fleet-event-store-listener'`,
+        );
         return Number(rows[0]?.n ?? 0) >= 1;
       });
-      const { gate, results } = await behindGate(() => [store.append(`${c}-a`, [ev()], 'no_stream'), store.append(`${c}-b`, [ev()], 'no_stream')]);
+      const { gate, results } = await behindGate(() => [
+        store.append(`${c}-a`, [ev()], 'no_stream'),
+        store.append(`${c}-b`, [ev()], 'no_stream'),
+      ]);
       const [a, b] = [value(results[0]), value(results[1])];
       assert.equal(txOf(a), txOf(b), 'one flush');
       assert.notEqual(txOf(a), txOf(gate));
@@ -206,7 +226,10 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
       await first;
       // The flush has locked what it could and waits for the blocker's lock: kill its connection there.
       await blockedOnLock(db.pool, app, 1, 'es_append_batch(');
-      await admin.query(`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE '%es_append_batch(%'`, [app]);
+      await admin.query(
+        `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE '%es_append_batch(%'`,
+        [app],
+      );
       const results = await pending;
       for (const r of results) assert.equal(reason(r).code, 'EVENT_STORE_UNAVAILABLE');
       await held.release(blocker);
@@ -239,7 +262,11 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
       let total = 0;
       for (const stream of streams) {
         const read = await store.readStream(stream);
-        assert.deepEqual(read.map((e) => e.revision), read.map((_, i) => BigInt(i)), `${stream} has no gap`);
+        assert.deepEqual(
+          read.map((e) => e.revision),
+          read.map((_, i) => BigInt(i)),
+          `${stream} has no gap`,
+        );
         total += read.length;
       }
       assert.equal(total, written.length);
@@ -278,7 +305,10 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
       );
       assert.equal(wins, rounds);
       assert.ok(conflicts > 0, 'the writers did race');
-      assert.deepEqual((await store.readStream(s)).map((e) => e.revision), Array.from({ length: rounds }, (_, i) => BigInt(i)));
+      assert.deepEqual(
+        (await store.readStream(s)).map((e) => e.revision),
+        Array.from({ length: rounds }, (_, i) => BigInt(i)),
+      );
     } finally {
       await other.close();
     }

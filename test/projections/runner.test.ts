@@ -42,7 +42,14 @@ describe('projection runner: a failing event', { timeout: 60_000 }, () => {
 
   it('stops at the event, names it, and resumes exactly once the cause is gone', async () => {
     const stream = `test-${randomUUID()}`;
-    const ok = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }, { id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+    const ok = await store.append(
+      stream,
+      [
+        { id: randomUUID(), type: 'Counted', data: {} },
+        { id: randomUUID(), type: 'Counted', data: {} },
+      ],
+      'no_stream',
+    );
     await store.append(stream, [{ id: randomUUID(), type: 'Poison', data: {} }], ok.nextExpectedRevision);
     await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], ok.nextExpectedRevision + 1n);
     const runner = new ProjectionRunner(store, db.pool, [projection], pino({ level: 'silent' }));
@@ -56,7 +63,11 @@ describe('projection runner: a failing event', { timeout: 60_000 }, () => {
       const before = await db.pool.query<{ n: number }>('SELECT n FROM counter WHERE stream = $1', [stream]);
       assert.ok((before.rows[0]?.n ?? 0) <= 2);
       poisoned = false;
-      await until('the runner to recover', () => runner.status()[0]?.running === true && runner.status()[0]?.lastError === undefined, 15_000);
+      await until(
+        'the runner to recover',
+        () => runner.status()[0]?.running === true && runner.status()[0]?.lastError === undefined,
+        15_000,
+      );
       await runner.waitFor((await store.headPosition())!, 10_000);
       const { rows } = await db.pool.query<{ n: number }>('SELECT n FROM counter WHERE stream = $1', [stream]);
       assert.equal(rows[0]?.n, 4, 'every event applied exactly once');

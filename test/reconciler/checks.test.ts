@@ -9,7 +9,17 @@ import { hostDecider } from '../../src/domain/host/host.decider.js';
 import { vmStream } from '../../src/domain/vm/vm.aggregate.js';
 import { migrationRecorder } from '../support/migration-recorder.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
-import { ADMIN_KEY, AgentFaultProxy, prepareTestImages, skipReason, sleep, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
+import {
+  ADMIN_KEY,
+  AgentFaultProxy,
+  prepareTestImages,
+  skipReason,
+  sleep,
+  startTestAgent,
+  TOKEN_KEY,
+  waitFor,
+  type TestAgent,
+} from './harness.js';
 
 /**
  * The per-VM and per-host checks, one reconcile cycle at a time (in
@@ -28,7 +38,12 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
   let db: TestDatabase | undefined;
   let svc: Service | undefined;
   const inject = async (method: 'GET' | 'POST' | 'DELETE', url: string, payload?: unknown) => {
-    const r = await svc!.app.inject({ method, url, headers: { authorization: `Bearer ${ADMIN_KEY}` }, ...(payload !== undefined ? { payload: payload as object } : {}) });
+    const r = await svc!.app.inject({
+      method,
+      url,
+      headers: { authorization: `Bearer ${ADMIN_KEY}` },
+      ...(payload !== undefined ? { payload: payload as object } : {}),
+    });
     return { status: r.statusCode, body: r.json() };
   };
   const create = async (spec: Record<string, unknown>): Promise<{ id: string; host_id: string }> => {
@@ -114,7 +129,11 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     // Activity keeps `busy` alive (exec is recorded as activity, at most every ACTIVITY_COALESCE_MS).
     const ex = await inject('POST', `/v1/vms/${busy.id}/exec`, { argv: ['true'] });
     assert.equal(ex.status, 200, JSON.stringify(ex.body));
-    await waitFor('activity in the read model', 10_000, async () => Date.parse((await inject('GET', `/v1/vms/${busy.id}`)).body.updated_at) > Date.now() - 3000);
+    await waitFor(
+      'activity in the read model',
+      10_000,
+      async () => Date.parse((await inject('GET', `/v1/vms/${busy.id}`)).body.updated_at) > Date.now() - 3000,
+    );
     await sleep(1500);
 
     const s = await svc!.reconciler.reconcileOnce();
@@ -144,10 +163,18 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     assert.ok(took < 15_000, 'the hung host bounds the cycle by its call timeout');
     const second = await svc!.reconciler.reconcileOnce();
     assert.equal(second.hosts_marked_unreachable, 1, JSON.stringify(second));
-    await waitFor('h2 unreachable in the read model', 10_000, async () => (await inject('GET', '/v1/hosts/h2')).body.state === 'unreachable');
+    await waitFor(
+      'h2 unreachable in the read model',
+      10_000,
+      async () => (await inject('GET', '/v1/hosts/h2')).body.state === 'unreachable',
+    );
 
     const placed = [await create({}), await create({})];
-    assert.deepEqual(placed.map((p) => p.host_id), ['h1', 'h1'], 'placement skips the unreachable host');
+    assert.deepEqual(
+      placed.map((p) => p.host_id),
+      ['h1', 'h1'],
+      'placement skips the unreachable host',
+    );
 
     proxy!.mode = 'pass';
     proxy!.release();
@@ -160,7 +187,10 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
 
   test('a declared healthcheck is probed; its verdict is recorded only when it changes, and a failing probe never destroys', async (t) => {
     if ('skip' in images) return t.skip(images.skip);
-    const vm = await create({ host_id: 'h1', healthcheck: { exec: ['test', '-f', '/tmp/ok'], interval_seconds: 1, timeout_seconds: 5, retries: 1 } });
+    const vm = await create({
+      host_id: 'h1',
+      healthcheck: { exec: ['test', '-f', '/tmp/ok'], interval_seconds: 1, timeout_seconds: 5, retries: 1 },
+    });
     const health = async () => (await inject('GET', `/v1/vms/${vm.id}/health`)).body;
     assert.equal((await health()).state, 'none');
     const cycle = async () => {
@@ -187,7 +217,11 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     assert.equal(h.failures, 2);
     assert.match(h.message, /exited 1/);
     const events = await svc!.store.readStream(`vmhealth-${vm.id}`);
-    assert.deepEqual(events.map((e) => (e.data as { state: string }).state), ['starting', 'healthy', 'unhealthy'], 'one event per change, none per probe');
+    assert.deepEqual(
+      events.map((e) => (e.data as { state: string }).state),
+      ['starting', 'healthy', 'unhealthy'],
+      'one event per change, none per probe',
+    );
     assert.equal((await vmState(vm.id)).status, 'running', 'a failing probe reports; it does not destroy');
     await inject('DELETE', `/v1/vms/${vm.id}`);
   });
@@ -198,9 +232,29 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     const handler = new CommandHandler(svc!.store);
     const meta = { correlationId: 'migrate', actor: 'test' };
     // What a control plane dying mid-migration leaves: the steps on the VM stream, a reservation and a sandbox on the target.
-    await handler.handle(vmStream(vm.id), migrationRecorder, () => undefined, { type: 'VmMigrationStarted', data: { vm_id: vm.id, from_host_id: 'h1', live: false } }, meta, { expected: 'any' });
-    await handler.handle(hostStream('h2'), hostDecider, decodeHostEvent, { type: 'ReserveCapacity', data: { host_id: 'h2', vm_id: vm.id, cpus: 1, ram_mb: 128, storage_gb: 1, gpus: 0 } }, meta);
-    await handler.handle(vmStream(vm.id), migrationRecorder, () => undefined, { type: 'VmMigrationStepCompleted', data: { vm_id: vm.id, step: 'place', detail: { host_id: 'h2' } } }, meta, { expected: 'any' });
+    await handler.handle(
+      vmStream(vm.id),
+      migrationRecorder,
+      () => undefined,
+      { type: 'VmMigrationStarted', data: { vm_id: vm.id, from_host_id: 'h1', live: false } },
+      meta,
+      { expected: 'any' },
+    );
+    await handler.handle(
+      hostStream('h2'),
+      hostDecider,
+      decodeHostEvent,
+      { type: 'ReserveCapacity', data: { host_id: 'h2', vm_id: vm.id, cpus: 1, ram_mb: 128, storage_gb: 1, gpus: 0 } },
+      meta,
+    );
+    await handler.handle(
+      vmStream(vm.id),
+      migrationRecorder,
+      () => undefined,
+      { type: 'VmMigrationStepCompleted', data: { vm_id: vm.id, step: 'place', detail: { host_id: 'h2' } } },
+      meta,
+      { expected: 'any' },
+    );
     await b!.client.createVm({ name: `fl-${vm.id}`, image: 'base' });
 
     const during = await svc!.reconciler.reconcileOnce();

@@ -138,7 +138,11 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     if ('skip' in images) return t.skip(images.skip);
     const cp = await start();
     const id = createAndForget(cp, 'crash-during-boot', { cpus: 1, ram_mb: 128, startup_script: 'sleep 40', startup_script_timeout_s: 45 });
-    await waitFor('sandbox created, vm booting', 30_000, async () => (await sandboxes()).includes(`fl-${id}`) && (await vm(cp, id)).state === 'booting');
+    await waitFor(
+      'sandbox created, vm booting',
+      30_000,
+      async () => (await sandboxes()).includes(`fl-${id}`) && (await vm(cp, id)).state === 'booting',
+    );
     await kill(cp);
 
     const cp2 = await start();
@@ -188,7 +192,11 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     await agent!.kill();
     const hostState = async () => (await api(cp.url, 'GET', '/v1/hosts/h1')).body.state as string;
     const t0 = Date.now();
-    await waitFor('host marked unreachable', (UNREACHABLE_AFTER + 2) * (INTERVAL_MS + 3 * 3000) + 5000, async () => (await hostState()) === 'unreachable');
+    await waitFor(
+      'host marked unreachable',
+      (UNREACHABLE_AFTER + 2) * (INTERVAL_MS + 3 * 3000) + 5000,
+      async () => (await hostState()) === 'unreachable',
+    );
     t.diagnostic(`host unreachable ${Date.now() - t0} ms after the agent died`);
     const refused = await api(cp.url, 'POST', '/v1/vms', { cpus: 1, ram_mb: 128 });
     assert.notEqual(refused.status, 201, 'placement skips the unreachable host');
@@ -212,7 +220,8 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     if ('skip' in images) return t.skip(images.skip);
     const a = await start();
     const b = await start();
-    const leaderOf = async (cp: ControlPlaneProcess) => (await api(cp.url, 'GET', '/v1/reconciler')).body as { leader: boolean; last_summary: { cycle: number } | null };
+    const leaderOf = async (cp: ControlPlaneProcess) =>
+      (await api(cp.url, 'GET', '/v1/reconciler')).body as { leader: boolean; last_summary: { cycle: number } | null };
     const [la, lb] = await waitFor('one leader', 10_000, async () => {
       const x = await leaderOf(a);
       const y = await leaderOf(b);
@@ -222,17 +231,26 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     assert.ok(!lb.leader || !la.leader);
     await kill(holder);
     const t0 = Date.now();
-    await waitFor('standby takes over and completes a cycle', 10_000, async () => {
-      const s = await leaderOf(standby);
-      return s.leader && (s.last_summary?.cycle ?? 0) >= 1;
-    }, 100);
+    await waitFor(
+      'standby takes over and completes a cycle',
+      10_000,
+      async () => {
+        const s = await leaderOf(standby);
+        return s.leader && (s.last_summary?.cycle ?? 0) >= 1;
+      },
+      100,
+    );
     const took = Date.now() - t0;
     t.diagnostic(`lease moved in ${took} ms`);
     assert.ok(took < 10_000);
 
     // The new holder reconciles: an orphan dropped on the host now is destroyed by it.
     await agent!.client.createVm({ name: 'fl-stray0000000000000001', image: 'base' });
-    await waitFor('orphan destroyed by the new holder', 3 * INTERVAL_MS + 5000, async () => !(await sandboxes()).includes('fl-stray0000000000000001'));
+    await waitFor(
+      'orphan destroyed by the new holder',
+      3 * INTERVAL_MS + 5000,
+      async () => !(await sandboxes()).includes('fl-stray0000000000000001'),
+    );
     await kill(standby);
   });
 });

@@ -10,7 +10,17 @@ import { decodeVmEvent, vmStream } from '../../src/domain/vm/vm.aggregate.js';
 import { validateVmSpec, DEFAULT_SPEC_LIMITS } from '../../src/domain/vm/spec.js';
 import { vmDecider } from '../../src/domain/vm/vm.decider.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
-import { ADMIN_KEY, AgentFaultProxy, prepareTestImages, skipReason, sleep, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
+import {
+  ADMIN_KEY,
+  AgentFaultProxy,
+  prepareTestImages,
+  skipReason,
+  sleep,
+  startTestAgent,
+  TOKEN_KEY,
+  waitFor,
+  type TestAgent,
+} from './harness.js';
 
 /**
  * Dead letters end to end, in process (the reconciler driven one cycle at a
@@ -42,7 +52,13 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     proxy = await AgentFaultProxy.start(agent.url);
     db = await createTestDatabase('rec_dl');
     svc = await startService({
-      config: configSchema.parse({ RECONCILER_ENABLED: 'false', ORPHAN_DESTROY_MAX_RETRIES: '3', RECONCILE_AGENT_TIMEOUT_MS: '3000', RECONCILE_GRACE_MS: '2000', AGENT_CALL_TIMEOUT_MS: '5000' }),
+      config: configSchema.parse({
+        RECONCILER_ENABLED: 'false',
+        ORPHAN_DESTROY_MAX_RETRIES: '3',
+        RECONCILE_AGENT_TIMEOUT_MS: '3000',
+        RECONCILE_GRACE_MS: '2000',
+        AGENT_CALL_TIMEOUT_MS: '5000',
+      }),
       logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
       databaseUrl: db.url,
       tokenEncryptionKey: Buffer.from(TOKEN_KEY, 'base64'),
@@ -130,12 +146,28 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     const meta = { correlationId: 'crashed', actor: 'test' };
     const vmId = 'abandoned0000000000000001';
     const spec = validateVmSpec({ cpus: 1, ram_mb: 256 }, DEFAULT_SPEC_LIMITS);
-    await handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: 'acme' } }, meta);
-    await handler.handle(hostStream('h1'), hostDecider, decodeHostEvent, { type: 'ReserveCapacity', data: { host_id: 'h1', vm_id: vmId, cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0 } }, meta);
+    await handler.handle(
+      vmStream(vmId),
+      vmDecider,
+      decodeVmEvent,
+      { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: 'acme' } },
+      meta,
+    );
+    await handler.handle(
+      hostStream('h1'),
+      hostDecider,
+      decodeHostEvent,
+      { type: 'ReserveCapacity', data: { host_id: 'h1', vm_id: vmId, cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0 } },
+      meta,
+    );
     const held = await svc!.hosts.load('h1');
     assert.ok(held.state.status !== 'unregistered' && held.state.reservations.has(vmId));
 
-    await waitFor('the read model lists the requested VM', 10_000, async () => (await inject('GET', `/v1/vms/${vmId}`)).body.state === 'requested');
+    await waitFor(
+      'the read model lists the requested VM',
+      10_000,
+      async () => (await inject('GET', `/v1/vms/${vmId}`)).body.state === 'requested',
+    );
     await sleep(2100); // past RECONCILE_GRACE_MS
     const s = await svc!.reconciler.reconcileOnce();
     assert.equal(s.half_done_rolled_back, 1);
@@ -153,16 +185,46 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     const meta = { correlationId: 'crashed', actor: 'test' };
     const vmId = 'abandoned0000000000000002';
     const spec = validateVmSpec({ cpus: 1, ram_mb: 256 }, DEFAULT_SPEC_LIMITS);
-    await handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: 'acme' } }, meta);
-    const reserved = await handler.handle(hostStream('h1'), hostDecider, decodeHostEvent, { type: 'ReserveCapacity', data: { host_id: 'h1', vm_id: vmId, cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0 } }, meta);
+    await handler.handle(
+      vmStream(vmId),
+      vmDecider,
+      decodeVmEvent,
+      { type: 'RequestVm', data: { vm_id: vmId, spec, tenant_id: 'acme' } },
+      meta,
+    );
+    const reserved = await handler.handle(
+      hostStream('h1'),
+      hostDecider,
+      decodeHostEvent,
+      { type: 'ReserveCapacity', data: { host_id: 'h1', vm_id: vmId, cpus: 1, ram_mb: 256, storage_gb: 1, gpus: 0 } },
+      meta,
+    );
     const held = reserved.state;
     if (held.status === 'unregistered') throw new Error('host h1 not registered');
     const { vm_id: _v, ...reservation } = held.reservations.get(vmId)!;
-    const decision = { host_id: 'h1', policy: 'spread' as const, candidates: 1, headroom_cpus: 0, headroom_ram: 0, artifact_local: false, artifact_holders: 0 };
-    await handler.handle(vmStream(vmId), vmDecider, decodeVmEvent, { type: 'PlaceVm', data: { vm_id: vmId, host_id: 'h1', decision, reservation } }, meta);
+    const decision = {
+      host_id: 'h1',
+      policy: 'spread' as const,
+      candidates: 1,
+      headroom_cpus: 0,
+      headroom_ram: 0,
+      artifact_local: false,
+      artifact_holders: 0,
+    };
+    await handler.handle(
+      vmStream(vmId),
+      vmDecider,
+      decodeVmEvent,
+      { type: 'PlaceVm', data: { vm_id: vmId, host_id: 'h1', decision, reservation } },
+      meta,
+    );
     const placedAt = Date.now();
 
-    await waitFor('the read model lists the placed VM', 10_000, async () => (await inject('GET', `/v1/vms/${vmId}`)).body.state === 'placed');
+    await waitFor(
+      'the read model lists the placed VM',
+      10_000,
+      async () => (await inject('GET', `/v1/vms/${vmId}`)).body.state === 'placed',
+    );
     if (Date.now() - placedAt < 1500) {
       const early = await svc!.reconciler.reconcileOnce();
       assert.equal(early.half_done_rolled_back, 0, 'inside the grace a live create is left alone');
@@ -173,7 +235,10 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     assert.equal(s.half_done_rolled_back, 1);
     assert.equal(s.capacity_released, 1);
     const vm = await svc!.vms.get(vmId, { tenantId: 'admin', admin: true });
-    assert.ok(vm.status === 'failed' && vm.reason === 'boot_failure' && vm.error_code === 'INTERRUPTED' && vm.phase === 'placed', JSON.stringify(vm));
+    assert.ok(
+      vm.status === 'failed' && vm.reason === 'boot_failure' && vm.error_code === 'INTERRUPTED' && vm.phase === 'placed',
+      JSON.stringify(vm),
+    );
     assert.match(vm.status === 'failed' ? vm.error : '', /capacity was reserved but the boot had not started/);
     const host = await svc!.hosts.load('h1');
     assert.ok(host.state.status !== 'unregistered' && host.state.reservations.size === 0);

@@ -6,7 +6,15 @@ import { mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { freePort } from '../../src/adapters/postgres/embedded.js';
-import { missingPrerequisite, prepareImages, REPO_ROOT, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../agent/harness.js';
+import {
+  missingPrerequisite,
+  prepareImages,
+  REPO_ROOT,
+  startAgent,
+  uniquePrefix,
+  uniqueSubnet,
+  type RunningAgent,
+} from '../agent/harness.js';
 
 /**
  * Real processes for the reconciler's fault tests: host agents (through
@@ -29,11 +37,21 @@ export interface TestAgent extends RunningAgent {
   dispose(): Promise<void>;
 }
 
-export async function startTestAgent(imageDir: string, reuse?: { dataDir: string; port: number; token: string; subnet: string; bridgePrefix: string }): Promise<TestAgent> {
+export async function startTestAgent(
+  imageDir: string,
+  reuse?: { dataDir: string; port: number; token: string; subnet: string; bridgePrefix: string },
+): Promise<TestAgent> {
   const dataDir = reuse?.dataDir ?? (await mkdtemp(join(tmpdir(), 'rec-agent-')));
   const subnet = reuse?.subnet ?? uniqueSubnet();
   const bridgePrefix = reuse?.bridgePrefix ?? uniquePrefix();
-  const agent = await startAgent({ dataDir, imageDir, subnet, bridgePrefix, token: reuse?.token, env: reuse ? { AGENT_PORT: String(reuse.port) } : {} });
+  const agent = await startAgent({
+    dataDir,
+    imageDir,
+    subnet,
+    bridgePrefix,
+    token: reuse?.token,
+    env: reuse ? { AGENT_PORT: String(reuse.port) } : {},
+  });
   const self: TestAgent = {
     ...agent,
     dataDir,
@@ -67,7 +85,12 @@ export interface ControlPlaneProcess {
   stop(): Promise<void>;
 }
 
-export async function spawnControlPlane(opts: { databaseUrl: string; dataDir: string; port?: number; env?: Record<string, string> }): Promise<ControlPlaneProcess> {
+export async function spawnControlPlane(opts: {
+  databaseUrl: string;
+  dataDir: string;
+  port?: number;
+  env?: Record<string, string>;
+}): Promise<ControlPlaneProcess> {
   const port = opts.port ?? (await freePort());
   const proc = spawn(process.execPath, ['--import', 'tsx', join(REPO_ROOT, 'src/main.ts')], {
     cwd: REPO_ROOT,
@@ -92,8 +115,12 @@ export async function spawnControlPlane(opts: { databaseUrl: string; dataDir: st
   const url = `http://127.0.0.1:${port}`;
   const deadline = Date.now() + 60_000;
   for (;;) {
-    if (proc.exitCode !== null || proc.signalCode !== null) throw new Error(`control plane exited before it answered:\n${out.slice(-4000)}`);
-    const ok = await fetch(`${url}/healthz`).then((r) => r.ok, () => false);
+    if (proc.exitCode !== null || proc.signalCode !== null)
+      throw new Error(`control plane exited before it answered:\n${out.slice(-4000)}`);
+    const ok = await fetch(`${url}/healthz`).then(
+      (r) => r.ok,
+      () => false,
+    );
     if (ok) break;
     if (Date.now() > deadline) {
       proc.kill('SIGKILL');
@@ -128,10 +155,20 @@ export interface ApiReply {
   body: any;
 }
 
-export async function api(base: string, method: string, path: string, body?: unknown, opts: { key?: string; headers?: Record<string, string>; timeoutMs?: number } = {}): Promise<ApiReply> {
+export async function api(
+  base: string,
+  method: string,
+  path: string,
+  body?: unknown,
+  opts: { key?: string; headers?: Record<string, string>; timeoutMs?: number } = {},
+): Promise<ApiReply> {
   const res = await fetch(`${base}${path}`, {
     method,
-    headers: { authorization: `Bearer ${opts.key ?? ADMIN_KEY}`, ...(body !== undefined ? { 'content-type': 'application/json' } : {}), ...opts.headers },
+    headers: {
+      authorization: `Bearer ${opts.key ?? ADMIN_KEY}`,
+      ...(body !== undefined ? { 'content-type': 'application/json' } : {}),
+      ...opts.headers,
+    },
     body: body !== undefined ? JSON.stringify(body) : undefined,
     signal: AbortSignal.timeout(opts.timeoutMs ?? 60_000),
   });
@@ -166,7 +203,8 @@ export async function waitFor<T>(what: string, timeoutMs: number, check: () => P
     } catch (err) {
       last = err;
     }
-    if (Date.now() > deadline) throw new Error(`${what}: not within ${timeoutMs} ms (last: ${last instanceof Error ? last.message : JSON.stringify(last)})`);
+    if (Date.now() > deadline)
+      throw new Error(`${what}: not within ${timeoutMs} ms (last: ${last instanceof Error ? last.message : JSON.stringify(last)})`);
     await sleep(everyMs);
   }
 }
@@ -236,7 +274,9 @@ export class AgentFaultProxy {
     }
     if (this.mode === 'fail-destroy' && isDestroy) {
       req.resume();
-      res.writeHead(500, { 'content-type': 'application/json' }).end(JSON.stringify({ code: 'AGENT_ERROR', message: 'TEST DOUBLE: destroy fails on purpose' }));
+      res
+        .writeHead(500, { 'content-type': 'application/json' })
+        .end(JSON.stringify({ code: 'AGENT_ERROR', message: 'TEST DOUBLE: destroy fails on purpose' }));
       return;
     }
     const up = httpRequest(

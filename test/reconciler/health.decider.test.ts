@@ -17,10 +17,19 @@ describe('health verdicts', () => {
   });
 
   test('only a change of state is recorded', () => {
-    const changed: HealthEvent = { type: 'VmHealthChanged', data: { vm_id: 'v1', state: 'unhealthy', since: at(5).toISOString(), failures: 4, message: 'exit 1' } };
-    given(healthDecider).when({ type: 'RecordHealthVerdict', data: { vm_id: 'v1', state: 'unhealthy', failures: 4, message: 'exit 1' } }, at(5)).then([changed]);
-    given(healthDecider, [changed]).when({ type: 'RecordHealthVerdict', data: { vm_id: 'v1', state: 'unhealthy', failures: 9, message: 'exit 2' } }).then([]);
-    const back = given(healthDecider, [changed]).when({ type: 'RecordHealthVerdict', data: { vm_id: 'v1', state: 'healthy', failures: 0, message: '' } }, T0).thenState();
+    const changed: HealthEvent = {
+      type: 'VmHealthChanged',
+      data: { vm_id: 'v1', state: 'unhealthy', since: at(5).toISOString(), failures: 4, message: 'exit 1' },
+    };
+    given(healthDecider)
+      .when({ type: 'RecordHealthVerdict', data: { vm_id: 'v1', state: 'unhealthy', failures: 4, message: 'exit 1' } }, at(5))
+      .then([changed]);
+    given(healthDecider, [changed])
+      .when({ type: 'RecordHealthVerdict', data: { vm_id: 'v1', state: 'unhealthy', failures: 9, message: 'exit 2' } })
+      .then([]);
+    const back = given(healthDecider, [changed])
+      .when({ type: 'RecordHealthVerdict', data: { vm_id: 'v1', state: 'healthy', failures: 0, message: '' } }, T0)
+      .thenState();
     assert.deepEqual(back, { status: 'healthy', since: T0.toISOString(), failures: 0, message: '' });
   });
 });

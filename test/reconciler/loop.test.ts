@@ -27,7 +27,15 @@ describe('reconcile loop', () => {
       inFlight--;
       return v;
     };
-    const r = new Reconciler(null as never, null as never, null as never, { hostIds: () => slowEmpty([]), liveVms: () => slowEmpty([]) }, CONFIG, pino({ level: 'silent' }), (s) => cycles.push(s));
+    const r = new Reconciler(
+      null as never,
+      null as never,
+      null as never,
+      { hostIds: () => slowEmpty([]), liveVms: () => slowEmpty([]) },
+      CONFIG,
+      pino({ level: 'silent' }),
+      (s) => cycles.push(s),
+    );
     r.start();
     await new Promise((res) => setTimeout(res, 10)); // a cycle is in flight
     const stopping = r.stop();

@@ -12,7 +12,8 @@ import { ADMIN_KEY, prepareTestImages, skipReason, startTestAgent, TOKEN_KEY, wa
  * boundary (POST /v1/network/reassert on a real agent) and counts what had
  * to be repaired, in its summary and in /metrics.
  */
-const prereq = (await skipReason()) ?? (spawnSync('sh', ['-c', 'command -v nft']).status === 0 ? undefined : 'nft (apt-get install nftables)');
+const prereq =
+  (await skipReason()) ?? (spawnSync('sh', ['-c', 'command -v nft']).status === 0 ? undefined : 'nft (apt-get install nftables)');
 
 describe('reconciler: network boundary repairs', { skip: prereq, timeout: 180_000 }, () => {
   let images: { imageDir: string } | { skip: string };
@@ -20,7 +21,12 @@ describe('reconciler: network boundary repairs', { skip: prereq, timeout: 180_00
   let db: TestDatabase | undefined;
   let svc: Service | undefined;
   const inject = async (method: 'GET' | 'POST', url: string, payload?: unknown) => {
-    const r = await svc!.app.inject({ method, url, headers: { authorization: `Bearer ${ADMIN_KEY}` }, ...(payload !== undefined ? { payload: payload as object } : {}) });
+    const r = await svc!.app.inject({
+      method,
+      url,
+      headers: { authorization: `Bearer ${ADMIN_KEY}` },
+      ...(payload !== undefined ? { payload: payload as object } : {}),
+    });
     return { status: r.statusCode, body: r.body };
   };
 
@@ -30,7 +36,11 @@ describe('reconciler: network boundary repairs', { skip: prereq, timeout: 180_00
     agent = await startTestAgent(images.imageDir);
     db = await createTestDatabase('rec_network');
     svc = await startService({
-      config: configSchema.parse({ RECONCILER_ENABLED: 'false', RECONCILE_AGENT_TIMEOUT_MS: '10000', READ_YOUR_WRITES_TIMEOUT_MS: '10000' }),
+      config: configSchema.parse({
+        RECONCILER_ENABLED: 'false',
+        RECONCILE_AGENT_TIMEOUT_MS: '10000',
+        READ_YOUR_WRITES_TIMEOUT_MS: '10000',
+      }),
       logger: pino({ level: process.env.FLEET_TEST_LOG ?? 'silent' }),
       databaseUrl: db.url,
       tokenEncryptionKey: Buffer.from(TOKEN_KEY, 'base64'),
@@ -38,7 +48,10 @@ describe('reconciler: network boundary repairs', { skip: prereq, timeout: 180_00
       defaultMetrics: false,
       httpLogger: false,
     });
-    await svc.hosts.register({ id: 'h1', url: agent.url, token: agent.token, backend: 'process', capacity_overrides: { cpus: 8, ram_mb: 4096 } }, { correlationId: 't', actor: 'test' });
+    await svc.hosts.register(
+      { id: 'h1', url: agent.url, token: agent.token, backend: 'process', capacity_overrides: { cpus: 8, ram_mb: 4096 } },
+      { correlationId: 't', actor: 'test' },
+    );
     await waitFor('host in the read model', 10_000, async () => JSON.parse((await inject('GET', '/v1/hosts')).body).hosts?.length === 1);
   });
 

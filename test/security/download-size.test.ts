@@ -24,7 +24,10 @@ describe('security review: download size', { skip: skip ? `host feature missing:
 
   test('a download streams no more than the size it announced, however the guest grows the file meanwhile', async () => {
     const b = lab.backend;
-    const writer = await b.spawn('grow', { argv: ['/bin/sh', '-c', 'echo start > /grow; while :; do echo 0123456789abcdef0123456789abcdef >> /grow; done'], stdin: false });
+    const writer = await b.spawn('grow', {
+      argv: ['/bin/sh', '-c', 'echo start > /grow; while :; do echo 0123456789abcdef0123456789abcdef >> /grow; done'],
+      stdin: false,
+    });
     writer.stdout.resume();
     writer.stderr.resume();
     try {

@@ -25,10 +25,19 @@ describe('security review: exec size limits', { skip: skip ? `host feature missi
 
   test('one environment value over the kernel limit, or too much in all, is a 400; a large admissible one reaches the guest whole', async () => {
     const b = lab.backend;
-    await assert.rejects(b.spawn('sz', { argv: ['/bin/true'], stdin: false, env: { BIG: 'x'.repeat(100 * 1024) } }).then((h) => h.wait()), is400);
+    await assert.rejects(
+      b.spawn('sz', { argv: ['/bin/true'], stdin: false, env: { BIG: 'x'.repeat(100 * 1024) } }).then((h) => h.wait()),
+      is400,
+    );
     const many = Object.fromEntries(Array.from({ length: 40 }, (_, i) => [`V${i}`, 'z'.repeat(60 * 1024)]));
-    await assert.rejects(b.spawn('sz', { argv: ['/bin/true'], stdin: false, env: many }).then((h) => h.wait()), is400);
-    await assert.rejects(b.spawn('sz', { argv: ['/bin/echo', 'a'.repeat(200 * 1024)], stdin: false }).then((h) => h.wait()), is400);
+    await assert.rejects(
+      b.spawn('sz', { argv: ['/bin/true'], stdin: false, env: many }).then((h) => h.wait()),
+      is400,
+    );
+    await assert.rejects(
+      b.spawn('sz', { argv: ['/bin/echo', 'a'.repeat(200 * 1024)], stdin: false }).then((h) => h.wait()),
+      is400,
+    );
     const ok = 'y'.repeat(60 * 1024);
     const r = await collect(await b.spawn('sz', { argv: ['/bin/sh', '-c', 'printf %s "$OK" | wc -c'], stdin: false, env: { OK: ok } }));
     assert.equal(r.stdout.trim(), String(ok.length), r.stderr);

@@ -25,7 +25,13 @@ describe('security review: exec timeout', { skip: skip ? `host feature missing: 
   test('a daemon that escaped the process group does not hold an exec past its timeout', async () => {
     const t0 = Date.now();
     const r = await Promise.race([
-      runBuffered(lab.backend, 'to', { argv: ['/bin/sh', '-c', 'setsid sleep 600 & echo hi'], env: {}, timeoutMs: 1500, encoding: 'utf8' }, 1024, new AbortController().signal),
+      runBuffered(
+        lab.backend,
+        'to',
+        { argv: ['/bin/sh', '-c', 'setsid sleep 600 & echo hi'], env: {}, timeoutMs: 1500, encoding: 'utf8' },
+        1024,
+        new AbortController().signal,
+      ),
       new Promise<'hung'>((resolve) => setTimeout(() => resolve('hung'), 10_000).unref()),
     ]);
     assert.notEqual(r, 'hung', 'the exec outlived its 1.5 s timeout by more than 8 s');
@@ -36,7 +42,13 @@ describe('security review: exec timeout', { skip: skip ? `host feature missing: 
   });
 
   test('an exec whose daemon redirected its output ends when the command does', async () => {
-    const r = await runBuffered(lab.backend, 'to', { argv: ['/bin/sh', '-c', 'setsid sleep 600 </dev/null >/dev/null 2>&1 & echo ok'], env: {}, timeoutMs: 10_000, encoding: 'utf8' }, 1024, new AbortController().signal);
+    const r = await runBuffered(
+      lab.backend,
+      'to',
+      { argv: ['/bin/sh', '-c', 'setsid sleep 600 </dev/null >/dev/null 2>&1 & echo ok'], env: {}, timeoutMs: 10_000, encoding: 'utf8' },
+      1024,
+      new AbortController().signal,
+    );
     assert.equal(r.timed_out, false);
     assert.equal(r.exit_code, 0);
     assert.equal(r.stdout, 'ok\n');

@@ -27,7 +27,9 @@ describe('security review: descriptors into the guest', { skip: skip ? `host fea
 
   test('a descriptor the host side holds open past stdio does not reach the guest', async () => {
     // The helper's argv for an exec, as the backend builds it; started with a host pipe as fd 3.
-    const enter = (lab.backend as unknown as { enter(r: unknown, op: EnterOp): Promise<string[]>; must(n: string): unknown }).enter.bind(lab.backend);
+    const enter = (lab.backend as unknown as { enter(r: unknown, op: EnterOp): Promise<string[]>; must(n: string): unknown }).enter.bind(
+      lab.backend,
+    );
     const record = (lab.backend as unknown as { must(n: string): unknown }).must('fd');
     const argv = await enter(record, { op: 'exec', argv: ['/bin/sh', '-c', 'sleep 5 & ls /proc/$!/fd; kill $!'] });
     const child = spawn(argv[0]!, argv.slice(1), { stdio: ['ignore', 'pipe', 'pipe', 'pipe'], env: {} });

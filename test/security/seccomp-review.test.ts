@@ -69,11 +69,26 @@ describe('security review: seccomp corners and cgroups', { skip: skip ? `host fe
     await b.writeGuestFile('sc', '/syscalls', Readable.from([await lab.compile('syscalls', SYSCALLS_C)]), { mode: 0o755 });
     const r = await collect(await b.spawn('sc', { argv: ['/syscalls'], stdin: false }));
     assert.equal(r.exitCode, 0, r.stderr);
-    const got = Object.fromEntries(r.stdout.trim().split('\n').map((l) => l.split('=') as [string, string]));
+    const got = Object.fromEntries(
+      r.stdout
+        .trim()
+        .split('\n')
+        .map((l) => l.split('=') as [string, string]),
+    );
     assert.equal(got.x32_getpid, 'EPERM');
     assert.equal(got.clone_newuser, 'EPERM');
     assert.equal(got.clone3, 'ENOSYS');
-    for (const k of ['setns', 'mount', 'open_tree', 'fsopen', 'io_uring_setup', 'userfaultfd', 'kexec_load', 'init_module', 'open_by_handle_at']) {
+    for (const k of [
+      'setns',
+      'mount',
+      'open_tree',
+      'fsopen',
+      'io_uring_setup',
+      'userfaultfd',
+      'kexec_load',
+      'init_module',
+      'open_by_handle_at',
+    ]) {
       assert.equal(got[k], 'EPERM', `${k}: ${got[k]}`);
     }
     assert.match(got.int80 ?? '', /Bad system call/, `an i386 syscall ran: ${got.int80}`);
@@ -84,7 +99,11 @@ describe('security review: seccomp corners and cgroups', { skip: skip ? `host fe
   });
 
   test('the guest sees no cgroup filesystem to write, and cannot mount one', async () => {
-    const r = await sh(lab.backend, 'sc', 'ls -A /sys/fs/cgroup 2>&1 | wc -l; mkdir -p /mnt; mount -t cgroup2 none /mnt 2>&1 && echo MOUNTED; grep -c cgroup /proc/self/mounts');
+    const r = await sh(
+      lab.backend,
+      'sc',
+      'ls -A /sys/fs/cgroup 2>&1 | wc -l; mkdir -p /mnt; mount -t cgroup2 none /mnt 2>&1 && echo MOUNTED; grep -c cgroup /proc/self/mounts',
+    );
     const [entries, ...rest] = r.stdout.trim().split('\n');
     assert.equal(entries, '0', r.stdout);
     assert.ok(!rest.includes('MOUNTED'), r.stdout);

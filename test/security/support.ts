@@ -22,8 +22,6 @@ export function missingFeature(): string | undefined {
   return undefined;
 }
 
-
-
 export async function sh(b: ProcessBackend, name: string, script: string): Promise<Ran> {
   return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
 }
@@ -42,7 +40,10 @@ export interface Lab {
  * or an operator's mkdir leaves one: what sandboxes put on the host must
  * still be out of a host user's reach.
  */
-export async function openLab(sandboxes: ReadonlyArray<Omit<CreateSpec, 'cpus' | 'ram_mb'>>, options: { consoleLogMaxBytes?: number } = {}): Promise<Lab> {
+export async function openLab(
+  sandboxes: ReadonlyArray<Omit<CreateSpec, 'cpus' | 'ram_mb'>>,
+  options: { consoleLogMaxBytes?: number } = {},
+): Promise<Lab> {
   const root = await mkdtemp(join(tmpdir(), 'sec-review-'));
   await chmod(root, 0o755);
   await buildImage(join(root, 'images'), 'base');

@@ -1,7 +1,14 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
-import { registerHost, startCheckedFleet, startControlPlane, type AgentFleet, type ControlPlane, type Reply } from '../support/control-plane.js';
+import {
+  registerHost,
+  startCheckedFleet,
+  startControlPlane,
+  type AgentFleet,
+  type ControlPlane,
+  type Reply,
+} from '../support/control-plane.js';
 
 /**
  * Cold migration of VMs that publish ports, with two real host-agent
@@ -35,7 +42,9 @@ describe('cold migrate of a VM with expose (two real agents)', { timeout: 300_00
       process.stderr.write(`migrate-expose tests skipped: ${skip}\n`);
       return;
     }
-    cp = await startControlPlane({ env: { ARTIFACT_PULL_TIMEOUT_MS: '60000', RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '20000' } });
+    cp = await startControlPlane({
+      env: { ARTIFACT_PULL_TIMEOUT_MS: '60000', RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '20000' },
+    });
     ok(await registerHost(cp, 'h1', agents[0]!), 201);
     ok(await registerHost(cp, 'h2', agents[1]!), 201);
   });
@@ -48,7 +57,13 @@ describe('cold migrate of a VM with expose (two real agents)', { timeout: 300_00
   it('a VM with expose moves to the other host: running there, its port published on the target and reachable', async (t) => {
     if (guard(t)) return;
     const c = cp!;
-    const vm = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h1', cpus: 1, ram_mb: 256, expose: [{ port: 8080, as: 'http' }] } }), 201);
+    const vm = ok(
+      await c.request('POST', '/v1/vms', {
+        as: 'acme',
+        body: { host_id: 'h1', cpus: 1, ram_mb: 256, expose: [{ port: 8080, as: 'http' }] },
+      }),
+      201,
+    );
     assert.equal(vm.endpoints.length, 1);
     assert.equal((await exec(vm.id, 'mkdir -p /www && echo served-after-move > /www/index.html && sync')).exit_code, 0);
 
@@ -59,10 +74,17 @@ describe('cold migrate of a VM with expose (two real agents)', { timeout: 300_00
     assert.equal(m.from_host_id, 'h1');
     const row = ok(await c.request('GET', `/v1/vms/${vm.id}?after=${m.position}`, { as: 'acme' }));
     assert.equal(row.host_id, 'h2');
-    assert.deepEqual(row.endpoints.map((e: any) => [e.as, e.port, e.protocol]), [['http', 8080, 'tcp']]);
+    assert.deepEqual(
+      row.endpoints.map((e: any) => [e.as, e.port, e.protocol]),
+      [['http', 8080, 'tcp']],
+    );
     const onTarget = (await agents[1]!.client.listVms('')).find((v) => v.name === `fl-${vm.id}`);
     assert.ok(onTarget, 'the sandbox runs on the target');
-    assert.deepEqual(onTarget.endpoints.map((e) => e.port), [8080], 'the target published the port');
+    assert.deepEqual(
+      onTarget.endpoints.map((e) => e.port),
+      [8080],
+      'the target published the port',
+    );
     assert.equal(row.endpoints[0].url, onTarget.endpoints[0]!.url, 'the VM names the target endpoint');
 
     assert.equal((await exec(vm.id, 'httpd -p 8080 -h /www')).exit_code, 0);
@@ -76,14 +98,23 @@ describe('cold migrate of a VM with expose (two real agents)', { timeout: 300_00
     const c = cp!;
     const body = { host_id: 'h1', cpus: 1, ram_mb: 256, agent: { command: 'sleep 3600', expose: [{ port: 9090, as: 'agent' }] } };
     const vm = ok(await c.request('POST', '/v1/vms', { as: 'acme', body }), 201);
-    assert.deepEqual(vm.endpoints.map((e: any) => e.as), ['agent']);
+    assert.deepEqual(
+      vm.endpoints.map((e: any) => e.as),
+      ['agent'],
+    );
     const m = ok(await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: {} }));
     assert.equal(m.state, 'running');
     assert.equal(m.host_id, 'h2');
     const row = ok(await c.request('GET', `/v1/vms/${vm.id}?after=${m.position}`, { as: 'acme' }));
-    assert.deepEqual(row.endpoints.map((e: any) => [e.as, e.port]), [['agent', 9090]]);
+    assert.deepEqual(
+      row.endpoints.map((e: any) => [e.as, e.port]),
+      [['agent', 9090]],
+    );
     const onTarget = (await agents[1]!.client.listVms('')).find((v) => v.name === `fl-${vm.id}`);
-    assert.deepEqual(onTarget?.endpoints.map((e) => e.port), [9090]);
+    assert.deepEqual(
+      onTarget?.endpoints.map((e) => e.port),
+      [9090],
+    );
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 });

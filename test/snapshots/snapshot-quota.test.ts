@@ -3,7 +3,16 @@ import { readdir } from 'node:fs/promises';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
-import { prepareAgents, problemOf, registerHost, startCheckedAgent, startControlPlane, type AgentFleet, type ControlPlane, type Reply } from '../support/control-plane.js';
+import {
+  prepareAgents,
+  problemOf,
+  registerHost,
+  startCheckedAgent,
+  startControlPlane,
+  type AgentFleet,
+  type ControlPlane,
+  type Reply,
+} from '../support/control-plane.js';
 
 /**
  * Disk and snapshot bytes through the API, with one real agent: storage_gb
@@ -39,7 +48,11 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
   const exec = async (cmd: string): Promise<{ exit_code: number; stdout: string; stderr: string }> =>
     ok(await cp!.request('POST', `/v1/vms/${vmId}/exec`, { as: 'acme', body: { argv: ['/bin/sh', '-c', cmd], timeout_ms: 120_000 } }));
   /** Archives the agent started for this VM, from its own request log. */
-  const archiveCalls = (): number => agent!.output().split('\n').filter((l) => l.includes('"method":"POST"') && l.includes(`/vms/fl-${vmId}/checkpoints`)).length;
+  const archiveCalls = (): number =>
+    agent!
+      .output()
+      .split('\n')
+      .filter((l) => l.includes('"method":"POST"') && l.includes(`/vms/fl-${vmId}/checkpoints`)).length;
 
   before(async () => {
     const prepared = await prepareAgents();
@@ -56,7 +69,13 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
       return;
     }
     cp = await startControlPlane({
-      env: { SNAPSHOT_QUOTA_MAX_BYTES: String(QUOTA), BUILD_SNAPSHOT_QUOTA_MAX_COUNT: '1', BUILD_SNAPSHOT_QUOTA_MAX_BYTES: String(QUOTA), RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '120000' },
+      env: {
+        SNAPSHOT_QUOTA_MAX_BYTES: String(QUOTA),
+        BUILD_SNAPSHOT_QUOTA_MAX_COUNT: '1',
+        BUILD_SNAPSHOT_QUOTA_MAX_BYTES: String(QUOTA),
+        RECONCILER_ENABLED: 'false',
+        EXEC_DEFAULT_TIMEOUT_MS: '120000',
+      },
     });
     ok(await registerHost(cp, 'h1', agent!), 201);
     vmId = ok(await cp.request('POST', '/v1/vms', { as: 'acme', body: { cpus: 1, ram_mb: 256, storage_gb: 1 } }), 201).id;
@@ -81,7 +100,10 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
     const s = ok(await cp!.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { no_lineage: true } }), 201);
     assert.equal(archiveCalls(), 1, 'the agent log shows the archive request (what the refusal below counts)');
     const events = (await cp!.service.store.readStream('tenant-acme')).filter((e) => (e.data as any).snapshot_id === s.id);
-    assert.deepEqual(events.map((e) => e.type), ['SnapshotQuotaReserved', 'SnapshotQuotaSized']);
+    assert.deepEqual(
+      events.map((e) => e.type),
+      ['SnapshotQuotaReserved', 'SnapshotQuotaSized'],
+    );
     const expected = (events[0]!.data as any).expected_bytes as number;
     assert.ok(expected >= s.size_bytes && s.size_bytes > MIB, `expected ${expected} bounds the archive ${s.size_bytes}`);
     assert.equal((events[1]!.data as any).size_bytes, s.size_bytes);
@@ -96,13 +118,20 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
     const held = (await agent!.client.listCheckpoints()).map((c) => c.id).sort();
     const calls = archiveCalls();
     const tenantBefore = (await cp!.service.store.readStream('tenant-acme')).length;
-    const body = refused(await cp!.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { no_lineage: true } }), 429, 'QUOTA_EXCEEDED');
+    const body = refused(
+      await cp!.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { no_lineage: true } }),
+      429,
+      'QUOTA_EXCEEDED',
+    );
     assert.equal(body.details.limit_kind, 'bytes');
     assert.ok(body.details.needed_bytes > 12 * MIB, JSON.stringify(body.details));
     assert.match(problemOf({ status: 429, body } as Reply).detail, /of 8388608 bytes in use, this one needs \d+/);
     assert.equal(archiveCalls(), calls, 'no checkpoint request reached the agent');
     assert.deepEqual((await agent!.client.listCheckpoints()).map((c) => c.id).sort(), held);
-    assert.deepEqual((await readdir(join(agent!.opts.dataDir, 'checkpoints'))).filter((e) => e.startsWith('.tmp-')), []);
+    assert.deepEqual(
+      (await readdir(join(agent!.opts.dataDir, 'checkpoints'))).filter((e) => e.startsWith('.tmp-')),
+      [],
+    );
     assert.equal((await cp!.service.store.readStream('tenant-acme')).length, tenantBefore, 'nothing reserved');
     assert.equal((await exec('rm /root/large')).exit_code, 0);
   });
@@ -118,11 +147,18 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
     const before = ok(await cp!.request('GET', '/v1/snapshot-quota', { as: 'acme' }));
     const held = (await agent!.client.listCheckpoints()).map((c) => c.id).sort();
     const calls = archiveCalls();
-    const body = refused(await cp!.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { no_lineage: true } }), 429, 'QUOTA_EXCEEDED');
+    const body = refused(
+      await cp!.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { no_lineage: true } }),
+      429,
+      'QUOTA_EXCEEDED',
+    );
     assert.equal(body.details.limit_kind, 'bytes');
     assert.equal(archiveCalls(), calls + 1, 'the agent started the archive and abandoned it');
     assert.deepEqual((await agent!.client.listCheckpoints()).map((c) => c.id).sort(), held, 'nothing kept on the agent');
-    assert.deepEqual((await readdir(join(agent!.opts.dataDir, 'checkpoints'))).filter((e) => e.startsWith('.tmp-')), []);
+    assert.deepEqual(
+      (await readdir(join(agent!.opts.dataDir, 'checkpoints'))).filter((e) => e.startsWith('.tmp-')),
+      [],
+    );
     const after = ok(await cp!.request('GET', '/v1/snapshot-quota', { as: 'acme' }));
     assert.deepEqual([after.count, after.bytes], [before.count, before.bytes], 'the reservation was released');
     const failed = ok(await cp!.request('GET', `/v1/snapshots?vm_id=${vmId}&state=failed`, { as: 'acme' })).snapshots;
@@ -134,8 +170,15 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
   it('build snapshots are bounded per tenant by their own count and bytes; ordinary snapshots are not in that pool', async (t) => {
     if (guard(t)) return;
     const c = cp!;
-    const l1 = ok(await c.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'quota:k1' } }), 201);
-    const second = refused(await c.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'quota:k2' } }), 429, 'QUOTA_EXCEEDED');
+    const l1 = ok(
+      await c.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'quota:k1' } }),
+      201,
+    );
+    const second = refused(
+      await c.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'quota:k2' } }),
+      429,
+      'QUOTA_EXCEEDED',
+    );
     assert.equal(second.details.pool, 'builds');
     assert.match(problemOf({ status: 429, body: second } as Reply).detail, /1 of 1 build snapshots/);
     const usage = ok(await c.request('GET', '/v1/snapshot-quota', { as: 'acme' }));
@@ -145,7 +188,11 @@ describe('disk quota and snapshot bytes (one real agent)', { timeout: 300_000 },
     ok(await c.request('DELETE', `/v1/snapshots/${l1.id}`, { as: 'acme' }));
     assert.equal((await exec('dd if=/dev/urandom of=/root/layer bs=1M count=12 2>/dev/null && sync')).exit_code, 0);
     const calls = archiveCalls();
-    const big = refused(await c.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'quota:k3' } }), 429, 'QUOTA_EXCEEDED');
+    const big = refused(
+      await c.request('POST', `/v1/vms/${vmId}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'quota:k3' } }),
+      429,
+      'QUOTA_EXCEEDED',
+    );
     assert.equal(big.details.limit_kind, 'bytes');
     assert.equal(archiveCalls(), calls, 'refused before archiving');
     assert.equal((await exec('rm /root/layer')).exit_code, 0);

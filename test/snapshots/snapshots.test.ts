@@ -8,7 +8,17 @@ import { pino } from 'pino';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
 import type { Actor } from '../../src/commands/vm/vm-commands.js';
 import { AppError } from '@fleet/agent-protocol';
-import { ADMIN_KEY, eventually, problemOf, registerHost, startControlPlane, type AgentFleet, type ControlPlane, type Reply, startCheckedFleet } from '../support/control-plane.js';
+import {
+  ADMIN_KEY,
+  eventually,
+  problemOf,
+  registerHost,
+  startControlPlane,
+  type AgentFleet,
+  type ControlPlane,
+  type Reply,
+  startCheckedFleet,
+} from '../support/control-plane.js';
 
 /**
  * Snapshots, quota, the artifact index, moves, the layer cache, fork and
@@ -37,7 +47,11 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     if (skip) t.skip(skip);
     return !!skip;
   };
-  const exec = async (vm: string, cmd: string, as: 'acme' | 'globex' = 'acme'): Promise<{ exit_code: number; stdout: string; stderr: string }> =>
+  const exec = async (
+    vm: string,
+    cmd: string,
+    as: 'acme' | 'globex' = 'acme',
+  ): Promise<{ exit_code: number; stdout: string; stderr: string }> =>
     ok(await cp!.request('POST', `/v1/vms/${vm}/exec`, { as, body: { argv: ['/bin/sh', '-c', cmd] } }));
 
   before(async () => {
@@ -48,7 +62,14 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
       process.stderr.write(`snapshot tests skipped: ${skip}\n`);
       return;
     }
-    cp = await startControlPlane({ env: { SNAPSHOT_QUOTA_MAX_COUNT: '10', ARTIFACT_PULL_TIMEOUT_MS: '60000', RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '20000' } });
+    cp = await startControlPlane({
+      env: {
+        SNAPSHOT_QUOTA_MAX_COUNT: '10',
+        ARTIFACT_PULL_TIMEOUT_MS: '60000',
+        RECONCILER_ENABLED: 'false',
+        EXEC_DEFAULT_TIMEOUT_MS: '20000',
+      },
+    });
     ok(await registerHost(cp, 'h1', agents[0]!), 201);
     ok(await registerHost(cp, 'h2', agents[1]!), 201);
   });
@@ -67,11 +88,21 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     st.vm = vm.id;
     assert.equal((await exec(vm.id, 'echo hello-from-source > /root/marker && sync')).exit_code, 0);
 
-    expectProblem(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { metadata: { comment: 'x' } } }), 400, 'VALIDATION_FAILED');
+    expectProblem(
+      await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { metadata: { comment: 'x' } } }),
+      400,
+      'VALIDATION_FAILED',
+    );
     expectProblem(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { diff: true } }), 400, 'VALIDATION_FAILED');
     expectProblem(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'globex', body: {} }), 404, 'VM_NOT_FOUND');
 
-    const s1 = ok(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { comment: 'first', metadata: { name: 'base' }, live: true } }), 201);
+    const s1 = ok(
+      await c.request('POST', `/v1/vms/${vm.id}/snapshots`, {
+        as: 'acme',
+        body: { comment: 'first', metadata: { name: 'base' }, live: true },
+      }),
+      201,
+    );
     assert.equal(s1.state, 'ready');
     assert.equal(s1.kind, 'disk', 'a live request served by a disk-only backend is filed as disk');
     assert.match(s1.digest, /^[0-9a-f]{64}$/);
@@ -85,18 +116,34 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     assert.equal(s1.metadata.name, 'base');
     st.arch = s1.arch;
     const events = await c.service.store.readStream(`snapshot-${s1.id}`);
-    assert.deepEqual(events.map((e) => e.type), ['SnapshotRequested', 'SnapshotTaken']);
+    assert.deepEqual(
+      events.map((e) => e.type),
+      ['SnapshotRequested', 'SnapshotTaken'],
+    );
     assert.equal((events[0]!.data as any).ask.live, true, 'what was asked is recorded as asked');
 
-    const s2 = ok(await c.request('POST', `/v1/vms/${vm.id}/snapshots?after=${s1.position}`, { as: 'acme', body: { comment: 'second', retention_s: 3600 } }), 201);
+    const s2 = ok(
+      await c.request('POST', `/v1/vms/${vm.id}/snapshots?after=${s1.position}`, {
+        as: 'acme',
+        body: { comment: 'second', retention_s: 3600 },
+      }),
+      201,
+    );
     assert.equal(s2.parent_snapshot_id, s1.id, 'lineage to the previous snapshot');
     assert.ok(s2.retention_until);
-    const s3 = ok(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { no_lineage: true, mode: 'checkpoint' } }), 201);
+    const s3 = ok(
+      await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { no_lineage: true, mode: 'checkpoint' } }),
+      201,
+    );
     assert.equal(s3.parent_snapshot_id, null);
     assert.equal(s3.mode, 'checkpoint');
     Object.assign(st, { s1, s2, s3 });
     const onAgent = await agents[0]!.client.listCheckpoints();
-    for (const s of [s1, s2, s3]) assert.ok(onAgent.some((cp) => cp.id === s.id && cp.digest === s.digest), `agent holds ${s.id}`);
+    for (const s of [s1, s2, s3])
+      assert.ok(
+        onAgent.some((cp) => cp.id === s.id && cp.digest === s.digest),
+        `agent holds ${s.id}`,
+      );
   });
 
   it('lists with filters and cursor pagination, gets by id; another tenant sees nothing (404)', async (t) => {
@@ -104,13 +151,25 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const c = cp!;
     const after = `after=${st.s3.position}`;
     const all = ok(await c.request('GET', `/v1/snapshots?vm_id=${st.vm}&${after}`, { as: 'acme' }));
-    assert.deepEqual(all.snapshots.map((s: any) => s.id), [st.s3.id, st.s2.id, st.s1.id]);
+    assert.deepEqual(
+      all.snapshots.map((s: any) => s.id),
+      [st.s3.id, st.s2.id, st.s1.id],
+    );
     const p1 = ok(await c.request('GET', `/v1/snapshots?vm_id=${st.vm}&limit=2`, { as: 'acme' }));
     assert.equal(p1.snapshots.length, 2);
     const p2 = ok(await c.request('GET', `/v1/snapshots?vm_id=${st.vm}&limit=2&cursor=${p1.next_cursor}`, { as: 'acme' }));
-    assert.deepEqual(p2.snapshots.map((s: any) => s.id), [st.s1.id]);
-    assert.deepEqual(ok(await c.request('GET', `/v1/snapshots?name=base`, { as: 'acme' })).snapshots.map((s: any) => s.id), [st.s1.id]);
-    assert.deepEqual(ok(await c.request('GET', `/v1/snapshots?mode=checkpoint`, { as: 'acme' })).snapshots.map((s: any) => s.id), [st.s3.id]);
+    assert.deepEqual(
+      p2.snapshots.map((s: any) => s.id),
+      [st.s1.id],
+    );
+    assert.deepEqual(
+      ok(await c.request('GET', `/v1/snapshots?name=base`, { as: 'acme' })).snapshots.map((s: any) => s.id),
+      [st.s1.id],
+    );
+    assert.deepEqual(
+      ok(await c.request('GET', `/v1/snapshots?mode=checkpoint`, { as: 'acme' })).snapshots.map((s: any) => s.id),
+      [st.s3.id],
+    );
     assert.equal(ok(await c.request('GET', `/v1/snapshots/${st.s1.id}`, { as: 'acme' })).id, st.s1.id);
     expectProblem(await c.request('GET', `/v1/snapshots/${st.s1.id}`, { as: 'globex' }), 404, 'SNAPSHOT_NOT_FOUND');
     expectProblem(await c.request('DELETE', `/v1/snapshots/${st.s1.id}`, { as: 'globex' }), 404, 'SNAPSHOT_NOT_FOUND');
@@ -121,9 +180,17 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
   it('records export intents and their status', async (t) => {
     if (guard(t)) return;
     const c = cp!;
-    const r = ok(await c.request('POST', `/v1/snapshots/${st.s2.id}/exports`, { as: 'acme', body: { destination: 's3://bucket/s2' } }), 201);
+    const r = ok(
+      await c.request('POST', `/v1/snapshots/${st.s2.id}/exports`, { as: 'acme', body: { destination: 's3://bucket/s2' } }),
+      201,
+    );
     assert.equal(r.exports[0].status, 'pending');
-    const u = ok(await c.request('PATCH', `/v1/snapshots/${st.s2.id}/exports`, { as: 'acme', body: { destination: 's3://bucket/s2', status: 'failed', error: 'denied' } }));
+    const u = ok(
+      await c.request('PATCH', `/v1/snapshots/${st.s2.id}/exports`, {
+        as: 'acme',
+        body: { destination: 's3://bucket/s2', status: 'failed', error: 'denied' },
+      }),
+    );
     assert.equal(u.exports[0].status, 'failed');
     assert.equal(u.exports[0].last_error, 'denied');
     const row = ok(await c.request('GET', `/v1/snapshots/${st.s2.id}?after=${u.position}`, { as: 'acme' }));
@@ -136,7 +203,11 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const mine = ok(await c.request('GET', `/v1/artifacts/${st.s1.digest}`, { as: 'acme' }));
     assert.deepEqual(mine.hosts, ['h1']);
     assert.ok(mine.snapshots.some((s: any) => s.id === st.s1.id));
-    assert.deepEqual(ok(await c.request('GET', `/v1/artifacts/${st.s1.digest}`, { as: 'globex' })), { digest: st.s1.digest, snapshots: [], hosts: [] });
+    assert.deepEqual(ok(await c.request('GET', `/v1/artifacts/${st.s1.digest}`, { as: 'globex' })), {
+      digest: st.s1.digest,
+      snapshots: [],
+      hosts: [],
+    });
     assert.equal((await listSnapshotsByDigest(c.service.pool, 'globex', st.s1.digest)).length, 0);
     assert.ok((await listSnapshotsByDigest(c.service.pool, 'acme', st.s1.digest)).length >= 1);
   });
@@ -145,7 +216,10 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     if (guard(t)) return;
     const c = cp!;
     expectProblem(await c.request('POST', '/v1/vms', { as: 'globex', body: { seed_snapshot_id: st.s1.id } }), 404, 'SNAPSHOT_NOT_FOUND');
-    const vm = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: st.s1.id, host_id: 'h2', cpus: 1, ram_mb: 256 } }), 201);
+    const vm = ok(
+      await c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: st.s1.id, host_id: 'h2', cpus: 1, ram_mb: 256 } }),
+      201,
+    );
     assert.equal(vm.host_id, 'h2');
     const placement = ok(await c.request('GET', `/v1/vms/${vm.id}/placement`, { as: 'acme' }));
     assert.equal(placement.artifact_local, false, 'the decision says a transfer happened');
@@ -173,7 +247,11 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const c = cp!;
     if (st.seeded) ok(await c.request('DELETE', `/v1/vms/${st.seeded}`, { as: 'acme' })); // room on h2
     st.seeded = undefined;
-    const [a, b] = await Promise.all([0, 1].map(() => c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: st.s3.id, host_id: 'h2', cpus: 1, ram_mb: 256 } })));
+    const [a, b] = await Promise.all(
+      [0, 1].map(() =>
+        c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: st.s3.id, host_id: 'h2', cpus: 1, ram_mb: 256 } }),
+      ),
+    );
     const va = ok(a!, 201);
     const vb = ok(b!, 201);
     for (const v of [va, vb]) assert.equal((await exec(v.id, 'cat /root/marker')).stdout.trim(), 'hello-from-source');
@@ -189,7 +267,7 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const c = cp!;
     const refused = await c.request('DELETE', `/v1/snapshots/${st.s1.id}`, { as: 'acme' });
     expectProblem(refused, 409, 'SNAPSHOT_HAS_DEPENDENTS');
-    assert.deepEqual(problemOf(refused as any) && (refused.body).details.dependents, [st.s2.id]);
+    assert.deepEqual(problemOf(refused as any) && refused.body.details.dependents, [st.s2.id]);
     const d = ok(await c.request('DELETE', `/v1/snapshots/${st.s1.id}?force=true`, { as: 'acme' }));
     assert.equal(d.state, 'deleted');
     assert.deepEqual(d.holders, []);
@@ -200,9 +278,19 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
   it('layer cache: filed under the caller tenant, newest ready for (key, arch), arch filters, another tenant misses', async (t) => {
     if (guard(t)) return;
     const c = cp!;
-    expectProblem(await c.request('POST', `/v1/vms/${st.vm}/snapshots`, { as: 'acme', body: { layer_key: 'k1' } }), 400, 'VALIDATION_FAILED');
-    const l1 = ok(await c.request('POST', `/v1/vms/${st.vm}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'recipe:k1' } }), 201);
-    const l2 = ok(await c.request('POST', `/v1/vms/${st.vm}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'recipe:k1' } }), 201);
+    expectProblem(
+      await c.request('POST', `/v1/vms/${st.vm}/snapshots`, { as: 'acme', body: { layer_key: 'k1' } }),
+      400,
+      'VALIDATION_FAILED',
+    );
+    const l1 = ok(
+      await c.request('POST', `/v1/vms/${st.vm}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'recipe:k1' } }),
+      201,
+    );
+    const l2 = ok(
+      await c.request('POST', `/v1/vms/${st.vm}/snapshots`, { as: 'acme', body: { mode: 'build', layer_key: 'recipe:k1' } }),
+      201,
+    );
     const hit = ok(await c.request('GET', `/v1/layers/recipe:k1?arch=${st.arch}&after=${l2.position}`, { as: 'acme' }));
     assert.equal(hit.id, l2.id, 'newest ready layer');
     assert.notEqual(l1.id, l2.id);
@@ -226,7 +314,10 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const tokFork = (await exec(f.id, 'cat /etc/fleet/token')).stdout;
     assert.ok(tokSrc.length > 0, 'source has a token');
     assert.notEqual(tokFork, tokSrc, 'a copy never speaks as its source');
-    const reuse = ok(await c.request('POST', `/v1/vms/${st.vm}/fork`, { as: 'acme', body: { reuse_snapshot_id: f.seed_snapshot_id } }), 201);
+    const reuse = ok(
+      await c.request('POST', `/v1/vms/${st.vm}/fork`, { as: 'acme', body: { reuse_snapshot_id: f.seed_snapshot_id } }),
+      201,
+    );
     assert.equal(reuse.seed_snapshot_id, f.seed_snapshot_id);
     expectProblem(await c.request('POST', `/v1/vms/${st.vm}/fork`, { as: 'globex', body: {} }), 404, 'VM_NOT_FOUND');
     for (const id of [f.id, reuse.id]) ok(await c.request('DELETE', `/v1/vms/${id}`, { as: 'acme' }));
@@ -236,15 +327,23 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     if (guard(t)) return;
     const c = cp!;
     const vmId = st.vm!;
-    expectProblem(await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true } }), 409, 'LIVE_MIGRATION_UNSUPPORTED');
+    expectProblem(
+      await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true } }),
+      409,
+      'LIVE_MIGRATION_UNSUPPORTED',
+    );
     assert.equal(ok(await c.request('GET', `/v1/vms/${vmId}`, { as: 'acme' })).state, 'running');
-    expectProblem(await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { target_host_id: 'h1' } }), 400, 'MIGRATION_TARGET_IS_SOURCE');
+    expectProblem(
+      await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { target_host_id: 'h1' } }),
+      400,
+      'MIGRATION_TARGET_IS_SOURCE',
+    );
 
     // A cordoned target: the flow stops at "place" and says so; the source still answers.
     ok(await c.request('POST', '/v1/hosts/h2/cordon', { body: {} }));
     const failed = await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { target_host_id: 'h2' } });
     expectProblem(failed, 409, 'MIGRATION_FAILED');
-    assert.equal((failed.body).details.step, 'place');
+    assert.equal(failed.body.details.step, 'place');
     assert.equal((await exec(vmId, 'cat /root/marker')).stdout.trim(), 'hello-from-source');
     ok(await c.request('POST', '/v1/hosts/h2/uncordon', { body: {} }));
 
@@ -257,7 +356,16 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     assert.ok(!(await agents[0]!.client.listVms('')).some((v) => v.name === `fl-${vmId}`), 'the source sandbox is gone');
     const types = (await c.service.store.readStream(`vm-${vmId}`)).map((e) => e.type);
     const tail = types.slice(types.lastIndexOf('VmMigrationStarted'));
-    assert.deepEqual(tail, ['VmMigrationStarted', 'VmMigrationStepCompleted', 'VmMigrationStepCompleted', 'VmMigrationStepCompleted', 'VmMigrationStepCompleted', 'VmMigrated', 'VmMigrationStepCompleted', 'VmMigrationStepCompleted']);
+    assert.deepEqual(tail, [
+      'VmMigrationStarted',
+      'VmMigrationStepCompleted',
+      'VmMigrationStepCompleted',
+      'VmMigrationStepCompleted',
+      'VmMigrationStepCompleted',
+      'VmMigrated',
+      'VmMigrationStepCompleted',
+      'VmMigrationStepCompleted',
+    ]);
     assert.ok(types.includes('VmMigrationFailed'), 'the failed attempt is in the stream too');
     const row = ok(await c.request('GET', `/v1/vms/${vmId}?after=${m.position}`, { as: 'acme' }));
     assert.equal(row.host_id, 'h2');
@@ -269,14 +377,25 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     if (guard(t)) return;
     const c = cp!;
     const vm = ok(await c.request('POST', '/v1/vms', { as: 'globex', body: { cpus: 1, ram_mb: 256 } }), 201);
-    const replies = await Promise.all(Array.from({ length: 50 }, (_, i) => c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'globex', body: { comment: `race ${i}`, no_lineage: true } })));
+    const replies = await Promise.all(
+      Array.from({ length: 50 }, (_, i) =>
+        c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'globex', body: { comment: `race ${i}`, no_lineage: true } }),
+      ),
+    );
     const accepted = replies.filter((r) => r.status === 201);
     const refused = replies.filter((r) => r.status !== 201);
-    assert.equal(accepted.length, 10, replies.filter((r) => r.status !== 201 && r.status !== 429).map((r) => JSON.stringify(r.body)).join('\n'));
+    assert.equal(
+      accepted.length,
+      10,
+      replies
+        .filter((r) => r.status !== 201 && r.status !== 429)
+        .map((r) => JSON.stringify(r.body))
+        .join('\n'),
+    );
     assert.equal(refused.length, 40);
     for (const r of refused) {
       expectProblem(r, 429, 'QUOTA_EXCEEDED');
-      const d = (r.body).details;
+      const d = r.body.details;
       assert.equal(d.limit, 10);
       assert.equal(d.usage.count, 10);
       assert.match(problemOf(r).detail, /10 of 10 snapshots/);
@@ -306,7 +425,9 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const actor: Actor = { correlationId: 'quota-race-2', actor: 'admin', tenantId: 'admin', admin: true };
     const vm = await c.service.vms.create({ cpus: 1, ram_mb: 256 }, actor);
     const services = [c.service, second];
-    const results = await Promise.allSettled(Array.from({ length: 50 }, (_, i) => services[i % 2]!.snapshots.create(vm.vm.vm_id, { no_lineage: true, comment: `r${i}` }, actor)));
+    const results = await Promise.allSettled(
+      Array.from({ length: 50 }, (_, i) => services[i % 2]!.snapshots.create(vm.vm.vm_id, { no_lineage: true, comment: `r${i}` }, actor)),
+    );
     const codes = results.map((r) => (r.status === 'fulfilled' ? 'ok' : r.reason instanceof AppError ? r.reason.code : String(r.reason)));
     assert.equal(codes.filter((x) => x === 'ok').length, 10, codes.join(','));
     assert.equal(codes.filter((x) => x === 'QUOTA_EXCEEDED').length, 40, codes.join(','));
@@ -318,7 +439,9 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     if (guard(t)) return;
     const c = cp!;
     const s = second!;
-    const layers = ok(await c.request('GET', `/v1/snapshots?mode=build&state=ready`, { as: 'acme' })).snapshots.filter((x: any) => x.layer_key === 'recipe:k1');
+    const layers = ok(await c.request('GET', `/v1/snapshots?mode=build&state=ready`, { as: 'acme' })).snapshots.filter(
+      (x: any) => x.layer_key === 'recipe:k1',
+    );
     assert.equal(layers.length, 2);
     const [newer, older] = layers;
     // A cache hit is use: the layer it serves is the most recently used.
@@ -326,7 +449,11 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     assert.equal(ok(hit).id, newer.id);
     const r1 = await s.snapshots.collect(new Date());
     assert.equal(r1.evicted, 1, JSON.stringify(r1));
-    await eventually(async () => ok(await c.request('GET', `/v1/snapshots/${older.id}`, { as: 'acme' })).state === 'deleted', 10_000, 'older layer deleted');
+    await eventually(
+      async () => ok(await c.request('GET', `/v1/snapshots/${older.id}`, { as: 'acme' })).state === 'deleted',
+      10_000,
+      'older layer deleted',
+    );
     assert.equal(ok(await c.request('GET', `/v1/snapshots/${newer.id}`, { as: 'acme' })).state, 'ready');
     const seeded = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { seed_snapshot_id: newer.id, cpus: 1, ram_mb: 256 } }), 201);
     await c.service.runner.waitFor(seeded.position, 10_000);
@@ -335,7 +462,9 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const destroyed = ok(await c.request('DELETE', `/v1/vms/${seeded.id}`, { as: 'acme' }));
     await c.service.runner.waitFor(destroyed.position, 10_000);
     assert.equal((await s.snapshots.collect(later)).idle, 1);
-    const evs = (await c.service.store.readStream(`snapshot-${newer.id}`)).filter((e) => e.type === 'SnapshotDeleted').map((e) => (e.data as any).reason);
+    const evs = (await c.service.store.readStream(`snapshot-${newer.id}`))
+      .filter((e) => e.type === 'SnapshotDeleted')
+      .map((e) => (e.data as any).reason);
     assert.deepEqual(evs, ['idle']);
   });
 
@@ -367,7 +496,12 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
 
       // A migration whose move times out stops at "move": the VM still runs where it was, and says so.
       const vm = ok(await c.request('GET', `/v1/vms/${st.vm}`, { as: 'acme' }));
-      const r = await third.app.inject({ method: 'POST', url: `/v1/vms/${st.vm}/migrate`, headers: { authorization: `Bearer ${ADMIN_KEY}`, 'content-type': 'application/json' }, payload: '{}' });
+      const r = await third.app.inject({
+        method: 'POST',
+        url: `/v1/vms/${st.vm}/migrate`,
+        headers: { authorization: `Bearer ${ADMIN_KEY}`, 'content-type': 'application/json' },
+        payload: '{}',
+      });
       const body = r.json();
       assert.equal(r.statusCode, 504, JSON.stringify(body));
       assert.equal(body.code, 'MIGRATION_FAILED');
@@ -396,7 +530,10 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const r = await c.service.snapshots.collect(new Date(Date.now() + 2000));
     assert.ok(r.expired >= 1, JSON.stringify(r));
     const evs = (await c.service.store.readStream(`snapshot-${s.id}`)).map((e) => ({ type: e.type, reason: (e.data as any).reason }));
-    assert.deepEqual(evs.slice(-2), [{ type: 'SnapshotDeleted', reason: 'retention' }, { type: 'SnapshotArtifactDropped', reason: undefined }]);
+    assert.deepEqual(evs.slice(-2), [
+      { type: 'SnapshotDeleted', reason: 'retention' },
+      { type: 'SnapshotArtifactDropped', reason: undefined },
+    ]);
     assert.ok(!(await holder.client.listCheckpoints()).some((cp) => cp.id === s.id));
   });
 
@@ -408,10 +545,14 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     await agents[0]!.client.destroyVm(`fl-${vm.id}`, { force: true }); // gone behind the control plane's back
     const r = await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { comment: 'doomed' } });
     expectProblem(r, 404, 'SANDBOX_NOT_FOUND');
-    const failed = await eventually(async () => {
-      const rows = ok(await c.request('GET', `/v1/snapshots?vm_id=${vm.id}&state=failed`, { as: 'acme' })).snapshots;
-      return rows.length === 1 ? rows[0] : undefined;
-    }, 10_000, 'failed snapshot listed');
+    const failed = await eventually(
+      async () => {
+        const rows = ok(await c.request('GET', `/v1/snapshots?vm_id=${vm.id}&state=failed`, { as: 'acme' })).snapshots;
+        return rows.length === 1 ? rows[0] : undefined;
+      },
+      10_000,
+      'failed snapshot listed',
+    );
     assert.match(failed.last_error, /no sandbox named/);
     assert.deepEqual(ok(await c.request('GET', '/v1/snapshot-quota', { as: 'acme' })).count, before.count);
     await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' });
@@ -422,6 +563,11 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
     const c = cp!;
     const report = await rebuildProjection(c.service.store, c.service.pool, snapshotsProjection, { verify: true });
     assert.ok(report.events > 0);
-    for (const d of report.drift) assert.deepEqual({ table: d.table, onlyLive: d.onlyLive, onlyRebuilt: d.onlyRebuilt }, { table: d.table, onlyLive: 0, onlyRebuilt: 0 }, JSON.stringify(d));
+    for (const d of report.drift)
+      assert.deepEqual(
+        { table: d.table, onlyLive: d.onlyLive, onlyRebuilt: d.onlyRebuilt },
+        { table: d.table, onlyLive: 0, onlyRebuilt: 0 },
+        JSON.stringify(d),
+      );
   });
 });

@@ -77,7 +77,12 @@ export interface ControlPlane {
 export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise<ControlPlane> {
   const db = await createTestDatabase('cp');
   // The reconciler acts on its own schedule; API tests that assert the event log must ask for it explicitly.
-  const config = configSchema.parse({ READ_YOUR_WRITES_TIMEOUT_MS: '10000', AGENT_CALL_TIMEOUT_MS: '20000', RECONCILER_ENABLED: 'false', ...opts.env });
+  const config = configSchema.parse({
+    READ_YOUR_WRITES_TIMEOUT_MS: '10000',
+    AGENT_CALL_TIMEOUT_MS: '20000',
+    RECONCILER_ENABLED: 'false',
+    ...opts.env,
+  });
   const logger = opts.logger ?? pino({ level: opts.logLevel ?? process.env.FLEET_TEST_LOG ?? 'silent' });
   const tokenKey = randomBytes(32);
   let service: Service;
@@ -87,7 +92,10 @@ export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise
       logger,
       databaseUrl: db.url,
       tokenEncryptionKey: tokenKey,
-      apiKeys: apiKeysFrom(ADMIN_KEY, Object.entries(TENANT_KEYS).map(([tenant, key]) => ({ tenant, key }))),
+      apiKeys: apiKeysFrom(
+        ADMIN_KEY,
+        Object.entries(TENANT_KEYS).map(([tenant, key]) => ({ tenant, key })),
+      ),
       connector: opts.connector,
       defaultMetrics: false,
       httpLogger: opts.logger !== undefined,
@@ -167,7 +175,13 @@ export async function prepareAgents(): Promise<AgentFleet | { skip: string }> {
       const dataDir = await mkdtemp(join(tmpdir(), 'cp-agent-'));
       dirs.push(dataDir);
       const agent = await startAgent(
-        { dataDir, imageDir: images.imageDir, subnet: uniqueSubnet(), bridgePrefix: uniquePrefix(), env: { AGENT_LOG_LEVEL: 'warn', ...o.env } },
+        {
+          dataDir,
+          imageDir: images.imageDir,
+          subnet: uniqueSubnet(),
+          bridgePrefix: uniquePrefix(),
+          env: { AGENT_LOG_LEVEL: 'warn', ...o.env },
+        },
         60_000,
       );
       agents.push(agent);
@@ -183,7 +197,8 @@ export async function prepareAgents(): Promise<AgentFleet | { skip: string }> {
       for (const agent of agents) {
         if (agent.proc.exitCode === null && agent.proc.signalCode === null) {
           try {
-            for (const vm of await agent.client.listVms('', { timeoutMs: 10_000 })) await agent.client.destroyVm(vm.name, { force: true, timeoutMs: 20_000 });
+            for (const vm of await agent.client.listVms('', { timeoutMs: 10_000 }))
+              await agent.client.destroyVm(vm.name, { force: true, timeoutMs: 20_000 });
             await agent.client.prune({ timeoutMs: 20_000 });
           } catch (err) {
             process.stderr.write(`cleanup of agent ${agent.url} failed: ${String(err)}\n${agent.output().slice(-2000)}\n`);
@@ -198,7 +213,10 @@ export async function prepareAgents(): Promise<AgentFleet | { skip: string }> {
 }
 
 /** Starts one agent and boots a throwaway sandbox on it: a kernel that cannot run the backend becomes a skip reason. */
-export async function startCheckedAgent(fleet: AgentFleet, opts?: { env?: Record<string, string> }): Promise<RunningAgent | { skip: string }> {
+export async function startCheckedAgent(
+  fleet: AgentFleet,
+  opts?: { env?: Record<string, string> },
+): Promise<RunningAgent | { skip: string }> {
   let agent: RunningAgent | undefined;
   try {
     agent = await fleet.start(opts);
@@ -229,8 +247,15 @@ export async function startCheckedFleet(n = 1): Promise<{ fleet?: AgentFleet; ag
 }
 
 /** Registers an agent as host `id` through the API (admin key). */
-export async function registerHost(cp: ControlPlane, id: string, agent: Pick<RunningAgent, 'url' | 'token'>, extra: Record<string, unknown> = {}): Promise<Reply> {
-  return cp.request('POST', '/v1/hosts', { body: { id, url: agent.url, token: agent.token, backend: 'process', region: 'test', ...extra } });
+export async function registerHost(
+  cp: ControlPlane,
+  id: string,
+  agent: Pick<RunningAgent, 'url' | 'token'>,
+  extra: Record<string, unknown> = {},
+): Promise<Reply> {
+  return cp.request('POST', '/v1/hosts', {
+    body: { id, url: agent.url, token: agent.token, backend: 'process', region: 'test', ...extra },
+  });
 }
 
 export function problemOf(r: Reply): { status: number; code: string; detail: string } {
@@ -263,7 +288,9 @@ export async function handshake(ws: WebSocket): Promise<void> {
   await withTimeout(
     new Promise<void>((resolve, reject) => {
       ws.once('open', () => resolve());
-      ws.once('unexpected-response', (_req, res) => reject(Object.assign(new Error(`handshake answered ${res.statusCode}`), { status: res.statusCode })));
+      ws.once('unexpected-response', (_req, res) =>
+        reject(Object.assign(new Error(`handshake answered ${res.statusCode}`), { status: res.statusCode })),
+      );
       ws.once('error', reject);
     }),
     10_000,

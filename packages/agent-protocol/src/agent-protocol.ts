@@ -112,7 +112,12 @@ export const createVmRequestSchema = z
     /** Boot from a checkpoint in this host's store instead of an image. */
     checkpoint_id: checkpointIdSchema.optional(),
     cpus: z.number().int().min(1).max(1024).default(1),
-    ram_mb: z.number().int().min(16).max(4 * 1024 * 1024).default(512),
+    ram_mb: z
+      .number()
+      .int()
+      .min(16)
+      .max(4 * 1024 * 1024)
+      .default(512),
     storage_gb: z.number().int().min(0).max(65536).default(0),
     /** Network isolation scope: sandboxes of different tenants never share a bridge unless the operator allows it. */
     tenant: tenantIdSchema.default('default'),
@@ -147,14 +152,22 @@ export const listVmsResponseSchema = z.object({ vms: z.array(vmInfoSchema) });
 
 export const destroyVmQuerySchema = z.object({
   /** Skip the drain command and stop at once. */
-  force: z.enum(['true', 'false', '1', '0']).default('false').transform((v) => v === 'true' || v === '1'),
+  force: z
+    .enum(['true', 'false', '1', '0'])
+    .default('false')
+    .transform((v) => v === 'true' || v === '1'),
 });
 export const destroyVmResponseSchema = z.object({ name: z.string(), destroyed: z.boolean(), drained: z.boolean() });
 export type DestroyVmResponse = z.infer<typeof destroyVmResponseSchema>;
 
 /** `GET /v1/vms/:name/console`: the tail of the sandbox's serial-style init log, as text. */
 export const consoleQuerySchema = z.object({
-  tail_bytes: z.coerce.number().int().min(1).max(16 * 1024 * 1024).default(64 * 1024),
+  tail_bytes: z.coerce
+    .number()
+    .int()
+    .min(1)
+    .max(16 * 1024 * 1024)
+    .default(64 * 1024),
 });
 
 // ---- exec ------------------------------------------------------------------
@@ -256,7 +269,11 @@ export const agentSpecSchema = z.object({
   env: z.record(z.string(), z.string()).default({}),
 });
 export type AgentSpec = z.input<typeof agentSpecSchema>;
-export const startAgentResponseSchema = z.object({ started: z.boolean(), pid: z.number().int().optional(), endpoints: z.array(endpointSchema) });
+export const startAgentResponseSchema = z.object({
+  started: z.boolean(),
+  pid: z.number().int().optional(),
+  endpoints: z.array(endpointSchema),
+});
 export type StartAgentResponse = z.infer<typeof startAgentResponseSchema>;
 
 // ---- checkpoints -------------------------------------------------------------
@@ -338,7 +355,10 @@ export type ArtifactManifest = z.infer<typeof artifactManifestSchema>;
 
 /** The seed's ArtifactEndpoint, as the receiver sees it: where to pull from and under which grant. */
 export const artifactEndpointSchema = z.object({
-  url: z.string().url().regex(/^https?:\/\//, 'the peer agent\'s http(s) base URL'),
+  url: z
+    .string()
+    .url()
+    .regex(/^https?:\/\//, "the peer agent's http(s) base URL"),
   grant: z.string().min(1),
   host_id: z.string().optional(),
 });

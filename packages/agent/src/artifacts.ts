@@ -103,8 +103,11 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   });
   if (existing) {
     // A retried pull of the same bytes is a success, not a conflict.
-    if (existing.digest === req.digest) return { snapshot_id: existing.id, size_bytes: existing.size_bytes + (await memBytes(backend, existing)), kind: existing.kind };
-    throw new ConflictError('CHECKPOINT_EXISTS', `checkpoint "${req.snapshotId}" already exists on this host with another digest`, { id: req.snapshotId });
+    if (existing.digest === req.digest)
+      return { snapshot_id: existing.id, size_bytes: existing.size_bytes + (await memBytes(backend, existing)), kind: existing.kind };
+    throw new ConflictError('CHECKPOINT_EXISTS', `checkpoint "${req.snapshotId}" already exists on this host with another digest`, {
+      id: req.snapshotId,
+    });
   }
 
   const signal = AbortSignal.timeout(req.timeoutMs);
@@ -125,12 +128,16 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   }
   for (const [name, sha] of Object.entries(req.files)) {
     const f = byName.get(name);
-    if (!f || f.sha256 !== sha) throw digestMismatch(`the peer's manifest lists file "${name}" ${f ? `with sha256 ${f.sha256}` : 'not at all'}, expected ${sha}`, { file: name });
+    if (!f || f.sha256 !== sha)
+      throw digestMismatch(`the peer's manifest lists file "${name}" ${f ? `with sha256 ${f.sha256}` : 'not at all'}, expected ${sha}`, {
+        file: name,
+      });
   }
   // Only the rootfs and the memory files the checkpoint itself declares travel; nothing else lands here.
   const wanted = manifest.files.filter((f) => f.name === ROOTFS_FILE || f.name in manifest.checkpoint.files);
   for (const f of wanted) {
-    if (f.name !== ROOTFS_FILE && manifest.checkpoint.files[f.name] !== f.sha256) throw digestMismatch(`the peer's manifest disagrees with itself on "${f.name}"`, { file: f.name });
+    if (f.name !== ROOTFS_FILE && manifest.checkpoint.files[f.name] !== f.sha256)
+      throw digestMismatch(`the peer's manifest disagrees with itself on "${f.name}"`, { file: f.name });
   }
 
   const stagingName = `${STAGING_PREFIX}${req.snapshotId}-${randomBytes(6).toString('hex')}`;
@@ -170,7 +177,10 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
       }),
     );
     // Every byte was hashed on its way to disk above; a backend that can skip re-reading 1 GiB to check it again may.
-    const importCheckpoint = backend.importCheckpoint.bind(backend) as (path: string, opts?: { verifyDigest?: boolean }) => Promise<Checkpoint>;
+    const importCheckpoint = backend.importCheckpoint.bind(backend) as (
+      path: string,
+      opts?: { verifyDigest?: boolean },
+    ) => Promise<Checkpoint>;
     let committed: Checkpoint;
     try {
       committed = await importCheckpoint(staging, { verifyDigest: false });
@@ -217,7 +227,10 @@ async function peerFetch(url: string, headers: Record<string, string>, signal: A
     } catch {
       /* the status says enough */
     }
-    throw transferFailed(`the peer refused: ${code ? `${code}: ` : ''}${message}`, { peer_status: res.status, ...(code ? { peer_code: code } : {}) });
+    throw transferFailed(`the peer refused: ${code ? `${code}: ` : ''}${message}`, {
+      peer_status: res.status,
+      ...(code ? { peer_code: code } : {}),
+    });
   }
   return res;
 }
@@ -306,7 +319,12 @@ function receive(url: string, headers: Record<string, string>, fd: number, signa
   });
 }
 
-export async function fetchFile(url: string, headers: Record<string, string>, signal: AbortSignal, dest: string): Promise<{ size: number; sha256: string }> {
+export async function fetchFile(
+  url: string,
+  headers: Record<string, string>,
+  signal: AbortSignal,
+  dest: string,
+): Promise<{ size: number; sha256: string }> {
   const fh = await open(dest, 'wx', 0o600);
   let r: ReceiverResult;
   try {
@@ -333,7 +351,10 @@ export async function fetchFile(url: string, headers: Record<string, string>, si
       } catch {
         /* not JSON */
       }
-      throw transferFailed(`the peer refused: ${code ? `${code}: ` : ''}${message}`, { peer_status: r.status, ...(code ? { peer_code: code } : {}) });
+      throw transferFailed(`the peer refused: ${code ? `${code}: ` : ''}${message}`, {
+        peer_status: r.status,
+        ...(code ? { peer_code: code } : {}),
+      });
     }
   }
 }

@@ -80,13 +80,28 @@ export type BackendErrorCode = (typeof BackendErrorCode)[keyof typeof BackendErr
 export const sandboxNotFound = (name: string): AppError =>
   new NotFoundError(BackendErrorCode.SandboxNotFound, `no sandbox named "${name}" on this host`, { name });
 export const sandboxExists = (name: string): AppError =>
-  new ConflictError(BackendErrorCode.SandboxExists, `a sandbox named "${name}" already exists on this host; destroy it or pick another name`, { name });
+  new ConflictError(
+    BackendErrorCode.SandboxExists,
+    `a sandbox named "${name}" already exists on this host; destroy it or pick another name`,
+    { name },
+  );
 export const sandboxNotRunning = (name: string): AppError =>
-  new ConflictError(BackendErrorCode.SandboxNotRunning, `sandbox "${name}" is not running (its init exited); destroy and recreate it`, { name });
+  new ConflictError(BackendErrorCode.SandboxNotRunning, `sandbox "${name}" is not running (its init exited); destroy and recreate it`, {
+    name,
+  });
 export const imageNotFound = (image: string): AppError =>
-  new NotFoundError(BackendErrorCode.ImageNotFound, `image "${image}" is not on this host; build it with \`npm run agent -- image build ${image}\``, { image });
+  new NotFoundError(
+    BackendErrorCode.ImageNotFound,
+    `image "${image}" is not on this host; build it with \`npm run agent -- image build ${image}\``,
+    { image },
+  );
 export const pathEscapes = (path: string): AppError =>
-  new AppError(BackendErrorCode.PathEscapesSandbox, 403, `path "${path}" escapes the sandbox root (through ".." or a symlink); use a path inside the sandbox`, { path });
+  new AppError(
+    BackendErrorCode.PathEscapesSandbox,
+    403,
+    `path "${path}" escapes the sandbox root (through ".." or a symlink); use a path inside the sandbox`,
+    { path },
+  );
 export const guestPathNotFound = (path: string): AppError =>
   new NotFoundError(BackendErrorCode.GuestPathNotFound, `no file at "${path}" in the sandbox`, { path });
 export const checkpointNotFound = (id: string): AppError =>
@@ -288,7 +303,12 @@ export interface Backend {
    * cannot redirect a write made from inside its root. Beyond maxBytes:
    * PAYLOAD_TOO_LARGE, and nothing is left behind.
    */
-  writeGuestFile(name: string, guestPath: string, data: Readable, opts?: { mode?: number; maxBytes?: number }): Promise<{ path: string; bytes: number }>;
+  writeGuestFile(
+    name: string,
+    guestPath: string,
+    data: Readable,
+    opts?: { mode?: number; maxBytes?: number },
+  ): Promise<{ path: string; bytes: number }>;
   /**
    * Streams a regular file from inside the sandbox (GUEST_PATH_NOT_A_FILE for
    * anything else). `done` settles when the stream has ended, rejecting if

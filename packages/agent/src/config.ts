@@ -13,13 +13,24 @@ import { join, resolve } from 'node:path';
 const bool = z
   .enum(['true', 'false', '1', '0', 'yes', 'no'], { message: 'must be true or false' })
   .transform((v) => v === 'true' || v === '1' || v === 'yes');
-const positiveInt = (what: string) => z.coerce.number({ message: `must be ${what}` }).int(`must be ${what}`).positive(`must be ${what}`);
+const positiveInt = (what: string) =>
+  z.coerce
+    .number({ message: `must be ${what}` })
+    .int(`must be ${what}`)
+    .positive(`must be ${what}`);
 
 export const agentConfigSchema = z
   .object({
     AGENT_HOST: z.string().min(1).default('127.0.0.1'),
-    AGENT_PORT: z.coerce.number({ message: 'must be a port number 0-65535' }).int().min(0, 'must be a port number 0-65535').max(65535, 'must be a port number 0-65535').default(7070),
-    AGENT_TOKEN: z.string({ message: 'is required: the bearer token the control plane presents (at least 16 characters)' }).min(16, 'must be at least 16 characters'),
+    AGENT_PORT: z.coerce
+      .number({ message: 'must be a port number 0-65535' })
+      .int()
+      .min(0, 'must be a port number 0-65535')
+      .max(65535, 'must be a port number 0-65535')
+      .default(7070),
+    AGENT_TOKEN: z
+      .string({ message: 'is required: the bearer token the control plane presents (at least 16 characters)' })
+      .min(16, 'must be at least 16 characters'),
     AGENT_DATA_DIR: z.string().min(1).default('.data/agent'),
     AGENT_IMAGE_DIR: z.string().min(1).optional(),
     AGENT_BACKEND: z.enum(['process'], { message: 'must be one of: process' }).default('process'),
@@ -32,12 +43,22 @@ export const agentConfigSchema = z
       }, 'must be an IPv4 CIDR with a prefix between /8 and /28')
       .default('10.88.0.0/16'),
     /** Names every bridge, veth and cgroup of this agent: two agents on one machine need distinct prefixes. */
-    AGENT_BRIDGE_PREFIX: z.string().regex(/^[a-z][a-z0-9]{0,4}$/, 'must be 1-5 lowercase letters or digits, starting with a letter').default('fb'),
+    AGENT_BRIDGE_PREFIX: z
+      .string()
+      .regex(/^[a-z][a-z0-9]{0,4}$/, 'must be 1-5 lowercase letters or digits, starting with a letter')
+      .default('fb'),
     /** Where published endpoints listen on the host. */
     AGENT_PUBLISH_HOST: z.string().min(1).default('127.0.0.1'),
     /** The image a create request that names none gets. */
-    AGENT_DEFAULT_IMAGE: z.string().regex(/^[a-z0-9][a-z0-9._-]{0,62}$/, 'must be an image name such as base').default('base'),
-    AGENT_LOG_LEVEL: z.enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], { message: 'must be one of fatal, error, warn, info, debug, trace, silent' }).default('info'),
+    AGENT_DEFAULT_IMAGE: z
+      .string()
+      .regex(/^[a-z0-9][a-z0-9._-]{0,62}$/, 'must be an image name such as base')
+      .default('base'),
+    AGENT_LOG_LEVEL: z
+      .enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], {
+        message: 'must be one of fatal, error, warn, info, debug, trace, silent',
+      })
+      .default('info'),
     AGENT_MAX_VMS: positiveInt('a positive integer').default(64),
     AGENT_EXEC_DEFAULT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30_000),
     AGENT_EXEC_MAX_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(600_000),
@@ -48,8 +69,18 @@ export const agentConfigSchema = z
     AGENT_GRANT_SECRET: z.string().min(32, 'must be at least 32 characters').optional(),
     AGENT_ALLOW_CROSS_TENANT: bool.default(false),
     /** Lowest host id handed to sandbox user namespaces (65536-id blocks at or above it). */
-    AGENT_CONSOLE_LOG_MAX_BYTES: z.coerce.number().int().min(4096, 'at least 4096').default(16 * 1024 * 1024),
-    AGENT_UID_BASE: z.coerce.number({ message: 'must be a multiple of 65536' }).int().min(65536).max(2 ** 31).multipleOf(65536, 'must be a multiple of 65536').default(2 ** 28),
+    AGENT_CONSOLE_LOG_MAX_BYTES: z.coerce
+      .number()
+      .int()
+      .min(4096, 'at least 4096')
+      .default(16 * 1024 * 1024),
+    AGENT_UID_BASE: z.coerce
+      .number({ message: 'must be a multiple of 65536' })
+      .int()
+      .min(65536)
+      .max(2 ** 31)
+      .multipleOf(65536, 'must be a multiple of 65536')
+      .default(2 ** 28),
     /** Cap on one artifact pull from a peer. */
     AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
   })

@@ -1,12 +1,6 @@
 import type { Readable } from 'node:stream';
 import type { WebSocket } from 'ws';
-import {
-  attachStartSchema,
-  clientFrameSchema,
-  execStreamStartSchema,
-  type ExecResult,
-  type ServerFrame,
-} from '@fleet/agent-protocol';
+import { attachStartSchema, clientFrameSchema, execStreamStartSchema, type ExecResult, type ServerFrame } from '@fleet/agent-protocol';
 import { AppError, ValidationError } from '@fleet/agent-protocol';
 import type { Backend, ProcessHandle } from './backend.js';
 import { parse } from './parse.js';
@@ -131,7 +125,11 @@ class Inbox {
         this.#waiter = null;
         w(data);
       } else if (this.#queue.length >= MAX_EARLY_FRAMES) {
-        sendFrame(ws, { type: 'error', code: 'FRAME_QUEUE_FULL', message: `more than ${MAX_EARLY_FRAMES} frames sent before the process started` });
+        sendFrame(ws, {
+          type: 'error',
+          code: 'FRAME_QUEUE_FULL',
+          message: `more than ${MAX_EARLY_FRAMES} frames sent before the process started`,
+        });
         ws.close(4008, 'FRAME_QUEUE_FULL');
       } else this.#queue.push(data);
     });
@@ -262,7 +260,11 @@ export async function runSession(
   const writeStdin = (data: Buffer): void => {
     if (handle.stdin.destroyed || handle.stdin.writableEnded) return;
     if (handle.stdin.writableLength > STDIN_HARD_CAP) {
-      sendFrame(ws, { type: 'error', code: 'FRAME_QUEUE_FULL', message: `more than ${STDIN_HARD_CAP} bytes of stdin are waiting for the process to read them` });
+      sendFrame(ws, {
+        type: 'error',
+        code: 'FRAME_QUEUE_FULL',
+        message: `more than ${STDIN_HARD_CAP} bytes of stdin are waiting for the process to read them`,
+      });
       ws.close(4008, 'FRAME_QUEUE_FULL');
       return;
     }

@@ -65,7 +65,10 @@ export async function listImages(imageDir: string): Promise<ImageInfo[]> {
   } catch {
     return [];
   }
-  return names.filter((n) => imageNameRe.test(n)).sort().map((name) => ({ name, path: join(imageDir, name) }));
+  return names
+    .filter((n) => imageNameRe.test(n))
+    .sort()
+    .map((name) => ({ name, path: join(imageDir, name) }));
 }
 
 const INITTAB = `# Written by the fleet image builder. pid 1 only reaps and announces boot.
@@ -88,8 +91,12 @@ export async function buildImage(imageDir: string, name: string, opts: BuildImag
   }
   const target = join(imageDir, name);
   if (!opts.force) {
-    const exists = await stat(target).then(() => true, () => false);
-    if (exists) throw new AppError('IMAGE_EXISTS', 409, `image "${name}" already exists at ${target}; pass --force to rebuild it`, { image: name });
+    const exists = await stat(target).then(
+      () => true,
+      () => false,
+    );
+    if (exists)
+      throw new AppError('IMAGE_EXISTS', 409, `image "${name}" already exists at ${target}; pass --force to rebuild it`, { image: name });
   }
   await mkdir(imageDir, { recursive: true });
   const tmp = join(imageDir, `.build-${name}-${randomBytes(4).toString('hex')}`);
@@ -104,7 +111,10 @@ export async function buildImage(imageDir: string, name: string, opts: BuildImag
     await copyFile(busybox, join(tmp, 'bin/busybox'));
     await chmod(join(tmp, 'bin/busybox'), 0o755);
     const { stdout } = await run(busybox, ['--list-full']);
-    for (const rel of stdout.split('\n').map((l) => l.trim()).filter(Boolean)) {
+    for (const rel of stdout
+      .split('\n')
+      .map((l) => l.trim())
+      .filter(Boolean)) {
       if (rel === 'bin/busybox' || rel.includes('..')) continue;
       const link = join(tmp, rel);
       await mkdir(dirname(link), { recursive: true });
@@ -117,7 +127,10 @@ export async function buildImage(imageDir: string, name: string, opts: BuildImag
     await writeFile(join(tmp, 'etc/shadow'), 'root:*:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n', { mode: 0o600 });
     await writeFile(join(tmp, 'etc/hosts'), '127.0.0.1 localhost\n');
     await writeFile(join(tmp, 'etc/inittab'), INITTAB);
-    await writeFile(join(tmp, 'etc/profile'), 'export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nexport PS1="\\h:\\w# "\n');
+    await writeFile(
+      join(tmp, 'etc/profile'),
+      'export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nexport PS1="\\h:\\w# "\n',
+    );
     await access(join(tmp, 'sbin/init'));
     await access(join(tmp, 'bin/sh'));
     if (opts.force) await rm(target, { recursive: true, force: true });

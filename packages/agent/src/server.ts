@@ -29,7 +29,6 @@ declare module 'fastify' {
   }
 }
 
-
 /** Builds the host agent's HTTP app (no listening: main.ts owns process concerns; tests use inject). */
 export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance> {
   const { backend, config } = deps;
@@ -78,9 +77,19 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   app.get('/healthz', { config: { auth: 'none' } }, async () => ({ ok: true, version: deps.version ?? '0' }));
 
   const checkedRun = async (name: string, argv: string[], what: string, env: Record<string, string> = {}): Promise<string> => {
-    const res = await runBuffered(backend, name, { argv, env, timeoutMs: limits.defaultTimeoutMs, encoding: 'utf8' }, 64 * 1024, new AbortController().signal);
+    const res = await runBuffered(
+      backend,
+      name,
+      { argv, env, timeoutMs: limits.defaultTimeoutMs, encoding: 'utf8' },
+      64 * 1024,
+      new AbortController().signal,
+    );
     if (res.exit_code !== 0 || res.timed_out) {
-      throw new AppError('AGENT_START_FAILED', 422, `could not ${what} in the sandbox (exit ${res.exit_code}${res.timed_out ? ', timed out' : ''}): ${res.stderr.slice(0, 500)}`);
+      throw new AppError(
+        'AGENT_START_FAILED',
+        422,
+        `could not ${what} in the sandbox (exit ${res.exit_code}${res.timed_out ? ', timed out' : ''}): ${res.stderr.slice(0, 500)}`,
+      );
     }
     return res.stdout;
   };
@@ -118,4 +127,3 @@ export function toProblem(err: unknown): { status: number; body: { code: string;
   if (errno === 'ENOSPC') return { status: 507, body: { code: 'HOST_CAPACITY_EXHAUSTED', message: 'this host is out of disk space' } };
   return { status: 500, body: { code: 'AGENT_ERROR', message: 'internal error in the host agent; see its log' } };
 }
-

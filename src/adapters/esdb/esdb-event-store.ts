@@ -108,14 +108,19 @@ export class EsdbEventStore implements EventStore {
   async append(streamId: string, events: readonly NewEvent[], expected: ExpectedRevision): Promise<AppendResult> {
     const batch = validateAppend(streamId, events, expected);
     this.assertOpen();
-    const payload = batch.events.map((e) => jsonEvent({ id: e.id, type: e.type, data: e.data as JSONType, metadata: toEsdbMetadata(e.metadata) }));
+    const payload = batch.events.map((e) =>
+      jsonEvent({ id: e.id, type: e.type, data: e.data as JSONType, metadata: toEsdbMetadata(e.metadata) }),
+    );
     try {
       const result = await this.client.appendToStream(batch.streamId, payload, { expectedRevision: toEsdbExpected(batch.expected) });
       const position = result.position;
       if (!position || position.commit === NO_POSITION || position.commit < 0n) {
         // Some servers answer an idempotent re-append without a position: take it from the event itself.
         const [last] = await this.readStream(batch.streamId, { fromRevision: result.nextExpectedRevision, maxCount: 1 });
-        if (!last) throw new EventStoreUnavailableError(`EventStoreDB at ${this.endpoint} acknowledged ${batch.streamId}@${result.nextExpectedRevision} but the event cannot be read back`);
+        if (!last)
+          throw new EventStoreUnavailableError(
+            `EventStoreDB at ${this.endpoint} acknowledged ${batch.streamId}@${result.nextExpectedRevision} but the event cannot be read back`,
+          );
         return { nextExpectedRevision: result.nextExpectedRevision, position: last.position };
       }
       return { nextExpectedRevision: result.nextExpectedRevision, position: formatPosition(position.commit, position.prepare) };
@@ -132,7 +137,11 @@ export class EsdbEventStore implements EventStore {
     assertStreamName(streamId);
     const maxCount = checkMaxCount(options.maxCount);
     if (options.fromRevision !== undefined && (typeof options.fromRevision !== 'bigint' || options.fromRevision < 0n)) {
-      throw new ValidationError('fromRevision must be a non-negative bigint', [{ path: 'fromRevision', message: 'not a non-negative bigint' }], 'INVALID_REVISION');
+      throw new ValidationError(
+        'fromRevision must be a non-negative bigint',
+        [{ path: 'fromRevision', message: 'not a non-negative bigint' }],
+        'INVALID_REVISION',
+      );
     }
     this.assertOpen();
     if (maxCount === 0) return [];
@@ -221,7 +230,10 @@ export class EsdbEventStore implements EventStore {
           }
           const delay = Math.min(this.backoffMaxMs, this.backoffInitialMs * 2 ** attempt) * (0.75 + Math.random() * 0.5);
           attempt++;
-          this.logger?.warn({ attempt, delayMs: Math.round(delay), err: errorText(why), after: last && formatPosition(last.commit, last.prepare) }, 'EventStoreDB subscription dropped; resubscribing');
+          this.logger?.warn(
+            { attempt, delayMs: Math.round(delay), err: errorText(why), after: last && formatPosition(last.commit, last.prepare) },
+            'EventStoreDB subscription dropped; resubscribing',
+          );
           timer = setTimeout(connect, delay);
         };
         // Checkpoints and caught-up go through the subscription's own buffer so
@@ -286,7 +298,9 @@ export class EsdbEventStore implements EventStore {
     try {
       // The newest event a reader of this port can see: system events do not count.
       for (;;) {
-        const page: AllStreamResolvedEvent[] = await drain(this.client.readAll({ direction: BACKWARDS, fromPosition: from, maxCount: PAGE }));
+        const page: AllStreamResolvedEvent[] = await drain(
+          this.client.readAll({ direction: BACKWARDS, fromPosition: from, maxCount: PAGE }),
+        );
         for (const resolved of page) {
           const event = resolved.event;
           if (event?.position && !event.type.startsWith('$')) return formatPosition(event.position.commit, event.position.prepare);
@@ -313,10 +327,7 @@ export class EsdbEventStore implements EventStore {
       timer = setTimeout(() => reject(new Error(`no answer within ${this.pingTimeoutMs} ms`)), this.pingTimeoutMs);
     });
     try {
-      await Promise.race([
-        drain(read),
-        timeout,
-      ]);
+      await Promise.race([drain(read), timeout]);
     } catch (err) {
       void read.cancel().catch(() => undefined);
       throw this.unavailable(err, 'ping');
@@ -344,7 +355,8 @@ export class EsdbEventStore implements EventStore {
     };
     // One server-side filter per subscription: by stream prefix if given, else by
     // event type (prefix match; exact match is rechecked here), else "no system events".
-    if (wanted?.streamPrefixes && wanted.streamPrefixes.length > 0) return streamNameFilter({ prefixes: [...wanted.streamPrefixes], ...common });
+    if (wanted?.streamPrefixes && wanted.streamPrefixes.length > 0)
+      return streamNameFilter({ prefixes: [...wanted.streamPrefixes], ...common });
     if (wanted?.eventTypes && wanted.eventTypes.length > 0) return eventTypeFilter({ prefixes: [...wanted.eventTypes], ...common });
     return excludeSystemEvents(common);
   }
@@ -357,7 +369,10 @@ export class EsdbEventStore implements EventStore {
     if (err instanceof ValidationError || err instanceof ConcurrencyError || err instanceof EventStoreUnavailableError) return err;
     if (isUnavailable(err)) return this.unavailable(err, what);
     if (err instanceof AccessDeniedError) {
-      return new EventStoreUnavailableError(`EventStoreDB at ${this.endpoint} denied access to ${what}: put a user with access in EVENTSTORE_URL`, { cause: err });
+      return new EventStoreUnavailableError(
+        `EventStoreDB at ${this.endpoint} denied access to ${what}: put a user with access in EVENTSTORE_URL`,
+        { cause: err },
+      );
     }
     return err instanceof Error ? err : new Error(String(err));
   }
@@ -476,7 +491,13 @@ function isWanted(streamId: string, type: string, filter: EventFilter | undefine
 }
 
 function isUnavailable(err: unknown): boolean {
-  if (err instanceof UnavailableError || err instanceof DeadlineExceededError || err instanceof CancelledError || err instanceof NotLeaderError) return true;
+  if (
+    err instanceof UnavailableError ||
+    err instanceof DeadlineExceededError ||
+    err instanceof CancelledError ||
+    err instanceof NotLeaderError
+  )
+    return true;
   const code = (err as { code?: unknown } | null)?.code;
   if (code === 14 || code === 4) return true; // raw gRPC UNAVAILABLE / DEADLINE_EXCEEDED
   return err instanceof Error && /discover|ECONNREFUSED|ENOTFOUND|no connection|no answer within/i.test(err.message);
@@ -492,7 +513,22 @@ function errorText(err: unknown): string {
 
 /** Options the client understands (lowercase), minus those that would change the adapter's contract. */
 const KNOWN_OPTIONS = new Set(
-  ['connectionName', 'defaultDeadline', 'discoveryInterval', 'dnsDiscover', 'gossipTimeout', 'keepAliveInterval', 'keepAliveTimeout', 'maxDiscoverAttempts', 'nodePreference', 'tls', 'tlsCAFile', 'tlsVerifyCert', 'userCertFile', 'userKeyFile'].map((k) => k.toLowerCase()),
+  [
+    'connectionName',
+    'defaultDeadline',
+    'discoveryInterval',
+    'dnsDiscover',
+    'gossipTimeout',
+    'keepAliveInterval',
+    'keepAliveTimeout',
+    'maxDiscoverAttempts',
+    'nodePreference',
+    'tls',
+    'tlsCAFile',
+    'tlsVerifyCert',
+    'userCertFile',
+    'userKeyFile',
+  ].map((k) => k.toLowerCase()),
 );
 
 /**
@@ -507,7 +543,8 @@ function checkOptionKeys(connectionString: string): void {
   for (const pair of query.split('&')) {
     const key = pair.split('=')[0] ?? '';
     if (key === '') continue;
-    if (key.toLowerCase() === 'throwonappendfailure') throw invalidUrl('the option throwOnAppendFailure is not supported: the adapter needs conflicts as errors');
+    if (key.toLowerCase() === 'throwonappendfailure')
+      throw invalidUrl('the option throwOnAppendFailure is not supported: the adapter needs conflicts as errors');
     if (!KNOWN_OPTIONS.has(key.toLowerCase())) throw invalidUrl(`unknown option ${JSON.stringify(key.slice(0, 40))}`);
   }
 }

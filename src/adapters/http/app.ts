@@ -62,7 +62,10 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   app.setErrorHandler(errorHandler);
   // Unknown routes get the same problem shape as everything else.
   app.setNotFoundHandler((req, reply) => {
-    void reply.status(404).type('application/problem+json').send(problem(404, 'ROUTE_NOT_FOUND', `no route ${req.method} ${req.url.split('?')[0]}`));
+    void reply
+      .status(404)
+      .type('application/problem+json')
+      .send(problem(404, 'ROUTE_NOT_FOUND', `no route ${req.method} ${req.url.split('?')[0]}`));
   });
   // Any body type fastify does not parse itself arrives as a Buffer (file uploads).
   app.addContentTypeParser('application/octet-stream', { parseAs: 'buffer' }, (_req, body, done) => done(null, body));
@@ -70,7 +73,11 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   await app.register(fastifySwagger, {
     openapi: {
       openapi: '3.0.3',
-      info: { title: 'Fleet control plane', description: 'Place, boot, exec into, snapshot and destroy sandboxes on a fleet of hosts.', version: '1.0.0' },
+      info: {
+        title: 'Fleet control plane',
+        description: 'Place, boot, exec into, snapshot and destroy sandboxes on a fleet of hosts.',
+        version: '1.0.0',
+      },
       components: { securitySchemes: { bearer: { type: 'http', scheme: 'bearer' } } },
       security: [{ bearer: [] }],
     },
@@ -91,7 +98,10 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
     const { path: _guestPath, ...rest } = (req.query ?? {}) as Record<string, unknown>;
     const query = req.routeOptions.url?.endsWith('/files') ? rest : req.query;
     const where = nulPath(req.params, 'params') ?? nulPath(query, 'querystring') ?? nulPath(body, 'body');
-    if (where) throw new ValidationError(`${where} contains a NUL character (U+0000): remove it`, [{ path: where, message: 'contains a NUL character' }]);
+    if (where)
+      throw new ValidationError(`${where} contains a NUL character (U+0000): remove it`, [
+        { path: where, message: 'contains a NUL character' },
+      ]);
   });
   app.addHook('onResponse', async (req, reply) => {
     const route = req.routeOptions.url ?? 'unmatched';
@@ -132,7 +142,6 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   await app.ready();
   return app;
 }
-
 
 function isStream(v: unknown): boolean {
   return v !== null && typeof v === 'object' && typeof (v as { pipe?: unknown }).pipe === 'function';

@@ -37,7 +37,11 @@ export function redactSealed(value: JsonValue, parentKey?: string): JsonValue {
   if (value !== null && typeof value === 'object') {
     const out: { [k: string]: JsonValue } = {};
     for (const [k, v] of Object.entries(value)) {
-      const sealed = /_encrypted$/.test(k) || k === 'startup_script' || k === 'secrets' || (parentKey === 'agent' && (k === 'command' || k === 'drain_command'));
+      const sealed =
+        /_encrypted$/.test(k) ||
+        k === 'startup_script' ||
+        k === 'secrets' ||
+        (parentKey === 'agent' && (k === 'command' || k === 'drain_command'));
       out[k] = sealed ? '[sealed]' : redactSealed(v, k);
     }
     return out;
@@ -76,7 +80,10 @@ export function parseAsOf(store: EventStore, value: string): AsOf {
   if (/^[0-9a-f]{16}-[0-9a-f]{16}$/.test(value)) return { position: store.parsePosition(value) };
   const t = new Date(value);
   if (!/^\d{4}-\d{2}-\d{2}T/.test(value) || Number.isNaN(t.getTime())) {
-    throw new ValidationError(`as_of ${JSON.stringify(value)} is neither a position (<16 hex>-<16 hex>) nor an ISO-8601 time such as 2026-01-01T12:00:00Z`, [{ path: 'querystring.as_of', message: 'not a position or a time' }]);
+    throw new ValidationError(
+      `as_of ${JSON.stringify(value)} is neither a position (<16 hex>-<16 hex>) nor an ISO-8601 time such as 2026-01-01T12:00:00Z`,
+      [{ path: 'querystring.as_of', message: 'not a position or a time' }],
+    );
   }
   return { time: t };
 }
@@ -105,35 +112,50 @@ export function auditRoutes(deps: AuditRoutesDeps) {
       causation_id: z.string().nullable(),
       data: z.unknown(),
     });
-    app.get('/v1/audit/streams/:stream', {
-      schema: {
-        tags: ['audit'],
-        summary: "One stream's full history (vm-…, host-…, snapshot-…, tenant-…): admin, or the tenant that owns it",
-        params: z.object({ stream: z.string().min(1).max(200) }),
-        querystring: z.object({
-          from_revision: z.coerce.number().int().nonnegative().optional(),
-          limit: z.coerce.number().int().min(1).max(10_000).default(1000),
-          as_of: z.string().optional(),
-        }),
-        response: { 200: z.object({ stream: z.string(), owner: z.string().nullable(), events: z.array(entry), next_revision: z.string().nullable() }), ...problemResponses },
+    app.get(
+      '/v1/audit/streams/:stream',
+      {
+        schema: {
+          tags: ['audit'],
+          summary: "One stream's full history (vm-…, host-…, snapshot-…, tenant-…): admin, or the tenant that owns it",
+          params: z.object({ stream: z.string().min(1).max(200) }),
+          querystring: z.object({
+            from_revision: z.coerce.number().int().nonnegative().optional(),
+            limit: z.coerce.number().int().min(1).max(10_000).default(1000),
+            as_of: z.string().optional(),
+          }),
+          response: {
+            200: z.object({
+              stream: z.string(),
+              owner: z.string().nullable(),
+              events: z.array(entry),
+              next_revision: z.string().nullable(),
+            }),
+            ...problemResponses,
+          },
+        },
       },
-    }, async (req) => {
-      const { stream } = req.params;
-      assertStreamName(stream);
-      const asOf = req.query.as_of !== undefined ? parseAsOf(deps.store, req.query.as_of) : undefined;
-      const owner = await streamOwner(deps.store, stream);
-      const notFound = new NotFoundError('STREAM_NOT_FOUND', `stream ${stream} does not exist`, { stream });
-      if (!canRead(req.caller, owner)) throw notFound;
-      const page = await deps.store.readStream(stream, { fromRevision: req.query.from_revision !== undefined ? BigInt(req.query.from_revision) : undefined, maxCount: req.query.limit + 1 });
-      if (page.length === 0 && req.query.from_revision === undefined) throw notFound;
-      const more = page.length > req.query.limit;
-      const shown = asOf ? upTo(page.slice(0, req.query.limit), asOf) : page.slice(0, req.query.limit);
-      return {
-        stream,
-        owner: owner ?? null,
-        events: shown.map(toAuditEntry),
-        next_revision: more && (!asOf || shown.length === req.query.limit) ? (page[req.query.limit]!.revision).toString() : null,
-      };
-    });
+      async (req) => {
+        const { stream } = req.params;
+        assertStreamName(stream);
+        const asOf = req.query.as_of !== undefined ? parseAsOf(deps.store, req.query.as_of) : undefined;
+        const owner = await streamOwner(deps.store, stream);
+        const notFound = new NotFoundError('STREAM_NOT_FOUND', `stream ${stream} does not exist`, { stream });
+        if (!canRead(req.caller, owner)) throw notFound;
+        const page = await deps.store.readStream(stream, {
+          fromRevision: req.query.from_revision !== undefined ? BigInt(req.query.from_revision) : undefined,
+          maxCount: req.query.limit + 1,
+        });
+        if (page.length === 0 && req.query.from_revision === undefined) throw notFound;
+        const more = page.length > req.query.limit;
+        const shown = asOf ? upTo(page.slice(0, req.query.limit), asOf) : page.slice(0, req.query.limit);
+        return {
+          stream,
+          owner: owner ?? null,
+          events: shown.map(toAuditEntry),
+          next_revision: more && (!asOf || shown.length === req.query.limit) ? page[req.query.limit]!.revision.toString() : null,
+        };
+      },
+    );
   };
 }

@@ -28,7 +28,8 @@ export interface ApiKey {
 export class ApiKeys {
   constructor(private readonly keys: readonly ApiKey[]) {
     for (const k of keys) {
-      if (k.admin !== (k.tenant === ADMIN_TENANT)) throw new Error(`API key for tenant ${JSON.stringify(k.tenant)}: the tenant id "${ADMIN_TENANT}" is the admin key's alone`);
+      if (k.admin !== (k.tenant === ADMIN_TENANT))
+        throw new Error(`API key for tenant ${JSON.stringify(k.tenant)}: the tenant id "${ADMIN_TENANT}" is the admin key's alone`);
     }
   }
 

@@ -5,7 +5,15 @@ import { parsePositionPair } from '../../domain/event-store.port.js';
 import type { ProjectionRunner } from '../../projections/runner.js';
 
 export const problemSchema = z
-  .object({ type: z.string(), title: z.string(), status: z.number(), code: z.string(), detail: z.string(), instance: z.string().optional(), errors: z.array(z.object({ path: z.string(), message: z.string() })).optional() })
+  .object({
+    type: z.string(),
+    title: z.string(),
+    status: z.number(),
+    code: z.string(),
+    detail: z.string(),
+    instance: z.string().optional(),
+    errors: z.array(z.object({ path: z.string(), message: z.string() })).optional(),
+  })
   .passthrough();
 
 /** Documented for OpenAPI; the error handler produces them. */

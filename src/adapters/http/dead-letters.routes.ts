@@ -54,7 +54,15 @@ export interface DeadLetterRoutesDeps {
 
 function shape(id: string, s: DeadLetterState, error?: { code: string; message: string }): z.infer<typeof actionResult> {
   if (s.status === 'none') throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`, { id });
-  return { id, state: s.status, kind: s.kind, entity_id: s.entity_id, host_id: s.host_id, retry_count: s.retry_count, ...(error ? { error } : {}) };
+  return {
+    id,
+    state: s.status,
+    kind: s.kind,
+    entity_id: s.entity_id,
+    host_id: s.host_id,
+    retry_count: s.retry_count,
+    ...(error ? { error } : {}),
+  };
 }
 
 /** Dead letters and the reconciler's last cycle: admin only. */
@@ -64,63 +72,93 @@ export function deadLetterRoutes(deps: DeadLetterRoutesDeps) {
     adminOnly(scope);
     const params = z.object({ id: idSchema });
 
-    app.get('/v1/dead-letters', {
-      schema: {
-        tags: ['reconciler'],
-        summary: 'List dead letters (work the reconciler stopped retrying), newest first',
-        querystring: z.object({ ...pageQuery, state: z.enum(['open', 'retrying', 'discarded', 'resolved']).optional(), after: positionSchema.optional() }),
-        response: { 200: z.object({ dead_letters: z.array(deadLetterSchema), next_cursor: z.string().nullable() }), ...problemResponses },
+    app.get(
+      '/v1/dead-letters',
+      {
+        schema: {
+          tags: ['reconciler'],
+          summary: 'List dead letters (work the reconciler stopped retrying), newest first',
+          querystring: z.object({
+            ...pageQuery,
+            state: z.enum(['open', 'retrying', 'discarded', 'resolved']).optional(),
+            after: positionSchema.optional(),
+          }),
+          response: { 200: z.object({ dead_letters: z.array(deadLetterSchema), next_cursor: z.string().nullable() }), ...problemResponses },
+        },
       },
-    }, async (req) => {
-      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const after = decodeCursor(req.query.cursor, z.object({ last_seen_at: cursorTime, id: z.string() }));
-      const rows = await listDeadLetters(deps.pool, { state: req.query.state, limit: req.query.limit, after });
-      const last = rows.at(-1);
-      return { dead_letters: rows, next_cursor: rows.length === req.query.limit && last ? encodeCursor({ last_seen_at: last.last_seen_at, id: last.id }) : null };
-    });
-
-    app.get('/v1/dead-letters/:id', {
-      schema: { tags: ['reconciler'], summary: 'Get a dead letter', params, response: { 200: deadLetterSchema, ...problemResponses } },
-    }, async (req) => {
-      const row = await getDeadLetter(deps.pool, req.params.id);
-      if (!row) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${req.params.id} does not exist`);
-      return row;
-    });
-
-    app.post('/v1/dead-letters/:id/retry', {
-      schema: {
-        tags: ['reconciler'],
-        summary: 'Retry now; on success the dead letter is resolved, on failure it stays `retrying` and the reconciler keeps trying',
-        params,
-        response: { 200: actionResult, ...problemResponses },
+      async (req) => {
+        await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+        const after = decodeCursor(req.query.cursor, z.object({ last_seen_at: cursorTime, id: z.string() }));
+        const rows = await listDeadLetters(deps.pool, { state: req.query.state, limit: req.query.limit, after });
+        const last = rows.at(-1);
+        return {
+          dead_letters: rows,
+          next_cursor: rows.length === req.query.limit && last ? encodeCursor({ last_seen_at: last.last_seen_at, id: last.id }) : null,
+        };
       },
-    }, async (req) => {
-      const r = await deps.reconciler.retryDeadLetter(req.params.id, commandMeta(req));
-      return shape(req.params.id, r.state, r.error);
-    });
+    );
 
-    app.post('/v1/dead-letters/:id/discard', {
-      schema: {
-        tags: ['reconciler'],
-        summary: 'Discard: the reconciler never touches this work again (the operator has taken it over)',
-        params,
-        body: z.object({ note: z.string().max(1000).optional() }).optional(),
-        response: { 200: actionResult, ...problemResponses },
+    app.get(
+      '/v1/dead-letters/:id',
+      {
+        schema: { tags: ['reconciler'], summary: 'Get a dead letter', params, response: { 200: deadLetterSchema, ...problemResponses } },
       },
-    }, async (req) => {
-      const s = await deps.reconciler.discardDeadLetter(req.params.id, req.body?.note, commandMeta(req));
-      return shape(req.params.id, s);
-    });
+      async (req) => {
+        const row = await getDeadLetter(deps.pool, req.params.id);
+        if (!row) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${req.params.id} does not exist`);
+        return row;
+      },
+    );
 
-    app.get('/v1/reconciler', {
-      schema: {
-        tags: ['reconciler'],
-        summary: "This replica's view of the reconciler: whether it holds the lease, and its last cycle's summary",
-        response: { 200: z.object({ leader: z.boolean(), interval_ms: z.number(), last_summary: summarySchema.nullable() }), ...problemResponses },
+    app.post(
+      '/v1/dead-letters/:id/retry',
+      {
+        schema: {
+          tags: ['reconciler'],
+          summary: 'Retry now; on success the dead letter is resolved, on failure it stays `retrying` and the reconciler keeps trying',
+          params,
+          response: { 200: actionResult, ...problemResponses },
+        },
       },
-    }, async () => {
-      const last = deps.reconciler.lastSummary;
-      return { leader: deps.isLeader(), interval_ms: deps.intervalMs, last_summary: last ? { ...last } : null };
-    });
+      async (req) => {
+        const r = await deps.reconciler.retryDeadLetter(req.params.id, commandMeta(req));
+        return shape(req.params.id, r.state, r.error);
+      },
+    );
+
+    app.post(
+      '/v1/dead-letters/:id/discard',
+      {
+        schema: {
+          tags: ['reconciler'],
+          summary: 'Discard: the reconciler never touches this work again (the operator has taken it over)',
+          params,
+          body: z.object({ note: z.string().max(1000).optional() }).optional(),
+          response: { 200: actionResult, ...problemResponses },
+        },
+      },
+      async (req) => {
+        const s = await deps.reconciler.discardDeadLetter(req.params.id, req.body?.note, commandMeta(req));
+        return shape(req.params.id, s);
+      },
+    );
+
+    app.get(
+      '/v1/reconciler',
+      {
+        schema: {
+          tags: ['reconciler'],
+          summary: "This replica's view of the reconciler: whether it holds the lease, and its last cycle's summary",
+          response: {
+            200: z.object({ leader: z.boolean(), interval_ms: z.number(), last_summary: summarySchema.nullable() }),
+            ...problemResponses,
+          },
+        },
+      },
+      async () => {
+        const last = deps.reconciler.lastSummary;
+        return { leader: deps.isLeader(), interval_ms: deps.intervalMs, last_summary: last ? { ...last } : null };
+      },
+    );
   };
 }

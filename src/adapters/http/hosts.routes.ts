@@ -43,50 +43,111 @@ export function hostRoutes(deps: HostRoutesDeps) {
     adminOnly(scope);
     const params = z.object({ id: idSchema });
 
-    app.post('/v1/hosts', {
-      schema: { tags: ['hosts'], summary: 'Register a host (probes its agent first)', body: registerHostRequestSchema, response: { 201: commandResult, ...problemResponses } },
-    }, async (req, reply) => {
-      const r = await deps.hosts.register(req.body, commandMeta(req));
-      return reply.status(201).send({ host_id: req.body.id, state: r.state.status, position: r.position ?? null });
-    });
+    app.post(
+      '/v1/hosts',
+      {
+        schema: {
+          tags: ['hosts'],
+          summary: 'Register a host (probes its agent first)',
+          body: registerHostRequestSchema,
+          response: { 201: commandResult, ...problemResponses },
+        },
+      },
+      async (req, reply) => {
+        const r = await deps.hosts.register(req.body, commandMeta(req));
+        return reply.status(201).send({ host_id: req.body.id, state: r.state.status, position: r.position ?? null });
+      },
+    );
 
-    app.get('/v1/hosts', {
-      schema: { tags: ['hosts'], summary: 'List hosts', querystring: z.object({ ...pageQuery, after: positionSchema.optional(), include_deregistered: z.enum(['true', 'false']).default('false') }), response: { 200: z.object({ hosts: z.array(hostSchema), next_cursor: z.string().nullable() }), ...problemResponses } },
-    }, async (req) => {
-      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const after = decodeCursor(req.query.cursor, z.string());
-      const rows = await listHosts(deps.pool, { limit: req.query.limit, after, includeDeregistered: req.query.include_deregistered === 'true' });
-      const last = rows.at(-1);
-      return { hosts: rows, next_cursor: rows.length === req.query.limit && last ? encodeCursor(last.id) : null };
-    });
+    app.get(
+      '/v1/hosts',
+      {
+        schema: {
+          tags: ['hosts'],
+          summary: 'List hosts',
+          querystring: z.object({
+            ...pageQuery,
+            after: positionSchema.optional(),
+            include_deregistered: z.enum(['true', 'false']).default('false'),
+          }),
+          response: { 200: z.object({ hosts: z.array(hostSchema), next_cursor: z.string().nullable() }), ...problemResponses },
+        },
+      },
+      async (req) => {
+        await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+        const after = decodeCursor(req.query.cursor, z.string());
+        const rows = await listHosts(deps.pool, {
+          limit: req.query.limit,
+          after,
+          includeDeregistered: req.query.include_deregistered === 'true',
+        });
+        const last = rows.at(-1);
+        return { hosts: rows, next_cursor: rows.length === req.query.limit && last ? encodeCursor(last.id) : null };
+      },
+    );
 
-    app.get('/v1/hosts/:id', {
-      schema: { tags: ['hosts'], summary: 'Get a host', params, querystring: z.object({ after: positionSchema.optional() }), response: { 200: hostSchema, ...problemResponses } },
-    }, async (req) => {
-      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const row = await getHost(deps.pool, req.params.id);
-      if (!row) throw new NotFoundError('HOST_NOT_FOUND', `host ${req.params.id} is not registered`);
-      return row;
-    });
+    app.get(
+      '/v1/hosts/:id',
+      {
+        schema: {
+          tags: ['hosts'],
+          summary: 'Get a host',
+          params,
+          querystring: z.object({ after: positionSchema.optional() }),
+          response: { 200: hostSchema, ...problemResponses },
+        },
+      },
+      async (req) => {
+        await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+        const row = await getHost(deps.pool, req.params.id);
+        if (!row) throw new NotFoundError('HOST_NOT_FOUND', `host ${req.params.id} is not registered`);
+        return row;
+      },
+    );
 
     for (const action of ['cordon', 'uncordon', 'probe'] as const) {
-      app.post(`/v1/hosts/:id/${action}`, {
-        schema: { tags: ['hosts'], summary: `${action[0]!.toUpperCase()}${action.slice(1)} a host`, params, body: z.object({ reason: z.string().max(500).optional() }).strict().nullish(), response: { 200: commandResult, ...problemResponses } },
-      }, async (req) => {
-        const meta = commandMeta(req);
-        const r =
-          action === 'cordon' ? await deps.hosts.cordon(req.params.id, req.body?.reason, meta)
-          : action === 'uncordon' ? await deps.hosts.uncordon(req.params.id, meta)
-          : await deps.hosts.probe(req.params.id, meta);
-        return { host_id: req.params.id, state: r.state.status, position: r.position ?? null };
-      });
+      app.post(
+        `/v1/hosts/:id/${action}`,
+        {
+          schema: {
+            tags: ['hosts'],
+            summary: `${action[0]!.toUpperCase()}${action.slice(1)} a host`,
+            params,
+            body: z
+              .object({ reason: z.string().max(500).optional() })
+              .strict()
+              .nullish(),
+            response: { 200: commandResult, ...problemResponses },
+          },
+        },
+        async (req) => {
+          const meta = commandMeta(req);
+          const r =
+            action === 'cordon'
+              ? await deps.hosts.cordon(req.params.id, req.body?.reason, meta)
+              : action === 'uncordon'
+                ? await deps.hosts.uncordon(req.params.id, meta)
+                : await deps.hosts.probe(req.params.id, meta);
+          return { host_id: req.params.id, state: r.state.status, position: r.position ?? null };
+        },
+      );
     }
 
-    app.delete('/v1/hosts/:id', {
-      schema: { tags: ['hosts'], summary: 'Deregister a host (refused while it holds VMs unless force=true)', params, querystring: z.object({ force: z.enum(['true', 'false']).default('false') }), response: { 200: commandResult, ...problemResponses } },
-    }, async (req) => {
-      const r = await deps.hosts.deregister(req.params.id, req.query.force === 'true', commandMeta(req));
-      return { host_id: req.params.id, state: r.state.status, position: r.position ?? null };
-    });
+    app.delete(
+      '/v1/hosts/:id',
+      {
+        schema: {
+          tags: ['hosts'],
+          summary: 'Deregister a host (refused while it holds VMs unless force=true)',
+          params,
+          querystring: z.object({ force: z.enum(['true', 'false']).default('false') }),
+          response: { 200: commandResult, ...problemResponses },
+        },
+      },
+      async (req) => {
+        const r = await deps.hosts.deregister(req.params.id, req.query.force === 'true', commandMeta(req));
+        return { host_id: req.params.id, state: r.state.status, position: r.position ?? null };
+      },
+    );
   };
 }

@@ -13,7 +13,12 @@ export class Metrics {
 
   constructor(opts: { defaultMetrics?: boolean } = {}) {
     if (opts.defaultMetrics !== false) collectDefaultMetrics({ register: this.registry, prefix: 'fleet_process_' });
-    this.httpRequests = new Counter({ name: 'fleet_http_requests_total', help: 'HTTP requests by route and status', labelNames: ['method', 'route', 'status'], registers: [this.registry] });
+    this.httpRequests = new Counter({
+      name: 'fleet_http_requests_total',
+      help: 'HTTP requests by route and status',
+      labelNames: ['method', 'route', 'status'],
+      registers: [this.registry],
+    });
     this.httpDuration = new Histogram({
       name: 'fleet_http_request_duration_seconds',
       help: 'HTTP request latency by route',
@@ -24,7 +29,12 @@ export class Metrics {
   }
 
   /** A gauge whose values are computed at scrape time. */
-  gauge<L extends string>(name: string, help: string, labelNames: readonly L[], collect: () => Promise<Array<{ labels: Record<L, string>; value: number }>>): void {
+  gauge<L extends string>(
+    name: string,
+    help: string,
+    labelNames: readonly L[],
+    collect: () => Promise<Array<{ labels: Record<L, string>; value: number }>>,
+  ): void {
     const g: Gauge<L> = new Gauge<L>({
       name,
       help,
@@ -43,7 +53,12 @@ export class Metrics {
    * scrape time, e.g. from an event-derived table: prom-client's own types
    * keep state in this process, which a restart or another replica would not share.
    */
-  custom(name: string, help: string, type: 'counter' | 'gauge' | 'histogram', collect: () => Promise<Array<{ suffix?: string; labels: Record<string, string | number>; value: number }>>): void {
+  custom(
+    name: string,
+    help: string,
+    type: 'counter' | 'gauge' | 'histogram',
+    collect: () => Promise<Array<{ suffix?: string; labels: Record<string, string | number>; value: number }>>,
+  ): void {
     const metric = {
       name,
       help,

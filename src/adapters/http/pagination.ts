@@ -9,7 +9,11 @@ export function encodeCursor(key: unknown): string {
 
 export function decodeCursor<T>(cursor: string | undefined, schema: z.ZodType<T>): T | undefined {
   if (cursor === undefined || cursor === '') return undefined;
-  const invalid = new ValidationError('cursor is not one this API issued: pass back next_cursor unchanged', [{ path: 'querystring.cursor', message: 'malformed' }], 'INVALID_CURSOR');
+  const invalid = new ValidationError(
+    'cursor is not one this API issued: pass back next_cursor unchanged',
+    [{ path: 'querystring.cursor', message: 'malformed' }],
+    'INVALID_CURSOR',
+  );
   let key: T;
   try {
     key = schema.parse(JSON.parse(Buffer.from(cursor, 'base64url').toString('utf8')));

@@ -15,25 +15,46 @@ export interface Problem {
 }
 
 export function problem(status: number, code: string, detail: string, extra: Record<string, unknown> = {}): Problem {
-  return { type: `https://fleet.dev/problems/${code.toLowerCase().replace(/_/g, '-')}`, title: titleFor(status), status, code, detail, ...extra };
+  return {
+    type: `https://fleet.dev/problems/${code.toLowerCase().replace(/_/g, '-')}`,
+    title: titleFor(status),
+    status,
+    code,
+    detail,
+    ...extra,
+  };
 }
 
 function titleFor(status: number): string {
   switch (status) {
-    case 400: return 'Bad Request';
-    case 401: return 'Unauthorized';
-    case 403: return 'Forbidden';
-    case 404: return 'Not Found';
-    case 405: return 'Method Not Allowed';
-    case 409: return 'Conflict';
-    case 413: return 'Payload Too Large';
-    case 415: return 'Unsupported Media Type';
-    case 422: return 'Unprocessable Entity';
-    case 429: return 'Too Many Requests';
-    case 502: return 'Bad Gateway';
-    case 503: return 'Service Unavailable';
-    case 504: return 'Gateway Timeout';
-    default: return status >= 500 ? 'Internal Server Error' : 'Error';
+    case 400:
+      return 'Bad Request';
+    case 401:
+      return 'Unauthorized';
+    case 403:
+      return 'Forbidden';
+    case 404:
+      return 'Not Found';
+    case 405:
+      return 'Method Not Allowed';
+    case 409:
+      return 'Conflict';
+    case 413:
+      return 'Payload Too Large';
+    case 415:
+      return 'Unsupported Media Type';
+    case 422:
+      return 'Unprocessable Entity';
+    case 429:
+      return 'Too Many Requests';
+    case 502:
+      return 'Bad Gateway';
+    case 503:
+      return 'Service Unavailable';
+    case 504:
+      return 'Gateway Timeout';
+    default:
+      return status >= 500 ? 'Internal Server Error' : 'Error';
   }
 }
 
@@ -54,7 +75,10 @@ const FASTIFY_CODES: Record<string, string> = {
  */
 export function errorHandler(err: FastifyError | Error, req: FastifyRequest, reply: FastifyReply): void {
   const send = (p: Problem): void => {
-    void reply.status(p.status).type('application/problem+json').send({ ...p, instance: req.url.split('?')[0] });
+    void reply
+      .status(p.status)
+      .type('application/problem+json')
+      .send({ ...p, instance: req.url.split('?')[0] });
   };
   if (hasZodFastifySchemaValidationErrors(err)) {
     const where = (err as FastifyError).validationContext ?? 'request';
@@ -69,7 +93,12 @@ export function errorHandler(err: FastifyError | Error, req: FastifyRequest, rep
     if (err.status >= 500) req.log.warn({ err: { code: err.code, message: err.message } }, 'request failed on a dependency');
     const fields = (err.details?.fields as FieldError[] | undefined) ?? undefined;
     const { fields: _omit, ...details } = err.details ?? {};
-    send(problem(err.status, err.code, err.message, { ...(fields ? { errors: fields } : {}), ...(Object.keys(details).length ? { details } : {}) }));
+    send(
+      problem(err.status, err.code, err.message, {
+        ...(fields ? { errors: fields } : {}),
+        ...(Object.keys(details).length ? { details } : {}),
+      }),
+    );
     return;
   }
   if (isResponseSerializationError(err)) {
@@ -79,7 +108,13 @@ export function errorHandler(err: FastifyError | Error, req: FastifyRequest, rep
   }
   const fe = err as FastifyError;
   if (typeof fe.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
-    send(problem(fe.statusCode, (fe.code && FASTIFY_CODES[fe.code]) ?? (fe.code ? fe.code.replace(/^FST_ERR_/, '') : 'BAD_REQUEST'), fe.message));
+    send(
+      problem(
+        fe.statusCode,
+        (fe.code && FASTIFY_CODES[fe.code]) ?? (fe.code ? fe.code.replace(/^FST_ERR_/, '') : 'BAD_REQUEST'),
+        fe.message,
+      ),
+    );
     return;
   }
   req.log.error({ err }, 'unhandled error');

@@ -28,9 +28,15 @@ const usageRow = z.object({
 
 function hourBoundary(name: 'from' | 'to', value: string): Date {
   const d = new Date(value);
-  if (Number.isNaN(d.getTime())) throw new ValidationError(`${name} must be an ISO-8601 time, e.g. 2026-01-01T00:00:00Z`, [{ path: `querystring.${name}`, message: 'not a time' }]);
+  if (Number.isNaN(d.getTime()))
+    throw new ValidationError(`${name} must be an ISO-8601 time, e.g. 2026-01-01T00:00:00Z`, [
+      { path: `querystring.${name}`, message: 'not a time' },
+    ]);
   if (d.getTime() % HOUR_MS !== 0) {
-    throw new ValidationError(`${name} must fall on a whole UTC hour (usage is kept per hour), e.g. ${new Date(Math.floor(d.getTime() / HOUR_MS) * HOUR_MS).toISOString()}`, [{ path: `querystring.${name}`, message: 'not on an hour boundary' }]);
+    throw new ValidationError(
+      `${name} must fall on a whole UTC hour (usage is kept per hour), e.g. ${new Date(Math.floor(d.getTime() / HOUR_MS) * HOUR_MS).toISOString()}`,
+      [{ path: `querystring.${name}`, message: 'not on an hour boundary' }],
+    );
   }
   return d;
 }
@@ -42,35 +48,51 @@ function hourBoundary(name: 'from' | 'to', value: string): Date {
 export function usageRoutes(deps: UsageRoutesDeps) {
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
-    app.get('/v1/usage', {
-      schema: {
-        tags: ['usage'],
-        summary: 'Billing usage (VM, CPU, RAM MB, GPU seconds; snapshot GB-hours) per period; CSV with Accept: text/csv or format=csv',
-        querystring: z.object({
-          from: z.string().min(1, 'from is required: an ISO-8601 time on a whole hour'),
-          to: z.string().optional(),
-          group_by: z.enum(['hour', 'day']).default('hour'),
-          tenant: z.string().min(1).max(200).optional(),
-          format: z.enum(['json', 'csv']).optional(),
-        }),
-        response: { 200: z.object({ from: z.string(), to: z.string(), group_by: z.string(), as_of: z.string(), usage: z.array(usageRow) }), ...problemResponses },
+    app.get(
+      '/v1/usage',
+      {
+        schema: {
+          tags: ['usage'],
+          summary: 'Billing usage (VM, CPU, RAM MB, GPU seconds; snapshot GB-hours) per period; CSV with Accept: text/csv or format=csv',
+          querystring: z.object({
+            from: z.string().min(1, 'from is required: an ISO-8601 time on a whole hour'),
+            to: z.string().optional(),
+            group_by: z.enum(['hour', 'day']).default('hour'),
+            tenant: z.string().min(1).max(200).optional(),
+            format: z.enum(['json', 'csv']).optional(),
+          }),
+          response: {
+            200: z.object({ from: z.string(), to: z.string(), group_by: z.string(), as_of: z.string(), usage: z.array(usageRow) }),
+            ...problemResponses,
+          },
+        },
       },
-    }, async (req, reply) => {
-      const now = (deps.now ?? (() => new Date()))();
-      const from = hourBoundary('from', req.query.from);
-      const to = req.query.to !== undefined ? hourBoundary('to', req.query.to) : new Date(Math.ceil(now.getTime() / HOUR_MS) * HOUR_MS);
-      if (to.getTime() <= from.getTime()) throw new ValidationError('to must be after from', [{ path: 'querystring.to', message: 'not after from' }]);
-      if (to.getTime() - from.getTime() > MAX_SPAN_MS) throw new ValidationError('from..to spans more than 366 days; ask for a shorter range', [{ path: 'querystring.to', message: 'range too long' }]);
-      let tenantId: string | undefined;
-      if (req.caller.admin) tenantId = req.query.tenant;
-      else {
-        if (req.query.tenant !== undefined && req.query.tenant !== req.caller.tenantId) throw new ForbiddenError('a tenant key reads its own usage only; leave out tenant= or use the admin key');
-        tenantId = req.caller.tenantId;
-      }
-      const rows = await queryUsage(deps.pool, { from, to, groupBy: req.query.group_by, tenantId, now });
-      const csv = req.query.format === 'csv' || (req.query.format === undefined && /\btext\/csv\b/i.test(req.headers.accept ?? ''));
-      if (csv) return reply.type('text/csv; charset=utf-8').header('content-disposition', 'inline; filename="usage.csv"').send(usageCsv(rows) as never);
-      return { from: from.toISOString(), to: to.toISOString(), group_by: req.query.group_by, as_of: now.toISOString(), usage: rows };
-    });
+      async (req, reply) => {
+        const now = (deps.now ?? (() => new Date()))();
+        const from = hourBoundary('from', req.query.from);
+        const to = req.query.to !== undefined ? hourBoundary('to', req.query.to) : new Date(Math.ceil(now.getTime() / HOUR_MS) * HOUR_MS);
+        if (to.getTime() <= from.getTime())
+          throw new ValidationError('to must be after from', [{ path: 'querystring.to', message: 'not after from' }]);
+        if (to.getTime() - from.getTime() > MAX_SPAN_MS)
+          throw new ValidationError('from..to spans more than 366 days; ask for a shorter range', [
+            { path: 'querystring.to', message: 'range too long' },
+          ]);
+        let tenantId: string | undefined;
+        if (req.caller.admin) tenantId = req.query.tenant;
+        else {
+          if (req.query.tenant !== undefined && req.query.tenant !== req.caller.tenantId)
+            throw new ForbiddenError('a tenant key reads its own usage only; leave out tenant= or use the admin key');
+          tenantId = req.caller.tenantId;
+        }
+        const rows = await queryUsage(deps.pool, { from, to, groupBy: req.query.group_by, tenantId, now });
+        const csv = req.query.format === 'csv' || (req.query.format === undefined && /\btext\/csv\b/i.test(req.headers.accept ?? ''));
+        if (csv)
+          return reply
+            .type('text/csv; charset=utf-8')
+            .header('content-disposition', 'inline; filename="usage.csv"')
+            .send(usageCsv(rows) as never);
+        return { from: from.toISOString(), to: to.toISOString(), group_by: req.query.group_by, as_of: now.toISOString(), usage: rows };
+      },
+    );
   };
 }

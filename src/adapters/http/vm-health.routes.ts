@@ -20,12 +20,29 @@ const healthSchema = z.object({
 export function vmHealthRoutes(deps: { readonly vms: VmCommands; readonly pool: Pool }) {
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
-    app.get('/v1/vms/:id/health', {
-      schema: { tags: ['vms'], summary: "The VM's healthcheck verdict, recorded by the reconciler when it changes (a failing probe reports, it never destroys)", params: z.object({ id: idSchema }), response: { 200: healthSchema, ...problemResponses } },
-    }, async (req) => {
-      await deps.vms.get(req.params.id, { tenantId: req.caller.tenantId, admin: req.caller.admin });
-      const h = await getVmHealth(deps.pool, req.params.id);
-      return h ? { vm_id: req.params.id, state: h.state as 'starting' | 'healthy' | 'unhealthy', since: h.since, failures: h.failures, message: h.message } : { vm_id: req.params.id, state: 'none' as const, since: null, failures: 0, message: '' };
-    });
+    app.get(
+      '/v1/vms/:id/health',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: "The VM's healthcheck verdict, recorded by the reconciler when it changes (a failing probe reports, it never destroys)",
+          params: z.object({ id: idSchema }),
+          response: { 200: healthSchema, ...problemResponses },
+        },
+      },
+      async (req) => {
+        await deps.vms.get(req.params.id, { tenantId: req.caller.tenantId, admin: req.caller.admin });
+        const h = await getVmHealth(deps.pool, req.params.id);
+        return h
+          ? {
+              vm_id: req.params.id,
+              state: h.state as 'starting' | 'healthy' | 'unhealthy',
+              since: h.since,
+              failures: h.failures,
+              message: h.message,
+            }
+          : { vm_id: req.params.id, state: 'none' as const, since: null, failures: 0, message: '' };
+      },
+    );
   };
 }

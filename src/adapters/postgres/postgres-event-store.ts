@@ -127,7 +127,11 @@ function checkFilter(filter: EventFilter | undefined): { prefixes: string[]; typ
   const list = (value: unknown, path: string): string[] => {
     if (value === undefined) return [];
     if (!Array.isArray(value) || !value.every((v) => typeof v === 'string' && v.length > 0)) {
-      throw new ValidationError(`filter.${path} must be an array of non-empty strings`, [{ path: `filter.${path}`, message: 'array of non-empty strings' }], 'INVALID_FILTER');
+      throw new ValidationError(
+        `filter.${path} must be an array of non-empty strings`,
+        [{ path: `filter.${path}`, message: 'array of non-empty strings' }],
+        'INVALID_FILTER',
+      );
     }
     return [...(value as string[])];
   };
@@ -137,12 +141,22 @@ function checkFilter(filter: EventFilter | undefined): { prefixes: string[]; typ
 /** Errors that mean "the database is not there" rather than "this request is wrong". */
 function isConnectionError(err: unknown): boolean {
   const e = err as { code?: string; message?: string };
-  if (typeof e?.code === 'string' && (/^(08|57P)/.test(e.code) || ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH'].includes(e.code))) return true;
-  return typeof e?.message === 'string' && /Connection terminated|connection timeout|Client has encountered a connection error|Cannot use a pool after calling end/i.test(e.message);
+  if (
+    typeof e?.code === 'string' &&
+    (/^(08|57P)/.test(e.code) || ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH'].includes(e.code))
+  )
+    return true;
+  return (
+    typeof e?.message === 'string' &&
+    /Connection terminated|connection timeout|Client has encountered a connection error|Cannot use a pool after calling end/i.test(
+      e.message,
+    )
+  );
 }
 
 function unavailable(err: unknown, what: string): unknown {
-  if (isConnectionError(err)) return new EventStoreUnavailableError(`Postgres event store unavailable (${what}): ${(err as Error).message}`, { cause: err });
+  if (isConnectionError(err))
+    return new EventStoreUnavailableError(`Postgres event store unavailable (${what}): ${(err as Error).message}`, { cause: err });
   return err;
 }
 
@@ -280,7 +294,8 @@ export class PostgresEventStore implements EventStore {
     this.listener = new NotificationListener(this.pool.options, this.logger);
     const positive = (v: number | undefined, fallback: number, name: string): number => {
       if (v === undefined) return fallback;
-      if (!Number.isSafeInteger(v) || v < 1) throw new ValidationError(`${name} must be a positive integer`, [{ path: name, message: 'positive integer' }]);
+      if (!Number.isSafeInteger(v) || v < 1)
+        throw new ValidationError(`${name} must be a positive integer`, [{ path: name, message: 'positive integer' }]);
       return v;
     };
     this.maxFlushAppends = positive(options.maxFlushAppends, 256, 'maxFlushAppends');
@@ -294,8 +309,15 @@ export class PostgresEventStore implements EventStore {
   }
 
   /** Opens a pool on `url`, migrates, and returns a store that closes the pool on close(). */
-  static async open(options: Omit<PostgresEventStoreOptions, 'pool' | 'ownsPool'> & { url: string; poolMax?: number; applicationName?: string }): Promise<PostgresEventStore> {
-    const pool = createPool({ url: options.url, max: options.poolMax ?? 10, applicationName: options.applicationName ?? 'fleet-event-store', logger: options.logger });
+  static async open(
+    options: Omit<PostgresEventStoreOptions, 'pool' | 'ownsPool'> & { url: string; poolMax?: number; applicationName?: string },
+  ): Promise<PostgresEventStore> {
+    const pool = createPool({
+      url: options.url,
+      max: options.poolMax ?? 10,
+      applicationName: options.applicationName ?? 'fleet-event-store',
+      logger: options.logger,
+    });
     try {
       await PostgresEventStore.migrate(pool, options.logger);
     } catch (err) {
@@ -315,7 +337,11 @@ export class PostgresEventStore implements EventStore {
       let meta: JsonValue | undefined;
       if (e.metadata !== undefined && e.metadata !== null) {
         if (typeof e.metadata !== 'object' || Array.isArray(e.metadata)) {
-          throw new ValidationError(`events[${i}].metadata must be an object`, [{ path: `events[${i}].metadata`, message: 'must be an object' }], 'INVALID_EVENT_DATA');
+          throw new ValidationError(
+            `events[${i}].metadata must be an object`,
+            [{ path: `events[${i}].metadata`, message: 'must be an object' }],
+            'INVALID_EVENT_DATA',
+          );
         }
         meta = toJsonValue(e.metadata, `events[${i}].metadata`);
       }
@@ -333,7 +359,18 @@ export class PostgresEventStore implements EventStore {
     let bytes = 0;
     for (let i = 0; i < data.length; i++) bytes += (data[i] as string).length + (metadata[i]?.length ?? 0);
     return new Promise<AppendResult>((resolve, reject) => {
-      this.queue.push({ streamId: valid.streamId, expected: valid.expected, expectedText, ids, types, data, metadata, bytes, resolve, reject });
+      this.queue.push({
+        streamId: valid.streamId,
+        expected: valid.expected,
+        expectedText,
+        ids,
+        types,
+        data,
+        metadata,
+        bytes,
+        resolve,
+        reject,
+      });
       this.kick();
     });
   }
@@ -348,10 +385,10 @@ export class PostgresEventStore implements EventStore {
         for (const a of batch) a.reject(err); // settled ones ignore it
       })
       .finally(() => {
-      this.flushing = false;
-      this.kick();
-      if (!this.flushing) for (const done of this.drained.splice(0)) done();
-    });
+        this.flushing = false;
+        this.kick();
+        if (!this.flushing) for (const done of this.drained.splice(0)) done();
+      });
   }
 
   /**
@@ -368,7 +405,9 @@ export class PostgresEventStore implements EventStore {
     let events = 0;
     let bytes = 0;
     for (const a of this.queue) {
-      const full = batch.length >= this.maxFlushAppends || (batch.length > 0 && (events + a.ids.length > this.maxFlushEvents || bytes + a.bytes > this.maxFlushBytes));
+      const full =
+        batch.length >= this.maxFlushAppends ||
+        (batch.length > 0 && (events + a.ids.length > this.maxFlushEvents || bytes + a.bytes > this.maxFlushBytes));
       let ids = idsByStream.get(a.streamId);
       if (full || deferred.has(a.streamId) || (ids !== undefined && a.ids.some((id) => ids!.has(id)))) {
         deferred.add(a.streamId);
@@ -476,7 +515,10 @@ export class PostgresEventStore implements EventStore {
   }
 
   private settle(a: QueuedAppend, row: AppendRow, notify: boolean): void {
-    const result = (): AppendResult => ({ nextExpectedRevision: BigInt(row.revision ?? '-1'), position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }) });
+    const result = (): AppendResult => ({
+      nextExpectedRevision: BigInt(row.revision ?? '-1'),
+      position: positionOf({ tx: row.txid ?? '0', seq: row.seq ?? '0' }),
+    });
     switch (row.status) {
       case 'ok':
         if (notify) this.afterCommit();
@@ -529,11 +571,19 @@ export class PostgresEventStore implements EventStore {
     assertStreamName(streamId);
     const direction = options.direction ?? 'forwards';
     if (direction !== 'forwards' && direction !== 'backwards') {
-      throw new ValidationError(`direction must be 'forwards' or 'backwards'`, [{ path: 'direction', message: 'forwards | backwards' }], 'INVALID_DIRECTION');
+      throw new ValidationError(
+        `direction must be 'forwards' or 'backwards'`,
+        [{ path: 'direction', message: 'forwards | backwards' }],
+        'INVALID_DIRECTION',
+      );
     }
     const from = options.fromRevision;
     if (from !== undefined && (typeof from !== 'bigint' || from < 0n)) {
-      throw new ValidationError(`fromRevision must be a non-negative bigint`, [{ path: 'fromRevision', message: 'non-negative bigint' }], 'INVALID_REVISION');
+      throw new ValidationError(
+        `fromRevision must be a non-negative bigint`,
+        [{ path: 'fromRevision', message: 'non-negative bigint' }],
+        'INVALID_REVISION',
+      );
     }
     const maxCount = checkMaxCount(options.maxCount);
     if (maxCount === 0) return [];
@@ -578,7 +628,11 @@ export class PostgresEventStore implements EventStore {
    * cursor (so the cursor advances past non-matching rows), with data only for
    * the rows that match.
    */
-  private async page(after: { high: bigint; low: bigint } | undefined, prefixes: string[], types: string[]): Promise<{ rows: EventRow[]; last: Position | undefined; scanned: number }> {
+  private async page(
+    after: { high: bigint; low: bigint } | undefined,
+    prefixes: string[],
+    types: string[],
+  ): Promise<{ rows: EventRow[]; last: Position | undefined; scanned: number }> {
     const filtered = prefixes.length > 0 || types.length > 0;
     const values: unknown[] = [];
     let where = VISIBLE;
@@ -670,7 +724,13 @@ export class PostgresEventStore implements EventStore {
             if (stopped) return;
             failingSince ??= Date.now();
             if (Date.now() - failingSince > this.giveUpMs || !isConnectionError(err)) {
-              subscriber.error(isConnectionError(err) ? new EventStoreUnavailableError(`subscription gave up after ${this.giveUpMs} ms: ${(err as Error).message}`, { cause: err }) : err);
+              subscriber.error(
+                isConnectionError(err)
+                  ? new EventStoreUnavailableError(`subscription gave up after ${this.giveUpMs} ms: ${(err as Error).message}`, {
+                      cause: err,
+                    })
+                  : err,
+              );
               return;
             }
             this.logger?.warn({ err: { message: (err as Error).message }, attempt }, 'subscription read failed; retrying');
@@ -716,7 +776,9 @@ export class PostgresEventStore implements EventStore {
 
   async headPosition(): Promise<Position | undefined> {
     try {
-      const { rows } = await this.pool.query<{ tx: string; seq: string }>(`SELECT txid::text AS tx, seq FROM es_events WHERE ${VISIBLE} ORDER BY txid DESC, seq DESC LIMIT 1`);
+      const { rows } = await this.pool.query<{ tx: string; seq: string }>(
+        `SELECT txid::text AS tx, seq FROM es_events WHERE ${VISIBLE} ORDER BY txid DESC, seq DESC LIMIT 1`,
+      );
       const row = rows[0];
       return row ? positionOf(row) : undefined;
     } catch (err) {
@@ -751,4 +813,3 @@ export class PostgresEventStore implements EventStore {
     if (this.ownsPool) await this.pool.end();
   }
 }
-

@@ -17,14 +17,12 @@ export function deadLetterId(kind: string, hostId: string, entity: string): stri
   return createHash('sha256').update(`${kind}\0${hostId}\0${entity}`).digest('hex').slice(0, 24);
 }
 
-
 interface Failure {
   count: number;
   firstAt: string;
   lastError: string;
   lastCode: string | undefined;
 }
-
 
 export interface DeadLetterConfig {
   readonly orphanDestroyMaxRetries: number;
@@ -52,7 +50,14 @@ export class DeadLetters {
   }
 
   /** Destroys an orphan sandbox; returns true when it is gone. Consecutive failures dead-letter it; a dead letter is skipped until an operator acts. */
-  async destroyOrphan(hostId: string, agent: HostAgent, name: string, vmId: string | undefined, s: ReconcileSummary, actor: Actor): Promise<boolean> {
+  async destroyOrphan(
+    hostId: string,
+    agent: HostAgent,
+    name: string,
+    vmId: string | undefined,
+    s: ReconcileSummary,
+    actor: Actor,
+  ): Promise<boolean> {
     const key = `${hostId}/${name}`;
     const id = deadLetterId('orphan_destroy', hostId, name);
     const letter = await this.loadDeadLetter(id);
@@ -65,12 +70,18 @@ export class DeadLetters {
       this.orphanFailures.delete(key);
       s.orphans_destroyed++;
       this.logger.info({ host_id: hostId, sandbox: name, vm_id: vmId }, 'orphan sandbox destroyed');
-      if (letter.status === 'retrying') await this.runDeadLetter(id, { type: 'ResolveDeadLetter', data: { id, outcome: 'succeeded' } }, actor);
+      if (letter.status === 'retrying')
+        await this.runDeadLetter(id, { type: 'ResolveDeadLetter', data: { id, outcome: 'succeeded' } }, actor);
       return true;
     } catch (err) {
       s.orphans_failed++;
       const prev = this.orphanFailures.get(key);
-      const f: Failure = { count: (prev?.count ?? 0) + 1, firstAt: prev?.firstAt ?? this.clock().toISOString(), lastError: (err as Error).message, lastCode: err instanceof AppError ? err.code : undefined };
+      const f: Failure = {
+        count: (prev?.count ?? 0) + 1,
+        firstAt: prev?.firstAt ?? this.clock().toISOString(),
+        lastError: (err as Error).message,
+        lastCode: err instanceof AppError ? err.code : undefined,
+      };
       this.orphanFailures.set(key, f);
       this.logger.warn({ host_id: hostId, sandbox: name, failures: f.count, err: errInfo(err) }, 'orphan destroy failed');
       if (f.count >= this.config.orphanDestroyMaxRetries) {
@@ -78,18 +89,30 @@ export class DeadLetters {
           id,
           {
             type: 'RecordDeadLetter',
-            data: { id, kind: 'orphan_destroy', entity_id: name, host_id: hostId, vm_id: vmId, reason: f.lastError, error_code: f.lastCode, retry_count: f.count, first_failed_at: f.firstAt },
+            data: {
+              id,
+              kind: 'orphan_destroy',
+              entity_id: name,
+              host_id: hostId,
+              vm_id: vmId,
+              reason: f.lastError,
+              error_code: f.lastCode,
+              retry_count: f.count,
+              first_failed_at: f.firstAt,
+            },
           },
           actor,
         );
         this.orphanFailures.delete(key);
         s.orphans_dead_lettered++;
-        this.logger.error({ host_id: hostId, sandbox: name, dead_letter: id, failures: f.count }, 'orphan destroy dead-lettered: skipped until an operator retries or discards it');
+        this.logger.error(
+          { host_id: hostId, sandbox: name, dead_letter: id, failures: f.count },
+          'orphan destroy dead-lettered: skipped until an operator retries or discards it',
+        );
       }
       return false;
     }
   }
-
 
   /**
    * An operator's retry: marks the dead letter retrying, then tries the work
@@ -113,7 +136,11 @@ export class DeadLetters {
       }
       const agent = await this.hosts.agentFor(letter.host_id);
       const res = await agent.destroyVm(letter.entity_id, { force: true, timeoutMs: this.config.agentTimeoutMs });
-      const r = await this.deadLetterHandler.handle(id, { type: 'ResolveDeadLetter', data: { id, outcome: res.destroyed ? 'succeeded' : 'gone' } }, meta);
+      const r = await this.deadLetterHandler.handle(
+        id,
+        { type: 'ResolveDeadLetter', data: { id, outcome: res.destroyed ? 'succeeded' : 'gone' } },
+        meta,
+      );
       this.logger.info({ dead_letter: id, host_id: letter.host_id, sandbox: letter.entity_id }, 'dead letter retried: resolved');
       return { state: r.state };
     } catch (err) {
@@ -122,17 +149,14 @@ export class DeadLetters {
     }
   }
 
-
   async discard(id: string, note: string | undefined, meta: CommandMeta): Promise<DeadLetterState> {
     const r = await this.deadLetterHandler.handle(id, { type: 'DiscardDeadLetter', data: { id, actor: meta.actor, note } }, meta);
     return r.state;
   }
 
-
   private async loadDeadLetter(id: string): Promise<DeadLetterState> {
     return (await this.deadLetterHandler.load(id)).state;
   }
-
 
   private async runDeadLetter(id: string, command: DeadLetterCommand, meta: CommandMeta): Promise<void> {
     await this.deadLetterHandler.handle(id, command, meta);

@@ -39,7 +39,13 @@ export class SnapshotGc {
 
   start(): void {
     if (this.timer) return;
-    this.timer = setInterval(() => void this.collect().catch((err: unknown) => this.logger.warn({ err: { message: (err as Error).message } }, 'snapshot collection failed')), this.config.gcIntervalMs);
+    this.timer = setInterval(
+      () =>
+        void this.collect().catch((err: unknown) =>
+          this.logger.warn({ err: { message: (err as Error).message } }, 'snapshot collection failed'),
+        ),
+      this.config.gcIntervalMs,
+    );
     this.timer.unref();
   }
 
@@ -61,8 +67,11 @@ export class SnapshotGc {
     const out = { expired: 0, idle: 0, evicted: 0, retried: 0 };
     const run = (async () => {
       for (const s of await this.reads.expired(now)) if (await this.collectOne(s, 'retention')) out.expired++;
-      if (this.config.idleTtlMs > 0) for (const s of await this.reads.idleLayers(new Date(now.getTime() - this.config.idleTtlMs))) if (await this.collectOne(s, 'idle')) out.idle++;
-      if (this.config.maxPerTenant > 0) for (const s of await this.reads.layersOverCap(this.config.maxPerTenant)) if (await this.collectOne(s, 'lru')) out.evicted++;
+      if (this.config.idleTtlMs > 0)
+        for (const s of await this.reads.idleLayers(new Date(now.getTime() - this.config.idleTtlMs)))
+          if (await this.collectOne(s, 'idle')) out.idle++;
+      if (this.config.maxPerTenant > 0)
+        for (const s of await this.reads.layersOverCap(this.config.maxPerTenant)) if (await this.collectOne(s, 'lru')) out.evicted++;
       for (const s of await this.reads.deletedWithHolders()) {
         const { state } = await this.snapshots.load(s.id);
         if (state.status === 'deleted' && state.holders.length > 0) {
@@ -92,5 +101,4 @@ export class SnapshotGc {
       return false;
     }
   }
-
 }

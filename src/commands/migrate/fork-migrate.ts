@@ -49,17 +49,28 @@ export class ForkMigrate {
     this.vmHandler = bindAggregate(handler, vmAggregate);
   }
 
-
-  async fork(vmId: string, opts: { comment?: string | undefined; reuse_snapshot_id?: string | undefined }, actor: Actor): Promise<ForkResult> {
+  async fork(
+    vmId: string,
+    opts: { comment?: string | undefined; reuse_snapshot_id?: string | undefined },
+    actor: Actor,
+  ): Promise<ForkResult> {
     const src = await this.vms.get(vmId, actor);
     let snapshotId: string;
     if (opts.reuse_snapshot_id) {
       const s = await this.snapshots.get(opts.reuse_snapshot_id, actor);
-      if (s.vm_id !== vmId) throw new ConflictError('SNAPSHOT_NOT_OF_VM', `snapshot ${s.snapshot_id} is of vm ${s.vm_id}, not ${vmId}`, { snapshot_id: s.snapshot_id });
-      if (s.status !== 'ready') throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${s.snapshot_id} is ${s.status}`, { snapshot_id: s.snapshot_id });
+      if (s.vm_id !== vmId)
+        throw new ConflictError('SNAPSHOT_NOT_OF_VM', `snapshot ${s.snapshot_id} is of vm ${s.vm_id}, not ${vmId}`, {
+          snapshot_id: s.snapshot_id,
+        });
+      if (s.status !== 'ready')
+        throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${s.snapshot_id} is ${s.status}`, { snapshot_id: s.snapshot_id });
       snapshotId = s.snapshot_id;
     } else {
-      const r = await this.snapshots.create(vmId, { mode: 'manual', comment: opts.comment ?? `fork of ${vmId}`, metadata: { fork_of: vmId } }, actor);
+      const r = await this.snapshots.create(
+        vmId,
+        { mode: 'manual', comment: opts.comment ?? `fork of ${vmId}`, metadata: { fork_of: vmId } },
+        actor,
+      );
       snapshotId = r.snapshot.snapshot_id;
     }
     // The create flow mints a fresh per-VM token and overwrites the copied one before the fork runs anything.
@@ -67,43 +78,89 @@ export class ForkMigrate {
     return { vm: r.vm, position: r.position, snapshotId };
   }
 
-  async migrate(vmId: string, opts: { target_host_id?: string | undefined; live: boolean; lazy?: boolean | undefined }, actor: Actor): Promise<MigrateResult> {
+  async migrate(
+    vmId: string,
+    opts: { target_host_id?: string | undefined; live: boolean; lazy?: boolean | undefined },
+    actor: Actor,
+  ): Promise<MigrateResult> {
     const vm = await this.vms.get(vmId, actor);
-    if (vm.status !== 'running' || !vm.host_id) throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be migrated`, { vm_id: vmId, status: vm.status });
+    if (vm.status !== 'running' || !vm.host_id)
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be migrated`, {
+        vm_id: vmId,
+        status: vm.status,
+      });
     const fromHostId = vm.host_id;
     const { state: source } = await this.hosts.load(fromHostId);
     const backend = source.status === 'unregistered' ? 'unknown' : source.backend;
     if (opts.lazy && !opts.live) throw new ValidationError('lazy needs live: true', [{ path: 'lazy', message: 'needs live' }]);
     if (opts.live && !LIVE_CAPABLE_BACKENDS.has(backend)) {
       // Never a silent cold fallback: the caller asked for processes to survive and hears, while the source still runs, that they would not.
-      throw new ConflictError('LIVE_MIGRATION_UNSUPPORTED', `live migration needs a backend that captures guest memory; host ${fromHostId} runs the ${backend} backend. The VM is still running on ${fromHostId}; migrate with live: false for a cold migration`, {
-        vm_id: vmId,
-        host_id: fromHostId,
-        backend,
-      });
+      throw new ConflictError(
+        'LIVE_MIGRATION_UNSUPPORTED',
+        `live migration needs a backend that captures guest memory; host ${fromHostId} runs the ${backend} backend. The VM is still running on ${fromHostId}; migrate with live: false for a cold migration`,
+        {
+          vm_id: vmId,
+          host_id: fromHostId,
+          backend,
+        },
+      );
     }
-    if (opts.live) throw new AppError('LIVE_MIGRATION_UNSUPPORTED', 501, `live migration is not implemented by this control plane yet; vm ${vmId} is still running on ${fromHostId}`, { vm_id: vmId });
+    if (opts.live)
+      throw new AppError(
+        'LIVE_MIGRATION_UNSUPPORTED',
+        501,
+        `live migration is not implemented by this control plane yet; vm ${vmId} is still running on ${fromHostId}`,
+        { vm_id: vmId },
+      );
     if (opts.target_host_id !== undefined) {
-      if (opts.target_host_id === fromHostId) throw new ValidationError(`target_host_id ${fromHostId} is the VM's own host: pick another`, [{ path: 'target_host_id', message: 'same as the source host' }], 'MIGRATION_TARGET_IS_SOURCE');
+      if (opts.target_host_id === fromHostId)
+        throw new ValidationError(
+          `target_host_id ${fromHostId} is the VM's own host: pick another`,
+          [{ path: 'target_host_id', message: 'same as the source host' }],
+          'MIGRATION_TARGET_IS_SOURCE',
+        );
       const { state: t } = await this.hosts.load(opts.target_host_id);
-      if (t.status === 'unregistered') throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
+      if (t.status === 'unregistered')
+        throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
     }
 
-    await this.record(vmId, { type: 'StartMigration', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } }, actor);
+    await this.record(
+      vmId,
+      { type: 'StartMigration', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: opts.target_host_id, live: false } },
+      actor,
+    );
     let step: MigrationStep = 'snapshot';
     let snapshotId: string | undefined;
     let targetId: string | undefined;
     let reserved = false;
     let booted = false;
     try {
-      const snap = await this.snapshots.create(vmId, { mode: 'migrate', no_lineage: true, comment: `migrate ${vmId} from ${fromHostId}` }, actor);
+      const snap = await this.snapshots.create(
+        vmId,
+        { mode: 'migrate', no_lineage: true, comment: `migrate ${vmId} from ${fromHostId}` },
+        actor,
+      );
       snapshotId = snap.snapshot.snapshot_id;
-      await this.stepDone(vmId, 'snapshot', { snapshot_id: snapshotId, kind: snap.snapshot.kind, size_bytes: String(snap.snapshot.size_bytes) }, actor);
+      await this.stepDone(
+        vmId,
+        'snapshot',
+        { snapshot_id: snapshotId, kind: snap.snapshot.kind, size_bytes: String(snap.snapshot.size_bytes) },
+        actor,
+      );
 
       step = 'place';
-      const request = { ...placementRequestOf(vm.spec), host_id: undefined, pinned_host_id: undefined, ...(opts.target_host_id ? { host_id: opts.target_host_id } : {}) };
+      const request = {
+        ...placementRequestOf(vm.spec),
+        host_id: undefined,
+        pinned_host_id: undefined,
+        ...(opts.target_host_id ? { host_id: opts.target_host_id } : {}),
+      };
       const spec = vm.spec;
-      const placed = await this.placer.placeAndReserve(vmId, request, spec, actor, { excludeHosts: new Set([fromHostId]), artifactHosts: new Set(snap.snapshot.holders), holdKey: `${vmId}-migrate` });
+      const placed = await this.placer.placeAndReserve(vmId, request, spec, actor, {
+        excludeHosts: new Set([fromHostId]),
+        artifactHosts: new Set(snap.snapshot.holders),
+        holdKey: `${vmId}-migrate`,
+      });
       targetId = placed.hostId;
       reserved = true;
       await this.stepDone(vmId, 'place', { host_id: targetId, artifact_local: String(placed.choice.decision.artifact_local) }, actor);
@@ -132,10 +189,23 @@ export class ForkMigrate {
       await this.stepDone(vmId, 'boot', { host_id: targetId }, actor);
 
       step = 'switch';
-      const switched = await this.vmHandler.handle(vmId, {
-        type: 'CompleteMigration',
-        data: { vm_id: vmId, from_host_id: fromHostId, host_id: targetId, decision: placed.choice.decision, reservation: placed.reservation, snapshot_id: snapshotId, url: info.ip ? `http://${info.ip}` : '', endpoints },
-      } satisfies VmCommand, actor);
+      const switched = await this.vmHandler.handle(
+        vmId,
+        {
+          type: 'CompleteMigration',
+          data: {
+            vm_id: vmId,
+            from_host_id: fromHostId,
+            host_id: targetId,
+            decision: placed.choice.decision,
+            reservation: placed.reservation,
+            snapshot_id: snapshotId,
+            url: info.ip ? `http://${info.ip}` : '',
+            endpoints,
+          },
+        } satisfies VmCommand,
+        actor,
+      );
       if (switched.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} vanished`);
       let position = switched.position;
       let final = switched.state;
@@ -150,10 +220,17 @@ export class ForkMigrate {
         await this.vms.releaseCapacity(fromHostId, vmId, actor);
         await this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor);
       } catch (err) {
-        this.logger.warn({ vm_id: vmId, host_id: fromHostId, err: { message: (err as Error).message } }, 'migrated, but the source sandbox was not destroyed; the reconciler will');
+        this.logger.warn(
+          { vm_id: vmId, host_id: fromHostId, err: { message: (err as Error).message } },
+          'migrated, but the source sandbox was not destroyed; the reconciler will',
+        );
       }
       step = 'cleanup';
-      await this.snapshots.delete(snapshotId, actor, { force: true, reason: 'migrate' }).catch((err: unknown) => this.logger.warn({ snapshot_id: snapshotId, err: { message: (err as Error).message } }, 'migrate snapshot not deleted'));
+      await this.snapshots
+        .delete(snapshotId, actor, { force: true, reason: 'migrate' })
+        .catch((err: unknown) =>
+          this.logger.warn({ snapshot_id: snapshotId, err: { message: (err as Error).message } }, 'migrate snapshot not deleted'),
+        );
       const done = await this.stepDone(vmId, 'cleanup', { snapshot_id: snapshotId }, actor);
       position = done ?? position;
       const reread = await this.vms.get(vmId, actor);
@@ -163,11 +240,18 @@ export class ForkMigrate {
       const e = err instanceof AppError ? err : undefined;
       // Undo on the target only: the source was never touched and still runs.
       if (booted && targetId) {
-        await this.hosts.agentFor(targetId).then((a) => a.destroyVm(sandboxName(vmId), { force: true })).catch(() => undefined);
+        await this.hosts
+          .agentFor(targetId)
+          .then((a) => a.destroyVm(sandboxName(vmId), { force: true }))
+          .catch(() => undefined);
       }
       if (reserved && targetId) await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
       if (snapshotId) await this.snapshots.delete(snapshotId, actor, { force: true, reason: 'migrate' }).catch(() => undefined);
-      await this.record(vmId, { type: 'FailMigration', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
+      await this.record(
+        vmId,
+        { type: 'FailMigration', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } },
+        actor,
+      ).catch(() => undefined);
       throw new AppError(
         'MIGRATION_FAILED',
         e?.status ?? 502,
@@ -190,7 +274,20 @@ export class ForkMigrate {
 
 /** A fork's spec: the source's shape, seeded from the snapshot; what the disk already carries is not replayed. */
 export function forkSpec(src: StoredVmSpec, snapshotId: string, guest: GuestInputs): Record<string, unknown> {
-  const { image: _i, file_paths: _f, startup_script: _s, startup_script_encrypted: _se, secrets_encrypted: _sec, startup_script_timeout_s: _t, host_id: _h, pinned_host_id: _p, seed_snapshot_id: _seed, name: _n, agent, ...rest } = src;
+  const {
+    image: _i,
+    file_paths: _f,
+    startup_script: _s,
+    startup_script_encrypted: _se,
+    secrets_encrypted: _sec,
+    startup_script_timeout_s: _t,
+    host_id: _h,
+    pinned_host_id: _p,
+    seed_snapshot_id: _seed,
+    name: _n,
+    agent,
+    ...rest
+  } = src;
   const out: Record<string, unknown> = { ...rest, seed_snapshot_id: snapshotId };
   // The copy runs the same guest: it gets the source's secrets, sealed again under its own id.
   if (Object.keys(guest.secrets).length > 0) out.secrets = guest.secrets;

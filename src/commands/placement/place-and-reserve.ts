@@ -55,9 +55,18 @@ export class Placer {
     this.hostHandler = bindAggregate(handler, hostAggregate);
   }
 
-
-  async placeAndReserve(vmId: string, request: PlacementRequest, shape: ReservedShape, meta: CommandMeta, hints: PlaceHints = {}): Promise<Reserved> {
-    const placeOpts: PlacementOptions = { policy: this.config.policy, hints: { artifactHosts: hints.artifactHosts }, excludeHosts: hints.excludeHosts };
+  async placeAndReserve(
+    vmId: string,
+    request: PlacementRequest,
+    shape: ReservedShape,
+    meta: CommandMeta,
+    hints: PlaceHints = {},
+  ): Promise<Reserved> {
+    const placeOpts: PlacementOptions = {
+      policy: this.config.policy,
+      hints: { artifactHosts: hints.artifactHosts },
+      excludeHosts: hints.excludeHosts,
+    };
     const holdKey = hints.holdKey ?? vmId;
     const attempts = this.config.maxAttempts ?? 32;
     let reloaded = false;
@@ -77,7 +86,9 @@ export class Placer {
       const hostId = choice.decision.host_id;
       try {
         const reserved = await this.onHost(hostId, () =>
-          this.hostHandler.handle(hostId, {
+          this.hostHandler.handle(
+            hostId,
+            {
               type: 'ReserveCapacity',
               data: {
                 host_id: hostId,
@@ -113,7 +124,12 @@ export class Placer {
         return { hostId, choice, reservation };
       } catch (err) {
         this.view.release(holdKey);
-        const lostRace = err instanceof AppError && (err.code === 'CONCURRENCY_CONFLICT' || err.code === 'HOST_CAPACITY_EXHAUSTED' || err.code.startsWith('HOST_') || err.code === 'GPU_BINDING_UNAVAILABLE');
+        const lostRace =
+          err instanceof AppError &&
+          (err.code === 'CONCURRENCY_CONFLICT' ||
+            err.code === 'HOST_CAPACITY_EXHAUSTED' ||
+            err.code.startsWith('HOST_') ||
+            err.code === 'GPU_BINDING_UNAVAILABLE');
         if (!lostRace || attempt >= attempts) throw err;
         await this.view.refresh(hostId);
       }
@@ -121,7 +137,9 @@ export class Placer {
   }
 
   async release(hostId: string, vmId: string, meta: CommandMeta): Promise<void> {
-    const r = await this.onHost(hostId, () => this.hostHandler.handle(hostId, { type: 'ReleaseCapacity', data: { host_id: hostId, vm_id: vmId } }, meta));
+    const r = await this.onHost(hostId, () =>
+      this.hostHandler.handle(hostId, { type: 'ReleaseCapacity', data: { host_id: hostId, vm_id: vmId } }, meta),
+    );
     this.view.set(hostId, r.state, r.revision);
   }
 

@@ -44,13 +44,22 @@ export class HealthProbes {
     if (now - p.lastAt < (hc.interval_seconds ?? HEALTH_DEFAULTS.interval_seconds) * 1000) return;
     p.lastAt = now;
     const timeoutS = hc.timeout_seconds ?? HEALTH_DEFAULTS.timeout_seconds;
-    const argv = hc.exec ? [...hc.exec] : ['wget', '-q', '-O', '/dev/null', '-T', String(timeoutS), `http://127.0.0.1:${hc.http!.port}${hc.http!.path ?? '/'}`];
+    const argv = hc.exec
+      ? [...hc.exec]
+      : ['wget', '-q', '-O', '/dev/null', '-T', String(timeoutS), `http://127.0.0.1:${hc.http!.port}${hc.http!.path ?? '/'}`];
     let passed: boolean;
     let message = '';
     try {
-      const r = await agent.exec(sandboxName(hint.id), { argv, timeout_ms: timeoutS * 1000 }, { timeoutMs: timeoutS * 1000 + this.config.agentTimeoutMs });
+      const r = await agent.exec(
+        sandboxName(hint.id),
+        { argv, timeout_ms: timeoutS * 1000 },
+        { timeoutMs: timeoutS * 1000 + this.config.agentTimeoutMs },
+      );
       passed = r.exit_code === 0 && !r.timed_out;
-      if (!passed) message = r.timed_out ? `probe timed out after ${timeoutS} s` : `probe exited ${r.exit_code}: ${(r.stderr || r.stdout).slice(-500)}`;
+      if (!passed)
+        message = r.timed_out
+          ? `probe timed out after ${timeoutS} s`
+          : `probe exited ${r.exit_code}: ${(r.stderr || r.stdout).slice(-500)}`;
     } catch (err) {
       // The agent, not the guest, failed: no verdict this cycle.
       this.logger.debug({ vm_id: hint.id, err: errInfo(err) }, 'health probe not run');
@@ -62,10 +71,13 @@ export class HealthProbes {
     if (!passed) s.health_failing++;
     const next = nextHealth(p.state, passed, p.failures, hc, now - hint.state_changed_at.getTime());
     if (next !== p.state) {
-      await this.healthHandler.handle(hint.id, { type: 'RecordHealthVerdict', data: { vm_id: hint.id, state: next, failures: p.failures, message } }, actor);
+      await this.healthHandler.handle(
+        hint.id,
+        { type: 'RecordHealthVerdict', data: { vm_id: hint.id, state: next, failures: p.failures, message } },
+        actor,
+      );
       this.logger.info({ vm_id: hint.id, health: next, failures: p.failures, message }, 'vm health changed');
       p.state = next;
     }
   }
-
 }

@@ -1,10 +1,32 @@
 import { randomUUID } from 'node:crypto';
 import { DeadLetters } from '../dead-letters/dead-letters.js';
 import { HealthProbes } from './health-probes.js';
-import { emptySummary, errInfo, type LiveVmHint, type ReconcileReadModel, type ReconcilerConfig, type ReconcileSummary } from './reconcile-types.js';
-export type { LiveVmHint, ReconcileReadModel, ReconcilerConfig, ReconcileSummary, SummaryCounter, VmHealthcheck } from './reconcile-types.js';
+import {
+  emptySummary,
+  errInfo,
+  type LiveVmHint,
+  type ReconcileReadModel,
+  type ReconcilerConfig,
+  type ReconcileSummary,
+} from './reconcile-types.js';
+export type {
+  LiveVmHint,
+  ReconcileReadModel,
+  ReconcilerConfig,
+  ReconcileSummary,
+  SummaryCounter,
+  VmHealthcheck,
+} from './reconcile-types.js';
 export { deadLetterId } from '../dead-letters/dead-letters.js';
-import { decideVm, isAbandonedRequest, isOrphan, isStaleReservation, suspect, type MigrationInFlight, type VmHint } from '../../domain/reconcile/reconcile.js';
+import {
+  decideVm,
+  isAbandonedRequest,
+  isOrphan,
+  isStaleReservation,
+  suspect,
+  type MigrationInFlight,
+  type VmHint,
+} from '../../domain/reconcile/reconcile.js';
 import { assertNever } from '../../domain/decider.js';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { hostAggregate } from '../../domain/host/host.aggregate.js';
@@ -21,7 +43,6 @@ import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmSta
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host-commands.js';
 import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
-
 
 const SYSTEM: Actor = { correlationId: 'reconciler', actor: 'reconciler', tenantId: 'system', admin: true };
 
@@ -73,7 +94,6 @@ export class Reconciler {
     this.health = new HealthProbes(handler, config, logger, clock);
     this.deadLetters = new DeadLetters(handler, hosts, (id) => this.loadVm(id), config, logger, clock);
   }
-
 
   get isActive(): boolean {
     return this.active;
@@ -162,7 +182,19 @@ export class Reconciler {
       try {
         const vm = await this.loadVm(hint.id);
         if (!isAbandonedRequest(vm, now, this.config)) continue;
-        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'placement', error: 'the control plane stopped before this VM was placed; the reconciler rolled the request back', error_code: 'INTERRUPTED' } }, actor);
+        await this.runVm(
+          hint.id,
+          {
+            type: 'FailVm',
+            data: {
+              vm_id: hint.id,
+              reason: 'placement',
+              error: 'the control plane stopped before this VM was placed; the reconciler rolled the request back',
+              error_code: 'INTERRUPTED',
+            },
+          },
+          actor,
+        );
         s.half_done_rolled_back++;
         // A reservation may have landed before the crash: the per-host sweep releases it (the VM is now terminal).
       } catch (err) {
@@ -173,7 +205,12 @@ export class Reconciler {
   }
 
   /** A host deregistered (forced) while VMs were on it: they cannot come back; end them so they stop counting as live. */
-  private async vmsOfDeregisteredHosts(live: readonly LiveVmHint[], hostIds: ReadonlySet<string>, s: ReconcileSummary, actor: Actor): Promise<void> {
+  private async vmsOfDeregisteredHosts(
+    live: readonly LiveVmHint[],
+    hostIds: ReadonlySet<string>,
+    s: ReconcileSummary,
+    actor: Actor,
+  ): Promise<void> {
     const checked = new Map<string, boolean>();
     for (const hint of live) {
       if (!hint.host_id || hostIds.has(hint.host_id)) continue;
@@ -187,7 +224,14 @@ export class Reconciler {
         if (!gone) continue;
         const vm = await this.loadVm(hint.id);
         if (vm.status === 'initial' || isTerminal(vm.status) || vm.host_id !== hint.host_id) continue;
-        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'host_lost', error: `host ${hint.host_id} was deregistered`, error_code: 'HOST_DEREGISTERED' } }, actor);
+        await this.runVm(
+          hint.id,
+          {
+            type: 'FailVm',
+            data: { vm_id: hint.id, reason: 'host_lost', error: `host ${hint.host_id} was deregistered`, error_code: 'HOST_DEREGISTERED' },
+          },
+          actor,
+        );
         s.vms_host_lost++;
       } catch (err) {
         s.errors++;
@@ -219,7 +263,14 @@ export class Reconciler {
       this.hostMisses.set(hostId, misses);
       this.logger.warn({ host_id: hostId, misses, err: errInfo(err) }, 'host agent did not answer the reconciler');
       if (misses >= this.config.hostUnreachableAfterCycles && host.reachable) {
-        await this.runHost(hostId, { type: 'MarkHostUnreachable', data: { host_id: hostId, reason: `agent did not answer ${misses} reconcile cycles in a row: ${(err as Error).message}` } }, actor);
+        await this.runHost(
+          hostId,
+          {
+            type: 'MarkHostUnreachable',
+            data: { host_id: hostId, reason: `agent did not answer ${misses} reconcile cycles in a row: ${(err as Error).message}` },
+          },
+          actor,
+        );
         s.hosts_marked_unreachable++;
         this.logger.warn({ host_id: hostId, misses }, 'host marked unreachable');
       }
@@ -243,7 +294,8 @@ export class Reconciler {
       const vm = isValidId(vmId) ? await this.loadVm(vmId) : vmDecider.initialState;
       const migration = isValidId(vmId) ? await this.loadMigration(vmId) : undefined;
       if (!isOrphan(vm, migration, hostId, now, this.config)) continue;
-      if (await this.deadLetters.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor)) gone.add(name);
+      if (await this.deadLetters.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor))
+        gone.add(name);
     }
 
     for (const hint of hints) {
@@ -259,7 +311,9 @@ export class Reconciler {
 
     await this.reassertNetwork(hostId, agent, s);
 
-    const probed = hints.filter((h) => h.state === 'running' && h.healthcheck && listed.has(sandboxName(h.id)) && !gone.has(sandboxName(h.id)));
+    const probed = hints.filter(
+      (h) => h.state === 'running' && h.healthcheck && listed.has(sandboxName(h.id)) && !gone.has(sandboxName(h.id)),
+    );
     await Promise.all(
       probed.map((h) =>
         this.health.probe(agent, h, s, actor).catch((err: unknown) => {
@@ -305,23 +359,48 @@ export class Reconciler {
     if (suspicion === 'stuck') s.stuck_tasks_suspected++;
     if (suspicion === 'idle') s.idle_vms_suspected++;
     const vm = await this.loadVm(hint.id);
-    const verdict = decideVm(suspicion, vmHintOf(hint), vm, { hostId, listed: listedHere, listStarted, now, absentBefore: this.absent.get(hint.id) ?? 0 }, this.config);
+    const verdict = decideVm(
+      suspicion,
+      vmHintOf(hint),
+      vm,
+      { hostId, listed: listedHere, listStarted, now, absentBefore: this.absent.get(hint.id) ?? 0 },
+      this.config,
+    );
     switch (verdict.kind) {
       case 'none':
         return;
       case 'absent_once':
         this.absent.set(hint.id, (this.absent.get(hint.id) ?? 0) + 1);
-        this.logger.info({ vm_id: hint.id, host_id: hostId }, 'running vm not listed by its host; failed as missing if still absent next cycle');
+        this.logger.info(
+          { vm_id: hint.id, host_id: hostId },
+          'running vm not listed by its host; failed as missing if still absent next cycle',
+        );
         return;
       case 'fail_missing':
         this.absent.delete(hint.id);
-        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'missing', error: `host ${hostId} no longer lists sandbox ${name}`, error_code: 'SANDBOX_MISSING' } }, actor);
+        await this.runVm(
+          hint.id,
+          {
+            type: 'FailVm',
+            data: {
+              vm_id: hint.id,
+              reason: 'missing',
+              error: `host ${hostId} no longer lists sandbox ${name}`,
+              error_code: 'SANDBOX_MISSING',
+            },
+          },
+          actor,
+        );
         s.vms_missing_provider++;
         gone.add(name);
         this.logger.warn({ vm_id: hint.id, host_id: hostId }, 'running vm missing from its host: failed');
         return;
       case 'fail_stuck':
-        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: 'VM_STUCK' } }, actor);
+        await this.runVm(
+          hint.id,
+          { type: 'FailVm', data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: 'VM_STUCK' } },
+          actor,
+        );
         s.stuck_tasks_failed++;
         this.logger.warn({ vm_id: hint.id, host_id: hostId, reason: verdict.reason }, 'stuck vm failed; destroying its sandbox');
         if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
@@ -347,7 +426,11 @@ export class Reconciler {
         this.logger.info({ vm_id: hint.id, host_id: hostId }, 'half-done destroy completed');
         return;
       case 'roll_back_boot':
-        await this.runVm(hint.id, { type: 'FailVm', data: { vm_id: hint.id, reason: 'boot_failure', error: verdict.error, error_code: 'INTERRUPTED' } }, actor);
+        await this.runVm(
+          hint.id,
+          { type: 'FailVm', data: { vm_id: hint.id, reason: 'boot_failure', error: verdict.error, error_code: 'INTERRUPTED' } },
+          actor,
+        );
         s.half_done_rolled_back++;
         this.logger.warn({ vm_id: hint.id, host_id: hostId, phase: verdict.phase, sandbox: listedHere }, 'half-done create rolled back');
         if (!listedHere || (await this.tryDestroy(agent, name, hint.id, hostId))) gone.add(name);
@@ -358,7 +441,13 @@ export class Reconciler {
   }
 
   /** Releases every reservation on this host whose VM is gone, ended, or placed elsewhere — once no sandbox of it is listed. */
-  private async releaseStaleReservations(hostId: string, listed: ReadonlySet<string>, gone: ReadonlySet<string>, s: ReconcileSummary, actor: Actor): Promise<void> {
+  private async releaseStaleReservations(
+    hostId: string,
+    listed: ReadonlySet<string>,
+    gone: ReadonlySet<string>,
+    s: ReconcileSummary,
+    actor: Actor,
+  ): Promise<void> {
     const { state: host } = await this.hosts.load(hostId);
     if (host.status === 'unregistered' || host.status === 'deregistered') return;
     for (const vmId of host.reservations.keys()) {
@@ -366,11 +455,15 @@ export class Reconciler {
       if (listed.has(name) && !gone.has(name)) continue;
       const vm = await this.loadVm(vmId);
       const liveElsewhere = vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id !== hostId;
-      if (!isStaleReservation(vm, liveElsewhere ? await this.loadMigration(vmId) : undefined, hostId, this.clock().getTime(), this.config)) continue;
+      if (!isStaleReservation(vm, liveElsewhere ? await this.loadMigration(vmId) : undefined, hostId, this.clock().getTime(), this.config))
+        continue;
       try {
         await this.vms.releaseCapacity(hostId, vmId, actor);
         s.capacity_released++;
-        this.logger.info({ vm_id: vmId, host_id: hostId, vm_status: vm.status }, 'released the reservation of a vm that no longer holds a sandbox');
+        this.logger.info(
+          { vm_id: vmId, host_id: hostId, vm_status: vm.status },
+          'released the reservation of a vm that no longer holds a sandbox',
+        );
       } catch (err) {
         s.errors++;
         this.logger.warn({ vm_id: vmId, host_id: hostId, err: errInfo(err) }, 'could not release a stale reservation');
@@ -393,7 +486,10 @@ export class Reconciler {
       return true;
     } catch (err) {
       // The VM is terminal now: the next cycle sees the sandbox as an orphan and retries (and dead-letters) it.
-      this.logger.warn({ vm_id: vmId, host_id: hostId, class: classifyHostAgentError(err), err: errInfo(err) }, 'sandbox destroy failed; retried as an orphan');
+      this.logger.warn(
+        { vm_id: vmId, host_id: hostId, class: classifyHostAgentError(err), err: errInfo(err) },
+        'sandbox destroy failed; retried as an orphan',
+      );
       return false;
     }
   }
@@ -417,10 +513,15 @@ export class Reconciler {
   private async runHost(hostId: string, command: HostCommand, meta: CommandMeta): Promise<void> {
     await this.hostHandler.handle(hostId, command, meta);
   }
-
 }
 
 function vmHintOf(h: LiveVmHint): VmHint {
-  return { id: h.id, state: h.state, stateChangedAt: h.state_changed_at.getTime(), lastActivityAt: h.last_activity_at.getTime(), maxRuntimeS: h.max_runtime_s, idleTimeoutS: h.idle_timeout_s };
+  return {
+    id: h.id,
+    state: h.state,
+    stateChangedAt: h.state_changed_at.getTime(),
+    lastActivityAt: h.last_activity_at.getTime(),
+    maxRuntimeS: h.max_runtime_s,
+    idleTimeoutS: h.idle_timeout_s,
+  };
 }
-

@@ -11,7 +11,13 @@ import { classifyHostAgentError } from '../../domain/host-agent.port.js';
 import { idSchema } from '../../domain/ids.js';
 import { type ExistingSnapshot, type SnapshotAggregate, type SnapshotCommand } from '../../domain/snapshot/snapshot.decider.js';
 import { layerKeySchema, snapshotModeSchema, type SnapshotDeleteReason } from '../../domain/snapshot/snapshot.events.js';
-import { QuotaExceededError, quotaUsage, type QuotaLimits, type QuotaPool, type TenantCommand } from '../../domain/tenant/tenant.decider.js';
+import {
+  QuotaExceededError,
+  quotaUsage,
+  type QuotaLimits,
+  type QuotaPool,
+  type TenantCommand,
+} from '../../domain/tenant/tenant.decider.js';
 import { validationErrorFromZod } from '../../domain/vm/spec.js';
 import { CommandHandler, type CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host-commands.js';
@@ -29,7 +35,9 @@ export const createSnapshotRequestSchema = z
   .object({
     mode: snapshotModeSchema.default('manual'),
     comment: z.string().max(1024).default(''),
-    metadata: z.record(z.string().regex(/^[A-Za-z0-9_.-]{1,64}$/, 'a metadata key of 1-64 letters, digits, _ . -'), z.string().max(4096)).default({}),
+    metadata: z
+      .record(z.string().regex(/^[A-Za-z0-9_.-]{1,64}$/, 'a metadata key of 1-64 letters, digits, _ . -'), z.string().max(4096))
+      .default({}),
     /** Absolute expiry; or retention_s from now; neither: the fleet default. */
     // Bounded to what a Postgres timestamptz and the event schema both take: one outside (year 0000, say) would be
     // recorded and then stop the snapshots read model at that event.
@@ -44,17 +52,24 @@ export const createSnapshotRequestSchema = z
     keep_paused: z.boolean().default(false),
     shrink: z.boolean().default(false),
     layer_key: layerKeySchema.optional(),
-    exports: z.array(z.object({ destination: z.string().min(1).max(2048) })).max(16).default([]),
+    exports: z
+      .array(z.object({ destination: z.string().min(1).max(2048) }))
+      .max(16)
+      .default([]),
   })
   .strict()
   .superRefine((r, ctx) => {
     for (const k of Object.keys(r.metadata)) {
-      if ((RESERVED_METADATA_KEYS as readonly string[]).includes(k)) ctx.addIssue({ code: 'custom', path: ['metadata', k], message: `"${k}" is reserved: the service sets it` });
+      if ((RESERVED_METADATA_KEYS as readonly string[]).includes(k))
+        ctx.addIssue({ code: 'custom', path: ['metadata', k], message: `"${k}" is reserved: the service sets it` });
     }
-    if (r.retention_until !== undefined && r.retention_s !== undefined) ctx.addIssue({ code: 'custom', path: ['retention_s'], message: 'give retention_until or retention_s, not both' });
+    if (r.retention_until !== undefined && r.retention_s !== undefined)
+      ctx.addIssue({ code: 'custom', path: ['retention_s'], message: 'give retention_until or retention_s, not both' });
     if (r.diff && !r.live) ctx.addIssue({ code: 'custom', path: ['diff'], message: 'a diff snapshot needs live: true' });
-    if (r.keep_paused && !r.diff) ctx.addIssue({ code: 'custom', path: ['keep_paused'], message: 'keep_paused applies to a diff snapshot only' });
-    if (r.layer_key !== undefined && r.mode !== 'build') ctx.addIssue({ code: 'custom', path: ['layer_key'], message: 'a layer is a build artifact: set mode "build" with layer_key' });
+    if (r.keep_paused && !r.diff)
+      ctx.addIssue({ code: 'custom', path: ['keep_paused'], message: 'keep_paused applies to a diff snapshot only' });
+    if (r.layer_key !== undefined && r.mode !== 'build')
+      ctx.addIssue({ code: 'custom', path: ['layer_key'], message: 'a layer is a build artifact: set mode "build" with layer_key' });
   });
 export type CreateSnapshotRequest = z.input<typeof createSnapshotRequestSchema>;
 
@@ -125,7 +140,10 @@ export class SnapshotCommands implements SeedArtifacts {
     const req = parsed.data;
     const vm = await this.vms.get(vmId, actor);
     if (vm.status !== 'running' || !vm.host_id) {
-      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be snapshotted`, { vm_id: vmId, status: vm.status });
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be snapshotted`, {
+        vm_id: vmId,
+        status: vm.status,
+      });
     }
     const hostId = vm.host_id;
     const { state: host } = await this.hosts.load(hostId);
@@ -154,25 +172,29 @@ export class SnapshotCommands implements SeedArtifacts {
     const expected = limits.max_bytes > 0 ? (await (await this.hosts.agentFor(hostId)).layerUsage(name)).expected_archive_bytes : 0;
     const maxBytes = await this.reserveQuota(tenantId, snapshotId, actor, pool, limits, expected);
     try {
-      await this.run(snapshotId, {
-        type: 'RequestSnapshot',
-        data: {
-          snapshot_id: snapshotId,
-          vm_id: vmId,
-          tenant_id: tenantId,
-          task_id: vm.task_id,
-          host_id: hostId,
-          arch,
-          mode: req.mode,
-          comment: req.comment,
-          metadata,
-          retention_until: retentionUntil,
-          parent_snapshot_id: parent,
-          layer_key: req.layer_key,
-          ask: { live: req.live, diff: req.diff, keep_paused: req.keep_paused, shrink: req.shrink },
-          quota_counted: counted,
+      await this.run(
+        snapshotId,
+        {
+          type: 'RequestSnapshot',
+          data: {
+            snapshot_id: snapshotId,
+            vm_id: vmId,
+            tenant_id: tenantId,
+            task_id: vm.task_id,
+            host_id: hostId,
+            arch,
+            mode: req.mode,
+            comment: req.comment,
+            metadata,
+            retention_until: retentionUntil,
+            parent_snapshot_id: parent,
+            layer_key: req.layer_key,
+            ask: { live: req.live, diff: req.diff, keep_paused: req.keep_paused, shrink: req.shrink },
+            quota_counted: counted,
+          },
         },
-      }, actor);
+        actor,
+      );
     } catch (err) {
       await this.releaseQuota(tenantId, snapshotId, actor);
       throw err;
@@ -182,24 +204,57 @@ export class SnapshotCommands implements SeedArtifacts {
       const agent = await this.hosts.agentFor(hostId);
       // The protocol carries `live` only; diff/keep_paused/shrink are recorded as asked, and the kind is what came back.
       // max_bytes: the agent abandons an archive that outgrows the quota's headroom (the guest wrote on after the estimate).
-      const cp = await agent.checkpoint(name, { id: snapshotId, comment: req.comment, live: req.live, ...(maxBytes ? { max_bytes: maxBytes } : {}) }, { timeoutMs: this.config.checkpointTimeoutMs });
+      const cp = await agent.checkpoint(
+        name,
+        { id: snapshotId, comment: req.comment, live: req.live, ...(maxBytes ? { max_bytes: maxBytes } : {}) },
+        { timeoutMs: this.config.checkpointTimeoutMs },
+      );
       archived = true;
       // The real size replaces the estimate, and is refused if siblings took the room meanwhile: never over quota.
       await this.onTenant(tenantId, () =>
-        this.quotaTenantHandler.handle(tenantId, { type: 'SizeSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes, limits } } satisfies TenantCommand, actor),
+        this.quotaTenantHandler.handle(
+          tenantId,
+          {
+            type: 'SizeSnapshotQuota',
+            data: { tenant_id: tenantId, snapshot_id: snapshotId, size_bytes: cp.size_bytes, limits },
+          } satisfies TenantCommand,
+          actor,
+        ),
       );
-      const done = await this.run(snapshotId, { type: 'CompleteSnapshot', data: { snapshot_id: snapshotId, digest: cp.digest, size_bytes: cp.size_bytes, kind: cp.kind, files: cp.files } }, actor);
+      const done = await this.run(
+        snapshotId,
+        {
+          type: 'CompleteSnapshot',
+          data: { snapshot_id: snapshotId, digest: cp.digest, size_bytes: cp.size_bytes, kind: cp.kind, files: cp.files },
+        },
+        actor,
+      );
       let last = done;
-      for (const e of req.exports) last = await this.run(snapshotId, { type: 'RequestExport', data: { snapshot_id: snapshotId, destination: e.destination } }, actor);
+      for (const e of req.exports)
+        last = await this.run(snapshotId, { type: 'RequestExport', data: { snapshot_id: snapshotId, destination: e.destination } }, actor);
       return last;
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
-      this.logger.warn({ snapshot_id: snapshotId, vm_id: vmId, code: e?.code, err: { message: (err as Error).message } }, 'snapshot failed');
-      await this.run(snapshotId, { type: 'FailSnapshot', data: { snapshot_id: snapshotId, error: (err as Error).message, error_code: e?.code } }, actor).catch(() => undefined);
+      this.logger.warn(
+        { snapshot_id: snapshotId, vm_id: vmId, code: e?.code, err: { message: (err as Error).message } },
+        'snapshot failed',
+      );
+      await this.run(
+        snapshotId,
+        { type: 'FailSnapshot', data: { snapshot_id: snapshotId, error: (err as Error).message, error_code: e?.code } },
+        actor,
+      ).catch(() => undefined);
       await this.releaseQuota(tenantId, snapshotId, actor).catch(() => undefined);
       if (archived) {
         const agent = await this.hosts.agentFor(hostId).catch(() => undefined);
-        await agent?.deleteCheckpoint(snapshotId).catch((de: unknown) => this.logger.warn({ snapshot_id: snapshotId, err: { message: (de as Error).message } }, 'refused archive not deleted on its host'));
+        await agent
+          ?.deleteCheckpoint(snapshotId)
+          .catch((de: unknown) =>
+            this.logger.warn(
+              { snapshot_id: snapshotId, err: { message: (de as Error).message } },
+              'refused archive not deleted on its host',
+            ),
+          );
       }
       if (e?.code === 'CHECKPOINT_TOO_LARGE') {
         const { state } = await this.quotaTenantHandler.load(tenantId);
@@ -215,7 +270,8 @@ export class SnapshotCommands implements SeedArtifacts {
   async get(snapshotId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingSnapshot> {
     if (!idSchema.safeParse(snapshotId).success) throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`);
     const { state } = await this.snapshotHandler.load(snapshotId);
-    if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`, { snapshot_id: snapshotId });
+    if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId))
+      throw new NotFoundError('SNAPSHOT_NOT_FOUND', `snapshot ${snapshotId} does not exist`, { snapshot_id: snapshotId });
     return state;
   }
 
@@ -230,10 +286,18 @@ export class SnapshotCommands implements SeedArtifacts {
     if (!opts.force) {
       const deps = await this.reads.dependentsOf(snapshotId);
       if (deps.length > 0) {
-        throw new ConflictError('SNAPSHOT_HAS_DEPENDENTS', `snapshot ${snapshotId} is the lineage parent of ${deps.join(', ')}: delete those first, or pass force=true`, { snapshot_id: snapshotId, dependents: deps });
+        throw new ConflictError(
+          'SNAPSHOT_HAS_DEPENDENTS',
+          `snapshot ${snapshotId} is the lineage parent of ${deps.join(', ')}: delete those first, or pass force=true`,
+          { snapshot_id: snapshotId, dependents: deps },
+        );
       }
     }
-    const r = await this.run(snapshotId, { type: 'DeleteSnapshot', data: { snapshot_id: snapshotId, reason: opts.reason ?? 'client', forced: opts.force ?? false } }, actor);
+    const r = await this.run(
+      snapshotId,
+      { type: 'DeleteSnapshot', data: { snapshot_id: snapshotId, reason: opts.reason ?? 'client', forced: opts.force ?? false } },
+      actor,
+    );
     if (s.quota_counted || s.mode === 'build') await this.releaseQuota(s.tenant_id, snapshotId, actor);
     const dropped = await this.dropCopies(r.snapshot, actor);
     return dropped ?? r;
@@ -244,7 +308,13 @@ export class SnapshotCommands implements SeedArtifacts {
     return this.run(snapshotId, { type: 'RequestExport', data: { snapshot_id: snapshotId, destination } }, actor);
   }
 
-  async updateExport(snapshotId: string, destination: string, status: 'pending' | 'running' | 'done' | 'failed', error: string | undefined, actor: Actor): Promise<SnapshotResult> {
+  async updateExport(
+    snapshotId: string,
+    destination: string,
+    status: 'pending' | 'running' | 'done' | 'failed',
+    error: string | undefined,
+    actor: Actor,
+  ): Promise<SnapshotResult> {
     await this.get(snapshotId, actor);
     return this.run(snapshotId, { type: 'UpdateExport', data: { snapshot_id: snapshotId, destination, status, error } }, actor);
   }
@@ -265,7 +335,10 @@ export class SnapshotCommands implements SeedArtifacts {
         await agent.deleteCheckpoint(s.snapshot_id);
         last = await this.run(s.snapshot_id, { type: 'DropArtifact', data: { snapshot_id: s.snapshot_id, host_id: hostId } }, meta);
       } catch (err) {
-        this.logger.warn({ snapshot_id: s.snapshot_id, host_id: hostId, err: { message: (err as Error).message } }, 'artifact not deleted on its host; the collector retries');
+        this.logger.warn(
+          { snapshot_id: s.snapshot_id, host_id: hostId, err: { message: (err as Error).message } },
+          'artifact not deleted on its host; the collector retries',
+        );
       }
     }
     return last;
@@ -275,8 +348,13 @@ export class SnapshotCommands implements SeedArtifacts {
 
   async holders(snapshotId: string, actor: Actor): Promise<ReadonlySet<string>> {
     const s = await this.get(snapshotId, actor);
-    if (s.status !== 'ready') throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}: only a ready snapshot can seed a VM`, { snapshot_id: snapshotId, state: s.status });
-    if (s.holders.length === 0) throw new ConflictError('SNAPSHOT_NOT_HELD', `no host holds snapshot ${snapshotId} any more`, { snapshot_id: snapshotId });
+    if (s.status !== 'ready')
+      throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}: only a ready snapshot can seed a VM`, {
+        snapshot_id: snapshotId,
+        state: s.status,
+      });
+    if (s.holders.length === 0)
+      throw new ConflictError('SNAPSHOT_NOT_HELD', `no host holds snapshot ${snapshotId} any more`, { snapshot_id: snapshotId });
     return new Set(s.holders);
   }
 
@@ -287,7 +365,8 @@ export class SnapshotCommands implements SeedArtifacts {
    */
   async ensureOn(snapshotId: string, hostId: string, actor: Actor): Promise<void> {
     const s = await this.get(snapshotId, actor);
-    if (s.status !== 'ready') throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}`, { snapshot_id: snapshotId, state: s.status });
+    if (s.status !== 'ready')
+      throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}`, { snapshot_id: snapshotId, state: s.status });
     if (s.holders.includes(hostId)) {
       await this.recordUse(snapshotId, actor);
       return;
@@ -297,9 +376,14 @@ export class SnapshotCommands implements SeedArtifacts {
 
   async move(s: ExistingSnapshot, toHostId: string, meta: CommandMeta): Promise<void> {
     const fromHostId = s.holders[0];
-    if (!fromHostId) throw new ConflictError('SNAPSHOT_NOT_HELD', `no host holds snapshot ${s.snapshot_id}`, { snapshot_id: s.snapshot_id });
+    if (!fromHostId)
+      throw new ConflictError('SNAPSHOT_NOT_HELD', `no host holds snapshot ${s.snapshot_id}`, { snapshot_id: s.snapshot_id });
     if (!s.digest || !/^[0-9a-f]{64}$/.test(s.digest)) {
-      throw new ConflictError('ARTIFACT_DIGEST_UNKNOWN', `snapshot ${s.snapshot_id} has no recorded digest, so a copy could not be verified: it stays on ${fromHostId}`, { snapshot_id: s.snapshot_id });
+      throw new ConflictError(
+        'ARTIFACT_DIGEST_UNKNOWN',
+        `snapshot ${s.snapshot_id} has no recorded digest, so a copy could not be verified: it stays on ${fromHostId}`,
+        { snapshot_id: s.snapshot_id },
+      );
     }
     const started = Date.now();
     try {
@@ -311,13 +395,45 @@ export class SnapshotCommands implements SeedArtifacts {
       const ttl = Math.max(60, Math.ceil((timeoutMs ?? 300_000) / 1000) + 30);
       const grant = await src.grantArtifact(s.snapshot_id, Math.min(3600, ttl));
       const moved = await dst.pullArtifact(
-        { snapshot_id: s.snapshot_id, digest: s.digest, from: { url: from.url, grant: grant.grant, host_id: fromHostId }, files: { ...s.files } },
+        {
+          snapshot_id: s.snapshot_id,
+          digest: s.digest,
+          from: { url: from.url, grant: grant.grant, host_id: fromHostId },
+          files: { ...s.files },
+        },
         timeoutMs !== undefined ? { timeoutMs } : {},
       );
-      await this.run(s.snapshot_id, { type: 'RecordArtifactMoved', data: { snapshot_id: s.snapshot_id, from_host_id: fromHostId, to_host_id: toHostId, size_bytes: moved.size_bytes, kind: moved.kind, duration_ms: Date.now() - started } }, meta);
+      await this.run(
+        s.snapshot_id,
+        {
+          type: 'RecordArtifactMoved',
+          data: {
+            snapshot_id: s.snapshot_id,
+            from_host_id: fromHostId,
+            to_host_id: toHostId,
+            size_bytes: moved.size_bytes,
+            kind: moved.kind,
+            duration_ms: Date.now() - started,
+          },
+        },
+        meta,
+      );
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
-      await this.run(s.snapshot_id, { type: 'RecordArtifactMoveFailed', data: { snapshot_id: s.snapshot_id, from_host_id: fromHostId, to_host_id: toHostId, error: (err as Error).message, error_code: e?.code } }, meta).catch(() => undefined);
+      await this.run(
+        s.snapshot_id,
+        {
+          type: 'RecordArtifactMoveFailed',
+          data: {
+            snapshot_id: s.snapshot_id,
+            from_host_id: fromHostId,
+            to_host_id: toHostId,
+            error: (err as Error).message,
+            error_code: e?.code,
+          },
+        },
+        meta,
+      ).catch(() => undefined);
       const timedOut = e?.code === 'HOST_UNREACHABLE' && typeof e.details?.timeout_ms === 'number';
       throw new AppError(
         timedOut ? 'ARTIFACT_PULL_TIMEOUT' : 'ARTIFACT_MOVE_FAILED',
@@ -332,9 +448,21 @@ export class SnapshotCommands implements SeedArtifacts {
   // ---------------------------------------------------------------- quota
 
   /** Reserves `expected` bytes in `pool`; returns the headroom the archive may use (max_bytes less the others), undefined without a byte limit. */
-  private async reserveQuota(tenantId: string, snapshotId: string, meta: CommandMeta, pool: QuotaPool, limits: QuotaLimits, expected: number): Promise<number | undefined> {
+  private async reserveQuota(
+    tenantId: string,
+    snapshotId: string,
+    meta: CommandMeta,
+    pool: QuotaPool,
+    limits: QuotaLimits,
+    expected: number,
+  ): Promise<number | undefined> {
     const r = await this.onTenant(tenantId, () =>
-      this.quotaTenantHandler.handle(tenantId, { type: 'ReserveSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId, limits, pool, expected_bytes: expected } } satisfies TenantCommand,
+      this.quotaTenantHandler.handle(
+        tenantId,
+        {
+          type: 'ReserveSnapshotQuota',
+          data: { tenant_id: tenantId, snapshot_id: snapshotId, limits, pool, expected_bytes: expected },
+        } satisfies TenantCommand,
         meta,
       ),
     );
@@ -345,13 +473,29 @@ export class SnapshotCommands implements SeedArtifacts {
 
   private async releaseQuota(tenantId: string, snapshotId: string, meta: CommandMeta): Promise<void> {
     await this.onTenant(tenantId, () =>
-      this.quotaTenantHandler.handle(tenantId, { type: 'ReleaseSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId } } satisfies TenantCommand, meta),
+      this.quotaTenantHandler.handle(
+        tenantId,
+        { type: 'ReleaseSnapshotQuota', data: { tenant_id: tenantId, snapshot_id: snapshotId } } satisfies TenantCommand,
+        meta,
+      ),
     );
   }
 
-  async quotaUsage(tenantId: string): Promise<{ count: number; bytes: number; max_count: number; max_bytes: number; builds: { count: number; bytes: number; max_count: number; max_bytes: number } }> {
+  async quotaUsage(
+    tenantId: string,
+  ): Promise<{
+    count: number;
+    bytes: number;
+    max_count: number;
+    max_bytes: number;
+    builds: { count: number; bytes: number; max_count: number; max_bytes: number };
+  }> {
     const { state } = await this.quotaTenantHandler.load(tenantId);
-    return { ...quotaUsage(state, 'snapshots'), ...this.config.quota, builds: { ...quotaUsage(state, 'builds'), ...this.config.buildQuota } };
+    return {
+      ...quotaUsage(state, 'snapshots'),
+      ...this.config.quota,
+      builds: { ...quotaUsage(state, 'builds'), ...this.config.buildQuota },
+    };
   }
 
   /** Writers of one tenant stream in this process go one at a time; other processes lose a revision conflict and retry. */
@@ -386,5 +530,10 @@ export class SnapshotCommands implements SeedArtifacts {
 }
 
 export function assertLayerKey(key: string): void {
-  if (!layerKeySchema.safeParse(key).success) throw new ValidationError(`layer key ${JSON.stringify(key.slice(0, 80))} is invalid: use 1-200 letters, digits, ".", "_", ":" or "-"`, [{ path: 'params.key', message: 'invalid layer key' }], 'INVALID_LAYER_KEY');
+  if (!layerKeySchema.safeParse(key).success)
+    throw new ValidationError(
+      `layer key ${JSON.stringify(key.slice(0, 80))} is invalid: use 1-200 letters, digits, ".", "_", ":" or "-"`,
+      [{ path: 'params.key', message: 'invalid layer key' }],
+      'INVALID_LAYER_KEY',
+    );
 }

@@ -10,7 +10,9 @@ export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
 export interface SandboxBoot {
   readonly vmId: string;
   readonly tenantId: string;
-  readonly spec: Pick<StoredVmSpec, 'cpus' | 'ram_mb' | 'storage_gb' | 'expose' | 'net_raw'> & { readonly agent?: Pick<NonNullable<StoredVmSpec['agent']>, 'expose'> | undefined };
+  readonly spec: Pick<StoredVmSpec, 'cpus' | 'ram_mb' | 'storage_gb' | 'expose' | 'net_raw'> & {
+    readonly agent?: Pick<NonNullable<StoredVmSpec['agent']>, 'expose'> | undefined;
+  };
   /** Exclusive with `checkpointId`. */
   readonly image?: string | undefined;
   /** A disk to boot from, already on the host (a seed snapshot, or the VM's own disk when it migrates). */
@@ -57,7 +59,12 @@ export async function bootSandbox(
   if (hooks.setup) await hooks.setup(name);
   let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
   if (boot.agent) {
-    const started = await agent.startAgent(name, { files: boot.agent.files, command: boot.agent.command, drain_command: boot.agent.drainCommand, expose });
+    const started = await agent.startAgent(name, {
+      files: boot.agent.files,
+      command: boot.agent.command,
+      drain_command: boot.agent.drainCommand,
+      expose,
+    });
     endpoints = started.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
   }
   return { info, endpoints };

@@ -6,7 +6,17 @@ import type { AttachStart, ExecResult, ExecStreamStart } from '@fleet/agent-prot
 import { AppError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../../domain/host-agent.port.js';
-import { placementRequestOf, RESERVED_GUEST_DIR, sealedFieldContext, validateVmSpec, type SealedField, type SealedSpecFields, type SpecLimits, type StoredVmSpec, type VmSpec } from '../../domain/vm/spec.js';
+import {
+  placementRequestOf,
+  RESERVED_GUEST_DIR,
+  sealedFieldContext,
+  validateVmSpec,
+  type SealedField,
+  type SealedSpecFields,
+  type SpecLimits,
+  type StoredVmSpec,
+  type VmSpec,
+} from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import { type VmEndReason } from '../../domain/vm/vm.events.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
@@ -84,7 +94,6 @@ export class VmCommands {
     this.vmHandler = bindAggregate(handler, vmAggregate);
   }
 
-
   /**
    * Creates a VM and waits for it to run. With an idempotency key the VM id
    * is derived from (tenant, key), so a retry lands on the same stream and
@@ -99,13 +108,19 @@ export class VmCommands {
     // Resolved before anything is written: an unknown or foreign seed is a 404, not a failed VM.
     const artifactHosts = spec.seed_snapshot_id && this.seeds ? await this.seeds.holders(spec.seed_snapshot_id, actor) : undefined;
     if (idempotencyKey !== undefined && !/^[\x21-\x7e]{1,200}$/.test(idempotencyKey)) {
-      throw new ValidationError('Idempotency-Key must be 1-200 printable ASCII characters', [{ path: 'headers.idempotency-key', message: 'invalid' }]);
+      throw new ValidationError('Idempotency-Key must be 1-200 printable ASCII characters', [
+        { path: 'headers.idempotency-key', message: 'invalid' },
+      ]);
     }
     const vmId = idempotencyKey
       ? createHash('sha256').update(`${actor.tenantId}\0${idempotencyKey}`).digest('hex').slice(0, 24)
       : randomBytes(12).toString('hex');
     const sealed = this.sealSpec(vmId, spec);
-    const requested = await this.run(vmId, { type: 'RequestVm', data: { vm_id: vmId, spec, sealed, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } }, actor);
+    const requested = await this.run(
+      vmId,
+      { type: 'RequestVm', data: { vm_id: vmId, spec, sealed, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } },
+      actor,
+    );
     if (requested.position === undefined) {
       // A retry (or a concurrent twin): the request that wrote VmRequested owns the work. Driving it here too would
       // boot the sandbox twice and fail the VM on SANDBOX_EXISTS; wait (bounded) for where the owner gets to.
@@ -118,9 +133,12 @@ export class VmCommands {
   private sealSpec(vmId: string, spec: VmSpec): SealedSpecFields {
     const secrets = spec.secrets && Object.keys(spec.secrets).length > 0 ? spec.secrets : undefined;
     return {
-      startup_script: spec.startup_script !== undefined ? this.secrets.seal(spec.startup_script, sealedFieldContext(vmId, 'startup_script')) : undefined,
+      startup_script:
+        spec.startup_script !== undefined ? this.secrets.seal(spec.startup_script, sealedFieldContext(vmId, 'startup_script')) : undefined,
       agent_command: spec.agent ? this.secrets.seal(spec.agent.command, sealedFieldContext(vmId, 'agent.command')) : undefined,
-      agent_drain_command: spec.agent?.drain_command ? this.secrets.seal(spec.agent.drain_command, sealedFieldContext(vmId, 'agent.drain_command')) : undefined,
+      agent_drain_command: spec.agent?.drain_command
+        ? this.secrets.seal(spec.agent.drain_command, sealedFieldContext(vmId, 'agent.drain_command'))
+        : undefined,
       secrets: secrets ? this.secrets.seal(JSON.stringify(secrets), sealedFieldContext(vmId, 'secrets')) : undefined,
     };
   }
@@ -135,13 +153,19 @@ export class VmCommands {
       try {
         return this.secrets.open(sealed, sealedFieldContext(vm.vm_id, field));
       } catch {
-        throw new AppError('VM_SECRETS_UNREADABLE', 500, `vm ${vm.vm_id}: its sealed ${field} does not decrypt with the configured TOKEN_ENCRYPTION_KEY`);
+        throw new AppError(
+          'VM_SECRETS_UNREADABLE',
+          500,
+          `vm ${vm.vm_id}: its sealed ${field} does not decrypt with the configured TOKEN_ENCRYPTION_KEY`,
+        );
       }
     };
     const agent = vm.spec.agent;
     const agentCommand = agent?.command_encrypted !== undefined ? open(agent.command_encrypted, 'agent.command') : agent?.command;
-    const drainCommand = agent?.drain_command_encrypted !== undefined ? open(agent.drain_command_encrypted, 'agent.drain_command') : agent?.drain_command;
-    const secrets = vm.spec.secrets_encrypted !== undefined ? (JSON.parse(open(vm.spec.secrets_encrypted, 'secrets')) as Record<string, string>) : {};
+    const drainCommand =
+      agent?.drain_command_encrypted !== undefined ? open(agent.drain_command_encrypted, 'agent.drain_command') : agent?.drain_command;
+    const secrets =
+      vm.spec.secrets_encrypted !== undefined ? (JSON.parse(open(vm.spec.secrets_encrypted, 'secrets')) as Record<string, string>) : {};
     return { agentCommand, drainCommand, secrets };
   }
 
@@ -164,7 +188,11 @@ export class VmCommands {
     try {
       const r = await this.placer.placeAndReserve(vmId, placementRequestOf(spec), spec, actor, where);
       hostId = r.hostId;
-      await this.run(vmId, { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: r.choice.decision, reservation: r.reservation } }, actor);
+      await this.run(
+        vmId,
+        { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: r.choice.decision, reservation: r.reservation } },
+        actor,
+      );
     } catch (err) {
       const reason: VmEndReason = err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED' ? 'capacity' : 'placement';
       await this.fail(vmId, reason, err, actor);
@@ -187,14 +215,25 @@ export class VmCommands {
           image: spec.image,
           checkpointId: spec.seed_snapshot_id,
           env: spec.secrets ?? {},
-          agent: spec.agent ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} } : undefined,
+          agent: spec.agent
+            ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} }
+            : undefined,
         },
         { onCreated: () => (created = true), setup: (name) => this.setUpGuest(agent, name, spec, token) },
       );
       const url = info.ip ? `http://${info.ip}` : '';
       return await this.run(
         vmId,
-        { type: 'CompleteBoot', data: { vm_id: vmId, url, endpoints, boot_ms: Date.now() - started, auth_token_encrypted: this.secrets.seal(token, vmTokenContext(vmId)) } },
+        {
+          type: 'CompleteBoot',
+          data: {
+            vm_id: vmId,
+            url,
+            endpoints,
+            boot_ms: Date.now() - started,
+            auth_token_encrypted: this.secrets.seal(token, vmTokenContext(vmId)),
+          },
+        },
         actor,
       );
     } catch (err) {
@@ -202,13 +241,21 @@ export class VmCommands {
       if (err instanceof Error && spec.secrets) err.message = scrub(err.message, Object.values(spec.secrets));
       const cls = classifyHostAgentError(err);
       const reason: VmEndReason = cls === 'capacity' ? 'capacity' : cls === 'host' ? 'host_lost' : 'boot_failure';
-      this.logger.warn({ vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } }, 'boot failed');
+      this.logger.warn(
+        { vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } },
+        'boot failed',
+      );
       await this.fail(vmId, reason === 'host_lost' ? 'boot_failure' : reason, err, actor);
       // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
       if (created || cls !== 'capacity') {
         await agentFor()
           .then((a) => a.destroyVm(sandboxName(vmId), { force: true, timeoutMs: 10_000 }))
-          .catch((e: unknown) => this.logger.warn({ vm_id: vmId, err: { message: (e as Error).message } }, 'could not destroy the sandbox of a failed boot; the reconciler will'));
+          .catch((e: unknown) =>
+            this.logger.warn(
+              { vm_id: vmId, err: { message: (e as Error).message } },
+              'could not destroy the sandbox of a failed boot; the reconciler will',
+            ),
+          );
       }
       await this.releaseCapacity(hostId, vmId, actor);
       throw err;
@@ -225,12 +272,19 @@ export class VmCommands {
       await agent.upload(name, path, Buffer.from(content, 'base64'));
     }
     if (spec.startup_script) {
-      const timeoutMs = spec.startup_script_timeout_s !== undefined ? spec.startup_script_timeout_s * 1000 : this.config.startupScriptTimeoutMs;
+      const timeoutMs =
+        spec.startup_script_timeout_s !== undefined ? spec.startup_script_timeout_s * 1000 : this.config.startupScriptTimeoutMs;
       await agent.upload(name, `${RESERVED_GUEST_DIR}/startup.sh`, Buffer.from(spec.startup_script), { mode: '0755' });
-      const r = await agent.exec(name, { argv: ['/bin/sh', `${RESERVED_GUEST_DIR}/startup.sh`], timeout_ms: timeoutMs }, { timeoutMs: timeoutMs + 10_000 });
+      const r = await agent.exec(
+        name,
+        { argv: ['/bin/sh', `${RESERVED_GUEST_DIR}/startup.sh`], timeout_ms: timeoutMs },
+        { timeoutMs: timeoutMs + 10_000 },
+      );
       if (r.timed_out) throw new AppError('STARTUP_SCRIPT_TIMEOUT', 504, `startup script did not finish within ${timeoutMs} ms`);
       if (r.exit_code !== 0) {
-        throw new AppError('STARTUP_SCRIPT_FAILED', 422, `startup script exited with code ${r.exit_code}: ${tail(r.stderr || r.stdout)}`, { exit_code: r.exit_code });
+        throw new AppError('STARTUP_SCRIPT_FAILED', 422, `startup script exited with code ${r.exit_code}: ${tail(r.stderr || r.stdout)}`, {
+          exit_code: r.exit_code,
+        });
       }
     }
   }
@@ -254,20 +308,35 @@ export class VmCommands {
   async get(vmId: string, actor: Pick<Actor, 'tenantId' | 'admin'>): Promise<ExistingVmState> {
     if (!/^[a-z0-9-]{1,64}$/.test(vmId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
     const { state } = await this.vmHandler.load(vmId);
-    if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId)) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`, { vm_id: vmId });
+    if (state.status === 'initial' || (!actor.admin && state.tenant_id !== actor.tenantId))
+      throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`, { vm_id: vmId });
     return state;
   }
 
-  async exec(vmId: string, req: { argv: string[]; env?: Record<string, string>; cwd?: string; timeout_ms?: number; stdin?: string }, actor: Actor): Promise<ExecResult> {
+  async exec(
+    vmId: string,
+    req: { argv: string[]; env?: Record<string, string>; cwd?: string; timeout_ms?: number; stdin?: string },
+    actor: Actor,
+  ): Promise<ExecResult> {
     const { vm, agent } = await this.running(vmId, actor);
-    const timeoutMs = Math.min(req.timeout_ms && req.timeout_ms > 0 ? req.timeout_ms : this.config.execDefaultTimeoutMs, this.config.execMaxTimeoutMs);
+    const timeoutMs = Math.min(
+      req.timeout_ms && req.timeout_ms > 0 ? req.timeout_ms : this.config.execDefaultTimeoutMs,
+      this.config.execMaxTimeoutMs,
+    );
     this.touch(vm, actor);
-    return agent.exec(sandboxName(vmId), { argv: req.argv, env: req.env ?? {}, cwd: req.cwd, timeout_ms: timeoutMs, stdin: req.stdin }, { timeoutMs: timeoutMs + 15_000 });
+    return agent.exec(
+      sandboxName(vmId),
+      { argv: req.argv, env: req.env ?? {}, cwd: req.cwd, timeout_ms: timeoutMs, stdin: req.stdin },
+      { timeoutMs: timeoutMs + 15_000 },
+    );
   }
 
   async execStream(vmId: string, start: ExecStreamStart, actor: Actor): Promise<AgentStream> {
     const { vm, agent } = await this.running(vmId, actor);
-    const timeoutMs = Math.min(start.timeout_ms && start.timeout_ms > 0 ? start.timeout_ms : this.config.execDefaultTimeoutMs, this.config.execMaxTimeoutMs);
+    const timeoutMs = Math.min(
+      start.timeout_ms && start.timeout_ms > 0 ? start.timeout_ms : this.config.execDefaultTimeoutMs,
+      this.config.execMaxTimeoutMs,
+    );
     this.touch(vm, actor);
     return agent.execStream(sandboxName(vmId), { ...start, timeout_ms: timeoutMs });
   }
@@ -278,7 +347,12 @@ export class VmCommands {
     return agent.attach(sandboxName(vmId), start);
   }
 
-  async upload(vmId: string, path: string, data: Uint8Array | AsyncIterable<Uint8Array>, actor: Actor): Promise<{ path: string; size_bytes: number }> {
+  async upload(
+    vmId: string,
+    path: string,
+    data: Uint8Array | AsyncIterable<Uint8Array>,
+    actor: Actor,
+  ): Promise<{ path: string; size_bytes: number }> {
     assertCallerPath(path);
     const { agent } = await this.running(vmId, actor);
     return agent.upload(sandboxName(vmId), path, data);
@@ -293,7 +367,10 @@ export class VmCommands {
   private async running(vmId: string, actor: Actor): Promise<{ vm: ExistingVmState; agent: HostAgent }> {
     const vm = await this.get(vmId, actor);
     if (vm.status !== 'running' || !vm.host_id) {
-      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: exec, attach and files need a running VM`, { vm_id: vmId, status: vm.status });
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: exec, attach and files need a running VM`, {
+        vm_id: vmId,
+        status: vm.status,
+      });
     }
     return { vm, agent: await this.hosts.agentFor(vm.host_id) };
   }
@@ -311,9 +388,11 @@ export class VmCommands {
 
   private async fail(vmId: string, reason: VmEndReason, err: unknown, actor: Actor): Promise<void> {
     const e = err instanceof AppError ? err : undefined;
-    await this.run(vmId, { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as Error).message ?? String(err), error_code: e?.code } }, actor).catch((failErr: unknown) =>
-      this.logger.error({ vm_id: vmId, err: failErr }, 'could not record a VM failure; the reconciler will'),
-    );
+    await this.run(
+      vmId,
+      { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as Error).message ?? String(err), error_code: e?.code } },
+      actor,
+    ).catch((failErr: unknown) => this.logger.error({ vm_id: vmId, err: failErr }, 'could not record a VM failure; the reconciler will'));
   }
 
   async releaseCapacity(hostId: string, vmId: string, meta: CommandMeta): Promise<void> {
@@ -342,13 +421,21 @@ function tail(s: string, n = 500): string {
 function assertNormalisedPath(path: string): void {
   const segments = path.slice(1).split('/');
   if (!path.startsWith('/') || path.includes('\0') || segments.some((s) => s === '' || s === '.' || s === '..')) {
-    throw new ValidationError(`path ${JSON.stringify(path)} must be absolute and normalised (no "..", ".", or empty segments)`, [{ path: 'querystring.path', message: 'not an absolute normalised path' }], 'INVALID_GUEST_PATH');
+    throw new ValidationError(
+      `path ${JSON.stringify(path)} must be absolute and normalised (no "..", ".", or empty segments)`,
+      [{ path: 'querystring.path', message: 'not an absolute normalised path' }],
+      'INVALID_GUEST_PATH',
+    );
   }
 }
 
 function assertCallerPath(path: string): void {
   assertNormalisedPath(path);
   if (path === RESERVED_GUEST_DIR || path.startsWith(`${RESERVED_GUEST_DIR}/`)) {
-    throw new ValidationError(`${path} is under ${RESERVED_GUEST_DIR}, reserved for the fleet's own files`, [{ path: 'querystring.path', message: 'reserved' }], 'RESERVED_GUEST_PATH');
+    throw new ValidationError(
+      `${path} is under ${RESERVED_GUEST_DIR}, reserved for the fleet's own files`,
+      [{ path: 'querystring.path', message: 'reserved' }],
+      'RESERVED_GUEST_PATH',
+    );
   }
 }

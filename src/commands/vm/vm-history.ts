@@ -12,7 +12,9 @@ export function eventTime(e: RecordedEvent): string {
 }
 
 export function upTo(events: readonly RecordedEvent[], asOf: AsOf): RecordedEvent[] {
-  return 'position' in asOf ? events.filter((e) => e.position <= asOf.position) : events.filter((e) => Date.parse(eventTime(e)) <= asOf.time.getTime());
+  return 'position' in asOf
+    ? events.filter((e) => e.position <= asOf.position)
+    : events.filter((e) => Date.parse(eventTime(e)) <= asOf.time.getTime());
 }
 
 /**

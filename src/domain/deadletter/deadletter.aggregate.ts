@@ -14,4 +14,8 @@ export function decodeDeadLetterEvent(r: RecordedEvent): DeadLetterEvent | undef
   return isDeadLetterEventType(r.type) ? parseDeadLetterEvent(r.type, r.data) : undefined;
 }
 
-export const deadLetterAggregate: Aggregate<DeadLetterCommand, DeadLetterEvent, DeadLetterState> = { streamName: deadLetterStream, decode: decodeDeadLetterEvent, decider: deadLetterDecider };
+export const deadLetterAggregate: Aggregate<DeadLetterCommand, DeadLetterEvent, DeadLetterState> = {
+  streamName: deadLetterStream,
+  decode: decodeDeadLetterEvent,
+  decider: deadLetterDecider,
+};

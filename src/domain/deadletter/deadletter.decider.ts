@@ -18,7 +18,10 @@ export type DeadLetterCommand =
       };
     }
   | { readonly type: 'RetryDeadLetter'; readonly data: { readonly id: string; readonly actor: string } }
-  | { readonly type: 'DiscardDeadLetter'; readonly data: { readonly id: string; readonly actor: string; readonly note?: string | undefined } }
+  | {
+      readonly type: 'DiscardDeadLetter';
+      readonly data: { readonly id: string; readonly actor: string; readonly note?: string | undefined };
+    }
   | { readonly type: 'ResolveDeadLetter'; readonly data: { readonly id: string; readonly outcome: 'succeeded' | 'gone' } };
 
 /**
@@ -55,18 +58,30 @@ export function decideDeadLetter(command: DeadLetterCommand, state: DeadLetterSt
       if (state.status === 'open' || state.status === 'discarded') return [];
       const d = command.data;
       const retry_count = (state.status === 'retrying' ? state.retry_count : 0) + d.retry_count;
-      return [{ type: 'DeadLettered', data: compact({ ...d, retry_count, first_failed_at: state.status === 'none' || state.status === 'resolved' ? d.first_failed_at : state.first_failed_at, at }) }];
+      return [
+        {
+          type: 'DeadLettered',
+          data: compact({
+            ...d,
+            retry_count,
+            first_failed_at: state.status === 'none' || state.status === 'resolved' ? d.first_failed_at : state.first_failed_at,
+            at,
+          }),
+        },
+      ];
     }
     case 'RetryDeadLetter': {
       if (state.status === 'none') throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`, { id });
       if (state.status === 'retrying') return [];
-      if (state.status === 'resolved') throw new ConflictError('DEAD_LETTER_RESOLVED', `dead letter ${id} is already resolved: nothing to retry`, { id });
+      if (state.status === 'resolved')
+        throw new ConflictError('DEAD_LETTER_RESOLVED', `dead letter ${id} is already resolved: nothing to retry`, { id });
       return [{ type: 'DeadLetterRetryRequested', data: { id, actor: command.data.actor, at } }];
     }
     case 'DiscardDeadLetter': {
       if (state.status === 'none') throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`, { id });
       if (state.status === 'discarded') return [];
-      if (state.status === 'resolved') throw new ConflictError('DEAD_LETTER_RESOLVED', `dead letter ${id} is already resolved: nothing to discard`, { id });
+      if (state.status === 'resolved')
+        throw new ConflictError('DEAD_LETTER_RESOLVED', `dead letter ${id} is already resolved: nothing to discard`, { id });
       return [{ type: 'DeadLetterDiscarded', data: compact({ id, actor: command.data.actor, note: command.data.note, at }) }];
     }
     case 'ResolveDeadLetter': {

@@ -48,7 +48,12 @@ export const deadLetterResolvedSchema = z.object({
   data: z.object({ id: idSchema, outcome: z.enum(['succeeded', 'gone']), at }),
 });
 
-export const deadLetterEventSchema = z.discriminatedUnion('type', [deadLetteredSchema, deadLetterRetryRequestedSchema, deadLetterDiscardedSchema, deadLetterResolvedSchema]);
+export const deadLetterEventSchema = z.discriminatedUnion('type', [
+  deadLetteredSchema,
+  deadLetterRetryRequestedSchema,
+  deadLetterDiscardedSchema,
+  deadLetterResolvedSchema,
+]);
 export type DeadLetterEvent = z.infer<typeof deadLetterEventSchema>;
 export type DeadLetterEventType = DeadLetterEvent['type'];
 export const DEADLETTER_EVENT_TYPES: readonly DeadLetterEventType[] = deadLetterEventSchema.options.map((o) => o.shape.type.value);

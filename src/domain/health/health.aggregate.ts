@@ -10,4 +10,8 @@ export function decodeHealthEvent(r: RecordedEvent): HealthEvent | undefined {
   return isHealthEventType(r.type) ? parseHealthEvent(r.type, r.data) : undefined;
 }
 
-export const healthAggregate: Aggregate<HealthCommand, HealthEvent, VmHealthState> = { streamName: vmHealthStream, decode: decodeHealthEvent, decider: healthDecider };
+export const healthAggregate: Aggregate<HealthCommand, HealthEvent, VmHealthState> = {
+  streamName: vmHealthStream,
+  decode: decodeHealthEvent,
+  decider: healthDecider,
+};

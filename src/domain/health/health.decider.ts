@@ -6,7 +6,9 @@ export type HealthCommand = {
   readonly data: { readonly vm_id: string; readonly state: HealthState; readonly failures: number; readonly message: string };
 };
 
-export type VmHealthState = { readonly status: 'unknown' } | { readonly status: HealthState; readonly since: string; readonly failures: number; readonly message: string };
+export type VmHealthState =
+  | { readonly status: 'unknown' }
+  | { readonly status: HealthState; readonly since: string; readonly failures: number; readonly message: string };
 
 export const initialVmHealthState: VmHealthState = { status: 'unknown' };
 
@@ -14,7 +16,12 @@ export const initialVmHealthState: VmHealthState = { status: 'unknown' };
 export function decideHealth(command: HealthCommand, state: VmHealthState, ctx: DecideContext): HealthEvent[] {
   const d = command.data;
   if (state.status === d.state) return [];
-  return [{ type: 'VmHealthChanged', data: { vm_id: d.vm_id, state: d.state, since: ctx.now.toISOString(), failures: d.failures, message: d.message.slice(0, 2000) } }];
+  return [
+    {
+      type: 'VmHealthChanged',
+      data: { vm_id: d.vm_id, state: d.state, since: ctx.now.toISOString(), failures: d.failures, message: d.message.slice(0, 2000) },
+    },
+  ];
 }
 
 export function evolveHealth(_state: VmHealthState, event: HealthEvent): VmHealthState {
@@ -43,7 +50,13 @@ export const HEALTH_DEFAULTS = { interval_seconds: 30, timeout_seconds: 5, retri
  * `retries` consecutive failures make it `unhealthy`, fewer keep the previous
  * verdict (or `starting` before the first).
  */
-export function nextHealth(previous: HealthState | 'unknown', passed: boolean, failures: number, spec: HealthcheckSpec, sinceBootMs: number): HealthState {
+export function nextHealth(
+  previous: HealthState | 'unknown',
+  passed: boolean,
+  failures: number,
+  spec: HealthcheckSpec,
+  sinceBootMs: number,
+): HealthState {
   if (passed) return 'healthy';
   const startPeriodMs = (spec.start_period_seconds ?? HEALTH_DEFAULTS.start_period_seconds) * 1000;
   if (sinceBootMs < startPeriodMs) return previous === 'unknown' ? 'starting' : previous;

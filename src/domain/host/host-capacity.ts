@@ -34,13 +34,20 @@ export function applyCapacityOverrides(probed: HostCapacity, overrides: Capacity
     for (const m of probed.mig_instances) byProfile[m.profile] = (byProfile[m.profile] ?? 0) + 1;
     cap.mig_profiles = byProfile;
     if (overrides.mig_profiles !== undefined) {
-      problems.push({ path: 'overrides.mig_profiles', message: `the agent reports ${probed.mig_instances.length} MIG instances by uuid; drop the mig_profiles override` });
+      problems.push({
+        path: 'overrides.mig_profiles',
+        message: `the agent reports ${probed.mig_instances.length} MIG instances by uuid; drop the mig_profiles override`,
+      });
     }
   } else if (overrides.mig_profiles !== undefined) {
     cap.mig_profiles = { ...overrides.mig_profiles };
   }
 
-  if (problems.length > 0) throw new ValidationError(`capacity overrides conflict with the host's reported inventory: ${problems.map((p) => `${p.path}: ${p.message}`).join('; ')}`, problems);
+  if (problems.length > 0)
+    throw new ValidationError(
+      `capacity overrides conflict with the host's reported inventory: ${problems.map((p) => `${p.path}: ${p.message}`).join('; ')}`,
+      problems,
+    );
   return cap;
 }
 

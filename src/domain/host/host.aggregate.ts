@@ -13,4 +13,8 @@ export function decodeHostEvent(r: RecordedEvent): HostEvent | undefined {
   return isHostEventType(r.type) ? parseHostEvent(r.type, r.data) : undefined;
 }
 
-export const hostAggregate: Aggregate<HostCommand, HostEvent, HostState> = { streamName: hostStream, decode: decodeHostEvent, decider: hostDecider };
+export const hostAggregate: Aggregate<HostCommand, HostEvent, HostState> = {
+  streamName: hostStream,
+  decode: decodeHostEvent,
+  decider: hostDecider,
+};

@@ -76,7 +76,10 @@ export type HostCommand =
   | { readonly type: 'ReserveCapacity'; readonly data: ReserveCapacityData }
   | { readonly type: 'ReleaseCapacity'; readonly data: { readonly host_id: string; readonly vm_id: string } }
   /** `previous`: the ciphertext it replaces; a reseal that lost a race to another is a no-op. */
-  | { readonly type: 'ResealHostToken'; readonly data: { readonly host_id: string; readonly previous: string; readonly token_encrypted: string } };
+  | {
+      readonly type: 'ResealHostToken';
+      readonly data: { readonly host_id: string; readonly previous: string; readonly token_encrypted: string };
+    };
 
 // ---------------------------------------------------------------- state
 
@@ -289,7 +292,10 @@ function decideReserve(raw: ReserveCapacityData, state: HostState, at: string): 
     gpuUuids = bindGpus(h, alloc, req);
   }
   if (req.gpus === 0 && ((req.gpu_uuids?.length ?? 0) > 0 || (req.mig_instance_uuids?.length ?? 0) > 0)) {
-    throw new GpuBindingUnavailableError(h.host_id, 'uuids given for a reservation without gpus', [...(req.gpu_uuids ?? []), ...(req.mig_instance_uuids ?? [])]);
+    throw new GpuBindingUnavailableError(h.host_id, 'uuids given for a reservation without gpus', [
+      ...(req.gpu_uuids ?? []),
+      ...(req.mig_instance_uuids ?? []),
+    ]);
   }
 
   const reservation: Reservation = compact({
@@ -311,7 +317,8 @@ type ParsedReserve = z.output<typeof reserveCapacityDataSchema>;
 function bindGpus(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve): string[] {
   const given = req.gpu_uuids ?? [];
   if (!hasGpuInventory(h.capacity)) {
-    if (given.length > 0) throw new GpuBindingUnavailableError(h.host_id, 'it tracks GPUs by count and has no device inventory to bind uuids from', given);
+    if (given.length > 0)
+      throw new GpuBindingUnavailableError(h.host_id, 'it tracks GPUs by count and has no device inventory to bind uuids from', given);
     return [];
   }
   if (given.length === 0) {
@@ -334,13 +341,17 @@ function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve): 
   const profile = req.gpu_profile!;
   const given = req.mig_instance_uuids ?? [];
   if (!hasMigInventory(h.capacity)) {
-    if (given.length > 0) throw new GpuBindingUnavailableError(h.host_id, 'it tracks MIG instances by profile count and has no instance inventory', given);
+    if (given.length > 0)
+      throw new GpuBindingUnavailableError(h.host_id, 'it tracks MIG instances by profile count and has no instance inventory', given);
     return [];
   }
   if (given.length === 0) return pickMigInstances(h.capacity, alloc, profile, req.gpu_kind, req.gpus) ?? [];
   const ok = new Set(
     (h.capacity.mig_instances ?? [])
-      .filter((m) => m.profile === profile && kindMatches(m.kind ?? h.capacity.gpu_kind, req.gpu_kind) && !alloc.mig_instance_uuids.includes(m.uuid))
+      .filter(
+        (m) =>
+          m.profile === profile && kindMatches(m.kind ?? h.capacity.gpu_kind, req.gpu_kind) && !alloc.mig_instance_uuids.includes(m.uuid),
+      )
       .map((m) => m.uuid),
   );
   const bad = given.filter((u, i) => !ok.has(u) || given.indexOf(u) !== i);

@@ -34,17 +34,19 @@ export class HostUnschedulableError extends ConflictError {
 export class HostHasVmsError extends ConflictError {
   constructor(hostId: string, vmIds: readonly string[]) {
     const shown = vmIds.slice(0, 10).join(', ') + (vmIds.length > 10 ? `, … (${vmIds.length - 10} more)` : '');
-    super(
-      'HOST_HAS_VMS',
-      `host ${hostId} still holds ${vmIds.length} VM(s) (${shown}): destroy them first or deregister with force`,
-      { host_id: hostId, vm_ids: vmIds.slice(0, 100), vm_count: vmIds.length },
-    );
+    super('HOST_HAS_VMS', `host ${hostId} still holds ${vmIds.length} VM(s) (${shown}): destroy them first or deregister with force`, {
+      host_id: hostId,
+      vm_ids: vmIds.slice(0, 100),
+      vm_count: vmIds.length,
+    });
   }
 }
 
 export class HostAlreadyRegisteredError extends ConflictError {
   constructor(hostId: string, url: string) {
-    super('HOST_ALREADY_REGISTERED', `host ${hostId} is already registered at ${url}: deregister it first to change its url or backend`, { host_id: hostId });
+    super('HOST_ALREADY_REGISTERED', `host ${hostId} is already registered at ${url}: deregister it first to change its url or backend`, {
+      host_id: hostId,
+    });
   }
 }
 

@@ -15,9 +15,28 @@ import { isMigrationEventType, MIGRATION_STEPS, parseMigrationEvent, type Migrat
  * new one.
  */
 export type MigrationCommand =
-  | { readonly type: 'StartMigration'; readonly data: { readonly vm_id: string; readonly from_host_id: string; readonly target_host_id?: string | undefined; readonly live: boolean } }
-  | { readonly type: 'CompleteMigrationStep'; readonly data: { readonly vm_id: string; readonly step: MigrationStep; readonly detail: Record<string, string> } }
-  | { readonly type: 'FailMigration'; readonly data: { readonly vm_id: string; readonly step: MigrationStep; readonly error: string; readonly error_code?: string | undefined } };
+  | {
+      readonly type: 'StartMigration';
+      readonly data: {
+        readonly vm_id: string;
+        readonly from_host_id: string;
+        readonly target_host_id?: string | undefined;
+        readonly live: boolean;
+      };
+    }
+  | {
+      readonly type: 'CompleteMigrationStep';
+      readonly data: { readonly vm_id: string; readonly step: MigrationStep; readonly detail: Record<string, string> };
+    }
+  | {
+      readonly type: 'FailMigration';
+      readonly data: {
+        readonly vm_id: string;
+        readonly step: MigrationStep;
+        readonly error: string;
+        readonly error_code?: string | undefined;
+      };
+    };
 
 export type MigrationState =
   | { readonly status: 'none' }
@@ -45,7 +64,11 @@ function decide(command: MigrationCommand, state: MigrationState, ctx: { now: Da
   switch (command.type) {
     case 'StartMigration': {
       if (state.status === 'in_progress' && ctx.now.getTime() - Date.parse(state.last_at) < ABANDONED_AFTER_MS) {
-        throw new ConflictError('MIGRATION_IN_PROGRESS', `vm ${vm_id} is already being migrated (last step: ${state.last_step ?? 'started'}); wait for it to finish`, { vm_id });
+        throw new ConflictError(
+          'MIGRATION_IN_PROGRESS',
+          `vm ${vm_id} is already being migrated (last step: ${state.last_step ?? 'started'}); wait for it to finish`,
+          { vm_id },
+        );
       }
       return [{ type: 'VmMigrationStarted', data: compact({ ...command.data, at }) }];
     }
@@ -55,7 +78,11 @@ function decide(command: MigrationCommand, state: MigrationState, ctx: { now: Da
       if (step === 'switch') throw new AppError('INTERNAL', 500, `vm ${vm_id}: the switch step is VmMigrated, not a step event`);
       const afterSwitch = indexOf(step) > indexOf('switch');
       if (afterSwitch !== s.switched || indexOf(step) <= indexOf(s.last_step)) {
-        throw new ConflictError('MIGRATION_STEP_OUT_OF_ORDER', `vm ${vm_id}: migration step ${step} cannot follow ${s.last_step ?? 'the start'}${s.switched ? ' after the switch' : ''}`, { vm_id, step, last_step: s.last_step });
+        throw new ConflictError(
+          'MIGRATION_STEP_OUT_OF_ORDER',
+          `vm ${vm_id}: migration step ${step} cannot follow ${s.last_step ?? 'the start'}${s.switched ? ' after the switch' : ''}`,
+          { vm_id, step, last_step: s.last_step },
+        );
       }
       return [{ type: 'VmMigrationStepCompleted', data: { vm_id, step, detail: { ...command.data.detail }, at } }];
     }
@@ -69,18 +96,31 @@ function decide(command: MigrationCommand, state: MigrationState, ctx: { now: Da
 }
 
 function inProgress(state: MigrationState, vmId: string, what: string): Extract<MigrationState, { status: 'in_progress' }> {
-  if (state.status !== 'in_progress') throw new ConflictError('MIGRATION_NOT_IN_PROGRESS', `vm ${vmId} has no migration in progress: cannot ${what}`, { vm_id: vmId });
+  if (state.status !== 'in_progress')
+    throw new ConflictError('MIGRATION_NOT_IN_PROGRESS', `vm ${vmId} has no migration in progress: cannot ${what}`, { vm_id: vmId });
   return state;
 }
 
 function evolve(state: MigrationState, event: MigrationStreamEvent): MigrationState {
   switch (event.type) {
     case 'VmMigrationStarted':
-      return { status: 'in_progress', from_host_id: event.data.from_host_id, target_host_id: event.data.target_host_id, last_step: undefined, switched: false, last_at: event.data.at };
+      return {
+        status: 'in_progress',
+        from_host_id: event.data.from_host_id,
+        target_host_id: event.data.target_host_id,
+        last_step: undefined,
+        switched: false,
+        last_at: event.data.at,
+      };
     case 'VmMigrationStepCompleted':
       if (state.status !== 'in_progress') return state;
       if (event.data.step === 'cleanup') return { status: 'ended' };
-      return { ...state, last_step: event.data.step, last_at: event.data.at, target_host_id: event.data.step === 'place' ? (event.data.detail.host_id ?? state.target_host_id) : state.target_host_id };
+      return {
+        ...state,
+        last_step: event.data.step,
+        last_at: event.data.at,
+        target_host_id: event.data.step === 'place' ? (event.data.detail.host_id ?? state.target_host_id) : state.target_host_id,
+      };
     case 'VmMigrated':
       return state.status === 'in_progress' ? { ...state, last_step: 'switch', switched: true, last_at: event.data.at } : state;
     case 'VmMigrationFailed':
@@ -104,4 +144,8 @@ export function decodeMigrationStreamEvent(r: RecordedEvent): MigrationStreamEve
 }
 
 /** On the VM's own stream, so a migration reads as part of the VM's story. */
-export const migrationAggregate: Aggregate<MigrationCommand, MigrationStreamEvent, MigrationState> = { streamName: vmStream, decode: decodeMigrationStreamEvent, decider: migrationDecider };
+export const migrationAggregate: Aggregate<MigrationCommand, MigrationStreamEvent, MigrationState> = {
+  streamName: vmStream,
+  decode: decodeMigrationStreamEvent,
+  decider: migrationDecider,
+};

@@ -14,9 +14,18 @@ export const MIGRATION_STEPS: readonly MigrationStep[] = migrationStepSchema.opt
 const at = z.iso.datetime({ offset: true });
 
 export const migrationEventSchema = z.discriminatedUnion('type', [
-  z.object({ type: z.literal('VmMigrationStarted'), data: z.object({ vm_id: idSchema, from_host_id: idSchema, target_host_id: idSchema.optional(), live: z.boolean(), at }) }),
-  z.object({ type: z.literal('VmMigrationStepCompleted'), data: z.object({ vm_id: idSchema, step: migrationStepSchema, detail: z.record(z.string(), z.string()), at }) }),
-  z.object({ type: z.literal('VmMigrationFailed'), data: z.object({ vm_id: idSchema, step: migrationStepSchema, error: z.string(), error_code: z.string().optional(), at }) }),
+  z.object({
+    type: z.literal('VmMigrationStarted'),
+    data: z.object({ vm_id: idSchema, from_host_id: idSchema, target_host_id: idSchema.optional(), live: z.boolean(), at }),
+  }),
+  z.object({
+    type: z.literal('VmMigrationStepCompleted'),
+    data: z.object({ vm_id: idSchema, step: migrationStepSchema, detail: z.record(z.string(), z.string()), at }),
+  }),
+  z.object({
+    type: z.literal('VmMigrationFailed'),
+    data: z.object({ vm_id: idSchema, step: migrationStepSchema, error: z.string(), error_code: z.string().optional(), at }),
+  }),
 ]);
 export type MigrationEvent = z.infer<typeof migrationEventSchema>;
 export type MigrationEventType = MigrationEvent['type'];

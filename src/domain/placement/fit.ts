@@ -141,7 +141,12 @@ export function shortfalls(cap: HostCapacity, alloc: HostAllocation, req: Resour
   };
   const cpus = schedulableCpus(cap, cpuOvercommitRatio);
   if (req.cpus > cpus - alloc.cpus) {
-    out.push({ resource: 'cpus', need: req.cpus, free: Math.max(0, cpus - alloc.cpus), ...(cpuOvercommitRatio !== 1 ? { overcommit: { ratio: cpuOvercommitRatio, cores: cap.cpus, schedulable: cpus } } : {}) });
+    out.push({
+      resource: 'cpus',
+      need: req.cpus,
+      free: Math.max(0, cpus - alloc.cpus),
+      ...(cpuOvercommitRatio !== 1 ? { overcommit: { ratio: cpuOvercommitRatio, cores: cap.cpus, schedulable: cpus } } : {}),
+    });
   }
   check('ram_mb', req.ram_mb, cap.ram_mb - alloc.ram_mb);
   check('storage_gb', req.storage_gb, cap.storage_gb - alloc.storage_gb);

@@ -129,7 +129,14 @@ const SCORE_SCALE = 1e6;
  * pool), each (free − need) / capacity, rounded to 1e-6 so equal hosts tie
  * exactly. `spread` takes the most, `binpack` the least.
  */
-function headroomScore(cap: HostCapacity, cpus: number, alloc: HostAllocation, req: ResourceRequest, gpuFree: number, gpuTotal: number): number {
+function headroomScore(
+  cap: HostCapacity,
+  cpus: number,
+  alloc: HostAllocation,
+  req: ResourceRequest,
+  gpuFree: number,
+  gpuTotal: number,
+): number {
   let min = Infinity;
   if (cpus > 0) min = Math.min(min, (cpus - alloc.cpus - req.cpus) / cpus);
   if (cap.ram_mb > 0) min = Math.min(min, (cap.ram_mb - alloc.ram_mb - req.ram_mb) / cap.ram_mb);
@@ -282,7 +289,13 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
   }
 
   if (best === undefined) {
-    const refusal: PlacementRefusal = { hosts: hosts.length, inactive, rejected, best_free: bestFree, ...(cpuOvercommitAtBest ? { cpu_overcommit: cpuOvercommitAtBest } : {}) };
+    const refusal: PlacementRefusal = {
+      hosts: hosts.length,
+      inactive,
+      rejected,
+      best_free: bestFree,
+      ...(cpuOvercommitAtBest ? { cpu_overcommit: cpuOvercommitAtBest } : {}),
+    };
     throw new CapacityExhaustedError(refusalMessage(req, refusal), refusal);
   }
 

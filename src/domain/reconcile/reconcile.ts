@@ -79,13 +79,18 @@ export function decideVm(suspicion: Suspicion, hint: VmHint, vm: VmState, ctx: H
   switch (suspicion) {
     case 'missing':
       // Running before the listing started, yet not listed: the sandbox is gone. Twice in a row.
-      if (vm.status !== 'running' || vm.host_id !== ctx.hostId || Date.parse(vm.transitioned_at) >= ctx.listStarted) return { kind: 'none' };
+      if (vm.status !== 'running' || vm.host_id !== ctx.hostId || Date.parse(vm.transitioned_at) >= ctx.listStarted)
+        return { kind: 'none' };
       return ctx.absentBefore + 1 < 2 ? { kind: 'absent_once' } : { kind: 'fail_missing' };
     case 'stuck': {
       const maxRuntimeMs = maxRuntimeOf(hint, p);
       if (vm.status !== 'running' || now - Date.parse(vm.transitioned_at) <= maxRuntimeMs) return { kind: 'none' };
       const age = now - hint.stateChangedAt;
-      return { kind: 'fail_stuck', reason: hint.maxRuntimeS ? 'max_runtime' : 'stuck', error: `no state change for ${Math.round(age / 1000)} s (limit ${Math.round(maxRuntimeMs / 1000)} s)` };
+      return {
+        kind: 'fail_stuck',
+        reason: hint.maxRuntimeS ? 'max_runtime' : 'stuck',
+        error: `no state change for ${Math.round(age / 1000)} s (limit ${Math.round(maxRuntimeMs / 1000)} s)`,
+      };
     }
     case 'idle': {
       const idleMs = idleOf(hint, p);
@@ -93,11 +98,21 @@ export function decideVm(suspicion: Suspicion, hint: VmHint, vm: VmState, ctx: H
       return { kind: 'destroy_idle', idleMs: now - Date.parse(vm.last_activity_at) };
     }
     case 'half_done': {
-      if (vm.status === 'initial' || vm.host_id !== ctx.hostId || now - Date.parse(vm.transitioned_at) < p.halfDoneGraceMs) return { kind: 'none' };
+      if (vm.status === 'initial' || vm.host_id !== ctx.hostId || now - Date.parse(vm.transitioned_at) < p.halfDoneGraceMs)
+        return { kind: 'none' };
       if (vm.status === 'destroying') return { kind: 'complete_destroy' };
       if (vm.status !== 'placed' && vm.status !== 'booting') return { kind: 'none' };
-      const got = vm.status === 'placed' ? 'capacity was reserved but the boot had not started' : ctx.listed ? 'the sandbox was created but the boot did not finish' : 'the boot had started but no sandbox was created';
-      return { kind: 'roll_back_boot', phase: vm.status, error: `the control plane stopped while this VM was ${vm.status}: ${got}; the reconciler rolled it back` };
+      const got =
+        vm.status === 'placed'
+          ? 'capacity was reserved but the boot had not started'
+          : ctx.listed
+            ? 'the sandbox was created but the boot did not finish'
+            : 'the boot had started but no sandbox was created';
+      return {
+        kind: 'roll_back_boot',
+        phase: vm.status,
+        error: `the control plane stopped while this VM was ${vm.status}: ${got}; the reconciler rolled it back`,
+      };
     }
   }
 }
@@ -108,20 +123,43 @@ export function isAbandonedRequest(vm: VmState, now: number, p: Pick<ReconcilePo
 }
 
 /** A VM migrating to `hostId` whose last step is younger than the grace: its reservation and sandbox there are the migration's. */
-export function isMigratingTo(vm: VmState, migration: MigrationInFlight | undefined, hostId: string, now: number, p: Pick<ReconcilePolicy, 'halfDoneGraceMs'>): boolean {
+export function isMigratingTo(
+  vm: VmState,
+  migration: MigrationInFlight | undefined,
+  hostId: string,
+  now: number,
+  p: Pick<ReconcilePolicy, 'halfDoneGraceMs'>,
+): boolean {
   // Before its `place` step names the target, a migration may already hold a reservation anywhere.
-  return !!migration && (migration.target === undefined || migration.target === hostId) && vm.status === 'running' && now - migration.lastStepAt < p.halfDoneGraceMs;
+  return (
+    !!migration &&
+    (migration.target === undefined || migration.target === hostId) &&
+    vm.status === 'running' &&
+    now - migration.lastStepAt < p.halfDoneGraceMs
+  );
 }
 
 /** A sandbox listed on `hostId` that no live VM there accounts for. */
-export function isOrphan(vm: VmState, migration: MigrationInFlight | undefined, hostId: string, now: number, p: Pick<ReconcilePolicy, 'halfDoneGraceMs'>): boolean {
+export function isOrphan(
+  vm: VmState,
+  migration: MigrationInFlight | undefined,
+  hostId: string,
+  now: number,
+  p: Pick<ReconcilePolicy, 'halfDoneGraceMs'>,
+): boolean {
   if (vm.status !== 'initial' && !isTerminal(vm.status) && vm.host_id === hostId) return false; // ours, the hint lagged
   if (vm.status === 'requested') return false;
   return !isMigratingTo(vm, migration, hostId, now, p);
 }
 
 /** A reservation on `hostId` with no sandbox listed: stale unless its VM is live there, still being placed, or migrating here. */
-export function isStaleReservation(vm: VmState, migration: MigrationInFlight | undefined, hostId: string, now: number, p: Pick<ReconcilePolicy, 'halfDoneGraceMs'>): boolean {
+export function isStaleReservation(
+  vm: VmState,
+  migration: MigrationInFlight | undefined,
+  hostId: string,
+  now: number,
+  p: Pick<ReconcilePolicy, 'halfDoneGraceMs'>,
+): boolean {
   if (vm.status === 'initial' || isTerminal(vm.status)) return true;
   const elsewhere = vm.status !== 'requested' && vm.host_id !== hostId;
   return elsewhere && !isMigratingTo(vm, migration, hostId, now, p);

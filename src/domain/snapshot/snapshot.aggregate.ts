@@ -9,4 +9,8 @@ export function decodeSnapshotEvent(r: RecordedEvent): SnapshotEvent | undefined
   return isSnapshotEventType(r.type) ? parseSnapshotEvent(r.type, r.data) : undefined;
 }
 
-export const snapshotAggregate: Aggregate<SnapshotCommand, SnapshotEvent, SnapshotAggregate> = { streamName: snapshotStream, decode: decodeSnapshotEvent, decider: snapshotDecider };
+export const snapshotAggregate: Aggregate<SnapshotCommand, SnapshotEvent, SnapshotAggregate> = {
+  streamName: snapshotStream,
+  decode: decodeSnapshotEvent,
+  decider: snapshotDecider,
+};

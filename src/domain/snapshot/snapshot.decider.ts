@@ -1,20 +1,53 @@
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
 import { AppError, ConflictError, NotFoundError } from '@fleet/agent-protocol';
-import type { ExportRecord, ExportStatus, SnapshotDeleteReason, SnapshotEvent, SnapshotKind, SnapshotMode, SnapshotState } from './snapshot.events.js';
+import type {
+  ExportRecord,
+  ExportStatus,
+  SnapshotDeleteReason,
+  SnapshotEvent,
+  SnapshotKind,
+  SnapshotMode,
+  SnapshotState,
+} from './snapshot.events.js';
 
 export type RequestSnapshotData = Omit<Extract<SnapshotEvent, { type: 'SnapshotRequested' }>['data'], 'at'>;
 
 export type SnapshotCommand =
   | { readonly type: 'RequestSnapshot'; readonly data: RequestSnapshotData }
-  | { readonly type: 'CompleteSnapshot'; readonly data: { snapshot_id: string; digest: string; size_bytes: number; kind: SnapshotKind; files?: Record<string, string> | undefined } }
+  | {
+      readonly type: 'CompleteSnapshot';
+      readonly data: {
+        snapshot_id: string;
+        digest: string;
+        size_bytes: number;
+        kind: SnapshotKind;
+        files?: Record<string, string> | undefined;
+      };
+    }
   | { readonly type: 'FailSnapshot'; readonly data: { snapshot_id: string; error: string; error_code?: string | undefined } }
-  | { readonly type: 'RecordArtifactMoved'; readonly data: { snapshot_id: string; from_host_id: string; to_host_id: string; size_bytes: number; kind: SnapshotKind; duration_ms: number } }
-  | { readonly type: 'RecordArtifactMoveFailed'; readonly data: { snapshot_id: string; from_host_id: string; to_host_id: string; error: string; error_code?: string | undefined } }
+  | {
+      readonly type: 'RecordArtifactMoved';
+      readonly data: {
+        snapshot_id: string;
+        from_host_id: string;
+        to_host_id: string;
+        size_bytes: number;
+        kind: SnapshotKind;
+        duration_ms: number;
+      };
+    }
+  | {
+      readonly type: 'RecordArtifactMoveFailed';
+      readonly data: { snapshot_id: string; from_host_id: string; to_host_id: string; error: string; error_code?: string | undefined };
+    }
   | { readonly type: 'DropArtifact'; readonly data: { snapshot_id: string; host_id: string } }
   | { readonly type: 'RecordUse'; readonly data: { snapshot_id: string } }
   | { readonly type: 'DeleteSnapshot'; readonly data: { snapshot_id: string; reason: SnapshotDeleteReason; forced: boolean } }
   | { readonly type: 'RequestExport'; readonly data: { snapshot_id: string; destination: string } }
-  | { readonly type: 'UpdateExport'; readonly data: { snapshot_id: string; destination: string; status: ExportStatus; error?: string | undefined } };
+  | {
+      readonly type: 'UpdateExport';
+      readonly data: { snapshot_id: string; destination: string; status: ExportStatus; error?: string | undefined };
+    };
 
 export interface ExistingSnapshot {
   readonly status: SnapshotState;
@@ -54,7 +87,10 @@ function existing(state: SnapshotAggregate, id: string): ExistingSnapshot {
 }
 
 function invalid(s: ExistingSnapshot, what: string): AppError {
-  return new ConflictError('SNAPSHOT_INVALID_STATE', `snapshot ${s.snapshot_id} is ${s.status}: cannot ${what}`, { snapshot_id: s.snapshot_id, state: s.status });
+  return new ConflictError('SNAPSHOT_INVALID_STATE', `snapshot ${s.snapshot_id} is ${s.status}: cannot ${what}`, {
+    snapshot_id: s.snapshot_id,
+    state: s.status,
+  });
 }
 
 export function decideSnapshot(command: SnapshotCommand, state: SnapshotAggregate, ctx: DecideContext): SnapshotEvent[] {
@@ -70,13 +106,27 @@ export function decideSnapshot(command: SnapshotCommand, state: SnapshotAggregat
       if (s.status === 'ready' && s.digest === command.data.digest) return [];
       if (s.status !== 'creating') throw invalid(s, 'complete it');
       const d = command.data;
-      return [{ type: 'SnapshotTaken', data: compact({ snapshot_id, digest: d.digest, size_bytes: d.size_bytes, kind: d.kind, files: d.files && Object.keys(d.files).length ? d.files : undefined, at }) }];
+      return [
+        {
+          type: 'SnapshotTaken',
+          data: compact({
+            snapshot_id,
+            digest: d.digest,
+            size_bytes: d.size_bytes,
+            kind: d.kind,
+            files: d.files && Object.keys(d.files).length ? d.files : undefined,
+            at,
+          }),
+        },
+      ];
     }
     case 'FailSnapshot': {
       const s = existing(state, snapshot_id);
       if (s.status === 'failed' || s.status === 'deleted') return [];
       if (s.status !== 'creating') throw invalid(s, 'fail it');
-      return [{ type: 'SnapshotFailed', data: compact({ snapshot_id, error: command.data.error, error_code: command.data.error_code, at }) }];
+      return [
+        { type: 'SnapshotFailed', data: compact({ snapshot_id, error: command.data.error, error_code: command.data.error_code, at }) },
+      ];
     }
     case 'RecordArtifactMoved': {
       const s = existing(state, snapshot_id);
@@ -158,12 +208,26 @@ export function evolveSnapshot(state: SnapshotAggregate, event: SnapshotEvent): 
   switch (event.type) {
     case 'SnapshotTaken': {
       const d = event.data;
-      return { ...s, status: 'ready', digest: d.digest, size_bytes: d.size_bytes, kind: d.kind, files: d.files ?? {}, holders: [s.host_id], updated_at: d.at, last_used_at: d.at };
+      return {
+        ...s,
+        status: 'ready',
+        digest: d.digest,
+        size_bytes: d.size_bytes,
+        kind: d.kind,
+        files: d.files ?? {},
+        holders: [s.host_id],
+        updated_at: d.at,
+        last_used_at: d.at,
+      };
     }
     case 'SnapshotFailed':
       return { ...s, status: 'failed', last_error: event.data.error, updated_at: event.data.at };
     case 'SnapshotArtifactMoved':
-      return { ...s, holders: s.holders.includes(event.data.to_host_id) ? s.holders : [...s.holders, event.data.to_host_id], updated_at: event.data.at };
+      return {
+        ...s,
+        holders: s.holders.includes(event.data.to_host_id) ? s.holders : [...s.holders, event.data.to_host_id],
+        updated_at: event.data.at,
+      };
     case 'SnapshotArtifactMoveFailed':
       return { ...s, updated_at: event.data.at };
     case 'SnapshotArtifactDropped':
@@ -181,7 +245,9 @@ export function evolveSnapshot(state: SnapshotAggregate, event: SnapshotEvent): 
       const d = event.data;
       return {
         ...s,
-        exports: s.exports.map((e) => (e.destination === d.destination ? compact({ ...e, status: d.status, updated_at: d.at, last_error: d.error }) : e)),
+        exports: s.exports.map((e) =>
+          e.destination === d.destination ? compact({ ...e, status: d.status, updated_at: d.at, last_error: d.error }) : e,
+        ),
         updated_at: d.at,
       };
     }

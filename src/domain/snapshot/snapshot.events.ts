@@ -15,7 +15,9 @@ export const snapshotDeleteReasonSchema = z.enum(['client', 'retention', 'idle',
 export type SnapshotDeleteReason = z.infer<typeof snapshotDeleteReasonSchema>;
 
 /** Layer keys are derived client-side from a recipe: an opaque, URL-safe token. */
-export const layerKeySchema = z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$/, 'a layer key of 1-200 letters, digits, ".", "_", ":" or "-"');
+export const layerKeySchema = z
+  .string()
+  .regex(/^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$/, 'a layer key of 1-200 letters, digits, ".", "_", ":" or "-"');
 export const digestSchema = z.string().regex(/^[0-9a-f]{64}$/, 'a lowercase hex sha256');
 
 const at = z.iso.datetime({ offset: true });
@@ -88,7 +90,14 @@ export const artifactMovedSchema = z.object({
 
 export const artifactMoveFailedSchema = z.object({
   type: z.literal('SnapshotArtifactMoveFailed'),
-  data: z.object({ snapshot_id: idSchema, from_host_id: idSchema, to_host_id: idSchema, error: z.string(), error_code: z.string().optional(), at }),
+  data: z.object({
+    snapshot_id: idSchema,
+    from_host_id: idSchema,
+    to_host_id: idSchema,
+    error: z.string(),
+    error_code: z.string().optional(),
+    at,
+  }),
 });
 
 /** A host's copy removed (GC, or the delete that follows SnapshotDeleted). */
@@ -115,7 +124,13 @@ export const exportRequestedSchema = z.object({
 
 export const exportUpdatedSchema = z.object({
   type: z.literal('SnapshotExportUpdated'),
-  data: z.object({ snapshot_id: idSchema, destination: z.string().min(1).max(2048), status: exportStatusSchema, error: z.string().optional(), at }),
+  data: z.object({
+    snapshot_id: idSchema,
+    destination: z.string().min(1).max(2048),
+    status: exportStatusSchema,
+    error: z.string().optional(),
+    at,
+  }),
 });
 
 export const snapshotEventSchema = z.discriminatedUnion('type', [

@@ -62,9 +62,15 @@ export interface QuotaLimits {
 }
 
 export type TenantCommand =
-  | { readonly type: 'ReserveSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string; limits: QuotaLimits; pool?: QuotaPool; expected_bytes?: number } }
+  | {
+      readonly type: 'ReserveSnapshotQuota';
+      readonly data: { tenant_id: string; snapshot_id: string; limits: QuotaLimits; pool?: QuotaPool; expected_bytes?: number };
+    }
   /** With limits, a size that takes the pool past max_bytes is refused (QUOTA_EXCEEDED) and nothing is appended. */
-  | { readonly type: 'SizeSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string; size_bytes: number; limits?: QuotaLimits } }
+  | {
+      readonly type: 'SizeSnapshotQuota';
+      readonly data: { tenant_id: string; snapshot_id: string; size_bytes: number; limits?: QuotaLimits };
+    }
   | { readonly type: 'ReleaseSnapshotQuota'; readonly data: { tenant_id: string; snapshot_id: string } };
 
 export interface TenantState {
@@ -86,7 +92,13 @@ export function quotaUsage(s: TenantState, pool: QuotaPool = 'snapshots'): { cou
 }
 
 export class QuotaExceededError extends AppError {
-  constructor(tenantId: string, what: 'count' | 'bytes', limits: QuotaLimits, usage: { count: number; bytes: number }, opts: { pool?: QuotaPool; needed_bytes?: number } = {}) {
+  constructor(
+    tenantId: string,
+    what: 'count' | 'bytes',
+    limits: QuotaLimits,
+    usage: { count: number; bytes: number },
+    opts: { pool?: QuotaPool; needed_bytes?: number } = {},
+  ) {
     const pool = opts.pool ?? 'snapshots';
     const limit = what === 'count' ? limits.max_count : limits.max_bytes;
     const used = what === 'count' ? usage.count : usage.bytes;
@@ -123,8 +135,15 @@ export function decideTenant(command: TenantCommand, state: TenantState, ctx: De
       const usage = quotaUsage(state, pool);
       const l = command.data.limits;
       if (l.max_count > 0 && usage.count + 1 > l.max_count) throw new QuotaExceededError(tenant_id, 'count', l, usage, { pool });
-      if (l.max_bytes > 0 && (usage.bytes >= l.max_bytes || usage.bytes + expected > l.max_bytes)) throw new QuotaExceededError(tenant_id, 'bytes', l, usage, { pool, needed_bytes: expected });
-      const data = { tenant_id, snapshot_id, ...(pool === 'builds' ? { pool } : {}), ...(expected > 0 ? { expected_bytes: expected } : {}), at };
+      if (l.max_bytes > 0 && (usage.bytes >= l.max_bytes || usage.bytes + expected > l.max_bytes))
+        throw new QuotaExceededError(tenant_id, 'bytes', l, usage, { pool, needed_bytes: expected });
+      const data = {
+        tenant_id,
+        snapshot_id,
+        ...(pool === 'builds' ? { pool } : {}),
+        ...(expected > 0 ? { expected_bytes: expected } : {}),
+        at,
+      };
       return [{ type: 'SnapshotQuotaReserved', data }];
     }
     case 'SizeSnapshotQuota': {

@@ -44,8 +44,10 @@ export function guestPathProblem(path: string): string | undefined {
   if (path.includes('\0')) return 'must not contain NUL';
   if (path === '/') return 'must name a file, not /';
   const segments = path.slice(1).split('/');
-  if (segments.some((s) => s === '' || s === '.' || s === '..')) return 'must be normalised: no empty, "." or ".." segments and no trailing slash';
-  if (path === RESERVED_GUEST_DIR || path.startsWith(`${RESERVED_GUEST_DIR}/`)) return `is under ${RESERVED_GUEST_DIR}, which is reserved for the fleet's own files`;
+  if (segments.some((s) => s === '' || s === '.' || s === '..'))
+    return 'must be normalised: no empty, "." or ".." segments and no trailing slash';
+  if (path === RESERVED_GUEST_DIR || path.startsWith(`${RESERVED_GUEST_DIR}/`))
+    return `is under ${RESERVED_GUEST_DIR}, which is reserved for the fleet's own files`;
   return undefined;
 }
 
@@ -85,19 +87,28 @@ export const healthcheckSchema = z
 
 /** Secrets are environment variables of the guest: names as a shell takes them, bounded so events stay small. */
 export const SECRET_LIMITS = { maxCount: 64, maxValueBytes: 32 * 1024, maxTotalBytes: 128 * 1024 } as const;
-const secretNameSchema = z.string().regex(/^[A-Za-z_][A-Za-z0-9_]{0,127}$/, 'a secret name is an environment variable name: letters, digits and _, not starting with a digit, up to 128 characters');
+const secretNameSchema = z
+  .string()
+  .regex(
+    /^[A-Za-z_][A-Za-z0-9_]{0,127}$/,
+    'a secret name is an environment variable name: letters, digits and _, not starting with a digit, up to 128 characters',
+  );
 // Messages never quote a value: a refused secret must not come back in the 400 or the log.
 export const secretsSchema = z.record(secretNameSchema, z.string()).superRefine((secrets, ctx) => {
   const entries = Object.entries(secrets);
-  if (entries.length > SECRET_LIMITS.maxCount) ctx.addIssue({ code: 'custom', message: `at most ${SECRET_LIMITS.maxCount} secrets (got ${entries.length})` });
+  if (entries.length > SECRET_LIMITS.maxCount)
+    ctx.addIssue({ code: 'custom', message: `at most ${SECRET_LIMITS.maxCount} secrets (got ${entries.length})` });
   let total = 0;
   for (const [name, value] of entries) {
     const bytes = Buffer.byteLength(value, 'utf8') + Buffer.byteLength(name, 'utf8');
     total += bytes;
-    if (Buffer.byteLength(value, 'utf8') > SECRET_LIMITS.maxValueBytes) ctx.addIssue({ code: 'custom', path: [name], message: `a secret value is at most ${SECRET_LIMITS.maxValueBytes} bytes` });
-    if (value.includes('\0')) ctx.addIssue({ code: 'custom', path: [name], message: 'a secret value must not contain NUL (it becomes an environment variable)' });
+    if (Buffer.byteLength(value, 'utf8') > SECRET_LIMITS.maxValueBytes)
+      ctx.addIssue({ code: 'custom', path: [name], message: `a secret value is at most ${SECRET_LIMITS.maxValueBytes} bytes` });
+    if (value.includes('\0'))
+      ctx.addIssue({ code: 'custom', path: [name], message: 'a secret value must not contain NUL (it becomes an environment variable)' });
   }
-  if (total > SECRET_LIMITS.maxTotalBytes) ctx.addIssue({ code: 'custom', message: `secrets total ${total} bytes, above the limit of ${SECRET_LIMITS.maxTotalBytes}` });
+  if (total > SECRET_LIMITS.maxTotalBytes)
+    ctx.addIssue({ code: 'custom', message: `secrets total ${total} bytes, above the limit of ${SECRET_LIMITS.maxTotalBytes}` });
 });
 
 /**
@@ -106,51 +117,59 @@ export const secretsSchema = z.record(secretNameSchema, z.string()).superRefine(
  * refuses them; the fleet's numeric limits are applied by `validateVmSpec`.
  */
 const vmSpecObject = z.object({
-    name: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$/, 'a name: letters, digits and ._-, up to 63 characters').optional(),
-    cpus: z.number().int().default(1),
-    ram_mb: z.number().int().default(512),
-    storage_gb: z.number().int().default(1),
-    region: z.string().max(64).optional(),
-    arch: archSchema.optional(),
-    gpus: z.number().int().nonnegative().default(0),
-    gpu_kind: z.string().min(1).max(64).optional(),
-    gpu_profile: z.string().min(1).max(64).optional(),
-    host_id: idSchema.optional(),
-    labels: labelsSchema.optional(),
-    max_runtime_s: z.number().int().nonnegative().optional(),
-    idle_timeout_s: z.number().int().nonnegative().optional(),
-    image: z.string().min(1).max(256).optional(),
-    seed_snapshot_id: idSchema.optional(),
-    pinned_host_id: idSchema.optional(),
-    backend: hostBackendSchema.optional(),
-    startup_script: z.string().max(256 * 1024, 'at most 256 KiB; upload larger scripts as files').optional(),
-    startup_script_timeout_s: z.number().positive().optional(),
-    files: guestFilesSchema.optional(),
-    agent: agentSpecSchema.optional(),
-    expose: z.array(exposeSchema).max(32).optional(),
-    healthcheck: healthcheckSchema.optional(),
-    net_raw: z.boolean().optional(),
-    secrets: secretsSchema.optional(),
-  });
+  name: z
+    .string()
+    .regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$/, 'a name: letters, digits and ._-, up to 63 characters')
+    .optional(),
+  cpus: z.number().int().default(1),
+  ram_mb: z.number().int().default(512),
+  storage_gb: z.number().int().default(1),
+  region: z.string().max(64).optional(),
+  arch: archSchema.optional(),
+  gpus: z.number().int().nonnegative().default(0),
+  gpu_kind: z.string().min(1).max(64).optional(),
+  gpu_profile: z.string().min(1).max(64).optional(),
+  host_id: idSchema.optional(),
+  labels: labelsSchema.optional(),
+  max_runtime_s: z.number().int().nonnegative().optional(),
+  idle_timeout_s: z.number().int().nonnegative().optional(),
+  image: z.string().min(1).max(256).optional(),
+  seed_snapshot_id: idSchema.optional(),
+  pinned_host_id: idSchema.optional(),
+  backend: hostBackendSchema.optional(),
+  startup_script: z
+    .string()
+    .max(256 * 1024, 'at most 256 KiB; upload larger scripts as files')
+    .optional(),
+  startup_script_timeout_s: z.number().positive().optional(),
+  files: guestFilesSchema.optional(),
+  agent: agentSpecSchema.optional(),
+  expose: z.array(exposeSchema).max(32).optional(),
+  healthcheck: healthcheckSchema.optional(),
+  net_raw: z.boolean().optional(),
+  secrets: secretsSchema.optional(),
+});
 
-export const vmSpecSchema = vmSpecObject
-  .strict()
-  .superRefine((s, ctx) => {
-    if (s.image !== undefined && s.seed_snapshot_id !== undefined) {
-      ctx.addIssue({ code: 'custom', path: ['seed_snapshot_id'], message: 'image and seed_snapshot_id are mutually exclusive: set one' });
-    }
-    if (s.gpus === 0 && s.gpu_kind !== undefined) ctx.addIssue({ code: 'custom', path: ['gpu_kind'], message: 'gpu_kind needs gpus > 0' });
-    if (s.gpus === 0 && s.gpu_profile !== undefined) ctx.addIssue({ code: 'custom', path: ['gpu_profile'], message: 'gpu_profile needs gpus > 0' });
-    if (s.startup_script_timeout_s !== undefined && s.startup_script === undefined) {
-      ctx.addIssue({ code: 'custom', path: ['startup_script_timeout_s'], message: 'startup_script_timeout_s needs a startup_script' });
-    }
-    const seen = new Set<string>();
-    const all = [...(s.expose ?? []).map((e, i) => ({ e, path: ['expose', i, 'as'] })), ...(s.agent?.expose ?? []).map((e, i) => ({ e, path: ['agent', 'expose', i, 'as'] }))];
-    for (const { e, path } of all) {
-      if (seen.has(e.as)) ctx.addIssue({ code: 'custom', path, message: `expose label "${e.as}" is used twice; labels must be unique` });
-      seen.add(e.as);
-    }
-  });
+export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
+  if (s.image !== undefined && s.seed_snapshot_id !== undefined) {
+    ctx.addIssue({ code: 'custom', path: ['seed_snapshot_id'], message: 'image and seed_snapshot_id are mutually exclusive: set one' });
+  }
+  if (s.gpus === 0 && s.gpu_kind !== undefined) ctx.addIssue({ code: 'custom', path: ['gpu_kind'], message: 'gpu_kind needs gpus > 0' });
+  if (s.gpus === 0 && s.gpu_profile !== undefined)
+    ctx.addIssue({ code: 'custom', path: ['gpu_profile'], message: 'gpu_profile needs gpus > 0' });
+  if (s.startup_script_timeout_s !== undefined && s.startup_script === undefined) {
+    ctx.addIssue({ code: 'custom', path: ['startup_script_timeout_s'], message: 'startup_script_timeout_s needs a startup_script' });
+  }
+  const seen = new Set<string>();
+  const all = [
+    ...(s.expose ?? []).map((e, i) => ({ e, path: ['expose', i, 'as'] })),
+    ...(s.agent?.expose ?? []).map((e, i) => ({ e, path: ['agent', 'expose', i, 'as'] })),
+  ];
+  for (const { e, path } of all) {
+    if (seen.has(e.as)) ctx.addIssue({ code: 'custom', path, message: `expose label "${e.as}" is used twice; labels must be unique` });
+    seen.add(e.as);
+  }
+});
 export type VmSpecInput = z.input<typeof vmSpecSchema>;
 export type VmSpec = z.output<typeof vmSpecSchema>;
 
@@ -170,7 +189,12 @@ export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, 
   secrets_encrypted: z.string().optional(),
   agent: agentSpecSchema
     .omit({ files: true, command: true })
-    .extend({ command: z.string().optional(), command_encrypted: z.string().optional(), drain_command_encrypted: z.string().optional(), file_paths: z.array(z.string()).optional() })
+    .extend({
+      command: z.string().optional(),
+      command_encrypted: z.string().optional(),
+      drain_command_encrypted: z.string().optional(),
+      file_paths: z.array(z.string()).optional(),
+    })
     .optional(),
 });
 export type StoredVmSpec = z.output<typeof storedVmSpecSchema>;
@@ -197,7 +221,8 @@ export function toStoredSpec(spec: VmSpec, sealed: SealedSpecFields = {}): Store
   if (agent) {
     const { files: agentFiles, command: _command, drain_command, ...agentRest } = agent;
     stored.agent = { ...agentRest, command_encrypted: required(sealed.agent_command, 'agent.command') };
-    if (drain_command !== undefined && drain_command !== '') stored.agent.drain_command_encrypted = required(sealed.agent_drain_command, 'agent.drain_command');
+    if (drain_command !== undefined && drain_command !== '')
+      stored.agent.drain_command_encrypted = required(sealed.agent_drain_command, 'agent.drain_command');
     if (agentFiles) stored.agent.file_paths = Object.keys(agentFiles).sort();
   }
   return stored;
@@ -225,7 +250,11 @@ export function publicSpec(spec: StoredVmSpec): Record<string, unknown> {
       ...agentRest,
       ...(command !== undefined || command_encrypted !== undefined ? { command: SEALED } : {}),
       // An empty drain command (nothing to run) reads as it is; one that runs something reads sealed.
-      ...(drain_command || drain_command_encrypted !== undefined ? { drain_command: SEALED } : drain_command !== undefined ? { drain_command } : {}),
+      ...(drain_command || drain_command_encrypted !== undefined
+        ? { drain_command: SEALED }
+        : drain_command !== undefined
+          ? { drain_command }
+          : {}),
     };
   }
   return out;
@@ -257,7 +286,9 @@ export const STARTUP_SCRIPT_TIMEOUT_TOO_LARGE = 'STARTUP_SCRIPT_TIMEOUT_TOO_LARG
  */
 export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC_LIMITS): VmSpec {
   const parsed = vmSpecSchema.safeParse(input);
-  const fields: FieldError[] = parsed.success ? [] : parsed.error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
+  const fields: FieldError[] = parsed.success
+    ? []
+    : parsed.error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
   let timeoutTooLarge = false;
   if (parsed.success) {
     const s = parsed.data;
@@ -277,7 +308,8 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     }
     let bytes = 0;
     for (const content of [...Object.values(s.files ?? {}), ...Object.values(s.agent?.files ?? {})]) bytes += base64Bytes(content);
-    if (bytes > limits.maxFilesBytes) fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
+    if (bytes > limits.maxFilesBytes)
+      fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
   }
   if (fields.length > 0) {
     throw new ValidationError(

@@ -22,7 +22,12 @@ export type VmCommand =
     }
   | {
       readonly type: 'PlaceVm';
-      readonly data: { readonly vm_id: string; readonly host_id: string; readonly decision: PlacementDecision; readonly reservation: VmReservation };
+      readonly data: {
+        readonly vm_id: string;
+        readonly host_id: string;
+        readonly decision: PlacementDecision;
+        readonly reservation: VmReservation;
+      };
     }
   | { readonly type: 'StartBoot'; readonly data: { readonly vm_id: string } }
   | {
@@ -53,7 +58,12 @@ export type VmCommand =
     }
   | {
       readonly type: 'FailVm';
-      readonly data: { readonly vm_id: string; readonly reason: VmEndReason; readonly error: string; readonly error_code?: string | undefined };
+      readonly data: {
+        readonly vm_id: string;
+        readonly reason: VmEndReason;
+        readonly error: string;
+        readonly error_code?: string | undefined;
+      };
     };
 
 // ---------------------------------------------------------------- state
@@ -135,7 +145,14 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmRequested',
-          data: compact({ vm_id, spec: toStoredSpec(d.spec, d.sealed), tenant_id: d.tenant_id, task_id: d.task_id, idempotency_key: d.idempotency_key, at }),
+          data: compact({
+            vm_id,
+            spec: toStoredSpec(d.spec, d.sealed),
+            tenant_id: d.tenant_id,
+            task_id: d.task_id,
+            idempotency_key: d.idempotency_key,
+            at,
+          }),
         },
       ];
     }
@@ -165,7 +182,14 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmBooted',
-          data: compact({ vm_id, url: d.url, endpoints: [...d.endpoints], boot_ms: d.boot_ms, auth_token_encrypted: d.auth_token_encrypted, at }),
+          data: compact({
+            vm_id,
+            url: d.url,
+            endpoints: [...d.endpoints],
+            boot_ms: d.boot_ms,
+            auth_token_encrypted: d.auth_token_encrypted,
+            at,
+          }),
         },
       ];
     }
@@ -203,14 +227,16 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
     case 'ConfirmDestroyed': {
       const s = existing(state, vm_id);
       if (s.status === 'destroyed' || s.status === 'failed') return [];
-      if (s.status !== 'destroying') throw new VmInvalidStateError(vm_id, s.status, 'confirm it destroyed', 'request its destruction first');
+      if (s.status !== 'destroying')
+        throw new VmInvalidStateError(vm_id, s.status, 'confirm it destroyed', 'request its destruction first');
       return [{ type: 'VmDestroyed', data: { vm_id, reason: s.destroy_reason, at } }];
     }
 
     case 'CompleteMigration': {
       const s = existing(state, vm_id);
       if (s.status === 'running' && s.host_id === command.data.host_id) return [];
-      if (s.status !== 'running' || s.host_id !== command.data.from_host_id) throw new VmInvalidStateError(vm_id, s.status, 'complete its migration', 'it must still run on the source host');
+      if (s.status !== 'running' || s.host_id !== command.data.from_host_id)
+        throw new VmInvalidStateError(vm_id, s.status, 'complete its migration', 'it must still run on the source host');
       const d = command.data;
       return [{ type: 'VmMigrated', data: { ...d, endpoints: [...d.endpoints], reservation: compact(d.reservation), at } }];
     }
@@ -280,11 +306,27 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
     case 'VmMigrated': {
       if (state.status !== 'running') return state;
       const d = event.data;
-      return { ...state, host_id: d.host_id, decision: d.decision, reservation: d.reservation, url: d.url, endpoints: d.endpoints, last_activity_at: d.at };
+      return {
+        ...state,
+        host_id: d.host_id,
+        decision: d.decision,
+        reservation: d.reservation,
+        url: d.url,
+        endpoints: d.endpoints,
+        last_activity_at: d.at,
+      };
     }
     case 'VmFailed': {
       const d = event.data;
-      return { ...core, status: 'failed', reason: d.reason, error: d.error, error_code: d.error_code, phase: d.phase, transitioned_at: d.at };
+      return {
+        ...core,
+        status: 'failed',
+        reason: d.reason,
+        error: d.error,
+        error_code: d.error_code,
+        phase: d.phase,
+        transitioned_at: d.at,
+      };
     }
     default:
       return assertNever(event, 'vm event');

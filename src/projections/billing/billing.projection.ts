@@ -38,7 +38,8 @@ export function splitUsage(shape: BilledShape, startMs: number, endMs: number): 
     out.push({ hourMs: hour, metric: 'vm_seconds', kind: '', milli: ms });
     out.push({ hourMs: hour, metric: 'cpu_seconds', kind: '', milli: ms * BigInt(shape.cpus) });
     out.push({ hourMs: hour, metric: 'ram_mb_seconds', kind: '', milli: ms * BigInt(shape.ram_mb) });
-    if (shape.gpus > 0) out.push({ hourMs: hour, metric: 'gpu_seconds', kind: shape.gpu_kind || 'unknown', milli: ms * BigInt(shape.gpus) });
+    if (shape.gpus > 0)
+      out.push({ hourMs: hour, metric: 'gpu_seconds', kind: shape.gpu_kind || 'unknown', milli: ms * BigInt(shape.gpus) });
   }
   return out;
 }
@@ -123,11 +124,22 @@ interface OpenRow {
  * are exact integers of milli-units either way.
  */
 async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
-  const relevant = events.filter((e) => BILLED_TYPES.has(e.type) && e.streamId.startsWith('vm-') && isVmEventType(e.type)).map((e) => parseVmEvent(e.type, e.data));
+  const relevant = events
+    .filter((e) => BILLED_TYPES.has(e.type) && e.streamId.startsWith('vm-') && isVmEventType(e.type))
+    .map((e) => parseVmEvent(e.type, e.data));
   if (relevant.length === 0) return;
   const rows = new Map<string, OpenRow | null>();
   const ids = [...new Set(relevant.map((e) => e.data.vm_id))];
-  const loaded = await sql.query<{ vm_id: string; tenant_id: string; cpus: number; ram_mb: number; gpus: number; gpu_kind: string; started_at: Date | null; started_text: string | null }>(
+  const loaded = await sql.query<{
+    vm_id: string;
+    tenant_id: string;
+    cpus: number;
+    ram_mb: number;
+    gpus: number;
+    gpu_kind: string;
+    started_at: Date | null;
+    started_text: string | null;
+  }>(
     `SELECT vm_id, tenant_id, cpus, ram_mb, gpus, gpu_kind, started_at, started_at::text AS started_text FROM billing_vms WHERE vm_id = ANY($1::text[])`,
     [ids],
   );
@@ -152,14 +164,29 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
       case 'VmRequested': {
         if (row) break; // already known: the insert is idempotent
         const sp = event.data.spec;
-        rows.set(id, { tenant_id: event.data.tenant_id, cpus: sp.cpus, ram_mb: sp.ram_mb, gpus: sp.gpus, gpu_kind: sp.gpus > 0 ? (sp.gpu_kind ?? '') : '', started: null, inDb: deleted.has(id), changed: true });
+        rows.set(id, {
+          tenant_id: event.data.tenant_id,
+          cpus: sp.cpus,
+          ram_mb: sp.ram_mb,
+          gpus: sp.gpus,
+          gpu_kind: sp.gpus > 0 ? (sp.gpu_kind ?? '') : '',
+          started: null,
+          inDb: deleted.has(id),
+          changed: true,
+        });
         break;
       }
       case 'VmPlaced': {
         if (!row) break;
         // What the host actually reserved is what is billed (a spec may ask for "any" GPU kind).
         const r = event.data.reservation;
-        Object.assign(row, { cpus: r.cpus, ram_mb: r.ram_mb, gpus: r.gpus, gpu_kind: r.gpus > 0 ? (r.gpu_profile ? `${r.gpu_kind ?? 'unknown'}/${r.gpu_profile}` : (r.gpu_kind ?? '')) : '', changed: true });
+        Object.assign(row, {
+          cpus: r.cpus,
+          ram_mb: r.ram_mb,
+          gpus: r.gpus,
+          gpu_kind: r.gpus > 0 ? (r.gpu_profile ? `${r.gpu_kind ?? 'unknown'}/${r.gpu_profile}` : (r.gpu_kind ?? '')) : '',
+          changed: true,
+        });
         break;
       }
       case 'VmBooted':
@@ -209,7 +236,13 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
       `INSERT INTO billing_usage (tenant_id, hour, metric, kind, quantity)
        SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::text[], $5::numeric[])
        ON CONFLICT (tenant_id, hour, metric, kind) DO UPDATE SET quantity = billing_usage.quantity + EXCLUDED.quantity`,
-      [all.map((u) => u.tenant), all.map((u) => new Date(u.piece.hourMs).toISOString()), all.map((u) => u.piece.metric), all.map((u) => u.piece.kind), all.map((u) => milliToDecimal(u.milli))],
+      [
+        all.map((u) => u.tenant),
+        all.map((u) => new Date(u.piece.hourMs).toISOString()),
+        all.map((u) => u.piece.metric),
+        all.map((u) => u.piece.kind),
+        all.map((u) => milliToDecimal(u.milli)),
+      ],
     );
   }
 }

@@ -106,7 +106,16 @@ export async function queryUsage(sql: Sql, q: UsageQuery): Promise<UsageRow[]> {
 /** CSV with one column per GPU kind present, so a spreadsheet needs no JSON. */
 export function usageCsv(rows: readonly UsageRow[]): string {
   const kinds = [...new Set(rows.flatMap((r) => Object.keys(r.gpu_seconds)))].sort();
-  const header = ['tenant_id', 'period_start', 'vm_seconds', 'cpu_seconds', 'ram_mb_seconds', ...kinds.map((k) => `gpu_seconds:${k}`), 'snapshot_gb_hours', 'includes_running'];
+  const header = [
+    'tenant_id',
+    'period_start',
+    'vm_seconds',
+    'cpu_seconds',
+    'ram_mb_seconds',
+    ...kinds.map((k) => `gpu_seconds:${k}`),
+    'snapshot_gb_hours',
+    'includes_running',
+  ];
   const cell = (v: string | number | boolean): string => {
     const s = String(v);
     return /[",\n\r]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
@@ -114,7 +123,18 @@ export function usageCsv(rows: readonly UsageRow[]): string {
   const lines = [header.map(cell).join(',')];
   for (const r of rows) {
     lines.push(
-      [r.tenant_id, r.period_start, r.vm_seconds, r.cpu_seconds, r.ram_mb_seconds, ...kinds.map((k) => r.gpu_seconds[k] ?? 0), r.snapshot_gb_hours, r.includes_running].map(cell).join(','),
+      [
+        r.tenant_id,
+        r.period_start,
+        r.vm_seconds,
+        r.cpu_seconds,
+        r.ram_mb_seconds,
+        ...kinds.map((k) => r.gpu_seconds[k] ?? 0),
+        r.snapshot_gb_hours,
+        r.includes_running,
+      ]
+        .map(cell)
+        .join(','),
     );
   }
   return `${lines.join('\r\n')}\r\n`;

@@ -43,24 +43,43 @@ export const deadLettersProjection: Projection = {
            VALUES ($1, $2, $3, $4, $5, 'open', $6, $7, $8, $9, $10, $10, $11)
            ON CONFLICT (id) DO UPDATE SET state = 'open', reason = EXCLUDED.reason, error_code = EXCLUDED.error_code, retry_count = EXCLUDED.retry_count,
              last_seen_at = EXCLUDED.last_seen_at, updated_at = EXCLUDED.updated_at, resolution = NULL, actor = NULL, revision = EXCLUDED.revision`,
-          [e.id, e.kind, e.entity_id, e.host_id, e.vm_id ?? null, e.reason, e.error_code ?? null, e.retry_count, e.first_failed_at, e.at, rev],
+          [
+            e.id,
+            e.kind,
+            e.entity_id,
+            e.host_id,
+            e.vm_id ?? null,
+            e.reason,
+            e.error_code ?? null,
+            e.retry_count,
+            e.first_failed_at,
+            e.at,
+            rev,
+          ],
         );
         return;
       }
       case 'DeadLetterRetryRequested':
-        await sql.query(`UPDATE dead_letters SET state = 'retrying', actor = $2, updated_at = $3, revision = $4 WHERE id = $1`, [d.id, event.data.actor, d.at, rev]);
-        return;
-      case 'DeadLetterDiscarded':
-        await sql.query(`UPDATE dead_letters SET state = 'discarded', actor = $2, resolution = $3, updated_at = $4, revision = $5 WHERE id = $1`, [
+        await sql.query(`UPDATE dead_letters SET state = 'retrying', actor = $2, updated_at = $3, revision = $4 WHERE id = $1`, [
           d.id,
           event.data.actor,
-          event.data.note ?? null,
           d.at,
           rev,
         ]);
         return;
+      case 'DeadLetterDiscarded':
+        await sql.query(
+          `UPDATE dead_letters SET state = 'discarded', actor = $2, resolution = $3, updated_at = $4, revision = $5 WHERE id = $1`,
+          [d.id, event.data.actor, event.data.note ?? null, d.at, rev],
+        );
+        return;
       case 'DeadLetterResolved':
-        await sql.query(`UPDATE dead_letters SET state = 'resolved', resolution = $2, updated_at = $3, revision = $4 WHERE id = $1`, [d.id, event.data.outcome, d.at, rev]);
+        await sql.query(`UPDATE dead_letters SET state = 'resolved', resolution = $2, updated_at = $3, revision = $4 WHERE id = $1`, [
+          d.id,
+          event.data.outcome,
+          d.at,
+          rev,
+        ]);
         return;
     }
   },

@@ -29,7 +29,10 @@ function toRow(r: Record<string, unknown>): DeadLetterRow {
 }
 
 /** Newest first; `state` filters (open, retrying, discarded, resolved). */
-export async function listDeadLetters(sql: Sql, opts: { state?: string | undefined; limit: number; after?: { last_seen_at: string; id: string } | undefined }): Promise<DeadLetterRow[]> {
+export async function listDeadLetters(
+  sql: Sql,
+  opts: { state?: string | undefined; limit: number; after?: { last_seen_at: string; id: string } | undefined },
+): Promise<DeadLetterRow[]> {
   const { rows } = await sql.query(
     `SELECT ${COLUMNS} FROM dead_letters
       WHERE ($1::text IS NULL OR state = $1)
@@ -46,6 +49,8 @@ export async function getDeadLetter(sql: Sql, id: string): Promise<DeadLetterRow
 }
 
 export async function countDeadLettersByState(sql: Sql): Promise<Array<{ state: string; kind: string; count: number }>> {
-  const { rows } = await sql.query<{ state: string; kind: string; count: string }>(`SELECT state, kind, count(*) AS count FROM dead_letters GROUP BY state, kind`);
+  const { rows } = await sql.query<{ state: string; kind: string; count: string }>(
+    `SELECT state, kind, count(*) AS count FROM dead_letters GROUP BY state, kind`,
+  );
   return rows.map((r) => ({ state: r.state, kind: r.kind, count: Number(r.count) }));
 }

@@ -15,14 +15,34 @@ export interface LiveVmHintRow {
   last_activity_at: Date;
   max_runtime_s: number | null;
   idle_timeout_s: number | null;
-  healthcheck: { http?: { port: number; path?: string }; exec?: string[]; interval_seconds?: number; timeout_seconds?: number; retries?: number; start_period_seconds?: number } | null;
+  healthcheck: {
+    http?: { port: number; path?: string };
+    exec?: string[];
+    interval_seconds?: number;
+    timeout_seconds?: number;
+    retries?: number;
+    start_period_seconds?: number;
+  } | null;
 }
 
 export async function listLiveVmHints(sql: Sql): Promise<LiveVmHintRow[]> {
-  const { rows } = await sql.query<{ id: string; state: string; host_id: string | null; state_changed_at: Date; last_activity_at: Date; max_runtime_s: string | null; idle_timeout_s: string | null; healthcheck: LiveVmHintRow['healthcheck'] }>(
+  const { rows } = await sql.query<{
+    id: string;
+    state: string;
+    host_id: string | null;
+    state_changed_at: Date;
+    last_activity_at: Date;
+    max_runtime_s: string | null;
+    idle_timeout_s: string | null;
+    healthcheck: LiveVmHintRow['healthcheck'];
+  }>(
     `SELECT id, state, host_id, state_changed_at, last_activity_at,
             (spec->>'max_runtime_s')::bigint AS max_runtime_s, (spec->>'idle_timeout_s')::bigint AS idle_timeout_s, spec->'healthcheck' AS healthcheck
        FROM vms WHERE state NOT IN ('destroyed', 'failed')`,
   );
-  return rows.map((r) => ({ ...r, max_runtime_s: r.max_runtime_s === null ? null : Number(r.max_runtime_s), idle_timeout_s: r.idle_timeout_s === null ? null : Number(r.idle_timeout_s) }));
+  return rows.map((r) => ({
+    ...r,
+    max_runtime_s: r.max_runtime_s === null ? null : Number(r.max_runtime_s),
+    idle_timeout_s: r.idle_timeout_s === null ? null : Number(r.idle_timeout_s),
+  }));
 }

@@ -82,10 +82,27 @@ interface HostRowState {
 }
 
 const HOST_COLUMNS: ReadonlyArray<[keyof HostRowState, string]> = [
-  ['id', 'text'], ['url', 'text'], ['region', 'text'], ['backend', 'text'], ['labels', 'jsonb'], ['capacity', 'jsonb'], ['arch', 'text'],
-  ['cordoned', 'boolean'], ['reachable', 'boolean'], ['deregistered', 'boolean'], ['state', 'text'], ['token_encrypted', 'text'],
-  ['allocated_cpus', 'integer'], ['allocated_ram_mb', 'integer'], ['allocated_storage_gb', 'integer'], ['allocated_vms', 'integer'],
-  ['allocated_gpus', 'integer'], ['revision', 'bigint'], ['last_seen', 'timestamptz'], ['created_at', 'timestamptz'], ['updated_at', 'timestamptz'],
+  ['id', 'text'],
+  ['url', 'text'],
+  ['region', 'text'],
+  ['backend', 'text'],
+  ['labels', 'jsonb'],
+  ['capacity', 'jsonb'],
+  ['arch', 'text'],
+  ['cordoned', 'boolean'],
+  ['reachable', 'boolean'],
+  ['deregistered', 'boolean'],
+  ['state', 'text'],
+  ['token_encrypted', 'text'],
+  ['allocated_cpus', 'integer'],
+  ['allocated_ram_mb', 'integer'],
+  ['allocated_storage_gb', 'integer'],
+  ['allocated_vms', 'integer'],
+  ['allocated_gpus', 'integer'],
+  ['revision', 'bigint'],
+  ['last_seen', 'timestamptz'],
+  ['created_at', 'timestamptz'],
+  ['updated_at', 'timestamptz'],
 ];
 
 /** A (host, vm) reservation as the batch sees it: whether it exists now, and the row to write if this batch made it. */
@@ -103,14 +120,20 @@ interface Hold {
  * re-delivered event changes nothing.
  */
 async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
-  const hostEvents = events.filter((r) => r.streamId.startsWith('host-') && isHostEventType(r.type)).map((r) => ({ r, e: parseHostEvent(r.type, r.data) }));
+  const hostEvents = events
+    .filter((r) => r.streamId.startsWith('host-') && isHostEventType(r.type))
+    .map((r) => ({ r, e: parseHostEvent(r.type, r.data) }));
   if (hostEvents.length === 0) return;
   const ids = [...new Set(hostEvents.map(({ e }) => e.data.host_id))];
   const loaded = await sql.query(`SELECT ${HOST_COLUMNS.map(([c]) => c).join(', ')} FROM hosts WHERE id = ANY($1::text[])`, [ids]);
-  const hosts = new Map<string, HostRowState>(loaded.rows.map((row) => [row.id as string, { ...(row as unknown as HostRowState), revision: String(row.revision) }]));
+  const hosts = new Map<string, HostRowState>(
+    loaded.rows.map((row) => [row.id as string, { ...(row as unknown as HostRowState), revision: String(row.revision) }]),
+  );
 
   const pairKey = (h: string, v: string): string => `${h}\u0000${v}`;
-  const pairs = hostEvents.flatMap(({ e }) => (e.type === 'CapacityReserved' || e.type === 'CapacityReleased' ? [[e.data.host_id, e.data.vm_id] as const] : []));
+  const pairs = hostEvents.flatMap(({ e }) =>
+    e.type === 'CapacityReserved' || e.type === 'CapacityReleased' ? [[e.data.host_id, e.data.vm_id] as const] : [],
+  );
   const holds = new Map<string, Hold>(pairs.map(([h, v]) => [pairKey(h, v), { exists: false }]));
   if (pairs.length > 0) {
     const existing = await sql.query<{ host_id: string; vm_id: string }>(
@@ -130,11 +153,27 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
       const d = e.data;
       const prior = hosts.get(id);
       hosts.set(id, {
-        id, url: d.url, region: d.region, backend: d.backend, labels: d.labels, capacity: d.capacity, arch: d.capacity.arch || 'amd64',
-        cordoned: false, reachable: true, deregistered: false, state: 'active', token_encrypted: d.token_encrypted,
-        allocated_cpus: prior?.allocated_cpus ?? 0, allocated_ram_mb: prior?.allocated_ram_mb ?? 0, allocated_storage_gb: prior?.allocated_storage_gb ?? 0,
-        allocated_vms: prior?.allocated_vms ?? 0, allocated_gpus: prior?.allocated_gpus ?? 0,
-        revision: rev, last_seen: at, created_at: prior?.created_at ?? at, updated_at: at,
+        id,
+        url: d.url,
+        region: d.region,
+        backend: d.backend,
+        labels: d.labels,
+        capacity: d.capacity,
+        arch: d.capacity.arch || 'amd64',
+        cordoned: false,
+        reachable: true,
+        deregistered: false,
+        state: 'active',
+        token_encrypted: d.token_encrypted,
+        allocated_cpus: prior?.allocated_cpus ?? 0,
+        allocated_ram_mb: prior?.allocated_ram_mb ?? 0,
+        allocated_storage_gb: prior?.allocated_storage_gb ?? 0,
+        allocated_vms: prior?.allocated_vms ?? 0,
+        allocated_gpus: prior?.allocated_gpus ?? 0,
+        revision: rev,
+        last_seen: at,
+        created_at: prior?.created_at ?? at,
+        updated_at: at,
       });
       touched.add(id);
       continue;
@@ -180,7 +219,14 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
         row.token_encrypted = e.data.token_encrypted;
         break;
       case 'HostDeregistered':
-        Object.assign(row, { deregistered: true, allocated_cpus: 0, allocated_ram_mb: 0, allocated_storage_gb: 0, allocated_vms: 0, allocated_gpus: 0 });
+        Object.assign(row, {
+          deregistered: true,
+          allocated_cpus: 0,
+          allocated_ram_mb: 0,
+          allocated_storage_gb: 0,
+          allocated_vms: 0,
+          allocated_gpus: 0,
+        });
         break;
       case 'CapacityReserved':
       case 'CapacityReleased':
@@ -197,12 +243,17 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
   if (wiped.size > 0) await sql.query('DELETE FROM host_reservations WHERE host_id = ANY($1::text[])', [[...wiped]]);
   const gone = [...holds].filter(([, h]) => !h.exists).map(([k]) => k.split('\u0000') as [string, string]);
   if (gone.length > 0) {
-    await sql.query(`DELETE FROM host_reservations WHERE (host_id, vm_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))`, [gone.map(([h]) => h), gone.map(([, v]) => v)]);
+    await sql.query(`DELETE FROM host_reservations WHERE (host_id, vm_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))`, [
+      gone.map(([h]) => h),
+      gone.map(([, v]) => v),
+    ]);
   }
-  const made = [...holds].filter(([, h]) => h.exists && h.written).map(([k, h]) => {
-    const [host_id, vm_id] = k.split('\u0000') as [string, string];
-    return { host_id, vm_id, reservation: h.written!.reservation, reserved_at: h.written!.at };
-  });
+  const made = [...holds]
+    .filter(([, h]) => h.exists && h.written)
+    .map(([k, h]) => {
+      const [host_id, vm_id] = k.split('\u0000') as [string, string];
+      return { host_id, vm_id, reservation: h.written!.reservation, reserved_at: h.written!.at };
+    });
   if (made.length > 0) {
     await sql.query(
       `INSERT INTO host_reservations (host_id, vm_id, reservation, reserved_at)
@@ -216,7 +267,10 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
     await sql.query(
       `INSERT INTO hosts (${cols.join(', ')})
        SELECT ${cols.map((c) => `r.${c}`).join(', ')} FROM jsonb_to_recordset($1::jsonb) AS r(${HOST_COLUMNS.map(([c, t]) => `${c} ${t}`).join(', ')})
-       ON CONFLICT (id) DO UPDATE SET ${cols.filter((c) => c !== 'id').map((c) => `${c} = EXCLUDED.${c}`).join(', ')}`,
+       ON CONFLICT (id) DO UPDATE SET ${cols
+         .filter((c) => c !== 'id')
+         .map((c) => `${c} = EXCLUDED.${c}`)
+         .join(', ')}`,
       [JSON.stringify([...touched].map((id) => hosts.get(id)!))],
     );
   }

@@ -45,7 +45,10 @@ function toRow(r: Record<string, unknown>): HostRow {
 }
 
 /** Hosts ordered by id, keyset-paginated: `after` is the last id of the previous page. */
-export async function listHosts(sql: Sql, opts: { limit: number; after?: string | undefined; includeDeregistered?: boolean }): Promise<HostRow[]> {
+export async function listHosts(
+  sql: Sql,
+  opts: { limit: number; after?: string | undefined; includeDeregistered?: boolean },
+): Promise<HostRow[]> {
   const { rows } = await sql.query(
     `SELECT ${COLUMNS} FROM hosts
       WHERE ($1::text IS NULL OR id > $1) AND ($2 OR state <> 'deregistered')
@@ -62,7 +65,9 @@ export async function getHost(sql: Sql, id: string): Promise<HostRow | undefined
 
 /** Ids of hosts that can take work, for the placement cache to load. */
 export async function listSchedulableHostIds(sql: Sql): Promise<Array<{ id: string; revision: string }>> {
-  const { rows } = await sql.query<{ id: string; revision: string }>(`SELECT id, revision FROM hosts WHERE state <> 'deregistered' ORDER BY id`);
+  const { rows } = await sql.query<{ id: string; revision: string }>(
+    `SELECT id, revision FROM hosts WHERE state <> 'deregistered' ORDER BY id`,
+  );
   return rows;
 }
 

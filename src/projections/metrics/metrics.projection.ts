@@ -78,7 +78,10 @@ export const EVENT_COUNTERS = {
     help: 'Snapshot state transitions by state and mode (snapshot events; SnapshotCountKey)',
     labels: ['creating', 'ready', 'restoring', 'failed'].flatMap((state) => ['manual', 'build'].map((mode) => ({ state, mode }))),
   },
-  fleet_egress_failures_total: { help: 'Egress provision/teardown failures by provider and operation (EgressMetrics)', labels: [] as Array<Record<string, string>> },
+  fleet_egress_failures_total: {
+    help: 'Egress provision/teardown failures by provider and operation (EgressMetrics)',
+    labels: [] as Array<Record<string, string>>,
+  },
 } as const satisfies Record<string, { help: string; labels: ReadonlyArray<Record<string, string>> }>;
 
 export interface BootHistogram {
@@ -89,7 +92,9 @@ export interface BootHistogram {
 }
 
 export async function bootHistogram(sql: Sql): Promise<BootHistogram> {
-  const { rows } = await sql.query<{ le: number; observations: string; sum_ms: string }>('SELECT le, observations, sum_ms FROM metrics_boot_buckets');
+  const { rows } = await sql.query<{ le: number; observations: string; sum_ms: string }>(
+    'SELECT le, observations, sum_ms FROM metrics_boot_buckets',
+  );
   const by = new Map(rows.map((r) => [Number(r.le), r]));
   let cumulative = 0;
   let sumMs = 0;
@@ -105,7 +110,9 @@ export async function bootHistogram(sql: Sql): Promise<BootHistogram> {
 
 /** Stored counter values; labels are stored as canonical `k=v,k=v` text. */
 export async function eventCounters(sql: Sql): Promise<Array<{ name: string; labels: Record<string, string>; value: number }>> {
-  const { rows } = await sql.query<{ name: string; labels: string; value: number }>('SELECT name, labels, value FROM metrics_counters ORDER BY name, labels');
+  const { rows } = await sql.query<{ name: string; labels: string; value: number }>(
+    'SELECT name, labels, value FROM metrics_counters ORDER BY name, labels',
+  );
   return rows.map((r) => ({
     name: r.name,
     value: Number(r.value),

@@ -67,18 +67,44 @@ export const snapshotsProjection: Projection = {
           `INSERT INTO snapshots (id, tenant_id, vm_id, task_id, host_id, arch, mode, layer_key, state, parent_snapshot_id, comment, metadata, ask, quota_counted, retention_until, revision, created_at, updated_at, last_used_at)
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'creating', $9, $10, $11, $12, $13, $14, $15, $16, $16, $16)
            ON CONFLICT (id) DO NOTHING`,
-          [id, d.tenant_id, d.vm_id, d.task_id ?? null, d.host_id, d.arch, d.mode, d.layer_key ?? null, d.parent_snapshot_id ?? null, d.comment, JSON.stringify(d.metadata), JSON.stringify(d.ask), d.quota_counted, d.retention_until ?? null, rev, at],
+          [
+            id,
+            d.tenant_id,
+            d.vm_id,
+            d.task_id ?? null,
+            d.host_id,
+            d.arch,
+            d.mode,
+            d.layer_key ?? null,
+            d.parent_snapshot_id ?? null,
+            d.comment,
+            JSON.stringify(d.metadata),
+            JSON.stringify(d.ask),
+            d.quota_counted,
+            d.retention_until ?? null,
+            rev,
+            at,
+          ],
         );
         return;
       }
       case 'SnapshotTaken':
-        await update(sql, id, rev, at, `state = 'ready', digest = $4, size_bytes = $5, kind = $6, holders = ARRAY[host_id], last_used_at = $3`, [event.data.digest, event.data.size_bytes, event.data.kind]);
+        await update(
+          sql,
+          id,
+          rev,
+          at,
+          `state = 'ready', digest = $4, size_bytes = $5, kind = $6, holders = ARRAY[host_id], last_used_at = $3`,
+          [event.data.digest, event.data.size_bytes, event.data.kind],
+        );
         return;
       case 'SnapshotFailed':
         await update(sql, id, rev, at, `state = 'failed', last_error = $4`, [event.data.error]);
         return;
       case 'SnapshotArtifactMoved':
-        await update(sql, id, rev, at, `holders = CASE WHEN $4 = ANY(holders) THEN holders ELSE array_append(holders, $4) END`, [event.data.to_host_id]);
+        await update(sql, id, rev, at, `holders = CASE WHEN $4 = ANY(holders) THEN holders ELSE array_append(holders, $4) END`, [
+          event.data.to_host_id,
+        ]);
         return;
       case 'SnapshotArtifactMoveFailed':
         await update(sql, id, rev, at, ``);
@@ -87,7 +113,11 @@ export const snapshotsProjection: Projection = {
         await update(sql, id, rev, at, `holders = array_remove(holders, $4)`, [event.data.host_id]);
         return;
       case 'SnapshotUsed':
-        await sql.query(`UPDATE snapshots SET last_used_at = GREATEST(last_used_at, $3::timestamptz), revision = $2 WHERE id = $1`, [id, rev, at]);
+        await sql.query(`UPDATE snapshots SET last_used_at = GREATEST(last_used_at, $3::timestamptz), revision = $2 WHERE id = $1`, [
+          id,
+          rev,
+          at,
+        ]);
         return;
       case 'SnapshotDeleted':
         await update(sql, id, rev, at, `state = 'deleted'`);

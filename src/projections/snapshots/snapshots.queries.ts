@@ -68,13 +68,28 @@ export async function listSnapshots(sql: Sql, f: SnapshotFilter): Promise<Snapsh
         AND ($9::timestamptz IS NULL OR (created_at, id) < ($9::timestamptz, $10::text))
       ORDER BY created_at DESC, id DESC
       LIMIT $11`,
-    [f.tenantId ?? null, f.vmId ?? null, f.taskId ?? null, f.state ?? null, f.mode ?? null, f.layerKey ?? null, f.arch ?? null, f.name ?? null, f.after?.created_at ?? null, f.after?.id ?? null, f.limit],
+    [
+      f.tenantId ?? null,
+      f.vmId ?? null,
+      f.taskId ?? null,
+      f.state ?? null,
+      f.mode ?? null,
+      f.layerKey ?? null,
+      f.arch ?? null,
+      f.name ?? null,
+      f.after?.created_at ?? null,
+      f.after?.id ?? null,
+      f.limit,
+    ],
   );
   return rows.map(toRow);
 }
 
 export async function getSnapshot(sql: Sql, id: string, tenantId: string | undefined): Promise<SnapshotRow | undefined> {
-  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM snapshots WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)`, [id, tenantId ?? null]);
+  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM snapshots WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)`, [
+    id,
+    tenantId ?? null,
+  ]);
   return rows[0] ? toRow(rows[0]) : undefined;
 }
 
@@ -114,13 +129,19 @@ export async function snapshotQuotaUsage(sql: Sql, tenantId: string): Promise<{ 
 
 /** The VM's newest ready snapshot with lineage semantics (what a new snapshot's parent is). */
 export async function latestReadySnapshotOfVm(sql: Sql, vmId: string): Promise<SnapshotRow | undefined> {
-  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM snapshots WHERE vm_id = $1 AND state = 'ready' AND mode IN ('manual', 'build') AND layer_key IS NULL ORDER BY created_at DESC, id DESC LIMIT 1`, [vmId]);
+  const { rows } = await sql.query(
+    `SELECT ${COLUMNS} FROM snapshots WHERE vm_id = $1 AND state = 'ready' AND mode IN ('manual', 'build') AND layer_key IS NULL ORDER BY created_at DESC, id DESC LIMIT 1`,
+    [vmId],
+  );
   return rows[0] ? toRow(rows[0]) : undefined;
 }
 
 /** Live snapshots whose lineage names `id`. */
 export async function dependentsOf(sql: Sql, id: string): Promise<string[]> {
-  const { rows } = await sql.query<{ id: string }>(`SELECT id FROM snapshots WHERE parent_snapshot_id = $1 AND state <> 'deleted' ORDER BY id`, [id]);
+  const { rows } = await sql.query<{ id: string }>(
+    `SELECT id FROM snapshots WHERE parent_snapshot_id = $1 AND state <> 'deleted' ORDER BY id`,
+    [id],
+  );
   return rows.map((r) => r.id);
 }
 
@@ -155,12 +176,18 @@ export async function layersOverCap(sql: Sql, max: number, limit = 100): Promise
 }
 
 export async function deletedWithHolders(sql: Sql, limit = 100): Promise<Array<{ id: string; tenant_id: string }>> {
-  const { rows } = await sql.query<{ id: string; tenant_id: string }>(`SELECT id, tenant_id FROM snapshots WHERE state = 'deleted' AND cardinality(holders) > 0 ORDER BY updated_at LIMIT $1`, [limit]);
+  const { rows } = await sql.query<{ id: string; tenant_id: string }>(
+    `SELECT id, tenant_id FROM snapshots WHERE state = 'deleted' AND cardinality(holders) > 0 ORDER BY updated_at LIMIT $1`,
+    [limit],
+  );
   return rows;
 }
 
 /** VMs not yet ended whose spec seeds from `snapshotId` (the vms read model). */
 export async function liveVmsSeededFrom(sql: Sql, snapshotId: string): Promise<string[]> {
-  const { rows } = await sql.query<{ id: string }>(`SELECT id FROM vms WHERE state NOT IN ('destroyed', 'failed') AND spec->>'seed_snapshot_id' = $1`, [snapshotId]);
+  const { rows } = await sql.query<{ id: string }>(
+    `SELECT id FROM vms WHERE state NOT IN ('destroyed', 'failed') AND spec->>'seed_snapshot_id' = $1`,
+    [snapshotId],
+  );
   return rows.map((r) => r.id);
 }

@@ -38,7 +38,10 @@ export interface VmHealthRow {
 }
 
 export async function getVmHealth(sql: Sql, vmId: string): Promise<VmHealthRow | undefined> {
-  const { rows } = await sql.query<{ state: string; since: Date; failures: number; message: string }>(`SELECT state, since, failures, message FROM vm_health WHERE vm_id = $1`, [vmId]);
+  const { rows } = await sql.query<{ state: string; since: Date; failures: number; message: string }>(
+    `SELECT state, since, failures, message FROM vm_health WHERE vm_id = $1`,
+    [vmId],
+  );
   const r = rows[0];
   return r ? { state: r.state, since: r.since.toISOString(), failures: r.failures, message: r.message } : undefined;
 }

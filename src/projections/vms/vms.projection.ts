@@ -83,10 +83,26 @@ interface VmRowState {
 }
 
 const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
-  ['id', 'text'], ['tenant_id', 'text'], ['task_id', 'text'], ['state', 'text'], ['host_id', 'text'], ['url', 'text'],
-  ['endpoints', 'jsonb'], ['spec', 'jsonb'], ['placement', 'jsonb'], ['reason', 'text'], ['error', 'text'], ['error_code', 'text'],
-  ['failed_phase', 'text'], ['boot_ms', 'integer'], ['idempotency_key', 'text'], ['revision', 'bigint'], ['created_at', 'timestamptz'],
-  ['updated_at', 'timestamptz'], ['state_changed_at', 'timestamptz'], ['last_activity_at', 'timestamptz'],
+  ['id', 'text'],
+  ['tenant_id', 'text'],
+  ['task_id', 'text'],
+  ['state', 'text'],
+  ['host_id', 'text'],
+  ['url', 'text'],
+  ['endpoints', 'jsonb'],
+  ['spec', 'jsonb'],
+  ['placement', 'jsonb'],
+  ['reason', 'text'],
+  ['error', 'text'],
+  ['error_code', 'text'],
+  ['failed_phase', 'text'],
+  ['boot_ms', 'integer'],
+  ['idempotency_key', 'text'],
+  ['revision', 'bigint'],
+  ['created_at', 'timestamptz'],
+  ['updated_at', 'timestamptz'],
+  ['state_changed_at', 'timestamptz'],
+  ['last_activity_at', 'timestamptz'],
 ];
 
 /**
@@ -98,11 +114,15 @@ const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
  * as an UPDATE of a missing row would.
  */
 async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
-  const vmEvents = events.filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type)).map((r) => ({ r, e: parseVmEvent(r.type, r.data) }));
+  const vmEvents = events
+    .filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type))
+    .map((r) => ({ r, e: parseVmEvent(r.type, r.data) }));
   if (vmEvents.length === 0) return;
   const ids = [...new Set(vmEvents.map(({ e }) => e.data.vm_id))];
   const { rows } = await sql.query(`SELECT ${COLUMNS.map(([c]) => c).join(', ')} FROM vms WHERE id = ANY($1::text[])`, [ids]);
-  const byId = new Map<string, VmRowState>(rows.map((row) => [row.id as string, { ...(row as unknown as VmRowState), revision: String(row.revision) }]));
+  const byId = new Map<string, VmRowState>(
+    rows.map((row) => [row.id as string, { ...(row as unknown as VmRowState), revision: String(row.revision) }]),
+  );
   const touched = new Set<string>();
   for (const { r, e } of vmEvents) {
     const id = e.data.vm_id;
@@ -111,9 +131,26 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       if (byId.has(id)) continue;
       const d = e.data;
       byId.set(id, {
-        id, tenant_id: d.tenant_id, task_id: d.task_id ?? null, state: 'requested', host_id: null, url: null, endpoints: [], spec: publicSpec(d.spec),
-        placement: null, reason: null, error: null, error_code: null, failed_phase: null, boot_ms: null, idempotency_key: d.idempotency_key ?? null,
-        revision: r.revision.toString(), created_at: at, updated_at: at, state_changed_at: at, last_activity_at: at,
+        id,
+        tenant_id: d.tenant_id,
+        task_id: d.task_id ?? null,
+        state: 'requested',
+        host_id: null,
+        url: null,
+        endpoints: [],
+        spec: publicSpec(d.spec),
+        placement: null,
+        reason: null,
+        error: null,
+        error_code: null,
+        failed_phase: null,
+        boot_ms: null,
+        idempotency_key: d.idempotency_key ?? null,
+        revision: r.revision.toString(),
+        created_at: at,
+        updated_at: at,
+        state_changed_at: at,
+        last_activity_at: at,
       });
       touched.add(id);
       continue;
@@ -131,7 +168,14 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
         Object.assign(row, { state: 'booting', state_changed_at: at });
         break;
       case 'VmBooted':
-        Object.assign(row, { state: 'running', url: e.data.url, endpoints: e.data.endpoints, boot_ms: e.data.boot_ms, state_changed_at: at, last_activity_at: at });
+        Object.assign(row, {
+          state: 'running',
+          url: e.data.url,
+          endpoints: e.data.endpoints,
+          boot_ms: e.data.boot_ms,
+          state_changed_at: at,
+          last_activity_at: at,
+        });
         break;
       case 'VmActivityRecorded': {
         const activity = new Date(e.data.at);
@@ -148,7 +192,14 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
         Object.assign(row, { host_id: e.data.host_id, placement: e.data.decision, url: e.data.url, endpoints: e.data.endpoints });
         break;
       case 'VmFailed':
-        Object.assign(row, { state: 'failed', reason: e.data.reason, error: e.data.error, error_code: e.data.error_code ?? null, failed_phase: e.data.phase, state_changed_at: at });
+        Object.assign(row, {
+          state: 'failed',
+          reason: e.data.reason,
+          error: e.data.error,
+          error_code: e.data.error_code ?? null,
+          failed_phase: e.data.phase,
+          state_changed_at: at,
+        });
         break;
     }
   }
@@ -160,7 +211,10 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
   await sql.query(
     `INSERT INTO vms (${cols.join(', ')})
      SELECT ${select} FROM jsonb_to_recordset($1::jsonb) AS r(${COLUMNS.map(([c, t]) => `${c} ${t}`).join(', ')})
-     ON CONFLICT (id) DO UPDATE SET ${cols.filter((c) => c !== 'id').map((c) => `${c} = EXCLUDED.${c}`).join(', ')}`,
+     ON CONFLICT (id) DO UPDATE SET ${cols
+       .filter((c) => c !== 'id')
+       .map((c) => `${c} = EXCLUDED.${c}`)
+       .join(', ')}`,
     [JSON.stringify(out)],
   );
 }

@@ -59,7 +59,10 @@ export async function listVms(sql: Sql, f: VmFilter): Promise<VmRow[]> {
 
 /** A tenant's VM, or any VM for an admin (tenantId undefined). Another tenant's VM reads as absent. */
 export async function getVm(sql: Sql, id: string, tenantId: string | undefined): Promise<VmRow | undefined> {
-  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM vms WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)`, [id, tenantId ?? null]);
+  const { rows } = await sql.query(`SELECT ${COLUMNS} FROM vms WHERE id = $1 AND ($2::text IS NULL OR tenant_id = $2)`, [
+    id,
+    tenantId ?? null,
+  ]);
   return rows[0] ? toRow(rows[0]) : undefined;
 }
 

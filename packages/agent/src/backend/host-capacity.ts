@@ -5,7 +5,18 @@ import { runTool } from './process/exec-util.js';
 
 /** Node's process.arch in GOARCH vocabulary. */
 export function goArch(nodeArch: string = process.arch): string {
-  const map: Record<string, string> = { x64: 'amd64', ia32: '386', arm64: 'arm64', arm: 'arm', ppc64: 'ppc64le', s390x: 's390x', riscv64: 'riscv64', loong64: 'loong64', mips: 'mips', mipsel: 'mipsle' };
+  const map: Record<string, string> = {
+    x64: 'amd64',
+    ia32: '386',
+    arm64: 'arm64',
+    arm: 'arm',
+    ppc64: 'ppc64le',
+    s390x: 's390x',
+    riscv64: 'riscv64',
+    loong64: 'loong64',
+    mips: 'mips',
+    mipsel: 'mipsle',
+  };
   return map[nodeArch] ?? nodeArch;
 }
 
@@ -66,7 +77,9 @@ export async function probeCapacity(opts: { dataDir: string; maxSandboxes: numbe
     vm_count: opts.maxSandboxes,
     arch: goArch(),
   };
-  const q = await runTool('nvidia-smi', [`--query-gpu=${GPU_QUERY}`, '--format=csv,noheader,nounits'], { timeoutMs: 10_000 }).catch(() => null);
+  const q = await runTool('nvidia-smi', [`--query-gpu=${GPU_QUERY}`, '--format=csv,noheader,nounits'], { timeoutMs: 10_000 }).catch(
+    () => null,
+  );
   if (!q || q.code !== 0) return cap;
   const devices = parseGpuCsv(q.stdout);
   const list = await runTool('nvidia-smi', ['-L'], { timeoutMs: 10_000 }).catch(() => null);

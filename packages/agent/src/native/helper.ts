@@ -45,7 +45,10 @@ export async function ensureSandboxHelper(dataDir: string): Promise<string> {
       throw featureMissing('gcc', 'the sandbox helper is compiled at start: run `apt-get install gcc libc6-dev`');
     }
     if (res.code !== 0) {
-      throw featureMissing('gcc with static libc', `compiling the sandbox helper failed (install gcc and libc6-dev): ${res.stderr.trim().slice(0, 400)}`);
+      throw featureMissing(
+        'gcc with static libc',
+        `compiling the sandbox helper failed (install gcc and libc6-dev): ${res.stderr.trim().slice(0, 400)}`,
+      );
     }
     await chmod(tmp, 0o755);
     await rename(tmp, bin);

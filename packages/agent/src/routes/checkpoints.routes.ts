@@ -1,7 +1,14 @@
 import { createReadStream } from 'node:fs';
 import { stat } from 'node:fs/promises';
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { AGENT_API_PREFIX, artifactFileNameSchema, artifactMoveSchema, createCheckpointRequestSchema, createGrantRequestSchema, type LayerUsageResponse } from '@fleet/agent-protocol';
+import {
+  AGENT_API_PREFIX,
+  artifactFileNameSchema,
+  artifactMoveSchema,
+  createCheckpointRequestSchema,
+  createGrantRequestSchema,
+  type LayerUsageResponse,
+} from '@fleet/agent-protocol';
 import { AppError } from '@fleet/agent-protocol';
 import { buildManifest, parseRange, pullArtifact, servableFile, toWireCheckpoint } from '../artifacts.js';
 import { mintGrant, verifyGrant } from '../grants.js';
@@ -15,13 +22,20 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
   app.post(`${AGENT_API_PREFIX}/vms/:name/checkpoints`, async (req, reply) => {
     const name = nameParam(req);
     const body = parse(createCheckpointRequestSchema, req.body ?? {}, 'checkpoint request');
-    const cp = await backend.checkpoint(name, { comment: body.comment, live: body.live, ...(body.id ? { id: body.id } : {}), ...(body.max_bytes ? { maxBytes: body.max_bytes } : {}) });
+    const cp = await backend.checkpoint(name, {
+      comment: body.comment,
+      live: body.live,
+      ...(body.id ? { id: body.id } : {}),
+      ...(body.max_bytes ? { maxBytes: body.max_bytes } : {}),
+    });
     return reply.code(201).send(toWireCheckpoint(cp, name));
   });
 
   app.get(`${AGENT_API_PREFIX}/vms/:name/layer-usage`, async (req): Promise<LayerUsageResponse> => backend.layerUsage(nameParam(req)));
 
-  app.get(`${AGENT_API_PREFIX}/checkpoints`, async () => ({ checkpoints: (await backend.listCheckpoints()).map((c) => toWireCheckpoint(c)) }));
+  app.get(`${AGENT_API_PREFIX}/checkpoints`, async () => ({
+    checkpoints: (await backend.listCheckpoints()).map((c) => toWireCheckpoint(c)),
+  }));
 
   app.get(`${AGENT_API_PREFIX}/checkpoints/:id`, async (req) => toWireCheckpoint(await backend.getCheckpoint(idParam(req))));
 
@@ -43,7 +57,13 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
     const body = parse(createGrantRequestSchema, req.body, 'grant request');
     await backend.getCheckpoint(body.snapshot_id);
     const expiresAt = now() + body.ttl_s * 1000;
-    return reply.code(201).send({ snapshot_id: body.snapshot_id, grant: mintGrant(config.grantSecret, body.snapshot_id, expiresAt), expires_at: new Date(expiresAt).toISOString() });
+    return reply
+      .code(201)
+      .send({
+        snapshot_id: body.snapshot_id,
+        grant: mintGrant(config.grantSecret, body.snapshot_id, expiresAt),
+        expires_at: new Date(expiresAt).toISOString(),
+      });
   });
 
   const checkGrant = (req: FastifyRequest, id: string): void => {
@@ -51,7 +71,8 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
     if (!m) throw new AppError('GRANT_INVALID', 401, 'present an artifact grant as "Authorization: Bearer <grant>"');
     const check = verifyGrant(config.grantSecret, m[1] as string, id, now());
     if (check.ok) return;
-    if (check.reason === 'expired') throw new AppError('GRANT_EXPIRED', 403, 'the artifact grant has expired; ask the source host for a new one');
+    if (check.reason === 'expired')
+      throw new AppError('GRANT_EXPIRED', 403, 'the artifact grant has expired; ask the source host for a new one');
     if (check.reason === 'wrong_snapshot') throw new AppError('GRANT_INVALID', 403, `the artifact grant is not for snapshot "${id}"`);
     throw new AppError('GRANT_INVALID', 403, 'the artifact grant is not valid for this host');
   };
@@ -71,7 +92,10 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
     void reply.header('accept-ranges', 'bytes').type('application/octet-stream');
     const range = parseRange(req.headers.range, size);
     if (range === 'unsatisfiable') {
-      return reply.code(416).header('content-range', `bytes */${size}`).send({ code: 'RANGE_NOT_SATISFIABLE', message: `the file is ${size} bytes` });
+      return reply
+        .code(416)
+        .header('content-range', `bytes */${size}`)
+        .send({ code: 'RANGE_NOT_SATISFIABLE', message: `the file is ${size} bytes` });
     }
     if (range) {
       return reply

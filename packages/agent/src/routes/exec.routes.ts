@@ -68,7 +68,10 @@ export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext)
         throw new AppError('UNSUPPORTED_MEDIA_TYPE', 415, 'send the file as the raw body with Content-Type: application/octet-stream');
       }
       // Written from inside the sandbox: a guest racing to swap a path component for a symlink cannot redirect it.
-      const written = await backend.writeGuestFile(name, q.path, body, { maxBytes: config.maxUploadBytes, ...(q.mode ? { mode: parseInt(q.mode, 8) } : {}) });
+      const written = await backend.writeGuestFile(name, q.path, body, {
+        maxBytes: config.maxUploadBytes,
+        ...(q.mode ? { mode: parseInt(q.mode, 8) } : {}),
+      });
       const size = written.bytes;
       return { path: q.path, size_bytes: size };
     } finally {
@@ -86,7 +89,10 @@ export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext)
     if (maxBytes !== undefined && file.size > maxBytes) {
       file.stream.destroy();
       file.done.catch(() => undefined);
-      throw new AppError('FILE_TOO_LARGE', 413, `"${file.path}" is ${file.size} bytes, more than the ${maxBytes} bytes asked for`, { size_bytes: file.size, max_bytes: maxBytes });
+      throw new AppError('FILE_TOO_LARGE', 413, `"${file.path}" is ${file.size} bytes, more than the ${maxBytes} bytes asked for`, {
+        size_bytes: file.size,
+        max_bytes: maxBytes,
+      });
     }
     file.done.catch((err: unknown) => req.log.warn({ err: { message: (err as Error).message }, path: q.path }, 'download failed part-way'));
     return reply.type('application/octet-stream').header('content-length', file.size).send(file.stream);

@@ -2,7 +2,15 @@ import { open } from 'node:fs/promises';
 import { posix } from 'node:path';
 import { Readable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
-import { AGENT_API_PREFIX, agentSpecSchema, consoleQuerySchema, createVmRequestSchema, destroyVmQuerySchema, listVmsQuerySchema, type Endpoint } from '@fleet/agent-protocol';
+import {
+  AGENT_API_PREFIX,
+  agentSpecSchema,
+  consoleQuerySchema,
+  createVmRequestSchema,
+  destroyVmQuerySchema,
+  listVmsQuerySchema,
+  type Endpoint,
+} from '@fleet/agent-protocol';
 import { ConflictError } from '@fleet/agent-protocol';
 import { parse } from '../parse.js';
 import { isCode, nameParam, toVmInfo, type AgentRouteContext } from './context.js';

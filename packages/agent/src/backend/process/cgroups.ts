@@ -32,7 +32,10 @@ export class Cgroups {
     if (existsSync(join(root, 'cgroup.controllers'))) return new Cgroups(2, root, parent);
     const missing = V1_CONTROLLERS.filter((c) => !existsSync(join(root, c, 'tasks')));
     if (missing.length === 0) return new Cgroups(1, root, parent);
-    throw featureMissing(`cgroups (${missing.join(', ')} controller${missing.length > 1 ? 's' : ''} not mounted)`, `mount cgroup v1 controllers under ${root}/<controller> or cgroup v2 at ${root}`);
+    throw featureMissing(
+      `cgroups (${missing.join(', ')} controller${missing.length > 1 ? 's' : ''} not mounted)`,
+      `mount cgroup v1 controllers under ${root}/<controller> or cgroup v2 at ${root}`,
+    );
   }
 
   /** Directories of one sandbox's group, one per hierarchy. */
@@ -72,7 +75,11 @@ export class Cgroups {
     if (this.version === 1) return;
     const available = (await readFile(join(this.root, 'cgroup.controllers'), 'utf8').catch(() => '')).split(/\s+/);
     const missing = ['cpu', 'memory', 'pids'].filter((c) => !available.includes(c));
-    if (missing.length > 0) throw featureMissing(`cgroup v2 controller${missing.length > 1 ? 's' : ''} ${missing.join(', ')}`, `enable them in ${this.root}/cgroup.controllers (they may be bound to a v1 hierarchy)`);
+    if (missing.length > 0)
+      throw featureMissing(
+        `cgroup v2 controller${missing.length > 1 ? 's' : ''} ${missing.join(', ')}`,
+        `enable them in ${this.root}/cgroup.controllers (they may be bound to a v1 hierarchy)`,
+      );
   }
 
   private async enableV2Controllers(): Promise<void> {

@@ -35,7 +35,12 @@ export const MANIFEST = 'manifest.json';
 
 // Only the overlay xattrs that carry meaning in a portable upper layer (opaque
 // directories); origin/impure/index handles point at this host's lower fs.
-const TAR_XATTRS = ['--xattrs', '--xattrs-include=trusted.overlay.opaque', '--xattrs-include=user.*', '--xattrs-include=security.capability'];
+const TAR_XATTRS = [
+  '--xattrs',
+  '--xattrs-include=trusted.overlay.opaque',
+  '--xattrs-include=user.*',
+  '--xattrs-include=security.capability',
+];
 
 /**
  * An upper bound on the archive of a layer that takes `used_bytes` on disk
@@ -50,16 +55,26 @@ export function expectedArchiveBytes(usage: { used_bytes: number; entries: numbe
 }
 
 export const checkpointTooLarge = (limit: number): AppError =>
-  new AppError(BackendErrorCode.CheckpointTooLarge, 413, `the checkpoint archive grew past the ${limit} bytes it was allowed; nothing was kept`, { max_bytes: limit });
+  new AppError(
+    BackendErrorCode.CheckpointTooLarge,
+    413,
+    `the checkpoint archive grew past the ${limit} bytes it was allowed; nothing was kept`,
+    { max_bytes: limit },
+  );
 
 export function validateCheckpointId(id: string): void {
   if (!checkpointIdRe.test(id)) {
-    throw invalidSpec(`checkpoint id "${id}" is invalid: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit`, [{ path: 'id', message: 'invalid checkpoint id' }]);
+    throw invalidSpec(`checkpoint id "${id}" is invalid: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit`, [
+      { path: 'id', message: 'invalid checkpoint id' },
+    ]);
   }
 }
 
 export class CheckpointStore {
-  constructor(readonly dir: string, readonly staging: string) {}
+  constructor(
+    readonly dir: string,
+    readonly staging: string,
+  ) {}
 
   async init(): Promise<void> {
     // Tenants' layers (0644 archives inside): closed to host users whatever the data dir's mode.
@@ -123,7 +138,12 @@ export class CheckpointStore {
   async write(upperDir: string, meta: { id?: string; comment: string; image: string; now: Date; maxBytes?: number }): Promise<Checkpoint> {
     const id = meta.id ?? `ckpt-${meta.now.getTime().toString(36)}-${randomBytes(6).toString('hex')}`;
     validateCheckpointId(id);
-    if (await stat(join(this.dir, id)).then(() => true, () => false)) {
+    if (
+      await stat(join(this.dir, id)).then(
+        () => true,
+        () => false,
+      )
+    ) {
       throw new AppError(BackendErrorCode.CheckpointExists, 409, `checkpoint "${id}" already exists on this host; pick another id`, { id });
     }
     const tmp = join(this.dir, `.tmp-${id}-${randomBytes(4).toString('hex')}`);
@@ -131,7 +151,9 @@ export class CheckpointStore {
     try {
       const hash = createHash('sha256');
       let size = 0;
-      const tar = spawn('tar', [...TAR_XATTRS, '--sparse', '--numeric-owner', '-C', upperDir, '-cf', '-', '.'], { stdio: ['ignore', 'pipe', 'pipe'] });
+      const tar = spawn('tar', [...TAR_XATTRS, '--sparse', '--numeric-owner', '-C', upperDir, '-cf', '-', '.'], {
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
       let stderr = '';
       tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
       const exit = new Promise<number | null>((resolve, reject) => {
@@ -159,7 +181,17 @@ export class CheckpointStore {
       }
       const code = await exit;
       if (code !== 0) throw sandboxFailed(`tar of the writable layer failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
-      const checkpoint: Checkpoint = { id, comment: meta.comment, kind: 'disk', size_bytes: size, digest: hash.digest('hex'), created_at: meta.now.toISOString(), image: meta.image, files: {}, parent: '' };
+      const checkpoint: Checkpoint = {
+        id,
+        comment: meta.comment,
+        kind: 'disk',
+        size_bytes: size,
+        digest: hash.digest('hex'),
+        created_at: meta.now.toISOString(),
+        image: meta.image,
+        files: {},
+        parent: '',
+      };
       await writeFile(join(tmp, MANIFEST), JSON.stringify(checkpoint, null, 2));
       await rename(tmp, join(this.dir, id));
       return checkpoint;
@@ -201,12 +233,19 @@ export class CheckpointStore {
     tar.stdin.end();
     const code = await exit;
     if (code !== 0 && /No space left on device/.test(stderr)) {
-      throw invalidSpec(`checkpoint "${id}" does not fit on the sandbox's disk: ask for a larger storage_gb`, [{ path: 'storage_gb', message: 'too small for the checkpoint' }]);
+      throw invalidSpec(`checkpoint "${id}" does not fit on the sandbox's disk: ask for a larger storage_gb`, [
+        { path: 'storage_gb', message: 'too small for the checkpoint' },
+      ]);
     }
     if (code !== 0) throw sandboxFailed(`restoring checkpoint "${id}" failed (tar exit ${code}): ${stderr.trim().slice(0, 300)}`);
     const digest = hash.digest('hex');
     if (digest !== cp.digest) {
-      throw new AppError(BackendErrorCode.CheckpointCorrupt, 500, `checkpoint "${id}" is corrupt: rootfs.tar hashes to ${digest}, its manifest says ${cp.digest}`, { id });
+      throw new AppError(
+        BackendErrorCode.CheckpointCorrupt,
+        500,
+        `checkpoint "${id}" is corrupt: rootfs.tar hashes to ${digest}, its manifest says ${cp.digest}`,
+        { id },
+      );
     }
     return cp;
   }
@@ -237,12 +276,22 @@ export class CheckpointStore {
         throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged ${MANIFEST} is not JSON`);
       }
       const parsed = manifestSchema.safeParse(json);
-      if (!parsed.success) throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged ${MANIFEST} is invalid: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+      if (!parsed.success)
+        throw new AppError(
+          BackendErrorCode.CheckpointCorrupt,
+          400,
+          `staged ${MANIFEST} is invalid: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
+        );
       const cp = parsed.data;
       if (opts.verifyDigest !== false) {
         const { digest, size } = await this.hashFile(join(stagingPath, ROOTFS));
         if (digest !== cp.digest || size !== cp.size_bytes) {
-          throw new AppError(BackendErrorCode.CheckpointCorrupt, 400, `staged ${ROOTFS} does not match its manifest (sha256 ${digest}, ${size} bytes; expected ${cp.digest}, ${cp.size_bytes} bytes)`, { id: cp.id });
+          throw new AppError(
+            BackendErrorCode.CheckpointCorrupt,
+            400,
+            `staged ${ROOTFS} does not match its manifest (sha256 ${digest}, ${size} bytes; expected ${cp.digest}, ${cp.size_bytes} bytes)`,
+            { id: cp.id },
+          );
         }
       }
       try {
@@ -250,7 +299,8 @@ export class CheckpointStore {
         await rename(stagingPath, join(this.dir, cp.id));
       } catch (err) {
         const code = (err as NodeJS.ErrnoException).code;
-        if (code === 'ENOTEMPTY' || code === 'EEXIST') throw new AppError(BackendErrorCode.CheckpointExists, 409, `checkpoint "${cp.id}" already exists on this host`, { id: cp.id });
+        if (code === 'ENOTEMPTY' || code === 'EEXIST')
+          throw new AppError(BackendErrorCode.CheckpointExists, 409, `checkpoint "${cp.id}" already exists on this host`, { id: cp.id });
         throw err;
       }
       return cp;

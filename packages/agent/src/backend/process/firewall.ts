@@ -84,7 +84,10 @@ export class Firewall {
     const probe = fw.render({ bridges: [`${prefix}b0`], ports: [{ veth: `${prefix}v0`, mac: '02:00:00:00:00:01', ip: '10.0.0.2' }] });
     const res = await runTool(fw.nft, ['-c', '-f', '-'], { input: probe });
     if (res.code !== 0) {
-      throw featureMissing('nf_tables', `the kernel refused the agent's nftables ruleset (inet and bridge families, ct state, vmap): ${res.stderr.trim().slice(0, 300)}`);
+      throw featureMissing(
+        'nf_tables',
+        `the kernel refused the agent's nftables ruleset (inet and bridge families, ct state, vmap): ${res.stderr.trim().slice(0, 300)}`,
+      );
     }
     return fw;
   }
@@ -108,7 +111,8 @@ export class Firewall {
         if (listing !== '') repairs.push(`nftables tables ${this.tables.join(', ')} present with no sandbox: removed`);
       } else {
         for (const t of this.tables) if (!listing.includes(`table ${t} {`)) repairs.push(`nftables table ${t} missing`);
-        if (repairs.length === 0 && this.expected !== undefined && listing !== this.expected) repairs.push(`nftables tables ${this.tables.join(', ')} changed`);
+        if (repairs.length === 0 && this.expected !== undefined && listing !== this.expected)
+          repairs.push(`nftables tables ${this.tables.join(', ')} changed`);
       }
       // No expectation (an apply since the last check): apply anyway, uncounted. A table edited in that
       // window is repaired here but not counted; a missing one is always counted.
@@ -127,10 +131,14 @@ export class Firewall {
     const ports = [...state.ports].sort((a, b) => a.veth.localeCompare(b.veth));
     for (const b of bridges) if (!ifnameRe.test(b)) throw sandboxFailed(`refusing to write a firewall rule for bridge name "${b}"`);
     for (const p of ports) {
-      if (!ifnameRe.test(p.veth) || !macRe.test(p.mac) || !ipRe.test(p.ip)) throw sandboxFailed(`refusing to write a firewall rule for port ${JSON.stringify(p)}`);
+      if (!ifnameRe.test(p.veth) || !macRe.test(p.mac) || !ipRe.test(p.ip))
+        throw sandboxFailed(`refusing to write a firewall rule for port ${JSON.stringify(p)}`);
     }
     const t = this.name;
-    const set = (names: readonly string[]): string => (names.length > 0 ? `    set bridges { type ifname; elements = { ${names.map((n) => `"${n}"`).join(', ')} } }` : '    set bridges { type ifname; }');
+    const set = (names: readonly string[]): string =>
+      names.length > 0
+        ? `    set bridges { type ifname; elements = { ${names.map((n) => `"${n}"`).join(', ')} } }`
+        : '    set bridges { type ifname; }';
     const vmap = (names: readonly string[], chain: (n: string) => string, match: string): string[] =>
       names.length > 0 ? [`        ${match} vmap { ${names.map((n) => `"${n}" : jump ${chain(n)}`).join(', ')} }`] : [];
     const inet = [

@@ -16,7 +16,11 @@ const MAX_LINKS = 40;
  * replacing a component after this check, which needs a live attacker
  * inside the sandbox and only reaches what the agent's open reaches).
  */
-export async function resolveInRoot(root: string, guestPath: string, opts: { forWrite: boolean }): Promise<{ hostPath: string; guestPath: string }> {
+export async function resolveInRoot(
+  root: string,
+  guestPath: string,
+  opts: { forWrite: boolean },
+): Promise<{ hostPath: string; guestPath: string }> {
   if (guestPath.length === 0 || guestPath.includes('\0')) {
     throw invalidSpec('a guest path must be non-empty and contain no NUL byte', [{ path: 'path', message: 'invalid path' }]);
   }
@@ -49,7 +53,8 @@ export async function resolveInRoot(root: string, guestPath: string, opts: { for
       throw err;
     }
     if (st.isSymbolicLink()) {
-      if (++links > MAX_LINKS) throw new AppError('GUEST_PATH_LOOP', 400, `too many symlinks resolving "${guestPath}"`, { path: guestPath });
+      if (++links > MAX_LINKS)
+        throw new AppError('GUEST_PATH_LOOP', 400, `too many symlinks resolving "${guestPath}"`, { path: guestPath });
       const target = await readlink(hostPath);
       const targetComps = target.split('/').filter((c) => c !== '' && c !== '.');
       if (target.startsWith('/')) resolved.length = 0;

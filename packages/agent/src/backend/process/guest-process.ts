@@ -23,7 +23,7 @@ let ptyModule: Promise<PtyModule | null> | undefined;
 /** node-pty is an optional dependency (native build): without it a TTY spawn is HOST_FEATURE_MISSING. */
 function loadPty(): Promise<PtyModule | null> {
   ptyModule ??= import('node-pty').then(
-    (m) => ((m as { default?: PtyModule }).default ?? m),
+    (m) => (m as { default?: PtyModule }).default ?? m,
     () => null,
   );
   return ptyModule;
@@ -79,7 +79,12 @@ export function spawnPiped(argv: readonly string[], hostEnv: Record<string, stri
  * resizes go through `stty -F` on the pty's slave, which makes the kernel
  * signal SIGWINCH to the foreground process exactly as a terminal would.
  */
-export async function spawnPty(argv: readonly string[], hostEnv: Record<string, string>, size: { rows: number; cols: number }, impl: 'auto' | 'script' = 'auto'): Promise<ProcessHandle> {
+export async function spawnPty(
+  argv: readonly string[],
+  hostEnv: Record<string, string>,
+  size: { rows: number; cols: number },
+  impl: 'auto' | 'script' = 'auto',
+): Promise<ProcessHandle> {
   const pty = impl === 'script' ? null : await loadPty();
   if (!pty) return spawnScriptPty(argv, hostEnv);
   const [cmd, ...args] = argv;
@@ -132,12 +137,18 @@ const HOST_PATH = '/usr/sbin:/usr/bin:/sbin:/bin';
 const shq = (a: string): string => `'${a.replace(/'/g, `'\\''`)}'`;
 
 function spawnScriptPty(argv: readonly string[], hostEnv: Record<string, string>): ProcessHandle {
-  if (!existsSync('/usr/bin/script')) throw featureMissing('pty', 'a TTY needs node-pty (npm install with build-essential and python3) or script(1) from util-linux');
+  if (!existsSync('/usr/bin/script'))
+    throw featureMissing('pty', 'a TTY needs node-pty (npm install with build-essential and python3) or script(1) from util-linux');
   // script runs "$SHELL -c command" on the host: a fixed shell and PATH, and only absolute paths in the command (the helper sizes the pty).
   const command = `exec ${argv.map(shq).join(' ')}`;
   // One exec argument for the whole argv: over MAX_ARG_STRLEN the exec would fail with E2BIG.
-  if (Buffer.byteLength(command) >= 32 * 4096) throw invalidSpec('argv is too long for a TTY through script(1): at most 128 KiB in all', [{ path: 'argv', message: 'too long' }]);
-  const child = spawn('/usr/bin/script', ['-q', '-e', '-f', '-c', command, '/dev/null'], { detached: true, stdio: ['pipe', 'pipe', 'pipe'], env: { ...hostEnv, PATH: HOST_PATH, SHELL: '/bin/sh' } });
+  if (Buffer.byteLength(command) >= 32 * 4096)
+    throw invalidSpec('argv is too long for a TTY through script(1): at most 128 KiB in all', [{ path: 'argv', message: 'too long' }]);
+  const child = spawn('/usr/bin/script', ['-q', '-e', '-f', '-c', command, '/dev/null'], {
+    detached: true,
+    stdio: ['pipe', 'pipe', 'pipe'],
+    env: { ...hostEnv, PATH: HOST_PATH, SHELL: '/bin/sh' },
+  });
   child.stdin.on('error', () => undefined);
   const exited = new Promise<ExitStatus>((resolve, reject) => {
     child.once('error', (err) => reject(sandboxFailed(`could not start script(1): ${err.message}`, {}, err)));
@@ -159,7 +170,10 @@ function spawnScriptPty(argv: readonly string[], hostEnv: Record<string, string>
         const pid = await inner();
         if (!pid) return;
         const tty = await readlink(`/proc/${pid}/fd/0`).catch(() => null);
-        if (tty?.startsWith('/dev/pts/')) await runTool('/usr/bin/stty', ['-F', tty, 'rows', String(Math.max(1, rows)), 'cols', String(Math.max(1, cols))]).catch(() => undefined);
+        if (tty?.startsWith('/dev/pts/'))
+          await runTool('/usr/bin/stty', ['-F', tty, 'rows', String(Math.max(1, rows)), 'cols', String(Math.max(1, cols))]).catch(
+            () => undefined,
+          );
       })();
     },
     kill: (signal = 'SIGKILL') => {
@@ -248,7 +262,12 @@ export class Spawner {
 }
 
 /** One exec through a spawner's socket (see Spawner; the protocol is in fleet-sandbox.c). */
-export function spawnViaSpawner(socketPath: string, enterArgs: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
+export function spawnViaSpawner(
+  socketPath: string,
+  enterArgs: readonly string[],
+  hostEnv: Record<string, string>,
+  withStdin: boolean,
+): ProcessHandle {
   const strings = [...enterArgs, ...Object.entries(hostEnv).map(([k, v]) => `${k}=${v}`)];
   const body = Buffer.concat([Buffer.alloc(8), ...strings.map((a) => Buffer.from(`${a}\0`, 'utf8'))]);
   body.writeUInt32LE(enterArgs.length, 0);

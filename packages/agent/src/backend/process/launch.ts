@@ -165,11 +165,17 @@ dd bs=65536 count="$2" iflag=count_bytes 2>/dev/null >> "$3"
 if [ "$(head -c 1 | wc -c)" -gt 0 ]; then echo "
 [fleet: console log cut at $2 bytes; the rest is discarded]" >> "$3"; fi
 exec cat > /dev/null`;
-  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath], { detached: true, stdio: 'ignore', env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' } });
+  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath], {
+    detached: true,
+    stdio: 'ignore',
+    env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' },
+  });
   writer.unref();
   // Opening the write end waits (in the thread pool) for the writer to open the read end. Should the writer
   // die first, or not come, a read end opened here releases that wait, and the create fails.
-  const opened = new Promise<number>((resolve, reject) => fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => (err ? reject(err) : resolve(fd))));
+  const opened = new Promise<number>((resolve, reject) =>
+    fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => (err ? reject(err) : resolve(fd))),
+  );
   let timer: NodeJS.Timeout | undefined;
   const failed = new Promise<never>((_, reject) => {
     const fail = (why: string): void => {
@@ -204,11 +210,33 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   try {
     child = spawn(
       opts.tools.busybox,
-      ['sh', '-c', OUTER, 'outer', String(opts.cgroupProcs.length), ...opts.cgroupProcs, opts.imageDir, opts.upper, opts.work, opts.rootMount, opts.hostname, opts.address, opts.gateway, opts.tools.helper, opts.netRaw ? '1' : '0'],
+      [
+        'sh',
+        '-c',
+        OUTER,
+        'outer',
+        String(opts.cgroupProcs.length),
+        ...opts.cgroupProcs,
+        opts.imageDir,
+        opts.upper,
+        opts.work,
+        opts.rootMount,
+        opts.hostname,
+        opts.address,
+        opts.gateway,
+        opts.tools.helper,
+        opts.netRaw ? '1' : '0',
+      ],
       {
         detached: true,
         stdio: ['ignore', log, log, 'pipe'],
-        env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin', STAGE2, UNSHARE: opts.tools.unshare, BB: opts.tools.busybox, HELPER: opts.tools.helper },
+        env: {
+          PATH: '/usr/sbin:/usr/bin:/sbin:/bin',
+          STAGE2,
+          UNSHARE: opts.tools.unshare,
+          BB: opts.tools.busybox,
+          HELPER: opts.tools.helper,
+        },
       },
     );
   } finally {
@@ -239,7 +267,14 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
       const map = `0 ${opts.uidBase} ${USERNS_SIZE}\n`;
       await writeFile(`/proc/${unsharePid}/uid_map`, map);
       await writeFile(`/proc/${unsharePid}/gid_map`, map);
-      await mustRun(opts.tools.helper, ['mount-root', String(unsharePid), String(opts.uidBase), opts.imageDir, dirname(opts.upper), opts.rootMount]);
+      await mustRun(opts.tools.helper, [
+        'mount-root',
+        String(unsharePid),
+        String(opts.uidBase),
+        opts.imageDir,
+        dirname(opts.upper),
+        opts.rootMount,
+      ]);
       await opts.attachNetwork(unsharePid);
     };
     await Promise.all([ready, setUp()]);
@@ -252,7 +287,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
     const tail = (await readFile(opts.consoleLog, 'utf8').catch(() => '')).trim().split('\n').slice(-5).join(' | ');
     throw sandboxFailed(`sandbox init failed to start: ${(err as Error).message}; console: ${tail}`, {}, err);
   } finally {
-    (child.stdio[3] as NodeJS.ReadableStream & { destroy?: () => void } | null)?.destroy?.();
+    (child.stdio[3] as (NodeJS.ReadableStream & { destroy?: () => void }) | null)?.destroy?.();
     child.unref();
   }
   const initPid = await childOf(unsharePid);
@@ -265,7 +300,10 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
 async function waitForNetns(pid: number): Promise<void> {
   const own = await readlink('/proc/self/ns/net');
   for (let i = 0; i < 2000; i++) {
-    const [theirs, exe] = await Promise.all([readlink(`/proc/${pid}/ns/net`).catch(() => null), readlink(`/proc/${pid}/exe`).catch(() => null)]);
+    const [theirs, exe] = await Promise.all([
+      readlink(`/proc/${pid}/ns/net`).catch(() => null),
+      readlink(`/proc/${pid}/exe`).catch(() => null),
+    ]);
     if (theirs === null) throw new Error('the sandbox init exited before its network namespace existed');
     if (theirs !== own && exe !== null && exe.endsWith('/unshare')) return;
     await sleep(2);
@@ -283,14 +321,26 @@ async function childOf(pid: number): Promise<number> {
   throw sandboxFailed(`could not find the sandbox init under unshare pid ${pid}`);
 }
 
-export type EnterOp = { readonly op: 'exec'; readonly argv: readonly string[] } | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string } | { readonly op: 'get' | 'unlink'; readonly path: string };
+export type EnterOp =
+  | { readonly op: 'exec'; readonly argv: readonly string[] }
+  | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string }
+  | { readonly op: 'get' | 'unlink'; readonly path: string };
 
 /**
  * The argv that runs an operation inside a sandbox: one exec of the helper,
  * which joins the cgroups, enters the init's namespaces (user first) and
  * root, confines itself and runs `op` there. cwd is resolved inside.
  */
-export function enterArgv(opts: { initPid: number; initStart: string; cgroupProcs: readonly string[]; cwd: string; netRaw: boolean; winsize?: { rows: number; cols: number }; op: EnterOp; tools: HostTools }): string[] {
+export function enterArgv(opts: {
+  initPid: number;
+  initStart: string;
+  cgroupProcs: readonly string[];
+  cwd: string;
+  netRaw: boolean;
+  winsize?: { rows: number; cols: number };
+  op: EnterOp;
+  tools: HostTools;
+}): string[] {
   const op = opts.op;
   const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp] : [op.op, op.path];
   return [

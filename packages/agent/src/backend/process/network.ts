@@ -58,7 +58,14 @@ export function parseSubnet(cidr: string): Subnet {
   const mask = prefixLen === 0 ? 0 : (0xffffffff << (32 - prefixLen)) >>> 0;
   const network = (base & mask) >>> 0;
   const broadcast = (network | (~mask >>> 0)) >>> 0;
-  return { cidr: `${intToIp(network)}/${prefixLen}`, network, prefixLen, gateway: intToIp(network + 1), first: network + 2, last: broadcast - 1 };
+  return {
+    cidr: `${intToIp(network)}/${prefixLen}`,
+    network,
+    prefixLen,
+    gateway: intToIp(network + 1),
+    first: network + 2,
+    last: broadcast - 1,
+  };
 }
 
 /**
@@ -93,7 +100,12 @@ export const hash8 = (s: string): string => createHash('sha256').update(s).diges
  * already on, unless another tenant is on it too (two old hash names that
  * collided); else the lowest `<prefix>b<n>` no sandbox uses.
  */
-export function allocateBridge(prefix: string, tenant: string, allowCrossTenant: boolean, used: ReadonlyArray<{ readonly tenant: string; readonly bridge: string }>): string {
+export function allocateBridge(
+  prefix: string,
+  tenant: string,
+  allowCrossTenant: boolean,
+  used: ReadonlyArray<{ readonly tenant: string; readonly bridge: string }>,
+): string {
   if (allowCrossTenant) return `${prefix}bshared`;
   const shared = (bridge: string): boolean => used.some((u) => u.bridge === bridge && u.tenant !== tenant);
   const mine = used.find((u) => u.tenant === tenant && u.bridge !== `${prefix}bshared` && !shared(u.bridge));
@@ -127,7 +139,10 @@ function linkSysctls(link: string, kind: 'bridge' | 'veth'): Array<[string, stri
 export async function hardenLink(link: string, kind: 'bridge' | 'veth'): Promise<string[]> {
   const changed: string[] = [];
   for (const [file, want] of linkSysctls(link, kind)) {
-    const have = await readFile(file, 'utf8').then((v) => v.trim(), () => null);
+    const have = await readFile(file, 'utf8').then(
+      (v) => v.trim(),
+      () => null,
+    );
     if (have === null || have === want) continue;
     // The link may go between the read and the write (a destroy racing a reassert).
     const gone = await writeFile(file, want).then(
@@ -162,7 +177,8 @@ export async function ensureBridge(bridge: string, subnet: Subnet, opts: { fresh
   // Before the link is up: it never takes an IPv6 address or a router advertisement.
   await hardenLink(bridge, 'bridge');
   const addr = await runTool('ip', ['addr', 'add', `${subnet.gateway}/32`, 'dev', bridge]);
-  if (addr.code !== 0 && !/File exists|already assigned/.test(addr.stderr)) throw new Error(`ip addr add on ${bridge} failed: ${addr.stderr.trim()}`);
+  if (addr.code !== 0 && !/File exists|already assigned/.test(addr.stderr))
+    throw new Error(`ip addr add on ${bridge} failed: ${addr.stderr.trim()}`);
   await mustRun('ip', ['link', 'set', bridge, 'up']);
 }
 
@@ -175,7 +191,14 @@ export async function bridgeForwarding(bridge: string): Promise<string> {
  * inside the network namespace of `nsPid`, and the host route to it. The
  * guest configures its own address from inside (launch.ts).
  */
-export async function attachSandbox(opts: { bridge: string; veth: string; nsPid: number; ip: string; mac: string; subnet: Subnet }): Promise<void> {
+export async function attachSandbox(opts: {
+  bridge: string;
+  veth: string;
+  nsPid: number;
+  ip: string;
+  mac: string;
+  subnet: Subnet;
+}): Promise<void> {
   const { bridge, veth, nsPid, ip, mac, subnet } = opts;
   await mustRun('ip', ['link', 'add', veth, 'type', 'veth', 'peer', 'name', 'eth0', 'netns', String(nsPid), 'address', mac]);
   await hardenLink(veth, 'veth');

@@ -38,9 +38,35 @@ import { Spawner, spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, launchInit, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
 import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { Firewall, type FirewallState } from './firewall.js';
-import { allocateBridge, allocateVeth, attachSandbox, bridgeForwarding, deleteLink, detachSandbox, ensureBridge, hardenLink, listLinks, listRoutes, parseSubnet, reserve, type Subnet } from './network.js';
+import {
+  allocateBridge,
+  allocateVeth,
+  attachSandbox,
+  bridgeForwarding,
+  deleteLink,
+  detachSandbox,
+  ensureBridge,
+  hardenLink,
+  listLinks,
+  listRoutes,
+  parseSubnet,
+  reserve,
+  type Subnet,
+} from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
-import { createDisk, DISK_IMAGE, DISK_MOUNT, layerDirs, layerUsage, mountDisk, mountPoints, pruneLoopDevices, removeDisk, requireDiskTools, type LayerUsage } from './storage.js';
+import {
+  createDisk,
+  DISK_IMAGE,
+  DISK_MOUNT,
+  layerDirs,
+  layerUsage,
+  mountDisk,
+  mountPoints,
+  pruneLoopDevices,
+  removeDisk,
+  requireDiskTools,
+  type LayerUsage,
+} from './storage.js';
 
 /**
  * The `process` backend: each sandbox is a set of Linux namespaces (pid,
@@ -61,7 +87,10 @@ export const optionsSchema = z.object({
   dataDir: z.string().min(1),
   imageDir: z.string().min(1),
   subnet: z.string().default('10.213.0.0/16'),
-  bridgePrefix: z.string().regex(/^[a-z][a-z0-9]{0,4}$/, 'bridgePrefix must be 1-5 of [a-z0-9], starting with a letter').default('fb'),
+  bridgePrefix: z
+    .string()
+    .regex(/^[a-z][a-z0-9]{0,4}$/, 'bridgePrefix must be 1-5 of [a-z0-9], starting with a letter')
+    .default('fb'),
   maxSandboxes: z.number().int().positive().default(64),
   allowCrossTenant: z.boolean().default(false),
   publishHost: z.string().default('127.0.0.1'),
@@ -77,9 +106,19 @@ export const optionsSchema = z.object({
    * Host ids for sandbox user namespaces: each sandbox gets its own block of
    * 65536 ids, picked at random among the free blocks in [uidBase, 2^32).
    */
-  uidBase: z.number().int().min(USERNS_SIZE).max(2 ** 31).multipleOf(USERNS_SIZE).default(2 ** 28),
+  uidBase: z
+    .number()
+    .int()
+    .min(USERNS_SIZE)
+    .max(2 ** 31)
+    .multipleOf(USERNS_SIZE)
+    .default(2 ** 28),
   /** The console log lives on the data dir's filesystem, outside the sandbox's disk: at most this many bytes of it are kept. */
-  consoleLogMaxBytes: z.number().int().min(4096).default(16 * 1024 * 1024),
+  consoleLogMaxBytes: z
+    .number()
+    .int()
+    .min(4096)
+    .default(16 * 1024 * 1024),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -98,14 +137,23 @@ const createSpecSchema = z.object({
   image: z.string().min(1).optional(),
   checkpointId: z.string().min(1).optional(),
   cpus: z.number().positive().max(1024),
-  ram_mb: z.number().int().min(16, 'at least 16 MiB').max(16 * 1024 * 1024),
+  ram_mb: z
+    .number()
+    .int()
+    .min(16, 'at least 16 MiB')
+    .max(16 * 1024 * 1024),
   pids_max: z.number().int().min(8).max(4_194_304).optional(),
   /** GiB of the sandbox's own disk (its writable layer); 0: no disk of its own. */
   storage_gb: z.number().int().min(0).max(65536).optional(),
   tenant: z.string().regex(tenantRe, 'a tenant id is 1-63 of [a-z0-9_-], starting with a letter or digit'),
   ipHint: z.string().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
-  env: z.record(z.string().regex(envKeyRe, 'an environment variable name'), z.string().refine((v) => !v.includes('\0'), 'no NUL bytes')).optional(),
+  env: z
+    .record(
+      z.string().regex(envKeyRe, 'an environment variable name'),
+      z.string().refine((v) => !v.includes('\0'), 'no NUL bytes'),
+    )
+    .optional(),
   /** Keep CAP_NET_RAW (raw sockets: ping, packet capture); dropped by default. */
   net_raw: z.boolean().optional(),
 });
@@ -158,14 +206,23 @@ const MAX_EXEC_BYTES = 1024 * 1024;
  */
 function checkExecSize(argv: readonly string[], hostEnv: Record<string, string>): Record<string, string> {
   let total = 0;
-  for (const [what, s] of [...argv.map((a) => ['argv', a] as const), ...Object.entries(hostEnv).map(([k, v]) => ['env', `${k}=${v}`] as const)]) {
+  for (const [what, s] of [
+    ...argv.map((a) => ['argv', a] as const),
+    ...Object.entries(hostEnv).map(([k, v]) => ['env', `${k}=${v}`] as const),
+  ]) {
     const bytes = Buffer.byteLength(s) + 1;
     if (bytes > MAX_ARG_STRLEN) {
-      throw invalidSpec(`an ${what} entry is too long: at most ${what === 'env' ? Math.floor((MAX_ARG_STRLEN - 16) / 2) : MAX_ARG_STRLEN - 1} bytes each`, [{ path: what, message: 'entry too long' }]);
+      throw invalidSpec(
+        `an ${what} entry is too long: at most ${what === 'env' ? Math.floor((MAX_ARG_STRLEN - 16) / 2) : MAX_ARG_STRLEN - 1} bytes each`,
+        [{ path: what, message: 'entry too long' }],
+      );
     }
     total += bytes + 8;
   }
-  if (total > MAX_EXEC_BYTES) throw invalidSpec(`argv and env together are too large: at most about ${MAX_EXEC_BYTES / 2} bytes of environment`, [{ path: 'env', message: 'too large' }]);
+  if (total > MAX_EXEC_BYTES)
+    throw invalidSpec(`argv and env together are too large: at most about ${MAX_EXEC_BYTES / 2} bytes of environment`, [
+      { path: 'env', message: 'too large' },
+    ]);
   return hostEnv;
 }
 
@@ -197,7 +254,9 @@ export class ProcessBackend implements Backend {
     const { logger, ...rest } = options;
     const parsed = optionsSchema.safeParse(rest);
     if (!parsed.success) {
-      throw invalidSpec(`invalid process backend options: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+      throw invalidSpec(
+        `invalid process backend options: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
+      );
     }
     // Absolute paths: they go into mount options and are compared with /proc/self/mountinfo.
     const opts = { ...parsed.data, dataDir: resolve(parsed.data.dataDir), imageDir: resolve(parsed.data.imageDir) };
@@ -218,7 +277,9 @@ export class ProcessBackend implements Backend {
     const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, logger);
     await backend.checkpoints.init();
     await backend.recover();
-    backend.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) => logger?.warn({ err }, 'exec spawner')).catch((err: unknown) => {
+    backend.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) =>
+      logger?.warn({ err }, 'exec spawner'),
+    ).catch((err: unknown) => {
       logger?.warn({ err }, 'the exec spawner did not start: every exec spawns the helper');
       return null;
     });
@@ -240,10 +301,15 @@ export class ProcessBackend implements Backend {
   }
 
   async capacity(): Promise<HostCapacity> {
-    const { capacity: cap, leftOut } = withoutDevices(await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes }));
+    const { capacity: cap, leftOut } = withoutDevices(
+      await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes }),
+    );
     if (leftOut.length > 0 && !this.saidLeftOut) {
       this.saidLeftOut = true;
-      this.log?.warn({ left_out: leftOut }, `this host has ${leftOut.join(' and ')}: the process backend cannot pass devices through, so they are not offered (a qemu host can)`);
+      this.log?.warn(
+        { left_out: leftOut },
+        `this host has ${leftOut.join(' and ')}: the process backend cannot pass devices through, so they are not offered (a qemu host can)`,
+      );
     }
     // Sandbox disks are preallocated, so free space already lacks them, and placement subtracts each VM's storage_gb
     // again: a probe while sandboxes run must not count them twice.
@@ -267,7 +333,9 @@ export class ProcessBackend implements Backend {
       if (spec.checkpointId) {
         const cp = await this.checkpoints.get(spec.checkpointId);
         if (spec.image && spec.image !== cp.image) {
-          throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", not "${spec.image}": omit image or name the checkpoint's`, [{ path: 'image', message: 'conflicts with the checkpoint' }]);
+          throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", not "${spec.image}": omit image or name the checkpoint's`, [
+            { path: 'image', message: 'conflicts with the checkpoint' },
+          ]);
         }
         image = cp.image;
         checkpointId = cp.id;
@@ -289,8 +357,16 @@ export class ProcessBackend implements Backend {
         checkpoint_id: checkpointId,
         ip,
         mac,
-        bridge: allocateBridge(this.opts.bridgePrefix, spec.tenant, this.opts.allowCrossTenant, [...this.records.values()].map((r) => r.state)),
-        veth: allocateVeth(this.opts.bridgePrefix, [...this.records.values()].map((r) => r.state.veth)),
+        bridge: allocateBridge(
+          this.opts.bridgePrefix,
+          spec.tenant,
+          this.opts.allowCrossTenant,
+          [...this.records.values()].map((r) => r.state),
+        ),
+        veth: allocateVeth(
+          this.opts.bridgePrefix,
+          [...this.records.values()].map((r) => r.state.veth),
+        ),
         cpus: spec.cpus,
         ram_mb: spec.ram_mb,
         pids_max: spec.pids_max ?? this.opts.defaultPidsMax,
@@ -334,7 +410,9 @@ export class ProcessBackend implements Backend {
         await this.locks.run(`br:${state.bridge}`, async () => {
           // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
           if (this.bridgesReady.has(state.bridge) && (await bridgeForwarding(state.bridge).catch(() => null)) === '0') return;
-          const fresh = !this.bridgesReady.has(state.bridge) && ![...this.records.values()].some((r) => r !== record && r.state.bridge === state.bridge && r.state.init_pid > 0);
+          const fresh =
+            !this.bridgesReady.has(state.bridge) &&
+            ![...this.records.values()].some((r) => r !== record && r.state.bridge === state.bridge && r.state.init_pid > 0);
           await ensureBridge(state.bridge, this.subnet, { fresh });
           this.bridgesReady.add(state.bridge);
         });
@@ -366,8 +444,12 @@ export class ProcessBackend implements Backend {
         await this.persist(state);
         mark('done');
       } catch (err) {
-        await this.teardown(record, {}).catch((e: unknown) => this.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'));
-        throw err instanceof AppError ? err : sandboxFailed(`creating sandbox "${spec.name}" failed: ${(err as Error).message}`, { name: spec.name }, err);
+        await this.teardown(record, {}).catch((e: unknown) =>
+          this.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'),
+        );
+        throw err instanceof AppError
+          ? err
+          : sandboxFailed(`creating sandbox "${spec.name}" failed: ${(err as Error).message}`, { name: spec.name }, err);
       }
       this.log?.info({ sandbox: spec.name, ip, image, checkpoint: checkpointId || undefined }, 'sandbox created');
       this.log?.debug({ sandbox: spec.name, phases_ms: phases }, 'create timings');
@@ -411,10 +493,12 @@ export class ProcessBackend implements Backend {
     }
     const env: Record<string, string> = { PATH: DEFAULT_PATH, HOME: '/root', HOSTNAME: name, ...record.state.env, ...(opts.env ?? {}) };
     for (const [k, v] of Object.entries(env)) {
-      if (!envKeyRe.test(k) || v.includes('\0')) throw invalidSpec(`environment variable "${k}" is invalid`, [{ path: `env.${k}`, message: 'invalid name or value' }]);
+      if (!envKeyRe.test(k) || v.includes('\0'))
+        throw invalidSpec(`environment variable "${k}" is invalid`, [{ path: `env.${k}`, message: 'invalid name or value' }]);
     }
     const cwd = opts.cwd ?? '/';
-    if (!cwd.startsWith('/') || cwd.includes('\0')) throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
+    if (!cwd.startsWith('/') || cwd.includes('\0'))
+      throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
     if (opts.tty) {
       env.TERM ??= 'xterm-256color';
       const size = { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) };
@@ -431,7 +515,16 @@ export class ProcessBackend implements Backend {
   private async enter(record: SandboxRecord, op: EnterOp, cwd = '/', winsize?: { rows: number; cols: number }): Promise<string[]> {
     await this.assertRunning(record);
     const s = record.state;
-    return enterArgv({ initPid: s.init_pid, initStart: s.init_start, cgroupProcs: this.cgroups.procsFiles(s.name), cwd, netRaw: s.net_raw, ...(winsize ? { winsize } : {}), op, tools: this.tools });
+    return enterArgv({
+      initPid: s.init_pid,
+      initStart: s.init_start,
+      cgroupProcs: this.cgroups.procsFiles(s.name),
+      cwd,
+      netRaw: s.net_raw,
+      ...(winsize ? { winsize } : {}),
+      op,
+      tools: this.tools,
+    });
   }
 
   async resolveGuestPath(name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string> {
@@ -441,12 +534,18 @@ export class ProcessBackend implements Backend {
     return hostPath;
   }
 
-  async writeGuestFile(name: string, guestPath: string, data: Readable, opts: { mode?: number; maxBytes?: number } = {}): Promise<{ path: string; bytes: number }> {
+  async writeGuestFile(
+    name: string,
+    guestPath: string,
+    data: Readable,
+    opts: { mode?: number; maxBytes?: number } = {},
+  ): Promise<{ path: string; bytes: number }> {
     const record = this.must(name);
     await this.assertRunning(record);
     const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: true });
     const mode = (opts.mode ?? 0o644).toString(8);
-    if (!/^[0-7]{1,4}$/.test(mode)) throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
+    if (!/^[0-7]{1,4}$/.test(mode))
+      throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
     // Done by the helper inside the sandbox, as its root: the rename happens in the guest's view of its root.
     const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
     const h = spawnPiped(await this.enter(record, { op: 'put', path: resolved.guestPath, mode, tmp }), {}, true);
@@ -490,10 +589,20 @@ export class ProcessBackend implements Backend {
           })
           .catch(() => undefined);
       }
-      if (tooLarge) throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: resolved.guestPath });
-      if (st.exitCode === 21) throw new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is a directory in the sandbox; give a file path`, { path: resolved.guestPath });
-      if (pipeErr !== undefined) throw pipeErr instanceof AppError ? pipeErr : sandboxFailed(`writing "${resolved.guestPath}" failed: ${(pipeErr as Error).message}`, { path: resolved.guestPath }, pipeErr);
-      throw sandboxFailed(`writing "${resolved.guestPath}" in the sandbox failed: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, { path: resolved.guestPath });
+      if (tooLarge)
+        throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: resolved.guestPath });
+      if (st.exitCode === 21)
+        throw new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is a directory in the sandbox; give a file path`, {
+          path: resolved.guestPath,
+        });
+      if (pipeErr !== undefined)
+        throw pipeErr instanceof AppError
+          ? pipeErr
+          : sandboxFailed(`writing "${resolved.guestPath}" failed: ${(pipeErr as Error).message}`, { path: resolved.guestPath }, pipeErr);
+      throw sandboxFailed(
+        `writing "${resolved.guestPath}" in the sandbox failed: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`,
+        { path: resolved.guestPath },
+      );
     }
     return { path: resolved.guestPath, bytes };
   }
@@ -520,12 +629,25 @@ export class ProcessBackend implements Backend {
       };
       h.stdout.on('data', onData);
       h.wait().then((st) => {
-        if (st.exitCode === 21) reject(new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is not a regular file in the sandbox`, { path: resolved.guestPath }));
-        else reject(sandboxFailed(`reading "${resolved.guestPath}" failed: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, { path: resolved.guestPath }));
+        if (st.exitCode === 21)
+          reject(
+            new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is not a regular file in the sandbox`, {
+              path: resolved.guestPath,
+            }),
+          );
+        else
+          reject(
+            sandboxFailed(`reading "${resolved.guestPath}" failed: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, {
+              path: resolved.guestPath,
+            }),
+          );
       }, reject);
     });
     const done = h.wait().then((st) => {
-      if (st.exitCode !== 0) throw sandboxFailed(`reading "${resolved.guestPath}" failed part-way: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, { path: resolved.guestPath });
+      if (st.exitCode !== 0)
+        throw sandboxFailed(`reading "${resolved.guestPath}" failed part-way: ${stderr.trim().slice(0, 300) || `exit ${st.exitCode}`}`, {
+          path: resolved.guestPath,
+        });
     });
     done.catch(() => undefined);
     return { path: resolved.guestPath, size, stream: h.stdout, done };
@@ -553,7 +675,11 @@ export class ProcessBackend implements Backend {
           image: record.state.image,
           now: new Date(),
         });
-        if (opts.live) this.log?.info({ sandbox: name, checkpoint: cp.id }, 'live checkpoint requested: the process backend cannot capture memory, took a disk checkpoint');
+        if (opts.live)
+          this.log?.info(
+            { sandbox: name, checkpoint: cp.id },
+            'live checkpoint requested: the process backend cannot capture memory, took a disk checkpoint',
+          );
         return cp;
       } finally {
         if (running) await this.cgroups.setFrozen(name, false);
@@ -603,12 +729,17 @@ export class ProcessBackend implements Backend {
         const record: SandboxRecord = { state, proxies: [] };
         if (state.status === 'creating') {
           // The agent died mid-create: nothing was handed out, so undo it.
-          await this.teardown(record, {}).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not undo a half-created sandbox'));
+          await this.teardown(record, {}).catch((err: unknown) =>
+            this.log?.warn({ err, sandbox: name }, 'could not undo a half-created sandbox'),
+          );
           return;
         }
         this.records.set(name, record);
         // After a host reboot the disk is no longer mounted; the layer must stay reachable (checkpoint, destroy).
-        if (state.storage_gb > 0) await mountDisk(this.sandboxDir(name)).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not mount the sandbox disk'));
+        if (state.storage_gb > 0)
+          await mountDisk(this.sandboxDir(name)).catch((err: unknown) =>
+            this.log?.warn({ err, sandbox: name }, 'could not mount the sandbox disk'),
+          );
         if (await this.isAlive(state)) {
           await this.publish(record).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not republish endpoints'));
           await this.persist(state);
@@ -623,7 +754,17 @@ export class ProcessBackend implements Backend {
   }
 
   async prune(): Promise<PruneReport> {
-    const report: PruneReport = { bridges: [], veths: [], mounts: [], loopDevices: [], directories: [], cgroups: [], processes: [], tables: [], errors: [] };
+    const report: PruneReport = {
+      bridges: [],
+      veths: [],
+      mounts: [],
+      loopDevices: [],
+      directories: [],
+      cgroups: [],
+      processes: [],
+      tables: [],
+      errors: [],
+    };
     const known = new Map([...this.records.values()].map((r) => [r.state.name, r.state]));
     const note = (what: string, err: unknown): void => {
       report.errors.push(`${what}: ${(err as Error).message ?? String(err)}`);
@@ -708,10 +849,12 @@ export class ProcessBackend implements Backend {
     }
     // No sandbox left: the tables go too (reassert does the same).
     if (this.records.size === 0) {
-      await this.firewall.reassert(() => this.firewallState()).then(
-        (removed) => removed.length > 0 && report.tables.push(...this.firewall.tables),
-        (err: unknown) => note('nftables', err),
-      );
+      await this.firewall
+        .reassert(() => this.firewallState())
+        .then(
+          (removed) => removed.length > 0 && report.tables.push(...this.firewall.tables),
+          (err: unknown) => note('nftables', err),
+        );
     }
     this.log?.info({ report }, 'prune finished');
     return report;
@@ -760,7 +903,7 @@ export class ProcessBackend implements Backend {
     const first = this.opts.uidBase / USERNS_SIZE;
     const blocks = 2 ** 32 / USERNS_SIZE - 1 - first;
     for (;;) {
-      const base = (first + randomBytes(4).readUInt32BE() % blocks) * USERNS_SIZE;
+      const base = (first + (randomBytes(4).readUInt32BE() % blocks)) * USERNS_SIZE;
       if (!used.has(base)) return base;
     }
   }
@@ -827,7 +970,8 @@ export class ProcessBackend implements Backend {
       try {
         proxy = await startProxy({ ...base, listenPort: want });
       } catch (err) {
-        if (want === 0) throw new AppError('EXPOSE_PORT_UNAVAILABLE', 500, `could not publish ${protocol} port ${e.port}: ${(err as Error).message}`);
+        if (want === 0)
+          throw new AppError('EXPOSE_PORT_UNAVAILABLE', 500, `could not publish ${protocol} port ${e.port}: ${(err as Error).message}`);
         // The old host port was taken while the agent was down: publish anew rather than not at all.
         this.log?.warn({ sandbox: s.name, port: want }, 'previous host port taken; publishing on a new one');
         proxy = await startProxy({ ...base, listenPort: 0 });
@@ -895,11 +1039,14 @@ export class ProcessBackend implements Backend {
         }
       }),
     );
-    if (s.storage_gb > 0 || existsSync(join(this.sandboxDir(s.name), DISK_IMAGE))) await step('disk', () => removeDisk(this.sandboxDir(s.name)));
+    if (s.storage_gb > 0 || existsSync(join(this.sandboxDir(s.name), DISK_IMAGE)))
+      await step('disk', () => removeDisk(this.sandboxDir(s.name)));
     await step('directory', () => rm(this.sandboxDir(s.name), { recursive: true, force: true }));
     if (failures.length > 0) {
       this.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');
-      throw sandboxFailed(`tearing down sandbox "${s.name}" was incomplete (${failures.join('; ')}); destroy again or prune`, { name: s.name });
+      throw sandboxFailed(`tearing down sandbox "${s.name}" was incomplete (${failures.join('; ')}); destroy again or prune`, {
+        name: s.name,
+      });
     }
   }
 
@@ -925,7 +1072,8 @@ function clampSize(n: number, fallback: number): number {
 
 async function assertHostFeatures(): Promise<void> {
   if (process.platform !== 'linux') throw featureMissing('Linux', 'the process backend runs sandboxes with Linux namespaces');
-  if (typeof process.getuid === 'function' && process.getuid() !== 0) throw featureMissing('root', 'the process backend must run as root (namespaces, mounts, cgroups, bridges)');
+  if (typeof process.getuid === 'function' && process.getuid() !== 0)
+    throw featureMissing('root', 'the process backend must run as root (namespaces, mounts, cgroups, bridges)');
   const fss = await readFile('/proc/filesystems', 'utf8').catch(() => '');
   if (!/\toverlay$/m.test(fss)) {
     // The module may simply not be loaded yet.

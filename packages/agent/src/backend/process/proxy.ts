@@ -14,7 +14,13 @@ export interface Proxy {
   close(): Promise<void>;
 }
 
-export async function startProxy(opts: { protocol: Protocol; listenHost: string; listenPort: number; targetHost: string; targetPort: number }): Promise<Proxy> {
+export async function startProxy(opts: {
+  protocol: Protocol;
+  listenHost: string;
+  listenPort: number;
+  targetHost: string;
+  targetPort: number;
+}): Promise<Proxy> {
   return opts.protocol === 'udp' ? startUdp(opts) : startTcp(opts);
 }
 
