@@ -1,7 +1,7 @@
 /**
  * Typed errors with a stable string code and an HTTP status. Codes survive
  * process boundaries where `instanceof` does not: the host agent answers with
- * the same codes and the client maps them back (see `errorFromCode`).
+ * the same codes and the client maps them back (`errorFromAgent` in src/adapters/host-agent.client.ts).
  */
 export class AppError extends Error {
   readonly code: string;
