@@ -15,10 +15,7 @@ import { CommandHandler, type CommandMeta, type Handled } from './command-handle
 export const registerHostRequestSchema = z
   .object({
     id: idSchema,
-    url: z
-      .string()
-      .url()
-      .refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
+    url: z.url().refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
     token: z.string().min(16, 'the host agent bearer token: at least 16 characters'),
     region: z.string().max(64).default(''),
     backend: hostBackendSchema.default('process'),

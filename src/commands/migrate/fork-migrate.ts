@@ -134,6 +134,8 @@ export class ForkMigrate {
     let targetId: string | undefined;
     let reserved = false;
     let booted = false;
+    // `booted` flips in the onCreated callback: read it through a call, not a narrowed local.
+    const isBooted = (): boolean => booted;
     try {
       const snap = await this.snapshots.create(
         vmId,
@@ -239,7 +241,7 @@ export class ForkMigrate {
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
       // Undo on the target only: the source was never touched and still runs.
-      if (booted && targetId) {
+      if (isBooted() && targetId) {
         await this.hosts
           .agentFor(targetId)
           .then((a) => a.destroyVm(sandboxName(vmId), { force: true }))

@@ -38,7 +38,7 @@ import {
 
 export const registerHostDataSchema = z.object({
   host_id: idSchema,
-  url: z.string().url(),
+  url: z.url(),
   region: z.string().max(64).default(''),
   backend: hostBackendSchema,
   labels: labelsSchema.default({}),
@@ -287,7 +287,7 @@ function decideReserve(raw: ReserveCapacityData, state: HostState, at: string): 
   let gpuUuids: string[] = [];
   let migUuids: string[] = [];
   if (req.gpus > 0 && req.gpu_profile) {
-    migUuids = bindMig(h, alloc, req);
+    migUuids = bindMig(h, alloc, req, req.gpu_profile);
   } else if (req.gpus > 0) {
     gpuUuids = bindGpus(h, alloc, req);
   }
@@ -337,8 +337,7 @@ function bindGpus(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve):
   return [...given];
 }
 
-function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve): string[] {
-  const profile = req.gpu_profile!;
+function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve, profile: string): string[] {
   const given = req.mig_instance_uuids ?? [];
   if (!hasMigInventory(h.capacity)) {
     if (given.length > 0)
@@ -347,7 +346,7 @@ function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve): 
   }
   if (given.length === 0) return pickMigInstances(h.capacity, alloc, profile, req.gpu_kind, req.gpus) ?? [];
   const ok = new Set(
-    (h.capacity.mig_instances ?? [])
+    h.capacity.mig_instances
       .filter(
         (m) =>
           m.profile === profile && kindMatches(m.kind ?? h.capacity.gpu_kind, req.gpu_kind) && !alloc.mig_instance_uuids.includes(m.uuid),

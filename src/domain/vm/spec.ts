@@ -83,7 +83,7 @@ export const healthcheckSchema = z
     retries: z.number().int().nonnegative().max(100).optional(),
     start_period_seconds: z.number().int().nonnegative().max(86_400).optional(),
   })
-  .refine((h) => (h.http === undefined) !== (h.exec === undefined), { message: 'set exactly one of http or exec' });
+  .refine((h) => (h.http === undefined) !== (h.exec === undefined), { error: 'set exactly one of http or exec' });
 
 /** Secrets are environment variables of the guest: names as a shell takes them, bounded so events stay small. */
 export const SECRET_LIMITS = { maxCount: 64, maxValueBytes: 32 * 1024, maxTotalBytes: 128 * 1024 } as const;
@@ -311,14 +311,15 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     if (bytes > limits.maxFilesBytes)
       fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
   }
-  if (fields.length > 0) {
+  // A failed parse always has issues, so !parsed.success implies fields.length > 0.
+  if (!parsed.success || fields.length > 0) {
     throw new ValidationError(
       `invalid vm spec: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`,
       fields,
       timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : 'VALIDATION_FAILED',
     );
   }
-  return parsed.data!;
+  return parsed.data;
 }
 
 function base64Bytes(b64: string): number {
