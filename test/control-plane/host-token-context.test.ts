@@ -56,7 +56,7 @@ describe('host token sealed with the host URL', { timeout: 120_000 }, () => {
     cp = await startControlPlane();
     // Where a tampered record would send the token: it records every Authorization header it gets.
     trap = http.createServer((req, res) => {
-      seen.push(String(req.headers.authorization ?? ''));
+      seen.push(req.headers.authorization ?? '');
       res.statusCode = 500;
       res.end();
     });
