@@ -481,9 +481,7 @@ export class SnapshotCommands implements SeedArtifacts {
     );
   }
 
-  async quotaUsage(
-    tenantId: string,
-  ): Promise<{
+  async quotaUsage(tenantId: string): Promise<{
     count: number;
     bytes: number;
     max_count: number;
