@@ -8,7 +8,7 @@ import { z } from 'zod';
 import type { Actor, VmCommands } from '../../commands/vm/vm-commands.js';
 import { attachStartSchema, clientFrameSchema, execResultSchema, execStreamStartSchema } from '@fleet/agent-protocol';
 import type { AgentStream } from '../../domain/host-agent.port.js';
-import { AppError, NotFoundError } from '@fleet/agent-protocol';
+import { AppError, NotFoundError, describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 import { placementDecisionSchema } from '../../domain/placement/placement.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import { publicSpec, vmSpecSchema } from '../../domain/vm/spec.js';
@@ -515,7 +515,7 @@ function relay(
     }
     const parsed = clientFrameSchema.safeParse(frame);
     if (!parsed.success) {
-      sendError('VALIDATION_FAILED', `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+      sendError('VALIDATION_FAILED', `bad frame: ${describeFields(fieldsFromZod(parsed.error))}`);
       return;
     }
     const s = stream;
@@ -548,14 +548,14 @@ function relay(
       if (mode === 'exec') {
         const s = execStreamStartSchema.safeParse(first);
         if (!s.success) {
-          sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+          sendError('VALIDATION_FAILED', `bad start frame: ${describeFields(fieldsFromZod(s.error))}`);
           return;
         }
         stream = await vms.execStream(req.params.id, s.data, actor);
       } else {
         const s = attachStartSchema.safeParse(first);
         if (!s.success) {
-          sendError('VALIDATION_FAILED', `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`);
+          sendError('VALIDATION_FAILED', `bad start frame: ${describeFields(fieldsFromZod(s.error))}`);
           return;
         }
         stream = await vms.attach(req.params.id, s.data, actor);

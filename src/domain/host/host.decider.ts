@@ -1,7 +1,7 @@
 import { z } from 'zod';
 import { hostCapacitySchema, type HostCapacity } from '@fleet/agent-protocol';
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
-import { ValidationError } from '@fleet/agent-protocol';
+import { ValidationError, dottedPath, validationErrorFrom } from '@fleet/agent-protocol';
 import { idSchema } from '../ids.js';
 import {
   emptyAllocation,
@@ -155,8 +155,7 @@ export function addReservation(alloc: HostAllocation, r: HeldResources): void {
 function parseOrThrow<T>(schema: z.ZodType<T>, data: unknown, what: string): T {
   const r = schema.safeParse(data);
   if (r.success) return r.data;
-  const fields = r.error.issues.map((i) => ({ path: i.path.map(String).join('.') || '(root)', message: i.message }));
-  throw new ValidationError(`invalid ${what}: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`, fields);
+  throw validationErrorFrom(r.error, what, { formatPath: (p) => dottedPath(p) || '(root)' });
 }
 
 function registered(state: HostState, hostId: string): RegisteredHost & { readonly status: HostStatus } {

@@ -6,7 +6,7 @@ import { Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError } from '@fleet/agent-protocol';
+import { AppError, describeFields, dottedPath, fieldsFromZod } from '@fleet/agent-protocol';
 import type { HostCapacity } from '@fleet/agent-protocol';
 import {
   capacityExhausted,
@@ -254,9 +254,7 @@ export class ProcessBackend implements Backend {
     const { logger, ...rest } = options;
     const parsed = optionsSchema.safeParse(rest);
     if (!parsed.success) {
-      throw invalidSpec(
-        `invalid process backend options: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
-      );
+      throw invalidSpec(`invalid process backend options: ${describeFields(fieldsFromZod(parsed.error))}`);
     }
     // Absolute paths: they go into mount options and are compared with /proc/self/mountinfo.
     const opts = { ...parsed.data, dataDir: resolve(parsed.data.dataDir), imageDir: resolve(parsed.data.imageDir) };
@@ -322,8 +320,8 @@ export class ProcessBackend implements Backend {
     const parsed = createSpecSchema.safeParse(input);
     if (!parsed.success) {
       throw invalidSpec(
-        `invalid sandbox spec: ${parsed.error.issues.map((i) => `${i.path.join('.') || '(spec)'}: ${i.message}`).join('; ')}`,
-        parsed.error.issues.map((i) => ({ path: i.path.join('.'), message: i.message })),
+        `invalid sandbox spec: ${describeFields(fieldsFromZod(parsed.error, (p) => dottedPath(p) || '(spec)'))}`,
+        fieldsFromZod(parsed.error),
       );
     }
     const spec = parsed.data;
