@@ -1,8 +1,8 @@
 import type { FastifyInstance } from 'fastify';
 import type { Logger } from 'pino';
 import { CommandHandler } from '../commands/command-handler.js';
-import { HostCommands } from '../commands/host-commands.js';
-import { PlacementView } from '../commands/placement-view.js';
+import { HostCommands } from '../commands/host/host-commands.js';
+import { PlacementView } from '../commands/placement/placement-view.js';
 import { VmCommands } from '../commands/vm/vm-commands.js';
 import { Placer } from '../commands/placement/place-and-reserve.js';
 import { Reconciler, type ReconcileSummary } from '../commands/reconcile/reconciler.js';

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import { hostTokenContext, legacyHostTokenContext } from '../../src/commands/host-commands.js';
+import { hostTokenContext, legacyHostTokenContext } from '../../src/commands/host/host-commands.js';
 import { AesGcmSecretBox } from '../../src/adapters/crypto.js';
 import { pino } from 'pino';
 import { startService, apiKeysFrom, type Service } from '../../src/adapters/service.js';

@@ -2,7 +2,7 @@ import type { FastifyInstance } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
-import { registerHostRequestSchema, type HostCommands } from '../../commands/host-commands.js';
+import { registerHostRequestSchema, type HostCommands } from '../../commands/host/host-commands.js';
 import { hostCapacitySchema } from '@fleet/agent-protocol';
 import { NotFoundError } from '@fleet/agent-protocol';
 import { idSchema } from '../../domain/ids.js';

@@ -9,7 +9,7 @@ import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';

@@ -21,7 +21,7 @@ import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider
 import { type VmEndReason } from '../../domain/vm/vm.events.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
 
