@@ -39,6 +39,7 @@ type Kind = 'unit' | 'int' | 'e2e';
 const UNIT = [
   /^test\/domain\//,
   /^test\/packages\//,
+  /^test\/commands\//,
   /\.decider\.test\.ts$/,
   /-deciders\.test\.ts$/,
   /config\.test\.ts$/,

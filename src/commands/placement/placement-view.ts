@@ -46,7 +46,8 @@ export class PlacementView {
   private loadedAt = 0;
 
   constructor(
-    private readonly hosts: HostCommands,
+    // Only reads host streams: any loader of host state will do (the host commands, or the bound host handler).
+    private readonly hosts: Pick<HostCommands, 'load'>,
     private readonly directory: HostDirectory,
     private readonly maxAgeMs = 1000,
   ) {}
