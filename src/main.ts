@@ -37,7 +37,7 @@ async function main(): Promise<void> {
     logger.info({ signal }, 'shutting down');
     for (const stop of stops.reverse()) await stop().catch((err: unknown) => logger.warn({ err }, 'shutdown step failed'));
     logger.info('stopped');
-    logger.flush?.();
+    logger.flush();
     process.exit(code);
   };
   process.on('SIGINT', () => void shutdown('SIGINT'));

@@ -21,7 +21,7 @@ export const configSchema = z.object({
   /** Where the embedded Postgres and generated secrets live. */
   DATA_DIR: z.string().min(1).default('.data'),
   /** External Postgres for read models (and events, unless EVENTSTORE_URL is set). Unset: the embedded server. */
-  DATABASE_URL: z.string().url().optional(),
+  DATABASE_URL: z.url().optional(),
   /** `esdb://…`: EventStoreDB for events. */
   EVENTSTORE_URL: z
     .string()

@@ -1,8 +1,8 @@
 import type { FastifyInstance } from 'fastify';
 import type { Logger } from 'pino';
 import { CommandHandler } from '../commands/command-handler.js';
-import { HostCommands } from '../commands/host-commands.js';
-import { PlacementView } from '../commands/placement-view.js';
+import { HostCommands } from '../commands/host/host-commands.js';
+import { PlacementView } from '../commands/placement/placement-view.js';
 import { VmCommands } from '../commands/vm/vm-commands.js';
 import { Placer } from '../commands/placement/place-and-reserve.js';
 import { Reconciler, type ReconcileSummary } from '../commands/reconcile/reconciler.js';
@@ -91,7 +91,11 @@ export interface Service {
 export async function startService(opts: ServiceOptions): Promise<Service> {
   const { config, logger } = opts;
   const pool = createPool({ url: opts.databaseUrl, max: 20, applicationName: 'fleet-control-plane', logger });
-  const closers: Array<() => Promise<void>> = [async () => void (await pool.end())];
+  const closers: Array<() => Promise<void>> = [
+    async () => {
+      await pool.end();
+    },
+  ];
   const close = async (): Promise<void> => {
     for (const c of closers.reverse()) await c().catch((err: unknown) => logger.warn({ err }, 'shutdown step failed'));
   };
@@ -170,9 +174,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       'fleet_projection_lag_seconds',
       'Seconds the read model is behind the newest event it has been handed',
       ['projection'],
-      async () => runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
+      () => runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
     );
-    metrics.gauge('fleet_projection_events_applied', 'Events applied by this process per read model', ['projection'], async () =>
+    metrics.gauge('fleet_projection_events_applied', 'Events applied by this process per read model', ['projection'], () =>
       runner.status().map((s) => ({ labels: { projection: s.name }, value: s.eventsApplied })),
     );
     metrics.gauge('fleet_vms', 'VMs by state and host (read model)', ['state', 'host'], async () =>
@@ -245,10 +249,10 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         await Promise.all([reconciler.stop(), snapshots.stop()]);
       },
     });
-    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], async () => [
+    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], () => [
       { labels: {}, value: lease.held ? 1 : 0 },
     ]);
-    metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], async () =>
+    metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], () =>
       Object.entries(reconciler.lastSummary ?? {}).flatMap(([k, v]) => (typeof v === 'number' ? [{ labels: { field: k }, value: v }] : [])),
     );
     metrics.gauge('fleet_dead_letters', 'Dead letters by state and kind (read model)', ['state', 'kind'], async () =>
@@ -265,11 +269,16 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       readiness: {
         checks: {
           event_store: () => store.ping(),
-          database: async () => void (await pool.query('SELECT 1')),
-          projections: async () => {
+          database: async () => {
+            await pool.query('SELECT 1');
+          },
+          projections: () => {
             const down = runner.status().filter((s) => !s.running);
-            if (down.length > 0)
-              throw new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`);
+            return down.length > 0
+              ? Promise.reject(
+                  new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`),
+                )
+              : Promise.resolve();
           },
         },
       },

@@ -86,7 +86,9 @@ async function main(argv: string[]): Promise<number> {
       }
       return 0;
     }
-    const then = await vmAsOf(conn.store, target, asOf!);
+    // `vm` without --as-of was refused above.
+    if (!asOf) return 2;
+    const then = await vmAsOf(conn.store, target, asOf);
     if (!then) {
       process.stderr.write(`vm ${target} did not exist at ${asOfText}\n`);
       return 1;

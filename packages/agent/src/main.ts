@@ -117,7 +117,8 @@ async function image(args: string[]): Promise<void> {
 
 function describeErr(err: unknown): Record<string, unknown> {
   if (err instanceof AppError) return { code: err.code, message: err.message, details: err.details };
-  return { message: (err as Error)?.message ?? String(err), stack: (err as Error)?.stack };
+  const e = err as Partial<Error> | null | undefined;
+  return { message: e?.message ?? String(err), stack: e?.stack };
 }
 
 function flush(logger: Logger): Promise<void> {
@@ -138,6 +139,6 @@ async function main(argv: string[]): Promise<void> {
 
 main(process.argv.slice(2)).catch((err: unknown) => {
   if (err instanceof AppError) process.stderr.write(`${err.code}: ${err.message}\n`);
-  else process.stderr.write(`${(err as Error)?.stack ?? String(err)}\n`);
+  else process.stderr.write(`${(err as Partial<Error> | null | undefined)?.stack ?? String(err)}\n`);
   process.exit(1);
 });

@@ -9,7 +9,7 @@ import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
@@ -134,6 +134,8 @@ export class ForkMigrate {
     let targetId: string | undefined;
     let reserved = false;
     let booted = false;
+    // `booted` flips in the onCreated callback: read it through a call, not a narrowed local.
+    const isBooted = (): boolean => booted;
     try {
       const snap = await this.snapshots.create(
         vmId,
@@ -239,7 +241,7 @@ export class ForkMigrate {
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
       // Undo on the target only: the source was never touched and still runs.
-      if (booted && targetId) {
+      if (isBooted() && targetId) {
         await this.hosts
           .agentFor(targetId)
           .then((a) => a.destroyVm(sandboxName(vmId), { force: true }))

@@ -41,7 +41,7 @@ import { type HostCommand } from '../../domain/host/host.decider.js';
 import { isValidId } from '../../domain/ids.js';
 import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 
 const SYSTEM: Actor = { correlationId: 'reconciler', actor: 'reconciler', tenantId: 'system', admin: true };

@@ -21,7 +21,7 @@ import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider
 import { type VmEndReason } from '../../domain/vm/vm.events.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
 
@@ -200,6 +200,8 @@ export class VmCommands {
     }
     const agentFor = async (): Promise<HostAgent> => this.hosts.agentFor(hostId);
     let created = false;
+    // `created` flips in the onCreated callback: read it through a call, not a narrowed local.
+    const wasCreated = (): boolean => created;
     try {
       await this.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
@@ -247,7 +249,7 @@ export class VmCommands {
       );
       await this.fail(vmId, reason === 'host_lost' ? 'boot_failure' : reason, err, actor);
       // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
-      if (created || cls !== 'capacity') {
+      if (wasCreated() || cls !== 'capacity') {
         await agentFor()
           .then((a) => a.destroyVm(sandboxName(vmId), { force: true, timeoutMs: 10_000 }))
           .catch((e: unknown) =>
@@ -390,7 +392,7 @@ export class VmCommands {
     const e = err instanceof AppError ? err : undefined;
     await this.run(
       vmId,
-      { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as Error).message ?? String(err), error_code: e?.code } },
+      { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as { message?: string }).message ?? String(err), error_code: e?.code } },
       actor,
     ).catch((failErr: unknown) => this.logger.error({ vm_id: vmId, err: failErr }, 'could not record a VM failure; the reconciler will'));
   }

@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { archSchema } from '@fleet/agent-protocol';
-import { ValidationError, type FieldError } from '@fleet/agent-protocol';
+import { ValidationError, describeFields, fieldsFromZod, validationErrorFrom, type FieldError } from '@fleet/agent-protocol';
 import { hostBackendSchema, labelsSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
 import type { PlacementRequest } from '../placement/placement.js';
@@ -83,7 +83,7 @@ export const healthcheckSchema = z
     retries: z.number().int().nonnegative().max(100).optional(),
     start_period_seconds: z.number().int().nonnegative().max(86_400).optional(),
   })
-  .refine((h) => (h.http === undefined) !== (h.exec === undefined), { message: 'set exactly one of http or exec' });
+  .refine((h) => (h.http === undefined) !== (h.exec === undefined), { error: 'set exactly one of http or exec' });
 
 /** Secrets are environment variables of the guest: names as a shell takes them, bounded so events stay small. */
 export const SECRET_LIMITS = { maxCount: 64, maxValueBytes: 32 * 1024, maxTotalBytes: 128 * 1024 } as const;
@@ -273,8 +273,7 @@ export function formatIssuePath(path: ReadonlyArray<PropertyKey>): string {
 
 /** Turns zod issues into one ValidationError listing every bad field. */
 export function validationErrorFromZod(error: z.ZodError, what = 'request', code = 'VALIDATION_FAILED'): ValidationError {
-  const fields: FieldError[] = error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
-  return new ValidationError(`invalid ${what}: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`, fields, code);
+  return validationErrorFrom(error, what, { code, formatPath: formatIssuePath });
 }
 
 export const STARTUP_SCRIPT_TIMEOUT_TOO_LARGE = 'STARTUP_SCRIPT_TIMEOUT_TOO_LARGE';
@@ -286,9 +285,7 @@ export const STARTUP_SCRIPT_TIMEOUT_TOO_LARGE = 'STARTUP_SCRIPT_TIMEOUT_TOO_LARG
  */
 export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC_LIMITS): VmSpec {
   const parsed = vmSpecSchema.safeParse(input);
-  const fields: FieldError[] = parsed.success
-    ? []
-    : parsed.error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
+  const fields: FieldError[] = parsed.success ? [] : fieldsFromZod(parsed.error, formatIssuePath);
   let timeoutTooLarge = false;
   if (parsed.success) {
     const s = parsed.data;
@@ -311,14 +308,15 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     if (bytes > limits.maxFilesBytes)
       fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
   }
-  if (fields.length > 0) {
+  // A failed parse always has issues, so !parsed.success implies fields.length > 0.
+  if (!parsed.success || fields.length > 0) {
     throw new ValidationError(
-      `invalid vm spec: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`,
+      `invalid vm spec: ${describeFields(fields)}`,
       fields,
       timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : 'VALIDATION_FAILED',
     );
   }
-  return parsed.data!;
+  return parsed.data;
 }
 
 function base64Bytes(b64: string): number {

@@ -95,7 +95,7 @@ export async function bootHistogram(sql: Sql): Promise<BootHistogram> {
   const { rows } = await sql.query<{ le: number; observations: string; sum_ms: string }>(
     'SELECT le, observations, sum_ms FROM metrics_boot_buckets',
   );
-  const by = new Map(rows.map((r) => [Number(r.le), r]));
+  const by = new Map(rows.map((r) => [r.le, r]));
   let cumulative = 0;
   let sumMs = 0;
   const buckets: Array<{ le: number; count: number }> = [];
@@ -115,7 +115,7 @@ export async function eventCounters(sql: Sql): Promise<Array<{ name: string; lab
   );
   return rows.map((r) => ({
     name: r.name,
-    value: Number(r.value),
+    value: r.value,
     labels: Object.fromEntries(r.labels ? r.labels.split(',').map((kv) => kv.split('=') as [string, string]) : []),
   }));
 }

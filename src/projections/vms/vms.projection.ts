@@ -204,7 +204,8 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
     }
   }
   if (touched.size === 0) return;
-  const out = [...touched].map((id) => byId.get(id)!);
+  // Every touched id was set in `byId` above.
+  const out = [...touched].flatMap((id) => byId.get(id) ?? []);
   const cols = COLUMNS.map(([c]) => c);
   // JSON null in a jsonb field of the record set is the jsonb value null, not SQL NULL: map it back.
   const select = COLUMNS.map(([c, t]) => (t === 'jsonb' ? `NULLIF(r.${c}, 'null'::jsonb)` : `r.${c}`)).join(', ');
