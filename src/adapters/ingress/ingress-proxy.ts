@@ -250,9 +250,18 @@ export class IngressProxy {
           .lookup(target.vmId, true)
           .then((row) => {
             const route = row?.routes.find((r) => r.port === target.port);
-            if (route && route.target !== upstreamUrl) {
-              this.forward(req, res, route.target, target, false);
-            } else this.refuse(res, upstreamError(err));
+            if (!row)
+              this.refuse(
+                res,
+                new IngressError(404, 'INGRESS_VM_NOT_FOUND', `sandbox ${target.vmId} does not exist or publishes no ports`),
+              );
+            else if (!route)
+              this.refuse(
+                res,
+                new IngressError(404, 'INGRESS_PORT_NOT_PUBLISHED', `sandbox ${target.vmId} does not publish port ${target.port}`),
+              );
+            else if (route.target !== upstreamUrl) this.forward(req, res, route.target, target, false);
+            else this.refuse(res, upstreamError(err));
           })
           .catch((e: unknown) => this.refuse(res, e));
         return;
