@@ -78,7 +78,7 @@ async function main(): Promise<void> {
         pool: service.pool,
         domain: ingress.settings.domain,
         host: config.INGRESS_HOST,
-        port: config.INGRESS_PORT,
+        port: ingress.port,
         routeCacheMs: config.INGRESS_ROUTE_CACHE_MS,
         activityFlushMs: config.ACTIVITY_COALESCE_MS,
         recordActivity: service.recordIngressActivity,

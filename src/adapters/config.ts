@@ -159,7 +159,8 @@ export const configSchema = z.object({
   /** Run the ingress proxy in this process. Default: on with the embedded default. */
   INGRESS_ENABLED: bool.optional(),
   INGRESS_HOST: z.string().min(1).default('127.0.0.1'),
-  INGRESS_PORT: z.coerce.number().int().min(0).max(65535).default(8081),
+  /** Unset: PORT + 1 (8081 by default), so a second control plane on another PORT does not collide. */
+  INGRESS_PORT: z.coerce.number().int().min(0).max(65535).optional(),
   /** How long a proxy keeps a VM's route row before re-reading it (0: every request reads the table). */
   INGRESS_ROUTE_CACHE_MS: durationMs.default(1000),
 });

@@ -15,10 +15,14 @@ export type { IngressTarget, PortHandler, PortHandlerOptions } from './ingress-p
  * domain defaults to `localhost:<INGRESS_PORT>` (browsers and curl send
  * `*.localhost` to loopback). Without a domain nothing is published.
  */
-export function ingressSettingsOf(config: Config, embedded: boolean): { run: boolean; settings: IngressSettings | undefined } {
+export function ingressSettingsOf(
+  config: Config,
+  embedded: boolean,
+): { run: boolean; port: number; settings: IngressSettings | undefined } {
   const run = config.INGRESS_ENABLED ?? embedded;
-  const domain = config.INGRESS_DOMAIN ?? (run ? `localhost:${config.INGRESS_PORT}` : undefined);
-  return { run, settings: domain ? { domain, scheme: config.INGRESS_SCHEME } : undefined };
+  const port = config.INGRESS_PORT ?? (config.PORT > 0 && config.PORT < 65535 ? config.PORT + 1 : 8081);
+  const domain = config.INGRESS_DOMAIN ?? (run ? `localhost:${port}` : undefined);
+  return { run, port, settings: domain ? { domain, scheme: config.INGRESS_SCHEME } : undefined };
 }
 
 export interface RunningIngress {

@@ -39,7 +39,7 @@ async function main(): Promise<void> {
     pool,
     domain: config.INGRESS_DOMAIN,
     host: config.INGRESS_HOST,
-    port: config.INGRESS_PORT,
+    port: config.INGRESS_PORT ?? 8081,
     routeCacheMs: config.INGRESS_ROUTE_CACHE_MS,
     activityFlushMs: config.ACTIVITY_COALESCE_MS,
     recordActivity: activityRecorder(new CommandHandler(store), { correlationId: 'ingress-activity', actor: 'ingress' }),
