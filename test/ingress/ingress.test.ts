@@ -74,6 +74,7 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
   let cp: ControlPlane | undefined;
   let ingress: RunningIngress | undefined;
   let replica: RunningIngress | undefined;
+  let stale: RunningIngress | undefined;
   const agents: RunningAgent[] = [];
   let vmId = '';
   let token = '';
@@ -157,9 +158,12 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
     ingress = await startIngress(common);
     // A second replica over the same read model: replicas agree because the table is the only state.
     replica = await startIngress({ ...common, routeCacheMs: 0 });
+    // One that keeps routes for ten minutes: after a move it must notice the old host refusing and re-read.
+    stale = await startIngress({ ...common, routeCacheMs: 600_000 });
   });
 
   after(async () => {
+    await stale?.close();
     await replica?.close();
     await ingress?.close();
     await cp?.close();
@@ -230,10 +234,11 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
 
   it('private by default: no token is 401, a wrong one 403; the sandbox never sees the token or the routing headers', async (t) => {
     if (guard(t)) return;
+    const wrongToken = `${token.slice(0, -1)}${token.endsWith('A') ? 'B' : 'A'}`;
     const none = await hit({ host: hostOf(vmId, 8080), path: '/index.html' });
     assert.equal(none.status, 401);
     assert.equal(none.json.code, 'INGRESS_TOKEN_REQUIRED');
-    const wrong = await hit({ host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': `${token.slice(0, -1)}A` } });
+    const wrong = await hit({ host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': wrongToken } });
     assert.equal(wrong.status, 403);
     assert.equal(wrong.json.code, 'INGRESS_TOKEN_INVALID');
     const byHeaders = await hit({ host: 'ingress.internal', headers: { 'E2b-Sandbox-Id': vmId, 'E2b-Sandbox-Port': '8080' } });
@@ -368,8 +373,8 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
     if (guard(t)) return;
     const c = cp!;
     const beforeMove = ok(await c.request('GET', `/v1/vms/${vmId}`, { as: 'acme' }));
-    // Warm the cache: the first request after the move must not be served from a route naming the old host.
-    assert.equal((await hit({ host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': token } })).status, 200);
+    const warm = await hit({ via: stale!, host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': token } });
+    assert.equal(warm.status, 200, 'the long-cache replica holds the route to h1');
     const m = ok(await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: {} }));
     assert.equal(m.host_id, 'h2');
     const row = ok(await c.request('GET', `/v1/vms/${vmId}?after=${m.position}`, { as: 'acme' }));
@@ -382,6 +387,8 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
     const moved = await hit({ host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': token } });
     assert.equal(moved.status, 200, moved.body);
     assert.equal(moved.body, 'hello from the sandbox\n');
+    const viaStale = await hit({ via: stale!, host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': token } });
+    assert.equal(viaStale.status, 200, `a cached route to the old host is re-read: ${viaStale.body}`);
     assert.equal(await wsEcho(hostOf(vmId, 8082), { 'x-traffic-token': token }, 'after the move'), 'after the move');
     const events = (await c.service.store.readStream(`vm-${vmId}`)).map((e) => e.type);
     assert.ok(events.indexOf('IngressAdopted') > events.indexOf('VmMigrated'), events.join(','));

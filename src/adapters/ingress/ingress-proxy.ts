@@ -339,6 +339,8 @@ export class IngressProxy {
     });
     up.on('timeout', () => up.destroy(new IngressError(504, 'INGRESS_UPSTREAM_TIMEOUT', 'the sandbox did not answer in time')));
     up.on('error', (err) => this.refuseRaw(socket, err instanceof IngressError ? err : upstreamError(err)));
+    // A client gone before the sandbox answered leaves no upstream connection behind.
+    socket.once('close', () => up.destroy());
     up.end();
   }
 
