@@ -1,11 +1,14 @@
 import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { join } from 'node:path';
 import { request as httpRequest } from 'node:http';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import { pino } from 'pino';
 import WebSocket from 'ws';
 import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
 import { getIngressTarget } from '../../src/projections/ingress/ingress.queries.js';
-import type { RunningAgent } from '../agent/harness.js';
+import { freePort } from '../../src/adapters/postgres/embedded.js';
+import { REPO_ROOT, type RunningAgent } from '../agent/harness.js';
 import {
   handshake,
   registerHost,
@@ -232,6 +235,46 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
     assert.equal(onReplica.body, 'hello from the sandbox\n');
   });
 
+  it('runs as its own process (npm run ingress) over the same database, and needs its settings', async (t) => {
+    if (guard(t)) return;
+    const run = (env: Record<string, string>) =>
+      spawn(process.execPath, ['--import', 'tsx', join(REPO_ROOT, 'src/adapters/ingress/main.ts')], {
+        cwd: REPO_ROOT,
+        env: { PATH: process.env.PATH ?? '/usr/bin:/bin', LOG_LEVEL: 'warn', ...env },
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
+    const refused = run({ INGRESS_DOMAIN: DOMAIN });
+    let said = '';
+    refused.stderr.on('data', (d: Buffer) => (said += d.toString()));
+    assert.equal(await new Promise((resolve) => refused.once('exit', resolve)), 2);
+    assert.match(said, /DATABASE_URL: required/);
+
+    const port = await freePort();
+    const proc = run({ DATABASE_URL: cp!.db.url, INGRESS_DOMAIN: DOMAIN, INGRESS_PORT: String(port) });
+    let out = '';
+    proc.stdout.on('data', (d: Buffer) => (out += d.toString()));
+    proc.stderr.on('data', (d: Buffer) => (out += d.toString()));
+    try {
+      const own = { url: `http://127.0.0.1:${port}` } as RunningIngress;
+      const deadline = Date.now() + 60_000;
+      let got: Hit | undefined;
+      while (!got && Date.now() < deadline) {
+        got = await hit({ via: own, host: hostOf(vmId, 8081), path: '/index.html' }).catch(() => undefined);
+        if (!got) await new Promise((r) => setTimeout(r, 200));
+      }
+      assert.equal(got?.status, 200, out);
+      assert.equal(got.body, 'hello from the sandbox\n');
+      const privateHit = await hit({ via: own, host: hostOf(vmId, 8080), path: '/index.html', headers: { 'x-traffic-token': token } });
+      assert.equal(privateHit.status, 200);
+    } finally {
+      if (proc.exitCode === null && proc.signalCode === null) {
+        const exited = new Promise((resolve) => proc.once('exit', resolve));
+        proc.kill('SIGTERM');
+        await exited;
+      }
+    }
+  });
+
   it('private by default: no token is 401, a wrong one 403; the sandbox never sees the token or the routing headers', async (t) => {
     if (guard(t)) return;
     const wrongToken = `${token.slice(0, -1)}${token.endsWith('A') ? 'B' : 'A'}`;
@@ -287,6 +330,7 @@ describe('ingress: stable URLs in front of real sandboxes (two agents)', { timeo
     const half = await hit({ host: 'ingress.internal', headers: { 'E2b-Sandbox-Id': vmId } });
     assert.equal(half.status, 400);
     assert.equal(half.json.code, 'INGRESS_BAD_ROUTE_HEADERS');
+    assert.equal((await hit({ host: `${hostOf(vmId, 8081)}:80`, path: '/index.html' })).status, 200, 'a default port in Host is fine');
     const badLabel = await hit({ host: `x-${vmId}.${DOMAIN}` });
     assert.equal(badLabel.json.code, 'INGRESS_NO_ROUTE');
   });

@@ -160,7 +160,9 @@ export class IngressProxy {
 
   /** Host routing first (a wildcard name is unambiguous), then the E2B headers on any other Host. */
   private parse(req: IncomingMessage): { vmId: string; port: number; byHost: boolean } {
-    const host = (req.headers.host ?? '').toLowerCase();
+    let host = (req.headers.host ?? '').toLowerCase();
+    // Some clients name the scheme's default port; a domain without a port matches either way.
+    if (!this.domain.includes(':')) host = host.replace(/:[0-9]+$/, '');
     const suffix = `.${this.domain}`;
     if (host.endsWith(suffix)) {
       const [, port, vmId] = LABEL.exec(host.slice(0, -suffix.length)) ?? [];
