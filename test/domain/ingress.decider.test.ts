@@ -30,7 +30,7 @@ describe('ingress decider', () => {
   it('publishes once: a retried publish keeps the first token', () => {
     given(ingressDecider)
       .when(publish)
-      .then([published as never]);
+      .then([published]);
     given(ingressDecider, [published])
       .when({ ...publish, data: { ...publish.data, token_sha256: 'b'.repeat(64) } })
       .then([]);
