@@ -28,9 +28,7 @@ const publish = {
 
 describe('ingress decider', () => {
   it('publishes once: a retried publish keeps the first token', () => {
-    given(ingressDecider)
-      .when(publish)
-      .then([published]);
+    given(ingressDecider).when(publish).then([published]);
     given(ingressDecider, [published])
       .when({ ...publish, data: { ...publish.data, token_sha256: 'b'.repeat(64) } })
       .then([]);
