@@ -6,6 +6,7 @@ import { createLogger } from './adapters/logger.js';
 import { startEmbeddedPostgres, type EmbeddedPostgres } from './adapters/postgres/embedded.js';
 import { loadOrCreateSecrets } from './adapters/secrets.js';
 import { apiKeysFrom, startService, type Service } from './adapters/service.js';
+import { ingressSettingsOf, startIngress } from './adapters/ingress/ingress.js';
 
 /**
  * The control plane process: config, the embedded Postgres when nothing else
@@ -59,6 +60,7 @@ async function main(): Promise<void> {
       databaseUrl = pg.url;
     }
     const adminKey = config.ADMIN_API_KEY ?? secrets.admin_api_key;
+    const ingress = ingressSettingsOf(config, embedded);
     const tenantKeys = config.API_KEYS.length > 0 || !embedded ? config.API_KEYS : [{ tenant: 'demo', key: secrets.demo_api_key }];
     const service: Service = await startService({
       config,
@@ -66,10 +68,25 @@ async function main(): Promise<void> {
       databaseUrl,
       tokenEncryptionKey: Buffer.from(config.TOKEN_ENCRYPTION_KEY ?? secrets.token_encryption_key, 'base64'),
       apiKeys: apiKeysFrom(adminKey, tenantKeys),
+      ingress: ingress.settings,
     });
     stops.push(() => service.close());
     await service.app.listen({ host: config.HOST, port: config.PORT });
     const apiUrl = `http://${config.HOST}:${config.PORT}`;
+    if (ingress.run && ingress.settings) {
+      const proxy = await startIngress({
+        pool: service.pool,
+        domain: ingress.settings.domain,
+        host: config.INGRESS_HOST,
+        port: ingress.port,
+        routeCacheMs: config.INGRESS_ROUTE_CACHE_MS,
+        activityFlushMs: config.ACTIVITY_COALESCE_MS,
+        recordActivity: service.recordIngressActivity,
+        handlers: service.ingressHandlers,
+        logger,
+      });
+      stops.push(() => proxy.close());
+    }
 
     if (config.START_LOCAL_AGENT ?? embedded) {
       const agent: LocalAgent = await startLocalAgent({ dataDir, port: config.LOCAL_AGENT_PORT, token: secrets.local_agent_token, logger });

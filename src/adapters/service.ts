@@ -47,6 +47,11 @@ import { auditRoutes } from './http/audit.routes.js';
 import { runMigrations } from './postgres/migrations.js';
 import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
+import { ingressProjection } from '../projections/ingress/ingress.projection.js';
+import { countIngressRoutes } from '../projections/ingress/ingress.queries.js';
+import { activityRecorder, IngressCommands, type IngressSettings } from '../commands/ingress/ingress-commands.js';
+import { ingressRoutes } from './http/ingress.routes.js';
+import { IngressPortHandlers } from './ingress/ingress-proxy.js';
 
 /** Every read model the service keeps. */
 export const PROJECTIONS: readonly Projection[] = [
@@ -57,6 +62,7 @@ export const PROJECTIONS: readonly Projection[] = [
   deadLettersProjection,
   vmHealthProjection,
   snapshotsProjection,
+  ingressProjection,
 ];
 
 export interface ServiceOptions {
@@ -71,6 +77,8 @@ export interface ServiceOptions {
   /** False in tests that run many services: prom-client's default process metrics are global. */
   readonly defaultMetrics?: boolean;
   readonly httpLogger?: boolean;
+  /** Ingress URL settings; default: from INGRESS_DOMAIN (unset: nothing is published). */
+  readonly ingress?: IngressSettings | undefined;
 }
 
 export interface Service {
@@ -84,6 +92,12 @@ export interface Service {
   /** Whether this replica holds the reconciler lease. */
   isReconcilerLeader(): boolean;
   readonly pool: import('pg').Pool;
+  /** Present when an ingress domain is configured. */
+  readonly ingress: IngressCommands | undefined;
+  /** Per-port handlers for the ingress proxies this process runs (e.g. envd for the E2B layer). */
+  readonly ingressHandlers: IngressPortHandlers;
+  /** What a proxy calls once per VM per flush (ingress traffic as idle-expiry activity). */
+  readonly recordIngressActivity: (vmId: string) => Promise<void>;
   close(): Promise<void>;
 }
 
@@ -167,6 +181,12 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       new CommandHandler(store, undefined, 200),
     );
     vms.setSeedArtifacts(snapshots);
+    const ingressSettings: IngressSettings | undefined =
+      opts.ingress ?? (config.INGRESS_DOMAIN ? { domain: config.INGRESS_DOMAIN, scheme: config.INGRESS_SCHEME } : undefined);
+    const ingress = ingressSettings
+      ? new IngressCommands(handler, secretBox, ingressSettings, logger.child({ component: 'ingress' }))
+      : undefined;
+    vms.ingress = ingress;
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
@@ -192,6 +212,10 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         { labels: { host: h.id, resource: 'vm_count', kind: 'allocated' }, value: h.allocated.vm_count },
       ]),
     );
+
+    metrics.gauge('fleet_ingress_routes', 'Published ingress routes (read model)', [], async () => [
+      { labels: {}, value: await countIngressRoutes(pool) },
+    ]);
 
     const feedStats = new FeedStats();
     registerConsumerMetrics(metrics, { pool, store, runner, feed: feedStats });
@@ -312,6 +336,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        ...(ingress ? [ingressRoutes({ ingress, vms })] : []),
       ],
     });
     closers.push(() => app.close());
@@ -323,7 +348,21 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       lease.start();
       closers.push(() => snapshots.stop());
     }
-    return { app, store, runner, hosts, vms, reconciler, snapshots, isReconcilerLeader: () => lease.held, pool, close };
+    return {
+      app,
+      store,
+      runner,
+      hosts,
+      vms,
+      reconciler,
+      snapshots,
+      isReconcilerLeader: () => lease.held,
+      pool,
+      ingress,
+      ingressHandlers: new IngressPortHandlers(),
+      recordIngressActivity: activityRecorder(handler, { correlationId: 'ingress-activity', actor: 'ingress' }),
+      close,
+    };
   } catch (err) {
     await close();
     throw err;

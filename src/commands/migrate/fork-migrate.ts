@@ -191,6 +191,8 @@ export class ForkMigrate {
       await this.stepDone(vmId, 'boot', { host_id: targetId }, actor);
 
       step = 'switch';
+      // With an ingress the VM keeps its URLs; the routes are pointed at the target right after the switch.
+      const shown = this.vms.ingress ? await this.vms.ingress.present(vmId, endpoints) : undefined;
       const switched = await this.vmHandler.handle(
         vmId,
         {
@@ -202,8 +204,8 @@ export class ForkMigrate {
             decision: placed.choice.decision,
             reservation: placed.reservation,
             snapshot_id: snapshotId,
-            url: info.ip ? `http://${info.ip}` : '',
-            endpoints,
+            url: shown?.url ?? (info.ip ? `http://${info.ip}` : ''),
+            endpoints: shown?.endpoints ?? endpoints,
           },
         } satisfies VmCommand,
         actor,
@@ -213,6 +215,14 @@ export class ForkMigrate {
       let final = switched.state;
       booted = false;
       reserved = false;
+      await this.vms.ingress
+        ?.adopt(vmId, targetId, endpoints, actor)
+        .catch((err: unknown) =>
+          this.logger.error(
+            { vm_id: vmId, err: { message: (err as Error).message } },
+            'migrated, but its ingress routes still name the source',
+          ),
+        );
 
       // From here the VM runs on the target: a failure only leaves garbage on the source, which the reconciler collects.
       step = 'destroy_source';

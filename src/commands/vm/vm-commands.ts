@@ -24,6 +24,7 @@ import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
+import type { IngressPublisher } from '../ingress/ingress-commands.js';
 
 export { SANDBOX_PREFIX, sandboxName } from './boot-sandbox.js';
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
@@ -80,6 +81,8 @@ export interface Actor extends CommandMeta {
 export class VmCommands {
   private readonly lastActivity = new Map<string, number>();
   private seeds: SeedArtifacts | undefined;
+  /** Set when an ingress domain is configured: endpoints are then published at stable URLs. */
+  ingress: IngressPublisher | undefined;
 
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
 
@@ -223,7 +226,10 @@ export class VmCommands {
         },
         { onCreated: () => (created = true), setup: (name) => this.setUpGuest(agent, name, spec, token) },
       );
-      const url = info.ip ? `http://${info.ip}` : '';
+      const shown = this.ingress
+        ? await this.ingress.publish({ vm_id: vmId, tenant_id: vm.tenant_id, spec }, hostId, endpoints, actor)
+        : undefined;
+      const url = shown?.url ?? (info.ip ? `http://${info.ip}` : '');
       return await this.run(
         vmId,
         {
@@ -231,7 +237,7 @@ export class VmCommands {
           data: {
             vm_id: vmId,
             url,
-            endpoints,
+            endpoints: shown?.endpoints ?? endpoints,
             boot_ms: Date.now() - started,
             auth_token_encrypted: this.secrets.seal(token, vmTokenContext(vmId)),
           },
@@ -303,7 +309,14 @@ export class VmCommands {
       await this.releaseCapacity(hostId, vmId, actor);
     }
     this.lastActivity.delete(vmId);
-    return this.run(vmId, { type: 'ConfirmDestroyed', data: { vm_id: vmId } }, actor);
+    const done = await this.run(vmId, { type: 'ConfirmDestroyed', data: { vm_id: vmId } }, actor);
+    // The route table already drops an ending VM; this records it for the readers of the stream.
+    await this.ingress
+      ?.unpublish(vmId, actor)
+      .catch((err: unknown) =>
+        this.logger.warn({ vm_id: vmId, err: { message: (err as Error).message } }, 'ingress unpublish not recorded'),
+      );
+    return done;
   }
 
   /** The VM as its stream says, for this caller: another tenant's VM does not exist (404, not 403). */

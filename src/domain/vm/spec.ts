@@ -64,6 +64,8 @@ export const exposeSchema = z.object({
   port: z.number().int().min(1, 'a port 1–65535').max(65535, 'a port 1–65535'),
   as: z.string().regex(/^[a-z0-9][a-z0-9_-]{0,31}$/, 'a label: lowercase letters, digits, _ and -, up to 32 characters'),
   protocol: protocolSchema.default('tcp'),
+  /** Through the ingress without the VM's traffic token; private (token required) by default. */
+  public: z.boolean().optional(),
 });
 export type ExposeSpec = z.infer<typeof exposeSchema>;
 
