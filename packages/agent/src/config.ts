@@ -33,9 +33,9 @@ export const agentConfigSchema = z
       .min(16, 'must be at least 16 characters'),
     AGENT_DATA_DIR: z.string().min(1).default('.data/agent'),
     AGENT_IMAGE_DIR: z.string().min(1).optional(),
-    AGENT_BACKEND: z.enum(['process', 'qemu'], { message: 'must be one of: process, qemu' }).default('process'),
+    AGENT_BACKEND: z.enum(['process', 'qemu'], { error: 'must be one of: process, qemu' }).default('process'),
     /** qemu backend: auto probes KVM (it must boot firmware in time) and falls back to TCG. */
-    AGENT_QEMU_ACCEL: z.enum(['auto', 'kvm', 'tcg'], { message: 'must be one of: auto, kvm, tcg' }).default('auto'),
+    AGENT_QEMU_ACCEL: z.enum(['auto', 'kvm', 'tcg'], { error: 'must be one of: auto, kvm, tcg' }).default('auto'),
     /** qemu backend: bound on a boot until the in-guest agent answers. */
     AGENT_QEMU_BOOT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(180_000),
     AGENT_SUBNET: z

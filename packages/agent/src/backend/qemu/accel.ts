@@ -58,25 +58,25 @@ export async function firmwarePosts(
     ],
     { stdio: ['ignore', 'ignore', 'pipe'] },
   );
-  let stderr = '';
-  let exited = false;
-  child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-  child.on('exit', () => (exited = true));
+  // Mutated by the child's callbacks while the loop below polls.
+  const state = { stderr: '', exited: false };
+  child.stderr.setEncoding('utf8').on('data', (d: string) => (state.stderr += d));
+  child.on('exit', () => (state.exited = true));
   child.on('error', (err) => {
-    exited = true;
-    stderr += err.message;
+    state.exited = true;
+    state.stderr += err.message;
   });
   const started = Date.now();
   try {
     while (Date.now() - started < timeoutMs) {
       const text = await readFile(log, 'utf8').catch(() => '');
       if (text.includes('No bootable device')) return { ok: true, reason: `${accel}: firmware POST in ${Date.now() - started} ms` };
-      if (exited) return { ok: false, reason: `${accel}: qemu exited: ${stderr.trim().slice(0, 300)}` };
+      if (state.exited) return { ok: false, reason: `${accel}: qemu exited: ${state.stderr.trim().slice(0, 300)}` };
       await sleep(50);
     }
     return { ok: false, reason: `${accel}: firmware did not finish POST within ${timeoutMs} ms (nested virtualization too slow or hung)` };
   } finally {
-    if (!exited) child.kill('SIGKILL');
+    if (!state.exited) child.kill('SIGKILL');
     await rm(dir, { recursive: true, force: true });
   }
 }

@@ -100,7 +100,7 @@ export async function guestSpawn(
         return;
       }
       if (buf.length < 5 + len) break;
-      const type = String.fromCharCode(buf[0]!);
+      const type = String.fromCharCode(buf.readUInt8(0));
       const payload = buf.subarray(5, 5 + len);
       buf = buf.subarray(5 + len);
       if (type === 'O') push(stdout, payload);
@@ -124,7 +124,10 @@ export async function guestSpawn(
 
   const stdin = new Writable({
     write(chunk: Buffer, _enc, cb) {
-      if (sock.destroyed) return cb();
+      if (sock.destroyed) {
+        cb();
+        return;
+      }
       // The guest agent takes at most MAX_FRAME per frame.
       for (let off = 0; off < chunk.length; off += MAX_FRAME) sock.write(frame('I', chunk.subarray(off, off + MAX_FRAME)));
       if (sock.writableNeedDrain) sock.once('drain', () => cb());
@@ -147,7 +150,7 @@ export async function guestSpawn(
     },
     kill(signal: NodeJS.Signals = 'SIGKILL') {
       if (sock.destroyed) return;
-      sock.write(frame('S', String(constants.signals[signal] ?? constants.signals.SIGKILL)));
+      sock.write(frame('S', String(constants.signals[signal])));
     },
     async wait() {
       const status = await exited;

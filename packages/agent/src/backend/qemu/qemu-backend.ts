@@ -312,7 +312,8 @@ export class QemuBackend implements Backend {
       this.records.set(spec.name, { state: st, proxies: [] });
       return st;
     });
-    const record = this.records.get(spec.name)!;
+    const record = this.records.get(spec.name);
+    if (!record) throw sandboxFailed(`VM "${spec.name}" vanished while being created`);
     const started = Date.now();
     try {
       await this.plugNetwork(state);
@@ -532,7 +533,7 @@ export class QemuBackend implements Backend {
     const cwd = opts.cwd ?? '/';
     if (!cwd.startsWith('/') || cwd.includes('\0'))
       throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
-    if (opts.tty) env.TERM ??= 'xterm-256color';
+    if (opts.tty && !('TERM' in env)) env.TERM = 'xterm-256color';
     try {
       return await guestSpawn(this.target(r.state), { ...opts, env, cwd });
     } catch (err) {
@@ -565,16 +566,16 @@ export class QemuBackend implements Backend {
       'chmod "$2" "$t" && mv -f "$t" "$p" || { rm -f "$t"; exit 5; }',
     ].join('\n');
     const h = await this.spawn(name, { argv: ['sh', '-c', script, 'sh', guestPath, mode.toString(8), tmpName], stdin: true });
-    let bytes = 0;
-    let tooLarge = false;
+    // Mutated by the counting transform.
+    const seen = { bytes: 0, tooLarge: false };
     const errOut: Buffer[] = [];
     h.stderr.on('data', (d: Buffer) => errOut.push(d));
     h.stdout.resume();
     const counter = new Transform({
       transform(chunk: Buffer, _enc, cb) {
-        bytes += chunk.length;
-        if (opts.maxBytes !== undefined && bytes > opts.maxBytes) {
-          tooLarge = true;
+        seen.bytes += chunk.length;
+        if (opts.maxBytes !== undefined && seen.bytes > opts.maxBytes) {
+          seen.tooLarge = true;
           cb(new Error('too large'));
           return;
         }
@@ -588,7 +589,8 @@ export class QemuBackend implements Backend {
       await h.wait();
       const dir = guestPath.slice(0, guestPath.lastIndexOf('/')) || '/';
       await guestRun(this.target(r.state), ['rm', '-f', `${dir}/${tmpName}`]).catch(() => undefined);
-      if (tooLarge) throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: guestPath });
+      if (seen.tooLarge)
+        throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: guestPath });
       throw err;
     }
     const st = await h.wait();
@@ -602,7 +604,7 @@ export class QemuBackend implements Backend {
         vm: name,
       });
     }
-    return { path: guestPath, bytes };
+    return { path: guestPath, bytes: seen.bytes };
   }
 
   async readGuestFile(name: string, guestPath: string): Promise<{ path: string; size: number; stream: Readable; done: Promise<void> }> {
@@ -874,7 +876,7 @@ async function listAllLinks(): Promise<string[]> {
   const res = await runTool('ip', ['-j', 'link', 'show']);
   if (res.code !== 0) return [];
   try {
-    return (JSON.parse(res.stdout) as Array<{ ifname: string }>).map((l) => l.ifname.split('@')[0]!);
+    return (JSON.parse(res.stdout) as Array<{ ifname: string }>).map((l) => l.ifname.replace(/@.*$/, ''));
   } catch {
     return [];
   }
