@@ -179,6 +179,30 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     assert.equal(body, 'hello-from-vm\n');
   });
 
+  it('starts a guest daemon with its files through the agent route, detached from the request', async () => {
+    const script = '#!/bin/sh\necho "daemon $ROLE" > /root/daemon.out\nexec sleep 1000\n';
+    const res = await agent.client.startAgent(vm, {
+      files: { '/opt/fleet-test/run.sh': Buffer.from(script).toString('base64') },
+      command: '/opt/fleet-test/run.sh',
+      env: { ROLE: 'worker' },
+      expose: [{ port: 8080, as: 'http' }],
+    });
+    assert.equal(res.started, true);
+    assert.equal(res.endpoints[0]?.port, 8080);
+    let out = '';
+    for (let i = 0; i < 50 && !out.includes('daemon'); i++) {
+      out = (await agent.client.exec(vm, { argv: ['sh', '-c', 'cat /root/daemon.out 2>/dev/null; true'] })).stdout;
+      if (!out) await new Promise((r) => setTimeout(r, 200));
+    }
+    assert.equal(out, 'daemon worker\n');
+    const ps = await agent.client.exec(vm, { argv: ['sh', '-c', `ps | grep -c '[s]leep 1000'`] });
+    assert.equal(ps.stdout.trim(), '1');
+    await assert.rejects(
+      agent.client.startAgent(vm, { command: 'true', expose: [{ port: 9999, as: 'x' }] }),
+      (e: AppError) => e.code === 'EXPOSE_NOT_PUBLISHED',
+    );
+  });
+
   it('the in-guest agent refuses a connection without the VM token', async () => {
     const frame = (type: string, payload: string): Buffer => {
       const b = Buffer.from(payload);

@@ -271,7 +271,8 @@ export class QemuBackend implements Backend {
     const dir = this.vmDir(spec.name);
     // Addresses, taps and bridges are host-wide: allocate under one lock and record before anything is made.
     const state = await this.locks.run('alloc', async () => {
-      if (this.records.size + this.creating.size - 1 >= this.opts.maxSandboxes) {
+      // Every VM past this point (being created or running) is in records.
+      if (this.records.size >= this.opts.maxSandboxes) {
         throw capacityExhausted(`${this.opts.maxSandboxes} VMs already run here`, { max: this.opts.maxSandboxes });
       }
       const others = [...this.records.values()].map((r) => r.state);
