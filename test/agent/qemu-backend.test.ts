@@ -153,6 +153,17 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     assert.equal(t.timed_out, true);
     const s = await agent.client.exec(vm, { argv: ['cat'], stdin: Buffer.from('piped in').toString('base64') });
     assert.equal(s.stdout, 'piped in');
+    // An echoing child fills its stdout pipe long before it has read its stdin: the guest agent must keep both moving.
+    const big = randomBytes(4 * 1024 * 1024);
+    const echo = await agent.client.exec(
+      vm,
+      { argv: ['sh', '-c', 'cat; echo done >&2'], stdin: big.toString('base64'), timeout_ms: 120_000, encoding: 'base64' },
+      { timeoutMs: 180_000 },
+    );
+    assert.equal(echo.timed_out, false);
+    assert.equal(echo.exit_code, 0);
+    assert.equal(Buffer.from(echo.stderr, 'base64').toString(), 'done\n');
+    assert.ok(Buffer.from(big).subarray(0, 1024).equals(Buffer.from(echo.stdout, 'base64').subarray(0, 1024)));
   });
 
   it('uploads and downloads files inside the guest', async () => {
@@ -269,7 +280,7 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
           argv: [
             'sh',
             '-c',
-            // busybox nc, not wget: the static busybox's wget crashes resolving the service name.
+            // nc, not wget: Debian's busybox 1.35 wget segfaults with -T (on the host too), and without it waits long.
             `printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc -w 3 10.232.0.2 8080; echo "vm:$?"; nc -w 2 10.232.0.1 ${hostPort} </dev/null; echo "gw:$?"`,
           ],
           timeout_ms: 30_000,

@@ -184,24 +184,44 @@ static void serve(int sock) {
 
   int status = 0, exited = 0;
   char buf[65536];
+  /* Stdin the child has not taken yet: while any is pending the socket is not read (TCP pushes back on the
+     host, and an EOF frame stays queued behind the data), and output keeps flowing, so a child that writes
+     before it reads cannot deadlock the two. */
+  char *pend = NULL;
+  size_t pend_len = 0, pend_off = 0;
+  if (in_w >= 0) fcntl(in_w, F_SETFL, fcntl(in_w, F_GETFL) | O_NONBLOCK);
   while (out_r >= 0 || err_r >= 0 || !exited) {
-    struct pollfd p[3] = {{sock, POLLIN, 0}, {out_r, POLLIN, 0}, {err_r, POLLIN, 0}};
-    int r = poll(p, 3, exited ? 200 : 50);
+    int pending = pend != NULL;
+    struct pollfd p[4] = {
+        {pending ? -1 : sock, POLLIN, 0}, {out_r, POLLIN, 0}, {err_r, POLLIN, 0}, {pending ? in_w : -1, POLLOUT, 0}};
+    int r = poll(p, 4, exited ? 200 : 50);
     if (r < 0 && errno != EINTR) break;
-    if (!exited && waitpid(pid, &status, WNOHANG) == pid) {
-      exited = 1;
-      /* A TTY's master reads EIO once the session is gone; no grandchild keeps it. */
+    if (!exited && waitpid(pid, &status, WNOHANG) == pid) exited = 1;
+    if (pending && in_w >= 0) {
+      ssize_t w = write(in_w, pend + pend_off, pend_len - pend_off);
+      if (w > 0) pend_off += (size_t)w;
+      if ((w < 0 && errno != EAGAIN && errno != EINTR) || pend_off == pend_len) {
+        if (w < 0 && errno != EAGAIN && errno != EINTR) {
+          close(in_w);
+          in_w = -1;
+        }
+        free(pend);
+        pend = NULL;
+      }
+    } else if (pending) {
+      free(pend);
+      pend = NULL;
     }
     if (r > 0 && (p[0].revents & (POLLIN | POLLHUP | POLLERR))) {
       if (recv_frame(sock, &type, &data, &len) < 0) {
         kill(-pid, SIGKILL);
         _exit(0);
       }
-      if (type == 'I' && in_w >= 0) {
-        if (write_all(in_w, data, len) < 0) {
-          close(in_w);
-          in_w = -1;
-        }
+      if (type == 'I' && in_w >= 0 && len > 0) {
+        pend = data;
+        pend_len = len;
+        pend_off = 0;
+        data = NULL;
       } else if (type == 'E' && in_w >= 0) {
         if (tty) {
           char eot = 4;
