@@ -24,6 +24,7 @@ import { startAgent, type RunningAgent } from './harness.js';
 
 const PREFIX = 'qmt';
 const SUBNET = '10.232.0.0/24';
+const CONSOLE_MAX = 64 * 1024;
 
 function missing(): string | undefined {
   if (process.getuid?.() !== 0) return 'root';
@@ -67,7 +68,7 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     imageDir,
     subnet: SUBNET,
     bridgePrefix: PREFIX,
-    env: { AGENT_BACKEND: 'qemu', AGENT_LOG_LEVEL: 'warn' },
+    env: { AGENT_BACKEND: 'qemu', AGENT_LOG_LEVEL: 'warn', AGENT_CONSOLE_LOG_MAX_BYTES: String(CONSOLE_MAX) },
   });
 
   before(async () => {
@@ -140,6 +141,8 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     assert.equal(hostname, vm);
     assert.match(addr!, /inet 10\.232\.0\.2\/24/);
     assert.equal(mac, generateMac(vm));
+    // The serial console is the VM's console log.
+    assert.match(await agent.client.consoleLog(vm), /fleet: guest up at 10\.232\.0\.2/);
     const sizeKb = Number(df!.trim().split(/\s+/)[1]);
     assert.ok(sizeKb > 1.8 * 1024 * 1024, `root should be grown to storage_gb=2, is ${sizeKb} KiB`);
   });
@@ -157,7 +160,7 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     const big = randomBytes(4 * 1024 * 1024);
     const echo = await agent.client.exec(
       vm,
-      { argv: ['sh', '-c', 'cat; echo done >&2'], stdin: big.toString('base64'), timeout_ms: 120_000, encoding: 'base64' },
+      { argv: ['sh', '-c', 'cat; echo done >&2'], stdin: big.toString('base64'), timeout_ms: 60_000, encoding: 'base64' },
       { timeoutMs: 180_000 },
     );
     assert.equal(echo.timed_out, false);
@@ -308,6 +311,23 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     assert.ok(!linkExists('qmtvt1') && !linkExists('qmtvb1'));
   });
 
+  it('bounds the serial console log however much the guest writes to its serial port', async () => {
+    const r = await agent.client.exec(
+      vm,
+      { argv: ['sh', '-c', "head -c 300000 /dev/zero | tr '\\0' x > /dev/ttyS0; echo end-of-flood > /dev/ttyS0"], timeout_ms: 240_000 },
+      { timeoutMs: 300_000 },
+    );
+    assert.equal(r.exit_code, 0, r.stderr);
+    const log = join(dataDir, 'qemu/vms', vm, 'serial.log');
+    let text = '';
+    for (let i = 0; i < 50 && !text.includes('end-of-flood'); i++) {
+      text = await readFile(log, 'utf8');
+      if (!text.includes('end-of-flood')) await new Promise((res) => setTimeout(res, 200));
+    }
+    assert.match(text, /xxxx[\s\S]*end-of-flood/);
+    assert.ok(text.length <= CONSOLE_MAX, `serial.log is ${text.length} bytes, over ${CONSOLE_MAX}`);
+  });
+
   it('keeps the VM across an agent SIGKILL and finds it again', async () => {
     const before = await agent.client.getVm(vm);
     await agent.kill();
@@ -321,6 +341,14 @@ describe('qemu backend: a real VM', { skip: lack ? `missing ${lack}` : false, ti
     assert.equal(Buffer.from(r.stdout, 'base64').length, 300_000);
     const body = await (await fetch(`${info.endpoints[0]!.url}/index.html`)).text();
     assert.equal(body, 'hello-from-vm\n');
+    // The new agent reads the serial console again.
+    await agent.client.exec(vm, { argv: ['sh', '-c', 'echo console-after-restart > /dev/ttyS0'] });
+    let con = '';
+    for (let i = 0; i < 50 && !con.includes('console-after-restart'); i++) {
+      con = await agent.client.consoleLog(vm);
+      if (!con.includes('console-after-restart')) await new Promise((res) => setTimeout(res, 200));
+    }
+    assert.match(con, /console-after-restart/);
   });
 
   it('prunes orphaned taps, bridges, VM directories and QEMU processes, and nothing live', async () => {

@@ -24,7 +24,7 @@ const base: QemuVmConfig = {
   seedPath: '/vms/vm1/seed.tar',
   mac: '02:11:22:33:44:55',
   tap: 'fbvt0',
-  serialLogPath: '/vms/vm1/serial.log',
+  serialSocket: '/run/vm1.serial',
   qmpSocket: '/vms/vm1/qmp.sock',
   pidFile: '/vms/vm1/qemu.pid',
 };
@@ -45,6 +45,8 @@ describe('qemu command line', () => {
     assert.ok(after(args, '-device').includes('virtio-net-pci,netdev=net0,mac=02:11:22:33:44:55'));
     assert.deepEqual(after(args, '-netdev'), ['tap,id=net0,ifname=fbvt0,script=no,downscript=no']);
     assert.deepEqual(after(args, '-qmp'), ['unix:/vms/vm1/qmp.sock,server=on,wait=off']);
+    assert.deepEqual(after(args, '-chardev'), ['socket,id=serial0,path=/run/vm1.serial,server=on,wait=off']);
+    assert.deepEqual(after(args, '-serial'), ['chardev:serial0']);
     assert.ok(args.includes('-daemonize') && args.includes('-no-reboot'));
     assert.ok(!after(args, '-device').some((d) => d.startsWith('vfio-pci')));
     assert.deepEqual(after(buildQemuArgs({ ...base, accel: 'kvm' }), '-cpu'), ['host']);

@@ -38,6 +38,7 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
       defaultImage: config.defaultImage,
       accel: config.qemuAccel,
       bootTimeoutMs: config.qemuBootTimeoutMs,
+      consoleLogMaxBytes: config.consoleLogMaxBytes,
       logger: logger.child({ component: 'backend' }),
     });
   }

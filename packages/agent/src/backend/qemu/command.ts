@@ -27,7 +27,8 @@ export interface QemuVmConfig {
   readonly fixturePaths?: readonly string[];
   readonly mac: string;
   readonly tap: string;
-  readonly serialLogPath: string;
+  /** The serial console is served here; the agent writes it to the log (console.ts). */
+  readonly serialSocket: string;
   readonly qmpSocket: string;
   readonly pidFile: string;
   readonly gpu?: GpuPassthrough;
@@ -91,7 +92,7 @@ export function buildQemuArgs(c: QemuVmConfig): string[] {
     '-device',
     `virtio-net-pci,netdev=net0,mac=${c.mac}`,
     '-chardev',
-    `file,id=serial0,path=${optPath(c.serialLogPath)}`,
+    `socket,id=serial0,path=${optPath(c.serialSocket)},server=on,wait=off`,
     '-serial',
     'chardev:serial0',
     '-qmp',

@@ -17,6 +17,8 @@ export interface GuestTarget {
 }
 
 const MAX_FRAME = 1 << 20;
+/** After a SIGKILL frame, how long the exit frame may take before the connection is dropped. */
+const KILL_GRACE_MS = 5_000;
 
 function frame(type: string, payload: Buffer | string = Buffer.alloc(0)): Buffer {
   const body = typeof payload === 'string' ? Buffer.from(payload) : payload;
@@ -151,6 +153,9 @@ export async function guestSpawn(
     kill(signal: NodeJS.Signals = 'SIGKILL') {
       if (sock.destroyed) return;
       sock.write(frame('S', String(constants.signals[signal])));
+      // A guest that cannot take the signal (hung, or its agent stuck) must not hold the caller: hang up, which
+      // the guest agent answers by killing the process group once it reads again.
+      if (signal === 'SIGKILL') setTimeout(() => sock.destroy(), KILL_GRACE_MS).unref();
     },
     async wait() {
       const status = await exited;

@@ -1,4 +1,4 @@
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { join, resolve } from 'node:path';
 import { PassThrough, Transform, type Readable } from 'node:stream';
@@ -34,6 +34,7 @@ import { allocateBridge, ensureBridge, hardenLink, parseSubnet, reserve, type Su
 import { startProxy, type Proxy } from '../process/proxy.js';
 import { chooseAccel, type Accel, type AccelReport } from './accel.js';
 import { buildQemuArgs } from './command.js';
+import { ConsoleLog } from './console.js';
 import { guestRun, guestSpawn, type GuestTarget } from './guest-client.js';
 import { GUEST_AGENT_PORT, resolveQemuImage } from './image.js';
 import { qmp } from './qmp.js';
@@ -46,7 +47,9 @@ import { qmp } from './qmp.js';
  * guest's address, authenticated by a per-VM token the seed carries.
  *
  * State lives in `<dataDir>/qemu/vms/<name>/` (state.json, overlay.qcow2,
- * seed.tar, serial.log, qmp.sock, qemu.pid). QEMU daemonizes into its own
+ * seed.tar, serial.log, qemu.pid); the QMP and serial sockets in
+ * `<dataDir>/qemu/run/<hash of name>.{qmp,serial}` (a unix socket path must
+ * stay under 108 bytes, a VM name can be 63). QEMU daemonizes into its own
  * session, so VMs outlive the agent; recover() finds them again by pid (with
  * its start time, against pid reuse) and a QMP query.
  * Design and limits: docs/qemu-backend.md.
@@ -74,6 +77,8 @@ export interface QemuBackendOptions {
   /** Bound on the KVM probe. */
   readonly kvmProbeTimeoutMs?: number;
   readonly qemuBinary?: string;
+  /** serial.log is cut to its newer half past this. */
+  readonly consoleLogMaxBytes?: number;
   readonly logger?: Logger;
 }
 
@@ -134,7 +139,10 @@ type VmState = z.infer<typeof stateSchema>;
 interface VmRecord {
   state: VmState;
   proxies: Proxy[];
+  console?: ConsoleLog | undefined;
 }
+
+const nameHash = (name: string): string => createHash('sha256').update(name).digest('hex').slice(0, 12);
 
 export const unsupportedByQemu = (what: string): AppError =>
   new AppError('BACKEND_UNSUPPORTED', 409, `the qemu backend does not support ${what} yet (docs/qemu-backend.md)`, { backend: 'qemu' });
@@ -145,6 +153,7 @@ export class QemuBackend implements Backend {
   private readonly creating = new Set<string>();
   private readonly locks = new KeyedMutex();
   private readonly vmsDir: string;
+  private readonly runDir: string;
   private closed = false;
 
   private constructor(
@@ -155,6 +164,7 @@ export class QemuBackend implements Backend {
     private readonly log: Logger | undefined,
   ) {
     this.vmsDir = join(opts.dataDir, 'qemu', 'vms');
+    this.runDir = join(opts.dataDir, 'qemu', 'run');
   }
 
   static async open(options: QemuBackendOptions): Promise<QemuBackend> {
@@ -182,7 +192,11 @@ export class QemuBackend implements Backend {
     }
     const accel = await chooseAccel(opts.accel ?? 'auto', { qemu: opts.qemuBinary, timeoutMs: options.kvmProbeTimeoutMs ?? 3_000 });
     options.logger?.info({ accel: accel.accel, nested_virt: accel.nestedVirtSupported, reason: accel.reason }, 'qemu accelerator');
+    if (join(opts.dataDir, 'qemu', 'run', `${'x'.repeat(12)}.serial`).length > 107) {
+      throw invalidSpec(`AGENT_DATA_DIR "${opts.dataDir}" is too long for the VMs' unix sockets: use a path under about 70 characters`);
+    }
     await mkdir(join(opts.dataDir, 'qemu', 'vms'), { recursive: true, mode: 0o700 });
+    await mkdir(join(opts.dataDir, 'qemu', 'run'), { recursive: true, mode: 0o700 });
     await chmod(join(opts.dataDir, 'qemu'), 0o700);
     await mkdir(join(opts.dataDir, 'staging'), { recursive: true, mode: 0o700 });
     // Its own tables: a process backend on the same prefix must not have its ruleset replaced by ours.
@@ -196,6 +210,21 @@ export class QemuBackend implements Backend {
 
   private vmDir(name: string): string {
     return join(this.vmsDir, name);
+  }
+  private qmpPath(name: string): string {
+    return join(this.runDir, `${nameHash(name)}.qmp`);
+  }
+  private serialPath(name: string): string {
+    return join(this.runDir, `${nameHash(name)}.serial`);
+  }
+  private async startConsole(r: VmRecord): Promise<void> {
+    await r.console?.close();
+    r.console = await ConsoleLog.start({
+      socketPath: this.serialPath(r.state.name),
+      logPath: join(this.vmDir(r.state.name), 'serial.log'),
+      maxBytes: this.opts.consoleLogMaxBytes ?? 16 * 1024 * 1024,
+      running: () => this.alive(r.state),
+    });
   }
   private processName(name: string): string {
     return `fleet:${this.opts.bridgePrefix}:${name}`;
@@ -334,6 +363,7 @@ export class QemuBackend implements Backend {
       await this.writeSeed(state);
       await this.launch(state, image);
       await this.writeState(state);
+      await this.startConsole(record);
       await this.waitForGuest(state, started);
       await this.publish(record);
       state.status = 'running';
@@ -397,8 +427,8 @@ export class QemuBackend implements Backend {
       seedPath: join(dir, 'seed.tar'),
       mac: s.mac,
       tap: s.tap,
-      serialLogPath: join(dir, 'serial.log'),
-      qmpSocket: join(dir, 'qmp.sock'),
+      serialSocket: this.serialPath(s.name),
+      qmpSocket: this.qmpPath(s.name),
       pidFile: join(dir, 'qemu.pid'),
     });
     // -daemonize: the parent exits once the VM is set up (errors come back on stderr first).
@@ -682,7 +712,7 @@ export class QemuBackend implements Backend {
   async stopVm(s: VmState, graceMs: number): Promise<'acpi' | 'killed' | 'gone'> {
     if (!(await this.alive(s))) return 'gone';
     if (graceMs > 0) {
-      const asked = await qmp(join(this.vmDir(s.name), 'qmp.sock'), 'system_powerdown').then(
+      const asked = await qmp(this.qmpPath(s.name), 'system_powerdown').then(
         () => true,
         () => false,
       );
@@ -707,6 +737,10 @@ export class QemuBackend implements Backend {
     const s = r.state;
     for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
     await this.stopVm(s, opts.graceMs ?? 5_000);
+    await r.console?.close().catch(() => undefined);
+    r.console = undefined;
+    await rm(this.qmpPath(s.name), { force: true });
+    await rm(this.serialPath(s.name), { force: true });
     await runTool('ip', ['route', 'del', `${s.ip}/32`, 'dev', s.bridge]);
     await runTool('ip', ['link', 'del', s.tap]);
     this.records.delete(s.name);
@@ -743,8 +777,9 @@ export class QemuBackend implements Backend {
       if (!r || r.state.status !== 'running') continue;
       this.records.set(name, r);
       if (await this.alive(r.state)) {
-        const status = await qmp(join(this.vmDir(name), 'qmp.sock'), 'query-status').catch(() => null);
+        const status = await qmp(this.qmpPath(name), 'query-status').catch(() => null);
         if (!status) this.log?.warn({ vm: name }, 'QEMU is alive but its QMP socket does not answer');
+        await this.startConsole(r).catch((err: unknown) => this.log?.warn({ vm: name, err: (err as Error).message }, 'no serial console'));
         await this.publish(r).catch((err: unknown) =>
           this.log?.warn({ vm: name, err: (err as Error).message }, 'could not republish endpoints'),
         );
@@ -792,6 +827,14 @@ export class QemuBackend implements Backend {
         await rm(this.vmDir(name), { recursive: true, force: true });
         report.directories.push(this.vmDir(name));
       }
+      const sockets = new Set(known.flatMap((s) => [this.qmpPath(s.name), this.serialPath(s.name)]));
+      for (const n of this.creating) sockets.add(this.qmpPath(n)).add(this.serialPath(n));
+      for (const f of await readdir(this.runDir).catch(() => [] as string[])) {
+        const path = join(this.runDir, f);
+        if (sockets.has(path)) continue;
+        await rm(path, { force: true });
+        report.directories.push(path);
+      }
       const links = await listAllLinks();
       for (const l of links) {
         if (this.tapRe().test(l) && !known.some((s) => s.tap === l)) {
@@ -836,7 +879,11 @@ export class QemuBackend implements Backend {
 
   async close(): Promise<void> {
     this.closed = true;
-    for (const r of this.records.values()) for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+    for (const r of this.records.values()) {
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      await r.console?.close().catch(() => undefined);
+      r.console = undefined;
+    }
   }
 
   // ---- checkpoints: not yet (memory state through QEMU is the next slice) ----
