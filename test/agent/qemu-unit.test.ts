@@ -1,10 +1,15 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
+import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import { createServer, type Socket } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, it } from 'node:test';
 import { chooseAccel, firmwarePosts } from '../../packages/agent/src/backend/qemu/accel.js';
 import { buildQemuArgs, type QemuVmConfig } from '../../packages/agent/src/backend/qemu/command.js';
 import { encodeExecRequest } from '../../packages/agent/src/backend/qemu/guest-client.js';
 import { moduleClosure } from '../../packages/agent/src/backend/qemu/image.js';
+import { ConsoleLog } from '../../packages/agent/src/backend/qemu/console.js';
 
 /**
  * The qemu backend's pure parts: the command line (including the GPU lane,
@@ -123,6 +128,49 @@ describe('in-guest agent request encoding', () => {
     });
     assert.deepEqual(buf.toString().split('\0'), ['3', 'sh', '-c', 'echo hi', '1', 'A=1', '/root', '1', '24', '80', '1', '']);
     assert.throws(() => encodeExecRequest({ argv: ['a\0b'], env: {}, cwd: '/', stdin: false }), /NUL/);
+  });
+});
+
+describe('serial console log', () => {
+  it('keeps the newer half past its bound, and reconnects while the VM runs', async () => {
+    const dir = await mkdtemp(join(tmpdir(), 'fleet-console-'));
+    const sockPath = join(dir, 'vm.serial');
+    const logPath = join(dir, 'serial.log');
+    // Stands in for QEMU's `-chardev socket,server=on`: one client at a time.
+    let client: Socket | undefined;
+    let connected!: () => void;
+    let nextClient = new Promise<void>((r) => (connected = r));
+    const server = createServer((c) => {
+      client = c;
+      connected();
+    });
+    await new Promise<void>((r) => server.listen(sockPath, r));
+    const con = await ConsoleLog.start({ socketPath: sockPath, logPath, maxBytes: 10_000, running: () => Promise.resolve(true) });
+    try {
+      await nextClient;
+      for (let i = 0; i < 50; i++) client!.write(`line ${String(i).padStart(4, '0')} ${'x'.repeat(990)}\n`);
+      const until = async (pred: (t: string) => boolean): Promise<string> => {
+        for (let i = 0; i < 100; i++) {
+          const t = await readFile(logPath, 'utf8').catch(() => '');
+          if (pred(t)) return t;
+          await new Promise((r) => setTimeout(r, 50));
+        }
+        throw new Error('console log never got there');
+      };
+      const text = await until((t) => t.includes('line 0049'));
+      assert.ok(text.length <= 10_000, `${text.length} bytes`);
+      assert.ok(!text.includes('line 0000'), 'the oldest output is gone');
+      // QEMU's socket loses its client (an agent restart looks like this from QEMU's side): the log reconnects.
+      nextClient = new Promise<void>((r) => (connected = r));
+      client!.destroy();
+      await nextClient;
+      client!.write('after reconnect\n');
+      await until((t) => t.includes('after reconnect'));
+    } finally {
+      await con.close();
+      server.close();
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 });
 

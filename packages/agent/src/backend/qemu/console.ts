@@ -1,4 +1,4 @@
-import { open, readFile, rename, stat, writeFile, type FileHandle } from 'node:fs/promises';
+import { open, readFile, rename, writeFile, type FileHandle } from 'node:fs/promises';
 import { createConnection, type Socket } from 'node:net';
 
 /**
@@ -6,8 +6,8 @@ import { createConnection, type Socket } from 'node:net';
  * by QEMU: QEMU's file chardev grows without bound, and a guest can write
  * to its serial port as fast as it likes. QEMU serves the console on a unix
  * socket (`server=on,wait=off`: output with no agent connected is dropped);
- * this reader appends it to `serial.log` and, past `maxBytes`, keeps the
- * newer half. It reconnects while the VM runs (after an agent restart the
+ * this reader appends it to `serial.log` and, rather than pass `maxBytes`,
+ * keeps the newer half. It reconnects while the VM runs (after an agent restart the
  * new agent connects again; what the guest wrote meanwhile is lost).
  */
 export class ConsoleLog {
@@ -60,17 +60,20 @@ export class ConsoleLog {
 
   private async append(d: Buffer): Promise<void> {
     if (!this.fh) return;
-    await this.fh.write(d);
-    this.size += d.length;
-    if (this.size <= this.maxBytes) return;
-    const keep = Math.floor(this.maxBytes / 2);
-    const all = await readFile(this.logPath);
+    if (this.size + d.length <= this.maxBytes) {
+      await this.fh.write(d);
+      this.size += d.length;
+      return;
+    }
+    // Cut before writing, into a new file renamed over the old: a reader never sees the log past its bound.
+    const all = Buffer.concat([await readFile(this.logPath), d]);
+    const kept = all.subarray(Math.max(0, all.length - Math.floor(this.maxBytes / 2)));
     const tmp = `${this.logPath}.tmp`;
-    await writeFile(tmp, all.subarray(Math.max(0, all.length - keep)), { mode: 0o600 });
+    await writeFile(tmp, kept, { mode: 0o600 });
     await this.fh.close();
     await rename(tmp, this.logPath);
     this.fh = await open(this.logPath, 'a', 0o600);
-    this.size = (await stat(this.logPath)).size;
+    this.size = kept.length;
   }
 
   async close(): Promise<void> {
