@@ -94,6 +94,10 @@ export type Endpoint = z.infer<typeof endpointSchema>;
 
 export const capacityResponseSchema = hostCapacitySchema.extend({
   backend: z.string(),
+  /** VM backends: the accelerator guests run on (kvm, or tcg when KVM is absent or does not work). */
+  accel: z.enum(['kvm', 'tcg']).optional(),
+  /** backend.go.txt NestedVirtSupported: guests can run VMs of their own. */
+  nested_virt_supported: z.boolean().optional(),
   /** Sandboxes currently known to the agent. */
   vms_running: z.number().int().nonnegative(),
 });

@@ -33,7 +33,11 @@ export const agentConfigSchema = z
       .min(16, 'must be at least 16 characters'),
     AGENT_DATA_DIR: z.string().min(1).default('.data/agent'),
     AGENT_IMAGE_DIR: z.string().min(1).optional(),
-    AGENT_BACKEND: z.enum(['process'], { error: 'must be one of: process' }).default('process'),
+    AGENT_BACKEND: z.enum(['process', 'qemu'], { error: 'must be one of: process, qemu' }).default('process'),
+    /** qemu backend: auto probes KVM (it must boot firmware in time) and falls back to TCG. */
+    AGENT_QEMU_ACCEL: z.enum(['auto', 'kvm', 'tcg'], { error: 'must be one of: auto, kvm, tcg' }).default('auto'),
+    /** qemu backend: bound on a boot until the in-guest agent answers. */
+    AGENT_QEMU_BOOT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(180_000),
     AGENT_SUBNET: z
       .string()
       .regex(/^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})\/(\d{1,2})$/, 'must be an IPv4 CIDR such as 10.88.0.0/16')
@@ -97,7 +101,9 @@ export interface AgentConfig {
   token: string;
   dataDir: string;
   imageDir: string;
-  backend: 'process';
+  backend: 'process' | 'qemu';
+  qemuAccel: 'auto' | 'kvm' | 'tcg';
+  qemuBootTimeoutMs: number;
   subnet: string;
   bridgePrefix: string;
   publishHost: string;
@@ -153,6 +159,8 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     dataDir,
     imageDir: resolve(raw.AGENT_IMAGE_DIR ?? join(dataDir, 'images')),
     backend: raw.AGENT_BACKEND,
+    qemuAccel: raw.AGENT_QEMU_ACCEL,
+    qemuBootTimeoutMs: raw.AGENT_QEMU_BOOT_TIMEOUT_MS,
     subnet: raw.AGENT_SUBNET,
     bridgePrefix: raw.AGENT_BRIDGE_PREFIX,
     publishHost: raw.AGENT_PUBLISH_HOST,
