@@ -19,6 +19,7 @@ import { parseAsOf, vmAsOf } from './audit.routes.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
 import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { problem } from './problem.js';
+import { lifecycleOfRow, lifecycleOfState, metadataFilter, vmLifecycleFields, vmLifecycleListQuery } from './vm-lifecycle-fields.js';
 
 const endpointOut = z.object({ as: z.string(), url: z.string(), port: z.number(), protocol: z.string().optional() });
 
@@ -37,6 +38,7 @@ export const vmSchema = z.object({
   boot_ms: z.number().nullable(),
   created_at: z.string(),
   updated_at: z.string(),
+  ...vmLifecycleFields,
 });
 type VmOut = z.infer<typeof vmSchema>;
 
@@ -58,6 +60,7 @@ function fromRow(r: VmRow): VmOut {
     boot_ms: r.boot_ms,
     created_at: r.created_at,
     updated_at: r.updated_at,
+    ...lifecycleOfRow(r),
   };
 }
 
@@ -77,6 +80,7 @@ export function fromState(s: ExistingVmState): VmOut {
     boot_ms: s.boot_ms ?? null,
     created_at: s.requested_at,
     updated_at: s.transitioned_at,
+    ...lifecycleOfState(s),
   };
 }
 
@@ -152,6 +156,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
             task_id: z.string().max(200).optional(),
             host_id: z.string().max(64).optional(),
             after: positionSchema.optional(),
+            ...vmLifecycleListQuery,
           }),
           response: { 200: z.object({ vms: z.array(vmSchema), next_cursor: z.string().nullable() }), ...problemResponses },
         },
@@ -164,6 +169,8 @@ export function vmRoutes(deps: VmRoutesDeps) {
           state: req.query.state,
           taskId: req.query.task_id,
           hostId: req.query.host_id,
+          reason: req.query.reason,
+          metadata: metadataFilter(req.query.metadata),
           limit: req.query.limit,
           after,
         });
@@ -457,6 +464,7 @@ async function relay(
       closeWith('START_FRAME_TIMEOUT', `send the start frame within ${START_FRAME_TIMEOUT_MS} ms`, WS_CLOSE.START_FRAME_TIMEOUT);
   }, START_FRAME_TIMEOUT_MS);
   let idleTimer: NodeJS.Timeout | undefined;
+  let stopActive: () => void = () => undefined;
   const touch = (): void => {
     if (mode !== 'attach' || limits.attachIdleTimeoutMs <= 0 || clientGone) return;
     clearTimeout(idleTimer);
@@ -475,6 +483,7 @@ async function relay(
     clientGone = true;
     clearTimeout(startTimer);
     clearTimeout(idleTimer);
+    stopActive();
     stream?.close();
   });
   socket.on('message', (raw) => {
@@ -555,6 +564,7 @@ async function relay(
       }
       // The client left while the session opened: close it, or its process would run on unattended.
       if (clientGone) return void stream.close();
+      stopActive = vms.keepActive(req.params.id, actor);
       for (const text of pending.splice(0)) forward(text);
       for await (const frame of stream.frames) {
         if (socket.readyState !== socket.OPEN) break;
@@ -575,6 +585,7 @@ async function relay(
       sendError(p.code, p.detail);
     } finally {
       clearTimeout(idleTimer);
+      stopActive();
     }
   };
 }

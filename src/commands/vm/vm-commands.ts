@@ -386,6 +386,23 @@ export class VmCommands {
     if (vm.status === 'running') this.touch(vm, actor);
   }
 
+  /**
+   * An open exec or attach session is activity for as long as it lasts, not
+   * only when it starts: recorded every ACTIVITY_COALESCE_MS until the
+   * returned function is called.
+   */
+  keepActive(vmId: string, actor: Actor): () => void {
+    const timer = setInterval(
+      () =>
+        void this.recordActivity(vmId, actor).catch((err: unknown) =>
+          this.logger.debug({ vm_id: vmId, err: { message: (err as Error).message } }, 'session activity not recorded'),
+        ),
+      Math.max(this.config.activityCoalesceMs ?? 60_000, 100),
+    );
+    timer.unref();
+    return () => clearInterval(timer);
+  }
+
   /** Idle expiry reads control-plane activity; coalesced so a busy VM does not write an event per exec. */
   private touch(vm: ExistingVmState, actor: Actor): void {
     const now = Date.now();
