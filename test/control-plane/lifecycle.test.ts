@@ -210,7 +210,7 @@ describe('VM lifecycle: reasons, timeouts, metadata, wait, events (real agent)',
   it('PATCH: bad input is a 400, another tenant a 404, a timeout on an ended VM a 409; nothing is half-written', async (t) => {
     if (guard(t)) return;
     const c = cp!;
-    const v = await create({ metadata: { team: 'ml' } });
+    const v = await create({ metadata: { team: 'patch' } });
     for (const body of [{}, { timeout_s: 0 }, { timeout_s: 1.5 }, { timeout_s: -1 }, { metadata: { 'bad key': 'x' } }, { other: 1 }])
       expectProblem(await c.request('PATCH', `/v1/vms/${v.id}`, { as: 'acme', body }), 400, 'VALIDATION_FAILED');
     expectProblem(await c.request('PATCH', `/v1/vms/${v.id}`, { as: 'globex', body: { timeout_s: 5 } }), 404, 'VM_NOT_FOUND');
