@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 import type { Subscription } from 'rxjs';
 import { z } from 'zod';
 import { AppError, ForbiddenError } from '@fleet/agent-protocol';
-import type { EventStore, Position, RecordedEvent } from '../../domain/event-store.port.js';
+import type { EventStore, RecordedEvent } from '../../domain/event-store.port.js';
 import { FEED_TYPES, toEnvironmentEvent } from '../../domain/vm/vm.feed.js';
 import { problemResponses } from './common.js';
 

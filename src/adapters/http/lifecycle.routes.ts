@@ -27,7 +27,7 @@ const DEFAULT_MAX_WAIT_S = 300;
 
 const environmentEventSchema = z
   .object({ id: z.string(), event: z.string(), vm_id: z.string(), state: z.string(), updated_at: z.string() })
-  .passthrough();
+  .loose();
 
 /**
  * Lifecycle routes beside vms.routes.ts: PATCH a VM's timeout and metadata,

@@ -88,7 +88,7 @@ export function upgradeVmEventData(type: string, data: unknown, meta?: { readonl
   let upgraded: string = reason;
   if (reason === 'client' && meta?.actor === 'admin') upgraded = 'admin';
   else if ((reason === 'placement' || reason === 'boot_failure') && d.error_code === 'INTERRUPTED') upgraded = 'orphaned';
-  else if (reason in LEGACY_REASONS) upgraded = LEGACY_REASONS[reason]!;
+  else upgraded = LEGACY_REASONS[reason] ?? reason;
   if (upgraded === reason) return data;
   const out: Record<string, unknown> = { ...d, reason: upgraded };
   if (type === 'VmFailed' && upgraded === 'error' && typeof d.error_code !== 'string') out.error_code = 'UNKNOWN';

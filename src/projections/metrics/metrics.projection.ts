@@ -129,7 +129,8 @@ async function applyCounters(sql: Sql, events: readonly RecordedEvent[]): Promis
     }
     for (const e of parsed) {
       const mode = modes.get(e.data.snapshot_id);
-      if (mode !== undefined) inc('fleet_snapshot_transitions_total', { state: SNAPSHOT_TRANSITIONS[e.type]!, mode });
+      const state = SNAPSHOT_TRANSITIONS[e.type];
+      if (mode !== undefined && state !== undefined) inc('fleet_snapshot_transitions_total', { state, mode });
     }
   }
   for (const r of ends) {
