@@ -187,7 +187,8 @@ describe('VM lifecycle: reasons, timeouts, metadata, wait, events (real agent)',
       const audit = (await c.request('GET', `/v1/audit/streams/vm-${id}`, { as: 'acme' })).body.events;
       assert.ok(
         audit.some(
-          (e: { type: string; data: { reason?: string } }) => ['VmDestroyed', 'VmFailed'].includes(e.type) && e.data.reason === reason,
+          (e: { type: string; data: { reason?: string }; end_reason?: string }) =>
+            ['VmDestroyed', 'VmFailed'].includes(e.type) && e.data.reason === reason && e.end_reason === reason,
         ),
         `audit of ${id}`,
       );

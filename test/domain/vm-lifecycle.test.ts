@@ -8,6 +8,7 @@ import { validateVmSpec } from '../../src/domain/vm/spec.js';
 import { vmDecider, type VmCommand, type VmState } from '../../src/domain/vm/vm.decider.js';
 import { parseVmEvent, vmEventSchema, type VmEvent, type VmReservation } from '../../src/domain/vm/vm.events.js';
 import { toEnvironmentEvent } from '../../src/domain/vm/vm.feed.js';
+import { toAuditEntry } from '../../src/adapters/http/audit.routes.js';
 import { DESTROY_REASONS, FAIL_REASONS, VM_END_REASONS, parseMetadataFilter } from '../../src/domain/vm/vm.lifecycle.js';
 import { at, given, T0 } from './gwt.js';
 
@@ -138,6 +139,12 @@ describe('vm end reasons: old events', () => {
       assert.equal((e.data as { reason: string }).reason, expected);
       if (e.type === 'VmFailed' && expected === 'error') assert.ok(e.data.error_code, 'an old error gets a code');
       assert.equal(toEnvironmentEvent(r)?.reason, expected, 'the feed carries it too');
+      const audit = toAuditEntry(r);
+      assert.deepEqual(
+        [audit.end_reason, (audit.data as { reason: string }).reason],
+        [expected, (data as { reason: string }).reason],
+        'audit shows both',
+      );
     });
   }
 });
