@@ -5,8 +5,11 @@ import { CommandHandler } from '../../src/commands/command-handler.js';
 import { vmAggregate } from '../../src/domain/vm/vm.aggregate.js';
 import { validateVmSpec } from '../../src/domain/vm/spec.js';
 import type { RunningAgent } from '../agent/harness.js';
+import WebSocket from 'ws';
 import {
   eventually,
+  handshake,
+  keyOf,
   problemOf,
   registerHost,
   startCheckedFleet,
@@ -294,6 +297,28 @@ describe('VM lifecycle: reasons, timeouts, metadata, wait, events (real agent)',
       'activity from an upload',
     );
     assert.ok(moved);
+    await c.request('DELETE', `/v1/vms/${v.id}`, { as: 'acme' });
+  });
+
+  it('an open exec session counts as activity while it lasts, with no frames flowing', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const v = await create();
+    const base = await c.listen();
+    const ws = new WebSocket(`${base.replace('http', 'ws')}/v1/vms/${v.id}/exec`, {
+      headers: { authorization: `Bearer ${keyOf('acme')}` },
+    });
+    await handshake(ws);
+    const exited = new Promise<void>((resolve) => ws.once('close', () => resolve()));
+    ws.send(JSON.stringify({ type: 'start', argv: ['sleep', '3'], timeout_ms: 10_000 }));
+    await sleep(800); // the start itself is activity: look for what comes after it
+    await caughtUp();
+    const during = Date.parse((await c.request('GET', `/v1/vms/${v.id}`, { as: 'acme' })).body.last_activity_at);
+    await sleep(1000);
+    await caughtUp();
+    const later = Date.parse((await c.request('GET', `/v1/vms/${v.id}`, { as: 'acme' })).body.last_activity_at);
+    assert.ok(later > during, `activity recorded while the session is open (${during} → ${later})`);
+    await exited;
     await c.request('DELETE', `/v1/vms/${v.id}`, { as: 'acme' });
   });
 
