@@ -78,7 +78,7 @@ describe('snapshot storage billing and event-fed counters', { timeout: 120_000 }
     );
     await h.service.runner.waitFor(last, 15_000);
   });
-  after(async () => h?.close());
+  after(async () => h.close());
 
   it('bills GB-hours per hour and mode from event times, open snapshots up to now', async () => {
     const rows = await queryUsage(h.db.pool, {
