@@ -44,6 +44,9 @@ import { vmRoutes } from './http/vms.routes.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
+import { lifecycleRoutes } from './http/lifecycle.routes.js';
+import { VmLifecycle } from '../commands/vm/vm-lifecycle.js';
+import { vmEventsProjection } from '../projections/vm-events/vm-events.projection.js';
 import { runMigrations } from './postgres/migrations.js';
 import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
@@ -63,6 +66,7 @@ export const PROJECTIONS: readonly Projection[] = [
   vmHealthProjection,
   snapshotsProjection,
   ingressProjection,
+  vmEventsProjection,
 ];
 
 export interface ServiceOptions {
@@ -187,6 +191,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       ? new IngressCommands(handler, secretBox, ingressSettings, logger.child({ component: 'ingress' }))
       : undefined;
     vms.ingress = ingress;
+    const lifecycle = new VmLifecycle(handler, vms, hosts, logger.child({ component: 'lifecycle' }));
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
@@ -335,6 +340,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         usageRoutes({ pool }),
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
+        lifecycleRoutes({ lifecycle, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         ...(ingress ? [ingressRoutes({ ingress, vms })] : []),
       ],

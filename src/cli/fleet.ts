@@ -35,7 +35,7 @@ function short(data: unknown): string {
 
 function printEntry(e: AuditEntry): void {
   process.stdout.write(
-    `#${e.revision.padStart(4)}  ${e.time}  ${e.type}\n` +
+    `#${e.revision.padStart(4)}  ${e.time}  ${e.type}${e.end_reason ? `  reason ${e.end_reason}` : ''}\n` +
       `       position ${e.position}  actor ${e.actor ?? '-'}  tenant ${e.tenant_id ?? '-'}\n` +
       `       correlation ${e.correlation_id ?? '-'}  causation ${e.causation_id ?? '-'}\n` +
       `       ${short(e.data)}\n`,

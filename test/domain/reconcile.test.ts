@@ -37,6 +37,7 @@ const vm = (status: string, over: Record<string, unknown> = {}): VmState =>
     vm_id: 'v1',
     tenant_id: 't1',
     host_id: 'h1',
+    spec: {},
     transitioned_at: iso(t0),
     last_activity_at: iso(t0),
     ...over,
@@ -72,11 +73,28 @@ describe('reconcile decisions', () => {
     assert.equal(suspect(hint(), true, later, policy), 'stuck');
     assert.equal(suspect(hint({ lastActivityAt: t0 + 3_000_000 }), true, t0 + 3_599_000, policy), undefined);
     const v = decideVm('stuck', hint(), vm('running'), ctx({ now: later }), policy);
-    assert.equal(v.kind === 'fail_stuck' && v.reason, 'stuck');
-    const m = decideVm('stuck', hint({ maxRuntimeS: 10 }), vm('running'), ctx({ now: t0 + 11_000 }), policy);
-    assert.deepEqual(m, { kind: 'fail_stuck', reason: 'max_runtime', error: 'no state change for 11 s (limit 10 s)' });
+    assert.equal(v.kind === 'fail_stuck' && `${v.reason}/${v.code}`, 'timeout/VM_STUCK');
+    const m = decideVm(
+      'stuck',
+      hint({ maxRuntimeS: 10 }),
+      vm('running', { spec: { max_runtime_s: 10 } }),
+      ctx({ now: t0 + 11_000 }),
+      policy,
+    );
+    assert.deepEqual(m, {
+      kind: 'fail_stuck',
+      reason: 'timeout',
+      code: 'MAX_RUNTIME_EXCEEDED',
+      error: 'no state change for 11 s (limit 10 s)',
+    });
     assert.deepEqual(
-      decideVm('stuck', hint({ maxRuntimeS: 10 }), vm('running', { transitioned_at: iso(t0 + 5000) }), ctx({ now: t0 + 11_000 }), policy),
+      decideVm(
+        'stuck',
+        hint({ maxRuntimeS: 10 }),
+        vm('running', { spec: { max_runtime_s: 10 }, transitioned_at: iso(t0 + 5000) }),
+        ctx({ now: t0 + 11_000 }),
+        policy,
+      ),
       { kind: 'none' },
       'the stream says it changed since',
     );

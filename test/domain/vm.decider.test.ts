@@ -33,7 +33,7 @@ const booted: VmCommand = { type: 'CompleteBoot', data: bootedData };
 const activity: VmCommand = { type: 'RecordActivity', data: { vm_id: 'v1' } };
 const destroy = (reason: 'client' | 'idle' = 'client'): VmCommand => ({ type: 'RequestDestroy', data: { vm_id: 'v1', reason } });
 const destroyed: VmCommand = { type: 'ConfirmDestroyed', data: { vm_id: 'v1' } };
-const fail = (reason: 'boot_failure' | 'host_lost' = 'boot_failure'): VmCommand => ({
+const fail = (reason: 'error' | 'host_lost' = 'error'): VmCommand => ({
   type: 'FailVm',
   data: { vm_id: 'v1', reason, error: 'agent answered 503', error_code: 'AGENT_UNAVAILABLE' },
 });
@@ -204,7 +204,7 @@ describe('vm: failure', () => {
     assert.ok(s.status === 'failed');
     assert.equal(s.host_id, 'h1');
     assert.deepEqual(s.reservation, reservation);
-    assert.equal(s.reason, 'boot_failure');
+    assert.equal(s.reason, 'error');
     assert.equal(s.error_code, 'AGENT_UNAVAILABLE');
   });
 });

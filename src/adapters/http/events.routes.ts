@@ -5,50 +5,11 @@ import type { Logger } from 'pino';
 import type { Subscription } from 'rxjs';
 import { z } from 'zod';
 import { AppError, ForbiddenError } from '@fleet/agent-protocol';
-import type { EventStore, Position, RecordedEvent } from '../../domain/event-store.port.js';
-import { vmEventSchema, type VmEvent, type VmStatus } from '../../domain/vm/vm.events.js';
+import type { EventStore, RecordedEvent } from '../../domain/event-store.port.js';
+import { FEED_TYPES, toEnvironmentEvent } from '../../domain/vm/vm.feed.js';
 import { problemResponses } from './common.js';
 
-/** The seed's EnvironmentEvent: one VM lifecycle change as a client sees it. */
-export interface EnvironmentEvent {
-  /** The event's global position: also its SSE id, so `Last-Event-ID` resumes right after it. */
-  readonly id: Position;
-  readonly event: string;
-  readonly vm_id: string;
-  readonly state: VmStatus;
-  readonly url?: string;
-  readonly error?: string;
-  readonly updated_at: string;
-}
-
-const FEED: Partial<Record<VmEvent['type'], { event: string; state: VmStatus }>> = {
-  VmRequested: { event: 'vm.requested', state: 'requested' },
-  VmPlaced: { event: 'vm.placed', state: 'placed' },
-  VmBootStarted: { event: 'vm.booting', state: 'booting' },
-  VmBooted: { event: 'vm.booted', state: 'running' },
-  VmDestroyRequested: { event: 'vm.destroying', state: 'destroying' },
-  VmDestroyed: { event: 'vm.destroyed', state: 'destroyed' },
-  VmFailed: { event: 'vm.failed', state: 'failed' },
-};
-const FEED_TYPES = Object.keys(FEED);
-
-/** Maps a stored VM event to the feed's shape; undefined for events the feed does not carry. */
-export function toEnvironmentEvent(recorded: RecordedEvent): EnvironmentEvent | undefined {
-  const kind = FEED[recorded.type as VmEvent['type']];
-  if (!kind) return undefined;
-  const parsed = vmEventSchema.safeParse({ type: recorded.type, data: recorded.data });
-  if (!parsed.success) return undefined;
-  const e = parsed.data;
-  return {
-    id: recorded.position,
-    event: kind.event,
-    vm_id: e.data.vm_id,
-    state: kind.state,
-    ...(e.type === 'VmBooted' ? { url: e.data.url } : {}),
-    ...(e.type === 'VmFailed' ? { error: e.data.error } : {}),
-    updated_at: e.data.at,
-  };
-}
+export { toEnvironmentEvent, type EnvironmentEvent } from '../../domain/vm/vm.feed.js';
 
 /** A VM's tenant never changes, so it is cached; a miss reads the stream's first event (VmRequested). */
 export class VmTenants {

@@ -20,6 +20,7 @@ import { parseAsOf, vmAsOf } from './audit.routes.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
 import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { problem } from './problem.js';
+import { lifecycleOfRow, lifecycleOfState, metadataFilter, vmLifecycleFields, vmLifecycleListQuery } from './vm-lifecycle-fields.js';
 
 const endpointOut = z.object({ as: z.string(), url: z.string(), port: z.number(), protocol: z.string().optional() });
 
@@ -38,6 +39,7 @@ export const vmSchema = z.object({
   boot_ms: z.number().nullable(),
   created_at: z.string(),
   updated_at: z.string(),
+  ...vmLifecycleFields,
 });
 type VmOut = z.infer<typeof vmSchema>;
 
@@ -59,6 +61,7 @@ function fromRow(r: VmRow): VmOut {
     boot_ms: r.boot_ms,
     created_at: r.created_at,
     updated_at: r.updated_at,
+    ...lifecycleOfRow(r),
   };
 }
 
@@ -78,6 +81,7 @@ export function fromState(s: ExistingVmState): VmOut {
     boot_ms: s.boot_ms ?? null,
     created_at: s.requested_at,
     updated_at: s.transitioned_at,
+    ...lifecycleOfState(s),
   };
 }
 
@@ -153,6 +157,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
             task_id: z.string().max(200).optional(),
             host_id: z.string().max(64).optional(),
             after: positionSchema.optional(),
+            ...vmLifecycleListQuery,
           }),
           response: { 200: z.object({ vms: z.array(vmSchema), next_cursor: z.string().nullable() }), ...problemResponses },
         },
@@ -165,6 +170,8 @@ export function vmRoutes(deps: VmRoutesDeps) {
           state: req.query.state,
           taskId: req.query.task_id,
           hostId: req.query.host_id,
+          reason: req.query.reason,
+          metadata: metadataFilter(req.query.metadata),
           limit: req.query.limit,
           after,
         });
@@ -464,6 +471,7 @@ function relay(
       closeWith('START_FRAME_TIMEOUT', `send the start frame within ${START_FRAME_TIMEOUT_MS} ms`, WS_CLOSE.START_FRAME_TIMEOUT);
   }, START_FRAME_TIMEOUT_MS);
   let idleTimer: NodeJS.Timeout | undefined;
+  let stopActive: () => void = () => undefined;
   const touch = (): void => {
     if (mode !== 'attach' || limits.attachIdleTimeoutMs <= 0 || clientGone) return;
     clearTimeout(idleTimer);
@@ -482,6 +490,7 @@ function relay(
     clientGone = true;
     clearTimeout(startTimer);
     clearTimeout(idleTimer);
+    stopActive();
     stream?.close();
   });
   socket.on('message', (raw) => {
@@ -565,6 +574,7 @@ function relay(
         stream.close();
         return;
       }
+      stopActive = vms.keepActive(req.params.id, actor);
       for (const text of pending.splice(0)) forward(text);
       for await (const frame of stream.frames) {
         if (socket.readyState !== socket.OPEN) break;
@@ -585,6 +595,7 @@ function relay(
       sendError(p.code, p.detail);
     } finally {
       clearTimeout(idleTimer);
+      stopActive();
     }
   };
 }

@@ -35,6 +35,8 @@ export interface LiveVmHint {
   readonly last_activity_at: Date;
   readonly max_runtime_s: number | null;
   readonly idle_timeout_s: number | null;
+  /** Its deadline (boot + max_runtime_s, or a PATCHed timeout); null or absent: none recorded. */
+  readonly timeout_at?: Date | null | undefined;
   /** The spec's healthcheck, when it declared one. */
   readonly healthcheck?: VmHealthcheck | null | undefined;
 }
@@ -72,6 +74,8 @@ export interface ReconcileSummary {
   idle_vms_suspected: number;
   idle_vms_failed: number;
   vms_missing_provider: number;
+  /** Running VMs whose init ended on its own: failed `exited` (or `oom`), sandbox destroyed. */
+  vms_exited: number;
   /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
   vms_host_lost: number;
   /** VMs whose healthcheck gave a verdict this cycle, and how many of those failed. Neither causes a teardown. */
@@ -107,6 +111,7 @@ export function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     idle_vms_suspected: 0,
     idle_vms_failed: 0,
     vms_missing_provider: 0,
+    vms_exited: 0,
     vms_host_lost: 0,
     health_checked: 0,
     health_failing: 0,

@@ -18,7 +18,7 @@ import {
   type VmSpec,
 } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
-import { type VmEndReason } from '../../domain/vm/vm.events.js';
+import type { DestroyReason, FailReason } from '../../domain/vm/vm.lifecycle.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
@@ -197,8 +197,7 @@ export class VmCommands {
         actor,
       );
     } catch (err) {
-      const reason: VmEndReason = err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED' ? 'capacity' : 'placement';
-      await this.fail(vmId, reason, err, actor);
+      await this.fail(vmId, 'error', err, actor, 'PLACEMENT_FAILED');
       throw err;
     }
     const agentFor = async (): Promise<HostAgent> => this.hosts.agentFor(hostId);
@@ -248,12 +247,11 @@ export class VmCommands {
       // A failing startup script may print what it was given: its output ends up in the error, the event and the log.
       if (err instanceof Error && spec.secrets) err.message = scrub(err.message, Object.values(spec.secrets));
       const cls = classifyHostAgentError(err);
-      const reason: VmEndReason = cls === 'capacity' ? 'capacity' : cls === 'host' ? 'host_lost' : 'boot_failure';
       this.logger.warn(
         { vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } },
         'boot failed',
       );
-      await this.fail(vmId, reason === 'host_lost' ? 'boot_failure' : reason, err, actor);
+      await this.fail(vmId, 'error', err, actor, 'BOOT_FAILED');
       // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
       if (wasCreated() || cls !== 'capacity') {
         await agentFor()
@@ -297,7 +295,8 @@ export class VmCommands {
     }
   }
 
-  async destroy(vmId: string, actor: Actor, reason: VmEndReason = 'client'): Promise<VmResult> {
+  /** The reason is the caller's: `admin` for the admin key, `client` for a tenant, unless a process names its own (idle, evicted). */
+  async destroy(vmId: string, actor: Actor, reason: DestroyReason = actor.admin ? 'admin' : 'client'): Promise<VmResult> {
     const current = await this.get(vmId, actor);
     if (current.status === 'destroyed' || current.status === 'failed') return { vm: current, position: undefined };
     const requested = await this.run(vmId, { type: 'RequestDestroy', data: { vm_id: vmId, reason } }, actor);
@@ -369,13 +368,15 @@ export class VmCommands {
     actor: Actor,
   ): Promise<{ path: string; size_bytes: number }> {
     assertCallerPath(path);
-    const { agent } = await this.running(vmId, actor);
+    const { vm, agent } = await this.running(vmId, actor);
+    this.touch(vm, actor);
     return agent.upload(sandboxName(vmId), path, data);
   }
 
   async download(vmId: string, path: string, actor: Actor, maxBytes?: number): Promise<FileDownload> {
     assertNormalisedPath(path);
-    const { agent } = await this.running(vmId, actor);
+    const { vm, agent } = await this.running(vmId, actor);
+    this.touch(vm, actor);
     return agent.openDownload(sandboxName(vmId), path, { maxBytes });
   }
 
@@ -390,6 +391,33 @@ export class VmCommands {
     return { vm, agent: await this.hosts.agentFor(vm.host_id) };
   }
 
+  /**
+   * Activity for idle expiry from outside a request of this class: an open
+   * exec or attach session while it lasts, an ingress request or connection.
+   * Coalesced like the rest; a VM that is not running is left alone.
+   */
+  async recordActivity(vmId: string, actor: Actor): Promise<void> {
+    const vm = await this.get(vmId, actor);
+    if (vm.status === 'running') this.touch(vm, actor);
+  }
+
+  /**
+   * An open exec or attach session is activity for as long as it lasts, not
+   * only when it starts: recorded every ACTIVITY_COALESCE_MS until the
+   * returned function is called.
+   */
+  keepActive(vmId: string, actor: Actor): () => void {
+    const timer = setInterval(
+      () =>
+        void this.recordActivity(vmId, actor).catch((err: unknown) =>
+          this.logger.debug({ vm_id: vmId, err: { message: (err as Error).message } }, 'session activity not recorded'),
+        ),
+      Math.max(this.config.activityCoalesceMs ?? 60_000, 100),
+    );
+    timer.unref();
+    return () => clearInterval(timer);
+  }
+
   /** Idle expiry reads control-plane activity; coalesced so a busy VM does not write an event per exec. */
   private touch(vm: ExistingVmState, actor: Actor): void {
     const now = Date.now();
@@ -401,11 +429,15 @@ export class VmCommands {
     );
   }
 
-  private async fail(vmId: string, reason: VmEndReason, err: unknown, actor: Actor): Promise<void> {
+  /** `fallbackCode` when the error carries none of its own: an `error` end always says what went wrong. */
+  private async fail(vmId: string, reason: FailReason, err: unknown, actor: Actor, fallbackCode: string): Promise<void> {
     const e = err instanceof AppError ? err : undefined;
     await this.run(
       vmId,
-      { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as { message?: string }).message ?? String(err), error_code: e?.code } },
+      {
+        type: 'FailVm',
+        data: { vm_id: vmId, reason, error: (err as { message?: string }).message ?? String(err), error_code: e?.code ?? fallbackCode },
+      },
       actor,
     ).catch((failErr: unknown) => this.logger.error({ vm_id: vmId, err: failErr }, 'could not record a VM failure; the reconciler will'));
   }

@@ -3,6 +3,7 @@ import { archSchema } from '@fleet/agent-protocol';
 import { ValidationError, describeFields, fieldsFromZod, validationErrorFrom, type FieldError } from '@fleet/agent-protocol';
 import { hostBackendSchema, labelsSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
+import { metadataSchema } from './vm.lifecycle.js';
 import type { PlacementRequest } from '../placement/placement.js';
 
 /** Guest directory the fleet writes its own files into (agent manifest, credentials): callers may not write under it. */
@@ -150,6 +151,8 @@ const vmSpecObject = z.object({
   healthcheck: healthcheckSchema.optional(),
   net_raw: z.boolean().optional(),
   secrets: secretsSchema.optional(),
+  /** Caller metadata: kept on VmRequested and the VM, not in the stored spec (PATCH replaces it). */
+  metadata: metadataSchema.optional(),
 });
 
 export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
@@ -185,7 +188,7 @@ export type VmSpec = z.output<typeof vmSpecSchema>;
  * layer. `startup_script` and `agent.command` in clear are read from events
  * written before sealing existed; nothing writes them any more.
  */
-export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, secrets: true }).extend({
+export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, secrets: true, metadata: true }).extend({
   file_paths: z.array(z.string()).optional(),
   startup_script_encrypted: z.string().optional(),
   secrets_encrypted: z.string().optional(),
@@ -214,7 +217,7 @@ export type SealedField = 'startup_script' | 'agent.command' | 'agent.drain_comm
 export const sealedFieldContext = (vmId: string, field: SealedField): string => `vm:${vmId}:${field}`;
 
 export function toStoredSpec(spec: VmSpec, sealed: SealedSpecFields = {}): StoredVmSpec {
-  const { files, agent, secrets, startup_script, ...rest } = spec;
+  const { files, agent, secrets, startup_script, metadata: _metadata, ...rest } = spec;
   const stored: StoredVmSpec = { ...rest };
   if (files) stored.file_paths = Object.keys(files).sort();
   // Refusing here, not storing in clear, is what keeps a forgotten seal out of the event store.

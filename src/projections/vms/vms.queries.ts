@@ -17,9 +17,13 @@ export interface VmRow {
   created_at: string;
   updated_at: string;
   last_activity_at: string;
+  metadata: Record<string, string>;
+  failed_phase: string | null;
+  exit_code: number | null;
+  timeout_at: string | null;
 }
 
-const COLUMNS = `id, tenant_id, task_id, state, host_id, url, endpoints, spec, placement, reason, error, error_code, boot_ms, created_at, updated_at, last_activity_at`;
+const COLUMNS = `id, tenant_id, task_id, state, host_id, url, endpoints, spec, placement, reason, error, error_code, boot_ms, created_at, updated_at, last_activity_at, metadata, failed_phase, exit_code, timeout_at`;
 
 function toRow(r: Record<string, unknown>): VmRow {
   return {
@@ -27,6 +31,7 @@ function toRow(r: Record<string, unknown>): VmRow {
     created_at: (r.created_at as Date).toISOString(),
     updated_at: (r.updated_at as Date).toISOString(),
     last_activity_at: (r.last_activity_at as Date).toISOString(),
+    timeout_at: r.timeout_at ? (r.timeout_at as Date).toISOString() : null,
   };
 }
 
@@ -36,6 +41,10 @@ export interface VmFilter {
   state?: string | undefined;
   taskId?: string | undefined;
   hostId?: string | undefined;
+  /** One of the closed set of end reasons. */
+  reason?: string | undefined;
+  /** Every pair must match (`metadata @> …`). */
+  metadata?: Record<string, string> | undefined;
   limit: number;
   /** Keyset: the (created_at, id) of the last row of the previous page. */
   after?: { created_at: string; id: string } | undefined;
@@ -50,9 +59,21 @@ export async function listVms(sql: Sql, f: VmFilter): Promise<VmRow[]> {
         AND ($3::text IS NULL OR task_id = $3)
         AND ($4::text IS NULL OR host_id = $4)
         AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::text))
+        AND ($8::text IS NULL OR reason = $8)
+        AND ($9::jsonb IS NULL OR metadata @> $9::jsonb)
       ORDER BY created_at DESC, id DESC
       LIMIT $7`,
-    [f.tenantId ?? null, f.state ?? null, f.taskId ?? null, f.hostId ?? null, f.after?.created_at ?? null, f.after?.id ?? null, f.limit],
+    [
+      f.tenantId ?? null,
+      f.state ?? null,
+      f.taskId ?? null,
+      f.hostId ?? null,
+      f.after?.created_at ?? null,
+      f.after?.id ?? null,
+      f.limit,
+      f.reason ?? null,
+      f.metadata && Object.keys(f.metadata).length > 0 ? JSON.stringify(f.metadata) : null,
+    ],
   );
   return rows.map(toRow);
 }
