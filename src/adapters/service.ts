@@ -41,6 +41,8 @@ import { ApiKeys, ADMIN_TENANT, type ApiKey } from './http/auth.js';
 import { hostRoutes } from './http/hosts.routes.js';
 import { Metrics } from './http/metrics.js';
 import { vmRoutes } from './http/vms.routes.js';
+import { observeRoutes } from './http/observe.routes.js';
+import { registerHostObserveMetrics } from './http/observe-metrics.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
@@ -255,6 +257,8 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       (await countDeadLettersByState(pool)).map((r) => ({ labels: { state: r.state, kind: r.kind }, value: r.count })),
     );
 
+    registerHostObserveMetrics(metrics, hosts, async () => (await listSchedulableHostIds(pool)).map((h) => h.id));
+
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
     const app = await buildApp({
       logger: opts.httpLogger === false ? false : logger,
@@ -303,6 +307,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        observeRoutes({ vms, hosts }),
       ],
     });
     closers.push(() => app.close());

@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { DeadLetters } from '../dead-letters/dead-letters.js';
 import { HealthProbes } from './health-probes.js';
+import { OomRecorder } from './oom-recorder.js';
 import {
   emptySummary,
   errInfo,
@@ -33,6 +34,7 @@ import { hostAggregate } from '../../domain/host/host.aggregate.js';
 import { migrationAggregate } from '../../domain/migration/migration.decider.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
+import type { VmInfo } from '@fleet/agent-protocol';
 import { type DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
 
 import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
@@ -73,6 +75,7 @@ export class Reconciler {
   private readonly absent = new Map<string, number>();
   private readonly health: HealthProbes;
   private readonly deadLetters: DeadLetters;
+  private readonly ooms: OomRecorder;
 
   private readonly hostHandler: BoundOf<typeof hostAggregate>;
   private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
@@ -93,6 +96,7 @@ export class Reconciler {
     this.vmHandler = bindAggregate(handler, vmAggregate);
     this.health = new HealthProbes(handler, config, logger, clock);
     this.deadLetters = new DeadLetters(handler, hosts, (id) => this.loadVm(id), config, logger, clock);
+    this.ooms = new OomRecorder(this.vmHandler, vms, logger, clock);
   }
 
   get isActive(): boolean {
@@ -248,8 +252,10 @@ export class Reconciler {
 
     const listStarted = this.clock().getTime();
     let listed: Set<string>;
+    let infos: VmInfo[];
     try {
       const vms = await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs });
+      infos = vms;
       listed = new Set(vms.map((v) => v.name).filter((n) => n.startsWith(SANDBOX_PREFIX)));
     } catch (err) {
       if (classifyHostAgentError(err) !== 'host') {
@@ -306,6 +312,9 @@ export class Reconciler {
         this.logger.warn({ vm_id: hint.id, host_id: hostId, err: errInfo(err) }, 'reconcile of vm failed');
       }
     }
+
+    const oom = await this.ooms.record(hostId, infos, hints, gone, actor);
+    s.errors += oom.errors;
 
     await this.releaseStaleReservations(hostId, listed, gone, s, actor);
 

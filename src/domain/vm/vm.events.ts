@@ -17,6 +17,8 @@ export const vmEndReasonSchema = z.enum([
   'missing',
   'placement',
   'capacity',
+  // observe branch: the sandbox's init was OOM-killed (merges into the lifecycle branch's closed set).
+  'oom',
 ]);
 export type VmEndReason = z.infer<typeof vmEndReasonSchema>;
 
@@ -128,6 +130,26 @@ export const vmMigratedSchema = z.object({
   }),
 });
 
+/**
+ * An OOM kill inside the sandbox, reported by its host's monitor; the VM may
+ * well survive it (the kill was of a command, not of its init). `count` is
+ * the sandbox's cumulative kill count after this one, which makes the
+ * report idempotent: a count already recorded is not recorded again.
+ */
+export const vmOomKilledSchema = z.object({
+  type: z.literal('VmOomKilled'),
+  data: z.object({
+    vm_id: idSchema,
+    /** Command name of the killed process ("unknown" when the host could not tell: e.g. killed while its agent was down). */
+    process: z.string(),
+    /** Pid inside the sandbox, when known (1: its init). */
+    pid: z.number().int().positive().optional(),
+    limit_mb: z.number().int().nonnegative(),
+    count: z.number().int().positive(),
+    at,
+  }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -138,6 +160,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmDestroyedSchema,
   vmFailedSchema,
   vmMigratedSchema,
+  vmOomKilledSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -152,6 +175,7 @@ export type VmDestroyRequested = z.infer<typeof vmDestroyRequestedSchema>;
 export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
 export type VmFailed = z.infer<typeof vmFailedSchema>;
 export type VmMigrated = z.infer<typeof vmMigratedSchema>;
+export type VmOomKilled = z.infer<typeof vmOomKilledSchema>;
 
 /** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseVmEvent(type: string, data: unknown): VmEvent {
