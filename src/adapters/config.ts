@@ -143,6 +143,20 @@ export const configSchema = z.object({
    * Unset: 1 (no overcommit), except the embedded default's local host, registered at 4. RAM is never overcommitted.
    */
   CPU_OVERCOMMIT_RATIO: z.coerce.number().min(1, 'at least 1 (1: no overcommit)').max(64, 'at most 64').optional(),
+  // ---- webhooks (docs/webhooks.md) ----
+  /** Let tenants' webhooks target loopback, private, link-local and reserved addresses (development, tests). */
+  WEBHOOK_ALLOW_PRIVATE: bool.default(false),
+  /** Failed attempts after which a delivery is dead (an operator may retry it). */
+  WEBHOOK_MAX_ATTEMPTS: z.coerce.number().int().min(1).max(100).default(10),
+  /** Backoff before the second attempt; doubles each time, jittered, capped at WEBHOOK_RETRY_MAX_MS. */
+  WEBHOOK_RETRY_BASE_MS: z.coerce.number().int().min(10).default(5_000),
+  WEBHOOK_RETRY_MAX_MS: z.coerce.number().int().min(10).default(3_600_000),
+  /** One delivery's bound (connect to last byte of the answer's head). */
+  WEBHOOK_TIMEOUT_MS: z.coerce.number().int().min(100).default(10_000),
+  /** How often due deliveries are looked for. */
+  WEBHOOK_DISPATCH_INTERVAL_MS: z.coerce.number().int().min(10).default(1_000),
+  /** Webhooks per tenant. */
+  WEBHOOK_MAX_PER_TENANT: z.coerce.number().int().min(1).default(16),
 });
 
 export type Config = z.infer<typeof configSchema>;

@@ -42,6 +42,8 @@ import { hostRoutes } from './http/hosts.routes.js';
 import { Metrics } from './http/metrics.js';
 import { vmRoutes } from './http/vms.routes.js';
 import { observeRoutes } from './http/observe.routes.js';
+import { webhookRoutes } from './http/webhooks.routes.js';
+import { startWebhooks } from './webhooks/webhooks.service.js';
 import { registerHostObserveMetrics } from './http/observe-metrics.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
@@ -83,6 +85,8 @@ export interface Service {
   readonly vms: VmCommands;
   readonly reconciler: Reconciler;
   readonly snapshots: SnapshotCommands;
+  /** The webhook consumer (its own runner) and dispatcher. */
+  readonly webhooks: import('./webhooks/webhooks.service.js').Webhooks;
   /** Whether this replica holds the reconciler lease. */
   isReconcilerLeader(): boolean;
   readonly pool: import('pg').Pool;
@@ -114,6 +118,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
 
     const handler = new CommandHandler(store);
     const secretBox = new AesGcmSecretBox(opts.tokenEncryptionKey);
+    const webhooks = await startWebhooks({ store, pool, config, logger, secrets: secretBox, closers });
     let connector = opts.connector ?? new HostAgentClientFactory({ timeoutMs: config.AGENT_CALL_TIMEOUT_MS, logger });
     const delays = parseAgentDelayHook(process.env[TEST_HOOK_AGENT_DELAY]);
     if (delays) {
@@ -258,6 +263,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     );
 
     registerHostObserveMetrics(metrics, hosts, async () => (await listSchedulableHostIds(pool)).map((h) => h.id));
+    webhooks.registerMetrics(metrics);
 
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
     const app = await buildApp({
@@ -308,6 +314,15 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         observeRoutes({ vms, hosts }),
+        webhookRoutes({
+          store,
+          pool,
+          secrets: secretBox,
+          runner: webhooks.runner,
+          allowPrivate: config.WEBHOOK_ALLOW_PRIVATE,
+          maxPerTenant: config.WEBHOOK_MAX_PER_TENANT,
+          readYourWritesTimeoutMs: rywTimeout,
+        }),
       ],
     });
     closers.push(() => app.close());
@@ -319,7 +334,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       lease.start();
       closers.push(() => snapshots.stop());
     }
-    return { app, store, runner, hosts, vms, reconciler, snapshots, isReconcilerLeader: () => lease.held, pool, close };
+    return { app, store, runner, hosts, vms, reconciler, snapshots, webhooks, isReconcilerLeader: () => lease.held, pool, close };
   } catch (err) {
     await close();
     throw err;

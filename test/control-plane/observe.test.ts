@@ -167,7 +167,7 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
     });
     await new Promise((r) => setTimeout(r, 500));
     await cp!.request('POST', `/v1/vms/${id}/exec`, { as: 'acme', body: { argv: ['sh', '-c', 'echo written-later > /proc/1/fd/1'] } });
-    await eventually(async () => got.includes('written-later'), 15_000, 'the followed line');
+    await eventually(() => Promise.resolve(got.includes('written-later')), 15_000, 'the followed line');
     assert.match(got, /event: log\ndata: \{"data":"written-later\\n"/);
     assert.doesNotMatch(got, /hello-from-startup/, 'resumed at the offset given');
     assert.equal((await cp!.request('DELETE', `/v1/vms/${id}`, { as: 'acme' })).status, 200);
