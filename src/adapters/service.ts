@@ -313,7 +313,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
-        observeRoutes({ vms, hosts }),
+        observeRoutes({ vms, hosts, maxFollowsPerCaller: config.SSE_MAX_PER_TENANT }),
         webhookRoutes({
           store,
           pool,

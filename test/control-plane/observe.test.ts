@@ -42,7 +42,7 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
     const init = join(agent.opts.imageDir, 'obshog', 'sbin', 'init');
     await rm(init, { force: true });
     await writeFile(init, '#!/bin/sh\nsleep 1\nexec dd if=/dev/zero of=/dev/null bs=300M count=1\n', { mode: 0o755 });
-    cp = await startControlPlane();
+    cp = await startControlPlane({ env: { SSE_MAX_PER_TENANT: '1' } });
     const r = await registerHost(cp, 'ho', agent, { capacity_overrides: { cpus: 8 } });
     assert.equal(r.status, 201, JSON.stringify(r.body));
     await cp.service.runner.waitFor(r.body.position, 20_000);
@@ -166,6 +166,9 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
       req.end();
     });
     await new Promise((r) => setTimeout(r, 500));
+    const second = await cp!.request('GET', `/v1/vms/${id}/logs?follow=true`, { as: 'acme' });
+    assert.equal(second.status, 429, 'one follow per caller here (SSE_MAX_PER_TENANT=1)');
+    assert.equal(second.body.code, 'TOO_MANY_LOG_STREAMS');
     await cp!.request('POST', `/v1/vms/${id}/exec`, { as: 'acme', body: { argv: ['sh', '-c', 'echo written-later > /proc/1/fd/1'] } });
     await eventually(() => Promise.resolve(got.includes('written-later')), 15_000, 'the followed line');
     assert.match(got, /event: log\ndata: \{"data":"written-later\\n"/);

@@ -18,6 +18,8 @@ export interface ObserveRoutesDeps {
   /** A follow stream ends after this long (the client resumes with ?offset=). */
   readonly followMaxMs?: number;
   readonly heartbeatMs?: number;
+  /** Open follow streams per caller (per replica); one more is refused with 429 TOO_MANY_LOG_STREAMS. */
+  readonly maxFollowsPerCaller?: number;
 }
 
 const params = z.object({ id: idSchema });
@@ -64,8 +66,16 @@ export function observeRoutes(deps: ObserveRoutesDeps) {
   const pollMs = deps.logPollMs ?? 500;
   const followMaxMs = deps.followMaxMs ?? 3_600_000;
   const heartbeatMs = deps.heartbeatMs ?? 15_000;
+  const maxFollows = deps.maxFollowsPerCaller ?? 8;
+  const follows = new Map<string, number>();
   return (scope: FastifyInstance): void => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
+    // Open follows would keep the server from closing: they end (with `event: end`) first.
+    const open = new Set<() => void>();
+    app.addHook('preClose', async () => {
+      for (const end of [...open]) end();
+      await Promise.resolve();
+    });
 
     app.get(
       '/v1/vms/:id/metrics',
@@ -135,6 +145,20 @@ export function observeRoutes(deps: ObserveRoutesDeps) {
             .send(Buffer.from(first.data, 'base64'));
         }
 
+        // Each follow polls the host twice a second: a caller gets a bounded number of them.
+        const who = req.caller.admin ? 'admin' : req.caller.tenantId;
+        const already = follows.get(who) ?? 0;
+        if (already >= maxFollows)
+          throw new AppError('TOO_MANY_LOG_STREAMS', 429, `you already follow ${already} logs; close one (at most ${maxFollows})`, {
+            limit: maxFollows,
+          });
+        follows.set(who, already + 1);
+        const release = (): void => {
+          const n = (follows.get(who) ?? 1) - 1;
+          if (n <= 0) follows.delete(who);
+          else follows.set(who, n);
+        };
+
         reply.hijack();
         const res: ServerResponse = reply.raw;
         res.writeHead(200, {
@@ -143,11 +167,16 @@ export function observeRoutes(deps: ObserveRoutesDeps) {
           connection: 'keep-alive',
           'x-accel-buffering': 'no',
         });
-        const conn = { closed: false };
+        const conn = { closed: false, shuttingDown: false };
         const started = Date.now();
         let lastWrite = Date.now();
         res.once('close', () => (conn.closed = true));
         const isClosed = (): boolean => conn.closed;
+        const stop = (): void => {
+          conn.closed = true;
+          conn.shuttingDown = true;
+        };
+        open.add(stop);
         const send = (event: string, body: unknown): void => {
           res.write(`event: ${event}\ndata: ${JSON.stringify(body)}\n\n`);
           lastWrite = Date.now();
@@ -161,9 +190,9 @@ export function observeRoutes(deps: ObserveRoutesDeps) {
           if (cut > 0) send('log', { data: bytes.subarray(0, cut).toString('utf8'), next_offset: next - pending.length });
         };
         let offset = first.next_offset;
-        emit(first.data, offset);
         let ended = first.ended;
         try {
+          emit(first.data, offset);
           while (!isClosed()) {
             if (ended) {
               send('end', { next_offset: offset, reason: 'the VM is gone: nothing more will be written' });
@@ -184,16 +213,21 @@ export function observeRoutes(deps: ObserveRoutesDeps) {
               lastWrite = Date.now();
             }
           }
+          if (conn.shuttingDown && !res.destroyed)
+            send('end', { next_offset: offset, reason: 'the server is shutting down: resume with ?follow=true&offset=' });
         } catch (err) {
-          if (!isClosed()) {
+          if (!res.destroyed) {
             const e = err instanceof AppError ? err : undefined;
             send('error', {
               code: e?.code ?? 'INTERNAL',
               message: e && e.status < 500 ? e.message : 'the host stopped answering: resume with ?offset=',
             });
           }
+        } finally {
+          open.delete(stop);
+          release();
+          res.end();
         }
-        res.end();
       },
     );
   };
