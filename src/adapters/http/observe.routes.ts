@@ -204,7 +204,11 @@ export function observeRoutes(deps: ObserveRoutesDeps) {
             }
             await new Promise((r) => setTimeout(r, pollMs));
             if (isClosed()) break;
-            const r = await logs(name, { offset }, { timeoutMs: 10_000 });
+            const r = await logs(name, { offset }, { timeoutMs: 10_000 }).catch((err: unknown) => {
+              // Destroyed and not kept (AGENT_LOG_RETENTION_MS=0): the end, not an error.
+              if (err instanceof AppError && err.code === 'SANDBOX_NOT_FOUND') return { data: '', next_offset: offset, ended: true };
+              throw err;
+            });
             if (r.data.length > 0) emit(r.data, r.next_offset);
             offset = r.next_offset;
             ended = r.ended;

@@ -1,5 +1,5 @@
 import { existsSync } from 'node:fs';
-import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
+import { link, mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import type { Logger } from 'pino';
 import type { HostMetricsResponse, MetricSample, OomKill, OomReport } from '@fleet/agent-protocol';
@@ -42,6 +42,8 @@ export interface MonitorOptions {
   readonly logsDir: string;
   readonly logRetentionMs: number;
   readonly targets: () => MonitorTarget[];
+  /** Where a sandbox's directory is (read while its teardown is in progress). */
+  readonly sandboxDirOf: (name: string) => string;
   readonly log?: Logger | undefined;
 }
 
@@ -59,8 +61,10 @@ interface Watch {
   initOom: boolean;
   procs: Map<number, Proc>;
   killedExecs: string[];
-  /** The counter rose with nobody to name: named at the next poll, once the exec that died has said so. */
+  /** Kills counted at the last poll, named at this one. */
   pending: number;
+  /** Processes gone in the poll interval the counter rose in: the candidates, highest oom_score first. */
+  vanished: { process: string; pid?: number }[];
   samples: MetricSample[];
   diskAt: number;
   disk: number | null;
@@ -152,6 +156,7 @@ export class SandboxMonitor implements SandboxObserver {
         procs: new Map(),
         killedExecs: [],
         pending: 0,
+        vanished: [],
         samples: [],
         diskAt: 0,
         disk: null,
@@ -170,39 +175,46 @@ export class SandboxMonitor implements SandboxObserver {
     const now = new Date().toISOString();
     const diedNow = w.alive && !alive;
     const rose = count - w.oomCount;
-    if (rose > 0 || w.pending > 0) {
+    if (rose > 0) {
+      // Gone since the previous poll: the victim among them, unless it lived shorter than a poll. Our own helpers
+      // (the exec relay) die with their command and are never the kernel's pick.
       const vanished = new Map(w.procs);
       if (alive) for (const pid of await this.groupPids(t.name)) vanished.delete(pid);
-      const candidates: { process: string; pid?: number }[] = [];
-      if (diedNow && rose > 0) {
-        const init = w.procs.get(t.initPid);
-        candidates.push({ process: init?.comm ?? 'init', pid: 1 });
-        vanished.delete(t.initPid);
-      }
-      for (const [, p] of [...vanished].sort((a, b) => b[1].score - a[1].score))
-        candidates.push({ process: p.comm, ...(p.nsPid ? { pid: p.nsPid } : {}) });
-      for (const e of w.killedExecs.splice(0)) candidates.push({ process: e });
-      let unnamed = w.pending + Math.max(0, rose);
-      const first = w.oomCount - w.pending;
-      w.pending = 0;
-      // Nobody to name yet and the sandbox lives on: wait one poll for the exec that died to report.
-      if (candidates.length === 0 && rose > 0 && alive) w.pending = unnamed;
-      else {
-        for (let i = 1; unnamed > 0; i++, unnamed--) {
-          const c = candidates.shift() ?? { process: 'unknown' };
-          w.events.push({ count: first + i, process: c.process, ...(c.pid ? { pid: c.pid } : {}), at: now });
-        }
-        if (w.events.length > MAX_EVENTS) w.events.splice(0, w.events.length - MAX_EVENTS);
-        this.opts.log?.warn({ sandbox: t.name, oom_kills: count, events: w.events.slice(-Math.max(1, rose)) }, 'OOM kill in a sandbox');
-      }
+      if (diedNow) vanished.delete(t.initPid);
+      w.vanished.push(
+        ...[...vanished.values()]
+          .filter((p) => !p.comm.startsWith('fleet-sandbox'))
+          .sort((a, b) => b.score - a.score)
+          .map((p) => ({ process: p.comm, ...(p.nsPid ? { pid: p.nsPid } : {}) })),
+      );
+    }
+    // A kill is named one poll later (unless the init died of it): the exec that died of it has reported by then, and
+    // its own word (argv[0]) beats a guess from the processes seen.
+    const due = w.pending;
+    // The init's death kills every process of its namespace. A kill counted in this interval, or in the previous one
+    // and not yet named (a large process takes a while to exit under load), was the init's.
+    const initKill = diedNow && rose + due > 0;
+    w.pending = diedNow ? 0 : Math.max(0, rose);
+    const unnamed = due + (diedNow ? Math.max(0, rose) : 0);
+    if (unnamed > 0) {
+      type Named = { process: string; pid?: number };
+      const pool: Named[] = [...w.killedExecs.splice(0).map((e) => ({ process: e })), ...w.vanished];
+      const unknown: Named = { process: 'unknown' };
+      const names: Named[] = Array.from({ length: unnamed - (initKill ? 1 : 0) }, () => pool.shift() ?? unknown);
+      if (initKill) names.push({ process: w.procs.get(t.initPid)?.comm ?? 'init', pid: 1 });
+      const first = count - w.pending - unnamed;
+      names.forEach((c, i) => w.events.push({ count: first + i + 1, process: c.process, ...(c.pid ? { pid: c.pid } : {}), at: now }));
+      if (w.events.length > MAX_EVENTS) w.events.splice(0, w.events.length - MAX_EVENTS);
+      w.vanished.length = 0;
+      this.opts.log?.warn({ sandbox: t.name, oom_kills: count, events: w.events.slice(-unnamed) }, 'OOM kill in a sandbox');
     }
     if (diedNow) {
-      // The init's death kills every process of its namespace: if the counter rose in this window, that kill was the init's.
-      w.initOom = rose > 0;
+      w.initOom = initKill;
       w.alive = false;
     }
     w.oomCount = count;
-    w.killedExecs.length = 0;
+    // A note is kept only while a kill waits for its name.
+    if (w.pending === 0) w.killedExecs.length = 0;
     w.procs = alive ? await this.snapshot(t.name) : new Map<number, Proc>();
   }
 
@@ -217,7 +229,8 @@ export class SandboxMonitor implements SandboxObserver {
   oom(name: string): OomReport | undefined {
     const w = this.watches.get(name);
     if (!w) return undefined;
-    return { kills: w.oomCount, limit_mb: w.limitMb, events: [...w.events], init_oom_killed: w.initOom };
+    // Kills still waiting for a name are left out until the next poll names them: a reader would otherwise record them as unknown.
+    return { kills: w.oomCount - w.pending, limit_mb: w.limitMb, events: [...w.events], init_oom_killed: w.initOom };
   }
 
   private async readOomCount(name: string): Promise<number | null> {
@@ -360,25 +373,37 @@ export class SandboxMonitor implements SandboxObserver {
     if (this.opts.logRetentionMs <= 0) return;
     const files = [`${CONSOLE}.1`, CONSOLE].filter((f) => existsSync(join(sandboxDir, f)));
     if (files.length === 0) return;
+    // Hard links into a staging directory renamed into place: a reader sees the live files or the kept ones, never a
+    // half-moved pair (the writer may still append its last bytes: same inode).
     const dest = join(this.opts.logsDir, name);
+    const staging = join(this.opts.logsDir, `.tmp-${name}`);
+    await rm(staging, { recursive: true, force: true });
+    await mkdir(staging, { recursive: true, mode: 0o700 });
+    for (const f of files) await link(join(sandboxDir, f), join(staging, f));
+    await writeFile(join(staging, 'ended'), new Date().toISOString());
     await rm(dest, { recursive: true, force: true });
-    await mkdir(dest, { recursive: true, mode: 0o700 });
-    for (const f of files) await rename(join(sandboxDir, f), join(dest, f));
-    await writeFile(join(dest, 'ended'), new Date().toISOString());
+    await rename(staging, dest);
   }
 
   logFiles(name: string): Promise<{ files: string[]; ended: boolean } | null> {
     const live = this.opts.targets().find((t) => t.name === name);
-    const dir = live ? live.sandboxDir : join(this.opts.logsDir, name);
-    if (!live && !existsSync(join(dir, 'ended'))) return Promise.resolve(null);
+    const kept = join(this.opts.logsDir, name);
+    const ended = !live && existsSync(join(kept, 'ended'));
+    const dir = live ? live.sandboxDir : ended ? kept : this.opts.sandboxDirOf(name);
     const files = [`${CONSOLE}.1`, CONSOLE].map((f) => join(dir, f)).filter((f) => existsSync(f));
-    return Promise.resolve({ files, ended: !live });
+    // Not live, not kept: a teardown in progress still has its files; otherwise there is nothing.
+    if (!live && !ended && files.length === 0) return Promise.resolve(null);
+    return Promise.resolve({ files, ended });
   }
 
   /** Removes kept logs past their retention (the destroy was acknowledged that long ago). */
   async sweepLogs(now = Date.now()): Promise<string[]> {
     const removed: string[] = [];
     for (const name of await readdir(this.opts.logsDir).catch(() => [] as string[])) {
+      if (name.startsWith('.tmp-')) {
+        await rm(join(this.opts.logsDir, name), { recursive: true, force: true });
+        continue;
+      }
       const dir = join(this.opts.logsDir, name);
       const ended = await readFile(join(dir, 'ended'), 'utf8').then(
         (s) => Date.parse(s.trim()),

@@ -260,6 +260,7 @@ export class ProcessBackend implements Backend {
       logsDir: join(opts.dataDir, 'logs'),
       logRetentionMs: opts.logRetentionMs,
       log,
+      sandboxDirOf: (name) => this.sandboxDir(name),
       targets: () =>
         [...this.records.values()]
           .filter((r) => r.state.status === 'running' && r.state.init_pid > 0)
