@@ -82,7 +82,7 @@ export async function runBuffered(backend: Backend, name: string, req: BufferedE
       stderr_truncated: e.truncated,
       timed_out: timedOut,
       duration_ms: Math.round((performance.now() - started) * 100) / 100,
-      ...((await oom.killed(status, timedOut || abort.aborted, req.argv[0])) ? { oom_killed: true } : {}),
+      ...((await oom.killed(status, () => timedOut || abort.aborted, req.argv[0])) ? { oom_killed: true } : {}),
     };
   } finally {
     clearTimeout(timer);
@@ -321,7 +321,7 @@ export async function runSession(
     const status = await handle.wait();
     exited = true;
     // A client that hung up had its process killed by us: that SIGKILL is not the kernel's.
-    const oomKilled = await oom.killed(status, timedOut || ws.readyState !== ws.OPEN, argv0);
+    const oomKilled = await oom.killed(status, () => timedOut || ws.readyState !== ws.OPEN, argv0);
     sendFrame(ws, {
       type: 'exit',
       code: status.exitCode ?? -1,

@@ -10,12 +10,12 @@ import type { Backend, ExitStatus } from './backend.js';
 export async function oomWatch(
   backend: Backend,
   name: string,
-): Promise<{ killed(status: ExitStatus, killedByUs: boolean, argv0: string | undefined): Promise<boolean> }> {
+): Promise<{ killed(status: ExitStatus, killedByUs: () => boolean, argv0: string | undefined): Promise<boolean> }> {
   const observer = backend.observer;
   const before = observer ? await observer.oomKills(name).catch(() => null) : null;
   return {
     async killed(status, killedByUs, argv0) {
-      if (!observer || before === null || killedByUs) return false;
+      if (!observer || before === null || killedByUs()) return false;
       if (status.signal !== 'SIGKILL' && status.exitCode !== 137) return false;
       const after = await observer.oomKills(name).catch(() => before);
       if (after <= before) return false;
