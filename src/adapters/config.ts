@@ -163,6 +163,20 @@ export const configSchema = z.object({
   INGRESS_PORT: z.coerce.number().int().min(0).max(65535).optional(),
   /** How long a proxy keeps a VM's route row before re-reading it (0: every request reads the table). */
   INGRESS_ROUTE_CACHE_MS: durationMs.default(1000),
+  // ---- webhooks (docs/webhooks.md) ----
+  /** Let tenants' webhooks target loopback, private, link-local and reserved addresses (development, tests). */
+  WEBHOOK_ALLOW_PRIVATE: bool.default(false),
+  /** Failed attempts after which a delivery is dead (an operator may retry it). */
+  WEBHOOK_MAX_ATTEMPTS: z.coerce.number().int().min(1).max(100).default(10),
+  /** Backoff before the second attempt; doubles each time, jittered, capped at WEBHOOK_RETRY_MAX_MS. */
+  WEBHOOK_RETRY_BASE_MS: z.coerce.number().int().min(10).default(5_000),
+  WEBHOOK_RETRY_MAX_MS: z.coerce.number().int().min(10).default(3_600_000),
+  /** One delivery's bound (connect to last byte of the answer's head). */
+  WEBHOOK_TIMEOUT_MS: z.coerce.number().int().min(100).default(10_000),
+  /** How often due deliveries are looked for. */
+  WEBHOOK_DISPATCH_INTERVAL_MS: z.coerce.number().int().min(10).default(1_000),
+  /** Webhooks per tenant. */
+  WEBHOOK_MAX_PER_TENANT: z.coerce.number().int().min(1).default(16),
 });
 
 export type Config = z.infer<typeof configSchema>;

@@ -43,6 +43,14 @@ import {
 } from '@fleet/agent-protocol';
 import { AppError, ConflictError, NotFoundError, ValidationError, type FieldError } from '@fleet/agent-protocol';
 import {
+  hostMetricsResponseSchema,
+  logsResponseSchema,
+  metricsResponseSchema,
+  type HostMetricsResponse,
+  type LogsResponse,
+  type MetricsResponse,
+} from '@fleet/agent-protocol';
+import {
   HostAgentError,
   HostCapacityError,
   HostUnreachableError,
@@ -149,6 +157,39 @@ export class HostAgentClient implements HostAgent {
       opts,
     });
     return Buffer.from(bytes).toString('utf8');
+  }
+
+  /** Resource samples of a sandbox after `sinceMs` (observability; not part of the HostAgent port). */
+  metrics(name: string, sinceMs = 0, opts?: CallOptions): Promise<MetricsResponse> {
+    return this.#call({
+      method: 'GET',
+      path: `/vms/${seg(name)}/metrics`,
+      query: { since: String(sinceMs) },
+      schema: metricsResponseSchema,
+      idempotent: true,
+      opts,
+    });
+  }
+
+  /** Aggregates over every sandbox of the host. */
+  hostMetrics(opts?: CallOptions): Promise<HostMetricsResponse> {
+    return this.#call({ method: 'GET', path: '/host/metrics', schema: hostMetricsResponseSchema, idempotent: true, opts });
+  }
+
+  /** The console log from a byte offset (or its tail); readable after the sandbox ended, for the agent's retention. */
+  logs(name: string, q: { offset?: number; tailBytes?: number; maxBytes?: number }, opts?: CallOptions): Promise<LogsResponse> {
+    return this.#call({
+      method: 'GET',
+      path: `/vms/${seg(name)}/logs`,
+      query: {
+        offset: q.offset === undefined ? undefined : String(q.offset),
+        tail_bytes: q.tailBytes === undefined ? undefined : String(q.tailBytes),
+        max_bytes: q.maxBytes === undefined ? undefined : String(q.maxBytes),
+      },
+      schema: logsResponseSchema,
+      idempotent: true,
+      opts,
+    });
   }
 
   exec(name: string, req: ExecRequest, opts?: CallOptions): Promise<ExecResult> {

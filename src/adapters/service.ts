@@ -41,6 +41,10 @@ import { ApiKeys, ADMIN_TENANT, type ApiKey } from './http/auth.js';
 import { hostRoutes } from './http/hosts.routes.js';
 import { Metrics } from './http/metrics.js';
 import { vmRoutes } from './http/vms.routes.js';
+import { observeRoutes } from './http/observe.routes.js';
+import { webhookRoutes } from './http/webhooks.routes.js';
+import { startWebhooks } from './webhooks/webhooks.service.js';
+import { registerHostObserveMetrics } from './http/observe-metrics.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
@@ -93,6 +97,8 @@ export interface Service {
   readonly vms: VmCommands;
   readonly reconciler: Reconciler;
   readonly snapshots: SnapshotCommands;
+  /** The webhook consumer (its own runner) and dispatcher. */
+  readonly webhooks: import('./webhooks/webhooks.service.js').Webhooks;
   /** Whether this replica holds the reconciler lease. */
   isReconcilerLeader(): boolean;
   readonly pool: import('pg').Pool;
@@ -134,6 +140,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
 
     const handler = new CommandHandler(store);
     const secretBox = new AesGcmSecretBox(opts.tokenEncryptionKey);
+    const webhooks = await startWebhooks({ store, pool, config, logger, secrets: secretBox, closers });
     let connector = opts.connector ?? new HostAgentClientFactory({ timeoutMs: config.AGENT_CALL_TIMEOUT_MS, logger });
     const delays = parseAgentDelayHook(process.env[TEST_HOOK_AGENT_DELAY]);
     if (delays) {
@@ -288,6 +295,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       (await countDeadLettersByState(pool)).map((r) => ({ labels: { state: r.state, kind: r.kind }, value: r.count })),
     );
 
+    registerHostObserveMetrics(metrics, hosts, async () => (await listSchedulableHostIds(pool)).map((h) => h.id));
+    webhooks.registerMetrics(metrics);
+
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
     const app = await buildApp({
       logger: opts.httpLogger === false ? false : logger,
@@ -343,6 +353,16 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         lifecycleRoutes({ lifecycle, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         ...(ingress ? [ingressRoutes({ ingress, vms })] : []),
+        observeRoutes({ vms, hosts, maxFollowsPerCaller: config.SSE_MAX_PER_TENANT }),
+        webhookRoutes({
+          store,
+          pool,
+          secrets: secretBox,
+          runner: webhooks.runner,
+          allowPrivate: config.WEBHOOK_ALLOW_PRIVATE,
+          maxPerTenant: config.WEBHOOK_MAX_PER_TENANT,
+          readYourWritesTimeoutMs: rywTimeout,
+        }),
       ],
     });
     closers.push(() => app.close());
@@ -362,6 +382,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       vms,
       reconciler,
       snapshots,
+      webhooks,
       isReconcilerLeader: () => lease.held,
       pool,
       ingress,

@@ -1,3 +1,4 @@
+import type { HostMetricsResponse, LogsResponse, MetricsResponse } from '@fleet/agent-protocol';
 import type {
   AgentSpec,
   ArtifactMove,
@@ -59,6 +60,11 @@ export interface HostAgent {
 
   /** A non-zero exit or a timeout is a result (exit_code, timed_out), not an error. */
   exec(name: string, req: ExecRequest, opts?: CallOptions): Promise<ExecResult>;
+
+  /** Observability (optional: a test double may leave them out; the routes then answer 501). */
+  metrics?(name: string, sinceMs?: number, opts?: CallOptions): Promise<MetricsResponse>;
+  hostMetrics?(opts?: CallOptions): Promise<HostMetricsResponse>;
+  logs?(name: string, q: { offset?: number; tailBytes?: number; maxBytes?: number }, opts?: CallOptions): Promise<LogsResponse>;
   /** Streaming exec over a websocket: frames in both directions until `exit`. */
   execStream(name: string, start: ExecStreamStart, opts?: StreamOptions): Promise<AgentStream>;
   /** Interactive attach (optionally with a TTY; resize with a `resize` frame). */

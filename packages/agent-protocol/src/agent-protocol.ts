@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { oomReportSchema } from './observe-protocol.js';
 import { hostCapacitySchema } from './capacity.js';
 
 /**
@@ -148,6 +149,8 @@ export const vmInfoSchema = z.object({
   created_at: z.string(),
   from_checkpoint: z.string().optional(),
   endpoints: z.array(endpointSchema).default([]),
+  /** OOM kills in the sandbox (observability); absent from an agent without the monitor. */
+  oom: oomReportSchema.optional(),
 });
 export type VmInfo = z.infer<typeof vmInfoSchema>;
 
@@ -201,6 +204,8 @@ export const execResultSchema = z.object({
   stderr_truncated: z.boolean(),
   timed_out: z.boolean(),
   duration_ms: z.number().nonnegative(),
+  /** The command died of an OOM kill (SIGKILL while the sandbox's oom_kill counter rose), not a bare exit 137. */
+  oom_killed: z.boolean().optional(),
 });
 export type ExecResult = z.infer<typeof execResultSchema>;
 
@@ -242,7 +247,13 @@ export const serverFrameSchema = z.discriminatedUnion('type', [
   z.object({ type: z.literal('started'), pid: z.number().int().optional() }),
   z.object({ type: z.literal('stdout'), data: z.string() }),
   z.object({ type: z.literal('stderr'), data: z.string() }),
-  z.object({ type: z.literal('exit'), code: z.number().int(), signal: z.string().optional(), timed_out: z.boolean().default(false) }),
+  z.object({
+    type: z.literal('exit'),
+    code: z.number().int(),
+    signal: z.string().optional(),
+    timed_out: z.boolean().default(false),
+    oom_killed: z.boolean().optional(),
+  }),
   z.object({ type: z.literal('error'), code: z.string(), message: z.string() }),
 ]);
 export type ServerFrame = z.infer<typeof serverFrameSchema>;

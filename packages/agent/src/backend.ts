@@ -1,6 +1,7 @@
 import type { Readable, Writable } from 'node:stream';
 import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { HostCapacity } from '@fleet/agent-protocol';
+import type { SandboxObserver } from './observe.js';
 
 /**
  * The host agent's sandbox runtime. The HTTP server (exec with timeouts and
@@ -279,6 +280,8 @@ export interface NetworkReassertReport {
 
 export interface Backend {
   readonly kind: 'process' | 'qemu';
+  /** Metrics, OOM kills, console logs (observe.ts); absent: the observe routes answer 501. */
+  readonly observer?: SandboxObserver;
   capacity(): Promise<HostCapacity>;
   create(spec: CreateSpec): Promise<SandboxInfo>;
   get(name: string): Promise<SandboxInfo>;

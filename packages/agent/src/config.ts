@@ -87,6 +87,11 @@ export const agentConfigSchema = z
       .default(2 ** 28),
     /** Cap on one artifact pull from a peer. */
     AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
+    /** Sandbox monitor (backend/process/monitor.ts): sample interval, samples kept, OOM poll, console logs kept after a destroy. */
+    AGENT_METRICS_INTERVAL_MS: z.coerce.number().int().min(100, 'at least 100').default(5000),
+    AGENT_METRICS_WINDOW: z.coerce.number().int().min(1, 'at least 1').max(10_000, 'at most 10000').default(120),
+    AGENT_OOM_POLL_MS: z.coerce.number().int().min(50, 'at least 50').default(1000),
+    AGENT_LOG_RETENTION_MS: z.coerce.number().int().min(0, 'must be 0 or more').default(3_600_000),
   })
   .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
     error: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
@@ -119,6 +124,10 @@ export interface AgentConfig {
   pullTimeoutMs: number;
   uidBase: number;
   consoleLogMaxBytes: number;
+  metricsIntervalMs: number;
+  metricsWindow: number;
+  oomPollMs: number;
+  logRetentionMs: number;
 }
 
 export class AgentConfigError extends Error {
@@ -176,6 +185,10 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     pullTimeoutMs: raw.AGENT_PULL_TIMEOUT_MS,
     uidBase: raw.AGENT_UID_BASE,
     consoleLogMaxBytes: raw.AGENT_CONSOLE_LOG_MAX_BYTES,
+    metricsIntervalMs: raw.AGENT_METRICS_INTERVAL_MS,
+    metricsWindow: raw.AGENT_METRICS_WINDOW,
+    oomPollMs: raw.AGENT_OOM_POLL_MS,
+    logRetentionMs: raw.AGENT_LOG_RETENTION_MS,
   };
 }
 

@@ -3,6 +3,7 @@ import type { WebSocket } from '@fastify/websocket';
 import { attachStartSchema, clientFrameSchema, execStreamStartSchema, type ExecResult, type ServerFrame } from '@fleet/agent-protocol';
 import { AppError, ValidationError } from '@fleet/agent-protocol';
 import type { Backend, ProcessHandle } from './backend.js';
+import { oomWatch } from './oom-watch.js';
 import { parse } from './parse.js';
 
 export interface ExecLimits {
@@ -52,6 +53,7 @@ export interface BufferedExec {
 /** Runs one command to completion. A non-zero exit and a timeout are results, not errors. */
 export async function runBuffered(backend: Backend, name: string, req: BufferedExec, cap: number, abort: AbortSignal): Promise<ExecResult> {
   const started = performance.now();
+  const oom = await oomWatch(backend, name);
   const handle = await backend.spawn(name, { argv: req.argv, env: req.env, cwd: req.cwd, stdin: req.stdin !== undefined });
   if (req.stdin !== undefined) {
     handle.stdin.on('error', () => {});
@@ -80,6 +82,7 @@ export async function runBuffered(backend: Backend, name: string, req: BufferedE
       stderr_truncated: e.truncated,
       timed_out: timedOut,
       duration_ms: Math.round((performance.now() - started) * 100) / 100,
+      ...((await oom.killed(status, () => timedOut || abort.aborted, req.argv[0])) ? { oom_killed: true } : {}),
     };
   } finally {
     clearTimeout(timer);
@@ -189,16 +192,20 @@ export async function runSession(
 ): Promise<void> {
   let handle: ProcessHandle;
   let timeoutMs: number | undefined;
+  let argv0 = '';
   const inbox = new Inbox(ws);
+  const oom = await oomWatch(backend, name);
   try {
     const raw = await waitForStart(inbox);
     if (mode === 'exec') {
       const start = parse(execStreamStartSchema, raw, 'exec start frame');
       timeoutMs = effectiveTimeout(start.timeout_ms, limits);
+      argv0 = start.argv[0] ?? '';
       handle = await backend.spawn(name, { argv: start.argv, env: start.env, cwd: start.cwd, stdin: true });
     } else {
       const start = parse(attachStartSchema, raw, 'attach start frame');
       const argv = start.cmd.length > 0 ? start.cmd : ['/bin/sh', '-l'];
+      argv0 = argv[0] ?? '';
       handle = await backend.spawn(name, {
         argv,
         env: start.tty ? { TERM: 'xterm-256color', ...start.env } : start.env,
@@ -312,11 +319,14 @@ export async function runSession(
   try {
     const status = await handle.wait();
     exited = true;
+    // A client that hung up had its process killed by us: that SIGKILL is not the kernel's.
+    const oomKilled = await oom.killed(status, () => timedOut || ws.readyState !== ws.OPEN, argv0);
     sendFrame(ws, {
       type: 'exit',
       code: status.exitCode ?? -1,
       ...(status.signal ? { signal: status.signal } : {}),
       timed_out: timedOut,
+      ...(oomKilled ? { oom_killed: true } : {}),
     });
     ws.close(1000);
   } catch (err) {

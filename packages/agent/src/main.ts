@@ -55,6 +55,10 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     defaultImage: config.defaultImage,
     uidBase: config.uidBase,
     consoleLogMaxBytes: config.consoleLogMaxBytes,
+    metricsIntervalMs: config.metricsIntervalMs,
+    metricsWindow: config.metricsWindow,
+    oomPollMs: config.oomPollMs,
+    logRetentionMs: config.logRetentionMs,
     logger: logger.child({ component: 'backend' }),
   });
 }

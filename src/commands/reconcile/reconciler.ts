@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { DeadLetters } from '../dead-letters/dead-letters.js';
 import { HealthProbes } from './health-probes.js';
+import { OomRecorder } from './oom-recorder.js';
 import {
   emptySummary,
   errInfo,
@@ -33,6 +34,7 @@ import { hostAggregate } from '../../domain/host/host.aggregate.js';
 import { migrationAggregate } from '../../domain/migration/migration.decider.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
+import type { VmInfo } from '@fleet/agent-protocol';
 import { type DeadLetterState } from '../../domain/deadletter/deadletter.decider.js';
 
 import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
@@ -73,6 +75,7 @@ export class Reconciler {
   private readonly absent = new Map<string, number>();
   private readonly health: HealthProbes;
   private readonly deadLetters: DeadLetters;
+  private readonly ooms: OomRecorder;
 
   private readonly hostHandler: BoundOf<typeof hostAggregate>;
   private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
@@ -93,6 +96,7 @@ export class Reconciler {
     this.vmHandler = bindAggregate(handler, vmAggregate);
     this.health = new HealthProbes(handler, config, logger, clock);
     this.deadLetters = new DeadLetters(handler, hosts, (id) => this.loadVm(id), config, logger, clock);
+    this.ooms = new OomRecorder(this.vmHandler, logger, clock);
   }
 
   get isActive(): boolean {
@@ -248,14 +252,16 @@ export class Reconciler {
 
     const listStarted = this.clock().getTime();
     let listed: Set<string>;
-    /** Listed sandboxes whose init is no longer running. */
-    let stopped: Set<string>;
+    /** Listed sandboxes whose init is no longer running, and whether an OOM kill ended it. */
+    let stopped: Map<string, { oom_killed?: boolean }>;
+    let infos: VmInfo[];
     try {
       const vms = (await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs })).filter((v) =>
         v.name.startsWith(SANDBOX_PREFIX),
       );
+      infos = vms;
       listed = new Set(vms.map((v) => v.name));
-      stopped = new Set(vms.filter((v) => v.state === 'stopped').map((v) => v.name));
+      stopped = new Map(vms.filter((v) => v.state === 'stopped').map((v) => [v.name, v.oom?.init_oom_killed ? { oom_killed: true } : {}]));
     } catch (err) {
       if (classifyHostAgentError(err) !== 'host') {
         // It answered, with a refusal (a token that no longer matches, an agent without the route): reachable, but nothing to compare.
@@ -302,6 +308,10 @@ export class Reconciler {
       if (await this.deadLetters.destroyOrphan(hostId, agent, name, vm.status === 'initial' ? undefined : vm.vm_id, s, actor))
         gone.add(name);
     }
+
+    // OOM kills first: a sandbox whose init died of one ends `oom`, not `exited`.
+    const oom = await this.ooms.record(hostId, infos, hints, gone, actor);
+    s.errors += oom.errors;
 
     for (const hint of hints) {
       try {
@@ -350,7 +360,7 @@ export class Reconciler {
     agent: HostAgent,
     hint: LiveVmHint,
     listed: ReadonlySet<string>,
-    stopped: ReadonlySet<string>,
+    stopped: ReadonlyMap<string, { oom_killed?: boolean }>,
     listStarted: number,
     now: number,
     gone: Set<string>,
@@ -375,8 +385,8 @@ export class Reconciler {
         listStarted,
         now,
         absentBefore: this.absent.get(hint.id) ?? 0,
-        // The agent protocol reports no exit code yet: the VM ends `exited` without one until the host says more.
-        stopped: stopped.has(name) ? {} : undefined,
+        // The agent reports no exit code yet: the VM ends `exited` without one (or `oom` when an OOM kill ended its init).
+        stopped: stopped.get(name),
       },
       this.config,
     );

@@ -1,3 +1,4 @@
+import { copyToConsole } from './startup-console.js';
 import { createHash, randomBytes } from 'node:crypto';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
@@ -286,6 +287,7 @@ export class VmCommands {
         { argv: ['/bin/sh', `${RESERVED_GUEST_DIR}/startup.sh`], timeout_ms: timeoutMs },
         { timeoutMs: timeoutMs + 10_000 },
       );
+      await copyToConsole(agent, name, r, (text) => scrub(text, Object.values(spec.secrets ?? {})));
       if (r.timed_out) throw new AppError('STARTUP_SCRIPT_TIMEOUT', 504, `startup script did not finish within ${timeoutMs} ms`);
       if (r.exit_code !== 0) {
         throw new AppError('STARTUP_SCRIPT_FAILED', 422, `startup script exited with code ${r.exit_code}: ${tail(r.stderr || r.stdout)}`, {

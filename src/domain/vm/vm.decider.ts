@@ -58,6 +58,18 @@ export type VmCommand =
       };
     }
   | {
+      readonly type: 'RecordOomKill';
+      readonly data: {
+        readonly vm_id: string;
+        readonly process: string;
+        readonly pid?: number | undefined;
+        readonly limit_mb: number;
+        readonly count: number;
+        /** When the host saw it (the event's `at`), not when it was recorded. */
+        readonly at: string;
+      };
+    }
+  | {
       readonly type: 'FailVm';
       readonly data: {
         readonly vm_id: string;
@@ -98,6 +110,8 @@ interface VmCore {
   readonly metadata: VmMetadata;
   /** When a running VM ends with reason `timeout`: boot + max_runtime_s, or a PATCHed timeout. Unset: the fleet ceiling only. */
   readonly timeout_at?: string | undefined;
+  /** OOM kills recorded (VmOomKilled's count): the host's counter above it means kills not yet recorded. */
+  readonly oom_kills?: number | undefined;
 }
 
 interface Placed {
@@ -255,6 +269,18 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [{ type: 'VmMigrated', data: { ...d, endpoints: [...d.endpoints], reservation: compact(d.reservation), at } }];
     }
 
+    case 'RecordOomKill': {
+      const s = existing(state, vm_id);
+      const d = command.data;
+      if (d.count <= (s.oom_kills ?? 0)) return [];
+      return [
+        {
+          type: 'VmOomKilled',
+          data: compact({ vm_id, process: d.process, pid: d.pid, limit_mb: d.limit_mb, count: d.count, at: d.at }),
+        },
+      ];
+    }
+
     case 'FailVm': {
       const s = existing(state, vm_id);
       // A late failure report for a VM that already ended changes nothing.
@@ -353,6 +379,8 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         last_activity_at: d.at,
       };
     }
+    case 'VmOomKilled':
+      return { ...state, oom_kills: Math.max(state.oom_kills ?? 0, event.data.count) };
     case 'VmFailed': {
       const d = event.data;
       return {

@@ -132,6 +132,26 @@ export const vmMetadataSetSchema = z.object({
   data: z.object({ vm_id: idSchema, metadata: metadataSchema, at }),
 });
 
+/**
+ * An OOM kill inside the sandbox, reported by its host's monitor; the VM may
+ * well survive it (the kill was of a command, not of its init). `count` is
+ * the sandbox's cumulative kill count after this one, which makes the
+ * report idempotent: a count already recorded is not recorded again.
+ */
+export const vmOomKilledSchema = z.object({
+  type: z.literal('VmOomKilled'),
+  data: z.object({
+    vm_id: idSchema,
+    /** Command name of the killed process ("unknown" when the host could not tell: e.g. killed while its agent was down). */
+    process: z.string(),
+    /** Pid inside the sandbox, when known (1: its init). */
+    pid: z.number().int().positive().optional(),
+    limit_mb: z.number().int().nonnegative(),
+    count: z.number().int().positive(),
+    at,
+  }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -144,6 +164,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmMigratedSchema,
   vmTimeoutSetSchema,
   vmMetadataSetSchema,
+  vmOomKilledSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -160,6 +181,7 @@ export type VmFailed = z.infer<typeof vmFailedSchema>;
 export type VmMigrated = z.infer<typeof vmMigratedSchema>;
 export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
 export type VmMetadataSet = z.infer<typeof vmMetadataSetSchema>;
+export type VmOomKilled = z.infer<typeof vmOomKilledSchema>;
 
 /**
  * Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID`

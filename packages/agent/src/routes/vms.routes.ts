@@ -14,6 +14,7 @@ import {
 import { ConflictError } from '@fleet/agent-protocol';
 import { parse } from '../parse.js';
 import { isCode, nameParam, toVmInfo, type AgentRouteContext } from './context.js';
+import { withOom } from './observe.routes.js';
 
 /** Sandboxes: create, list, read, destroy, console tail, and the in-guest agent's start. */
 export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
@@ -39,10 +40,10 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
 
   app.get(`${AGENT_API_PREFIX}/vms`, async (req) => {
     const q = parse(listVmsQuerySchema, req.query, 'query');
-    return { vms: (await backend.list(q.prefix)).map(toVmInfo) };
+    return { vms: (await backend.list(q.prefix)).map((s) => withOom(toVmInfo(s), backend)) };
   });
 
-  app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req) => toVmInfo(await backend.get(nameParam(req))));
+  app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req) => withOom(toVmInfo(await backend.get(nameParam(req))), backend));
 
   app.delete(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
     const name = nameParam(req);

@@ -40,7 +40,23 @@ export class Cgroups {
 
   /** Directories of one sandbox's group, one per hierarchy. */
   dirs(name: string): string[] {
-    return this.version === 2 ? [join(this.root, this.parent, name)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent, name));
+    return this.version === 2
+      ? [join(this.root, this.parent, name)]
+      : this.v1Controllers().map((c) => join(this.root, c, this.parent, name));
+  }
+
+  /**
+   * v1 hierarchies joined: the four the limits need, then cpuacct where it is mounted apart from cpu (CPU time for
+   * the metrics; v2's cpu.stat has it). Appended last: callers index the first four.
+   */
+  private v1Controllers(): string[] {
+    return existsSync(join(this.root, 'cpuacct', 'cpuacct.usage')) ? [...V1_CONTROLLERS, 'cpuacct'] : [...V1_CONTROLLERS];
+  }
+
+  /** The directory holding `controller`'s files for a sandbox (v2: the one group); undefined where it is not mounted. */
+  controllerDir(name: string, controller: 'cpu' | 'cpuacct' | 'memory' | 'pids'): string | undefined {
+    if (this.version === 2) return join(this.root, this.parent, name);
+    return this.v1Controllers().includes(controller) ? join(this.root, controller, this.parent, name) : undefined;
   }
 
   /** One directory per v1 controller, by name. */
@@ -51,7 +67,10 @@ export class Cgroups {
 
   /** The files a process writes its pid to, to join the group (all of them, in order). */
   procsFiles(name: string): string[] {
-    return this.dirs(name).map((d) => join(d, 'cgroup.procs'));
+    // cpuacct only where it exists: a sandbox created before it was joined has none, and joining a missing group fails.
+    return this.dirs(name)
+      .filter((d, i) => i < V1_CONTROLLERS.length || existsSync(d))
+      .map((d) => join(d, 'cgroup.procs'));
   }
 
   async create(name: string, limits: CgroupLimits): Promise<void> {
@@ -189,7 +208,7 @@ export class Cgroups {
 
   /** Removes our parent group(s) if nothing is left under them; create() makes them again. */
   async removeParentIfEmpty(): Promise<boolean> {
-    const parents = this.version === 2 ? [join(this.root, this.parent)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent));
+    const parents = this.version === 2 ? [join(this.root, this.parent)] : this.v1Controllers().map((c) => join(this.root, c, this.parent));
     let removed = false;
     for (const p of parents) {
       try {
@@ -204,7 +223,7 @@ export class Cgroups {
 
   /** Names of the sandbox groups under our parent, across hierarchies. */
   async list(): Promise<string[]> {
-    const parents = this.version === 2 ? [join(this.root, this.parent)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent));
+    const parents = this.version === 2 ? [join(this.root, this.parent)] : this.v1Controllers().map((c) => join(this.root, c, this.parent));
     const names = new Set<string>();
     for (const p of parents) {
       const entries = await readdir(p, { withFileTypes: true }).catch(() => []);

@@ -1,6 +1,6 @@
 import { spawn } from 'node:child_process';
 import { closeSync, constants, existsSync, open as fsOpen } from 'node:fs';
-import { readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { chown, readFile, readlink, rm, writeFile } from 'node:fs/promises';
 import { basename, dirname } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
@@ -148,22 +148,32 @@ export interface Launched {
  * console log, which lives on the data directory's filesystem, outside the
  * sandbox's disk and its storage_gb: a guest that respawns a chatty process
  * from its inittab must not fill the host. So the init writes into a FIFO
- * read by a detached busybox that appends at most `max` bytes, notes the cut
+ * read by a detached busybox that appends at most `max` bytes, rotates the
+ * file once (console.log.1) for `max` bytes more, notes the cut
  * and then drains and discards the rest (the guest never blocks on its
  * console). Like the init, it outlives the agent; it ends at EOF, when the
  * sandbox's last process is gone. Returns the write end (the caller closes
  * its copy once the init has it).
  */
-async function openConsoleWriter(logPath: string, max: number, busybox: string): Promise<number> {
+async function openConsoleWriter(logPath: string, max: number, busybox: string, owner: number): Promise<number> {
   const fifo = `${logPath}.fifo`;
   await rm(fifo, { force: true });
   await mustRun(busybox, ['mkfifo', '-m', '600', fifo]);
+  // Owned by the sandbox's root: a process outside the init's tree (an exec, the startup script) may then write
+  // the console through /proc/1/fd/1, within the same bound as the init.
+  await chown(fifo, owner, owner);
   // dd, not head: head buffers its output, holding back the first lines ("fleet sandbox up") until 4 KiB came.
   const script = `exec < "$1"
 rm -f "$1"
 dd bs=65536 count="$2" iflag=count_bytes 2>/dev/null >> "$3"
-if [ "$(head -c 1 | wc -c)" -gt 0 ]; then echo "
+# Full: kept as $3.1 (one previous file) and a new file takes the next $2 bytes; after that the rest is discarded.
+head -c 1 > "$3.next"
+if [ -s "$3.next" ]; then
+  mv -f "$3" "$3.1"; mv -f "$3.next" "$3"
+  dd bs=65536 count="$(($2 - 1))" iflag=count_bytes 2>/dev/null >> "$3"
+  if [ "$(head -c 1 | wc -c)" -gt 0 ]; then echo "
 [fleet: console log cut at $2 bytes; the rest is discarded]" >> "$3"; fi
+else rm -f "$3.next"; fi
 exec cat > /dev/null`;
   const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath], {
     detached: true,
@@ -205,7 +215,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   if (basename(opts.upper) !== 'upper' || basename(opts.work) !== 'work' || dirname(opts.upper) !== dirname(opts.work)) {
     throw sandboxFailed(`the writable layer must be <dir>/upper and <dir>/work, got ${opts.upper} and ${opts.work}`);
   }
-  const log = await openConsoleWriter(opts.consoleLog, opts.consoleLogMaxBytes, opts.tools.busybox);
+  const log = await openConsoleWriter(opts.consoleLog, opts.consoleLogMaxBytes, opts.tools.busybox, opts.uidBase);
   let child;
   try {
     child = spawn(

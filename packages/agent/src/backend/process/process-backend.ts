@@ -54,6 +54,8 @@ import {
   type Subnet,
 } from './network.js';
 import { startProxy, type Proxy } from './proxy.js';
+import { SandboxMonitor } from './monitor.js';
+import { monitorOptionsSchema } from './monitor-options.js';
 import {
   createDisk,
   DISK_IMAGE,
@@ -119,6 +121,7 @@ export const optionsSchema = z.object({
     .int()
     .min(4096)
     .default(16 * 1024 * 1024),
+  ...monitorOptionsSchema.shape,
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -236,6 +239,8 @@ export class ProcessBackend implements Backend {
   private closed = false;
   private saidLeftOut = false;
   private spawner: Spawner | null = null;
+  /** Metrics, OOM kills and kept console logs (monitor.ts). */
+  readonly observer: SandboxMonitor;
 
   private constructor(
     private readonly opts: z.output<typeof optionsSchema>,
@@ -247,6 +252,28 @@ export class ProcessBackend implements Backend {
   ) {
     this.sandboxesDir = join(opts.dataDir, 'sandboxes');
     this.checkpoints = new CheckpointStore(join(opts.dataDir, 'checkpoints'), join(opts.dataDir, 'staging'));
+    this.observer = new SandboxMonitor({
+      cgroups,
+      intervalMs: opts.metricsIntervalMs,
+      window: opts.metricsWindow,
+      oomPollMs: opts.oomPollMs,
+      logsDir: join(opts.dataDir, 'logs'),
+      logRetentionMs: opts.logRetentionMs,
+      log,
+      sandboxDirOf: (name) => this.sandboxDir(name),
+      targets: () =>
+        [...this.records.values()]
+          .filter((r) => r.state.status === 'running' && r.state.init_pid > 0)
+          .map((r) => ({
+            name: r.state.name,
+            initPid: r.state.init_pid,
+            initStart: r.state.init_start,
+            veth: r.state.veth,
+            ramMb: r.state.ram_mb,
+            sandboxDir: this.sandboxDir(r.state.name),
+            storageGb: r.state.storage_gb,
+          })),
+    });
   }
 
   /** Checks the host (tools, overlayfs, cgroups), creates the data directories and recovers surviving sandboxes. */
@@ -281,6 +308,7 @@ export class ProcessBackend implements Backend {
       logger?.warn({ err }, 'the exec spawner did not start: every exec spawns the helper');
       return null;
     });
+    backend.observer.start();
     return backend;
   }
 
@@ -880,6 +908,7 @@ export class ProcessBackend implements Backend {
 
   async close(): Promise<void> {
     this.closed = true;
+    this.observer.stop();
     this.spawner?.close();
     for (const r of this.records.values()) await this.unpublish(r);
   }
@@ -1040,6 +1069,7 @@ export class ProcessBackend implements Backend {
     );
     if (s.storage_gb > 0 || existsSync(join(this.sandboxDir(s.name), DISK_IMAGE)))
       await step('disk', () => removeDisk(this.sandboxDir(s.name)));
+    await step('logs', () => this.observer.keepLogs(s.name, this.sandboxDir(s.name)));
     await step('directory', () => rm(this.sandboxDir(s.name), { recursive: true, force: true }));
     if (failures.length > 0) {
       this.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');
