@@ -2,3 +2,4 @@
 export * from './agent-protocol.js';
 export * from './capacity.js';
 export * from './errors.js';
+export * from './egress.js';

@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { parseEgressRule } from '@fleet/agent-protocol';
 import { randomBytes } from 'node:crypto';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -13,6 +14,21 @@ import { join, resolve } from 'node:path';
 const bool = z
   .enum(['true', 'false', '1', '0', 'yes', 'no'], { message: 'must be true or false' })
   .transform((v) => v === 'true' || v === '1' || v === 'yes');
+const commaList = z.string().transform((v) =>
+  v
+    .split(',')
+    .map((x) => x.trim())
+    .filter((x) => x !== ''),
+);
+const cidrList = commaList.pipe(
+  z.array(
+    z.string().refine((c) => {
+      const r = parseEgressRule(c);
+      return typeof r !== 'string' && r.kind === 'cidr';
+    }, 'each entry an IPv4 CIDR, e.g. 10.20.0.0/16'),
+  ),
+);
+const ipList = commaList.pipe(z.array(z.ipv4({ error: 'each entry an IPv4 address' })));
 const positiveInt = (what: string) =>
   z.coerce
     .number({ message: `must be ${what}` })
@@ -83,6 +99,12 @@ export const agentConfigSchema = z
       .default(2 ** 28),
     /** Cap on one artifact pull from a peer. */
     AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
+    /** Port of the egress proxy this agent runs on its gateway address for proxy-mode sandboxes. */
+    AGENT_EGRESS_PROXY_PORT: z.coerce.number().int().min(1, 'a port 1-65535').max(65535, 'a port 1-65535').default(3128),
+    /** Private CIDRs (RFC 1918, CGNAT, ...) direct-mode sandboxes may reach by default, comma-separated. */
+    AGENT_EGRESS_ALLOW_PRIVATE: cidrList.default([]),
+    /** DNS servers (IPv4, comma-separated) the egress proxy resolves with; unset: the host's resolver. */
+    AGENT_EGRESS_DNS: ipList.default([]),
   })
   .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
     message: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
@@ -113,6 +135,9 @@ export interface AgentConfig {
   pullTimeoutMs: number;
   uidBase: number;
   consoleLogMaxBytes: number;
+  egressProxyPort: number;
+  egressAllowPrivate: string[];
+  egressDnsServers: string[];
 }
 
 export class AgentConfigError extends Error {
@@ -168,6 +193,9 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     pullTimeoutMs: raw.AGENT_PULL_TIMEOUT_MS,
     uidBase: raw.AGENT_UID_BASE,
     consoleLogMaxBytes: raw.AGENT_CONSOLE_LOG_MAX_BYTES,
+    egressProxyPort: raw.AGENT_EGRESS_PROXY_PORT,
+    egressAllowPrivate: raw.AGENT_EGRESS_ALLOW_PRIVATE,
+    egressDnsServers: raw.AGENT_EGRESS_DNS,
   };
 }
 

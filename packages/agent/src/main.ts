@@ -38,6 +38,9 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     defaultImage: config.defaultImage,
     uidBase: config.uidBase,
     consoleLogMaxBytes: config.consoleLogMaxBytes,
+    egressProxyPort: config.egressProxyPort,
+    egressAllowPrivate: config.egressAllowPrivate,
+    egressDnsServers: config.egressDnsServers,
     logger: logger.child({ component: 'backend' }),
   });
 }
