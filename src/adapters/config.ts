@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { egressRegistrySchema } from '../domain/egress/egress-registry.js';
 
 /**
  * Configuration of the control plane, read once from the environment and
@@ -143,6 +144,19 @@ export const configSchema = z.object({
    * Unset: 1 (no overcommit), except the embedded default's local host, registered at 4. RAM is never overcommitted.
    */
   CPU_OVERCOMMIT_RATIO: z.coerce.number().min(1, 'at least 1 (1: no overcommit)').max(64, 'at most 64').optional(),
+  /** Egress proxy providers, JSON: {"<name>": {"kind": "agent"}}. Unset: proxy-mode VMs are refused. */
+  EGRESS_PROXIES: z
+    .string()
+    .transform((v, ctx) => {
+      try {
+        return JSON.parse(v) as unknown;
+      } catch {
+        ctx.addIssue({ code: 'custom', message: 'must be JSON, e.g. {"fleet":{"kind":"agent"}}' });
+        return z.NEVER;
+      }
+    })
+    .pipe(egressRegistrySchema)
+    .optional(),
 });
 
 export type Config = z.infer<typeof configSchema>;

@@ -41,6 +41,7 @@ import { ApiKeys, ADMIN_TENANT, type ApiKey } from './http/auth.js';
 import { hostRoutes } from './http/hosts.routes.js';
 import { Metrics } from './http/metrics.js';
 import { vmRoutes } from './http/vms.routes.js';
+import { networkRoutes } from './http/network.routes.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
@@ -132,6 +133,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         execMaxTimeoutMs: config.EXEC_MAX_TIMEOUT_MS,
         startupScriptTimeoutMs: config.STARTUP_SCRIPT_TIMEOUT_MS,
         activityCoalesceMs: config.ACTIVITY_COALESCE_MS,
+        egressRegistry: config.EGRESS_PROXIES,
       },
       logger,
     );
@@ -291,6 +293,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
           },
         }),
         vmHealthRoutes({ vms, pool }),
+        networkRoutes({ vms }),
         deadLetterRoutes({
           reconciler,
           pool,

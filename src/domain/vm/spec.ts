@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { archSchema } from '@fleet/agent-protocol';
+import { archSchema, egressSpecProblems, egressSpecSchema } from '@fleet/agent-protocol';
 import { ValidationError, type FieldError } from '@fleet/agent-protocol';
 import { hostBackendSchema, labelsSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
@@ -148,6 +148,8 @@ const vmSpecObject = z.object({
   healthcheck: healthcheckSchema.optional(),
   net_raw: z.boolean().optional(),
   secrets: secretsSchema.optional(),
+  /** Outbound policy; absent: direct (the seed's zero value). */
+  egress: egressSpecSchema.optional(),
 });
 
 export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
@@ -290,8 +292,13 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     ? []
     : parsed.error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
   let timeoutTooLarge = false;
+  let egressCode: string | undefined;
   if (parsed.success) {
     const s = parsed.data;
+    for (const p of s.egress ? egressSpecProblems(s.egress) : []) {
+      fields.push({ path: p.path, message: p.message });
+      if (p.code !== 'VALIDATION_FAILED') egressCode = p.code;
+    }
     const range = (path: string, v: number, min: number, max: number, unit: string): void => {
       if (v < min || v > max) fields.push({ path, message: `must be between ${min} and ${max}${unit} (got ${v})` });
     };
@@ -315,7 +322,7 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     throw new ValidationError(
       `invalid vm spec: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`,
       fields,
-      timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : 'VALIDATION_FAILED',
+      timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : (egressCode ?? 'VALIDATION_FAILED'),
     );
   }
   return parsed.data!;

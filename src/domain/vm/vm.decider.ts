@@ -1,5 +1,6 @@
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
 import type { PlacementDecision } from '../placement/placement.js';
+import type { EgressSpec } from '@fleet/agent-protocol';
 import { toStoredSpec, type SealedSpecFields, type StoredVmSpec, type VmSpec } from './spec.js';
 import { VmAlreadyExistsError, VmInvalidStateError, VmNotFoundError } from './vm.errors.js';
 import type { Endpoint, VmEndReason, VmEvent, VmPhase, VmReservation } from './vm.events.js';
@@ -56,6 +57,7 @@ export type VmCommand =
         readonly endpoints: readonly Endpoint[];
       };
     }
+  | { readonly type: 'ChangeEgress'; readonly data: { readonly vm_id: string; readonly egress: EgressSpec } }
   | {
       readonly type: 'FailVm';
       readonly data: {
@@ -241,6 +243,13 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [{ type: 'VmMigrated', data: { ...d, endpoints: [...d.endpoints], reservation: compact(d.reservation), at } }];
     }
 
+    case 'ChangeEgress': {
+      const s = existing(state, vm_id);
+      if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'change its network policy', 'it must be running');
+      if (JSON.stringify(s.spec.egress) === JSON.stringify(command.data.egress)) return [];
+      return [{ type: 'VmEgressChanged', data: { vm_id, egress: command.data.egress, at } }];
+    }
+
     case 'FailVm': {
       const s = existing(state, vm_id);
       // A late failure report for a VM that already ended changes nothing.
@@ -316,6 +325,8 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         last_activity_at: d.at,
       };
     }
+    case 'VmEgressChanged':
+      return { ...state, spec: { ...state.spec, egress: event.data.egress } };
     case 'VmFailed': {
       const d = event.data;
       return {

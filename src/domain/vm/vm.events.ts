@@ -3,6 +3,7 @@ import { parseStoredEvent } from '../stored-event.js';
 import { reservationSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
 import { placementDecisionSchema } from '../placement/placement.js';
+import { egressSpecSchema } from '@fleet/agent-protocol';
 import { protocolSchema, storedVmSpecSchema } from './spec.js';
 
 /** Why a VM ended (or is ending): a closed set, so reports and the reconciler can count them. */
@@ -128,6 +129,12 @@ export const vmMigratedSchema = z.object({
   }),
 });
 
+/** A running VM's outbound policy was replaced (PUT /v1/vms/:id/network); its host applied it first. */
+export const vmEgressChangedSchema = z.object({
+  type: z.literal('VmEgressChanged'),
+  data: z.object({ vm_id: idSchema, egress: egressSpecSchema, at }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -138,6 +145,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmDestroyedSchema,
   vmFailedSchema,
   vmMigratedSchema,
+  vmEgressChangedSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -152,6 +160,7 @@ export type VmDestroyRequested = z.infer<typeof vmDestroyRequestedSchema>;
 export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
 export type VmFailed = z.infer<typeof vmFailedSchema>;
 export type VmMigrated = z.infer<typeof vmMigratedSchema>;
+export type VmEgressChanged = z.infer<typeof vmEgressChangedSchema>;
 
 /** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseVmEvent(type: string, data: unknown): VmEvent {
