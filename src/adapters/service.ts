@@ -253,6 +253,12 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], async () =>
       Object.entries(reconciler.lastSummary ?? {}).flatMap(([k, v]) => (typeof v === 'number' ? [{ labels: { field: k }, value: v }] : [])),
     );
+    metrics.gauge(
+      'fleet_egress_endpoints',
+      "Proxy-mode VMs' egress endpoints probed by this replica's last reconcile cycle, by provider and health",
+      ['provider', 'state'],
+      async () => reconciler.lastEgressEndpoints.map((e) => ({ labels: { provider: e.provider, state: e.state }, value: e.count })),
+    );
     metrics.gauge('fleet_dead_letters', 'Dead letters by state and kind (read model)', ['state', 'kind'], async () =>
       (await countDeadLettersByState(pool)).map((r) => ({ labels: { state: r.state, kind: r.kind }, value: r.count })),
     );

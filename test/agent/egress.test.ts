@@ -362,6 +362,16 @@ describe('egress: real sandboxes and a test internet', { skip, timeout: 600_000 
       assert.match(await viaConnect('prx-1', `${net.ip1}:443`, 'denied.example.test'), /^CLOSED/, 'a denied SNI to an address literal');
       // What a domain rule does not cover: a tunnel to an address literal with no name in it (address rules only).
       assert.match(await viaConnect('prx-1', `${net.ip1}:443`, '-'), /internet https/);
+
+      // The proxy gone: reported unhealthy, and the sandbox has no egress at all (never direct).
+      const host = (b as unknown as { egress: { close(): Promise<void>; ensureProxy(): Promise<void> } }).egress;
+      await host.close();
+      try {
+        assert.equal((await b.egressStatus('prx-1')).health, 'unhealthy');
+        assert.ok(!(await get('prx-1', net.ip1)), 'with its proxy down, a proxy-mode sandbox reached the internet');
+      } finally {
+        await host.ensureProxy();
+      }
     } finally {
       await b.destroy('prx-1');
     }

@@ -153,6 +153,12 @@ describe('egress through the API (real agent, test internet)', { timeout: 300_00
     assert.ok(!(await reaches(vm.id, net!.ip1)), 'a proxy-mode VM reached the internet around its proxy');
     const status = ok(await cp!.request('GET', `/v1/vms/${vm.id}/network`, { as: 'acme' }));
     assert.equal(status.egress.health, 'healthy');
+    // The reconciler probes it and counts it, by provider and state.
+    const s = await cp!.service.reconciler.reconcileOnce();
+    assert.equal(s.egress_checked, 1);
+    assert.equal(s.egress_unhealthy, 0);
+    const metrics = await cp!.request('GET', '/metrics', { as: 'none' });
+    assert.match(String(metrics.body), /fleet_egress_endpoints\{provider="fleet",state="healthy"\} 1/);
     ok(await cp!.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 });

@@ -74,7 +74,8 @@ export async function startTestInternet(
     must('ip', ['route', 'add', `${privateIp}/32`, 'via', ip1, 'dev', veth]);
     // The metadata address is never routed on the host: a sandbox's packet to it must die in the prerouting drop,
     // and this route is what would carry it here if that drop were gone.
-    must('ip', ['route', 'add', `${metadataIp}/32`, 'via', ip1, 'dev', veth]);
+    // replace, not add: two test internets at once share this one address (the later one's route wins; its link going takes it).
+    must('ip', ['route', 'replace', `${metadataIp}/32`, 'via', ip1, 'dev', veth]);
     must('ip', ['-n', ns, 'link', 'set', 'lo', 'up']);
     for (const a of [`${ip1}/28`, `${ip2}/28`, `${privateIp}/32`, `${metadataIp}/32`])
       must('ip', ['-n', ns, 'addr', 'add', a, 'dev', 'eth0']);
