@@ -47,7 +47,7 @@ export default async function egressBench(args: string[]): Promise<void> {
       60_000,
     );
     const c = agent.client;
-    const direct = await c.createVm({ name: 'bench-direct', cpus: 1, ram_mb: 256, egress: { mode: 'direct' } });
+    await c.createVm({ name: 'bench-direct', cpus: 1, ram_mb: 256, egress: { mode: 'direct' } });
     const proxied = await c.createVm({ name: 'bench-proxy', cpus: 1, ram_mb: 256, egress: { mode: 'proxy', provider: 'fleet' } });
     const endpoint = (proxied.egress?.endpoint ?? '').replace(/^http:\/\//, '').replace(':', ' ');
     const bytes = mib * 1024 * 1024;
