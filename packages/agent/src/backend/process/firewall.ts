@@ -34,8 +34,9 @@ import {
  * - forward: each bridge jumps to its own chain `br_<bridge>`, which lets a
  *   frame stay on its bridge (br_netfilter hands bridged IPv4 to these hooks
  *   with the bridge as both interfaces) and drops the rest; nothing from
- *   elsewhere is routed into a sandbox bridge. Egress (NAT, allow lists)
- *   joins later as rules in the per-bridge chains, ahead of the drop.
+ *   elsewhere is routed into a sandbox bridge. Egress (egress.ts: NAT,
+ *   allow and deny lists, per sandbox) joins as rules in the per-bridge
+ *   chains, ahead of the drop.
  * bridge (layer 2, every frame a sandbox port sends, bridged or not):
  * - each port jumps to its own chain `port_<veth>`: only its own MAC, only
  *   IPv4 from its own address and ARP about its own address and MAC; no
