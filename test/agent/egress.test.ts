@@ -267,7 +267,14 @@ describe('egress: real sandboxes and a test internet', { skip, timeout: 600_000 
   });
 
   test('in every mode: not the host (any address, any service), not another tenant, not 169.254.169.254', async () => {
-    const other = await b.create({ name: 'other-t', cpus: 1, ram_mb: 64, tenant: 'rival', egress: { mode: 'direct' } });
+    // The rival allows everything out too: its replies would come back if anything let the first packet across.
+    const other = await b.create({
+      name: 'other-t',
+      cpus: 1,
+      ram_mb: 64,
+      tenant: 'rival',
+      egress: { mode: 'direct', allow_out: ['0.0.0.0/0'] },
+    });
     const listener = await b.spawn('other-t', { argv: ['/bin/sh', '-c', 'nc -l -p 7000'], stdin: false });
     const otherHeard = collect(listener, 180_000);
     const modes: Array<[string, Parameters<ProcessBackend['create']>[0]['egress']]> = [
