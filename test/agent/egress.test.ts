@@ -289,6 +289,11 @@ describe('egress: real sandboxes and a test internet', { skip, timeout: 600_000 
         encoding: 'utf8',
       });
       assert.equal(r.status, 0, r.stderr);
+      // And the rival answers through the gateway too: a first packet let across would complete a connection.
+      const back = spawnSync('nsenter', ['-t', String(other.init_pid), '-n', '--', 'ip', 'route', 'add', `${info.ip}/32`, 'via', gateway], {
+        encoding: 'utf8',
+      });
+      assert.equal(back.status, 0, back.stderr);
     }
     try {
       const targets = [...new Set([gateway, net.hostIp, ...hostAddrs()])];
