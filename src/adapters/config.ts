@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { egressRegistrySchema } from '../domain/egress/egress-registry.js';
 
 /**
  * Configuration of the control plane, read once from the environment and
@@ -177,6 +178,19 @@ export const configSchema = z.object({
   WEBHOOK_DISPATCH_INTERVAL_MS: z.coerce.number().int().min(10).default(1_000),
   /** Webhooks per tenant. */
   WEBHOOK_MAX_PER_TENANT: z.coerce.number().int().min(1).default(16),
+  /** Egress proxy providers, JSON: {"<name>": {"kind": "agent"}}. Unset: proxy-mode VMs are refused. */
+  EGRESS_PROXIES: z
+    .string()
+    .transform((v, ctx) => {
+      try {
+        return JSON.parse(v) as unknown;
+      } catch {
+        ctx.addIssue({ code: 'custom', message: 'must be JSON, e.g. {"fleet":{"kind":"agent"}}' });
+        return z.NEVER;
+      }
+    })
+    .pipe(egressRegistrySchema)
+    .optional(),
 });
 
 export type Config = z.infer<typeof configSchema>;

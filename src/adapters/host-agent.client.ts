@@ -23,6 +23,9 @@ import {
   type StartAgentResponse,
   type UploadResponse,
   type VmInfo,
+  type AgentEgress,
+  type EgressStatus,
+  egressStatusSchema,
   artifactMovedSchema,
   capacityResponseSchema,
   checkpointSchema,
@@ -333,6 +336,14 @@ export class HostAgentClient implements HostAgent {
         done();
       },
     };
+  }
+
+  setEgress(name: string, egress: AgentEgress, opts?: CallOptions): Promise<VmInfo> {
+    return this.#call({ method: 'PUT', path: `/vms/${seg(name)}/egress`, json: egress, schema: vmInfoSchema, idempotent: true, opts });
+  }
+
+  egressStatus(name: string, opts?: CallOptions): Promise<EgressStatus> {
+    return this.#call({ method: 'GET', path: `/vms/${seg(name)}/egress`, schema: egressStatusSchema, idempotent: true, opts });
   }
 
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse> {

@@ -45,6 +45,7 @@ import { observeRoutes } from './http/observe.routes.js';
 import { webhookRoutes } from './http/webhooks.routes.js';
 import { startWebhooks } from './webhooks/webhooks.service.js';
 import { registerHostObserveMetrics } from './http/observe-metrics.js';
+import { networkRoutes } from './http/network.routes.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
@@ -161,6 +162,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         execMaxTimeoutMs: config.EXEC_MAX_TIMEOUT_MS,
         startupScriptTimeoutMs: config.STARTUP_SCRIPT_TIMEOUT_MS,
         activityCoalesceMs: config.ACTIVITY_COALESCE_MS,
+        egressRegistry: config.EGRESS_PROXIES,
       },
       logger,
     );
@@ -291,6 +293,12 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], () =>
       Object.entries(reconciler.lastSummary ?? {}).flatMap(([k, v]) => (typeof v === 'number' ? [{ labels: { field: k }, value: v }] : [])),
     );
+    metrics.gauge(
+      'fleet_egress_endpoints',
+      "Proxy-mode VMs' egress endpoints probed by this replica's last reconcile cycle, by provider and health",
+      ['provider', 'state'],
+      () => reconciler.lastEgressEndpoints.map((e) => ({ labels: { provider: e.provider, state: e.state }, value: e.count })),
+    );
     metrics.gauge('fleet_dead_letters', 'Dead letters by state and kind (read model)', ['state', 'kind'], async () =>
       (await countDeadLettersByState(pool)).map((r) => ({ labels: { state: r.state, kind: r.kind }, value: r.count })),
     );
@@ -339,6 +347,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
           },
         }),
         vmHealthRoutes({ vms, pool }),
+        networkRoutes({ vms }),
         deadLetterRoutes({
           reconciler,
           pool,

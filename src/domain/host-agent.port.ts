@@ -21,6 +21,8 @@ import type {
   StartAgentResponse,
   UploadResponse,
   VmInfo,
+  AgentEgress,
+  EgressStatus,
 } from '@fleet/agent-protocol';
 import { AppError, NotFoundError, UnavailableError } from '@fleet/agent-protocol';
 
@@ -104,6 +106,11 @@ export interface HostAgent {
 
   /** Re-applies the host's sandbox network boundary (firewall, per-link sysctls); `repaired` counts what had drifted. */
   reassertNetwork(opts?: CallOptions): Promise<NetworkReassertResponse>;
+
+  /** Replaces a running sandbox's outbound policy (idempotent). */
+  setEgress(name: string, egress: AgentEgress, opts?: CallOptions): Promise<VmInfo>;
+  /** The resolved outbound policy, with a probe of its proxy endpoint from the host. */
+  egressStatus(name: string, opts?: CallOptions): Promise<EgressStatus>;
 }
 
 export interface CallOptions {

@@ -1,6 +1,7 @@
 import { z } from 'zod';
 import { oomReportSchema } from './observe-protocol.js';
 import { hostCapacitySchema } from './capacity.js';
+import { agentEgressSchema, egressStatusSchema } from './egress.js';
 
 /**
  * The host-agent wire protocol (`/v1`), shared by the agent (packages/agent) and
@@ -133,6 +134,8 @@ export const createVmRequestSchema = z
     ip_hint: z.ipv4().optional(),
     /** Keep CAP_NET_RAW in the sandbox (raw sockets: ping, packet capture); dropped by default. */
     net_raw: z.boolean().optional(),
+    /** Outbound policy; absent: none, as before egress existed (the control plane always sends one; its API defaults to direct). */
+    egress: agentEgressSchema.optional(),
   })
   .refine((r) => !(r.image && r.checkpoint_id), { error: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
 export type CreateVmRequest = z.input<typeof createVmRequestSchema>;
@@ -151,6 +154,8 @@ export const vmInfoSchema = z.object({
   endpoints: z.array(endpointSchema).default([]),
   /** OOM kills in the sandbox (observability); absent from an agent without the monitor. */
   oom: oomReportSchema.optional(),
+  /** Absent from agents that predate egress (their sandboxes have no outbound network). */
+  egress: egressStatusSchema.optional(),
 });
 export type VmInfo = z.infer<typeof vmInfoSchema>;
 

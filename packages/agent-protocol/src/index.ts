@@ -3,3 +3,4 @@ export * from './agent-protocol.js';
 export * from './capacity.js';
 export * from './errors.js';
 export * from './observe-protocol.js';
+export * from './egress.js';

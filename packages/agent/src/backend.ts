@@ -1,6 +1,6 @@
 import type { Readable, Writable } from 'node:stream';
 import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
-import type { HostCapacity } from '@fleet/agent-protocol';
+import type { AgentEgress, AgentEgressParsed, EgressStatus, HostCapacity } from '@fleet/agent-protocol';
 import type { SandboxObserver } from './observe.js';
 
 /**
@@ -160,6 +160,8 @@ export interface CreateSpec {
   readonly env?: Readonly<Record<string, string>>;
   /** Keep CAP_NET_RAW in the sandbox (raw sockets); dropped by default. */
   readonly net_raw?: boolean;
+  /** Outbound policy; absent: none (what sandboxes had before egress; the control plane always sends one). */
+  readonly egress?: AgentEgress;
 }
 
 export type SandboxState = 'running' | 'stopped';
@@ -180,6 +182,8 @@ export interface SandboxInfo {
   /** Host pid of the sandbox's init (pid 1 inside), 0 when stopped. */
   readonly init_pid: number;
   readonly endpoints: readonly Endpoint[];
+  /** The resolved outbound policy (backends without egress leave it out). */
+  readonly egress?: EgressStatus;
   /** Host path of the serial-style log of the init's output. */
   readonly console_log: string;
 }
@@ -334,6 +338,10 @@ export interface Backend {
   prune(): Promise<PruneReport>;
   /** Re-applies the sandbox network boundary (firewall tables, per-link sysctls) and reports what had drifted. */
   reassertNetwork(): Promise<NetworkReassertReport>;
+  /** Replaces a running sandbox's outbound policy. */
+  setEgress(name: string, egress: AgentEgressParsed): Promise<SandboxInfo>;
+  /** The resolved outbound policy with a probe of its proxy endpoint. */
+  egressStatus(name: string): Promise<EgressStatus>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;
   /** Stops the endpoint proxies; sandboxes keep running. */

@@ -1,4 +1,5 @@
 import { z } from 'zod';
+import { parseEgressRule } from '@fleet/agent-protocol';
 import { randomBytes } from 'node:crypto';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -13,6 +14,21 @@ import { join, resolve } from 'node:path';
 const bool = z
   .enum(['true', 'false', '1', '0', 'yes', 'no'], { error: 'must be true or false' })
   .transform((v) => v === 'true' || v === '1' || v === 'yes');
+const commaList = z.string().transform((v) =>
+  v
+    .split(',')
+    .map((x) => x.trim())
+    .filter((x) => x !== ''),
+);
+const cidrList = commaList.pipe(
+  z.array(
+    z.string().refine((c) => {
+      const r = parseEgressRule(c);
+      return typeof r !== 'string' && r.kind === 'cidr';
+    }, 'each entry an IPv4 CIDR, e.g. 10.20.0.0/16'),
+  ),
+);
+const ipList = commaList.pipe(z.array(z.ipv4({ error: 'each entry an IPv4 address' })));
 const positiveInt = (what: string) =>
   z.coerce
     .number({ error: `must be ${what}` })
@@ -92,6 +108,12 @@ export const agentConfigSchema = z
     AGENT_METRICS_WINDOW: z.coerce.number().int().min(1, 'at least 1').max(10_000, 'at most 10000').default(120),
     AGENT_OOM_POLL_MS: z.coerce.number().int().min(50, 'at least 50').default(1000),
     AGENT_LOG_RETENTION_MS: z.coerce.number().int().min(0, 'must be 0 or more').default(3_600_000),
+    /** Port of the egress proxy this agent runs on its gateway address for proxy-mode sandboxes. */
+    AGENT_EGRESS_PROXY_PORT: z.coerce.number().int().min(1, 'a port 1-65535').max(65535, 'a port 1-65535').default(3128),
+    /** Private CIDRs (RFC 1918, CGNAT, ...) direct-mode sandboxes may reach by default, comma-separated. */
+    AGENT_EGRESS_ALLOW_PRIVATE: cidrList.default([]),
+    /** DNS servers (IPv4, comma-separated) the egress proxy resolves with; unset: the host's resolver. */
+    AGENT_EGRESS_DNS: ipList.default([]),
   })
   .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
     error: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
@@ -128,6 +150,9 @@ export interface AgentConfig {
   metricsWindow: number;
   oomPollMs: number;
   logRetentionMs: number;
+  egressProxyPort: number;
+  egressAllowPrivate: string[];
+  egressDnsServers: string[];
 }
 
 export class AgentConfigError extends Error {
@@ -189,6 +214,9 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     metricsWindow: raw.AGENT_METRICS_WINDOW,
     oomPollMs: raw.AGENT_OOM_POLL_MS,
     logRetentionMs: raw.AGENT_LOG_RETENTION_MS,
+    egressProxyPort: raw.AGENT_EGRESS_PROXY_PORT,
+    egressAllowPrivate: raw.AGENT_EGRESS_ALLOW_PRIVATE,
+    egressDnsServers: raw.AGENT_EGRESS_DNS,
   };
 }
 

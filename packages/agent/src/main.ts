@@ -59,6 +59,9 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     metricsWindow: config.metricsWindow,
     oomPollMs: config.oomPollMs,
     logRetentionMs: config.logRetentionMs,
+    egressProxyPort: config.egressProxyPort,
+    egressAllowPrivate: config.egressAllowPrivate,
+    egressDnsServers: config.egressDnsServers,
     logger: logger.child({ component: 'backend' }),
   });
 }

@@ -11,6 +11,7 @@ import { registerExecRoutes } from './routes/exec.routes.js';
 import { registerHostRoutes } from './routes/host.routes.js';
 import { registerVmRoutes } from './routes/vms.routes.js';
 import { registerObserveRoutes } from './routes/observe.routes.js';
+import { registerEgressRoutes } from './routes/egress.routes.js';
 
 export type { AgentAppConfig } from './routes/context.js';
 
@@ -102,6 +103,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   registerExecRoutes(app, ctx);
   registerCheckpointRoutes(app, ctx);
   registerObserveRoutes(app, ctx);
+  registerEgressRoutes(app, ctx);
 
   return app;
 }

@@ -6,7 +6,14 @@ import type { WebSocket } from '@fastify/websocket';
 import type { RawData } from 'ws';
 import { z } from 'zod';
 import type { Actor, VmCommands } from '../../commands/vm/vm-commands.js';
-import { attachStartSchema, clientFrameSchema, execResultSchema, execStreamStartSchema } from '@fleet/agent-protocol';
+import {
+  attachStartSchema,
+  clientFrameSchema,
+  egressSpecSchema,
+  egressStatusSchema,
+  execResultSchema,
+  execStreamStartSchema,
+} from '@fleet/agent-protocol';
 import type { AgentStream } from '../../domain/host-agent.port.js';
 import { AppError, NotFoundError, describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 import { placementDecisionSchema } from '../../domain/placement/placement.js';
@@ -40,6 +47,8 @@ export const vmSchema = z.object({
   created_at: z.string(),
   updated_at: z.string(),
   ...vmLifecycleFields,
+  /** The resolved outbound policy (direct when none was asked); endpoint and health for a running proxy-mode VM on GET. */
+  egress: egressStatusSchema,
 });
 type VmOut = z.infer<typeof vmSchema>;
 
@@ -62,7 +71,15 @@ function fromRow(r: VmRow): VmOut {
     created_at: r.created_at,
     updated_at: r.updated_at,
     ...lifecycleOfRow(r),
+    egress: egressOfSpec(r.spec),
   };
+}
+
+function egressOfSpec(spec: Record<string, unknown>): z.infer<typeof egressStatusSchema> {
+  const e = egressSpecSchema.safeParse(spec.egress ?? {});
+  const mode = e.success ? e.data.mode : 'direct';
+  const provider = e.success ? e.data.provider : undefined;
+  return { mode, ...(provider !== undefined ? { provider } : {}) };
 }
 
 export function fromState(s: ExistingVmState): VmOut {
@@ -82,6 +99,7 @@ export function fromState(s: ExistingVmState): VmOut {
     created_at: s.requested_at,
     updated_at: s.transitioned_at,
     ...lifecycleOfState(s),
+    egress: egressOfSpec(s.spec),
   };
 }
 
@@ -204,7 +222,9 @@ export function vmRoutes(deps: VmRoutesDeps) {
         await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
         const row = await getVm(deps.pool, req.params.id, readScope(req));
         if (!row) throw new NotFoundError('VM_NOT_FOUND', `vm ${req.params.id} does not exist`, { vm_id: req.params.id });
-        return fromRow(row);
+        const out = fromRow(row);
+        if (out.state === 'running' && out.egress.mode === 'proxy') out.egress = await deps.vms.egressStatus(row.id, actorOf(req));
+        return out;
       },
     );
 

@@ -39,6 +39,8 @@ export interface LiveVmHint {
   readonly timeout_at?: Date | null | undefined;
   /** The spec's healthcheck, when it declared one. */
   readonly healthcheck?: VmHealthcheck | null | undefined;
+  /** Provider of a proxy-mode VM, whose endpoint each cycle probes. */
+  readonly egress_proxy?: string | null | undefined;
 }
 
 export interface VmHealthcheck extends HealthcheckSpec {
@@ -86,6 +88,13 @@ export interface ReconcileSummary {
   capacity_released: number;
   /** Things hosts had to put back in their sandbox network boundary (a missing or edited firewall table, a flipped sysctl). */
   network_repairs: number;
+  /**
+   * Proxy-mode VMs whose endpoint was probed this cycle, and how many did not
+   * answer (the seed's EgressChecked/EgressUnhealthy). Reported only: the VM
+   * keeps running with no egress, never with direct egress.
+   */
+  egress_checked: number;
+  egress_unhealthy: number;
   errors: number;
 }
 
@@ -119,6 +128,8 @@ export function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     half_done_completed: 0,
     capacity_released: 0,
     network_repairs: 0,
+    egress_checked: 0,
+    egress_unhealthy: 0,
     errors: 0,
   };
 }

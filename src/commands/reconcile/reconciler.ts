@@ -107,6 +107,16 @@ export class Reconciler {
     return this.last;
   }
 
+  /** Proxy endpoints probed by the last cycle, by provider and health (the seed's EgressEndpoints); empty when none was. */
+  get lastEgressEndpoints(): ReadonlyArray<{ provider: string; state: string; count: number }> {
+    return [...this.egressEndpoints].map(([k, count]) => {
+      const [provider = '', state = ''] = k.split('\0');
+      return { provider, state, count };
+    });
+  }
+  private egressEndpoints = new Map<string, number>();
+  private cycleEndpoints = new Map<string, number>();
+
   /** Starts cycling (first cycle at once). Called when this replica takes the lease. */
   start(): void {
     if (this.active) return;
@@ -144,6 +154,7 @@ export class Reconciler {
   async reconcileOnce(): Promise<ReconcileSummary> {
     const started = this.clock();
     const s = emptySummary(++this.cycleNo, started);
+    this.cycleEndpoints = new Map();
     const meta: CommandMeta = { correlationId: `reconcile-${randomUUID()}`, actor: 'reconciler', tenantId: 'system' };
     const actor: Actor = { ...SYSTEM, correlationId: meta.correlationId };
 
@@ -173,6 +184,7 @@ export class Reconciler {
     );
     s.duration_ms = this.clock().getTime() - started.getTime();
     this.last = s;
+    this.egressEndpoints = this.cycleEndpoints;
     this.logger[s.errors > 0 ? 'warn' : 'info']({ summary: s }, 'reconcile cycle');
     this.onCycle(s);
     return s;
@@ -337,6 +349,43 @@ export class Reconciler {
         }),
       ),
     );
+
+    const proxied = hints.filter(
+      (h) => h.state === 'running' && h.egress_proxy && listed.has(sandboxName(h.id)) && !gone.has(sandboxName(h.id)),
+    );
+    const endpoints = this.cycleEndpoints;
+    await Promise.all(proxied.map((h) => this.probeEgress(hostId, agent, h, s, endpoints)));
+  }
+
+  /**
+   * Asks the VM's host to probe its proxy endpoint. An unhealthy proxy is
+   * counted and logged, and nothing else: the VM is never switched to direct.
+   */
+  private async probeEgress(
+    hostId: string,
+    agent: HostAgent,
+    h: LiveVmHint,
+    s: ReconcileSummary,
+    endpoints: Map<string, number>,
+  ): Promise<void> {
+    const provider = h.egress_proxy ?? '';
+    let health: string;
+    try {
+      health = (await agent.egressStatus(sandboxName(h.id), { timeoutMs: this.config.agentTimeoutMs })).health ?? 'unknown';
+    } catch (err) {
+      health = 'unknown';
+      this.logger.warn({ vm_id: h.id, host_id: hostId, err: errInfo(err) }, 'egress probe got no answer from the host');
+    }
+    s.egress_checked++;
+    if (health !== 'healthy') {
+      s.egress_unhealthy++;
+      this.logger.warn(
+        { vm_id: h.id, host_id: hostId, provider, health },
+        'egress proxy endpoint unhealthy: the VM has no egress until it recovers',
+      );
+    }
+    const key = `${provider}\0${health}`;
+    endpoints.set(key, (endpoints.get(key) ?? 0) + 1);
   }
 
   /**

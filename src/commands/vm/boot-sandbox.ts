@@ -1,4 +1,4 @@
-import type { VmInfo } from '@fleet/agent-protocol';
+import type { AgentEgress, EgressSpec, VmInfo } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';
@@ -10,7 +10,7 @@ export const sandboxName = (vmId: string): string => `${SANDBOX_PREFIX}${vmId}`;
 export interface SandboxBoot {
   readonly vmId: string;
   readonly tenantId: string;
-  readonly spec: Pick<StoredVmSpec, 'cpus' | 'ram_mb' | 'storage_gb' | 'expose' | 'net_raw'> & {
+  readonly spec: Pick<StoredVmSpec, 'cpus' | 'ram_mb' | 'storage_gb' | 'expose' | 'net_raw' | 'egress'> & {
     readonly agent?: Pick<NonNullable<StoredVmSpec['agent']>, 'expose'> | undefined;
   };
   /** Exclusive with `checkpointId`. */
@@ -21,6 +21,22 @@ export interface SandboxBoot {
   readonly env: Record<string, string>;
   /** The in-guest agent in clear; `files` empty for a disk that already carries them. */
   readonly agent?: { readonly command: string; readonly drainCommand: string; readonly files: Record<string, string> } | undefined;
+}
+
+/**
+ * The policy as the agent takes it: always sent, `direct` when the VM named
+ * none (the seed's zero value; an agent without the field gives none).
+ * Every provider in the registry is served by the host agent's own egress
+ * proxy, so no endpoint is named here.
+ */
+export function agentEgressOf(egress: EgressSpec | undefined): AgentEgress {
+  const e = egress ?? { mode: 'direct' as const };
+  return {
+    mode: e.mode,
+    ...(e.provider !== undefined ? { provider: e.provider } : {}),
+    allow_out: [...(e.allow_out ?? [])],
+    deny_out: [...(e.deny_out ?? [])],
+  };
 }
 
 export interface BootedSandbox {
@@ -53,6 +69,7 @@ export async function bootSandbox(
     tenant: boot.tenantId,
     expose,
     ...(spec.net_raw ? { net_raw: true } : {}),
+    egress: agentEgressOf(spec.egress),
     env: boot.env,
   });
   hooks.onCreated?.();

@@ -4,7 +4,7 @@ import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
 import type { AttachStart, ExecResult, ExecStreamStart } from '@fleet/agent-protocol';
-import { AppError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
+import { AppError, egressSpecProblems, egressSpecSchema, NotFoundError, ValidationError, type EgressStatus } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../../domain/host-agent.port.js';
 import {
@@ -12,6 +12,7 @@ import {
   RESERVED_GUEST_DIR,
   sealedFieldContext,
   validateVmSpec,
+  validationErrorFromZod,
   type SealedField,
   type SealedSpecFields,
   type SpecLimits,
@@ -24,8 +25,9 @@ import type { SecretBox } from '../../domain/secret-box.port.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
-import { bootSandbox, sandboxName } from './boot-sandbox.js';
 import type { IngressPublisher } from '../ingress/ingress-commands.js';
+import { agentEgressOf, bootSandbox, sandboxName } from './boot-sandbox.js';
+import { assertEgressProvisionable, type EgressRegistry } from '../../domain/egress/egress-registry.js';
 
 export { SANDBOX_PREFIX, sandboxName } from './boot-sandbox.js';
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
@@ -44,6 +46,8 @@ export interface VmCommandsConfig {
   readonly startupScriptTimeoutMs: number;
   /** Exec/attach activity is recorded at most this often per VM (idle expiry needs minutes, not every call). */
   readonly activityCoalesceMs?: number;
+  /** EGRESS_PROXIES; undefined: proxy-mode VMs are refused. */
+  readonly egressRegistry?: EgressRegistry | undefined;
 }
 
 export interface VmResult {
@@ -109,6 +113,7 @@ export class VmCommands {
 
   async create(input: unknown, actor: Actor, idempotencyKey?: string, opts: CreateOptions = {}): Promise<VmResult> {
     const spec = validateVmSpec(input, this.config.limits);
+    assertEgressProvisionable(spec.egress, this.config.egressRegistry);
     // Resolved before anything is written: an unknown or foreign seed is a 404, not a failed VM.
     const artifactHosts = spec.seed_snapshot_id && this.seeds ? await this.seeds.holders(spec.seed_snapshot_id, actor) : undefined;
     if (idempotencyKey !== undefined && !/^[\x21-\x7e]{1,200}$/.test(idempotencyKey)) {
@@ -380,6 +385,47 @@ export class VmCommands {
     const { vm, agent } = await this.running(vmId, actor);
     this.touch(vm, actor);
     return agent.openDownload(sandboxName(vmId), path, { maxBytes });
+  }
+
+  /**
+   * Replaces a running VM's outbound policy: validated like a create's, the
+   * host applies it, then VmEgressChanged records it (a retry re-applies the
+   * same policy, which the agent takes idempotently).
+   */
+  async changeEgress(vmId: string, input: unknown, actor: Actor): Promise<VmResult> {
+    const parsed = egressSpecSchema.safeParse(input);
+    if (!parsed.success) throw validationErrorFromZod(parsed.error, 'egress policy');
+    const problems = egressSpecProblems(parsed.data);
+    if (problems.length > 0)
+      throw new ValidationError(
+        `invalid egress policy: ${problems.map((p) => `${p.path}: ${p.message}`).join('; ')}`,
+        problems.map((p) => ({ path: p.path, message: p.message })),
+        problems.find((p) => p.code !== 'VALIDATION_FAILED')?.code ?? 'VALIDATION_FAILED',
+      );
+    assertEgressProvisionable(parsed.data, this.config.egressRegistry);
+    const { agent } = await this.running(vmId, actor);
+    await agent.setEgress(sandboxName(vmId), agentEgressOf(parsed.data));
+    return this.run(vmId, { type: 'ChangeEgress', data: { vm_id: vmId, egress: parsed.data } }, actor);
+  }
+
+  /**
+   * The resolved policy: mode and provider from the VM's events; for a
+   * running VM, the endpoint and its health as its host probes them now
+   * (health `unknown` when the host does not answer). Never a fallback:
+   * an unhealthy proxy is reported as such.
+   */
+  async egressStatus(vmId: string, actor: Actor): Promise<EgressStatus> {
+    const vm = await this.get(vmId, actor);
+    const e = vm.spec.egress ?? { mode: 'direct' as const };
+    const base: EgressStatus = { mode: e.mode, ...(e.provider !== undefined ? { provider: e.provider } : {}) };
+    if (vm.status !== 'running' || !vm.host_id) return base;
+    try {
+      const agent = await this.hosts.agentFor(vm.host_id);
+      const live = await agent.egressStatus(sandboxName(vmId), { timeoutMs: 5000 });
+      return { ...live, ...base, ...(live.mode === e.mode ? {} : { health: 'unhealthy' as const }) };
+    } catch {
+      return { ...base, health: 'unknown' };
+    }
   }
 
   private async running(vmId: string, actor: Actor): Promise<{ vm: ExistingVmState; agent: HostAgent }> {

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { archSchema } from '@fleet/agent-protocol';
+import { archSchema, egressSpecProblems, egressSpecSchema } from '@fleet/agent-protocol';
 import { ValidationError, describeFields, fieldsFromZod, validationErrorFrom, type FieldError } from '@fleet/agent-protocol';
 import { hostBackendSchema, labelsSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
@@ -153,6 +153,8 @@ const vmSpecObject = z.object({
   secrets: secretsSchema.optional(),
   /** Caller metadata: kept on VmRequested and the VM, not in the stored spec (PATCH replaces it). */
   metadata: metadataSchema.optional(),
+  /** Outbound policy; absent: direct (the seed's zero value). */
+  egress: egressSpecSchema.optional(),
 });
 
 export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
@@ -292,8 +294,13 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
   const parsed = vmSpecSchema.safeParse(input);
   const fields: FieldError[] = parsed.success ? [] : fieldsFromZod(parsed.error, formatIssuePath);
   let timeoutTooLarge = false;
+  let egressCode: string | undefined;
   if (parsed.success) {
     const s = parsed.data;
+    for (const p of s.egress ? egressSpecProblems(s.egress) : []) {
+      fields.push({ path: p.path, message: p.message });
+      if (p.code !== 'VALIDATION_FAILED') egressCode = p.code;
+    }
     const range = (path: string, v: number, min: number, max: number, unit: string): void => {
       if (v < min || v > max) fields.push({ path, message: `must be between ${min} and ${max}${unit} (got ${v})` });
     };
@@ -318,7 +325,7 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     throw new ValidationError(
       `invalid vm spec: ${describeFields(fields)}`,
       fields,
-      timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : 'VALIDATION_FAILED',
+      timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : (egressCode ?? 'VALIDATION_FAILED'),
     );
   }
   return parsed.data;

@@ -1,5 +1,6 @@
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
 import type { PlacementDecision } from '../placement/placement.js';
+import type { EgressSpec } from '@fleet/agent-protocol';
 import { toStoredSpec, type SealedSpecFields, type StoredVmSpec, type VmSpec } from './spec.js';
 import { VmAlreadyExistsError, VmInvalidStateError, VmNotFoundError } from './vm.errors.js';
 import type { Endpoint, VmEndReason, VmEvent, VmPhase, VmReservation } from './vm.events.js';
@@ -57,6 +58,7 @@ export type VmCommand =
         readonly endpoints: readonly Endpoint[];
       };
     }
+  | { readonly type: 'ChangeEgress'; readonly data: { readonly vm_id: string; readonly egress: EgressSpec } }
   | {
       readonly type: 'RecordOomKill';
       readonly data: {
@@ -281,6 +283,13 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       ];
     }
 
+    case 'ChangeEgress': {
+      const s = existing(state, vm_id);
+      if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'change its network policy', 'it must be running');
+      if (JSON.stringify(s.spec.egress) === JSON.stringify(command.data.egress)) return [];
+      return [{ type: 'VmEgressChanged', data: { vm_id, egress: command.data.egress, at } }];
+    }
+
     case 'FailVm': {
       const s = existing(state, vm_id);
       // A late failure report for a VM that already ended changes nothing.
@@ -381,6 +390,8 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
     }
     case 'VmOomKilled':
       return { ...state, oom_kills: Math.max(state.oom_kills ?? 0, event.data.count) };
+    case 'VmEgressChanged':
+      return { ...state, spec: { ...state.spec, egress: event.data.egress } };
     case 'VmFailed': {
       const d = event.data;
       return {

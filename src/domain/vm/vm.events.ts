@@ -3,6 +3,7 @@ import { parseStoredEvent } from '../stored-event.js';
 import { reservationSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
 import { placementDecisionSchema } from '../placement/placement.js';
+import { egressSpecSchema } from '@fleet/agent-protocol';
 import { protocolSchema, storedVmSpecSchema } from './spec.js';
 import { metadataSchema, upgradeVmEventData, vmEndReasonSchema } from './vm.lifecycle.js';
 
@@ -152,6 +153,12 @@ export const vmOomKilledSchema = z.object({
   }),
 });
 
+/** A running VM's outbound policy was replaced (PUT /v1/vms/:id/network); its host applied it first. */
+export const vmEgressChangedSchema = z.object({
+  type: z.literal('VmEgressChanged'),
+  data: z.object({ vm_id: idSchema, egress: egressSpecSchema, at }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -165,6 +172,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmTimeoutSetSchema,
   vmMetadataSetSchema,
   vmOomKilledSchema,
+  vmEgressChangedSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -182,6 +190,7 @@ export type VmMigrated = z.infer<typeof vmMigratedSchema>;
 export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
 export type VmMetadataSet = z.infer<typeof vmMetadataSetSchema>;
 export type VmOomKilled = z.infer<typeof vmOomKilledSchema>;
+export type VmEgressChanged = z.infer<typeof vmEgressChangedSchema>;
 
 /**
  * Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID`

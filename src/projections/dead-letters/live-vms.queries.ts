@@ -24,6 +24,8 @@ export interface LiveVmHintRow {
     retries?: number;
     start_period_seconds?: number;
   } | null;
+  /** The provider of a proxy-mode VM (its endpoint is probed each cycle); null otherwise. */
+  egress_proxy: string | null;
 }
 
 export async function listLiveVmHints(sql: Sql): Promise<LiveVmHintRow[]> {
@@ -37,9 +39,11 @@ export async function listLiveVmHints(sql: Sql): Promise<LiveVmHintRow[]> {
     idle_timeout_s: string | null;
     timeout_at: Date | null;
     healthcheck: LiveVmHintRow['healthcheck'];
+    egress_proxy: string | null;
   }>(
     `SELECT id, state, host_id, state_changed_at, last_activity_at, timeout_at,
-            (spec->>'max_runtime_s')::bigint AS max_runtime_s, (spec->>'idle_timeout_s')::bigint AS idle_timeout_s, spec->'healthcheck' AS healthcheck
+            (spec->>'max_runtime_s')::bigint AS max_runtime_s, (spec->>'idle_timeout_s')::bigint AS idle_timeout_s, spec->'healthcheck' AS healthcheck,
+            CASE WHEN spec->'egress'->>'mode' = 'proxy' THEN spec->'egress'->>'provider' END AS egress_proxy
        FROM vms WHERE state NOT IN ('destroyed', 'failed')`,
   );
   return rows.map((r) => ({

@@ -226,6 +226,9 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       case 'VmMigrated':
         Object.assign(row, { host_id: e.data.host_id, placement: e.data.decision, url: e.data.url, endpoints: e.data.endpoints });
         break;
+      case 'VmEgressChanged':
+        row.spec = { ...(row.spec as Record<string, unknown>), egress: e.data.egress };
+        break;
       case 'VmFailed':
         Object.assign(row, {
           state: 'failed',

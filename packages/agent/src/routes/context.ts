@@ -56,5 +56,6 @@ export function toVmInfo(s: SandboxInfo): VmInfo {
     created_at: s.created_at,
     ...(s.checkpoint_id ? { from_checkpoint: s.checkpoint_id } : {}),
     endpoints: s.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol })),
+    ...(s.egress ? { egress: s.egress } : {}),
   };
 }

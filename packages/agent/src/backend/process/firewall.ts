@@ -1,6 +1,15 @@
 import { existsSync } from 'node:fs';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { runTool } from './exec-util.js';
+import {
+  bridgeEgressLines,
+  egressChains,
+  forwardReplyLines,
+  inputEgressLines,
+  natChain,
+  type EgressHostConfig,
+  type EgressPort,
+} from './egress.js';
 
 /**
  * The agent's nftables tables: the network boundary that does not depend on
@@ -25,8 +34,9 @@ import { runTool } from './exec-util.js';
  * - forward: each bridge jumps to its own chain `br_<bridge>`, which lets a
  *   frame stay on its bridge (br_netfilter hands bridged IPv4 to these hooks
  *   with the bridge as both interfaces) and drops the rest; nothing from
- *   elsewhere is routed into a sandbox bridge. Egress (NAT, allow lists)
- *   joins later as rules in the per-bridge chains, ahead of the drop.
+ *   elsewhere is routed into a sandbox bridge. Egress (egress.ts: NAT,
+ *   allow and deny lists, per sandbox) joins as rules in the per-bridge
+ *   chains, ahead of the drop.
  * bridge (layer 2, every frame a sandbox port sends, bridged or not):
  * - each port jumps to its own chain `port_<veth>`: only its own MAC, only
  *   IPv4 from its own address and ARP about its own address and MAC; no
@@ -44,6 +54,8 @@ export interface FirewallPort {
 export interface FirewallState {
   readonly bridges: readonly string[];
   readonly ports: readonly FirewallPort[];
+  /** Outbound policies (egress.ts); absent: nothing leaves any bridge. */
+  readonly egress?: { readonly cfg: EgressHostConfig; readonly ports: readonly EgressPort[] } | undefined;
 }
 
 const ifnameRe = /^[a-z0-9]{1,15}$/;
@@ -81,7 +93,22 @@ export class Firewall {
   /** Finds nft and has the kernel check (without applying) a ruleset of the shape this agent uses. */
   static async open(prefix: string): Promise<Firewall> {
     const fw = new Firewall(findNft(), prefix);
-    const probe = fw.render({ bridges: [`${prefix}b0`], ports: [{ veth: `${prefix}v0`, mac: '02:00:00:00:00:01', ip: '10.0.0.2' }] });
+    const probe = fw.render({
+      bridges: [`${prefix}b0`],
+      ports: [{ veth: `${prefix}v0`, mac: '02:00:00:00:00:01', ip: '10.0.0.2' }],
+      egress: {
+        cfg: { subnet: '10.0.0.0/24', gateway: '10.0.0.1', proxyPort: 3128, allowPrivate: [] },
+        ports: [
+          {
+            ip: '10.0.0.2',
+            veth: `${prefix}v0`,
+            bridge: `${prefix}b0`,
+            egress: { mode: 'direct', allow_out: ['10.1.0.0/16'], deny_out: [] },
+          },
+          { ip: '10.0.0.3', veth: `${prefix}v1`, bridge: `${prefix}b0`, egress: { mode: 'proxy', allow_out: [], deny_out: [] } },
+        ],
+      },
+    });
     const res = await runTool(fw.nft, ['-c', '-f', '-'], { input: probe });
     if (res.code !== 0) {
       throw featureMissing(
@@ -135,6 +162,11 @@ export class Firewall {
         throw sandboxFailed(`refusing to write a firewall rule for port ${JSON.stringify(p)}`);
     }
     const t = this.name;
+    const eg = state.egress ?? { cfg: undefined, ports: [] };
+    for (const p of eg.ports) {
+      if (!ifnameRe.test(p.veth) || !ipRe.test(p.ip) || (p.egress.endpoint && !ipRe.test(p.egress.endpoint.host)))
+        throw sandboxFailed(`refusing to write an egress rule for ${JSON.stringify(p)}`);
+    }
     const set = (names: readonly string[]): string =>
       names.length > 0
         ? `    set bridges { type ifname; elements = { ${names.map((n) => `"${n}"`).join(', ')} } }`
@@ -152,14 +184,23 @@ export class Firewall {
       '    chain input {',
       '        type filter hook input priority filter - 10; policy accept;',
       '        iifname @bridges ct state established,related accept',
+      ...(eg.cfg ? inputEgressLines(eg.cfg, eg.ports) : []),
       '        iifname @bridges drop',
       '    }',
       '    chain forward {',
       '        type filter hook forward priority filter - 10; policy accept;',
       ...vmap(bridges, (n) => `br_${n}`, 'iifname'),
+      ...forwardReplyLines(eg.ports),
       '        oifname @bridges drop',
       '    }',
-      ...bridges.flatMap((n) => [`    chain br_${n} {`, `        oifname "${n}" accept`, '        drop', '    }']),
+      ...bridges.flatMap((n) => [
+        `    chain br_${n} {`,
+        `        oifname "${n}" accept`,
+        ...bridgeEgressLines(n, eg.ports),
+        '        drop',
+        '    }',
+      ]),
+      ...(eg.cfg ? [...egressChains(eg.cfg, eg.ports), ...natChain(eg.cfg, eg.ports)] : []),
       '}',
     ];
     const bridge = [

@@ -123,12 +123,12 @@ function lowestFree(stem: string, taken: ReadonlySet<string>): string {
 }
 
 /** The sysctls each link must hold; `bridge` adds IPv4 forwarding off. */
-function linkSysctls(link: string, kind: 'bridge' | 'veth'): Array<[string, string]> {
+function linkSysctls(link: string, kind: 'bridge' | 'veth', forwarding: '0' | '1'): Array<[string, string]> {
   const out: Array<[string, string]> = [
     [`/proc/sys/net/ipv6/conf/${link}/disable_ipv6`, '1'],
     [`/proc/sys/net/ipv6/conf/${link}/accept_ra`, '0'],
   ];
-  if (kind === 'bridge') out.push([`/proc/sys/net/ipv4/conf/${link}/forwarding`, '0']);
+  if (kind === 'bridge') out.push([`/proc/sys/net/ipv4/conf/${link}/forwarding`, forwarding]);
   return out;
 }
 
@@ -136,9 +136,9 @@ function linkSysctls(link: string, kind: 'bridge' | 'veth'): Array<[string, stri
  * Sets the link's sysctls where they differ and returns one line per change
  * (empty for a link that does not exist, or a kernel without IPv6).
  */
-export async function hardenLink(link: string, kind: 'bridge' | 'veth'): Promise<string[]> {
+export async function hardenLink(link: string, kind: 'bridge' | 'veth', forwarding: '0' | '1' = '0'): Promise<string[]> {
   const changed: string[] = [];
-  for (const [file, want] of linkSysctls(link, kind)) {
+  for (const [file, want] of linkSysctls(link, kind, forwarding)) {
     const have = await readFile(file, 'utf8').then(
       (v) => v.trim(),
       () => null,

@@ -56,6 +56,8 @@ import {
 import { startProxy, type Proxy } from './proxy.js';
 import { SandboxMonitor } from './monitor.js';
 import { monitorOptionsSchema } from './monitor-options.js';
+import { EgressHost, forwards, usesAgentProxy } from './egress-host.js';
+import { NO_EGRESS, sandboxEgressSchema, type SandboxEgress } from './egress.js';
 import {
   createDisk,
   DISK_IMAGE,
@@ -122,6 +124,12 @@ export const optionsSchema = z.object({
     .min(4096)
     .default(16 * 1024 * 1024),
   ...monitorOptionsSchema.shape,
+  /** Port of the agent's egress proxy on the gateway address (proxy-mode sandboxes). */
+  egressProxyPort: z.number().int().min(1).max(65535).default(3128),
+  /** Private CIDRs direct-mode sandboxes may reach without an allow_out of their own. */
+  egressAllowPrivate: z.array(z.string()).default([]),
+  /** DNS servers the egress proxy resolves names with; empty: the host's resolver. */
+  egressDnsServers: z.array(z.string()).default([]),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 
@@ -159,6 +167,7 @@ const createSpecSchema = z.object({
     .optional(),
   /** Keep CAP_NET_RAW (raw sockets: ping, packet capture); dropped by default. */
   net_raw: z.boolean().optional(),
+  egress: sandboxEgressSchema.optional(),
 });
 
 const persistedSchema = z.object({
@@ -187,6 +196,8 @@ const persistedSchema = z.object({
   expose: z.array(exposeSchema),
   /** Host port per expose entry (same order), so a restarted agent republishes on the same ports. */
   host_ports: z.array(z.number()),
+  /** Absent in state written before egress: none, what those sandboxes had. */
+  egress: sandboxEgressSchema.default(NO_EGRESS),
 });
 type Persisted = z.output<typeof persistedSchema>;
 
@@ -241,6 +252,7 @@ export class ProcessBackend implements Backend {
   private spawner: Spawner | null = null;
   /** Metrics, OOM kills and kept console logs (monitor.ts). */
   readonly observer: SandboxMonitor;
+  private readonly egress: EgressHost;
 
   private constructor(
     private readonly opts: z.output<typeof optionsSchema>,
@@ -274,6 +286,12 @@ export class ProcessBackend implements Backend {
             storageGb: r.state.storage_gb,
           })),
     });
+    this.egress = new EgressHost(
+      { subnet: subnet.cidr, gateway: subnet.gateway, proxyPort: opts.egressProxyPort, allowPrivate: opts.egressAllowPrivate },
+      (ip) => this.proxyPolicyOf(ip),
+      opts.egressDnsServers,
+      log,
+    );
   }
 
   /** Checks the host (tools, overlayfs, cgroups), creates the data directories and recovers surviving sandboxes. */
@@ -405,7 +423,9 @@ export class ProcessBackend implements Backend {
         uid_base: this.pickUidBase(),
         expose: spec.expose ?? [],
         host_ports: [],
+        egress: spec.egress ?? NO_EGRESS,
       };
+      Object.assign(state.env, this.egress.guestEnv(state.egress, ip));
       const record: SandboxRecord = { state, proxies: [] };
       this.records.set(spec.name, record);
       const t0 = performance.now();
@@ -435,13 +455,19 @@ export class ProcessBackend implements Backend {
         mark('firewall');
         await this.locks.run(`br:${state.bridge}`, async () => {
           // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
-          if (this.bridgesReady.has(state.bridge) && (await bridgeForwarding(state.bridge).catch(() => null)) === '0') return;
+          if (
+            this.bridgesReady.has(state.bridge) &&
+            (await bridgeForwarding(state.bridge).catch(() => null)) === this.forwardingOf(state.bridge)
+          )
+            return;
           const fresh =
             !this.bridgesReady.has(state.bridge) &&
             ![...this.records.values()].some((r) => r !== record && r.state.bridge === state.bridge && r.state.init_pid > 0);
           await ensureBridge(state.bridge, this.subnet, { fresh });
           this.bridgesReady.add(state.bridge);
         });
+        await this.syncBridgeForwarding(state.bridge);
+        if (usesAgentProxy(state.egress)) await this.egress.ensureProxy();
         mark('bridge');
         const launched = await launchInit({
           imageDir: imagePath,
@@ -777,6 +803,8 @@ export class ProcessBackend implements Backend {
     this.log?.info({ sandboxes: infos.length }, 'sandboxes recovered');
     const network = await this.reassertNetwork();
     if (network.repaired > 0) this.log?.warn({ repairs: network.repairs }, 'sandbox network rules repaired');
+    if ([...this.records.values()].some((r) => usesAgentProxy(r.state.egress)))
+      await this.egress.ensureProxy().catch((err: unknown) => this.log?.warn({ err }, 'the egress proxy did not start'));
     return infos;
   }
 
@@ -895,7 +923,8 @@ export class ProcessBackend implements Backend {
   async reassertNetwork(): Promise<NetworkReassertReport> {
     const repairs = await this.firewall.reassert(() => this.firewallState());
     const states = [...this.records.values()].map((r) => r.state);
-    for (const bridge of new Set(states.map((s) => s.bridge))) repairs.push(...(await hardenLink(bridge, 'bridge')));
+    for (const bridge of new Set(states.map((s) => s.bridge)))
+      repairs.push(...(await hardenLink(bridge, 'bridge', this.forwardingOf(bridge))));
     for (const s of states) repairs.push(...(await hardenLink(s.veth, 'veth')));
     return { repaired: repairs.length, repairs };
   }
@@ -911,13 +940,55 @@ export class ProcessBackend implements Backend {
     this.observer.stop();
     this.spawner?.close();
     for (const r of this.records.values()) await this.unpublish(r);
+    await this.egress.close();
   }
 
   // ---- internals ----
 
   private firewallState(): FirewallState {
     const states = [...this.records.values()].map((r) => r.state);
-    return { bridges: [...new Set(states.map((s) => s.bridge))], ports: states.map((s) => ({ veth: s.veth, mac: s.mac, ip: s.ip })) };
+    return {
+      bridges: [...new Set(states.map((s) => s.bridge))],
+      ports: states.map((s) => ({ veth: s.veth, mac: s.mac, ip: s.ip })),
+      egress: { cfg: this.egress.cfg, ports: states.map((s) => ({ ip: s.ip, veth: s.veth, bridge: s.bridge, egress: s.egress })) },
+    };
+  }
+
+  /** A bridge forwards (IPv4, per interface) only while a sandbox on it may leave it; the nftables rules stay the boundary. */
+  private forwardingOf(bridge: string): '0' | '1' {
+    return [...this.records.values()].some((r) => r.state.bridge === bridge && forwards(r.state.egress)) ? '1' : '0';
+  }
+
+  private async syncBridgeForwarding(bridge: string): Promise<void> {
+    await hardenLink(bridge, 'bridge', this.forwardingOf(bridge));
+  }
+
+  private proxyPolicyOf(ip: string): SandboxEgress | undefined {
+    for (const r of this.records.values()) if (r.state.ip === ip && usesAgentProxy(r.state.egress)) return r.state.egress;
+    return undefined;
+  }
+
+  /** Replaces a running sandbox's outbound policy: firewall, bridge forwarding, the guest's proxy variables (later execs). */
+  async setEgress(name: string, egress: SandboxEgress): Promise<SandboxInfo> {
+    const parsed = sandboxEgressSchema.parse(egress);
+    return this.locks.run(`sb:${name}`, async () => {
+      const record = this.must(name);
+      const s = record.state;
+      const old = this.egress.guestEnv(s.egress, s.ip);
+      s.env = { ...Object.fromEntries(Object.entries(s.env).filter(([k]) => !(k in old))), ...this.egress.guestEnv(parsed, s.ip) };
+      s.egress = parsed;
+      await this.persist(s);
+      await this.firewall.apply(() => this.firewallState());
+      await this.syncBridgeForwarding(s.bridge);
+      if (usesAgentProxy(parsed)) await this.egress.ensureProxy();
+      return this.info(record);
+    });
+  }
+
+  /** The resolved policy with a probe of its proxy endpoint. */
+  async egressStatus(name: string): Promise<NonNullable<SandboxInfo['egress']>> {
+    const s = this.must(name).state;
+    return this.egress.status(s.egress, s.ip, await this.egress.health(s.egress));
   }
 
   /**
@@ -973,6 +1044,7 @@ export class ProcessBackend implements Backend {
       init_pid: alive ? s.init_pid : 0,
       endpoints: alive ? this.endpoints(record) : [],
       console_log: join(this.sandboxDir(s.name), 'console.log'),
+      egress: this.egress.status(s.egress, s.ip),
     };
   }
 
@@ -1059,6 +1131,7 @@ export class ProcessBackend implements Backend {
     await step('network', () => detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip }));
     if (this.records.get(s.name) === record) this.records.delete(s.name);
     await step('firewall', () => this.firewall.apply(() => this.firewallState()));
+    await step('forwarding', () => this.syncBridgeForwarding(s.bridge));
     await step('bridge', () =>
       this.locks.run(`br:${s.bridge}`, async () => {
         if (![...this.records.values()].some((r) => r.state.bridge === s.bridge)) {

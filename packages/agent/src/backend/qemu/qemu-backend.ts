@@ -5,7 +5,7 @@ import { PassThrough, Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError, type HostCapacity } from '@fleet/agent-protocol';
+import { AppError, type AgentEgressParsed, type EgressStatus, type HostCapacity } from '@fleet/agent-protocol';
 import {
   capacityExhausted,
   guestPathNotFound,
@@ -259,8 +259,21 @@ export class QemuBackend implements Backend {
 
   // ---- create ----
 
+  setEgress(_name: string, _egress: AgentEgressParsed): Promise<SandboxInfo> {
+    return Promise.reject(unsupportedByQemu('changing the outbound policy'));
+  }
+
+  /** What a qemu VM has: no outbound network. */
+  async egressStatus(name: string): Promise<EgressStatus> {
+    await this.get(name);
+    return { mode: 'none' };
+  }
+
   async create(input: CreateSpec): Promise<SandboxInfo> {
     if (this.closed) throw sandboxFailed('the qemu backend is closed');
+    // Its taps have no NAT or egress proxy yet: a VM asking for outbound access is refused, never booted without it.
+    if (input.egress && input.egress.mode !== 'none')
+      throw unsupportedByQemu(`egress mode "${input.egress.mode}" (create with egress {"mode":"none"})`);
     const parsed = createSpecSchema.safeParse(input);
     if (!parsed.success) {
       throw invalidSpec(
