@@ -154,6 +154,8 @@ export interface CreateSpec {
   readonly tenant: string;
   /** Honoured if free in the subnet, else the lowest free address. */
   readonly ipHint?: string;
+  /** With a live checkpointId: resume its processes (under this name, address and ids) instead of booting its rootfs. */
+  readonly resume?: boolean;
   readonly expose?: readonly ExposeSpec[];
   /** Environment for every spawn in this sandbox (spawn's env overrides it). */
   readonly env?: Readonly<Record<string, string>>;
@@ -161,7 +163,7 @@ export interface CreateSpec {
   readonly net_raw?: boolean;
 }
 
-export type SandboxState = 'running' | 'stopped';
+export type SandboxState = 'running' | 'stopped' | 'paused';
 
 export interface SandboxInfo {
   readonly name: string;
@@ -234,6 +236,8 @@ export interface Checkpoint {
   /** Memory files (name → hex sha256); {} for disk. */
   readonly files: Readonly<Record<string, string>>;
   readonly parent: string;
+  /** How long the guest was frozen for it, when measured (live checkpoints, pauses). */
+  readonly pause_ms?: number;
   /** Image the layer sits on; restore needs it on the target host. */
   readonly image: string;
 }
@@ -316,6 +320,12 @@ export interface Backend {
    */
   readGuestFile(name: string, guestPath: string): Promise<{ path: string; size: number; stream: Readable; done: Promise<void> }>;
   checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint>;
+  /** Memory checkpoint, then the processes stop; state `paused` (MEMORY_CHECKPOINT_UNSUPPORTED without criu). Idempotent. */
+  pause(name: string, opts?: { id?: string; comment?: string }): Promise<Checkpoint>;
+  /** Resumes a paused sandbox from its pause checkpoint. Idempotent. */
+  resume(name: string): Promise<SandboxInfo>;
+  /** Back to a checkpoint on this host: live resumes its processes, disk boots afresh over its layer. */
+  restoreCheckpoint(name: string, checkpointId: string): Promise<SandboxInfo>;
   /** The writable layer's usage, and the expected size of a checkpoint of it. */
   layerUsage(name: string): Promise<LayerUsageReport>;
   listCheckpoints(): Promise<Checkpoint[]>;

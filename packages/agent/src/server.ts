@@ -10,6 +10,7 @@ import { registerCheckpointRoutes } from './routes/checkpoints.routes.js';
 import { registerExecRoutes } from './routes/exec.routes.js';
 import { registerHostRoutes } from './routes/host.routes.js';
 import { registerVmRoutes } from './routes/vms.routes.js';
+import { registerMemoryRoutes } from './routes/memory.routes.js';
 
 export type { AgentAppConfig } from './routes/context.js';
 
@@ -98,6 +99,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   registerVmRoutes(app, ctx);
   registerExecRoutes(app, ctx);
   registerCheckpointRoutes(app, ctx);
+  registerMemoryRoutes(app, ctx);
 
   return app;
 }

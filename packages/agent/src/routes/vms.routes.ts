@@ -33,6 +33,7 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
       expose: spec.expose,
       ...(spec.ip_hint ? { ipHint: spec.ip_hint } : {}),
       ...(spec.net_raw ? { net_raw: true } : {}),
+      ...(spec.resume ? { resume: true } : {}),
     });
     return reply.code(201).send(toVmInfo(info));
   });

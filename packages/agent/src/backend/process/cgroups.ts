@@ -43,6 +43,11 @@ export class Cgroups {
     return this.version === 2 ? [join(this.root, this.parent, name)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent, name));
   }
 
+  /** The group that freezes the sandbox (CRIU's --freeze-cgroup). */
+  freezerDir(name: string): string {
+    return this.version === 2 ? join(this.root, this.parent, name) : join(this.root, 'freezer', this.parent, name);
+  }
+
   /** The files a process writes its pid to, to join the group (all of them, in order). */
   procsFiles(name: string): string[] {
     return this.dirs(name).map((d) => join(d, 'cgroup.procs'));
