@@ -380,6 +380,8 @@ export interface RestoreTarget {
 export async function restoreTree(criu: CriuFeatures, imagesDir: string, meta: CriuMeta, target: RestoreTarget, scratch: string): Promise<number> {
   await rm(scratch, { recursive: true, force: true });
   await mkdir(scratch, { recursive: true, mode: 0o700 });
+  // Searchable by the restored tasks (the sandbox's root is not host root): its parent stays closed to host users.
+  await chmod(scratch, 0o755);
   try {
     for (const name of await readdir(imagesDir)) {
       if (!name.startsWith(MEMORY_FILE_PREFIX) || name === CRIU_META) continue;
