@@ -72,7 +72,10 @@ async function rejectsWithCode(p: Promise<unknown>, code: string): Promise<void>
 describe('criu: pure parts', () => {
   test('a userns image moves to another id block, extent by extent, and refuses a map that is not the sandbox', () => {
     // 8 bytes of magic, then u32 length + userns_entry{uid_map{0, 0x5f420000, 65536}, gid_map{same}}, as criu 4.1.1 wrote it.
-    const img = Buffer.from('1943565406494755' + '1c000000' + '0a0c0800108080' + '88fa05' + '1880800412' + '0c0800108080' + '88fa05' + '18808004', 'hex');
+    const img = Buffer.from(
+      '1943565406494755' + '1c000000' + '0a0c0800108080' + '88fa05' + '1880800412' + '0c0800108080' + '88fa05' + '18808004',
+      'hex',
+    );
     const moved = rewriteUsernsImage(img, 0x5f420000, 0x77360000);
     assert.equal(moved.subarray(0, 8).toString('hex'), '1943565406494755');
     const again = rewriteUsernsImage(moved, 0x77360000, 0x5f420000);
@@ -173,7 +176,10 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     await counterSandbox('cc');
     await Promise.all([b.pause('cc'), b.pause('cc')]);
     const infos = await Promise.all([b.resume('cc'), b.resume('cc'), b.resume('cc')]);
-    assert.ok(infos.every((i) => i.state === 'running' && i.init_pid === infos[0]!.init_pid), 'one restore, one init');
+    assert.ok(
+      infos.every((i) => i.state === 'running' && i.init_pid === infos[0].init_pid),
+      'one restore, one init',
+    );
     await count(b, 'cc');
   });
 
@@ -186,7 +192,13 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     assert.ok(Object.keys(cp.files).length > 5);
     const dir = await b.checkpointDir(cp.id);
     for (const [file, sha] of Object.entries(cp.files)) {
-      assert.equal(createHash('sha256').update(await readFile(join(dir, file))).digest('hex'), sha, file);
+      assert.equal(
+        createHash('sha256')
+          .update(await readFile(join(dir, file)))
+          .digest('hex'),
+        sha,
+        file,
+      );
     }
     await new Promise((r) => setTimeout(r, 200));
     const after = await count(b, 'src');
@@ -255,7 +267,10 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     await b.create({ name: 'dk', cpus: 1, ram_mb: 128, tenant: 't1' });
     const cp = await b.checkpoint('dk', {});
     assert.equal(cp.kind, 'disk');
-    await rejectsWithCode(b.create({ name: 'dk2', checkpointId: cp.id, resume: true, cpus: 1, ram_mb: 128, tenant: 't1' }), 'CHECKPOINT_NOT_LIVE');
+    await rejectsWithCode(
+      b.create({ name: 'dk2', checkpointId: cp.id, resume: true, cpus: 1, ram_mb: 128, tenant: 't1' }),
+      'CHECKPOINT_NOT_LIVE',
+    );
     await b.destroy('dk');
   });
 

@@ -138,7 +138,12 @@ export class CheckpointStore {
    */
   async write(
     upperDir: string,
-    meta: { id?: string; comment: string; image: string; now: Date; maxBytes?: number;
+    meta: {
+      id?: string;
+      comment: string;
+      image: string;
+      now: Date;
+      maxBytes?: number;
       /** Called once the rootfs is archived (the guest still frozen): dumps memory into a directory, moved in here. */
       memory?: () => Promise<{ dir: string; meta: CriuMeta }>;
     },

@@ -105,7 +105,8 @@ export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ fea
   }));
   if (check.code !== 0) return { features: null, reason: `${path} check failed: ${(check.stderr || check.stdout).trim().slice(-300)}` };
   const version = (await runTool(path, ['--version'], { env }).catch(() => ({ stdout: '' }))).stdout.match(/Version:\s*(\S+)/)?.[1] ?? '';
-  const feature = async (f: string): Promise<boolean> => (await runTool(path, ['check', '--feature', f], { env }).catch(() => ({ code: 1 }))).code === 0;
+  const feature = async (f: string): Promise<boolean> =>
+    (await runTool(path, ['check', '--feature', f], { env }).catch(() => ({ code: 1 }))).code === 0;
   const notes: string[] = [];
   const uffd = await feature('uffd-noncoop');
   // The restored tasks open their userfaultfd themselves, as root of the sandbox's user namespace: the kernel
@@ -181,7 +182,7 @@ function pbFields(b: Buffer): PbField[] {
  */
 export function rewriteUsernsImage(img: Buffer, from: number, to: number): Buffer {
   const parts: Buffer[] = [img.subarray(0, 8)];
-  for (let at = 8; at < img.length; ) {
+  for (let at = 8; at < img.length;) {
     const len = img.readUInt32LE(at);
     const entry = img.subarray(at + 4, at + 4 + len);
     at += 4 + len;
@@ -192,7 +193,8 @@ export function rewriteUsernsImage(img: Buffer, from: number, to: number): Buffe
           pbFields(f.value as Buffer).map((x) => {
             if (x.num !== 2 || x.wire !== 0) return x.raw;
             const lower = x.value as number;
-            if (lower < from || lower >= from + 65536) throw sandboxFailed(`the checkpoint's id map (${lower}) is not the sandbox's (${from})`);
+            if (lower < from || lower >= from + 65536)
+              throw sandboxFailed(`the checkpoint's id map (${lower}) is not the sandbox's (${from})`);
             return Buffer.concat([varint(2 * 8), varint(lower - from + to)]);
           }),
         );
@@ -265,7 +267,10 @@ function criuError(what: string, log: string): AppError {
   return sandboxFailed(`${what}: ${lines || 'see the criu log'}`);
 }
 
-function runCriu(argv: readonly string[], opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string> }): Promise<number | null> {
+function runCriu(
+  argv: readonly string[],
+  opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string> },
+): Promise<number | null> {
   // Inside the sandbox's cgroups first, so what it restores starts there.
   const script = 'n=$1; shift; i=0; for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done; shift "$n"; exec "$@"';
   const cg = opts.cgroupProcs ?? [];
@@ -377,7 +382,13 @@ export interface RestoreTarget {
  * are read through a scratch directory of hard links, so the checkpoint's
  * files (and their digests) are never touched.
  */
-export async function restoreTree(criu: CriuFeatures, imagesDir: string, meta: CriuMeta, target: RestoreTarget, scratch: string): Promise<number> {
+export async function restoreTree(
+  criu: CriuFeatures,
+  imagesDir: string,
+  meta: CriuMeta,
+  target: RestoreTarget,
+  scratch: string,
+): Promise<number> {
   await rm(scratch, { recursive: true, force: true });
   await mkdir(scratch, { recursive: true, mode: 0o700 });
   // Searchable by the restored tasks (the sandbox's root is not host root): its parent stays closed to host users.

@@ -34,7 +34,16 @@ import { probeCapacity, withoutDevices } from '../host-capacity.js';
 import { Cgroups } from './cgroups.js';
 import { CheckpointStore, expectedArchiveBytes } from './checkpoints.js';
 import { KeyedMutex, mustRun, processStartTime, runTool, sleep } from './exec-util.js';
-import { CRIU_META, criuMetaSchema, detectCriu, dumpTree, installNetnsHook, restoreTree, type CriuFeatures, type CriuMeta } from './criu.js';
+import {
+  CRIU_META,
+  criuMetaSchema,
+  detectCriu,
+  dumpTree,
+  installNetnsHook,
+  restoreTree,
+  type CriuFeatures,
+  type CriuMeta,
+} from './criu.js';
 import { resolveInRoot } from './guest-path.js';
 import { Spawner, spawnPiped, spawnPty } from './guest-process.js';
 import { enterArgv, findHostTools, launchInit, openConsoleWriter, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
@@ -287,7 +296,10 @@ export class ProcessBackend implements Backend {
     backend.criu = found.features;
     if (found.features) {
       backend.criuHook = await installNetnsHook(join(opts.dataDir, 'runtime-helper'));
-      logger?.info({ criu: found.features.path, version: found.features.version, notes: found.features.notes }, 'criu found: memory checkpoints on');
+      logger?.info(
+        { criu: found.features.path, version: found.features.version, notes: found.features.notes },
+        'criu found: memory checkpoints on',
+      );
     } else logger?.info({ reason: found.reason }, 'no usable criu: checkpoints are disk only');
     await backend.recover();
     backend.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) =>
@@ -760,7 +772,7 @@ export class ProcessBackend implements Backend {
       if (s.status !== 'running' || !(await this.isAlive(s))) throw sandboxNotRunning(name);
       const t0 = performance.now();
       await this.freeze(name);
-      let dumped = false;
+      const progress = { dumped: false };
       let cp: Checkpoint;
       try {
         cp = await this.checkpoints.write(layerDirs(this.sandboxDir(name), s.storage_gb).upper, {
@@ -770,13 +782,13 @@ export class ProcessBackend implements Backend {
           now: new Date(),
           memory: async () => {
             const d = await this.dumpMemory(record, false);
-            dumped = true;
+            progress.dumped = true;
             return d;
           },
         });
       } catch (err) {
         // A failed dump leaves the tree running (CRIU resumes it); thaw it, nothing else changed.
-        if (!dumped) await this.cgroups.setFrozen(name, false).catch(() => undefined);
+        if (!progress.dumped) await this.cgroups.setFrozen(name, false).catch(() => undefined);
         else this.log?.error({ err, sandbox: name }, 'the sandbox was dumped but its checkpoint could not be kept');
         throw err;
       }
@@ -811,7 +823,9 @@ export class ProcessBackend implements Backend {
       await this.persist(s);
       await this.publish(record);
       await this.persist(s);
-      await this.checkpoints.delete(old).catch((err: unknown) => this.log?.warn({ err, checkpoint: old }, 'could not remove the pause checkpoint'));
+      await this.checkpoints
+        .delete(old)
+        .catch((err: unknown) => this.log?.warn({ err, checkpoint: old }, 'could not remove the pause checkpoint'));
       return this.info(record);
     });
   }
@@ -878,7 +892,9 @@ export class ProcessBackend implements Backend {
     const criu = this.requireCriu();
     const s = record.state;
     if (cp.kind !== 'live' || !(CRIU_META in cp.files)) {
-      throw new AppError('CHECKPOINT_NOT_LIVE', 409, `checkpoint "${cp.id}" holds no memory: it can boot a sandbox, not resume one`, { id: cp.id });
+      throw new AppError('CHECKPOINT_NOT_LIVE', 409, `checkpoint "${cp.id}" holds no memory: it can boot a sandbox, not resume one`, {
+        id: cp.id,
+      });
     }
     const cpDir = this.checkpoints.path(cp.id);
     const meta = criuMetaSchema.parse(JSON.parse(await readFile(join(cpDir, CRIU_META), 'utf8')));
