@@ -421,3 +421,4 @@ export type PauseVmRequest = z.input<typeof pauseVmRequestSchema>;
 /** `POST /v1/vms/:name/restore`: back to a checkpoint on this host (live: processes resume; disk: a cold boot). */
 export const restoreVmRequestSchema = z.object({ checkpoint_id: checkpointIdSchema });
 export type RestoreVmRequest = z.input<typeof restoreVmRequestSchema>;
+export const pauseVmResponseSchema = z.object({ vm: vmInfoSchema, checkpoint: checkpointSchema });

@@ -400,6 +400,8 @@ export async function restoreTree(
       if (f.startsWith('userns-') && meta.uid_base !== target.uidBase) {
         await writeFile(join(scratch, f), rewriteUsernsImage(await readFile(join(imagesDir, name)), meta.uid_base, target.uidBase));
       } else await link(join(imagesDir, name), join(scratch, f));
+      // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
+      await chmod(join(scratch, f), 0o644);
     }
     const pidfile = join(scratch, 'restored.pid');
     const sameAddress = meta.ip === target.ip;
