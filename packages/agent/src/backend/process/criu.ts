@@ -91,10 +91,11 @@ function findOnPath(name: string): string | null {
 
 /**
  * CRIU_PATH, else `criu` on PATH; `criu check` must pass. null (with the
- * reason) when there is none: the host then answers a live request with a
- * disk checkpoint, as before.
+ * reason) when there is none, or CRIU_PATH is `off`: the host then answers a
+ * live request with a disk checkpoint, as before.
  */
 export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ features: CriuFeatures | null; reason: string }> {
+  if (envPath === 'off') return { features: null, reason: 'CRIU_PATH=off' };
   const path = envPath && envPath.length > 0 ? envPath : findOnPath('criu');
   if (!path) return { features: null, reason: 'no criu on PATH and CRIU_PATH unset' };
   const env = { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' };
