@@ -161,6 +161,12 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       assert.ok(now >= last, `counter went back: ${now} < ${last}`);
       assert.ok(now < last + 200, `counter restarted or jumped: ${last} -> ${now}`);
       assert.match(await answer(url), /^count \d+/);
+      if (i === 0) {
+        // The /proc masks come back as binds of /dev/null, never of the host's own /proc files.
+        const masks = await sh(b, 'pr', "grep -E ' /proc/(keys|timer_list) ' /proc/self/mountinfo");
+        assert.match(masks.stdout, /\/proc\/keys .* - devtmpfs /);
+        assert.doesNotMatch(masks.stdout, / - proc /);
+      }
       last = now;
       await new Promise((r) => setTimeout(r, 100));
       assert.ok((await count(b, 'pr')) > now, 'and counts on');
@@ -272,6 +278,33 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       'CHECKPOINT_NOT_LIVE',
     );
     await b.destroy('dk');
+  });
+
+  test('a guest left frozen by an agent that died mid-checkpoint is thawed when the agent comes back', async () => {
+    const prefix = uniquePrefix();
+    prefixes.push(prefix);
+    const options: ProcessBackendOptions = {
+      dataDir: await mkdtemp(join(root, 'data-')),
+      imageDir,
+      subnet: uniqueSubnet(),
+      bridgePrefix: prefix,
+    };
+    const first = await ProcessBackend.open(options);
+    backends.push(first);
+    await first.create({ name: 'fz', cpus: 1, ram_mb: 128, tenant: 't1' });
+    await sh(first, 'fz', STARTUP);
+    await new Promise((r) => setTimeout(r, 300));
+    const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
+    const { writeFile } = await import('node:fs/promises');
+    if (v2) await writeFile(`/sys/fs/cgroup/fleet-${prefix}/fz/cgroup.freeze`, '1');
+    else await writeFile(`/sys/fs/cgroup/freezer/fleet-${prefix}/fz/freezer.state`, 'FROZEN');
+    await first.close();
+    const again = await ProcessBackend.open(options);
+    backends.push(again);
+    const c1 = await count(again, 'fz');
+    await new Promise((r) => setTimeout(r, 300));
+    assert.ok((await count(again, 'fz')) > c1, 'the counter runs again');
+    await again.destroy('fz');
   });
 
   test('a paused sandbox is destroyed with its pause checkpoint, leaving nothing', async () => {

@@ -252,6 +252,8 @@ export class ProcessBackend implements Backend {
   private spawner: Spawner | null = null;
   private criu: CriuFeatures | null = null;
   private criuHook = '';
+  /** Staging entries a dump or restore is using now: prune leaves them. */
+  private readonly scratch = new Set<string>();
 
   private constructor(
     private readonly opts: z.output<typeof optionsSchema>,
@@ -737,7 +739,11 @@ export class ProcessBackend implements Backend {
   /** CRIU dump of the sandbox's tree into a scratch directory (leaveRunning: its cgroup is frozen and stays so). */
   private async dumpMemory(record: SandboxRecord, leaveRunning: boolean): Promise<{ dir: string; meta: CriuMeta }> {
     const s = record.state;
-    const dir = join(this.checkpoints.staging, `.criu-${s.name}-${randomBytes(4).toString('hex')}`);
+    const entry = `.criu-${s.name}-${randomBytes(4).toString('hex')}`;
+    const dir = join(this.checkpoints.staging, entry);
+    // Until the checkpoint writer has moved the files out (it removes the directory).
+    this.scratch.add(entry);
+    setTimeout(() => this.scratch.delete(entry), 30 * 60_000).unref();
     try {
       const res = await dumpTree(this.requireCriu(), {
         initPid: s.init_pid,
@@ -908,6 +914,8 @@ export class ProcessBackend implements Backend {
     const holder = spawn(this.tools.unshare, ['--user', '--', this.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
     let consoleFd: number | undefined;
     let mounted = false;
+    const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
+    this.scratch.add(scratch);
     try {
       const hpid = holder.pid;
       if (hpid === undefined) throw sandboxFailed('could not start a user namespace for the restore');
@@ -940,7 +948,7 @@ export class ProcessBackend implements Backend {
           consoleFd,
           hook: this.criuHook,
         },
-        join(this.checkpoints.staging, `.restore-${s.name}-${randomBytes(4).toString('hex')}`),
+        join(this.checkpoints.staging, scratch),
       );
       const start = await processStartTime(pid);
       if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
@@ -951,6 +959,7 @@ export class ProcessBackend implements Backend {
       if (consoleFd !== undefined) closeSync(consoleFd);
       if (mounted) await runTool('umount', ['-l', root]);
       holder.kill('SIGKILL');
+      this.scratch.delete(scratch);
     }
   }
 
@@ -1046,6 +1055,8 @@ export class ProcessBackend implements Backend {
             this.log?.warn({ err, sandbox: name }, 'could not mount the sandbox disk'),
           );
         if (await this.isAlive(state)) {
+          // No freeze outlives the agent that took it: one killed mid-checkpoint left its guest frozen.
+          await this.cgroups.setFrozen(name, false).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not thaw'));
           await this.publish(record).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not republish endpoints'));
           await this.persist(state);
         }
@@ -1126,6 +1137,13 @@ export class ProcessBackend implements Backend {
       if (entry.startsWith('.tmp-') || entry.startsWith('.del-')) {
         await rm(join(this.checkpoints.dir, entry), { recursive: true, force: true });
         report.directories.push(join(this.checkpoints.dir, entry));
+      }
+    }
+    // CRIU dumps and restore scratch directories of an agent that died mid-way.
+    for (const entry of await readdir(this.checkpoints.staging).catch(() => [] as string[])) {
+      if ((entry.startsWith('.criu-') || entry.startsWith('.restore-')) && !this.scratch.has(entry)) {
+        await rm(join(this.checkpoints.staging, entry), { recursive: true, force: true });
+        report.directories.push(join(this.checkpoints.staging, entry));
       }
     }
     const prefix = this.opts.bridgePrefix;
