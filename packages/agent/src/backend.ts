@@ -43,6 +43,12 @@ import type { HostCapacity } from '@fleet/agent-protocol';
  *   <dataDir>/checkpoints/<id>/rootfs.tar
  *       GNU tar (with xattrs) of the sandbox's writable overlay layer, paths
  *       relative to the layer root ("./…"), overlay whiteouts included.
+ *   <dataDir>/checkpoints/<id>/criu-*      (kind "live" only)
+ *       The memory half: CRIU's image files under a `criu-` prefix, and
+ *       criu-fleet.json (what a restore needs besides them: the console's
+ *       CRIU id, the external mounts, the id block, address and hostname it
+ *       was taken under). Every one is in "files" with its sha256, so a move
+ *       verifies and commits them with the rootfs (see process/criu.ts).
  *
  * Only directories holding a manifest.json are checkpoints. To import a
  * pulled checkpoint: stream files into a directory under
