@@ -28,6 +28,8 @@ import { snapshotsProjection } from '../projections/snapshots/snapshots.projecti
 import * as snapshotQueries from '../projections/snapshots/snapshots.queries.js';
 import { SnapshotCommands } from '../commands/snapshot/snapshot-commands.js';
 import { ForkMigrate } from '../commands/migrate/fork-migrate.js';
+import { VmMemory } from '../commands/vm/vm-memory.js';
+import { vmMemoryRoutes } from './http/vm-memory.routes.js';
 import { snapshotRoutes } from './http/snapshots.routes.js';
 import { registerConsumerMetrics } from './http/consumer-metrics.js';
 import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
@@ -164,6 +166,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     );
     vms.setSeedArtifacts(snapshots);
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
+    const memory = new VmMemory(handler, hosts, placer, vms, logger.child({ component: 'memory' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
     metrics.gauge(
@@ -303,6 +306,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        vmMemoryRoutes({ memory }),
       ],
     });
     closers.push(() => app.close());

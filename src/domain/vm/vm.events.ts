@@ -20,11 +20,11 @@ export const vmEndReasonSchema = z.enum([
 ]);
 export type VmEndReason = z.infer<typeof vmEndReasonSchema>;
 
-export const vmStatusSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying', 'destroyed', 'failed']);
+export const vmStatusSchema = z.enum(['requested', 'placed', 'booting', 'running', 'paused', 'destroying', 'destroyed', 'failed']);
 export type VmStatus = z.infer<typeof vmStatusSchema>;
 
 /** Where a failed VM stopped: the non-terminal state it was in. */
-export const vmPhaseSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying']);
+export const vmPhaseSchema = z.enum(['requested', 'placed', 'booting', 'running', 'paused', 'destroying']);
 export type VmPhase = z.infer<typeof vmPhaseSchema>;
 
 export const endpointSchema = z.object({
@@ -128,6 +128,34 @@ export const vmMigratedSchema = z.object({
   }),
 });
 
+/** Its processes were checkpointed (memory included) and stopped on its host; CPU and memory released, its disk kept there. */
+export const vmPausedSchema = z.object({
+  type: z.literal('VmPaused'),
+  data: z.object({
+    vm_id: idSchema,
+    host_id: idSchema,
+    /** The host's checkpoint the processes are in. */
+    checkpoint_id: z.string(),
+    /** How long the guest was frozen before it stopped, as the agent measured it. */
+    pause_ms: z.number().int().nonnegative(),
+    at,
+  }),
+});
+
+/** Its processes run again where they stopped, on `host_id` with a new reservation. */
+export const vmResumedSchema = z.object({
+  type: z.literal('VmResumed'),
+  data: z.object({
+    vm_id: idSchema,
+    host_id: idSchema,
+    decision: placementDecisionSchema,
+    reservation: vmReservationSchema,
+    endpoints: z.array(endpointSchema),
+    resume_ms: z.number().int().nonnegative(),
+    at,
+  }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -138,6 +166,8 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmDestroyedSchema,
   vmFailedSchema,
   vmMigratedSchema,
+  vmPausedSchema,
+  vmResumedSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -152,6 +182,8 @@ export type VmDestroyRequested = z.infer<typeof vmDestroyRequestedSchema>;
 export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
 export type VmFailed = z.infer<typeof vmFailedSchema>;
 export type VmMigrated = z.infer<typeof vmMigratedSchema>;
+export type VmPaused = z.infer<typeof vmPausedSchema>;
+export type VmResumed = z.infer<typeof vmResumedSchema>;
 
 /** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseVmEvent(type: string, data: unknown): VmEvent {

@@ -191,6 +191,19 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       case 'VmMigrated':
         Object.assign(row, { host_id: e.data.host_id, placement: e.data.decision, url: e.data.url, endpoints: e.data.endpoints });
         break;
+      case 'VmPaused':
+        Object.assign(row, { state: 'paused', endpoints: [], state_changed_at: at });
+        break;
+      case 'VmResumed':
+        Object.assign(row, {
+          state: 'running',
+          host_id: e.data.host_id,
+          placement: e.data.decision,
+          endpoints: e.data.endpoints,
+          state_changed_at: at,
+          last_activity_at: at,
+        });
+        break;
       case 'VmFailed':
         Object.assign(row, {
           state: 'failed',

@@ -339,8 +339,9 @@ export class ProcessBackend implements Backend {
       );
     }
     // Sandbox disks are preallocated, so free space already lacks them, and placement subtracts each VM's storage_gb
-    // again: a probe while sandboxes run must not count them twice.
-    const held = [...this.records.values()].reduce((n, r) => n + r.state.storage_gb, 0);
+    // again: a probe while sandboxes run must not count them twice. A paused sandbox has no reservation: its disk stays
+    // counted here, as used space.
+    const held = [...this.records.values()].filter((r) => r.state.status !== 'paused').reduce((n, r) => n + r.state.storage_gb, 0);
     return {
       ...cap,
       storage_gb: cap.storage_gb + held,
