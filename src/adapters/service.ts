@@ -166,7 +166,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     );
     vms.setSeedArtifacts(snapshots);
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
-    const memory = new VmMemory(handler, hosts, placer, vms, logger.child({ component: 'memory' }));
+    const memory = new VmMemory(handler, hosts, placer, vms, snapshots, logger.child({ component: 'memory' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
     metrics.gauge(

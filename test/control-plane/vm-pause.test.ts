@@ -92,6 +92,7 @@ describe('pause and resume through the API (a real agent with CRIU)', { timeout:
     const events = (await c.service.store.readStream(`vm-${vm.id}`)).map((e) => e.type);
     assert.equal(events.filter((e) => e === 'VmPaused').length, 3);
     assert.equal(events.filter((e) => e === 'VmResumed').length, 3);
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 
   it('concurrent resumes: exactly one restores, all answer running', async (t) => {
@@ -112,6 +113,35 @@ describe('pause and resume through the API (a real agent with CRIU)', { timeout:
     const r = await c.request('POST', `/v1/vms/${vm.id}/pause`, { as: 'acme' });
     assert.equal(r.status, 409, JSON.stringify(r.body));
     assert.equal(problemOf(r).code, 'VM_NOT_RUNNING');
+  });
+
+  it('a live snapshot leaves the VM running (kind live, pause window recorded); restore puts files and processes back to it', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = ok(
+      await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h1', cpus: 1, ram_mb: 128, startup_script: STARTUP } }),
+      201,
+    );
+    await new Promise((r) => setTimeout(r, 300));
+    const snap = ok(await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { live: true } }), 201);
+    assert.equal(snap.kind, 'live', 'the agent wrote memory');
+    const taken = (await c.service.store.readStream(`snapshot-${snap.id}`)).find((e) => e.type === 'SnapshotTaken')!;
+    assert.ok(((taken.data as { pause_ms?: number }).pause_ms ?? 0) > 0, 'the pause window is in the event');
+    const atSnapshot = await count(vm.id);
+    ok(await c.request('POST', `/v1/vms/${vm.id}/exec`, { as: 'acme', body: { argv: ['sh', '-c', 'echo later > /root/later'] } }));
+    await new Promise((r) => setTimeout(r, 500));
+    const restored = ok(await c.request('POST', `/v1/vms/${vm.id}/restore`, { as: 'acme', body: { snapshot_id: snap.id } }));
+    assert.equal(restored.state, 'running');
+    const gone = ok(await c.request('POST', `/v1/vms/${vm.id}/exec`, { as: 'acme', body: { argv: ['cat', '/root/later'] } }));
+    assert.notEqual(gone.exit_code, 0, 'a file written after the snapshot is gone');
+    const now = await count(vm.id);
+    assert.ok(now < atSnapshot + 100, `the counter went back to the snapshot (${atSnapshot}), got ${now}`);
+    const diff = await c.request('POST', `/v1/vms/${vm.id}/snapshots`, { as: 'acme', body: { live: true, diff: true } });
+    assert.equal(diff.status, 409, JSON.stringify(diff.body));
+    assert.equal(problemOf(diff).code, 'MEMORY_DIFF_UNSUPPORTED');
+    const bad = await c.request('POST', `/v1/vms/${vm.id}/restore`, { as: 'acme', body: { snapshot_id: 'snap-nope' } });
+    assert.equal(bad.status, 404, JSON.stringify(bad.body));
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 
   it('a paused VM can be destroyed, and nothing of it stays on the host', async (t) => {

@@ -40,5 +40,21 @@ export function vmMemoryRoutes(deps: VmMemoryRoutesDeps) {
         return { ...fromState(r.vm), position: r.position ?? null };
       },
     );
+    app.post(
+      '/v1/vms/:id/restore',
+      {
+        schema: {
+          tags: ['vms'],
+          summary: 'Put the VM back to one of its snapshots on its host (live: its processes resume; disk: a fresh boot)',
+          params,
+          body: z.object({ snapshot_id: z.string().min(1).max(128) }).strict(),
+          response,
+        },
+      },
+      async (req) => {
+        const r = await deps.memory.restore(req.params.id, req.body.snapshot_id, actorOf(req));
+        return { ...fromState(r.vm), position: r.position ?? null };
+      },
+    );
   };
 }

@@ -9,6 +9,7 @@ import { placementRequestOf } from '../../domain/vm/spec.js';
 import type { ExistingVmState, VmCommand } from '../../domain/vm/vm.decider.js';
 import type { Position } from '../../domain/event-store.port.js';
 import { sandboxName, type Actor, type VmCommands } from './vm-commands.js';
+import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 
 export interface VmMemoryResult {
   readonly vm: ExistingVmState;
@@ -33,6 +34,7 @@ export class VmMemory {
     private readonly hosts: HostCommands,
     private readonly placer: Placer,
     private readonly vms: VmCommands,
+    private readonly snapshots: SnapshotCommands,
     private readonly logger: Logger,
   ) {
     this.vmHandler = bindAggregate(handler, vmAggregate);
@@ -108,6 +110,43 @@ export class VmMemory {
         await this.vms.releaseCapacity(placed.hostId, vmId, actor).catch(() => undefined);
         throw err;
       }
+    });
+  }
+
+  /**
+   * Puts a running VM back to one of its own snapshots, on its host: a live
+   * one resumes the processes it captured, a disk one boots afresh over its
+   * layer. The snapshot must be on the VM's host (move it there first).
+   */
+  restore(vmId: string, snapshotId: string, actor: Actor): Promise<VmMemoryResult> {
+    return this.queue.run(vmId, async () => {
+      const vm = await this.vms.get(vmId, actor);
+      if (vm.status !== 'running')
+        throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be restored`, {
+          vm_id: vmId,
+          status: vm.status,
+        });
+      const snap = await this.snapshots.get(snapshotId, actor);
+      if (snap.vm_id !== vmId)
+        throw new ConflictError('SNAPSHOT_NOT_OF_VM', `snapshot ${snapshotId} is of vm ${snap.vm_id}, not ${vmId}`, {
+          snapshot_id: snapshotId,
+        });
+      if (snap.status !== 'ready')
+        throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${snap.status}`, { snapshot_id: snapshotId });
+      if (!snap.holders.includes(vm.host_id))
+        throw new ConflictError('SNAPSHOT_NOT_ON_HOST', `snapshot ${snapshotId} is not on host ${vm.host_id}, where vm ${vmId} runs`, {
+          snapshot_id: snapshotId,
+          host_id: vm.host_id,
+        });
+      const started = Date.now();
+      const agent = await this.hosts.agentFor(vm.host_id);
+      const info = await agent.restoreVm(sandboxName(vmId), { checkpoint_id: snapshotId });
+      const endpoints = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+      return this.run(
+        vmId,
+        { type: 'RestoreVm', data: { vm_id: vmId, snapshot_id: snapshotId, kind: snap.kind, endpoints, restore_ms: Date.now() - started } },
+        actor,
+      );
     });
   }
 

@@ -72,6 +72,16 @@ export type VmCommand =
       };
     }
   | {
+      readonly type: 'RestoreVm';
+      readonly data: {
+        readonly vm_id: string;
+        readonly snapshot_id: string;
+        readonly kind: 'disk' | 'live';
+        readonly endpoints: readonly Endpoint[];
+        readonly restore_ms: number;
+      };
+    }
+  | {
       readonly type: 'FailVm';
       readonly data: {
         readonly vm_id: string;
@@ -294,6 +304,18 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       ];
     }
 
+    case 'RestoreVm': {
+      const s = existing(state, vm_id);
+      if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'restore it', 'only a running VM can be restored');
+      const d = command.data;
+      return [
+        {
+          type: 'VmRestored',
+          data: { vm_id, snapshot_id: d.snapshot_id, kind: d.kind, endpoints: [...d.endpoints], restore_ms: d.restore_ms, at },
+        },
+      ];
+    }
+
     case 'FailVm': {
       const s = existing(state, vm_id);
       // A late failure report for a VM that already ended changes nothing.
@@ -394,6 +416,9 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         last_activity_at: d.at,
       };
     }
+    case 'VmRestored':
+      if (state.status !== 'running') return state;
+      return { ...state, endpoints: event.data.endpoints, last_activity_at: event.data.at };
     case 'VmFailed': {
       const d = event.data;
       return {

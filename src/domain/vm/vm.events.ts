@@ -156,6 +156,19 @@ export const vmResumedSchema = z.object({
   }),
 });
 
+/** Put back to one of its own snapshots on its host (a live one: its processes too); it runs on. */
+export const vmRestoredSchema = z.object({
+  type: z.literal('VmRestored'),
+  data: z.object({
+    vm_id: idSchema,
+    snapshot_id: z.string(),
+    kind: z.enum(['disk', 'live']),
+    endpoints: z.array(endpointSchema),
+    restore_ms: z.number().int().nonnegative(),
+    at,
+  }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -168,6 +181,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmMigratedSchema,
   vmPausedSchema,
   vmResumedSchema,
+  vmRestoredSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];

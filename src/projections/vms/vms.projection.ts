@@ -204,6 +204,9 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
           last_activity_at: at,
         });
         break;
+      case 'VmRestored':
+        Object.assign(row, { endpoints: e.data.endpoints, last_activity_at: at });
+        break;
       case 'VmFailed':
         Object.assign(row, {
           state: 'failed',
