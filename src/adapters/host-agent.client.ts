@@ -3,6 +3,8 @@ import type { z } from 'zod';
 import {
   AGENT_API_PREFIX,
   type AgentSpec,
+  type PauseVmRequest,
+  type RestoreVmRequest,
   type ArtifactMove,
   type ArtifactMoved,
   type AttachStart,
@@ -29,6 +31,7 @@ import {
   artifactMovedSchema,
   capacityResponseSchema,
   checkpointSchema,
+  pauseVmResponseSchema,
   deleteCheckpointResponseSchema,
   destroyVmResponseSchema,
   errorBodySchema,
@@ -409,6 +412,26 @@ export class HostAgentClient implements HostAgent {
       idempotent: false,
       opts: callOpts,
     });
+  }
+
+  pauseVm(name: string, req: PauseVmRequest = {}, opts?: CallOptions): Promise<{ vm: VmInfo; checkpoint: Checkpoint }> {
+    // A second pause answers the first's checkpoint: safe to retry.
+    return this.#call({
+      method: 'POST',
+      path: `/vms/${seg(name)}/pause`,
+      json: req,
+      schema: pauseVmResponseSchema,
+      idempotent: true,
+      opts,
+    });
+  }
+
+  resumeVm(name: string, opts?: CallOptions): Promise<VmInfo> {
+    return this.#call({ method: 'POST', path: `/vms/${seg(name)}/resume`, json: {}, schema: vmInfoSchema, idempotent: true, opts });
+  }
+
+  restoreVm(name: string, req: RestoreVmRequest, opts?: CallOptions): Promise<VmInfo> {
+    return this.#call({ method: 'POST', path: `/vms/${seg(name)}/restore`, json: req, schema: vmInfoSchema, idempotent: false, opts });
   }
 
   prune(opts?: CallOptions): Promise<PruneResponse> {

@@ -28,6 +28,8 @@ import { snapshotsProjection } from '../projections/snapshots/snapshots.projecti
 import * as snapshotQueries from '../projections/snapshots/snapshots.queries.js';
 import { SnapshotCommands } from '../commands/snapshot/snapshot-commands.js';
 import { ForkMigrate } from '../commands/migrate/fork-migrate.js';
+import { VmMemory } from '../commands/vm/vm-memory.js';
+import { vmMemoryRoutes } from './http/vm-memory.routes.js';
 import { snapshotRoutes } from './http/snapshots.routes.js';
 import { registerConsumerMetrics } from './http/consumer-metrics.js';
 import { countVmsByStateAndHost } from '../projections/vms/vms.queries.js';
@@ -202,6 +204,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     vms.ingress = ingress;
     const lifecycle = new VmLifecycle(handler, vms, hosts, logger.child({ component: 'lifecycle' }));
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
+    const memory = new VmMemory(handler, hosts, placer, vms, snapshots, logger.child({ component: 'memory' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
     metrics.gauge(
@@ -372,6 +375,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
           maxPerTenant: config.WEBHOOK_MAX_PER_TENANT,
           readYourWritesTimeoutMs: rywTimeout,
         }),
+        vmMemoryRoutes({ memory }),
       ],
     });
     closers.push(() => app.close());

@@ -1,6 +1,8 @@
 import type { HostMetricsResponse, LogsResponse, MetricsResponse } from '@fleet/agent-protocol';
 import type {
   AgentSpec,
+  PauseVmRequest,
+  RestoreVmRequest,
   ArtifactMove,
   ArtifactMoved,
   AttachStart,
@@ -100,6 +102,13 @@ export interface HostAgent {
   grantArtifact(snapshotId: string, ttlSeconds?: number, opts?: CallOptions): Promise<GrantResponse>;
   /** Asks THIS host to pull a snapshot from `move.from`, verify it and commit it atomically. */
   pullArtifact(move: ArtifactMove, opts?: CallOptions): Promise<ArtifactMoved>;
+
+  /** Memory checkpoint, then the sandbox's processes stop (state paused); MEMORY_CHECKPOINT_UNSUPPORTED without CRIU. */
+  pauseVm(name: string, req?: PauseVmRequest, opts?: CallOptions): Promise<{ vm: VmInfo; checkpoint: Checkpoint }>;
+  /** Resumes a paused sandbox where it stopped. Idempotent. */
+  resumeVm(name: string, opts?: CallOptions): Promise<VmInfo>;
+  /** Back to a checkpoint on this host (live: its processes resume; disk: a cold boot over its layer). */
+  restoreVm(name: string, req: RestoreVmRequest, opts?: CallOptions): Promise<VmInfo>;
 
   /** Reclaims leftovers (mounts, cgroups, links, dirs) no known sandbox owns. */
   prune(opts?: CallOptions): Promise<PruneResponse>;

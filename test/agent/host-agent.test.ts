@@ -79,6 +79,9 @@ async function readUntil(it: AsyncIterator<ServerFrame>, pattern: RegExp, ms = 1
   );
 }
 
+// These tests pin a host without memory checkpoints (test/agent/criu*.test.ts cover CRIU): a live request is filed as disk.
+process.env.CRIU_PATH = 'off';
+
 describe('host agent (real processes, process backend)', { timeout: 300_000 }, () => {
   let skip: string | undefined;
   let imageDir = '';

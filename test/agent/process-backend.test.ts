@@ -73,6 +73,9 @@ async function rejectsWithCode(p: Promise<unknown>, code: string): Promise<void>
   });
 }
 
+// These tests pin a host without memory checkpoints (test/agent/criu*.test.ts cover CRIU): a live request is filed as disk.
+process.env.CRIU_PATH = 'off';
+
 describe('process backend: pure parts', () => {
   test('Reserve honours a free hint, else takes the lowest free address; MAC is deterministic', () => {
     const subnet = parseSubnet('10.9.8.0/24');

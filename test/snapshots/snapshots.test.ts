@@ -36,6 +36,9 @@ function ok(r: Reply, status = 200): any {
   return r.body;
 }
 
+// These tests pin a host without memory checkpoints (test/agent/criu*.test.ts cover CRIU): a live request is filed as disk.
+process.env.CRIU_PATH = 'off';
+
 describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { timeout: 600_000 }, () => {
   let skip: string | undefined;
   let fleet: AgentFleet | undefined;

@@ -107,7 +107,7 @@ export type CapacityResponse = z.infer<typeof capacityResponseSchema>;
 
 // ---- VMs -------------------------------------------------------------------
 
-export const vmStateSchema = z.enum(['running', 'stopped']);
+export const vmStateSchema = z.enum(['running', 'stopped', 'paused']);
 export type VmState = z.infer<typeof vmStateSchema>;
 
 export const createVmRequestSchema = z
@@ -136,6 +136,8 @@ export const createVmRequestSchema = z
     net_raw: z.boolean().optional(),
     /** Outbound policy; absent: none, as before egress existed (the control plane always sends one; its API defaults to direct). */
     egress: agentEgressSchema.optional(),
+    /** Resume the processes of checkpoint_id (a live checkpoint) instead of booting its rootfs: a fork or a move. */
+    resume: z.boolean().optional(),
   })
   .refine((r) => !(r.image && r.checkpoint_id), { error: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
 export type CreateVmRequest = z.input<typeof createVmRequestSchema>;
@@ -326,6 +328,8 @@ export const checkpointSchema = z.object({
   /** Memory half of a live checkpoint: file name -> sha256. Empty for disk. */
   files: z.record(z.string(), z.string()).default({}),
   parent: z.string().optional(),
+  /** How long the guest was frozen for it (live checkpoints and pauses), when the agent measured it. */
+  pause_ms: z.number().int().nonnegative().optional(),
 });
 export type Checkpoint = z.infer<typeof checkpointSchema>;
 export const listCheckpointsResponseSchema = z.object({ checkpoints: z.array(checkpointSchema) });
@@ -420,3 +424,18 @@ export const networkReassertResponseSchema = z.object({
 export type NetworkReassertResponse = z.infer<typeof networkReassertResponseSchema>;
 
 export const healthResponseSchema = z.object({ ok: z.boolean(), version: z.string() });
+
+// ---- memory checkpoints (CRIU) -----------------------------------------------------
+
+/** `POST /v1/vms/:name/pause`: a memory checkpoint, then the sandbox's processes stop (its disk stays). */
+export const pauseVmRequestSchema = z.object({
+  /** Caller-chosen checkpoint id (the control plane's), else generated. */
+  id: checkpointIdSchema.optional(),
+  comment: z.string().max(1024).default('pause'),
+});
+export type PauseVmRequest = z.input<typeof pauseVmRequestSchema>;
+
+/** `POST /v1/vms/:name/restore`: back to a checkpoint on this host (live: processes resume; disk: a cold boot). */
+export const restoreVmRequestSchema = z.object({ checkpoint_id: checkpointIdSchema });
+export type RestoreVmRequest = z.input<typeof restoreVmRequestSchema>;
+export const pauseVmResponseSchema = z.object({ vm: vmInfoSchema, checkpoint: checkpointSchema });

@@ -51,5 +51,11 @@ export const hostCapacitySchema = z.object({
   mig_instances: z.array(migInstanceSchema).optional(),
   /** Per-device inventory: when non-empty, allocation binds device uuids instead of counting. */
   gpu_devices: z.array(gpuDeviceSchema).optional(),
+  /** Memory checkpoints (CRIU): live snapshots, pause and resume, fork and live moves of running sandboxes. */
+  live_snapshot: z.boolean().optional(),
+  /** Post-copy (lazy) restores. */
+  lazy_pages: z.boolean().optional(),
+  /** Memory dirty tracking, which diff snapshots need. */
+  memory_diff: z.boolean().optional(),
 });
 export type HostCapacity = z.infer<typeof hostCapacitySchema>;

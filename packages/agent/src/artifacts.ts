@@ -35,6 +35,7 @@ export function toWireCheckpoint(cp: Checkpoint, vmName?: string): WireCheckpoin
     image: cp.image,
     files: { ...cp.files },
     ...(cp.parent ? { parent: cp.parent } : {}),
+    ...(cp.pause_ms !== undefined ? { pause_ms: cp.pause_ms } : {}),
   };
 }
 

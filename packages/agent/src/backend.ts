@@ -44,6 +44,12 @@ import type { SandboxObserver } from './observe.js';
  *   <dataDir>/checkpoints/<id>/rootfs.tar
  *       GNU tar (with xattrs) of the sandbox's writable overlay layer, paths
  *       relative to the layer root ("./…"), overlay whiteouts included.
+ *   <dataDir>/checkpoints/<id>/criu-*      (kind "live" only)
+ *       The memory half: CRIU's image files under a `criu-` prefix, and
+ *       criu-fleet.json (what a restore needs besides them: the console's
+ *       CRIU id, the external mounts, the id block, address and hostname it
+ *       was taken under). Every one is in "files" with its sha256, so a move
+ *       verifies and commits them with the rootfs (see process/criu.ts).
  *
  * Only directories holding a manifest.json are checkpoints. To import a
  * pulled checkpoint: stream files into a directory under
@@ -155,6 +161,8 @@ export interface CreateSpec {
   readonly tenant: string;
   /** Honoured if free in the subnet, else the lowest free address. */
   readonly ipHint?: string;
+  /** With a live checkpointId: resume its processes (under this name, address and ids) instead of booting its rootfs. */
+  readonly resume?: boolean;
   readonly expose?: readonly ExposeSpec[];
   /** Environment for every spawn in this sandbox (spawn's env overrides it). */
   readonly env?: Readonly<Record<string, string>>;
@@ -164,7 +172,7 @@ export interface CreateSpec {
   readonly egress?: AgentEgress;
 }
 
-export type SandboxState = 'running' | 'stopped';
+export type SandboxState = 'running' | 'stopped' | 'paused';
 
 export interface SandboxInfo {
   readonly name: string;
@@ -239,6 +247,8 @@ export interface Checkpoint {
   /** Memory files (name → hex sha256); {} for disk. */
   readonly files: Readonly<Record<string, string>>;
   readonly parent: string;
+  /** How long the guest was frozen for it, when measured (live checkpoints, pauses). */
+  readonly pause_ms?: number;
   /** Image the layer sits on; restore needs it on the target host. */
   readonly image: string;
 }
@@ -323,6 +333,12 @@ export interface Backend {
    */
   readGuestFile(name: string, guestPath: string): Promise<{ path: string; size: number; stream: Readable; done: Promise<void> }>;
   checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint>;
+  /** Memory checkpoint, then the processes stop; state `paused` (MEMORY_CHECKPOINT_UNSUPPORTED without criu). Idempotent. */
+  pause(name: string, opts?: { id?: string; comment?: string }): Promise<Checkpoint>;
+  /** Resumes a paused sandbox from its pause checkpoint. Idempotent. */
+  resume(name: string): Promise<SandboxInfo>;
+  /** Back to a checkpoint on this host: live resumes its processes, disk boots afresh over its layer. */
+  restoreCheckpoint(name: string, checkpointId: string): Promise<SandboxInfo>;
   /** The writable layer's usage, and the expected size of a checkpoint of it. */
   layerUsage(name: string): Promise<LayerUsageReport>;
   listCheckpoints(): Promise<Checkpoint[]>;

@@ -12,6 +12,7 @@ import { registerHostRoutes } from './routes/host.routes.js';
 import { registerVmRoutes } from './routes/vms.routes.js';
 import { registerObserveRoutes } from './routes/observe.routes.js';
 import { registerEgressRoutes } from './routes/egress.routes.js';
+import { registerMemoryRoutes } from './routes/memory.routes.js';
 
 export type { AgentAppConfig } from './routes/context.js';
 
@@ -104,6 +105,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   registerCheckpointRoutes(app, ctx);
   registerObserveRoutes(app, ctx);
   registerEgressRoutes(app, ctx);
+  registerMemoryRoutes(app, ctx);
 
   return app;
 }

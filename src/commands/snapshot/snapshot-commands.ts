@@ -148,6 +148,14 @@ export class SnapshotCommands implements SeedArtifacts {
     const hostId = vm.host_id;
     const { state: host } = await this.hosts.load(hostId);
     const arch = host.status === 'unregistered' ? '' : (host.capacity.arch ?? '');
+    // A diff needs the host to track which memory pages changed; never a silent full snapshot in its place.
+    if (req.diff && (host.status === 'unregistered' || host.capacity.memory_diff !== true)) {
+      throw new ConflictError(
+        'MEMORY_DIFF_UNSUPPORTED',
+        `host ${hostId} cannot track memory changes (no soft-dirty bits in its kernel), so it cannot take a diff snapshot; ask for a full live snapshot (live: true without diff)`,
+        { vm_id: vmId, host_id: hostId },
+      );
+    }
     const snapshotId = `snap-${randomBytes(10).toString('hex')}`;
     // A layer is filed under the caller's tenant (from its key) so a later build of the same tenant can hit;
     // every other snapshot belongs to its VM's tenant.
@@ -225,7 +233,14 @@ export class SnapshotCommands implements SeedArtifacts {
         snapshotId,
         {
           type: 'CompleteSnapshot',
-          data: { snapshot_id: snapshotId, digest: cp.digest, size_bytes: cp.size_bytes, kind: cp.kind, files: cp.files },
+          data: {
+            snapshot_id: snapshotId,
+            digest: cp.digest,
+            size_bytes: cp.size_bytes,
+            kind: cp.kind,
+            files: cp.files,
+            ...(cp.pause_ms !== undefined ? { pause_ms: cp.pause_ms } : {}),
+          },
         },
         actor,
       );

@@ -22,6 +22,7 @@ export type SnapshotCommand =
         size_bytes: number;
         kind: SnapshotKind;
         files?: Record<string, string> | undefined;
+        pause_ms?: number | undefined;
       };
     }
   | { readonly type: 'FailSnapshot'; readonly data: { snapshot_id: string; error: string; error_code?: string | undefined } }
@@ -115,6 +116,7 @@ export function decideSnapshot(command: SnapshotCommand, state: SnapshotAggregat
             size_bytes: d.size_bytes,
             kind: d.kind,
             files: d.files && Object.keys(d.files).length ? d.files : undefined,
+            pause_ms: d.pause_ms,
             at,
           }),
         },

@@ -65,6 +65,8 @@ export const snapshotTakenSchema = z.object({
     /** From the agent's answer, never from the request. */
     kind: snapshotKindSchema,
     files: z.record(z.string(), z.string()).optional(),
+    /** How long the guest was frozen for it (a live snapshot's pause window), as the agent measured it. */
+    pause_ms: z.number().int().nonnegative().optional(),
     at,
   }),
 });

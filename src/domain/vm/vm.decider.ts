@@ -72,6 +72,31 @@ export type VmCommand =
       };
     }
   | {
+      readonly type: 'PauseVm';
+      readonly data: { readonly vm_id: string; readonly checkpoint_id: string; readonly pause_ms: number };
+    }
+  | {
+      readonly type: 'ResumeVm';
+      readonly data: {
+        readonly vm_id: string;
+        readonly host_id: string;
+        readonly decision: PlacementDecision;
+        readonly reservation: VmReservation;
+        readonly endpoints: readonly Endpoint[];
+        readonly resume_ms: number;
+      };
+    }
+  | {
+      readonly type: 'RestoreVm';
+      readonly data: {
+        readonly vm_id: string;
+        readonly snapshot_id: string;
+        readonly kind: 'disk' | 'live';
+        readonly endpoints: readonly Endpoint[];
+        readonly restore_ms: number;
+      };
+    }
+  | {
       readonly type: 'FailVm';
       readonly data: {
         readonly vm_id: string;
@@ -133,6 +158,14 @@ export type VmState =
   | (VmCore & Placed & { readonly status: 'placed' })
   | (VmCore & Placed & { readonly status: 'booting' })
   | (VmCore & Placed & Booted & { readonly status: 'running' })
+  | (VmCore &
+      Placed &
+      Booted & {
+        readonly status: 'paused';
+        readonly checkpoint_id: string;
+        /** How long it had run when paused: a resume counts max_runtime on from there, not from zero. */
+        readonly ran_ms: number;
+      })
   | (VmCore & { readonly status: 'destroying'; readonly destroy_reason: VmEndReason })
   | (VmCore & { readonly status: 'destroyed'; readonly reason: VmEndReason })
   | (VmCore & {
@@ -248,6 +281,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
         case 'placed':
         case 'booting':
         case 'running':
+        case 'paused':
           return [{ type: 'VmDestroyRequested', data: { vm_id, reason, at } }];
         default:
           return assertNever(s, 'vm state');
@@ -283,11 +317,52 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       ];
     }
 
+    case 'PauseVm': {
+      const s = existing(state, vm_id);
+      if (s.status === 'paused') return [];
+      if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'pause it', 'only a running VM can be paused');
+      const d = command.data;
+      return [{ type: 'VmPaused', data: { vm_id, host_id: s.host_id, checkpoint_id: d.checkpoint_id, pause_ms: d.pause_ms, at } }];
+    }
+
+    case 'ResumeVm': {
+      const s = existing(state, vm_id);
+      if (s.status === 'running') return [];
+      if (s.status !== 'paused') throw new VmInvalidStateError(vm_id, s.status, 'resume it', 'only a paused VM can be resumed');
+      const d = command.data;
+      return [
+        {
+          type: 'VmResumed',
+          data: {
+            vm_id,
+            host_id: d.host_id,
+            decision: d.decision,
+            reservation: compact(d.reservation),
+            endpoints: [...d.endpoints],
+            resume_ms: d.resume_ms,
+            at,
+          },
+        },
+      ];
+    }
+
     case 'ChangeEgress': {
       const s = existing(state, vm_id);
       if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'change its network policy', 'it must be running');
       if (JSON.stringify(s.spec.egress) === JSON.stringify(command.data.egress)) return [];
       return [{ type: 'VmEgressChanged', data: { vm_id, egress: command.data.egress, at } }];
+    }
+
+    case 'RestoreVm': {
+      const s = existing(state, vm_id);
+      if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'restore it', 'only a running VM can be restored');
+      const d = command.data;
+      return [
+        {
+          type: 'VmRestored',
+          data: { vm_id, snapshot_id: d.snapshot_id, kind: d.kind, endpoints: [...d.endpoints], restore_ms: d.restore_ms, at },
+        },
+      ];
     }
 
     case 'FailVm': {
@@ -392,6 +467,38 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
       return { ...state, oom_kills: Math.max(state.oom_kills ?? 0, event.data.count) };
     case 'VmEgressChanged':
       return { ...state, spec: { ...state.spec, egress: event.data.egress } };
+    case 'VmPaused':
+      if (state.status !== 'running') return state;
+      return {
+        ...state,
+        status: 'paused',
+        checkpoint_id: event.data.checkpoint_id,
+        ran_ms: Math.max(0, Date.parse(event.data.at) - Date.parse(state.transitioned_at)),
+        transitioned_at: event.data.at,
+      };
+    case 'VmResumed': {
+      if (state.status !== 'paused') return state;
+      const d = event.data;
+      const { checkpoint_id: _gone, ran_ms, ...rest } = state;
+      return {
+        ...rest,
+        status: 'running',
+        host_id: d.host_id,
+        decision: d.decision,
+        reservation: d.reservation,
+        endpoints: d.endpoints,
+        // The running clock (max_runtime) goes on from where the pause stopped it.
+        transitioned_at: new Date(Date.parse(d.at) - ran_ms).toISOString(),
+        // A deadline (PATCH timeout_s or max_runtime) moves by the time spent paused.
+        timeout_at: state.timeout_at
+          ? new Date(Date.parse(state.timeout_at) + Math.max(0, Date.parse(d.at) - Date.parse(state.transitioned_at))).toISOString()
+          : undefined,
+        last_activity_at: d.at,
+      };
+    }
+    case 'VmRestored':
+      if (state.status !== 'running') return state;
+      return { ...state, endpoints: event.data.endpoints, last_activity_at: event.data.at };
     case 'VmFailed': {
       const d = event.data;
       return {

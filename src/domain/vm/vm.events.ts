@@ -9,11 +9,11 @@ import { metadataSchema, upgradeVmEventData, vmEndReasonSchema } from './vm.life
 
 export { vmEndReasonSchema, type VmEndReason } from './vm.lifecycle.js';
 
-export const vmStatusSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying', 'destroyed', 'failed']);
+export const vmStatusSchema = z.enum(['requested', 'placed', 'booting', 'running', 'paused', 'destroying', 'destroyed', 'failed']);
 export type VmStatus = z.infer<typeof vmStatusSchema>;
 
 /** Where a failed VM stopped: the non-terminal state it was in. */
-export const vmPhaseSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying']);
+export const vmPhaseSchema = z.enum(['requested', 'placed', 'booting', 'running', 'paused', 'destroying']);
 export type VmPhase = z.infer<typeof vmPhaseSchema>;
 
 export const endpointSchema = z.object({
@@ -153,10 +153,51 @@ export const vmOomKilledSchema = z.object({
   }),
 });
 
+/** Its processes were checkpointed (memory included) and stopped on its host; CPU and memory released, its disk kept there. */
+export const vmPausedSchema = z.object({
+  type: z.literal('VmPaused'),
+  data: z.object({
+    vm_id: idSchema,
+    host_id: idSchema,
+    /** The host's checkpoint the processes are in. */
+    checkpoint_id: z.string(),
+    /** How long the guest was frozen before it stopped, as the agent measured it. */
+    pause_ms: z.number().int().nonnegative(),
+    at,
+  }),
+});
+
 /** A running VM's outbound policy was replaced (PUT /v1/vms/:id/network); its host applied it first. */
 export const vmEgressChangedSchema = z.object({
   type: z.literal('VmEgressChanged'),
   data: z.object({ vm_id: idSchema, egress: egressSpecSchema, at }),
+});
+
+/** Its processes run again where they stopped, on `host_id` with a new reservation. */
+export const vmResumedSchema = z.object({
+  type: z.literal('VmResumed'),
+  data: z.object({
+    vm_id: idSchema,
+    host_id: idSchema,
+    decision: placementDecisionSchema,
+    reservation: vmReservationSchema,
+    endpoints: z.array(endpointSchema),
+    resume_ms: z.number().int().nonnegative(),
+    at,
+  }),
+});
+
+/** Put back to one of its own snapshots on its host (a live one: its processes too); it runs on. */
+export const vmRestoredSchema = z.object({
+  type: z.literal('VmRestored'),
+  data: z.object({
+    vm_id: idSchema,
+    snapshot_id: z.string(),
+    kind: z.enum(['disk', 'live']),
+    endpoints: z.array(endpointSchema),
+    restore_ms: z.number().int().nonnegative(),
+    at,
+  }),
 });
 
 export const vmEventSchema = z.discriminatedUnion('type', [
@@ -173,6 +214,9 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmMetadataSetSchema,
   vmOomKilledSchema,
   vmEgressChangedSchema,
+  vmPausedSchema,
+  vmResumedSchema,
+  vmRestoredSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -191,6 +235,8 @@ export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
 export type VmMetadataSet = z.infer<typeof vmMetadataSetSchema>;
 export type VmOomKilled = z.infer<typeof vmOomKilledSchema>;
 export type VmEgressChanged = z.infer<typeof vmEgressChangedSchema>;
+export type VmPaused = z.infer<typeof vmPausedSchema>;
+export type VmResumed = z.infer<typeof vmResumedSchema>;
 
 /**
  * Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID`

@@ -229,6 +229,27 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       case 'VmEgressChanged':
         row.spec = { ...(row.spec as Record<string, unknown>), egress: e.data.egress };
         break;
+      case 'VmPaused':
+        Object.assign(row, { state: 'paused', endpoints: [], state_changed_at: at });
+        break;
+      case 'VmResumed':
+        // The deadline moves by the time spent paused (state_changed_at is when the pause landed).
+        if (row.timeout_at && row.state === 'paused') {
+          const pausedMs = Math.max(0, at.getTime() - new Date(row.state_changed_at).getTime());
+          row.timeout_at = new Date(new Date(row.timeout_at).getTime() + pausedMs).toISOString();
+        }
+        Object.assign(row, {
+          state: 'running',
+          host_id: e.data.host_id,
+          placement: e.data.decision,
+          endpoints: e.data.endpoints,
+          state_changed_at: at,
+          last_activity_at: at,
+        });
+        break;
+      case 'VmRestored':
+        Object.assign(row, { endpoints: e.data.endpoints, last_activity_at: at });
+        break;
       case 'VmFailed':
         Object.assign(row, {
           state: 'failed',

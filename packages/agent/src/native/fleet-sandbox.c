@@ -466,6 +466,12 @@ static int op_get(char **a) {
 
 static const int FORWARDED[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2, SIGPIPE, SIGALRM};
 
+static volatile pid_t forward_to;
+
+static void forward_signal(int sig) {
+  if (forward_to > 0 && kill(-forward_to, sig) < 0) kill(forward_to, sig);
+}
+
 static int cmd_enter(int argc, char **argv) {
   if (argc < 3) usage();
   int pid = atoi(argv[2]);
@@ -546,6 +552,9 @@ static int cmd_enter(int argc, char **argv) {
   if (child < 0) fail("fork", NULL);
   if (child == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    /* A session of the sandbox's own, not the caller's on the host (unless a terminal is to stay controlling):
+       what an exec leaves running is then wholly inside the sandbox, which a memory checkpoint (CRIU) requires. */
+    if (!isatty(0) && setsid() < 0) fail("setsid", NULL);
     sigprocmask(SIG_SETMASK, &old, NULL);
     /* Only stdio: exec (libuv's too) passes on whatever the host side inherited without O_CLOEXEC. */
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
@@ -559,8 +568,10 @@ static int cmd_enter(int argc, char **argv) {
     dprintf(2, "fleet-sandbox: %s: %s\n", rest[0], strerror(e));
     _exit(e == ENOENT ? 127 : 126);
   }
-  /* The host side stays out of the way: the guest decides how it reacts to a signal. */
-  for (size_t s = 0; s < sizeof FORWARDED / sizeof FORWARDED[0]; s++) signal(FORWARDED[s], SIG_IGN);
+  /* The host side stays out of the way: the guest decides how it reacts to a signal, which reaches the child's
+     group (its own session's, without a terminal) as it used to reach this one's. */
+  forward_to = child;
+  for (size_t s = 0; s < sizeof FORWARDED / sizeof FORWARDED[0]; s++) signal(FORWARDED[s], forward_signal);
   sigprocmask(SIG_SETMASK, &old, NULL);
   int status;
   while (waitpid(child, &status, 0) < 0) {

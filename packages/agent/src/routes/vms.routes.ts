@@ -35,6 +35,7 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
       ...(spec.ip_hint ? { ipHint: spec.ip_hint } : {}),
       ...(spec.net_raw ? { net_raw: true } : {}),
       ...(spec.egress ? { egress: spec.egress } : {}),
+      ...(spec.resume ? { resume: true } : {}),
     });
     return reply.code(201).send(toVmInfo(info));
   });

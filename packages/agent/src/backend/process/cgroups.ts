@@ -65,6 +65,11 @@ export class Cgroups {
     return { cpu: dir('cpu'), memory: dir('memory'), pids: dir('pids'), freezer: dir('freezer') };
   }
 
+  /** The group that freezes the sandbox (CRIU's --freeze-cgroup). */
+  freezerDir(name: string): string {
+    return this.version === 2 ? join(this.root, this.parent, name) : join(this.root, 'freezer', this.parent, name);
+  }
+
   /** The files a process writes its pid to, to join the group (all of them, in order). */
   procsFiles(name: string): string[] {
     // cpuacct only where it exists: a sandbox created before it was joined has none, and joining a missing group fails.

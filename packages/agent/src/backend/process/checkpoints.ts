@@ -8,6 +8,7 @@ import { pipeline } from 'node:stream/promises';
 import { z } from 'zod';
 import { AppError, describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 import { BackendErrorCode, checkpointNotFound, invalidSpec, sandboxFailed, type Checkpoint } from '../../backend.js';
+import { CRIU_META, MEMORY_FILE_PREFIX, type CriuMeta } from './criu.js';
 
 /**
  * Disk checkpoints: `<dataDir>/checkpoints/<id>/{manifest.json,rootfs.tar}`
@@ -135,7 +136,18 @@ export class CheckpointStore {
    * Past `maxBytes` the archive is abandoned (CHECKPOINT_TOO_LARGE) before it
    * takes more of the host's disk.
    */
-  async write(upperDir: string, meta: { id?: string; comment: string; image: string; now: Date; maxBytes?: number }): Promise<Checkpoint> {
+  async write(
+    upperDir: string,
+    meta: {
+      id?: string;
+      comment: string;
+      image: string;
+      now: Date;
+      maxBytes?: number;
+      /** Called once the rootfs is archived (the guest still frozen): dumps memory into a directory, moved in here. */
+      memory?: () => Promise<{ dir: string; meta: CriuMeta }>;
+    },
+  ): Promise<Checkpoint> {
     const id = meta.id ?? `ckpt-${meta.now.getTime().toString(36)}-${randomBytes(6).toString('hex')}`;
     validateCheckpointId(id);
     if (
@@ -181,15 +193,32 @@ export class CheckpointStore {
       }
       const code = await exit;
       if (code !== 0) throw sandboxFailed(`tar of the writable layer failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
+      // The memory half (a CRIU dump): moved in beside the rootfs, each file hashed, so it travels under the same grant.
+      const files: Record<string, string> = {};
+      if (meta.memory) {
+        const dump = await meta.memory();
+        try {
+          for (const name of await readdir(dump.dir)) {
+            if (name.endsWith('.log')) continue;
+            const target = `${MEMORY_FILE_PREFIX}${name}`;
+            await rename(join(dump.dir, name), join(tmp, target));
+            files[target] = (await this.hashFile(join(tmp, target))).digest;
+          }
+        } finally {
+          await rm(dump.dir, { recursive: true, force: true });
+        }
+        await writeFile(join(tmp, CRIU_META), JSON.stringify(dump.meta));
+        files[CRIU_META] = (await this.hashFile(join(tmp, CRIU_META))).digest;
+      }
       const checkpoint: Checkpoint = {
         id,
         comment: meta.comment,
-        kind: 'disk',
+        kind: meta.memory ? 'live' : 'disk',
         size_bytes: size,
         digest: hash.digest('hex'),
         created_at: meta.now.toISOString(),
         image: meta.image,
-        files: {},
+        files,
         parent: '',
       };
       await writeFile(join(tmp, MANIFEST), JSON.stringify(checkpoint, null, 2));

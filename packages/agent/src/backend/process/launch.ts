@@ -155,7 +155,7 @@ export interface Launched {
  * sandbox's last process is gone. Returns the write end (the caller closes
  * its copy once the init has it).
  */
-async function openConsoleWriter(logPath: string, max: number, busybox: string, owner: number): Promise<number> {
+export async function openConsoleWriter(logPath: string, max: number, busybox: string, owner: number): Promise<number> {
   const fifo = `${logPath}.fifo`;
   await rm(fifo, { force: true });
   await mustRun(busybox, ['mkfifo', '-m', '600', fifo]);

@@ -1,7 +1,8 @@
-import { existsSync } from 'node:fs';
-import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { spawn } from 'node:child_process';
+import { closeSync, existsSync, fchownSync } from 'node:fs';
+import { chmod, mkdir, readdir, readFile, readlink, rename, rm, writeFile } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
-import { join, resolve } from 'node:path';
+import { dirname, join, resolve } from 'node:path';
 import { Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
@@ -32,10 +33,20 @@ import { resolveImage } from '../../images.js';
 import { probeCapacity, withoutDevices } from '../host-capacity.js';
 import { Cgroups } from './cgroups.js';
 import { CheckpointStore, expectedArchiveBytes } from './checkpoints.js';
-import { KeyedMutex, processStartTime, runTool, sleep } from './exec-util.js';
+import { KeyedMutex, mustRun, processStartTime, runTool, sleep } from './exec-util.js';
+import {
+  CRIU_META,
+  criuMetaSchema,
+  detectCriu,
+  dumpTree,
+  installNetnsHook,
+  restoreTree,
+  type CriuFeatures,
+  type CriuMeta,
+} from './criu.js';
 import { resolveInRoot } from './guest-path.js';
 import { Spawner, spawnPiped, spawnPty } from './guest-process.js';
-import { enterArgv, findHostTools, launchInit, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
+import { enterArgv, findHostTools, launchInit, openConsoleWriter, USERNS_SIZE, type EnterOp, type HostTools } from './launch.js';
 import { encodeGuestEnv, ensureSandboxHelper } from '../../native/helper.js';
 import { Firewall, type FirewallState } from './firewall.js';
 import {
@@ -158,6 +169,7 @@ const createSpecSchema = z.object({
   storage_gb: z.number().int().min(0).max(65536).optional(),
   tenant: z.string().regex(tenantRe, 'a tenant id is 1-63 of [a-z0-9_-], starting with a letter or digit'),
   ipHint: z.string().optional(),
+  resume: z.boolean().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
   env: z
     .record(
@@ -173,7 +185,7 @@ const createSpecSchema = z.object({
 const persistedSchema = z.object({
   version: z.literal(1),
   name: z.string(),
-  status: z.enum(['creating', 'running']),
+  status: z.enum(['creating', 'running', 'paused']),
   tenant: z.string(),
   image: z.string(),
   checkpoint_id: z.string(),
@@ -198,6 +210,8 @@ const persistedSchema = z.object({
   host_ports: z.array(z.number()),
   /** Absent in state written before egress: none, what those sandboxes had. */
   egress: sandboxEgressSchema.default(NO_EGRESS),
+  /** While paused: the memory checkpoint its processes are in (resume restores it). */
+  paused_checkpoint: z.string().default(''),
 });
 type Persisted = z.output<typeof persistedSchema>;
 
@@ -253,6 +267,10 @@ export class ProcessBackend implements Backend {
   /** Metrics, OOM kills and kept console logs (monitor.ts). */
   readonly observer: SandboxMonitor;
   private readonly egress: EgressHost;
+  private criu: CriuFeatures | null = null;
+  private criuHook = '';
+  /** Staging entries a dump or restore is using now: prune leaves them. */
+  private readonly scratch = new Set<string>();
 
   private constructor(
     private readonly opts: z.output<typeof optionsSchema>,
@@ -319,6 +337,15 @@ export class ProcessBackend implements Backend {
     const firewall = await Firewall.open(opts.bridgePrefix);
     const backend = new ProcessBackend(opts, subnet, cgroups, tools, firewall, logger);
     await backend.checkpoints.init();
+    const found = await detectCriu();
+    backend.criu = found.features;
+    if (found.features) {
+      backend.criuHook = await installNetnsHook(join(opts.dataDir, 'runtime-helper'));
+      logger?.info(
+        { criu: found.features.path, version: found.features.version, notes: found.features.notes },
+        'criu found: memory checkpoints on',
+      );
+    } else logger?.info({ reason: found.reason }, 'no usable criu: checkpoints are disk only');
     await backend.recover();
     backend.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) =>
       logger?.warn({ err }, 'exec spawner'),
@@ -356,9 +383,16 @@ export class ProcessBackend implements Backend {
       );
     }
     // Sandbox disks are preallocated, so free space already lacks them, and placement subtracts each VM's storage_gb
-    // again: a probe while sandboxes run must not count them twice.
-    const held = [...this.records.values()].reduce((n, r) => n + r.state.storage_gb, 0);
-    return { ...cap, storage_gb: cap.storage_gb + held };
+    // again: a probe while sandboxes run must not count them twice. A paused sandbox has no reservation: its disk stays
+    // counted here, as used space.
+    const held = [...this.records.values()].filter((r) => r.state.status !== 'paused').reduce((n, r) => n + r.state.storage_gb, 0);
+    return {
+      ...cap,
+      storage_gb: cap.storage_gb + held,
+      live_snapshot: this.criu?.liveSnapshot ?? false,
+      lazy_pages: this.criu?.lazyPages ?? false,
+      memory_diff: this.criu?.memoryDiff ?? false,
+    };
   }
 
   async create(input: CreateSpec): Promise<SandboxInfo> {
@@ -383,6 +417,16 @@ export class ProcessBackend implements Backend {
         }
         image = cp.image;
         checkpointId = cp.id;
+        if (spec.resume) {
+          this.requireCriu();
+          if (cp.kind !== 'live') {
+            throw new AppError('CHECKPOINT_NOT_LIVE', 409, `checkpoint "${cp.id}" holds no memory: it can boot a sandbox, not resume one`, {
+              id: cp.id,
+            });
+          }
+        }
+      } else if (spec.resume) {
+        throw invalidSpec('resume needs a checkpointId (a live checkpoint)', [{ path: 'resume', message: 'needs checkpointId' }]);
       }
       const imagePath = await resolveImage(this.opts.imageDir, image);
       // From here to records.set nothing awaits: the name, the slot and the address are taken atomically.
@@ -424,6 +468,7 @@ export class ProcessBackend implements Backend {
         expose: spec.expose ?? [],
         host_ports: [],
         egress: spec.egress ?? NO_EGRESS,
+        paused_checkpoint: '',
       };
       Object.assign(state.env, this.egress.guestEnv(state.egress, ip));
       const record: SandboxRecord = { state, proxies: [] };
@@ -453,42 +498,14 @@ export class ProcessBackend implements Backend {
         // The rules for this sandbox's bridge and port exist before either does.
         await firewallReady;
         mark('firewall');
-        await this.locks.run(`br:${state.bridge}`, async () => {
-          // Three ip(8) runs cost tens of ms on a busy host; skip them for a bridge this process set up and that still exists.
-          if (
-            this.bridgesReady.has(state.bridge) &&
-            (await bridgeForwarding(state.bridge).catch(() => null)) === this.forwardingOf(state.bridge)
-          )
-            return;
-          const fresh =
-            !this.bridgesReady.has(state.bridge) &&
-            ![...this.records.values()].some((r) => r !== record && r.state.bridge === state.bridge && r.state.init_pid > 0);
-          await ensureBridge(state.bridge, this.subnet, { fresh });
-          this.bridgesReady.add(state.bridge);
-        });
+        // Three ip(8) runs cost tens of ms on a busy host: readyBridge skips them for a bridge this process set up.
+        await this.readyBridge(record);
         await this.syncBridgeForwarding(state.bridge);
         if (usesAgentProxy(state.egress)) await this.egress.ensureProxy();
         mark('bridge');
-        const launched = await launchInit({
-          imageDir: imagePath,
-          upper: layer.upper,
-          work: layer.work,
-          rootMount: join(dir, 'root'),
-          hostname: spec.name,
-          uidBase: state.uid_base,
-          cgroupProcs: this.cgroups.procsFiles(spec.name),
-          consoleLog: join(dir, 'console.log'),
-          consoleLogMaxBytes: this.opts.consoleLogMaxBytes,
-          address: `${ip}/${this.subnet.prefixLen}`,
-          gateway: this.subnet.gateway,
-          tools: this.tools,
-          netRaw: state.net_raw,
-          // A concurrent teardown never deletes this bridge: this record, on it, is already in `records`.
-          attachNetwork: (nsPid) => attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip, mac, subnet: this.subnet }),
-        });
+        if (spec.resume) await this.restoreInto(record, await this.checkpoints.get(checkpointId));
+        else await this.launch(record, imagePath);
         mark('init');
-        state.init_pid = launched.initPid;
-        state.init_start = launched.initStart;
         await this.persist(state);
         mark('network');
         await this.publish(record);
@@ -510,13 +527,16 @@ export class ProcessBackend implements Backend {
   }
 
   async get(name: string): Promise<SandboxInfo> {
+    const r = this.records.get(name);
+    // A paused sandbox exists (its disk, its checkpoint): it can be read and destroyed, not entered.
+    if (r?.state.status === 'paused') return this.info(r);
     return this.info(this.must(name));
   }
 
   async list(prefix = ''): Promise<SandboxInfo[]> {
     const out: SandboxInfo[] = [];
     for (const r of this.records.values()) {
-      if (r.state.status === 'running' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
+      if (r.state.status !== 'creating' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
     }
     return out.sort((a, b) => a.name.localeCompare(b.name));
   }
@@ -710,16 +730,11 @@ export class ProcessBackend implements Backend {
     const record = this.must(name);
     return this.locks.run(`sb:${name}`, async () => {
       const running = await this.isAlive(record.state);
+      const memory = opts.live === true && running && this.criu !== null;
+      const t0 = performance.now();
+      let thawedAt: number | undefined;
       // Frozen while archived, so the layer is one instant of the guest, not a smear across the copy.
-      if (running) {
-        try {
-          await this.cgroups.setFrozen(name, true);
-        } catch (err) {
-          // Never leave the guest half-frozen (FREEZING) because the freeze did not settle.
-          await this.cgroups.setFrozen(name, false).catch(() => undefined);
-          throw sandboxFailed(`could not freeze sandbox "${name}" for a consistent checkpoint: ${(err as Error).message}`, { name }, err);
-        }
-      }
+      if (running) await this.freeze(name);
       try {
         const cp = await this.checkpoints.write(layerDirs(this.sandboxDir(name), record.state.storage_gb).upper, {
           ...(opts.id ? { id: opts.id } : {}),
@@ -727,17 +742,317 @@ export class ProcessBackend implements Backend {
           comment: opts.comment ?? '',
           image: record.state.image,
           now: new Date(),
+          // Still frozen: CRIU takes the same instant (--freeze-cgroup leaves it frozen), then the guest runs on.
+          ...(memory
+            ? {
+                memory: async () => {
+                  try {
+                    return await this.dumpMemory(record, true);
+                  } finally {
+                    await this.cgroups.setFrozen(name, false);
+                    thawedAt = performance.now();
+                  }
+                },
+              }
+            : {}),
         });
-        if (opts.live)
-          this.log?.info(
-            { sandbox: name, checkpoint: cp.id },
-            'live checkpoint requested: the process backend cannot capture memory, took a disk checkpoint',
-          );
-        return cp;
+        if (opts.live && !memory)
+          this.log?.info({ sandbox: name, checkpoint: cp.id }, 'live checkpoint requested without criu: took a disk checkpoint');
+        return { ...cp, pause_ms: running ? Math.round((thawedAt ?? performance.now()) - t0) : 0 };
       } finally {
-        if (running) await this.cgroups.setFrozen(name, false);
+        if (running && thawedAt === undefined) await this.cgroups.setFrozen(name, false);
       }
     });
+  }
+
+  private async freeze(name: string): Promise<void> {
+    try {
+      await this.cgroups.setFrozen(name, true);
+    } catch (err) {
+      // Never leave the guest half-frozen (FREEZING) because the freeze did not settle.
+      await this.cgroups.setFrozen(name, false).catch(() => undefined);
+      throw sandboxFailed(`could not freeze sandbox "${name}" for a consistent checkpoint: ${(err as Error).message}`, { name }, err);
+    }
+  }
+
+  private requireCriu(): CriuFeatures {
+    if (!this.criu) {
+      throw new AppError(
+        'MEMORY_CHECKPOINT_UNSUPPORTED',
+        409,
+        'this host cannot checkpoint memory (no working criu: set CRIU_PATH or install criu >= 4.0)',
+      );
+    }
+    return this.criu;
+  }
+
+  /** CRIU dump of the sandbox's tree into a scratch directory (leaveRunning: its cgroup is frozen and stays so). */
+  private async dumpMemory(record: SandboxRecord, leaveRunning: boolean): Promise<{ dir: string; meta: CriuMeta }> {
+    const s = record.state;
+    const entry = `.criu-${s.name}-${randomBytes(4).toString('hex')}`;
+    const dir = join(this.checkpoints.staging, entry);
+    // Until the checkpoint writer has moved the files out (it removes the directory).
+    this.scratch.add(entry);
+    setTimeout(() => this.scratch.delete(entry), 30 * 60_000).unref();
+    try {
+      const res = await dumpTree(this.requireCriu(), {
+        initPid: s.init_pid,
+        dir,
+        leaveRunning,
+        freezerDir: this.cgroups.freezerDir(s.name),
+        uidBase: s.uid_base,
+        ip: s.ip,
+        hostname: s.name,
+      });
+      this.log?.info({ sandbox: s.name, frozen_ms: res.frozenMs, pages: res.pagesWritten, leave_running: leaveRunning }, 'criu dump');
+      return { dir, meta: res.meta };
+    } catch (err) {
+      await rm(dir, { recursive: true, force: true });
+      throw err;
+    }
+  }
+
+  /**
+   * Takes a memory checkpoint and stops the sandbox: its processes are gone,
+   * its CPU and memory free, its disk and layer kept (state `paused`) until
+   * resume() or destroy(). The checkpoint is an ordinary live one: it can be
+   * moved, and restored under another name elsewhere (create with resume).
+   */
+  async pause(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
+    this.requireCriu();
+    const record = this.records.get(name);
+    if (!record) throw sandboxNotFound(name);
+    return this.locks.run(`sb:${name}`, async () => {
+      const s = record.state;
+      if (s.status === 'paused') return { ...(await this.checkpoints.get(s.paused_checkpoint)), pause_ms: 0 };
+      if (s.status !== 'running' || !(await this.isAlive(s))) throw sandboxNotRunning(name);
+      const t0 = performance.now();
+      await this.freeze(name);
+      const progress = { dumped: false };
+      let cp: Checkpoint;
+      try {
+        cp = await this.checkpoints.write(layerDirs(this.sandboxDir(name), s.storage_gb).upper, {
+          ...(opts.id ? { id: opts.id } : {}),
+          comment: opts.comment ?? 'pause',
+          image: s.image,
+          now: new Date(),
+          memory: async () => {
+            const d = await this.dumpMemory(record, false);
+            progress.dumped = true;
+            return d;
+          },
+        });
+      } catch (err) {
+        // A failed dump leaves the tree running (CRIU resumes it); thaw it, nothing else changed.
+        if (!progress.dumped) await this.cgroups.setFrozen(name, false).catch(() => undefined);
+        else this.log?.error({ err, sandbox: name }, 'the sandbox was dumped but its checkpoint could not be kept');
+        throw err;
+      }
+      const pauseMs = Math.round(performance.now() - t0);
+      await this.unpublish(record);
+      await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
+      // Killed by criu: the (empty) group is thawed for whoever joins it next.
+      await this.cgroups.setFrozen(name, false).catch(() => undefined);
+      s.status = 'paused';
+      s.paused_checkpoint = cp.id;
+      s.init_pid = 0;
+      s.init_start = '';
+      await this.persist(s);
+      this.log?.info({ sandbox: name, checkpoint: cp.id, pause_ms: pauseMs }, 'sandbox paused');
+      return { ...cp, pause_ms: pauseMs };
+    });
+  }
+
+  /** Restores a paused sandbox from its pause checkpoint (idempotent: a running one is answered as it is). */
+  async resume(name: string): Promise<SandboxInfo> {
+    const record = this.records.get(name);
+    if (!record) throw sandboxNotFound(name);
+    return this.locks.run(`sb:${name}`, async () => {
+      const s = record.state;
+      if (s.status === 'running') return this.info(record);
+      if (s.status !== 'paused') throw sandboxNotRunning(name);
+      const cp = await this.checkpoints.get(s.paused_checkpoint);
+      await this.restoreInto(record, cp);
+      const old = s.paused_checkpoint;
+      s.status = 'running';
+      s.paused_checkpoint = '';
+      await this.persist(s);
+      await this.publish(record);
+      await this.persist(s);
+      await this.checkpoints
+        .delete(old)
+        .catch((err: unknown) => this.log?.warn({ err, checkpoint: old }, 'could not remove the pause checkpoint'));
+      return this.info(record);
+    });
+  }
+
+  /**
+   * Puts a sandbox (running or paused) back to a checkpoint: its processes
+   * are ended, its layer replaced by the checkpoint's; a live checkpoint
+   * then resumes its processes (any sandbox's, under this one's name,
+   * address and ids), a disk one boots the image afresh.
+   */
+  async restoreCheckpoint(name: string, checkpointId: string): Promise<SandboxInfo> {
+    const record = this.records.get(name);
+    if (!record || record.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`sb:${name}`, async () => {
+      const s = record.state;
+      const cp = await this.checkpoints.get(checkpointId);
+      if (cp.image !== s.image) {
+        throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", the sandbox on "${s.image}"`, [
+          { path: 'checkpoint_id', message: 'another image' },
+        ]);
+      }
+      if (cp.kind === 'live') this.requireCriu();
+      await this.unpublish(record);
+      if (await this.isAlive(s)) await this.killInit(s);
+      await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
+      const layer = layerDirs(this.sandboxDir(name), s.storage_gb);
+      for (const d of [layer.upper, layer.work]) {
+        await rm(d, { recursive: true, force: true });
+        await mkdir(d, { recursive: true });
+      }
+      await this.checkpoints.extract(cp.id, layer.upper);
+      if (cp.kind === 'live') await this.restoreInto(record, cp);
+      else await this.launch(record, await resolveImage(this.opts.imageDir, s.image));
+      const paused = s.paused_checkpoint;
+      s.status = 'running';
+      s.paused_checkpoint = '';
+      s.checkpoint_id = cp.id;
+      await this.persist(s);
+      await this.publish(record);
+      await this.persist(s);
+      if (paused && paused !== cp.id) await this.checkpoints.delete(paused).catch(() => undefined);
+      return this.info(record);
+    });
+  }
+
+  private async killInit(s: Persisted): Promise<void> {
+    try {
+      process.kill(s.init_pid, 'SIGKILL');
+    } catch {
+      /* gone */
+    }
+    for (let i = 0; i < 500 && (await this.isAlive(s)); i++) await sleep(5);
+    if (await this.isAlive(s)) throw sandboxFailed(`init ${s.init_pid} survived SIGKILL for 2.5 s`);
+  }
+
+  /**
+   * CRIU restore of a live checkpoint as this record (its name, address,
+   * MAC, veth, id block and cgroups, whatever the checkpoint's were): the
+   * overlay root is mounted for the restore in the agent's namespace from
+   * idmapped clones made against a throwaway user namespace with the
+   * record's id map, and detached once the restored namespace holds it.
+   */
+  private async restoreInto(record: SandboxRecord, cp: Checkpoint): Promise<void> {
+    const criu = this.requireCriu();
+    const s = record.state;
+    if (cp.kind !== 'live' || !(CRIU_META in cp.files)) {
+      throw new AppError('CHECKPOINT_NOT_LIVE', 409, `checkpoint "${cp.id}" holds no memory: it can boot a sandbox, not resume one`, {
+        id: cp.id,
+      });
+    }
+    const cpDir = this.checkpoints.path(cp.id);
+    const meta = criuMetaSchema.parse(JSON.parse(await readFile(join(cpDir, CRIU_META), 'utf8')));
+    const dir = this.sandboxDir(s.name);
+    const root = join(dir, 'root');
+    const layer = layerDirs(dir, s.storage_gb);
+    await this.firewall.apply(() => this.firewallState());
+    await this.readyBridge(record);
+    await deleteLink(s.veth);
+    await mkdir(root, { recursive: true });
+    const holder = spawn(this.tools.unshare, ['--user', '--', this.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
+    let consoleFd: number | undefined;
+    let mounted = false;
+    const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
+    this.scratch.add(scratch);
+    try {
+      const hpid = holder.pid;
+      if (hpid === undefined) throw sandboxFailed('could not start a user namespace for the restore');
+      const own = await readlink('/proc/self/ns/user');
+      for (let i = 0; i < 500 && (await readlink(`/proc/${hpid}/ns/user`).catch(() => own)) === own; i++) await sleep(2);
+      const map = `0 ${s.uid_base} ${USERNS_SIZE}\n`;
+      await writeFile(`/proc/${hpid}/uid_map`, map);
+      await writeFile(`/proc/${hpid}/gid_map`, map);
+      const imagePath = await resolveImage(this.opts.imageDir, s.image);
+      await mustRun(this.tools.helper, ['mount-root', String(hpid), String(s.uid_base), imagePath, dirname(layer.upper), root]);
+      mounted = true;
+      consoleFd = await openConsoleWriter(join(dir, 'console.log'), this.opts.consoleLogMaxBytes, this.tools.busybox, s.uid_base);
+      // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
+      fchownSync(consoleFd, s.uid_base, s.uid_base);
+      const pid = await restoreTree(
+        criu,
+        cpDir,
+        meta,
+        {
+          root,
+          cgroupProcs: this.cgroups.procsFiles(s.name),
+          uidBase: s.uid_base,
+          veth: s.veth,
+          bridge: s.bridge,
+          mac: s.mac,
+          ip: s.ip,
+          prefixLen: this.subnet.prefixLen,
+          gateway: this.subnet.gateway,
+          hostname: s.name,
+          consoleFd,
+          hook: this.criuHook,
+        },
+        join(this.checkpoints.staging, scratch),
+      );
+      const start = await processStartTime(pid);
+      if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
+      s.init_pid = pid;
+      s.init_start = start;
+      await hardenLink(s.veth, 'veth');
+    } finally {
+      if (consoleFd !== undefined) closeSync(consoleFd);
+      if (mounted) await runTool('umount', ['-l', root]);
+      holder.kill('SIGKILL');
+      this.scratch.delete(scratch);
+    }
+  }
+
+  private async readyBridge(record: SandboxRecord): Promise<void> {
+    const state = record.state;
+    await this.locks.run(`br:${state.bridge}`, async () => {
+      if (
+        this.bridgesReady.has(state.bridge) &&
+        (await bridgeForwarding(state.bridge).catch(() => null)) === this.forwardingOf(state.bridge)
+      )
+        return;
+      const fresh =
+        !this.bridgesReady.has(state.bridge) &&
+        ![...this.records.values()].some((r) => r !== record && r.state.bridge === state.bridge && r.state.init_pid > 0);
+      await ensureBridge(state.bridge, this.subnet, { fresh });
+      this.bridgesReady.add(state.bridge);
+    });
+  }
+
+  /** A cold start of the record's sandbox from its image over its layer. */
+  private async launch(record: SandboxRecord, imagePath: string): Promise<void> {
+    const state = record.state;
+    const dir = this.sandboxDir(state.name);
+    const layer = layerDirs(dir, state.storage_gb);
+    const launched = await launchInit({
+      imageDir: imagePath,
+      upper: layer.upper,
+      work: layer.work,
+      rootMount: join(dir, 'root'),
+      hostname: state.name,
+      uidBase: state.uid_base,
+      cgroupProcs: this.cgroups.procsFiles(state.name),
+      consoleLog: join(dir, 'console.log'),
+      consoleLogMaxBytes: this.opts.consoleLogMaxBytes,
+      address: `${state.ip}/${this.subnet.prefixLen}`,
+      gateway: this.subnet.gateway,
+      tools: this.tools,
+      netRaw: state.net_raw,
+      attachNetwork: (nsPid) =>
+        attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip: state.ip, mac: state.mac, subnet: this.subnet }),
+    });
+    state.init_pid = launched.initPid;
+    state.init_start = launched.initStart;
   }
 
   /** What the writable layer holds now, and what archiving it is expected to take (checked against quotas before archiving). */
@@ -794,6 +1109,8 @@ export class ProcessBackend implements Backend {
             this.log?.warn({ err, sandbox: name }, 'could not mount the sandbox disk'),
           );
         if (await this.isAlive(state)) {
+          // No freeze outlives the agent that took it: one killed mid-checkpoint left its guest frozen.
+          await this.cgroups.setFrozen(name, false).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not thaw'));
           await this.publish(record).catch((err: unknown) => this.log?.warn({ err, sandbox: name }, 'could not republish endpoints'));
           await this.persist(state);
         }
@@ -876,6 +1193,13 @@ export class ProcessBackend implements Backend {
       if (entry.startsWith('.tmp-') || entry.startsWith('.del-')) {
         await rm(join(this.checkpoints.dir, entry), { recursive: true, force: true });
         report.directories.push(join(this.checkpoints.dir, entry));
+      }
+    }
+    // CRIU dumps and restore scratch directories of an agent that died mid-way.
+    for (const entry of await readdir(this.checkpoints.staging).catch(() => [] as string[])) {
+      if ((entry.startsWith('.criu-') || entry.startsWith('.restore-')) && !this.scratch.has(entry)) {
+        await rm(join(this.checkpoints.staging, entry), { recursive: true, force: true });
+        report.directories.push(join(this.checkpoints.staging, entry));
       }
     }
     const prefix = this.opts.bridgePrefix;
@@ -1031,7 +1355,7 @@ export class ProcessBackend implements Backend {
     const alive = await this.isAlive(s);
     return {
       name: s.name,
-      state: alive ? 'running' : 'stopped',
+      state: s.status === 'paused' ? 'paused' : alive ? 'running' : 'stopped',
       tenant: s.tenant,
       image: s.image,
       checkpoint_id: s.checkpoint_id,
@@ -1143,6 +1467,7 @@ export class ProcessBackend implements Backend {
     if (s.storage_gb > 0 || existsSync(join(this.sandboxDir(s.name), DISK_IMAGE)))
       await step('disk', () => removeDisk(this.sandboxDir(s.name)));
     await step('logs', () => this.observer.keepLogs(s.name, this.sandboxDir(s.name)));
+    if (s.paused_checkpoint) await step('pause checkpoint', () => this.checkpoints.delete(s.paused_checkpoint));
     await step('directory', () => rm(this.sandboxDir(s.name), { recursive: true, force: true }));
     if (failures.length > 0) {
       this.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');

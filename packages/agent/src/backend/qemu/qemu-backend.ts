@@ -259,6 +259,18 @@ export class QemuBackend implements Backend {
 
   // ---- create ----
 
+  pause(_name: string): Promise<Checkpoint> {
+    return Promise.reject(unsupportedByQemu('pause (memory checkpoints)'));
+  }
+
+  resume(_name: string): Promise<SandboxInfo> {
+    return Promise.reject(unsupportedByQemu('resume (memory checkpoints)'));
+  }
+
+  restoreCheckpoint(_name: string, _checkpointId: string): Promise<SandboxInfo> {
+    return Promise.reject(unsupportedByQemu('restore in place'));
+  }
+
   setEgress(_name: string, _egress: AgentEgressParsed): Promise<SandboxInfo> {
     return Promise.reject(unsupportedByQemu('changing the outbound policy'));
   }

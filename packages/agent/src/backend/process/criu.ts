@@ -1,0 +1,455 @@
+import { spawn } from 'node:child_process';
+import { accessSync, constants as fsConstants, existsSync } from 'node:fs';
+import { chmod, link, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { delimiter, join } from 'node:path';
+import { z } from 'zod';
+import { AppError } from '@fleet/agent-protocol';
+import { sandboxFailed } from '../../backend.js';
+import { runTool } from './exec-util.js';
+
+/**
+ * Memory checkpoints of a sandbox with CRIU (criu.org): the sandbox's whole
+ * process tree (its pid, mount, uts, ipc and user namespaces, memory, file
+ * descriptors, listening and established TCP sockets, seccomp filters) is
+ * dumped from its init, and restored into a fresh pid namespace on this or
+ * another host, under the same name or a new one.
+ *
+ * What the sandbox layout needs from CRIU, and why each option is there:
+ * - `--empty-ns net`: the network namespace is not dumped; a restore makes an
+ *   empty one and our `setup-namespaces` action script gives it its eth0
+ *   (veth to the bridge), address, route and ping range from the host. CRIU
+ *   cannot recreate a veth whose peer is in the host namespace from inside the
+ *   sandbox's user namespace (netlink EPERM), and the address, MAC and veth of
+ *   a fork or a moved sandbox are new anyway.
+ * - `--external mnt[...]`: /dev/null & co. (and the /proc masks) are binds of
+ *   the host's devtmpfs; each is restored from `/dev` + its root in the
+ *   source's mountinfo, never from its own mount point (that would bind the
+ *   host's /proc/keys into the guest).
+ * - `--external file[mnt:ino]` + `--inherit-fd`: the init's stdout/stderr are
+ *   the console FIFO, whose reader lives on the host; a restore hands CRIU a
+ *   new FIFO with a new reader, owned by the sandbox's root (CRIU reopens it
+ *   from inside the user namespace).
+ * - the user namespace is restored from the image; a restore under another
+ *   id block rewrites the image's map (rewriteUsernsImage).
+ * - `--manage-cgroups=ignore`, with criu started inside the sandbox's cgroups:
+ *   the restored tree inherits them, whatever the names are now.
+ * - `--tcp-established`: connections survive a same-address restore; a
+ *   restore under another address uses `--tcp-close` instead.
+ *
+ * CRIU 4.1.1 needs a patch on Linux ≥ 6.16 to dump inet sockets at all
+ * (scripts/criu/criu-4.1.1-sockopt-6.16.patch); `criuSocketCheck` finds out.
+ */
+
+export interface CriuFeatures {
+  readonly path: string;
+  readonly version: string;
+  /** Live snapshots, pause/resume, fork and live moves of running sandboxes. */
+  readonly liveSnapshot: boolean;
+  /** Post-copy restores (userfaultfd for the restored, user-namespaced tasks). */
+  readonly lazyPages: boolean;
+  /** Memory dirty tracking (soft-dirty bits) for diff snapshots. */
+  readonly memoryDiff: boolean;
+  /** Why a feature is off, for the log. */
+  readonly notes: readonly string[];
+}
+
+export const MEMORY_FILE_PREFIX = 'criu-';
+export const CRIU_META = `${MEMORY_FILE_PREFIX}fleet.json`;
+
+/** What a restore needs to know about the dump besides CRIU's own images (criu-fleet.json, hashed like the rest). */
+export const criuMetaSchema = z.object({
+  version: z.literal(1),
+  /** The init's console FIFO as CRIU names it: file[<mnt_id hex>:<inode hex>]. */
+  console_id: z.string().regex(/^file\[[0-9a-f]+:[0-9a-f]+\]$/),
+  /** External mounts: CRIU key -> the host path they bind (always under /dev). */
+  mounts: z.record(
+    z.string().regex(/^[A-Za-z0-9_]+$/),
+    z
+      .string()
+      .regex(/^\/dev\/[A-Za-z0-9._-]+$/)
+      .refine((p) => !p.includes('..')),
+  ),
+  uid_base: z.number().int().positive(),
+  ip: z.string(),
+  hostname: z.string(),
+});
+export type CriuMeta = z.infer<typeof criuMetaSchema>;
+
+function findOnPath(name: string): string | null {
+  for (const dir of (process.env.PATH ?? '/usr/sbin:/usr/bin:/sbin:/bin').split(delimiter)) {
+    const p = join(dir, name);
+    try {
+      accessSync(p, fsConstants.X_OK);
+      return p;
+    } catch {
+      /* next */
+    }
+  }
+  for (const dir of ['/usr/local/sbin', '/usr/sbin', '/sbin']) if (existsSync(join(dir, name))) return join(dir, name);
+  return null;
+}
+
+/**
+ * CRIU_PATH, else `criu` on PATH; `criu check` must pass. null (with the
+ * reason) when there is none, or CRIU_PATH is `off`: the host then answers a
+ * live request with a disk checkpoint, as before.
+ */
+export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ features: CriuFeatures | null; reason: string }> {
+  if (envPath === 'off') return { features: null, reason: 'CRIU_PATH=off' };
+  const path = envPath && envPath.length > 0 ? envPath : findOnPath('criu');
+  if (!path) return { features: null, reason: 'no criu on PATH and CRIU_PATH unset' };
+  const env = { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' };
+  const check = await runTool(path, ['check'], { env, timeoutMs: 60_000 }).catch((err: unknown) => ({
+    code: -1,
+    stdout: '',
+    stderr: (err as Error).message,
+  }));
+  if (check.code !== 0) return { features: null, reason: `${path} check failed: ${(check.stderr || check.stdout).trim().slice(-300)}` };
+  const version = (await runTool(path, ['--version'], { env }).catch(() => ({ stdout: '' }))).stdout.match(/Version:\s*(\S+)/)?.[1] ?? '';
+  const feature = async (f: string): Promise<boolean> =>
+    (await runTool(path, ['check', '--feature', f], { env }).catch(() => ({ code: 1 }))).code === 0;
+  const notes: string[] = [];
+  const uffd = await feature('uffd-noncoop');
+  // The restored tasks open their userfaultfd themselves, as root of the sandbox's user namespace: the kernel
+  // refuses that unless unprivileged userfaultfd is allowed.
+  const unpriv = (await readFile('/proc/sys/vm/unprivileged_userfaultfd', 'utf8').catch(() => '0')).trim() === '1';
+  if (!uffd) notes.push('lazy pages off: the kernel has no non-cooperative userfaultfd');
+  else if (!unpriv) notes.push('lazy pages off: vm.unprivileged_userfaultfd is 0 (restored tasks live in a user namespace)');
+  const dirty = await feature('mem_dirty_track');
+  if (!dirty) notes.push('memory diff off: the kernel has no soft-dirty bits');
+  return { features: { path, version, liveSnapshot: true, lazyPages: uffd && unpriv, memoryDiff: dirty, notes }, reason: '' };
+}
+
+// ---- image rewriting --------------------------------------------------------------
+
+function readVarint(b: Buffer, at: number): [number, number] {
+  let v = 0;
+  let mul = 1;
+  let i = at;
+  for (;;) {
+    const byte = b[i++];
+    if (byte === undefined) throw new Error('truncated varint');
+    v += (byte & 0x7f) * mul;
+    if (byte < 0x80) return [v, i];
+    mul *= 128;
+  }
+}
+
+function varint(n: number): Buffer {
+  const out: number[] = [];
+  let v = n;
+  while (v >= 0x80) {
+    out.push((v % 128) | 0x80);
+    v = Math.floor(v / 128);
+  }
+  out.push(v);
+  return Buffer.from(out);
+}
+
+interface PbField {
+  readonly num: number;
+  readonly wire: number;
+  readonly raw: Buffer;
+  readonly value: number | Buffer;
+}
+
+function pbFields(b: Buffer): PbField[] {
+  const out: PbField[] = [];
+  let at = 0;
+  while (at < b.length) {
+    const start = at;
+    const [key, a1] = readVarint(b, at);
+    const wire = key & 7;
+    let value: number | Buffer;
+    if (wire === 0) [value, at] = readVarint(b, a1);
+    else if (wire === 2) {
+      const [len, a2] = readVarint(b, a1);
+      value = b.subarray(a2, a2 + len);
+      at = a2 + len;
+    } else if (wire === 5) [value, at] = [b.subarray(a1, a1 + 4), a1 + 4];
+    else if (wire === 1) [value, at] = [b.subarray(a1, a1 + 8), a1 + 8];
+    else throw new Error(`protobuf wire type ${wire}`);
+    out.push({ num: Math.floor(key / 8), wire, raw: b.subarray(start, at), value });
+  }
+  return out;
+}
+
+/**
+ * userns-N.img under another id block: each extent's lower_first moves from
+ * `from` to `to`. The file is CRIU's image format: 8 bytes of magic, then
+ * entries of a little-endian u32 length and a protobuf userns_entry
+ * { repeated extent uid_map = 1, gid_map = 2 }, extent { first = 1,
+ * lower_first = 2, count = 3 }.
+ */
+export function rewriteUsernsImage(img: Buffer, from: number, to: number): Buffer {
+  const parts: Buffer[] = [img.subarray(0, 8)];
+  for (let at = 8; at < img.length;) {
+    const len = img.readUInt32LE(at);
+    const entry = img.subarray(at + 4, at + 4 + len);
+    at += 4 + len;
+    const rewritten = Buffer.concat(
+      pbFields(entry).map((f) => {
+        if ((f.num !== 1 && f.num !== 2) || f.wire !== 2) return f.raw;
+        const extent = Buffer.concat(
+          pbFields(f.value as Buffer).map((x) => {
+            if (x.num !== 2 || x.wire !== 0) return x.raw;
+            const lower = x.value as number;
+            if (lower < from || lower >= from + 65536)
+              throw sandboxFailed(`the checkpoint's id map (${lower}) is not the sandbox's (${from})`);
+            return Buffer.concat([varint(2 * 8), varint(lower - from + to)]);
+          }),
+        );
+        return Buffer.concat([varint(f.num * 8 + 2), varint(extent.length), extent]);
+      }),
+    );
+    const l = Buffer.alloc(4);
+    l.writeUInt32LE(rewritten.length);
+    parts.push(l, rewritten);
+  }
+  return Buffer.concat(parts);
+}
+
+// ---- dump and restore ------------------------------------------------------------
+
+/** The action script CRIU runs at setup-namespaces: the restored, empty network namespace gets its eth0. */
+const NETNS_HOOK = `#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = "setup-namespaces" ] || exit 0
+set -e
+p=$CRTOOLS_INIT_PID
+ip link add "$FLEET_VETH" type veth peer name eth0 netns "$p" address "$FLEET_MAC"
+for f in disable_ipv6 accept_ra; do v=1; [ "$f" = accept_ra ] && v=0; [ -e "/proc/sys/net/ipv6/conf/$FLEET_VETH/$f" ] && echo $v > "/proc/sys/net/ipv6/conf/$FLEET_VETH/$f"; done
+ip link set "$FLEET_VETH" master "$FLEET_BRIDGE" up
+ip route replace "$FLEET_IP/32" dev "$FLEET_BRIDGE" src "$FLEET_GW"
+nsenter -t "$p" -n sh -c 'ip link set lo up && ip addr add "$FLEET_IP/$FLEET_PREFIX" dev eth0 && ip link set eth0 up && ip route add default via "$FLEET_GW" dev eth0'
+nsenter -t "$p" -U -n sh -c 'echo "0 65535" > /proc/sys/net/ipv4/ping_group_range'
+`;
+
+export async function installNetnsHook(dir: string): Promise<string> {
+  const path = join(dir, 'criu-netns-hook.sh');
+  await mkdir(dir, { recursive: true, mode: 0o700 });
+  await writeFile(`${path}.tmp`, NETNS_HOOK, { mode: 0o700 });
+  await chmod(`${path}.tmp`, 0o700);
+  const { rename } = await import('node:fs/promises');
+  await rename(`${path}.tmp`, path);
+  return path;
+}
+
+/** Mount points of `pid`'s namespace that bind the host's devtmpfs, with the host path each binds. */
+async function devtmpfsMounts(pid: number): Promise<Array<{ mountpoint: string; source: string }>> {
+  const text = await readFile(`/proc/${pid}/mountinfo`, 'utf8');
+  const out: Array<{ mountpoint: string; source: string }> = [];
+  for (const line of text.split('\n')) {
+    const [pre, post] = line.split(' - ');
+    if (!pre || !post) continue;
+    const f = pre.split(' ');
+    if (post.split(' ')[0] !== 'devtmpfs') continue;
+    const root = (f[3] ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+    const mountpoint = (f[4] ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+    out.push({ mountpoint, source: `/dev${root}` });
+  }
+  return out;
+}
+
+const mountKey = (mountpoint: string): string => `m${mountpoint.replace(/[^A-Za-z0-9]/g, '_')}`;
+
+export interface DumpResult {
+  readonly meta: CriuMeta;
+  /** CRIU's statistics: how long the tree was frozen, and pages written. */
+  readonly frozenMs: number;
+  readonly pagesWritten: number;
+}
+
+function criuError(what: string, log: string): AppError {
+  const lines = log
+    .split('\n')
+    .filter((l) => /Error|Warn/.test(l) && !/RLIMIT_NOFILE|iptables|ip6tables|network-lock will be ignored/.test(l))
+    .slice(-6)
+    .join(' | ');
+  return sandboxFailed(`${what}: ${lines || 'see the criu log'}`);
+}
+
+function runCriu(
+  argv: readonly string[],
+  opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string> },
+): Promise<number | null> {
+  // Inside the sandbox's cgroups first, so what it restores starts there.
+  const script = 'n=$1; shift; i=0; for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done; shift "$n"; exec "$@"';
+  const cg = opts.cgroupProcs ?? [];
+  return new Promise((resolve, reject) => {
+    const child = spawn('/bin/sh', ['-c', script, 'criu', String(cg.length), ...cg, ...argv], {
+      stdio: ['ignore', 'ignore', 'ignore', ...(opts.fd3 !== undefined ? [opts.fd3] : [])],
+      env: { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin', ...(opts.env ?? {}) },
+    });
+    child.once('error', reject);
+    child.once('close', (code) => resolve(code));
+  });
+}
+
+/** dump_stats_entry: frozen_time = 2 (µs), pages_written = 7. */
+async function dumpStats(dir: string): Promise<{ frozenMs: number; pagesWritten: number }> {
+  try {
+    const b = await readFile(join(dir, 'stats-dump'));
+    const len = b.readUInt32LE(8);
+    const top = pbFields(b.subarray(12, 12 + len));
+    const dump = top.find((f) => f.num === 1)?.value;
+    if (!(dump instanceof Buffer)) return { frozenMs: 0, pagesWritten: 0 };
+    const f = pbFields(dump);
+    const num = (n: number): number => {
+      const v = f.find((x) => x.num === n)?.value;
+      return typeof v === 'number' ? v : 0;
+    };
+    return { frozenMs: Math.round(num(2) / 100) / 10, pagesWritten: num(7) };
+  } catch {
+    return { frozenMs: 0, pagesWritten: 0 };
+  }
+}
+
+/**
+ * Dumps the tree of `initPid` into `dir` (created empty). leaveRunning: a
+ * live snapshot (with `freezerDir`, the cgroup the caller already froze: it
+ * stays frozen afterwards, so the caller's rootfs copy is of the same
+ * instant); else the tree is gone afterwards.
+ */
+export async function dumpTree(
+  criu: CriuFeatures,
+  opts: { initPid: number; dir: string; leaveRunning: boolean; freezerDir?: string; uidBase: number; ip: string; hostname: string },
+): Promise<DumpResult> {
+  await mkdir(opts.dir, { recursive: true, mode: 0o700 });
+  const mounts = await devtmpfsMounts(opts.initPid);
+  const mntId = (await readFile(`/proc/${opts.initPid}/fdinfo/1`, 'utf8')).match(/^mnt_id:\s*(\d+)/m)?.[1];
+  const { stat } = await import('node:fs/promises');
+  const ino = (await stat(`/proc/${opts.initPid}/fd/1`)).ino;
+  if (!mntId) throw sandboxFailed('could not read the console descriptor of the sandbox init');
+  const consoleId = `file[${Number(mntId).toString(16)}:${ino.toString(16)}]`;
+  const meta: CriuMeta = {
+    version: 1,
+    console_id: consoleId,
+    mounts: Object.fromEntries(mounts.map((m) => [mountKey(m.mountpoint), m.source])),
+    uid_base: opts.uidBase,
+    ip: opts.ip,
+    hostname: opts.hostname,
+  };
+  criuMetaSchema.parse(meta);
+  const argv = [
+    criu.path,
+    'dump',
+    '-t',
+    String(opts.initPid),
+    '-D',
+    opts.dir,
+    '-o',
+    'dump.log',
+    '--tcp-established',
+    '--file-locks',
+    '--ext-unix-sk',
+    '--empty-ns',
+    'net',
+    '--network-lock',
+    'nftables',
+    ...mounts.flatMap((m) => ['--external', `mnt[${m.mountpoint}]:${mountKey(m.mountpoint)}`]),
+    '--external',
+    consoleId,
+    ...(opts.leaveRunning ? ['--leave-running'] : []),
+    ...(opts.freezerDir ? ['--freeze-cgroup', opts.freezerDir] : []),
+  ];
+  const code = await runCriu(argv, {});
+  if (code !== 0) {
+    const log = await readFile(join(opts.dir, 'dump.log'), 'utf8').catch(() => '');
+    throw criuError('criu dump failed', log);
+  }
+  return { meta, ...(await dumpStats(opts.dir)) };
+}
+
+export interface RestoreTarget {
+  /** The overlay root, mounted (in the agent's namespace) for the time of the restore. */
+  readonly root: string;
+  readonly cgroupProcs: readonly string[];
+  readonly uidBase: number;
+  readonly veth: string;
+  readonly bridge: string;
+  readonly mac: string;
+  readonly ip: string;
+  readonly prefixLen: number;
+  readonly gateway: string;
+  readonly hostname: string;
+  /** Write end of the new console FIFO (launch.ts openConsoleWriter). */
+  readonly consoleFd: number;
+  readonly hook: string;
+}
+
+/**
+ * Restores the tree dumped in `imagesDir` (a checkpoint directory: CRIU's
+ * files under MEMORY_FILE_PREFIX) as `target`; answers the host pid of the restored init. The images
+ * are read through a scratch directory of hard links, so the checkpoint's
+ * files (and their digests) are never touched.
+ */
+export async function restoreTree(
+  criu: CriuFeatures,
+  imagesDir: string,
+  meta: CriuMeta,
+  target: RestoreTarget,
+  scratch: string,
+): Promise<number> {
+  await rm(scratch, { recursive: true, force: true });
+  await mkdir(scratch, { recursive: true, mode: 0o700 });
+  // Searchable by the restored tasks (the sandbox's root is not host root): its parent stays closed to host users.
+  await chmod(scratch, 0o755);
+  try {
+    for (const name of await readdir(imagesDir)) {
+      if (!name.startsWith(MEMORY_FILE_PREFIX) || name === CRIU_META) continue;
+      const f = name.slice(MEMORY_FILE_PREFIX.length);
+      if (f.startsWith('userns-') && meta.uid_base !== target.uidBase) {
+        await writeFile(join(scratch, f), rewriteUsernsImage(await readFile(join(imagesDir, name)), meta.uid_base, target.uidBase));
+      } else await link(join(imagesDir, name), join(scratch, f));
+      // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
+      await chmod(join(scratch, f), 0o644);
+    }
+    const pidfile = join(scratch, 'restored.pid');
+    const sameAddress = meta.ip === target.ip;
+    const argv = [
+      criu.path,
+      'restore',
+      '-D',
+      scratch,
+      '-o',
+      'restore.log',
+      '--root',
+      target.root,
+      '--restore-detached',
+      '--pidfile',
+      pidfile,
+      sameAddress ? '--tcp-established' : '--tcp-close',
+      '--file-locks',
+      '--ext-unix-sk',
+      '--manage-cgroups=ignore',
+      '--empty-ns',
+      'net',
+      '--action-script',
+      target.hook,
+      ...Object.entries(meta.mounts).flatMap(([key, source]) => ['--external', `mnt[${key}]:${source}`]),
+      '--inherit-fd',
+      `fd[3]:${meta.console_id}`,
+    ];
+    const code = await runCriu(argv, {
+      cgroupProcs: target.cgroupProcs,
+      fd3: target.consoleFd,
+      env: {
+        FLEET_VETH: target.veth,
+        FLEET_BRIDGE: target.bridge,
+        FLEET_MAC: target.mac,
+        FLEET_IP: target.ip,
+        FLEET_PREFIX: String(target.prefixLen),
+        FLEET_GW: target.gateway,
+      },
+    });
+    if (code !== 0) throw criuError('criu restore failed', await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => ''));
+    const pid = Number((await readFile(pidfile, 'utf8')).trim());
+    if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');
+    if (meta.hostname !== target.hostname) {
+      await runTool('nsenter', ['-t', String(pid), '-u', 'hostname', target.hostname]);
+    }
+    return pid;
+  } finally {
+    await rm(scratch, { recursive: true, force: true }).catch(() => undefined);
+  }
+}

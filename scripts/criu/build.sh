@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds the CRIU the agent's memory checkpoints use and prints its path on the last line (CI: CRIU_PATH=$(... | tail -1)).
+#   CRIU 4.1.1 (the shared vendored tarball, as ../shared/tools/build-criu.sh builds it) plus one patch:
+#   criu-4.1.1-sockopt-6.16.patch. Linux 6.16 answers EOPNOTSUPP to SO_PASSCRED/SO_PASSSEC on inet sockets, and 4.1.1
+#   then refuses to dump any TCP socket (upstream criu issue #2718): a sandbox with a listening server could not be
+#   checkpointed at all. Installed to $CRIU_PREFIX (default /opt/criu-4.1.1-fleet), apart from an unpatched build.
+# Needs root for apt-get (Debian 12 build dependencies). Idempotent.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+prefix=${CRIU_PREFIX:-/opt/criu-4.1.1-fleet}
+patch="$here/criu-4.1.1-sockopt-6.16.patch"
+stamp="$prefix/patch.sha256"
+want=$(sha256sum "$patch" | cut -d' ' -f1)
+if [ -x "$prefix/sbin/criu" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$prefix/sbin/criu" check >/dev/null 2>&1; then
+  echo "$prefix/sbin/criu"; exit 0
+fi
+vendor=${CRIU_VENDOR_DIR:-$here/../../../shared/vendor/criu}
+[ -d "$vendor" ] || vendor=/work/shared/vendor/criu
+tarball="$vendor/criu_4.1.1.orig.tar.xz"
+[ -f "$tarball" ] || { echo "criu build: $tarball is missing (set CRIU_VENDOR_DIR)" >&2; exit 1; }
+(cd "$vendor" && sha256sum -c --quiet SHA256SUMS) || { echo "criu build: checksum mismatch" >&2; exit 1; }
+export DEBIAN_FRONTEND=noninteractive
+deps="build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev iproute2 patch"
+if ! dpkg -s $deps >/dev/null 2>&1; then
+  apt-get update -qq >&2
+  apt-get install -y -qq --no-install-recommends $deps >&2
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+tar -xf "$tarball" -C "$work"
+patch -d "$work/criu-4.1.1" -p1 < "$patch" >&2
+make -C "$work/criu-4.1.1" -j"$(nproc)" criu >&2
+install -D -m 0755 "$work/criu-4.1.1/criu/criu" "$prefix/sbin/criu"
+echo "$want" > "$stamp"
+"$prefix/sbin/criu" check >/dev/null 2>&1 || { echo "criu build: the built criu fails 'criu check' on this kernel:" >&2; "$prefix/sbin/criu" check >&2 || true; exit 1; }
+echo "$prefix/sbin/criu"

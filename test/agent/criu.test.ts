@@ -1,0 +1,317 @@
+import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { createHash, randomBytes } from 'node:crypto';
+import { existsSync } from 'node:fs';
+import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import { AppError } from '@fleet/agent-protocol';
+import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
+import { rewriteUsernsImage } from '../../packages/agent/src/backend/process/criu.js';
+import { buildImage } from '../../packages/agent/src/images.js';
+import { collect, type Ran } from '../support/process.js';
+
+/**
+ * Memory checkpoints of real sandboxes with CRIU: found through CRIU_PATH
+ * (CI exports the binary scripts/criu/build.sh prints). Without one the
+ * sandbox tests skip, except under CI=true, where a missing CRIU fails.
+ */
+
+function missing(): string | undefined {
+  if (process.platform !== 'linux' || process.getuid?.() !== 0) return 'Linux and root';
+  if (!existsSync('/bin/busybox')) return 'busybox-static';
+  const criu = process.env.CRIU_PATH;
+  if (!criu || !existsSync(criu)) return 'CRIU (set CRIU_PATH to the binary scripts/criu/build.sh prints)';
+  if (spawnSync(criu, ['check']).status !== 0) return `a working CRIU (${criu} check fails)`;
+  return undefined;
+}
+
+const skip = missing();
+if (skip && process.env.CI === 'true') {
+  test('CRIU is available in CI', () => assert.fail(`missing: ${skip}`));
+}
+
+const uniquePrefix = (): string => `c${randomBytes(2).toString('hex')}`;
+const uniqueSubnet = (): string => `10.${245 + (randomBytes(1)[0]! % 5)}.${randomBytes(1)[0]!}.0/24`;
+
+async function sh(b: ProcessBackend, name: string, script: string): Promise<Ran> {
+  return collect(await b.spawn(name, { argv: ['/bin/sh', '-c', script], stdin: false }));
+}
+
+async function count(b: ProcessBackend, name: string): Promise<number> {
+  const r = await sh(b, name, 'cat /tmp/count');
+  assert.equal(r.exitCode, 0, r.stderr);
+  return Number(r.stdout.trim());
+}
+
+/** The startup script of the issue: a counter, and a server on 8080 that answers with the count. */
+const STARTUP =
+  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
+  '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 & echo started';
+
+async function answer(url: string): Promise<string> {
+  for (let i = 0; ; i++) {
+    try {
+      return await fetch(url, { signal: AbortSignal.timeout(3000) }).then((r) => r.text());
+    } catch (err) {
+      if (i >= 20) throw err;
+      await new Promise((r) => setTimeout(r, 100));
+    }
+  }
+}
+
+async function rejectsWithCode(p: Promise<unknown>, code: string): Promise<void> {
+  await assert.rejects(p, (err: unknown) => {
+    assert.ok(err instanceof AppError, `expected an AppError, got ${String(err)}`);
+    assert.equal(err.code, code, err.message);
+    return true;
+  });
+}
+
+describe('criu: pure parts', () => {
+  test('a userns image moves to another id block, extent by extent, and refuses a map that is not the sandbox', () => {
+    // 8 bytes of magic, then u32 length + userns_entry{uid_map{0, 0x5f420000, 65536}, gid_map{same}}, as criu 4.1.1 wrote it.
+    const img = Buffer.from(
+      '1943565406494755' + '1c000000' + '0a0c0800108080' + '88fa05' + '1880800412' + '0c0800108080' + '88fa05' + '18808004',
+      'hex',
+    );
+    const moved = rewriteUsernsImage(img, 0x5f420000, 0x77360000);
+    assert.equal(moved.subarray(0, 8).toString('hex'), '1943565406494755');
+    const again = rewriteUsernsImage(moved, 0x77360000, 0x5f420000);
+    assert.deepEqual(again, img, 'the rewrite is exact both ways');
+    assert.ok(!moved.equals(img));
+    assert.throws(() => rewriteUsernsImage(img, 0x10000, 0x20000), /not the sandbox/);
+  });
+});
+
+describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: ${skip}` : false, timeout: 600_000 }, () => {
+  let root: string;
+  let imageDir: string;
+  const backends: ProcessBackend[] = [];
+  const prefixes: string[] = [];
+  let b: ProcessBackend;
+
+  async function openBackend(env?: string): Promise<ProcessBackend> {
+    const bridgePrefix = uniquePrefix();
+    prefixes.push(bridgePrefix);
+    const options: ProcessBackendOptions = { dataDir: await mkdtemp(join(root, 'data-')), imageDir, subnet: uniqueSubnet(), bridgePrefix };
+    const saved = process.env.CRIU_PATH;
+    if (env !== undefined) process.env.CRIU_PATH = env;
+    try {
+      const backend = await ProcessBackend.open(options);
+      backends.push(backend);
+      return backend;
+    } finally {
+      process.env.CRIU_PATH = saved;
+    }
+  }
+
+  before(async () => {
+    root = await mkdtemp(join(tmpdir(), 'criu-test-'));
+    imageDir = join(root, 'images');
+    await buildImage(imageDir, 'base');
+    b = await openBackend();
+  });
+
+  after(async () => {
+    for (const backend of backends) {
+      for (const s of await backend.list().catch(() => [])) await backend.destroy(s.name).catch(() => undefined);
+      await backend.prune().catch(() => undefined);
+      await backend.close().catch(() => undefined);
+    }
+    const links = spawnSync('ip', ['-j', 'link', 'show'], { encoding: 'utf8' }).stdout;
+    for (const l of (JSON.parse(links || '[]') as Array<{ ifname: string }>).map((x) => x.ifname.split('@')[0]!)) {
+      if (prefixes.some((p) => l.startsWith(p))) spawnSync('ip', ['link', 'del', l]);
+    }
+    for (const p of prefixes) for (const family of ['inet', 'bridge']) spawnSync('nft', ['delete', 'table', family, `fleet_${p}`]);
+    await rm(root, { recursive: true, force: true });
+  });
+
+  async function counterSandbox(name: string): Promise<string> {
+    const info = await b.create({ name, cpus: 1, ram_mb: 256, storage_gb: 1, tenant: 't1', expose: [{ port: 8080, as: 'http' }] });
+    const r = await sh(b, name, STARTUP);
+    assert.equal(r.stdout.trim(), 'started', r.stderr);
+    for (let i = 0; i < 100 && (await sh(b, name, 'test -s /tmp/count')).exitCode !== 0; i++) await new Promise((r) => setTimeout(r, 20));
+    return info.endpoints[0]!.url;
+  }
+
+  test('capacity says what this host can do', async () => {
+    const cap = await b.capacity();
+    assert.equal(cap.live_snapshot, true);
+    assert.equal(typeof cap.lazy_pages, 'boolean');
+    assert.equal(cap.memory_diff, false, 'this kernel has no soft-dirty bits');
+  });
+
+  test('a counter keeps counting across ten pauses and resumes; the server answers through its endpoint after each', async () => {
+    const url = await counterSandbox('pr');
+    let last = await count(b, 'pr');
+    for (let i = 0; i < 10; i++) {
+      const cp = await b.pause('pr');
+      assert.equal(cp.kind, 'live');
+      assert.equal((await b.get('pr')).state, 'paused');
+      assert.deepEqual((await b.get('pr')).endpoints, []);
+      await rejectsWithCode(b.spawn('pr', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_FOUND');
+      const again = await b.pause('pr');
+      assert.equal(again.id, cp.id, 'a second pause answers the first');
+      const info = await b.resume('pr');
+      assert.equal(info.state, 'running');
+      assert.equal(info.endpoints[0]!.url, url, 'the endpoint is republished on its port');
+      const now = await count(b, 'pr');
+      assert.ok(now >= last, `counter went back: ${now} < ${last}`);
+      assert.ok(now < last + 200, `counter restarted or jumped: ${last} -> ${now}`);
+      assert.match(await answer(url), /^count \d+/);
+      if (i === 0) {
+        // The /proc masks come back as binds of /dev/null, never of the host's own /proc files.
+        const masks = await sh(b, 'pr', "grep -E ' /proc/(keys|timer_list) ' /proc/self/mountinfo");
+        assert.match(masks.stdout, /\/proc\/keys .* - devtmpfs /);
+        assert.doesNotMatch(masks.stdout, / - proc /);
+      }
+      last = now;
+      await new Promise((r) => setTimeout(r, 100));
+      assert.ok((await count(b, 'pr')) > now, 'and counts on');
+    }
+    assert.deepEqual(
+      (await b.listCheckpoints()).filter((c) => c.comment === 'pause'),
+      [],
+      'each resume removes its pause checkpoint',
+    );
+  });
+
+  test('concurrent resumes: one restores, the others see it running', async () => {
+    await counterSandbox('cc');
+    await Promise.all([b.pause('cc'), b.pause('cc')]);
+    const infos = await Promise.all([b.resume('cc'), b.resume('cc'), b.resume('cc')]);
+    assert.ok(
+      infos.every((i) => i.state === 'running' && i.init_pid === infos[0].init_pid),
+      'one restore, one init',
+    );
+    await count(b, 'cc');
+  });
+
+  test('live snapshot: the sandbox keeps running, memory files carry their sha256; fork ×3 continue from it; restore in place', async () => {
+    const url = await counterSandbox('src');
+    const before = await count(b, 'src');
+    const cp = await b.checkpoint('src', { live: true, comment: 'live' });
+    assert.equal(cp.kind, 'live');
+    assert.ok(cp.pause_ms !== undefined && cp.pause_ms > 0);
+    assert.ok(Object.keys(cp.files).length > 5);
+    const dir = await b.checkpointDir(cp.id);
+    for (const [file, sha] of Object.entries(cp.files)) {
+      assert.equal(
+        createHash('sha256')
+          .update(await readFile(join(dir, file)))
+          .digest('hex'),
+        sha,
+        file,
+      );
+    }
+    await new Promise((r) => setTimeout(r, 200));
+    const after = await count(b, 'src');
+    assert.ok(after > before, 'the source never stopped');
+    assert.match(await answer(url), /^count /);
+
+    const forks = [];
+    for (const n of ['f1', 'f2', 'f3']) {
+      forks.push(
+        await b.create({
+          name: n,
+          checkpointId: cp.id,
+          resume: true,
+          cpus: 1,
+          ram_mb: 256,
+          storage_gb: 1,
+          tenant: 't1',
+          expose: [{ port: 8080, as: 'http' }],
+        }),
+      );
+    }
+    const ips = new Set([...forks.map((f) => f.ip), (await b.get('src')).ip]);
+    const macs = new Set([...forks.map((f) => f.mac), (await b.get('src')).mac]);
+    assert.equal(ips.size, 4, 'each fork has its own address');
+    assert.equal(macs.size, 4, 'and its own MAC');
+    const maps = new Set(
+      [...forks, await b.get('src')].map((f) => spawnSync('cat', [`/proc/${f.init_pid}/uid_map`], { encoding: 'utf8' }).stdout.trim()),
+    );
+    assert.equal(maps.size, 4, 'and its own id block');
+    for (const f of forks) {
+      assert.equal((await sh(b, f.name, 'hostname')).stdout.trim(), f.name);
+      const c = await count(b, f.name);
+      assert.ok(c >= before && c < after + 200, `fork ${f.name} continues from the captured value (${before}..${after}), got ${c}`);
+      assert.match(await answer(f.endpoints[0]!.url), /^count \d+/);
+    }
+    // Independent: one fork's file is not another's.
+    await sh(b, 'f1', 'echo mine > /root/f1');
+    assert.notEqual((await sh(b, 'f2', 'cat /root/f1')).exitCode, 0);
+
+    await sh(b, 'src', 'echo later > /root/after-snapshot');
+    const back = await b.restoreCheckpoint('src', cp.id);
+    assert.equal(back.state, 'running');
+    assert.notEqual((await sh(b, 'src', 'cat /root/after-snapshot')).exitCode, 0, 'the layer is the snapshot, not what came after');
+    const c = await count(b, 'src');
+    assert.ok(c < after + 200, `restored counter starts from the snapshot, got ${c}`);
+    assert.match(await answer(url), /^count /);
+    for (const n of ['f1', 'f2', 'f3']) await b.destroy(n);
+  });
+
+  test('a host without CRIU: pause is refused with a stable code, a live request is filed as disk', async () => {
+    const plain = await openBackend('/nonexistent/criu');
+    assert.equal((await plain.capacity()).live_snapshot, false);
+    await plain.create({ name: 'plain', cpus: 1, ram_mb: 128, tenant: 't1' });
+    await rejectsWithCode(plain.pause('plain'), 'MEMORY_CHECKPOINT_UNSUPPORTED');
+    const cp = await plain.checkpoint('plain', { live: true });
+    assert.equal(cp.kind, 'disk');
+    assert.deepEqual(cp.files, {});
+    await rejectsWithCode(
+      plain.create({ name: 'plain2', checkpointId: cp.id, resume: true, cpus: 1, ram_mb: 128, tenant: 't1' }),
+      'MEMORY_CHECKPOINT_UNSUPPORTED',
+    );
+    await plain.destroy('plain');
+  });
+
+  test('a disk checkpoint cannot be resumed, only booted', async () => {
+    await b.create({ name: 'dk', cpus: 1, ram_mb: 128, tenant: 't1' });
+    const cp = await b.checkpoint('dk', {});
+    assert.equal(cp.kind, 'disk');
+    await rejectsWithCode(
+      b.create({ name: 'dk2', checkpointId: cp.id, resume: true, cpus: 1, ram_mb: 128, tenant: 't1' }),
+      'CHECKPOINT_NOT_LIVE',
+    );
+    await b.destroy('dk');
+  });
+
+  test('a guest left frozen by an agent that died mid-checkpoint is thawed when the agent comes back', async () => {
+    const prefix = uniquePrefix();
+    prefixes.push(prefix);
+    const options: ProcessBackendOptions = {
+      dataDir: await mkdtemp(join(root, 'data-')),
+      imageDir,
+      subnet: uniqueSubnet(),
+      bridgePrefix: prefix,
+    };
+    const first = await ProcessBackend.open(options);
+    backends.push(first);
+    await first.create({ name: 'fz', cpus: 1, ram_mb: 128, tenant: 't1' });
+    await sh(first, 'fz', STARTUP);
+    await new Promise((r) => setTimeout(r, 300));
+    const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
+    const { writeFile } = await import('node:fs/promises');
+    if (v2) await writeFile(`/sys/fs/cgroup/fleet-${prefix}/fz/cgroup.freeze`, '1');
+    else await writeFile(`/sys/fs/cgroup/freezer/fleet-${prefix}/fz/freezer.state`, 'FROZEN');
+    await first.close();
+    const again = await ProcessBackend.open(options);
+    backends.push(again);
+    const c1 = await count(again, 'fz');
+    await new Promise((r) => setTimeout(r, 300));
+    assert.ok((await count(again, 'fz')) > c1, 'the counter runs again');
+    await again.destroy('fz');
+  });
+
+  test('a paused sandbox is destroyed with its pause checkpoint, leaving nothing', async () => {
+    await counterSandbox('gone');
+    const cp = await b.pause('gone');
+    await b.destroy('gone');
+    await rejectsWithCode(b.getCheckpoint(cp.id), 'CHECKPOINT_NOT_FOUND');
+    await rejectsWithCode(b.get('gone'), 'SANDBOX_NOT_FOUND');
+  });
+});
