@@ -6,6 +6,7 @@ import { createLogger } from './adapters/logger.js';
 import { startEmbeddedPostgres, type EmbeddedPostgres } from './adapters/postgres/embedded.js';
 import { loadOrCreateSecrets } from './adapters/secrets.js';
 import { apiKeysFrom, startService, type Service } from './adapters/service.js';
+import { e2bShellExports } from './adapters/http/e2b/e2b-shell.js';
 
 /**
  * The control plane process: config, the embedded Postgres when nothing else
@@ -102,6 +103,8 @@ async function main(): Promise<void> {
         'ready; the generated keys are shown by: npm run fleet -- keys',
       );
     }
+    // Every start: what points the stock e2b SDK here (docs/e2b-compatibility.md), with the key where the demo key is shown.
+    process.stdout.write(`E2B SDK:\n${e2bShellExports(apiUrl, created && showDemo ? secrets.demo_api_key : undefined)}\n`);
   } catch (err) {
     logger.fatal({ err }, 'start-up failed');
     await shutdown('startup-failure', 1);

@@ -44,6 +44,9 @@ import { vmRoutes } from './http/vms.routes.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
+import { EnvdTokens } from './http/e2b/e2b-auth.js';
+import { e2bRoutes } from './http/e2b/e2b.routes.js';
+import { envdForwardRoutes } from './http/e2b/envd-forward.routes.js';
 import { runMigrations } from './postgres/migrations.js';
 import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
@@ -256,9 +259,11 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     );
 
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
+    const apiKeys = new ApiKeys(opts.apiKeys);
+    const envdTokens = new EnvdTokens(opts.tokenEncryptionKey);
     const app = await buildApp({
       logger: opts.httpLogger === false ? false : logger,
-      apiKeys: new ApiKeys(opts.apiKeys),
+      apiKeys,
       metrics,
       bodyLimit: config.API_BODY_LIMIT_BYTES,
       metricsToken: config.METRICS_TOKEN,
@@ -303,6 +308,8 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        e2bRoutes({ apiKeys, vms, pool, runner, tokens: envdTokens, readYourWritesTimeoutMs: rywTimeout }),
+        envdForwardRoutes({ vms, tokens: envdTokens }),
       ],
     });
     closers.push(() => app.close());

@@ -78,6 +78,13 @@ export interface HostAgent {
    */
   openDownload(name: string, path: string, opts?: CallOptions & { maxBytes?: number }): Promise<FileDownload>;
 
+  /**
+   * One HTTP exchange with the sandbox's envd (the E2B SDK's in-sandbox API: Connect RPC, /files,
+   * /health), streamed both ways and passed through unchanged: status, headers and body are envd's.
+   * Rejects only when the agent cannot be reached (HostUnreachableError).
+   */
+  envd(name: string, req: EnvdRequest): Promise<EnvdResponse>;
+
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse>;
 
   /** `kind` in the answer is what the backend produced (a live request may come back as disk). */
@@ -98,6 +105,23 @@ export interface HostAgent {
 
   /** Re-applies the host's sandbox network boundary (firewall, per-link sysctls); `repaired` counts what had drifted. */
   reassertNetwork(opts?: CallOptions): Promise<NetworkReassertResponse>;
+}
+
+export interface EnvdRequest {
+  readonly method: string;
+  /** envd's own path and query, e.g. `/process.Process/Start` or `/files?path=a.txt`. */
+  readonly path: string;
+  readonly headers: Readonly<Record<string, string>>;
+  /** Absent for GET and HEAD. */
+  readonly body?: AsyncIterable<Uint8Array> | undefined;
+  /** Aborting it drops the exchange (the client went away). */
+  readonly signal?: AbortSignal | undefined;
+}
+
+export interface EnvdResponse {
+  readonly status: number;
+  readonly headers: Readonly<Record<string, string | string[]>>;
+  readonly body: AsyncIterable<Uint8Array>;
 }
 
 export interface CallOptions {

@@ -45,7 +45,11 @@ export class ApiKeys {
     if (!header) throw new UnauthorizedError('missing Authorization header: send "Authorization: Bearer <api key>"');
     const match = /^Bearer\s+(\S+)\s*$/i.exec(header);
     if (!match) throw new UnauthorizedError('Authorization header must be "Bearer <api key>"');
-    const presented = match[1]!;
+    return this.authenticateKey(match[1]!);
+  }
+
+  /** A key presented some other way than a bearer token (the E2B API's X-API-Key). */
+  authenticateKey(presented: string): Caller {
     // Compare against every key, always: the time taken does not say which key came close.
     let found: ApiKey | undefined;
     for (const k of this.keys) if (safeEqual(presented, k.key) && !found) found = k;

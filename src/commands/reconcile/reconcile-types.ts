@@ -35,6 +35,8 @@ export interface LiveVmHint {
   readonly last_activity_at: Date;
   readonly max_runtime_s: number | null;
   readonly idle_timeout_s: number | null;
+  /** Its deadline (VmTimeoutSet), when it has one. */
+  readonly expires_at?: Date | null | undefined;
   /** The spec's healthcheck, when it declared one. */
   readonly healthcheck?: VmHealthcheck | null | undefined;
 }
@@ -71,6 +73,8 @@ export interface ReconcileSummary {
   stuck_tasks_failed: number;
   idle_vms_suspected: number;
   idle_vms_failed: number;
+  /** Running VMs past their deadline (E2B's sandbox timeout): destroyed with reason `timeout`. */
+  timed_out_vms_destroyed: number;
   vms_missing_provider: number;
   /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
   vms_host_lost: number;
@@ -106,6 +110,7 @@ export function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     stuck_tasks_failed: 0,
     idle_vms_suspected: 0,
     idle_vms_failed: 0,
+    timed_out_vms_destroyed: 0,
     vms_missing_provider: 0,
     vms_host_lost: 0,
     health_checked: 0,

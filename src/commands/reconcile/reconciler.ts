@@ -405,6 +405,17 @@ export class Reconciler {
         this.logger.warn({ vm_id: hint.id, host_id: hostId, reason: verdict.reason }, 'stuck vm failed; destroying its sandbox');
         if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
         return;
+      case 'destroy_expired':
+        this.logger.info({ vm_id: hint.id, host_id: hostId, expired_at: verdict.expiredAt }, 'vm past its timeout: destroying');
+        try {
+          await this.vms.destroy(hint.id, actor, 'timeout');
+          s.timed_out_vms_destroyed++;
+          gone.add(name);
+        } catch (err) {
+          s.errors++;
+          this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'timeout destroy did not finish');
+        }
+        return;
       case 'destroy_idle':
         this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: verdict.idleMs }, 'idle vm: destroying');
         try {
@@ -521,6 +532,7 @@ function vmHintOf(h: LiveVmHint): VmHint {
     state: h.state,
     stateChangedAt: h.state_changed_at.getTime(),
     lastActivityAt: h.last_activity_at.getTime(),
+    expiresAt: h.expires_at ? h.expires_at.getTime() : null,
     maxRuntimeS: h.max_runtime_s,
     idleTimeoutS: h.idle_timeout_s,
   };

@@ -27,6 +27,8 @@ export interface VmHint {
   readonly lastActivityAt: number;
   readonly maxRuntimeS: number | null;
   readonly idleTimeoutS: number | null;
+  /** The VM's deadline (VmTimeoutSet), when it has one. */
+  readonly expiresAt?: number | null | undefined;
 }
 
 /** A migration of the VM that has not switched yet (its steps are on the VM stream). */
@@ -35,13 +37,14 @@ export interface MigrationInFlight {
   readonly lastStepAt: number;
 }
 
-export type Suspicion = 'missing' | 'stuck' | 'idle' | 'half_done';
+export type Suspicion = 'missing' | 'expired' | 'stuck' | 'idle' | 'half_done';
 
 /** From the hint alone: whether the VM's stream is worth reading. `listed`: its host lists its sandbox. */
 export function suspect(hint: VmHint, listed: boolean, now: number, p: ReconcilePolicy): Suspicion | undefined {
   const age = now - hint.stateChangedAt;
   if (hint.state === 'running') {
     if (!listed) return 'missing';
+    if (hint.expiresAt != null && now >= hint.expiresAt) return 'expired';
     const maxRuntimeMs = maxRuntimeOf(hint, p);
     if (maxRuntimeMs > 0 && age > maxRuntimeMs) return 'stuck';
     const idleMs = idleOf(hint, p);
@@ -59,6 +62,8 @@ export type VmVerdict =
   | { readonly kind: 'fail_missing' }
   | { readonly kind: 'fail_stuck'; readonly reason: Extract<VmEndReason, 'max_runtime' | 'stuck'>; readonly error: string }
   | { readonly kind: 'destroy_idle'; readonly idleMs: number }
+  /** Its deadline passed: destroyed with reason `timeout`. */
+  | { readonly kind: 'destroy_expired'; readonly expiredAt: string }
   | { readonly kind: 'complete_destroy' }
   | { readonly kind: 'roll_back_boot'; readonly phase: 'placed' | 'booting'; readonly error: string };
 
@@ -91,6 +96,10 @@ export function decideVm(suspicion: Suspicion, hint: VmHint, vm: VmState, ctx: H
         reason: hint.maxRuntimeS ? 'max_runtime' : 'stuck',
         error: `no state change for ${Math.round(age / 1000)} s (limit ${Math.round(maxRuntimeMs / 1000)} s)`,
       };
+    }
+    case 'expired': {
+      if (vm.status !== 'running' || vm.expires_at === undefined || now < Date.parse(vm.expires_at)) return { kind: 'none' };
+      return { kind: 'destroy_expired', expiredAt: vm.expires_at };
     }
     case 'idle': {
       const idleMs = idleOf(hint, p);

@@ -111,6 +111,15 @@ export const secretsSchema = z.record(secretNameSchema, z.string()).superRefine(
     ctx.addIssue({ code: 'custom', message: `secrets total ${total} bytes, above the limit of ${SECRET_LIMITS.maxTotalBytes}` });
 });
 
+/** Caller's labels for finding its VMs again (E2B's sandbox metadata): plain strings, bounded so events stay small. */
+export const METADATA_LIMITS = { maxCount: 64, maxKeyBytes: 256, maxValueBytes: 4096 } as const;
+export const vmMetadataSchema = z
+  .record(
+    z.string().min(1).max(METADATA_LIMITS.maxKeyBytes, `a metadata key is at most ${METADATA_LIMITS.maxKeyBytes} characters`),
+    z.string().max(METADATA_LIMITS.maxValueBytes, `a metadata value is at most ${METADATA_LIMITS.maxValueBytes} characters`),
+  )
+  .refine((m) => Object.keys(m).length <= METADATA_LIMITS.maxCount, `at most ${METADATA_LIMITS.maxCount} metadata entries`);
+
 /**
  * A VM spec as the API takes it (snake_case). Structural and cross-field
  * rules live here so a route validating its body with this schema already
@@ -148,6 +157,7 @@ const vmSpecObject = z.object({
   healthcheck: healthcheckSchema.optional(),
   net_raw: z.boolean().optional(),
   secrets: secretsSchema.optional(),
+  metadata: vmMetadataSchema.optional(),
 });
 
 export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {

@@ -41,6 +41,8 @@ export type VmCommand =
       };
     }
   | { readonly type: 'RecordActivity'; readonly data: { readonly vm_id: string } }
+  /** Destroy the VM at `expires_at` (ISO 8601); replaces any earlier deadline. */
+  | { readonly type: 'SetTimeout'; readonly data: { readonly vm_id: string; readonly expires_at: string } }
   | { readonly type: 'RequestDestroy'; readonly data: { readonly vm_id: string; readonly reason: VmEndReason } }
   | { readonly type: 'ConfirmDestroyed'; readonly data: { readonly vm_id: string } }
   | {
@@ -87,6 +89,8 @@ interface VmCore {
   readonly endpoints: readonly Endpoint[];
   readonly boot_ms?: number | undefined;
   readonly auth_token_encrypted?: string | undefined;
+  /** When the reconciler destroys it (reason `timeout`); absent: no deadline. */
+  readonly expires_at?: string | undefined;
 }
 
 interface Placed {
@@ -199,6 +203,14 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'record activity on it');
       if (at <= s.last_activity_at) return [];
       return [{ type: 'VmActivityRecorded', data: { vm_id, at } }];
+    }
+
+    case 'SetTimeout': {
+      const s = existing(state, vm_id);
+      if (s.status === 'destroying' || isTerminal(s.status)) throw new VmInvalidStateError(vm_id, s.status, 'set its timeout');
+      const expires_at = new Date(command.data.expires_at).toISOString();
+      if (s.expires_at === expires_at) return [];
+      return [{ type: 'VmTimeoutSet', data: { vm_id, expires_at, at } }];
     }
 
     case 'RequestDestroy': {
@@ -316,6 +328,8 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         last_activity_at: d.at,
       };
     }
+    case 'VmTimeoutSet':
+      return { ...state, expires_at: event.data.expires_at };
     case 'VmFailed': {
       const d = event.data;
       return {

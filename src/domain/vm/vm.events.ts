@@ -17,6 +17,8 @@ export const vmEndReasonSchema = z.enum([
   'missing',
   'placement',
   'capacity',
+  /** Its deadline (E2B's sandbox timeout, set on create or later) passed. */
+  'timeout',
 ]);
 export type VmEndReason = z.infer<typeof vmEndReasonSchema>;
 
@@ -112,6 +114,12 @@ export const vmFailedSchema = z.object({
   }),
 });
 
+/** The VM is to be destroyed at `expires_at` (E2B's sandbox timeout); a later one replaces it. */
+export const vmTimeoutSetSchema = z.object({
+  type: z.literal('VmTimeoutSet'),
+  data: z.object({ vm_id: idSchema, expires_at: at, at }),
+});
+
 /** A cold migration finished: the VM, same id, now runs on `host_id` (booted from `snapshot_id`). */
 export const vmMigratedSchema = z.object({
   type: z.literal('VmMigrated'),
@@ -138,6 +146,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmDestroyedSchema,
   vmFailedSchema,
   vmMigratedSchema,
+  vmTimeoutSetSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -152,6 +161,7 @@ export type VmDestroyRequested = z.infer<typeof vmDestroyRequestedSchema>;
 export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
 export type VmFailed = z.infer<typeof vmFailedSchema>;
 export type VmMigrated = z.infer<typeof vmMigratedSchema>;
+export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
 
 /** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
 export function parseVmEvent(type: string, data: unknown): VmEvent {

@@ -53,6 +53,13 @@ export const vmsProjection: Projection = {
         UPDATE vms SET spec = spec - 'startup_script_encrypted' - 'secrets_encrypted' WHERE spec ?| array['startup_script_encrypted', 'secrets_encrypted'];
         UPDATE vms SET spec = jsonb_set(spec, '{agent}', (spec->'agent') - 'command_encrypted' - 'drain_command_encrypted') WHERE spec->'agent' ?| array['command_encrypted', 'drain_command_encrypted'];`,
     },
+    {
+      // E2B's sandbox timeout (VmTimeoutSet), and its metadata filter on the spec.
+      id: 'vms_0003_expires_at',
+      sql: `
+        ALTER TABLE vms ADD COLUMN IF NOT EXISTS expires_at timestamptz;
+        CREATE INDEX IF NOT EXISTS vms_metadata_idx ON vms USING gin ((spec->'metadata')) WHERE spec ? 'metadata';`,
+    },
   ],
   tables: [{ name: 'vms', key: ['id'] }],
   apply: (sql: Sql, recorded: RecordedEvent) => applyVmEvents(sql, [recorded]),
@@ -80,6 +87,7 @@ interface VmRowState {
   updated_at: Date;
   state_changed_at: Date;
   last_activity_at: Date;
+  expires_at: Date | null;
 }
 
 const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
@@ -103,6 +111,7 @@ const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
   ['updated_at', 'timestamptz'],
   ['state_changed_at', 'timestamptz'],
   ['last_activity_at', 'timestamptz'],
+  ['expires_at', 'timestamptz'],
 ];
 
 /**
@@ -151,6 +160,7 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
         updated_at: at,
         state_changed_at: at,
         last_activity_at: at,
+        expires_at: null,
       });
       touched.add(id);
       continue;
@@ -190,6 +200,9 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
         break;
       case 'VmMigrated':
         Object.assign(row, { host_id: e.data.host_id, placement: e.data.decision, url: e.data.url, endpoints: e.data.endpoints });
+        break;
+      case 'VmTimeoutSet':
+        row.expires_at = new Date(e.data.expires_at);
         break;
       case 'VmFailed':
         Object.assign(row, {
