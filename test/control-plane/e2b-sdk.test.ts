@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import { AuthenticationError, CommandExitError, FileNotFoundError, Sandbox, SandboxError, SandboxNotFoundError, TimeoutError } from 'e2b';
@@ -233,6 +234,25 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     await assert.rejects(sbx.files.list('/tmp/e2b/missing'), FileNotFoundError);
   });
 
+  it('files and filesystem calls see the sandbox, never the host, also through symlinks to / and /etc', async (t) => {
+    if (guard(t)) return;
+    await sbx.commands.run('ln -sfn / /tmp/rootlink; ln -sfn /etc /tmp/etclink');
+    const guestRoot = (await sbx.commands.run('ls -A /')).stdout.split('\n').filter(Boolean).sort();
+    assert.notDeepEqual(guestRoot, readdirSync('/').sort(), 'the guest root differs from the host root, or this test proves nothing');
+    const listed = (await sbx.files.list('/tmp/rootlink')).map((e) => e.name).sort();
+    assert.deepEqual(listed, guestRoot);
+    const guestPasswd = (await sbx.commands.run('cat /etc/passwd')).stdout;
+    assert.notEqual(guestPasswd, readFileSync('/etc/passwd', 'utf8'));
+    assert.equal(await sbx.files.read('/tmp/etclink/passwd'), guestPasswd);
+    const probe = `e2b-probe-${randomBytes(4).toString('hex')}`;
+    await sbx.files.write(`/tmp/etclink/${probe}`, 'x');
+    await sbx.files.makeDir(`/tmp/rootlink/${probe}`);
+    assert.equal((await sbx.commands.run(`cat /etc/${probe}; test -d /${probe} && echo dir`)).stdout, 'xdir\n');
+    assert.equal(existsSync(`/etc/${probe}`) || existsSync(`/${probe}`), false, 'nothing landed on the host');
+    await sbx.files.remove(`/tmp/rootlink/${probe}`);
+    await sbx.files.remove(`/tmp/etclink/${probe}`);
+  });
+
   it('files: 10 MiB up and down byte for byte', async (t) => {
     if (guard(t)) return;
     const data = randomBytes(10 * 1024 * 1024);
@@ -343,6 +363,18 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     });
     assert.equal(rpc.status, 401);
     await other.kill();
+    // What cannot be honoured yet is refused, not accepted and dropped.
+    await assert.rejects(
+      Sandbox.create({ network: { allowOut: ['198.51.100.1'] } }),
+      (err: unknown) => err instanceof SandboxError && /400/.test(err.message),
+    );
+    await assert.rejects(
+      Sandbox.create({ allowInternetAccess: true }),
+      (err: unknown) => err instanceof SandboxError && /400/.test(err.message),
+    );
+    await assert.rejects(sbx.pause(), (err: unknown) => err instanceof SandboxError && /501/.test(err.message));
+    const globexList = await Sandbox.list({ query: { metadata: { suite: 'e2b-sdk' } }, apiKey: TENANT_KEYS.globex }).nextItems();
+    assert.deepEqual(globexList, [], 'another tenant lists none of them');
     // A user other than root is refused, not ignored.
     await assert.rejects(sbx.commands.run('id', { user: 'nobody' }), AuthenticationError);
   });

@@ -159,3 +159,24 @@ describe('reconcile decisions', () => {
     assert.equal(isStaleReservation(vm('running', { host_id: 'h2' }), { target: 'h1', lastStepAt: t0 }, 'h1', now, policy), false);
   });
 });
+
+describe('reconcile decisions: the E2B timeout', () => {
+  test('a running VM past its deadline is destroyed; before it, or without one, nothing', () => {
+    const deadline = t0 + 500;
+    assert.equal(suspect(hint({ expiresAt: deadline }), true, t0 + 1000, policy), 'expired');
+    assert.equal(suspect(hint({ expiresAt: t0 + 5000 }), true, t0 + 1000, policy), undefined);
+    assert.equal(suspect(hint({ expiresAt: null }), true, t0 + 1000, policy), undefined);
+    assert.equal(suspect(hint({ expiresAt: deadline }), false, t0 + 1000, policy), 'missing', 'an unlisted VM is missing first');
+    assert.deepEqual(decideVm('expired', hint({ expiresAt: deadline }), vm('running', { expires_at: iso(deadline) }), ctx(), policy), {
+      kind: 'destroy_expired',
+      expiredAt: iso(deadline),
+    });
+    // The stream is the truth: a deadline moved since the read model was read wins.
+    assert.deepEqual(decideVm('expired', hint({ expiresAt: deadline }), vm('running', { expires_at: iso(t0 + 9000) }), ctx(), policy), {
+      kind: 'none',
+    });
+    assert.deepEqual(decideVm('expired', hint({ expiresAt: deadline }), vm('destroying', { expires_at: iso(deadline) }), ctx(), policy), {
+      kind: 'none',
+    });
+  });
+});

@@ -250,3 +250,29 @@ describe('vm: illegal transitions', () => {
     assert.equal(g.thenState().status, 'destroyed');
   });
 });
+
+describe('vm: timeout (E2B sandbox timeout)', () => {
+  const setTimeoutTo = (iso: string): VmCommand => ({ type: 'SetTimeout', data: { vm_id: 'v1', expires_at: iso } });
+  const deadline = at(300).toISOString();
+
+  test('a running VM gets a deadline; the same one again records nothing; a later one replaces it', () => {
+    const events = given(vmDecider, RUNNING)
+      .when(setTimeoutTo(deadline), at(4))
+      .then([{ type: 'VmTimeoutSet', data: { vm_id: 'v1', expires_at: deadline, at: at(4).toISOString() } }]);
+    const withDeadline = [...RUNNING, ...events];
+    const state = fold(vmDecider, withDeadline);
+    assert.equal(state.status === 'running' && state.expires_at, deadline);
+    given(vmDecider, withDeadline).when(setTimeoutTo(deadline), at(5)).then([]);
+    const later = at(600).toISOString();
+    given(vmDecider, withDeadline)
+      .when(setTimeoutTo(later), at(5))
+      .then([{ type: 'VmTimeoutSet', data: { vm_id: 'v1', expires_at: later, at: at(5).toISOString() } }]);
+    for (const e of events) assert.deepEqual(parseVmEvent(e.type, JSON.parse(JSON.stringify(e.data))), e, 'the event parses back');
+  });
+
+  test('refused once the VM is going or gone', () => {
+    for (const h of [DESTROYING, DESTROYED, FAILED]) {
+      assert.throws(() => vmDecider.decide(setTimeoutTo(deadline), fold(vmDecider, h), { now: at(9) }), /set its timeout/);
+    }
+  });
+});

@@ -21,9 +21,9 @@ exists() { [ -e "$1" ] || [ -L "$1" ]; }
 op=$1; shift
 case $op in
   stat) exists "$1" || exit 2; sh -c "$ENT" ent "$1" ;;
-  list) exists "$1" || exit 2; [ -d "$1" ] || exit 3
-        if [ "$2" = 0 ]; then find "$1" -mindepth 1 -exec sh -c "$ENT" ent {} +
-        else find "$1" -mindepth 1 -maxdepth "$2" -exec sh -c "$ENT" ent {} +; fi ;;
+  list) exists "$1" || exit 2; [ -d "$1" ] || exit 3; d=$1; [ -L "$d" ] && d="$d/"
+        if [ "$2" = 0 ]; then find "$d" -mindepth 1 -exec sh -c "$ENT" ent {} +
+        else find "$d" -mindepth 1 -maxdepth "$2" -exec sh -c "$ENT" ent {} +; fi ;;
   mkdir) exists "$1" && exit 17; mkdir -p -- "$1" || exit 1; sh -c "$ENT" ent "$1" ;;
   move) exists "$1" || exit 2; mkdir -p -- "$(dirname -- "$2")" && mv -f -- "$1" "$2" || exit 1; sh -c "$ENT" ent "$2" ;;
   remove) rm -rf -- "$1" ;;
@@ -152,10 +152,11 @@ export function parseEntries(out: Buffer): GuestEntry[] {
   const entries: GuestEntry[] = [];
   for (let i = 0; i + 2 < fields.length; i += 3) {
     const statLine = fields[i] ?? '';
-    const path = fields[i + 1] ?? '';
+    // A listed symlinked directory yields "link//name": shown as the guest would write it.
+    const path = posix.normalize(fields[i + 1] ?? '');
     const target = fields[i + 2] ?? '';
     const t = statLine.split(' ');
-    if (t.length < 8 || !path) continue;
+    if (t.length < 8 || path === '.') continue;
     const raw = parseInt(t[3] ?? '', 16);
     const size = /^\d+$/.test(t[4] ?? '') ? BigInt(t[4]!) : 0n;
     if (!Number.isFinite(raw)) continue;
