@@ -69,7 +69,7 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
 
   after(async () => {
     for (const [k, v] of Object.entries(env)) {
-      if (v === undefined) delete process.env[k];
+      if (v === undefined) Reflect.deleteProperty(process.env, k);
       else process.env[k] = v;
     }
     await cp?.close();

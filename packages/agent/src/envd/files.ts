@@ -67,7 +67,7 @@ function statusOf(err: unknown): [number, string] {
         return err.status < 500 ? [err.status, err.message] : [500, 'the file operation failed in the host agent'];
     }
   }
-  if ((err as NodeJS.ErrnoException)?.code === 'ENOSPC') return [507, 'not enough disk space available'];
+  if ((err as NodeJS.ErrnoException | undefined)?.code === 'ENOSPC') return [507, 'not enough disk space available'];
   return [500, 'the file operation failed in the host agent'];
 }
 
@@ -117,7 +117,7 @@ export async function uploadFiles(
     if (h.startsWith('x-metadata-')) throw new EnvdHttpError(400, 'file metadata (X-Metadata-* headers) is not supported by this envd');
   }
   const queryPath = query.get('path') ?? undefined;
-  const contentType = String(req.headers['content-type'] ?? '');
+  const contentType = req.headers['content-type'] ?? '';
   const written: Written[] = [];
   const writeOne = async (target: string, data: Readable): Promise<void> => {
     const path = absoluteGuestPath(target);
@@ -128,7 +128,7 @@ export async function uploadFiles(
 
   if (/^application\/octet-stream\b/i.test(contentType)) {
     if (!queryPath) throw new EnvdHttpError(400, 'an octet-stream upload needs the path query parameter');
-    const encoding = String(req.headers['content-encoding'] ?? 'identity').toLowerCase();
+    const encoding = (req.headers['content-encoding'] ?? 'identity').toLowerCase();
     if (encoding !== 'identity' && encoding !== 'gzip')
       throw new EnvdHttpError(400, `content encoding '${encoding}' is not supported: send identity or gzip`);
     const body = encoding === 'gzip' ? req.pipe(createGunzip()) : req;
@@ -162,7 +162,7 @@ export async function uploadFiles(
         chain.catch((err: unknown) => {
           failed = true;
           hold.resume();
-          reject(err);
+          reject(err instanceof Error ? err : new Error(String(err)));
         });
       });
       bb.on('error', (err: unknown) => reject(new EnvdHttpError(400, `malformed multipart body: ${(err as Error).message}`)));

@@ -74,11 +74,11 @@ async function run(backend: Backend, sandbox: string, args: string[], signal?: A
   const out: Buffer[] = [];
   let size = 0;
   let stderr = '';
-  let overflow = false;
+  const cut = { overflow: false };
   h.stdout.on('data', (c: Buffer) => {
     size += c.length;
     if (size > OUTPUT_CAP) {
-      overflow = true;
+      cut.overflow = true;
       h.kill('SIGKILL');
     } else out.push(c);
   });
@@ -90,7 +90,7 @@ async function run(backend: Backend, sandbox: string, args: string[], signal?: A
   signal?.addEventListener('abort', onAbort, { once: true });
   try {
     const st = await h.wait();
-    if (overflow) throw new ConnectError(`the listing is larger than ${OUTPUT_CAP} bytes: ask for less depth`, Code.ResourceExhausted);
+    if (cut.overflow) throw new ConnectError(`the listing is larger than ${OUTPUT_CAP} bytes: ask for less depth`, Code.ResourceExhausted);
     return { code: st.exitCode ?? 128, stdout: Buffer.concat(out), stderr: stderr.trim().slice(0, 500) };
   } finally {
     clearTimeout(timer);
@@ -133,7 +133,7 @@ function goModeString(raw: number): string {
   const lead = t === 'dir' ? 'd' : t === 'symlink' ? 'L' : t === 'file' ? '-' : '?';
   const rwx = 'rwxrwxrwx';
   let s = lead;
-  for (let i = 0; i < 9; i++) s += raw & (1 << (8 - i)) ? rwx[i] : '-';
+  for (let i = 0; i < 9; i++) s += raw & (1 << (8 - i)) ? rwx.charAt(i) : '-';
   return s;
 }
 
@@ -158,7 +158,8 @@ export function parseEntries(out: Buffer): GuestEntry[] {
     const t = statLine.split(' ');
     if (t.length < 8 || path === '.') continue;
     const raw = parseInt(t[3] ?? '', 16);
-    const size = /^\d+$/.test(t[4] ?? '') ? BigInt(t[4]!) : 0n;
+    const sizeField = t[4] ?? '';
+    const size = /^\d+$/.test(sizeField) ? BigInt(sizeField) : 0n;
     if (!Number.isFinite(raw)) continue;
     const type = typeOf(raw);
     entries.push({

@@ -172,9 +172,10 @@ export class ProcessTable {
     });
     handle.stdin.on('error', () => {});
     const pending: OutputEvent[] = [];
-    let proc: EnvdProcess | undefined;
+    // Output that comes before the pid is known waits here for the process record.
+    const live: { proc?: EnvdProcess } = {};
     const emit = (e: OutputEvent): void => {
-      if (proc) proc.publish(e);
+      if (live.proc) live.proc.publish(e);
       else pending.push(e);
     };
 
@@ -221,7 +222,9 @@ export class ProcessTable {
               ),
             );
         },
-        (err: unknown) => reject(err),
+        (err: unknown) => {
+          reject(err instanceof Error ? err : new Error(String(err)));
+        },
       );
     });
 
@@ -240,7 +243,8 @@ export class ProcessTable {
       if (timer) clearTimeout(timer);
       throw err;
     }
-    proc = new EnvdProcess(guestPid, req.tag, req.config, req.pty !== undefined, handle);
+    const proc = new EnvdProcess(guestPid, req.tag, req.config, req.pty !== undefined, handle);
+    live.proc = proc;
     const first = proc.subscribe();
     for (const e of pending.splice(0)) proc.publish(e);
     table.set(guestPid, proc);

@@ -207,9 +207,10 @@ export function registerEnvdServices(router: ConnectRouter, deps: EnvdDeps): voi
       const interval = Number(ctx.requestHeader.get('keepalive-ping-interval') ?? '');
       const keepaliveMs = Number.isFinite(interval) && interval > 0 ? interval * 1000 : 0;
       let lastSent = Date.now();
-      while (!ctx.signal.aborted) {
+      const stopped = (): boolean => ctx.signal.aborted;
+      while (!stopped()) {
         await sleep(WATCH_POLL_MS, ctx.signal);
-        if (ctx.signal.aborted) break;
+        if (stopped()) break;
         const after = await snapshotOf(fs, sandbox, dir, req.recursive, ctx.signal);
         for (const ev of diffSnapshots(dir, before, after)) {
           lastSent = Date.now();

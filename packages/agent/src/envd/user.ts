@@ -15,9 +15,9 @@ export function requestedUser(headers: Headers | Record<string, string | string[
   const raw = headers instanceof Headers ? headers.get(ENVD_USER_HEADER) : headers[ENVD_USER_HEADER];
   const value = Array.isArray(raw) ? raw[0] : raw;
   if (!value) return undefined;
-  const m = /^Basic\s+([A-Za-z0-9+/=]+)$/i.exec(value);
-  if (!m) return undefined;
-  const decoded = Buffer.from(m[1]!, 'base64').toString('utf8');
+  const encoded = /^Basic\s+([A-Za-z0-9+/=]+)$/i.exec(value)?.[1];
+  if (!encoded) return undefined;
+  const decoded = Buffer.from(encoded, 'base64').toString('utf8');
   return decoded.split(':')[0] || undefined;
 }
 

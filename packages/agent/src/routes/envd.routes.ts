@@ -33,7 +33,7 @@ export function registerEnvdRoutes(app: FastifyInstance, ctx: AgentRouteContext)
     fallback: (_req, res) => sendJson(res as ServerResponse, 404, { code: 404, message: 'no such envd route' }),
   });
 
-  void app.register(async (scope) => {
+  void app.register((scope, _opts, done) => {
     // Bodies reach envd unread: Connect, multipart and raw uploads parse (and bound) their own.
     scope.removeAllContentTypeParsers();
     scope.addContentTypeParser('*', (_req, _payload, done) => done(null));
@@ -68,5 +68,6 @@ export function registerEnvdRoutes(app: FastifyInstance, ctx: AgentRouteContext)
         sendFileError(res, err);
       }
     });
+    done();
   });
 }

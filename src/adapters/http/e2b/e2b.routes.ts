@@ -80,7 +80,7 @@ const sandboxQuery = z.object({
 export function e2bRoutes(deps: E2bRoutesDeps) {
   return async (root: FastifyInstance): Promise<void> => {
     await root.register(
-      async (scope) => {
+      (scope, _opts, done) => {
         const app = scope.withTypeProvider<ZodTypeProvider>();
         // Read-your-writes per tenant on this replica: a list right after a create sees it.
         const lastPosition = new Map<string, Position>();
@@ -88,11 +88,16 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
           if (position !== undefined) lastPosition.set(actor.tenantId, position);
         };
 
-        app.addHook('onRequest', async (req) => {
-          const key = req.headers['x-api-key'];
-          if (typeof key !== 'string' || key === '')
-            throw new UnauthorizedError('missing X-API-Key header: set E2B_API_KEY to a tenant key');
-          req.caller = deps.apiKeys.authenticateKey(key);
+        app.addHook('onRequest', (req, _reply, next) => {
+          try {
+            const key = req.headers['x-api-key'];
+            if (typeof key !== 'string' || key === '')
+              throw new UnauthorizedError('missing X-API-Key header: set E2B_API_KEY to a tenant key');
+            req.caller = deps.apiKeys.authenticateKey(key);
+            next();
+          } catch (err) {
+            next(err as Error);
+          }
         });
         app.setErrorHandler(e2bErrorHandler);
         app.setNotFoundHandler((req, reply) => {
@@ -262,6 +267,7 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
           { schema: { hide: true, params } },
           notYet('getMetrics', 'per-sandbox usage readings from the host agent'),
         );
+        done();
       },
       { prefix: E2B_PREFIX },
     );

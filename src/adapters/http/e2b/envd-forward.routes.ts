@@ -61,7 +61,10 @@ export async function forwardEnvd(
   } catch (err) {
     req.resume();
     // A VM that ended or is not running yet is what E2B's edge calls a dead sandbox: 502, read by the SDK as "not running".
-    if (err instanceof AppError && (err.status === 404 || err.status === 409)) return refuse(res, 502, `sandbox ${vmId} is not running`);
+    if (err instanceof AppError && (err.status === 404 || err.status === 409)) {
+      refuse(res, 502, `sandbox ${vmId} is not running`);
+      return;
+    }
     throw err;
   }
   const headers: Record<string, string> = {};
@@ -88,7 +91,8 @@ export async function forwardEnvd(
     });
   } catch (err) {
     req.resume();
-    return refuse(res, 502, `the host of sandbox ${vmId} did not answer: ${(err as Error).message}`);
+    refuse(res, 502, `the host of sandbox ${vmId} did not answer: ${(err as Error).message}`);
+    return;
   }
   const out: Record<string, string | string[]> = {};
   for (const [k, v] of Object.entries(answer.headers)) if (!HOP_BY_HOP.has(k)) out[k] = v;
@@ -103,7 +107,7 @@ export async function forwardEnvd(
 
 export function envdForwardRoutes(deps: EnvdForwardDeps) {
   return async (root: FastifyInstance): Promise<void> => {
-    await root.register(async (scope) => {
+    await root.register((scope, _opts, done) => {
       // Bodies are relayed unread, whatever their type.
       scope.removeAllContentTypeParsers();
       scope.addContentTypeParser('*', (_req, _payload, done) => {
@@ -118,20 +122,19 @@ export function envdForwardRoutes(deps: EnvdForwardDeps) {
           const port = req.headers['e2b-sandbox-port'];
           if (typeof id !== 'string' || !/^[a-z0-9-]{1,64}$/.test(id)) {
             raw.resume();
-            return refuse(res, 400, 'the E2b-Sandbox-Id header must name a sandbox');
+            refuse(res, 400, 'the E2b-Sandbox-Id header must name a sandbox');
+            return;
           }
           if (port !== undefined && port !== String(ENVD_PORT)) {
             raw.resume();
-            return refuse(res, 502, `port ${String(port)}: only envd (${ENVD_PORT}) is served at this address`);
+            refuse(res, 502, `port ${String(port)}: only envd (${ENVD_PORT}) is served at this address`);
+            return;
           }
           const token = req.headers['x-access-token'];
           if (!deps.tokens.verify(id, typeof token === 'string' ? token : undefined)) {
             raw.resume();
-            return refuse(
-              res,
-              401,
-              'a valid X-Access-Token for this sandbox is required (the envdAccessToken of its create or connect answer)',
-            );
+            refuse(res, 401, 'a valid X-Access-Token for this sandbox is required (the envdAccessToken of its create or connect answer)');
+            return;
           }
           const rest = req.url.slice(E2B_ENVD_PREFIX.length) || '/';
           await forwardEnvd(deps.vms, id, rest, raw, res, req.id);
@@ -143,6 +146,7 @@ export function envdForwardRoutes(deps: EnvdForwardDeps) {
       };
       scope.all(E2B_ENVD_PREFIX, handler);
       scope.all(`${E2B_ENVD_PREFIX}/*`, handler);
+      done();
     });
   };
 }
