@@ -4,19 +4,9 @@
 // @generated from file process/process.proto (package process, syntax proto3)
 /* eslint-disable */
 
-import type {
-  GenEnum,
-  GenFile,
-  GenMessage,
-  GenService,
-} from '@bufbuild/protobuf/codegenv2'
-import {
-  enumDesc,
-  fileDesc,
-  messageDesc,
-  serviceDesc,
-} from '@bufbuild/protobuf/codegenv2'
-import type { Message } from '@bufbuild/protobuf'
+import type { GenEnum, GenFile, GenMessage, GenService } from '@bufbuild/protobuf/codegenv2';
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from '@bufbuild/protobuf/codegenv2';
+import type { Message } from '@bufbuild/protobuf';
 
 /**
  * Describes the file process/process.proto.
@@ -24,8 +14,8 @@ import type { Message } from '@bufbuild/protobuf'
 export const file_process_process: GenFile =
   /*@__PURE__*/
   fileDesc(
-    'ChVwcm9jZXNzL3Byb2Nlc3MucHJvdG8SB3Byb2Nlc3MiSgoDUFRZEh8KBHNpemUYASABKAsyES5wcm9jZXNzLlBUWS5TaXplGiIKBFNpemUSDAoEY29scxgBIAEoDRIMCgRyb3dzGAIgASgNIqEBCg1Qcm9jZXNzQ29uZmlnEgsKA2NtZBgBIAEoCRIMCgRhcmdzGAIgAygJEi4KBGVudnMYAyADKAsyIC5wcm9jZXNzLlByb2Nlc3NDb25maWcuRW52c0VudHJ5EhAKA2N3ZBgEIAEoCUgAiAEBGisKCUVudnNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBQgYKBF9jd2QiDQoLTGlzdFJlcXVlc3QiXAoLUHJvY2Vzc0luZm8SJgoGY29uZmlnGAEgASgLMhYucHJvY2Vzcy5Qcm9jZXNzQ29uZmlnEgsKA3BpZBgCIAEoDRIQCgN0YWcYAyABKAlIAIgBAUIGCgRfdGFnIjcKDExpc3RSZXNwb25zZRInCglwcm9jZXNzZXMYASADKAsyFC5wcm9jZXNzLlByb2Nlc3NJbmZvIpcBCgxTdGFydFJlcXVlc3QSJwoHcHJvY2VzcxgBIAEoCzIWLnByb2Nlc3MuUHJvY2Vzc0NvbmZpZxIeCgNwdHkYAiABKAsyDC5wcm9jZXNzLlBUWUgAiAEBEhAKA3RhZxgDIAEoCUgBiAEBEhIKBXN0ZGluGAQgASgISAKIAQFCBgoEX3B0eUIGCgRfdGFnQggKBl9zdGRpbiJiCg1VcGRhdGVSZXF1ZXN0EikKB3Byb2Nlc3MYASABKAsyGC5wcm9jZXNzLlByb2Nlc3NTZWxlY3RvchIeCgNwdHkYAiABKAsyDC5wcm9jZXNzLlBUWUgAiAEBQgYKBF9wdHkiEAoOVXBkYXRlUmVzcG9uc2UirwMKDFByb2Nlc3NFdmVudBIxCgVzdGFydBgBIAEoCzIgLnByb2Nlc3MuUHJvY2Vzc0V2ZW50LlN0YXJ0RXZlbnRIABIvCgRkYXRhGAIgASgLMh8ucHJvY2Vzcy5Qcm9jZXNzRXZlbnQuRGF0YUV2ZW50SAASLQoDZW5kGAMgASgLMh4ucHJvY2Vzcy5Qcm9jZXNzRXZlbnQuRW5kRXZlbnRIABI0CglrZWVwYWxpdmUYBCABKAsyHy5wcm9jZXNzLlByb2Nlc3NFdmVudC5LZWVwQWxpdmVIABoZCgpTdGFydEV2ZW50EgsKA3BpZBgBIAEoDRpICglEYXRhRXZlbnQSEAoGc3Rkb3V0GAEgASgMSAASEAoGc3RkZXJyGAIgASgMSAASDQoDcHR5GAMgASgMSABCCAoGb3V0cHV0GlsKCEVuZEV2ZW50EhEKCWV4aXRfY29kZRgBIAEoERIOCgZleGl0ZWQYAiABKAgSDgoGc3RhdHVzGAMgASgJEhIKBWVycm9yGAQgASgJSACIAQFCCAoGX2Vycm9yGgsKCUtlZXBBbGl2ZUIHCgVldmVudCI1Cg1TdGFydFJlc3BvbnNlEiQKBWV2ZW50GAEgASgLMhUucHJvY2Vzcy5Qcm9jZXNzRXZlbnQiNwoPQ29ubmVjdFJlc3BvbnNlEiQKBWV2ZW50GAEgASgLMhUucHJvY2Vzcy5Qcm9jZXNzRXZlbnQiYwoQU2VuZElucHV0UmVxdWVzdBIpCgdwcm9jZXNzGAEgASgLMhgucHJvY2Vzcy5Qcm9jZXNzU2VsZWN0b3ISJAoFaW5wdXQYAiABKAsyFS5wcm9jZXNzLlByb2Nlc3NJbnB1dCITChFTZW5kSW5wdXRSZXNwb25zZSI3CgxQcm9jZXNzSW5wdXQSDwoFc3RkaW4YASABKAxIABINCgNwdHkYAiABKAxIAEIHCgVpbnB1dCLCAgoSU3RyZWFtSW5wdXRSZXF1ZXN0EjcKBXN0YXJ0GAEgASgLMiYucHJvY2Vzcy5TdHJlYW1JbnB1dFJlcXVlc3QuU3RhcnRFdmVudEgAEjUKBGRhdGEYAiABKAsyJS5wcm9jZXNzLlN0cmVhbUlucHV0UmVxdWVzdC5EYXRhRXZlbnRIABI6CglrZWVwYWxpdmUYAyABKAsyJS5wcm9jZXNzLlN0cmVhbUlucHV0UmVxdWVzdC5LZWVwQWxpdmVIABo3CgpTdGFydEV2ZW50EikKB3Byb2Nlc3MYASABKAsyGC5wcm9jZXNzLlByb2Nlc3NTZWxlY3RvchoxCglEYXRhRXZlbnQSJAoFaW5wdXQYAiABKAsyFS5wcm9jZXNzLlByb2Nlc3NJbnB1dBoLCglLZWVwQWxpdmVCBwoFZXZlbnQiFQoTU3RyZWFtSW5wdXRSZXNwb25zZSJfChFTZW5kU2lnbmFsUmVxdWVzdBIpCgdwcm9jZXNzGAEgASgLMhgucHJvY2Vzcy5Qcm9jZXNzU2VsZWN0b3ISHwoGc2lnbmFsGAIgASgOMg8ucHJvY2Vzcy5TaWduYWwiFAoSU2VuZFNpZ25hbFJlc3BvbnNlIj4KEUNsb3NlU3RkaW5SZXF1ZXN0EikKB3Byb2Nlc3MYASABKAsyGC5wcm9jZXNzLlByb2Nlc3NTZWxlY3RvciIUChJDbG9zZVN0ZGluUmVzcG9uc2UiOwoOQ29ubmVjdFJlcXVlc3QSKQoHcHJvY2VzcxgBIAEoCzIYLnByb2Nlc3MuUHJvY2Vzc1NlbGVjdG9yIjsKD1Byb2Nlc3NTZWxlY3RvchINCgNwaWQYASABKA1IABINCgN0YWcYAiABKAlIAEIKCghzZWxlY3RvcipICgZTaWduYWwSFgoSU0lHTkFMX1VOU1BFQ0lGSUVEEAASEgoOU0lHTkFMX1NJR1RFUk0QDxISCg5TSUdOQUxfU0lHS0lMTBAJMpEECgdQcm9jZXNzEjMKBExpc3QSFC5wcm9jZXNzLkxpc3RSZXF1ZXN0GhUucHJvY2Vzcy5MaXN0UmVzcG9uc2USPgoHQ29ubmVjdBIXLnByb2Nlc3MuQ29ubmVjdFJlcXVlc3QaGC5wcm9jZXNzLkNvbm5lY3RSZXNwb25zZTABEjgKBVN0YXJ0EhUucHJvY2Vzcy5TdGFydFJlcXVlc3QaFi5wcm9jZXNzLlN0YXJ0UmVzcG9uc2UwARI5CgZVcGRhdGUSFi5wcm9jZXNzLlVwZGF0ZVJlcXVlc3QaFy5wcm9jZXNzLlVwZGF0ZVJlc3BvbnNlEkoKC1N0cmVhbUlucHV0EhsucHJvY2Vzcy5TdHJlYW1JbnB1dFJlcXVlc3QaHC5wcm9jZXNzLlN0cmVhbUlucHV0UmVzcG9uc2UoARJCCglTZW5kSW5wdXQSGS5wcm9jZXNzLlNlbmRJbnB1dFJlcXVlc3QaGi5wcm9jZXNzLlNlbmRJbnB1dFJlc3BvbnNlEkUKClNlbmRTaWduYWwSGi5wcm9jZXNzLlNlbmRTaWduYWxSZXF1ZXN0GhsucHJvY2Vzcy5TZW5kU2lnbmFsUmVzcG9uc2USRQoKQ2xvc2VTdGRpbhIaLnByb2Nlc3MuQ2xvc2VTdGRpblJlcXVlc3QaGy5wcm9jZXNzLkNsb3NlU3RkaW5SZXNwb25zZUJXCgtjb20ucHJvY2Vzc0IMUHJvY2Vzc1Byb3RvUAGiAgNQWFiqAgdQcm9jZXNzygIHUHJvY2Vzc+ICE1Byb2Nlc3NcR1BCTWV0YWRhdGHqAgdQcm9jZXNzYgZwcm90bzM'
-  )
+    'ChVwcm9jZXNzL3Byb2Nlc3MucHJvdG8SB3Byb2Nlc3MiSgoDUFRZEh8KBHNpemUYASABKAsyES5wcm9jZXNzLlBUWS5TaXplGiIKBFNpemUSDAoEY29scxgBIAEoDRIMCgRyb3dzGAIgASgNIqEBCg1Qcm9jZXNzQ29uZmlnEgsKA2NtZBgBIAEoCRIMCgRhcmdzGAIgAygJEi4KBGVudnMYAyADKAsyIC5wcm9jZXNzLlByb2Nlc3NDb25maWcuRW52c0VudHJ5EhAKA2N3ZBgEIAEoCUgAiAEBGisKCUVudnNFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAk6AjgBQgYKBF9jd2QiDQoLTGlzdFJlcXVlc3QiXAoLUHJvY2Vzc0luZm8SJgoGY29uZmlnGAEgASgLMhYucHJvY2Vzcy5Qcm9jZXNzQ29uZmlnEgsKA3BpZBgCIAEoDRIQCgN0YWcYAyABKAlIAIgBAUIGCgRfdGFnIjcKDExpc3RSZXNwb25zZRInCglwcm9jZXNzZXMYASADKAsyFC5wcm9jZXNzLlByb2Nlc3NJbmZvIpcBCgxTdGFydFJlcXVlc3QSJwoHcHJvY2VzcxgBIAEoCzIWLnByb2Nlc3MuUHJvY2Vzc0NvbmZpZxIeCgNwdHkYAiABKAsyDC5wcm9jZXNzLlBUWUgAiAEBEhAKA3RhZxgDIAEoCUgBiAEBEhIKBXN0ZGluGAQgASgISAKIAQFCBgoEX3B0eUIGCgRfdGFnQggKBl9zdGRpbiJiCg1VcGRhdGVSZXF1ZXN0EikKB3Byb2Nlc3MYASABKAsyGC5wcm9jZXNzLlByb2Nlc3NTZWxlY3RvchIeCgNwdHkYAiABKAsyDC5wcm9jZXNzLlBUWUgAiAEBQgYKBF9wdHkiEAoOVXBkYXRlUmVzcG9uc2UirwMKDFByb2Nlc3NFdmVudBIxCgVzdGFydBgBIAEoCzIgLnByb2Nlc3MuUHJvY2Vzc0V2ZW50LlN0YXJ0RXZlbnRIABIvCgRkYXRhGAIgASgLMh8ucHJvY2Vzcy5Qcm9jZXNzRXZlbnQuRGF0YUV2ZW50SAASLQoDZW5kGAMgASgLMh4ucHJvY2Vzcy5Qcm9jZXNzRXZlbnQuRW5kRXZlbnRIABI0CglrZWVwYWxpdmUYBCABKAsyHy5wcm9jZXNzLlByb2Nlc3NFdmVudC5LZWVwQWxpdmVIABoZCgpTdGFydEV2ZW50EgsKA3BpZBgBIAEoDRpICglEYXRhRXZlbnQSEAoGc3Rkb3V0GAEgASgMSAASEAoGc3RkZXJyGAIgASgMSAASDQoDcHR5GAMgASgMSABCCAoGb3V0cHV0GlsKCEVuZEV2ZW50EhEKCWV4aXRfY29kZRgBIAEoERIOCgZleGl0ZWQYAiABKAgSDgoGc3RhdHVzGAMgASgJEhIKBWVycm9yGAQgASgJSACIAQFCCAoGX2Vycm9yGgsKCUtlZXBBbGl2ZUIHCgVldmVudCI1Cg1TdGFydFJlc3BvbnNlEiQKBWV2ZW50GAEgASgLMhUucHJvY2Vzcy5Qcm9jZXNzRXZlbnQiNwoPQ29ubmVjdFJlc3BvbnNlEiQKBWV2ZW50GAEgASgLMhUucHJvY2Vzcy5Qcm9jZXNzRXZlbnQiYwoQU2VuZElucHV0UmVxdWVzdBIpCgdwcm9jZXNzGAEgASgLMhgucHJvY2Vzcy5Qcm9jZXNzU2VsZWN0b3ISJAoFaW5wdXQYAiABKAsyFS5wcm9jZXNzLlByb2Nlc3NJbnB1dCITChFTZW5kSW5wdXRSZXNwb25zZSI3CgxQcm9jZXNzSW5wdXQSDwoFc3RkaW4YASABKAxIABINCgNwdHkYAiABKAxIAEIHCgVpbnB1dCLCAgoSU3RyZWFtSW5wdXRSZXF1ZXN0EjcKBXN0YXJ0GAEgASgLMiYucHJvY2Vzcy5TdHJlYW1JbnB1dFJlcXVlc3QuU3RhcnRFdmVudEgAEjUKBGRhdGEYAiABKAsyJS5wcm9jZXNzLlN0cmVhbUlucHV0UmVxdWVzdC5EYXRhRXZlbnRIABI6CglrZWVwYWxpdmUYAyABKAsyJS5wcm9jZXNzLlN0cmVhbUlucHV0UmVxdWVzdC5LZWVwQWxpdmVIABo3CgpTdGFydEV2ZW50EikKB3Byb2Nlc3MYASABKAsyGC5wcm9jZXNzLlByb2Nlc3NTZWxlY3RvchoxCglEYXRhRXZlbnQSJAoFaW5wdXQYAiABKAsyFS5wcm9jZXNzLlByb2Nlc3NJbnB1dBoLCglLZWVwQWxpdmVCBwoFZXZlbnQiFQoTU3RyZWFtSW5wdXRSZXNwb25zZSJfChFTZW5kU2lnbmFsUmVxdWVzdBIpCgdwcm9jZXNzGAEgASgLMhgucHJvY2Vzcy5Qcm9jZXNzU2VsZWN0b3ISHwoGc2lnbmFsGAIgASgOMg8ucHJvY2Vzcy5TaWduYWwiFAoSU2VuZFNpZ25hbFJlc3BvbnNlIj4KEUNsb3NlU3RkaW5SZXF1ZXN0EikKB3Byb2Nlc3MYASABKAsyGC5wcm9jZXNzLlByb2Nlc3NTZWxlY3RvciIUChJDbG9zZVN0ZGluUmVzcG9uc2UiOwoOQ29ubmVjdFJlcXVlc3QSKQoHcHJvY2VzcxgBIAEoCzIYLnByb2Nlc3MuUHJvY2Vzc1NlbGVjdG9yIjsKD1Byb2Nlc3NTZWxlY3RvchINCgNwaWQYASABKA1IABINCgN0YWcYAiABKAlIAEIKCghzZWxlY3RvcipICgZTaWduYWwSFgoSU0lHTkFMX1VOU1BFQ0lGSUVEEAASEgoOU0lHTkFMX1NJR1RFUk0QDxISCg5TSUdOQUxfU0lHS0lMTBAJMpEECgdQcm9jZXNzEjMKBExpc3QSFC5wcm9jZXNzLkxpc3RSZXF1ZXN0GhUucHJvY2Vzcy5MaXN0UmVzcG9uc2USPgoHQ29ubmVjdBIXLnByb2Nlc3MuQ29ubmVjdFJlcXVlc3QaGC5wcm9jZXNzLkNvbm5lY3RSZXNwb25zZTABEjgKBVN0YXJ0EhUucHJvY2Vzcy5TdGFydFJlcXVlc3QaFi5wcm9jZXNzLlN0YXJ0UmVzcG9uc2UwARI5CgZVcGRhdGUSFi5wcm9jZXNzLlVwZGF0ZVJlcXVlc3QaFy5wcm9jZXNzLlVwZGF0ZVJlc3BvbnNlEkoKC1N0cmVhbUlucHV0EhsucHJvY2Vzcy5TdHJlYW1JbnB1dFJlcXVlc3QaHC5wcm9jZXNzLlN0cmVhbUlucHV0UmVzcG9uc2UoARJCCglTZW5kSW5wdXQSGS5wcm9jZXNzLlNlbmRJbnB1dFJlcXVlc3QaGi5wcm9jZXNzLlNlbmRJbnB1dFJlc3BvbnNlEkUKClNlbmRTaWduYWwSGi5wcm9jZXNzLlNlbmRTaWduYWxSZXF1ZXN0GhsucHJvY2Vzcy5TZW5kU2lnbmFsUmVzcG9uc2USRQoKQ2xvc2VTdGRpbhIaLnByb2Nlc3MuQ2xvc2VTdGRpblJlcXVlc3QaGy5wcm9jZXNzLkNsb3NlU3RkaW5SZXNwb25zZUJXCgtjb20ucHJvY2Vzc0IMUHJvY2Vzc1Byb3RvUAGiAgNQWFiqAgdQcm9jZXNzygIHUHJvY2Vzc+ICE1Byb2Nlc3NcR1BCTWV0YWRhdGHqAgdQcm9jZXNzYgZwcm90bzM',
+  );
 
 /**
  * @generated from message process.PTY
@@ -34,8 +24,8 @@ export type PTY = Message<'process.PTY'> & {
   /**
    * @generated from field: process.PTY.Size size = 1;
    */
-  size?: PTY_Size
-}
+  size?: PTY_Size;
+};
 
 /**
  * Describes the message process.PTY.
@@ -43,7 +33,7 @@ export type PTY = Message<'process.PTY'> & {
  */
 export const PTYSchema: GenMessage<PTY> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 0)
+  messageDesc(file_process_process, 0);
 
 /**
  * @generated from message process.PTY.Size
@@ -52,13 +42,13 @@ export type PTY_Size = Message<'process.PTY.Size'> & {
   /**
    * @generated from field: uint32 cols = 1;
    */
-  cols: number
+  cols: number;
 
   /**
    * @generated from field: uint32 rows = 2;
    */
-  rows: number
-}
+  rows: number;
+};
 
 /**
  * Describes the message process.PTY.Size.
@@ -66,7 +56,7 @@ export type PTY_Size = Message<'process.PTY.Size'> & {
  */
 export const PTY_SizeSchema: GenMessage<PTY_Size> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 0, 0)
+  messageDesc(file_process_process, 0, 0);
 
 /**
  * @generated from message process.ProcessConfig
@@ -75,23 +65,23 @@ export type ProcessConfig = Message<'process.ProcessConfig'> & {
   /**
    * @generated from field: string cmd = 1;
    */
-  cmd: string
+  cmd: string;
 
   /**
    * @generated from field: repeated string args = 2;
    */
-  args: string[]
+  args: string[];
 
   /**
    * @generated from field: map<string, string> envs = 3;
    */
-  envs: { [key: string]: string }
+  envs: { [key: string]: string };
 
   /**
    * @generated from field: optional string cwd = 4;
    */
-  cwd?: string
-}
+  cwd?: string;
+};
 
 /**
  * Describes the message process.ProcessConfig.
@@ -99,12 +89,12 @@ export type ProcessConfig = Message<'process.ProcessConfig'> & {
  */
 export const ProcessConfigSchema: GenMessage<ProcessConfig> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 1)
+  messageDesc(file_process_process, 1);
 
 /**
  * @generated from message process.ListRequest
  */
-export type ListRequest = Message<'process.ListRequest'> & {}
+export type ListRequest = Message<'process.ListRequest'> & {};
 
 /**
  * Describes the message process.ListRequest.
@@ -112,7 +102,7 @@ export type ListRequest = Message<'process.ListRequest'> & {}
  */
 export const ListRequestSchema: GenMessage<ListRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 2)
+  messageDesc(file_process_process, 2);
 
 /**
  * @generated from message process.ProcessInfo
@@ -121,18 +111,18 @@ export type ProcessInfo = Message<'process.ProcessInfo'> & {
   /**
    * @generated from field: process.ProcessConfig config = 1;
    */
-  config?: ProcessConfig
+  config?: ProcessConfig;
 
   /**
    * @generated from field: uint32 pid = 2;
    */
-  pid: number
+  pid: number;
 
   /**
    * @generated from field: optional string tag = 3;
    */
-  tag?: string
-}
+  tag?: string;
+};
 
 /**
  * Describes the message process.ProcessInfo.
@@ -140,7 +130,7 @@ export type ProcessInfo = Message<'process.ProcessInfo'> & {
  */
 export const ProcessInfoSchema: GenMessage<ProcessInfo> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 3)
+  messageDesc(file_process_process, 3);
 
 /**
  * @generated from message process.ListResponse
@@ -149,8 +139,8 @@ export type ListResponse = Message<'process.ListResponse'> & {
   /**
    * @generated from field: repeated process.ProcessInfo processes = 1;
    */
-  processes: ProcessInfo[]
-}
+  processes: ProcessInfo[];
+};
 
 /**
  * Describes the message process.ListResponse.
@@ -158,7 +148,7 @@ export type ListResponse = Message<'process.ListResponse'> & {
  */
 export const ListResponseSchema: GenMessage<ListResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 4)
+  messageDesc(file_process_process, 4);
 
 /**
  * @generated from message process.StartRequest
@@ -167,17 +157,17 @@ export type StartRequest = Message<'process.StartRequest'> & {
   /**
    * @generated from field: process.ProcessConfig process = 1;
    */
-  process?: ProcessConfig
+  process?: ProcessConfig;
 
   /**
    * @generated from field: optional process.PTY pty = 2;
    */
-  pty?: PTY
+  pty?: PTY;
 
   /**
    * @generated from field: optional string tag = 3;
    */
-  tag?: string
+  tag?: string;
 
   /**
    * This is optional for backwards compatibility.
@@ -185,8 +175,8 @@ export type StartRequest = Message<'process.StartRequest'> & {
    *
    * @generated from field: optional bool stdin = 4;
    */
-  stdin?: boolean
-}
+  stdin?: boolean;
+};
 
 /**
  * Describes the message process.StartRequest.
@@ -194,7 +184,7 @@ export type StartRequest = Message<'process.StartRequest'> & {
  */
 export const StartRequestSchema: GenMessage<StartRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 5)
+  messageDesc(file_process_process, 5);
 
 /**
  * @generated from message process.UpdateRequest
@@ -203,13 +193,13 @@ export type UpdateRequest = Message<'process.UpdateRequest'> & {
   /**
    * @generated from field: process.ProcessSelector process = 1;
    */
-  process?: ProcessSelector
+  process?: ProcessSelector;
 
   /**
    * @generated from field: optional process.PTY pty = 2;
    */
-  pty?: PTY
-}
+  pty?: PTY;
+};
 
 /**
  * Describes the message process.UpdateRequest.
@@ -217,12 +207,12 @@ export type UpdateRequest = Message<'process.UpdateRequest'> & {
  */
 export const UpdateRequestSchema: GenMessage<UpdateRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 6)
+  messageDesc(file_process_process, 6);
 
 /**
  * @generated from message process.UpdateResponse
  */
-export type UpdateResponse = Message<'process.UpdateResponse'> & {}
+export type UpdateResponse = Message<'process.UpdateResponse'> & {};
 
 /**
  * Describes the message process.UpdateResponse.
@@ -230,7 +220,7 @@ export type UpdateResponse = Message<'process.UpdateResponse'> & {}
  */
 export const UpdateResponseSchema: GenMessage<UpdateResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 7)
+  messageDesc(file_process_process, 7);
 
 /**
  * @generated from message process.ProcessEvent
@@ -244,32 +234,32 @@ export type ProcessEvent = Message<'process.ProcessEvent'> & {
         /**
          * @generated from field: process.ProcessEvent.StartEvent start = 1;
          */
-        value: ProcessEvent_StartEvent
-        case: 'start'
+        value: ProcessEvent_StartEvent;
+        case: 'start';
       }
     | {
         /**
          * @generated from field: process.ProcessEvent.DataEvent data = 2;
          */
-        value: ProcessEvent_DataEvent
-        case: 'data'
+        value: ProcessEvent_DataEvent;
+        case: 'data';
       }
     | {
         /**
          * @generated from field: process.ProcessEvent.EndEvent end = 3;
          */
-        value: ProcessEvent_EndEvent
-        case: 'end'
+        value: ProcessEvent_EndEvent;
+        case: 'end';
       }
     | {
         /**
          * @generated from field: process.ProcessEvent.KeepAlive keepalive = 4;
          */
-        value: ProcessEvent_KeepAlive
-        case: 'keepalive'
+        value: ProcessEvent_KeepAlive;
+        case: 'keepalive';
       }
-    | { case: undefined; value?: undefined }
-}
+    | { case: undefined; value?: undefined };
+};
 
 /**
  * Describes the message process.ProcessEvent.
@@ -277,18 +267,17 @@ export type ProcessEvent = Message<'process.ProcessEvent'> & {
  */
 export const ProcessEventSchema: GenMessage<ProcessEvent> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 8)
+  messageDesc(file_process_process, 8);
 
 /**
  * @generated from message process.ProcessEvent.StartEvent
  */
-export type ProcessEvent_StartEvent =
-  Message<'process.ProcessEvent.StartEvent'> & {
-    /**
-     * @generated from field: uint32 pid = 1;
-     */
-    pid: number
-  }
+export type ProcessEvent_StartEvent = Message<'process.ProcessEvent.StartEvent'> & {
+  /**
+   * @generated from field: uint32 pid = 1;
+   */
+  pid: number;
+};
 
 /**
  * Describes the message process.ProcessEvent.StartEvent.
@@ -296,40 +285,39 @@ export type ProcessEvent_StartEvent =
  */
 export const ProcessEvent_StartEventSchema: GenMessage<ProcessEvent_StartEvent> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 8, 0)
+  messageDesc(file_process_process, 8, 0);
 
 /**
  * @generated from message process.ProcessEvent.DataEvent
  */
-export type ProcessEvent_DataEvent =
-  Message<'process.ProcessEvent.DataEvent'> & {
-    /**
-     * @generated from oneof process.ProcessEvent.DataEvent.output
-     */
-    output:
-      | {
-          /**
-           * @generated from field: bytes stdout = 1;
-           */
-          value: Uint8Array
-          case: 'stdout'
-        }
-      | {
-          /**
-           * @generated from field: bytes stderr = 2;
-           */
-          value: Uint8Array
-          case: 'stderr'
-        }
-      | {
-          /**
-           * @generated from field: bytes pty = 3;
-           */
-          value: Uint8Array
-          case: 'pty'
-        }
-      | { case: undefined; value?: undefined }
-  }
+export type ProcessEvent_DataEvent = Message<'process.ProcessEvent.DataEvent'> & {
+  /**
+   * @generated from oneof process.ProcessEvent.DataEvent.output
+   */
+  output:
+    | {
+        /**
+         * @generated from field: bytes stdout = 1;
+         */
+        value: Uint8Array;
+        case: 'stdout';
+      }
+    | {
+        /**
+         * @generated from field: bytes stderr = 2;
+         */
+        value: Uint8Array;
+        case: 'stderr';
+      }
+    | {
+        /**
+         * @generated from field: bytes pty = 3;
+         */
+        value: Uint8Array;
+        case: 'pty';
+      }
+    | { case: undefined; value?: undefined };
+};
 
 /**
  * Describes the message process.ProcessEvent.DataEvent.
@@ -337,7 +325,7 @@ export type ProcessEvent_DataEvent =
  */
 export const ProcessEvent_DataEventSchema: GenMessage<ProcessEvent_DataEvent> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 8, 1)
+  messageDesc(file_process_process, 8, 1);
 
 /**
  * @generated from message process.ProcessEvent.EndEvent
@@ -346,23 +334,23 @@ export type ProcessEvent_EndEvent = Message<'process.ProcessEvent.EndEvent'> & {
   /**
    * @generated from field: sint32 exit_code = 1;
    */
-  exitCode: number
+  exitCode: number;
 
   /**
    * @generated from field: bool exited = 2;
    */
-  exited: boolean
+  exited: boolean;
 
   /**
    * @generated from field: string status = 3;
    */
-  status: string
+  status: string;
 
   /**
    * @generated from field: optional string error = 4;
    */
-  error?: string
-}
+  error?: string;
+};
 
 /**
  * Describes the message process.ProcessEvent.EndEvent.
@@ -370,13 +358,12 @@ export type ProcessEvent_EndEvent = Message<'process.ProcessEvent.EndEvent'> & {
  */
 export const ProcessEvent_EndEventSchema: GenMessage<ProcessEvent_EndEvent> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 8, 2)
+  messageDesc(file_process_process, 8, 2);
 
 /**
  * @generated from message process.ProcessEvent.KeepAlive
  */
-export type ProcessEvent_KeepAlive =
-  Message<'process.ProcessEvent.KeepAlive'> & {}
+export type ProcessEvent_KeepAlive = Message<'process.ProcessEvent.KeepAlive'> & {};
 
 /**
  * Describes the message process.ProcessEvent.KeepAlive.
@@ -384,7 +371,7 @@ export type ProcessEvent_KeepAlive =
  */
 export const ProcessEvent_KeepAliveSchema: GenMessage<ProcessEvent_KeepAlive> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 8, 3)
+  messageDesc(file_process_process, 8, 3);
 
 /**
  * @generated from message process.StartResponse
@@ -393,8 +380,8 @@ export type StartResponse = Message<'process.StartResponse'> & {
   /**
    * @generated from field: process.ProcessEvent event = 1;
    */
-  event?: ProcessEvent
-}
+  event?: ProcessEvent;
+};
 
 /**
  * Describes the message process.StartResponse.
@@ -402,7 +389,7 @@ export type StartResponse = Message<'process.StartResponse'> & {
  */
 export const StartResponseSchema: GenMessage<StartResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 9)
+  messageDesc(file_process_process, 9);
 
 /**
  * @generated from message process.ConnectResponse
@@ -411,8 +398,8 @@ export type ConnectResponse = Message<'process.ConnectResponse'> & {
   /**
    * @generated from field: process.ProcessEvent event = 1;
    */
-  event?: ProcessEvent
-}
+  event?: ProcessEvent;
+};
 
 /**
  * Describes the message process.ConnectResponse.
@@ -420,7 +407,7 @@ export type ConnectResponse = Message<'process.ConnectResponse'> & {
  */
 export const ConnectResponseSchema: GenMessage<ConnectResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 10)
+  messageDesc(file_process_process, 10);
 
 /**
  * @generated from message process.SendInputRequest
@@ -429,13 +416,13 @@ export type SendInputRequest = Message<'process.SendInputRequest'> & {
   /**
    * @generated from field: process.ProcessSelector process = 1;
    */
-  process?: ProcessSelector
+  process?: ProcessSelector;
 
   /**
    * @generated from field: process.ProcessInput input = 2;
    */
-  input?: ProcessInput
-}
+  input?: ProcessInput;
+};
 
 /**
  * Describes the message process.SendInputRequest.
@@ -443,12 +430,12 @@ export type SendInputRequest = Message<'process.SendInputRequest'> & {
  */
 export const SendInputRequestSchema: GenMessage<SendInputRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 11)
+  messageDesc(file_process_process, 11);
 
 /**
  * @generated from message process.SendInputResponse
  */
-export type SendInputResponse = Message<'process.SendInputResponse'> & {}
+export type SendInputResponse = Message<'process.SendInputResponse'> & {};
 
 /**
  * Describes the message process.SendInputResponse.
@@ -456,7 +443,7 @@ export type SendInputResponse = Message<'process.SendInputResponse'> & {}
  */
 export const SendInputResponseSchema: GenMessage<SendInputResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 12)
+  messageDesc(file_process_process, 12);
 
 /**
  * @generated from message process.ProcessInput
@@ -470,18 +457,18 @@ export type ProcessInput = Message<'process.ProcessInput'> & {
         /**
          * @generated from field: bytes stdin = 1;
          */
-        value: Uint8Array
-        case: 'stdin'
+        value: Uint8Array;
+        case: 'stdin';
       }
     | {
         /**
          * @generated from field: bytes pty = 2;
          */
-        value: Uint8Array
-        case: 'pty'
+        value: Uint8Array;
+        case: 'pty';
       }
-    | { case: undefined; value?: undefined }
-}
+    | { case: undefined; value?: undefined };
+};
 
 /**
  * Describes the message process.ProcessInput.
@@ -489,7 +476,7 @@ export type ProcessInput = Message<'process.ProcessInput'> & {
  */
 export const ProcessInputSchema: GenMessage<ProcessInput> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 13)
+  messageDesc(file_process_process, 13);
 
 /**
  * @generated from message process.StreamInputRequest
@@ -503,25 +490,25 @@ export type StreamInputRequest = Message<'process.StreamInputRequest'> & {
         /**
          * @generated from field: process.StreamInputRequest.StartEvent start = 1;
          */
-        value: StreamInputRequest_StartEvent
-        case: 'start'
+        value: StreamInputRequest_StartEvent;
+        case: 'start';
       }
     | {
         /**
          * @generated from field: process.StreamInputRequest.DataEvent data = 2;
          */
-        value: StreamInputRequest_DataEvent
-        case: 'data'
+        value: StreamInputRequest_DataEvent;
+        case: 'data';
       }
     | {
         /**
          * @generated from field: process.StreamInputRequest.KeepAlive keepalive = 3;
          */
-        value: StreamInputRequest_KeepAlive
-        case: 'keepalive'
+        value: StreamInputRequest_KeepAlive;
+        case: 'keepalive';
       }
-    | { case: undefined; value?: undefined }
-}
+    | { case: undefined; value?: undefined };
+};
 
 /**
  * Describes the message process.StreamInputRequest.
@@ -529,18 +516,17 @@ export type StreamInputRequest = Message<'process.StreamInputRequest'> & {
  */
 export const StreamInputRequestSchema: GenMessage<StreamInputRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 14)
+  messageDesc(file_process_process, 14);
 
 /**
  * @generated from message process.StreamInputRequest.StartEvent
  */
-export type StreamInputRequest_StartEvent =
-  Message<'process.StreamInputRequest.StartEvent'> & {
-    /**
-     * @generated from field: process.ProcessSelector process = 1;
-     */
-    process?: ProcessSelector
-  }
+export type StreamInputRequest_StartEvent = Message<'process.StreamInputRequest.StartEvent'> & {
+  /**
+   * @generated from field: process.ProcessSelector process = 1;
+   */
+  process?: ProcessSelector;
+};
 
 /**
  * Describes the message process.StreamInputRequest.StartEvent.
@@ -548,18 +534,17 @@ export type StreamInputRequest_StartEvent =
  */
 export const StreamInputRequest_StartEventSchema: GenMessage<StreamInputRequest_StartEvent> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 14, 0)
+  messageDesc(file_process_process, 14, 0);
 
 /**
  * @generated from message process.StreamInputRequest.DataEvent
  */
-export type StreamInputRequest_DataEvent =
-  Message<'process.StreamInputRequest.DataEvent'> & {
-    /**
-     * @generated from field: process.ProcessInput input = 2;
-     */
-    input?: ProcessInput
-  }
+export type StreamInputRequest_DataEvent = Message<'process.StreamInputRequest.DataEvent'> & {
+  /**
+   * @generated from field: process.ProcessInput input = 2;
+   */
+  input?: ProcessInput;
+};
 
 /**
  * Describes the message process.StreamInputRequest.DataEvent.
@@ -567,13 +552,12 @@ export type StreamInputRequest_DataEvent =
  */
 export const StreamInputRequest_DataEventSchema: GenMessage<StreamInputRequest_DataEvent> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 14, 1)
+  messageDesc(file_process_process, 14, 1);
 
 /**
  * @generated from message process.StreamInputRequest.KeepAlive
  */
-export type StreamInputRequest_KeepAlive =
-  Message<'process.StreamInputRequest.KeepAlive'> & {}
+export type StreamInputRequest_KeepAlive = Message<'process.StreamInputRequest.KeepAlive'> & {};
 
 /**
  * Describes the message process.StreamInputRequest.KeepAlive.
@@ -581,12 +565,12 @@ export type StreamInputRequest_KeepAlive =
  */
 export const StreamInputRequest_KeepAliveSchema: GenMessage<StreamInputRequest_KeepAlive> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 14, 2)
+  messageDesc(file_process_process, 14, 2);
 
 /**
  * @generated from message process.StreamInputResponse
  */
-export type StreamInputResponse = Message<'process.StreamInputResponse'> & {}
+export type StreamInputResponse = Message<'process.StreamInputResponse'> & {};
 
 /**
  * Describes the message process.StreamInputResponse.
@@ -594,7 +578,7 @@ export type StreamInputResponse = Message<'process.StreamInputResponse'> & {}
  */
 export const StreamInputResponseSchema: GenMessage<StreamInputResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 15)
+  messageDesc(file_process_process, 15);
 
 /**
  * @generated from message process.SendSignalRequest
@@ -603,13 +587,13 @@ export type SendSignalRequest = Message<'process.SendSignalRequest'> & {
   /**
    * @generated from field: process.ProcessSelector process = 1;
    */
-  process?: ProcessSelector
+  process?: ProcessSelector;
 
   /**
    * @generated from field: process.Signal signal = 2;
    */
-  signal: Signal
-}
+  signal: Signal;
+};
 
 /**
  * Describes the message process.SendSignalRequest.
@@ -617,12 +601,12 @@ export type SendSignalRequest = Message<'process.SendSignalRequest'> & {
  */
 export const SendSignalRequestSchema: GenMessage<SendSignalRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 16)
+  messageDesc(file_process_process, 16);
 
 /**
  * @generated from message process.SendSignalResponse
  */
-export type SendSignalResponse = Message<'process.SendSignalResponse'> & {}
+export type SendSignalResponse = Message<'process.SendSignalResponse'> & {};
 
 /**
  * Describes the message process.SendSignalResponse.
@@ -630,7 +614,7 @@ export type SendSignalResponse = Message<'process.SendSignalResponse'> & {}
  */
 export const SendSignalResponseSchema: GenMessage<SendSignalResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 17)
+  messageDesc(file_process_process, 17);
 
 /**
  * @generated from message process.CloseStdinRequest
@@ -639,8 +623,8 @@ export type CloseStdinRequest = Message<'process.CloseStdinRequest'> & {
   /**
    * @generated from field: process.ProcessSelector process = 1;
    */
-  process?: ProcessSelector
-}
+  process?: ProcessSelector;
+};
 
 /**
  * Describes the message process.CloseStdinRequest.
@@ -648,12 +632,12 @@ export type CloseStdinRequest = Message<'process.CloseStdinRequest'> & {
  */
 export const CloseStdinRequestSchema: GenMessage<CloseStdinRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 18)
+  messageDesc(file_process_process, 18);
 
 /**
  * @generated from message process.CloseStdinResponse
  */
-export type CloseStdinResponse = Message<'process.CloseStdinResponse'> & {}
+export type CloseStdinResponse = Message<'process.CloseStdinResponse'> & {};
 
 /**
  * Describes the message process.CloseStdinResponse.
@@ -661,7 +645,7 @@ export type CloseStdinResponse = Message<'process.CloseStdinResponse'> & {}
  */
 export const CloseStdinResponseSchema: GenMessage<CloseStdinResponse> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 19)
+  messageDesc(file_process_process, 19);
 
 /**
  * @generated from message process.ConnectRequest
@@ -670,8 +654,8 @@ export type ConnectRequest = Message<'process.ConnectRequest'> & {
   /**
    * @generated from field: process.ProcessSelector process = 1;
    */
-  process?: ProcessSelector
-}
+  process?: ProcessSelector;
+};
 
 /**
  * Describes the message process.ConnectRequest.
@@ -679,7 +663,7 @@ export type ConnectRequest = Message<'process.ConnectRequest'> & {
  */
 export const ConnectRequestSchema: GenMessage<ConnectRequest> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 20)
+  messageDesc(file_process_process, 20);
 
 /**
  * @generated from message process.ProcessSelector
@@ -693,18 +677,18 @@ export type ProcessSelector = Message<'process.ProcessSelector'> & {
         /**
          * @generated from field: uint32 pid = 1;
          */
-        value: number
-        case: 'pid'
+        value: number;
+        case: 'pid';
       }
     | {
         /**
          * @generated from field: string tag = 2;
          */
-        value: string
-        case: 'tag'
+        value: string;
+        case: 'tag';
       }
-    | { case: undefined; value?: undefined }
-}
+    | { case: undefined; value?: undefined };
+};
 
 /**
  * Describes the message process.ProcessSelector.
@@ -712,7 +696,7 @@ export type ProcessSelector = Message<'process.ProcessSelector'> & {
  */
 export const ProcessSelectorSchema: GenMessage<ProcessSelector> =
   /*@__PURE__*/
-  messageDesc(file_process_process, 21)
+  messageDesc(file_process_process, 21);
 
 /**
  * @generated from enum process.Signal
@@ -739,7 +723,7 @@ export enum Signal {
  */
 export const SignalSchema: GenEnum<Signal> =
   /*@__PURE__*/
-  enumDesc(file_process_process, 0)
+  enumDesc(file_process_process, 0);
 
 /**
  * @generated from service process.Process
@@ -749,60 +733,60 @@ export const Process: GenService<{
    * @generated from rpc process.Process.List
    */
   list: {
-    methodKind: 'unary'
-    input: typeof ListRequestSchema
-    output: typeof ListResponseSchema
-  }
+    methodKind: 'unary';
+    input: typeof ListRequestSchema;
+    output: typeof ListResponseSchema;
+  };
   /**
    * @generated from rpc process.Process.Connect
    */
   connect: {
-    methodKind: 'server_streaming'
-    input: typeof ConnectRequestSchema
-    output: typeof ConnectResponseSchema
-  }
+    methodKind: 'server_streaming';
+    input: typeof ConnectRequestSchema;
+    output: typeof ConnectResponseSchema;
+  };
   /**
    * @generated from rpc process.Process.Start
    */
   start: {
-    methodKind: 'server_streaming'
-    input: typeof StartRequestSchema
-    output: typeof StartResponseSchema
-  }
+    methodKind: 'server_streaming';
+    input: typeof StartRequestSchema;
+    output: typeof StartResponseSchema;
+  };
   /**
    * @generated from rpc process.Process.Update
    */
   update: {
-    methodKind: 'unary'
-    input: typeof UpdateRequestSchema
-    output: typeof UpdateResponseSchema
-  }
+    methodKind: 'unary';
+    input: typeof UpdateRequestSchema;
+    output: typeof UpdateResponseSchema;
+  };
   /**
    * Client input stream ensures ordering of messages
    *
    * @generated from rpc process.Process.StreamInput
    */
   streamInput: {
-    methodKind: 'client_streaming'
-    input: typeof StreamInputRequestSchema
-    output: typeof StreamInputResponseSchema
-  }
+    methodKind: 'client_streaming';
+    input: typeof StreamInputRequestSchema;
+    output: typeof StreamInputResponseSchema;
+  };
   /**
    * @generated from rpc process.Process.SendInput
    */
   sendInput: {
-    methodKind: 'unary'
-    input: typeof SendInputRequestSchema
-    output: typeof SendInputResponseSchema
-  }
+    methodKind: 'unary';
+    input: typeof SendInputRequestSchema;
+    output: typeof SendInputResponseSchema;
+  };
   /**
    * @generated from rpc process.Process.SendSignal
    */
   sendSignal: {
-    methodKind: 'unary'
-    input: typeof SendSignalRequestSchema
-    output: typeof SendSignalResponseSchema
-  }
+    methodKind: 'unary';
+    input: typeof SendSignalRequestSchema;
+    output: typeof SendSignalResponseSchema;
+  };
   /**
    * Close stdin to signal EOF to the process.
    * Only works for non-PTY processes. For PTY, send Ctrl+D (0x04) instead.
@@ -810,8 +794,8 @@ export const Process: GenService<{
    * @generated from rpc process.Process.CloseStdin
    */
   closeStdin: {
-    methodKind: 'unary'
-    input: typeof CloseStdinRequestSchema
-    output: typeof CloseStdinResponseSchema
-  }
-}> = /*@__PURE__*/ serviceDesc(file_process_process, 0)
+    methodKind: 'unary';
+    input: typeof CloseStdinRequestSchema;
+    output: typeof CloseStdinResponseSchema;
+  };
+}> = /*@__PURE__*/ serviceDesc(file_process_process, 0);
