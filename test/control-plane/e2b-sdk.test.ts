@@ -5,6 +5,10 @@ import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import { AuthenticationError, CommandExitError, FileNotFoundError, Sandbox, SandboxError, SandboxNotFoundError, TimeoutError } from 'e2b';
+import { Code, ConnectError, createClient } from '@connectrpc/connect';
+import { createConnectTransport } from '@connectrpc/connect-node';
+import { EventType, Filesystem } from '../../packages/agent/src/envd/gen/filesystem_pb.js';
+import { Process } from '../../packages/agent/src/envd/gen/process_pb.js';
 import type { RunningAgent } from '../agent/harness.js';
 import {
   registerHost,
@@ -179,6 +183,49 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     await h.closeStdin();
     const r = await h.wait();
     assert.equal(r.stdout, 'first line\nsecond line\n[eof]\n');
+  });
+
+  it('envd over Connect beyond the JS SDK: StreamInput (client streaming) and the polling watchers of the Python SDK', async (t) => {
+    if (guard(t)) return;
+    const token = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
+    const id = sbx.sandboxId;
+    const transport = createConnectTransport({
+      baseUrl: `${base}/e2b/envd`,
+      httpVersion: '1.1',
+      interceptors: [
+        (next) => async (req) => {
+          req.header.set('e2b-sandbox-id', id);
+          req.header.set('x-access-token', token);
+          return next(req);
+        },
+      ],
+    });
+    const processes = createClient(Process, transport);
+    const h = await sbx.commands.run('cat', { background: true, stdin: true });
+    async function* input() {
+      yield { event: { case: 'start' as const, value: { process: { selector: { case: 'pid' as const, value: h.pid } } } } };
+      for (const line of ['streamed one\n', 'streamed two\n']) {
+        yield {
+          event: { case: 'data' as const, value: { input: { input: { case: 'stdin' as const, value: new TextEncoder().encode(line) } } } },
+        };
+      }
+    }
+    await processes.streamInput(input());
+    await h.closeStdin();
+    assert.equal((await h.wait()).stdout, 'streamed one\nstreamed two\n');
+
+    const fs = createClient(Filesystem, transport);
+    await sbx.files.makeDir('/tmp/polled');
+    const { watcherId } = await fs.createWatcher({ path: '/tmp/polled', recursive: true });
+    await sbx.files.write('/tmp/polled/sub/a.txt', 'x');
+    const first = await fs.getWatcherEvents({ watcherId });
+    assert.deepEqual(first.events.map((e) => [e.name, e.type]).sort(), [
+      ['sub', EventType.CREATE],
+      ['sub/a.txt', EventType.CREATE],
+    ]);
+    assert.deepEqual((await fs.getWatcherEvents({ watcherId })).events, [], 'each poll reports what changed since the last');
+    await fs.removeWatcher({ watcherId });
+    await assert.rejects(fs.getWatcherEvents({ watcherId }), (err: unknown) => err instanceof ConnectError && err.code === Code.NotFound);
   });
 
   it('files: write, read, list, exists, makeDir, rename, remove, getInfo', async (t) => {

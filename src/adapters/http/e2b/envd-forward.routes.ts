@@ -105,6 +105,44 @@ export async function forwardEnvd(
   });
 }
 
+/** The access check, then the relay: what both the E2B_SANDBOX_URL route and an ingress port handler do. */
+export async function serveEnvd(
+  deps: EnvdForwardDeps,
+  vmId: string,
+  path: string,
+  req: IncomingMessage,
+  res: ServerResponse,
+  correlationId: string,
+): Promise<void> {
+  const token = req.headers['x-access-token'];
+  if (!deps.tokens.verify(vmId, typeof token === 'string' ? token : undefined)) {
+    req.resume();
+    refuse(res, 401, 'a valid X-Access-Token for this sandbox is required (the envdAccessToken of its create or connect answer)');
+    return;
+  }
+  await forwardEnvd(deps.vms, vmId, path, req, res, correlationId);
+}
+
+/**
+ * envd as a port handler of the ingress (branch `ingress`): register it with
+ * `handlers.setPortHandler(ENVD_PORT, envdIngressHandler(deps), { auth: 'handler' })`,
+ * since envd is authorised by the sandbox's access token, not its traffic token.
+ */
+export function envdIngressHandler(deps: EnvdForwardDeps): {
+  request(target: { readonly vmId: string }, req: IncomingMessage, res: ServerResponse): Promise<void>;
+} {
+  return {
+    async request(target, req, res) {
+      try {
+        await serveEnvd(deps, target.vmId, req.url ?? '/', req, res, `ingress-envd-${target.vmId}`);
+      } catch {
+        req.resume();
+        refuse(res, 502, 'the sandbox could not be reached');
+      }
+    },
+  };
+}
+
 export function envdForwardRoutes(deps: EnvdForwardDeps) {
   return async (root: FastifyInstance): Promise<void> => {
     await root.register((scope, _opts, done) => {
@@ -130,14 +168,7 @@ export function envdForwardRoutes(deps: EnvdForwardDeps) {
             refuse(res, 502, `port ${String(port)}: only envd (${ENVD_PORT}) is served at this address`);
             return;
           }
-          const token = req.headers['x-access-token'];
-          if (!deps.tokens.verify(id, typeof token === 'string' ? token : undefined)) {
-            raw.resume();
-            refuse(res, 401, 'a valid X-Access-Token for this sandbox is required (the envdAccessToken of its create or connect answer)');
-            return;
-          }
-          const rest = req.url.slice(E2B_ENVD_PREFIX.length) || '/';
-          await forwardEnvd(deps.vms, id, rest, raw, res, req.id);
+          await serveEnvd(deps, id, req.url.slice(E2B_ENVD_PREFIX.length) || '/', raw, res, req.id);
         } catch (err) {
           req.log.warn({ err: { message: (err as Error).message } }, 'envd relay failed');
           raw.resume();
