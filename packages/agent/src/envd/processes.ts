@@ -272,12 +272,6 @@ export class ProcessTable {
     );
     return { proc: started, first };
   }
-
-  /** Every process of a sandbox that is going away. */
-  forget(sandbox: string): void {
-    for (const p of this.#bySandbox.get(sandbox)?.values() ?? []) p.handle.kill('SIGKILL');
-    this.#bySandbox.delete(sandbox);
-  }
 }
 
 function signalName(signal: NodeJS.Signals): string {

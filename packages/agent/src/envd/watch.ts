@@ -55,9 +55,13 @@ export class WatcherTable {
   readonly #bySandbox = new Map<string, Map<string, Watcher>>();
 
   create(sandbox: string, dir: string, recursive: boolean, snapshot: Snapshot): string {
-    const table = this.#bySandbox.get(sandbox) ?? new Map<string, Watcher>();
     const now = Date.now();
-    for (const [id, w] of table) if (now - w.lastUsed > WATCHER_IDLE_MS) table.delete(id);
+    // Watchers of clients (or sandboxes) long gone are dropped here, on every sandbox.
+    for (const [name, watchers] of this.#bySandbox) {
+      for (const [id, w] of watchers) if (now - w.lastUsed > WATCHER_IDLE_MS) watchers.delete(id);
+      if (watchers.size === 0) this.#bySandbox.delete(name);
+    }
+    const table = this.#bySandbox.get(sandbox) ?? new Map<string, Watcher>();
     if (table.size >= MAX_WATCHERS_PER_SANDBOX)
       throw new ConnectError(`at most ${MAX_WATCHERS_PER_SANDBOX} watchers per sandbox: remove one first`, Code.ResourceExhausted);
     const id = randomUUID();
