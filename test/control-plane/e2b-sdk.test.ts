@@ -205,6 +205,8 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     async function* input() {
       yield { event: { case: 'start' as const, value: { process: { selector: { case: 'pid' as const, value: h.pid } } } } };
       for (const line of ['streamed one\n', 'streamed two\n']) {
+        // Spaced out: the request body really is a stream, not one buffer.
+        await new Promise((r) => setTimeout(r, 100));
         yield {
           event: { case: 'data' as const, value: { input: { input: { case: 'stdin' as const, value: new TextEncoder().encode(line) } } } },
         };
