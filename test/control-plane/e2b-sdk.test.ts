@@ -131,6 +131,13 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     assert.ok(chunks[0]!.at < 1000, `the first line came after ${chunks[0]!.at} ms, not at the end`);
   });
 
+  it('commands.run: 24 MiB of output arrives whole and in order (the agent pauses the guest pipes while a client lags)', async (t) => {
+    if (guard(t)) return;
+    const r = await sbx.commands.run('i=0; while [ $i -lt 24 ]; do head -c 1048576 /dev/zero | tr "\\0" "$((i % 10))"; i=$((i+1)); done');
+    assert.equal(r.stdout.length, 24 * 1024 * 1024);
+    for (let i = 0; i < 24; i++) assert.equal(r.stdout[i * 1024 * 1024 + 512], String(i % 10), `MiB ${i} in its place`);
+  });
+
   it('commands.run: a timeout is TimeoutError and kills the command', async (t) => {
     if (guard(t)) return;
     await assert.rejects(sbx.commands.run('sleep 30; echo never > /tmp/timeout-marker', { timeoutMs: 1500 }), TimeoutError);
