@@ -82,7 +82,12 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
 
   it('Sandbox.create with metadata and envs; getInfo shows them', async (t) => {
     if (guard(t)) return;
-    sbx = await Sandbox.create({ metadata: { suite: 'e2b-sdk', role: 'main' }, envs: { GREETING: 'hello from envs' } });
+    // The first boot on a fresh machine may outlast the SDK's 60 s request timeout (cold image pages on a loaded host).
+    sbx = await Sandbox.create({
+      metadata: { suite: 'e2b-sdk', role: 'main' },
+      envs: { GREETING: 'hello from envs' },
+      requestTimeoutMs: 180_000,
+    });
     assert.match(sbx.sandboxId, /^[a-z0-9-]+$/);
     const info = await sbx.getInfo();
     assert.equal(info.sandboxId, sbx.sandboxId);
