@@ -475,7 +475,10 @@ async function liveLoad(
       any = false;
       for (const list of lists) {
         const e = list.shift();
-        if (e) ((any = true), queue.push(e));
+        if (e) {
+          any = true;
+          queue.push(e);
+        }
       }
     }
   };

@@ -39,6 +39,7 @@ type Kind = 'unit' | 'int' | 'e2e';
 const UNIT = [
   /^test\/domain\//,
   /^test\/packages\//,
+  /^test\/commands\//,
   /\.decider\.test\.ts$/,
   /-deciders\.test\.ts$/,
   /config\.test\.ts$/,
@@ -94,7 +95,7 @@ async function main(): Promise<number> {
   process.on('SIGINT', forward);
   process.on('SIGTERM', forward);
   const code = await new Promise<number>((resolve) => {
-    child.on('exit', (c, signal) => resolve(c ?? (signal ? 128 + (os.constants.signals[signal] ?? 0) : 1)));
+    child.on('exit', (c, signal) => resolve(c ?? (signal ? 128 + os.constants.signals[signal] : 1)));
     child.on('error', () => resolve(1));
   });
   process.removeListener('SIGINT', forward);

@@ -7,6 +7,7 @@ import { startEmbeddedPostgres, type EmbeddedPostgres } from './adapters/postgre
 import { loadOrCreateSecrets } from './adapters/secrets.js';
 import { apiKeysFrom, startService, type Service } from './adapters/service.js';
 import { e2bShellExports } from './adapters/http/e2b/e2b-shell.js';
+import { ingressSettingsOf, startIngress } from './adapters/ingress/ingress.js';
 
 /**
  * The control plane process: config, the embedded Postgres when nothing else
@@ -38,7 +39,7 @@ async function main(): Promise<void> {
     logger.info({ signal }, 'shutting down');
     for (const stop of stops.reverse()) await stop().catch((err: unknown) => logger.warn({ err }, 'shutdown step failed'));
     logger.info('stopped');
-    logger.flush?.();
+    logger.flush();
     process.exit(code);
   };
   process.on('SIGINT', () => void shutdown('SIGINT'));
@@ -60,6 +61,7 @@ async function main(): Promise<void> {
       databaseUrl = pg.url;
     }
     const adminKey = config.ADMIN_API_KEY ?? secrets.admin_api_key;
+    const ingress = ingressSettingsOf(config, embedded);
     const tenantKeys = config.API_KEYS.length > 0 || !embedded ? config.API_KEYS : [{ tenant: 'demo', key: secrets.demo_api_key }];
     const service: Service = await startService({
       config,
@@ -67,10 +69,27 @@ async function main(): Promise<void> {
       databaseUrl,
       tokenEncryptionKey: Buffer.from(config.TOKEN_ENCRYPTION_KEY ?? secrets.token_encryption_key, 'base64'),
       apiKeys: apiKeysFrom(adminKey, tenantKeys),
+      ingress: ingress.settings,
     });
     stops.push(() => service.close());
     await service.app.listen({ host: config.HOST, port: config.PORT });
     const apiUrl = `http://${config.HOST}:${config.PORT}`;
+    let ingressUrl: string | undefined;
+    if (ingress.run && ingress.settings) {
+      const proxy = await startIngress({
+        pool: service.pool,
+        domain: ingress.settings.domain,
+        host: config.INGRESS_HOST,
+        port: ingress.port,
+        routeCacheMs: config.INGRESS_ROUTE_CACHE_MS,
+        activityFlushMs: config.ACTIVITY_COALESCE_MS,
+        recordActivity: service.recordIngressActivity,
+        handlers: service.ingressHandlers,
+        logger,
+      });
+      stops.push(() => proxy.close());
+      ingressUrl = proxy.url;
+    }
 
     if (config.START_LOCAL_AGENT ?? embedded) {
       const agent: LocalAgent = await startLocalAgent({ dataDir, port: config.LOCAL_AGENT_PORT, token: secrets.local_agent_token, logger });
@@ -104,7 +123,7 @@ async function main(): Promise<void> {
       );
     }
     // Every start: what points the stock e2b SDK here (docs/e2b-compatibility.md), with the key where the demo key is shown.
-    process.stdout.write(`E2B SDK:\n${e2bShellExports(apiUrl, created && showDemo ? secrets.demo_api_key : undefined)}\n`);
+    process.stdout.write(`E2B SDK:\n${e2bShellExports(apiUrl, created && showDemo ? secrets.demo_api_key : undefined, ingressUrl)}\n`);
   } catch (err) {
     logger.fatal({ err }, 'start-up failed');
     await shutdown('startup-failure', 1);

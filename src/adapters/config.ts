@@ -21,7 +21,7 @@ export const configSchema = z.object({
   /** Where the embedded Postgres and generated secrets live. */
   DATA_DIR: z.string().min(1).default('.data'),
   /** External Postgres for read models (and events, unless EVENTSTORE_URL is set). Unset: the embedded server. */
-  DATABASE_URL: z.string().url().optional(),
+  DATABASE_URL: z.url().optional(),
   /** `esdb://…`: EventStoreDB for events. */
   EVENTSTORE_URL: z
     .string()
@@ -143,6 +143,26 @@ export const configSchema = z.object({
    * Unset: 1 (no overcommit), except the embedded default's local host, registered at 4. RAM is never overcommitted.
    */
   CPU_OVERCOMMIT_RATIO: z.coerce.number().min(1, 'at least 1 (1: no overcommit)').max(64, 'at most 64').optional(),
+  /**
+   * Published URLs are `{INGRESS_SCHEME}://{port}-{vm_id}.{INGRESS_DOMAIN}`. Set: every exposed TCP port is published
+   * through the ingress with a traffic token, and the VM's endpoints show those URLs. Unset: host-level endpoints, as before
+   * (with the in-process ingress on, it defaults to localhost:<INGRESS_PORT>).
+   */
+  INGRESS_DOMAIN: z
+    .string()
+    .regex(
+      /^[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::[0-9]{1,5})?$/i,
+      'a host name with an optional :port, e.g. sbx.example.com or localhost:8081',
+    )
+    .optional(),
+  INGRESS_SCHEME: z.enum(['http', 'https']).default('http'),
+  /** Run the ingress proxy in this process. Default: on with the embedded default. */
+  INGRESS_ENABLED: bool.optional(),
+  INGRESS_HOST: z.string().min(1).default('127.0.0.1'),
+  /** Unset: PORT + 1 (8081 by default), so a second control plane on another PORT does not collide. */
+  INGRESS_PORT: z.coerce.number().int().min(0).max(65535).optional(),
+  /** How long a proxy keeps a VM's route row before re-reading it (0: every request reads the table). */
+  INGRESS_ROUTE_CACHE_MS: durationMs.default(1000),
 });
 
 export type Config = z.infer<typeof configSchema>;

@@ -239,7 +239,7 @@ export class HostAgentClient implements HostAgent {
     } catch (err) {
       opts?.signal?.removeEventListener('abort', onCallerAbort);
       throw this.#transportError(
-        abort.signal.reason?.name === 'TimeoutError' ? abort.signal.reason : err,
+        (abort.signal.reason as Error | undefined)?.name === 'TimeoutError' ? abort.signal.reason : err,
         what,
         headTimeoutMs,
         opts?.signal,
@@ -269,7 +269,7 @@ export class HostAgentClient implements HostAgent {
     const body = res.body;
     async function* bytes(): AsyncGenerator<Uint8Array> {
       if (!body) return;
-      const reader = body.getReader();
+      const reader = (body as ReadableStream<Uint8Array>).getReader();
       let seen = 0;
       try {
         for (;;) {
@@ -498,7 +498,7 @@ export class HostAgentClient implements HostAgent {
       );
     }
     const cause = (err as { cause?: { code?: string; message?: string } }).cause;
-    const reason = cause?.code ?? cause?.message ?? (err as Error).message ?? 'network error';
+    const reason = cause?.code ?? cause?.message ?? (err as { message?: string }).message ?? 'network error';
     return new HostUnreachableError(`${what} failed: ${reason}`, { host_id: this.hostId }, { cause: err });
   }
 
@@ -567,7 +567,8 @@ export class HostAgentClient implements HostAgent {
       ws.on('message', (data: WebSocket.RawData) => {
         let frame: ServerFrame;
         try {
-          frame = serverFrameSchema.parse(JSON.parse(data.toString()));
+          // binaryType 'nodebuffer' (the default): every message arrives as one Buffer.
+          frame = serverFrameSchema.parse(JSON.parse((data as Buffer).toString()));
         } catch {
           fail(new HostAgentError(`${what} sent a frame that does not match the protocol`, { host_id: hostId }));
           return;
@@ -679,7 +680,7 @@ export function fileTooLarge(size: number, maxBytes: number): AppError {
 async function readAtMost(res: Response, max: number): Promise<Uint8Array> {
   const chunks: Uint8Array[] = [];
   let n = 0;
-  const reader = res.body?.getReader();
+  const reader = (res.body as ReadableStream<Uint8Array> | null)?.getReader();
   if (!reader) return new Uint8Array();
   try {
     while (n < max) {
@@ -723,7 +724,7 @@ class FrameQueue implements AsyncIterable<ServerFrame> {
   static readonly HARD_CAP = 1024;
   #items: ServerFrame[] = [];
   #waiters: Array<{ resolve: (r: IteratorResult<ServerFrame>) => void; reject: (e: unknown) => void }> = [];
-  #error: unknown;
+  #error: Error | undefined;
   #paused = false;
   ended = false;
 
@@ -759,7 +760,7 @@ class FrameQueue implements AsyncIterable<ServerFrame> {
     for (const w of this.#waiters.splice(0)) w.resolve({ value: undefined, done: true });
   }
 
-  fail(err: unknown): void {
+  fail(err: Error): void {
     if (this.ended) return;
     this.#error = err;
     this.ended = true;

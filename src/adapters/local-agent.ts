@@ -84,9 +84,11 @@ export function localAgentEnv(from: NodeJS.ProcessEnv, settings: Record<string, 
 async function waitHealthy(url: string, child: ChildProcess, exited: Promise<number | null>): Promise<void> {
   let done = false;
   void exited.then(() => (done = true));
+  // `done` flips while this loop awaits: read it through a call, not a narrowed local.
+  const hasExited = (): boolean => done;
   const deadline = Date.now() + 60_000;
   while (Date.now() < deadline) {
-    if (done) throw new Error(`the local host agent exited during start (code ${child.exitCode}); see its log above`);
+    if (hasExited()) throw new Error(`the local host agent exited during start (code ${child.exitCode}); see its log above`);
     try {
       const r = await fetch(`${url}/healthz`, { signal: AbortSignal.timeout(1000) });
       if (r.ok) return;
@@ -107,7 +109,10 @@ function runToEnd(cmd: string, args: string[], env: Record<string, string | unde
     child.stderr.on('data', (d: Buffer) => (out += d.toString()));
     child.on('error', reject);
     child.on('exit', (code) => {
-      if (code === 0) return resolvePromise();
+      if (code === 0) {
+        resolvePromise();
+        return;
+      }
       logger.error({ output: out.slice(-2000) }, `${args.join(' ')} failed`);
       reject(new Error(`${args.slice(-3).join(' ')} failed (exit ${code}): ${out.trim().split('\n').at(-1) ?? ''}`));
     });

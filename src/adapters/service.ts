@@ -1,8 +1,8 @@
 import type { FastifyInstance } from 'fastify';
 import type { Logger } from 'pino';
 import { CommandHandler } from '../commands/command-handler.js';
-import { HostCommands } from '../commands/host-commands.js';
-import { PlacementView } from '../commands/placement-view.js';
+import { HostCommands } from '../commands/host/host-commands.js';
+import { PlacementView } from '../commands/placement/placement-view.js';
 import { VmCommands } from '../commands/vm/vm-commands.js';
 import { Placer } from '../commands/placement/place-and-reserve.js';
 import { Reconciler, type ReconcileSummary } from '../commands/reconcile/reconciler.js';
@@ -44,12 +44,20 @@ import { vmRoutes } from './http/vms.routes.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
-import { EnvdTokens } from './http/e2b/e2b-auth.js';
+import { ENVD_PORT, EnvdTokens } from './http/e2b/e2b-auth.js';
 import { e2bRoutes } from './http/e2b/e2b.routes.js';
-import { envdForwardRoutes } from './http/e2b/envd-forward.routes.js';
+import { envdForwardRoutes, envdIngressHandler } from './http/e2b/envd-forward.routes.js';
+import { lifecycleRoutes } from './http/lifecycle.routes.js';
+import { VmLifecycle } from '../commands/vm/vm-lifecycle.js';
+import { vmEventsProjection } from '../projections/vm-events/vm-events.projection.js';
 import { runMigrations } from './postgres/migrations.js';
 import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
+import { ingressProjection } from '../projections/ingress/ingress.projection.js';
+import { countIngressRoutes } from '../projections/ingress/ingress.queries.js';
+import { activityRecorder, IngressCommands, type IngressSettings } from '../commands/ingress/ingress-commands.js';
+import { ingressRoutes } from './http/ingress.routes.js';
+import { IngressPortHandlers } from './ingress/ingress-proxy.js';
 
 /** Every read model the service keeps. */
 export const PROJECTIONS: readonly Projection[] = [
@@ -60,6 +68,8 @@ export const PROJECTIONS: readonly Projection[] = [
   deadLettersProjection,
   vmHealthProjection,
   snapshotsProjection,
+  ingressProjection,
+  vmEventsProjection,
 ];
 
 export interface ServiceOptions {
@@ -74,6 +84,8 @@ export interface ServiceOptions {
   /** False in tests that run many services: prom-client's default process metrics are global. */
   readonly defaultMetrics?: boolean;
   readonly httpLogger?: boolean;
+  /** Ingress URL settings; default: from INGRESS_DOMAIN (unset: nothing is published). */
+  readonly ingress?: IngressSettings | undefined;
 }
 
 export interface Service {
@@ -87,6 +99,12 @@ export interface Service {
   /** Whether this replica holds the reconciler lease. */
   isReconcilerLeader(): boolean;
   readonly pool: import('pg').Pool;
+  /** Present when an ingress domain is configured. */
+  readonly ingress: IngressCommands | undefined;
+  /** Per-port handlers for the ingress proxies this process runs (e.g. envd for the E2B layer). */
+  readonly ingressHandlers: IngressPortHandlers;
+  /** What a proxy calls once per VM per flush (ingress traffic as idle-expiry activity). */
+  readonly recordIngressActivity: (vmId: string) => Promise<void>;
   close(): Promise<void>;
 }
 
@@ -94,7 +112,11 @@ export interface Service {
 export async function startService(opts: ServiceOptions): Promise<Service> {
   const { config, logger } = opts;
   const pool = createPool({ url: opts.databaseUrl, max: 20, applicationName: 'fleet-control-plane', logger });
-  const closers: Array<() => Promise<void>> = [async () => void (await pool.end())];
+  const closers: Array<() => Promise<void>> = [
+    async () => {
+      await pool.end();
+    },
+  ];
   const close = async (): Promise<void> => {
     for (const c of closers.reverse()) await c().catch((err: unknown) => logger.warn({ err }, 'shutdown step failed'));
   };
@@ -166,6 +188,13 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       new CommandHandler(store, undefined, 200),
     );
     vms.setSeedArtifacts(snapshots);
+    const ingressSettings: IngressSettings | undefined =
+      opts.ingress ?? (config.INGRESS_DOMAIN ? { domain: config.INGRESS_DOMAIN, scheme: config.INGRESS_SCHEME } : undefined);
+    const ingress = ingressSettings
+      ? new IngressCommands(handler, secretBox, ingressSettings, logger.child({ component: 'ingress' }))
+      : undefined;
+    vms.ingress = ingress;
+    const lifecycle = new VmLifecycle(handler, vms, hosts, logger.child({ component: 'lifecycle' }));
     const forkMigrate = new ForkMigrate(handler, hosts, placer, vms, snapshots, logger.child({ component: 'migrate' }));
 
     const metrics = new Metrics({ defaultMetrics: opts.defaultMetrics });
@@ -173,9 +202,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       'fleet_projection_lag_seconds',
       'Seconds the read model is behind the newest event it has been handed',
       ['projection'],
-      async () => runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
+      () => runner.status().map((s) => ({ labels: { projection: s.name }, value: s.lagSeconds })),
     );
-    metrics.gauge('fleet_projection_events_applied', 'Events applied by this process per read model', ['projection'], async () =>
+    metrics.gauge('fleet_projection_events_applied', 'Events applied by this process per read model', ['projection'], () =>
       runner.status().map((s) => ({ labels: { projection: s.name }, value: s.eventsApplied })),
     );
     metrics.gauge('fleet_vms', 'VMs by state and host (read model)', ['state', 'host'], async () =>
@@ -191,6 +220,10 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         { labels: { host: h.id, resource: 'vm_count', kind: 'allocated' }, value: h.allocated.vm_count },
       ]),
     );
+
+    metrics.gauge('fleet_ingress_routes', 'Published ingress routes (read model)', [], async () => [
+      { labels: {}, value: await countIngressRoutes(pool) },
+    ]);
 
     const feedStats = new FeedStats();
     registerConsumerMetrics(metrics, { pool, store, runner, feed: feedStats });
@@ -248,10 +281,10 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         await Promise.all([reconciler.stop(), snapshots.stop()]);
       },
     });
-    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], async () => [
+    metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], () => [
       { labels: {}, value: lease.held ? 1 : 0 },
     ]);
-    metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], async () =>
+    metrics.gauge('fleet_reconcile_last_cycle', "Fields of this replica's last ReconcileSummary", ['field'], () =>
       Object.entries(reconciler.lastSummary ?? {}).flatMap(([k, v]) => (typeof v === 'number' ? [{ labels: { field: k }, value: v }] : [])),
     );
     metrics.gauge('fleet_dead_letters', 'Dead letters by state and kind (read model)', ['state', 'kind'], async () =>
@@ -261,6 +294,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
     const apiKeys = new ApiKeys(opts.apiKeys);
     const envdTokens = new EnvdTokens(opts.tokenEncryptionKey);
+    // envd (E2B_SANDBOX_URL) on every ingress this process runs, for every running sandbox; envd checks X-Access-Token itself.
+    const ingressHandlers = new IngressPortHandlers();
+    ingressHandlers.setPortHandler(ENVD_PORT, envdIngressHandler({ vms, tokens: envdTokens }), { auth: 'handler' });
     const app = await buildApp({
       logger: opts.httpLogger === false ? false : logger,
       apiKeys,
@@ -270,11 +306,16 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       readiness: {
         checks: {
           event_store: () => store.ping(),
-          database: async () => void (await pool.query('SELECT 1')),
-          projections: async () => {
+          database: async () => {
+            await pool.query('SELECT 1');
+          },
+          projections: () => {
             const down = runner.status().filter((s) => !s.running);
-            if (down.length > 0)
-              throw new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`);
+            return down.length > 0
+              ? Promise.reject(
+                  new Error(`not running: ${down.map((s) => `${s.name}${s.lastError ? ` (${s.lastError})` : ''}`).join(', ')}`),
+                )
+              : Promise.resolve();
           },
         },
       },
@@ -307,9 +348,11 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         usageRoutes({ pool }),
         eventsRoutes({ store, logger, stats: feedStats, maxPerTenant: config.SSE_MAX_PER_TENANT }),
         auditRoutes({ store }),
+        lifecycleRoutes({ lifecycle, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
-        e2bRoutes({ apiKeys, vms, pool, runner, tokens: envdTokens, readYourWritesTimeoutMs: rywTimeout }),
+        e2bRoutes({ apiKeys, vms, lifecycle, pool, runner, tokens: envdTokens, readYourWritesTimeoutMs: rywTimeout }),
         envdForwardRoutes({ vms, tokens: envdTokens }),
+        ...(ingress ? [ingressRoutes({ ingress, vms })] : []),
       ],
     });
     closers.push(() => app.close());
@@ -321,7 +364,21 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       lease.start();
       closers.push(() => snapshots.stop());
     }
-    return { app, store, runner, hosts, vms, reconciler, snapshots, isReconcilerLeader: () => lease.held, pool, close };
+    return {
+      app,
+      store,
+      runner,
+      hosts,
+      vms,
+      reconciler,
+      snapshots,
+      isReconcilerLeader: () => lease.held,
+      pool,
+      ingress,
+      ingressHandlers,
+      recordIngressActivity: activityRecorder(handler, { correlationId: 'ingress-activity', actor: 'ingress' }),
+      close,
+    };
   } catch (err) {
     await close();
     throw err;

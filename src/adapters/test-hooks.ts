@@ -1,4 +1,4 @@
-import type { HostAgent, HostAgentConnector } from '../domain/host-agent.port.js';
+import type { HostAgentConnector } from '../domain/host-agent.port.js';
 
 /**
  * TEST HOOK, for fault tests only: `FLEET_TEST_HOOK_AGENT_DELAY_MS=createVm=30000,destroyVm=30000`
@@ -13,8 +13,9 @@ export function parseAgentDelayHook(value: string | undefined): Map<string, numb
   const delays = new Map<string, number>();
   for (const part of value.split(',')) {
     const m = /^\s*([A-Za-z]+)=(\d+)\s*$/.exec(part);
-    if (!m) throw new Error(`${TEST_HOOK_AGENT_DELAY}: "${part}" must be method=milliseconds, e.g. createVm=30000`);
-    delays.set(m[1]!, Number(m[2]));
+    const method = m?.[1];
+    if (method === undefined) throw new Error(`${TEST_HOOK_AGENT_DELAY}: "${part}" must be method=milliseconds, e.g. createVm=30000`);
+    delays.set(method, Number(m?.[2]));
   }
   return delays;
 }
@@ -27,10 +28,12 @@ export function withAgentDelays(connector: HostAgentConnector, delays: Map<strin
         get(target, prop, receiver) {
           const value = Reflect.get(target, prop, receiver) as unknown;
           const ms = typeof prop === 'string' ? delays.get(prop) : undefined;
-          if (typeof value !== 'function' || ms === undefined) return typeof value === 'function' ? value.bind(target) : value;
+          if (typeof value !== 'function') return value;
+          const fn = value as (...a: unknown[]) => unknown;
+          if (ms === undefined) return fn.bind(target);
           return async (...args: unknown[]) => {
             await new Promise((r) => setTimeout(r, ms));
-            return (value as (...a: unknown[]) => unknown).apply(target, args);
+            return fn.apply(target, args);
           };
         },
       });

@@ -45,7 +45,9 @@ export async function connectForCli(config: Config, logger: Logger): Promise<{ p
     }
   }
   const pool = createPool({ url, max: 4, applicationName: 'fleet-cli', logger });
-  closers.push(async () => void (await pool.end()));
+  closers.push(async () => {
+    await pool.end();
+  });
   const store: EventStore = config.EVENTSTORE_URL
     ? new EsdbEventStore({ connectionString: config.EVENTSTORE_URL, logger })
     : new PostgresEventStore({ pool, logger });

@@ -35,7 +35,7 @@ function short(data: unknown): string {
 
 function printEntry(e: AuditEntry): void {
   process.stdout.write(
-    `#${e.revision.padStart(4)}  ${e.time}  ${e.type}\n` +
+    `#${e.revision.padStart(4)}  ${e.time}  ${e.type}${e.end_reason ? `  reason ${e.end_reason}` : ''}\n` +
       `       position ${e.position}  actor ${e.actor ?? '-'}  tenant ${e.tenant_id ?? '-'}\n` +
       `       correlation ${e.correlation_id ?? '-'}  causation ${e.causation_id ?? '-'}\n` +
       `       ${short(e.data)}\n`,
@@ -86,7 +86,9 @@ async function main(argv: string[]): Promise<number> {
       }
       return 0;
     }
-    const then = await vmAsOf(conn.store, target, asOf!);
+    // `vm` without --as-of was refused above.
+    if (!asOf) return 2;
+    const then = await vmAsOf(conn.store, target, asOf);
     if (!then) {
       process.stderr.write(`vm ${target} did not exist at ${asOfText}\n`);
       return 1;

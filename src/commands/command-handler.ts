@@ -108,7 +108,8 @@ export class CommandHandler {
     if (cur && cur.decider === decider && cur.revision > revision) return;
     this.states.delete(streamId);
     this.states.set(streamId, { decider, state, revision });
-    if (this.states.size > this.maxCachedStreams) this.states.delete(this.states.keys().next().value!);
+    const oldest = this.states.keys().next();
+    if (this.states.size > this.maxCachedStreams && !oldest.done) this.states.delete(oldest.value);
   }
 
   /**
@@ -201,7 +202,7 @@ function withoutNul<T>(value: T): T {
   const out: Record<string, unknown> = {};
   for (const [k, v] of Object.entries(value)) {
     const key = withoutNul(k);
-    const clean = withoutNul(v);
+    const clean: unknown = withoutNul(v as unknown);
     if (key !== k || clean !== v) changed = true;
     out[key] = clean;
   }

@@ -181,6 +181,7 @@ export class EventStoreUnavailableError extends AppError {
 function safeString(value: unknown): string {
   if (typeof value === 'bigint') return `${value}n`;
   try {
+    // eslint-disable-next-line @typescript-eslint/no-unnecessary-condition -- undefined for undefined, functions and symbols, whatever lib.d.ts says
     return JSON.stringify(value) ?? String(value);
   } catch {
     return String(value);
@@ -275,7 +276,9 @@ export function validateAppend(
 ): { streamId: string; events: Array<NewEvent & { data: JsonValue }>; expected: ExpectedRevision } {
   assertStreamName(streamId);
   assertExpectedRevision(expected);
-  if (!Array.isArray(events) || events.length === 0) {
+  // Checked at run time for JavaScript callers; through `given`, so isArray does not narrow `events` to any[].
+  const given: unknown = events;
+  if (!Array.isArray(given) || events.length === 0) {
     throw new ValidationError(
       'append needs at least one event',
       [{ path: 'events', message: 'must be a non-empty array' }],
@@ -319,6 +322,7 @@ export function checkMaxCount(value: unknown): number | undefined {
   if (value === undefined) return undefined;
   if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < 0) {
     throw new ValidationError(
+      // eslint-disable-next-line @typescript-eslint/no-base-to-string -- any value a caller passed, shown as JavaScript prints it
       `maxCount must be a non-negative integer, got ${String(value)}`,
       [{ path: 'maxCount', message: 'not a non-negative integer' }],
       'INVALID_MAX_COUNT',

@@ -1,5 +1,5 @@
 import type { z } from 'zod';
-import { AppError } from '@fleet/agent-protocol';
+import { AppError, describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 
 /**
  * Reads a stored event (type + data) back through its aggregate's event
@@ -12,7 +12,7 @@ export function parseStoredEvent<S extends z.ZodType>(schema: S, type: string, d
     throw new AppError(
       'STORED_EVENT_INVALID',
       500,
-      `stored ${type} event does not match its schema: ${parsed.error.issues.map((i) => `${i.path.map(String).join('.')}: ${i.message}`).join('; ')}`,
+      `stored ${type} event does not match its schema: ${describeFields(fieldsFromZod(parsed.error))}`,
     );
   }
   return parsed.data;

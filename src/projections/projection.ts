@@ -2,6 +2,7 @@ import type { RecordedEvent } from '../domain/event-store.port.js';
 
 /** The part of a pg client a projection needs: one query at a time, inside the runner's transaction. */
 export interface Sql {
+  // eslint-disable-next-line @typescript-eslint/no-unnecessary-type-parameters -- the caller names the row shape it selected, as pg's own query<R> does
   query<R extends Record<string, unknown> = Record<string, unknown>>(
     text: string,
     params?: unknown[],

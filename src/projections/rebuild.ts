@@ -1,6 +1,6 @@
 import type { Pool, PoolClient } from 'pg';
 import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
-import type { Projection, Sql } from './projection.js';
+import type { Projection } from './projection.js';
 
 export interface TableDrift {
   readonly table: string;
@@ -53,9 +53,10 @@ export async function rebuildProjection(
       for (;;) {
         const page = await store.readAll({ after: position, maxCount: PAGE });
         const batch = bounded ? page.filter((e) => limit !== undefined && e.position <= limit) : page;
-        if (batch.length > 0) {
+        const last = batch.at(-1);
+        if (last) {
           await applyBatch(client, projection, batch, inTransaction);
-          position = batch.at(-1)!.position;
+          position = last.position;
           events += batch.length;
           opts.onProgress?.(events, position);
         }

@@ -3,7 +3,7 @@ import { Subscription } from 'rxjs';
 import type { Logger } from 'pino';
 import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
 import { AppError } from '@fleet/agent-protocol';
-import type { Projection, Sql } from './projection.js';
+import type { Projection } from './projection.js';
 
 export const CHECKPOINTS_MIGRATION = {
   id: '0001_projection_checkpoints',
@@ -74,7 +74,7 @@ export class ProjectionRunner {
     await Promise.all([...this.states.values()].map((s) => this.run(s)));
   }
 
-  async stop(): Promise<void> {
+  stop(): Promise<void> {
     this.stopped = true;
     for (const s of this.states.values()) {
       s.sub?.unsubscribe();
@@ -84,6 +84,12 @@ export class ProjectionRunner {
       for (const w of s.waiters) w.reject(new Error('projection runner stopped'));
       s.waiters.clear();
     }
+    return Promise.resolve();
+  }
+
+  /** Read through a call: `stop()` may run while `run` awaits. */
+  private isStopped(): boolean {
+    return this.stopped;
   }
 
   status(): ProjectionStatus[] {
@@ -135,10 +141,11 @@ export class ProjectionRunner {
       s.position = await this.loadCheckpoint(s.projection.name);
       // Catch up by pages: each page is one transaction.
       for (;;) {
-        if (this.stopped) return;
+        if (this.isStopped()) return;
         const page = await this.store.readAll({ after: s.position, maxCount: PAGE });
-        if (page.length === 0) break;
-        s.oldestPendingAt = page[0]!.created.getTime();
+        const [first] = page;
+        if (!first) break;
+        s.oldestPendingAt = first.created.getTime();
         await this.applyBatch(s, page);
         if (page.length < PAGE) break;
       }

@@ -95,7 +95,7 @@ describe('host agent HTTP edge', { timeout: 30_000 }, () => {
       for (const headers of wrong) {
         const res = await app.inject({ method: method as 'GET', url, headers });
         assert.equal(res.statusCode, 401, `${method} ${url} with ${JSON.stringify(Object.keys(headers))}`);
-        const body = res.json() as { code: string; message: string };
+        const body = res.json<{ code: string; message: string }>();
         assert.equal(body.code, 'UNAUTHORIZED');
         assert.ok(!res.body.includes(TOKEN), 'the token never appears in an answer');
       }
@@ -189,7 +189,7 @@ describe('host agent HTTP edge', { timeout: 30_000 }, () => {
       });
       const label = `${c.method} ${c.url} ${JSON.stringify(c.body ?? c.raw ?? '')}`;
       assert.equal(res.statusCode, c.status ?? 400, `${label} → ${res.statusCode} ${res.body}`);
-      const body = res.json() as { code: string; message: string };
+      const body = res.json<{ code: string; message: string }>();
       assert.equal(body.code, c.code ?? 'VALIDATION_FAILED', label);
       assert.ok(body.message.length > 0, label);
     }

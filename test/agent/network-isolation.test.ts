@@ -249,7 +249,10 @@ describe('network isolation: real sandboxes', { skip, timeout: 300_000 }, () => 
   });
 
   test('a router advertisement sent on a sandbox link installs no route, on the host or in a peer sandbox; IPv6 is off on the bridge and veth', async (t) => {
-    if (!raSend) return void t.skip('no C compiler to build the router-advertisement sender (apt-get install gcc libc6-dev)');
+    if (!raSend) {
+      t.skip('no C compiler to build the router-advertisement sender (apt-get install gcc libc6-dev)');
+      return;
+    }
     const s = await b.create({ name: 'ra', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'delta' });
     const peer = await b.create({ name: 'ra-peer', cpus: 1, ram_mb: 64, net_raw: true, tenant: 'delta' });
     try {

@@ -204,10 +204,16 @@ export async function openSse(url: string, headers: Record<string, string>, opts
           let isFrame = false;
           for (const line of block.split('\n')) {
             if (line.startsWith(':')) comments.push(line.slice(1).trim());
-            else if (line.startsWith('id: ')) ((frame.id = line.slice(4)), (isFrame = true));
-            else if (line.startsWith('event: ')) ((frame.event = line.slice(7)), (isFrame = true));
-            else if (line.startsWith('data: '))
-              ((frame.data = (frame.data === undefined ? '' : `${frame.data}\n`) + line.slice(6)), (isFrame = true));
+            else if (line.startsWith('id: ')) {
+              frame.id = line.slice(4);
+              isFrame = true;
+            } else if (line.startsWith('event: ')) {
+              frame.event = line.slice(7);
+              isFrame = true;
+            } else if (line.startsWith('data: ')) {
+              frame.data = (frame.data === undefined ? '' : `${frame.data}\n`) + line.slice(6);
+              isFrame = true;
+            }
           }
           if (isFrame && frame.data !== undefined) frames.push(frame);
         }

@@ -9,6 +9,8 @@ import { Code, ConnectError, createClient } from '@connectrpc/connect';
 import { createConnectTransport } from '@connectrpc/connect-node';
 import { EventType, Filesystem } from '../../packages/agent/src/envd/gen/filesystem_pb.js';
 import { Process } from '../../packages/agent/src/envd/gen/process_pb.js';
+import { pino } from 'pino';
+import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
 import type { RunningAgent } from '../agent/harness.js';
 import {
   registerHost,
@@ -44,6 +46,7 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
   let cp: ControlPlane | undefined;
   let agent: RunningAgent;
   let base = '';
+  let ingress: RunningIngress | undefined;
   let sbx: Sandbox;
   const env: Record<string, string | undefined> = {};
 
@@ -64,10 +67,22 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     const h = await registerHost(cp, 'h1', agent, { capacity_overrides: { cpus: 16 } });
     assert.equal(h.status, 201, JSON.stringify(h.body));
     base = await cp.listen();
+    // The in-process ingress as `npm start` runs it: envd is its port handler, reached by the SDK's E2b-Sandbox-Id header.
+    ingress = await startIngress({
+      pool: cp.service.pool,
+      domain: 'sbx.test',
+      host: '127.0.0.1',
+      port: 0,
+      routeCacheMs: 1000,
+      activityFlushMs: 1000,
+      recordActivity: cp.service.recordIngressActivity,
+      handlers: cp.service.ingressHandlers,
+      logger: pino({ level: 'silent' }),
+    });
     for (const k of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY', 'E2B_DOMAIN', 'E2B_DEBUG']) env[k] = process.env[k];
     // Exactly what `npm start` prints (e2bShellExports): nothing else configures the SDK.
     process.env.E2B_API_URL = `${base}/e2b`;
-    process.env.E2B_SANDBOX_URL = `${base}/e2b/envd`;
+    process.env.E2B_SANDBOX_URL = ingress.url;
     process.env.E2B_API_KEY = TENANT_KEYS.acme;
   });
 
@@ -76,6 +91,7 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
       if (v === undefined) Reflect.deleteProperty(process.env, k);
       else process.env[k] = v;
     }
+    await ingress?.close();
     await cp?.close();
     await fleet?.close();
   });
@@ -369,10 +385,14 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     const short = await Sandbox.create({ timeoutMs: 1000, metadata: { suite: 'e2b-sdk', role: 'short' } });
     await new Promise((r) => setTimeout(r, 1500));
     const summary = await cp!.service.reconciler.reconcileOnce();
-    assert.equal(summary.timed_out_vms_destroyed, 1, JSON.stringify(summary));
+    assert.equal(summary.stuck_tasks_failed, 1, JSON.stringify(summary));
     await assert.rejects(Sandbox.getInfo(short.sandboxId), SandboxNotFoundError);
     const events = await cp!.service.store.readStream(`vm-${short.sandboxId}`);
-    assert.ok(events.some((e) => e.type === 'VmDestroyRequested' && (e.data as { reason: string }).reason === 'timeout'));
+    const failed = events.find((e) => e.type === 'VmFailed');
+    assert.deepEqual(
+      failed && { reason: (failed.data as { reason: string }).reason, code: (failed.data as { error_code: string }).error_code },
+      { reason: 'timeout', code: 'MAX_RUNTIME_EXCEEDED' },
+    );
     assert.equal((await sbx.getInfo()).state, 'running', 'the long-lived sandbox is untouched');
   });
 
@@ -407,22 +427,32 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     await assert.rejects(Sandbox.connect(sbx.sandboxId, { apiKey: TENANT_KEYS.globex }), SandboxNotFoundError);
     await assert.rejects(Sandbox.getInfo('no-such-sandbox'), SandboxNotFoundError);
 
-    // The envd relay, attacked directly: no token, a wrong one, another sandbox's.
+    // The envd relay, attacked directly on the ingress and on the API's own relay: no token, a wrong one, another sandbox's.
     const other = await Sandbox.create();
     const otherToken = (await Sandbox.connect(other.sandboxId)) as unknown as { envdAccessToken: string };
-    const health = (headers: Record<string, string>): Promise<Response> =>
-      fetch(`${base}/e2b/envd/health`, { headers: { 'e2b-sandbox-id': sbx.sandboxId, 'e2b-sandbox-port': '49983', ...headers } });
-    assert.equal((await health({})).status, 401);
-    assert.equal((await health({ 'x-access-token': 'guess' })).status, 401);
-    assert.equal((await health({ 'x-access-token': otherToken.envdAccessToken })).status, 401);
     const mine = (sbx as unknown as { envdAccessToken: string }).envdAccessToken;
-    assert.equal((await health({ 'x-access-token': mine })).status, 204);
-    const rpc = await fetch(`${base}/e2b/envd/process.Process/List`, {
-      method: 'POST',
-      headers: { 'e2b-sandbox-id': sbx.sandboxId, 'x-access-token': otherToken.envdAccessToken, 'content-type': 'application/json' },
-      body: '{}',
-    });
-    assert.equal(rpc.status, 401);
+    for (const envdUrl of [ingress!.url, `${base}/e2b/envd`]) {
+      const health = (headers: Record<string, string>): Promise<Response> =>
+        fetch(`${envdUrl}/health`, { headers: { 'e2b-sandbox-id': sbx.sandboxId, 'e2b-sandbox-port': '49983', ...headers } });
+      assert.equal((await health({})).status, 401, envdUrl);
+      assert.equal((await health({ 'x-access-token': 'guess' })).status, 401, envdUrl);
+      assert.equal((await health({ 'x-access-token': otherToken.envdAccessToken })).status, 401, envdUrl);
+      assert.equal((await health({ 'x-access-token': mine })).status, 204, envdUrl);
+      const rpc = await fetch(`${envdUrl}/process.Process/List`, {
+        method: 'POST',
+        headers: {
+          'e2b-sandbox-id': sbx.sandboxId,
+          'e2b-sandbox-port': '49983',
+          'x-access-token': otherToken.envdAccessToken,
+          'content-type': 'application/json',
+        },
+        body: '{}',
+      });
+      assert.equal(rpc.status, 401, envdUrl);
+    }
+    // The API's relay (for a control plane running no ingress in its process) serves the SDK too.
+    const viaApi = await Sandbox.connect(sbx.sandboxId, { sandboxUrl: `${base}/e2b/envd` });
+    assert.equal((await viaApi.commands.run('echo relayed')).stdout, 'relayed\n');
     await other.kill();
     // What cannot be honoured yet is refused, not accepted and dropped.
     await assert.rejects(

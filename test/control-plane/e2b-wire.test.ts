@@ -60,5 +60,10 @@ describe('e2b wire details', () => {
       e2bShellExports('http://0.0.0.0:9000', 'demo-key'),
       'export E2B_API_URL=http://127.0.0.1:9000/e2b\nexport E2B_SANDBOX_URL=http://127.0.0.1:9000/e2b/envd\nexport E2B_API_KEY=demo-key\n',
     );
+    // With an ingress in this process, envd goes through it.
+    assert.equal(
+      e2bShellExports('http://0.0.0.0:9000', undefined, 'http://0.0.0.0:9001'),
+      'export E2B_API_URL=http://127.0.0.1:9000/e2b\nexport E2B_SANDBOX_URL=http://127.0.0.1:9001\n',
+    );
   });
 });

@@ -215,7 +215,7 @@ describe('limits and checks at the edge', { timeout: 120_000 }, () => {
     const ws = new WebSocket(`${base.replace('http', 'ws')}/v1/vms/nope/exec`, { headers: { authorization: `Bearer ${keyOf('globex')}` } });
     open.push({ close: () => ws.terminate() });
     const frames: Array<{ type: string; code?: string }> = [];
-    ws.on('message', (raw) => frames.push(JSON.parse(raw.toString()) as { type: string; code?: string }));
+    ws.on('message', (raw) => frames.push(JSON.parse((raw as Buffer).toString()) as { type: string; code?: string }));
     await withTimeout(
       new Promise<void>((resolve, reject) => {
         ws.once('open', () => resolve());

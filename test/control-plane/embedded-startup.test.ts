@@ -96,7 +96,8 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
       assert.equal(first.code, 0, first.out.slice(-2000));
       // What points the stock e2b SDK here (docs/e2b-compatibility.md), the key with the demo key.
       assert.match(first.out, /^export E2B_API_URL=http:\/\/127\.0\.0\.1:\d+\/e2b$/m);
-      assert.match(first.out, /^export E2B_SANDBOX_URL=http:\/\/127\.0\.0\.1:\d+\/e2b\/envd$/m);
+      // envd through the in-process ingress (PORT+1 by default), routed by the SDK's E2b-Sandbox-Id header.
+      assert.match(first.out, new RegExp(`^export E2B_SANDBOX_URL=http://127\\.0\\.0\\.1:${Number(env.PORT) + 1}$`, 'm'));
       assert.ok(first.out.includes(`export E2B_API_KEY=${secrets.demo_api_key!}\n`));
 
       const second = await runUntil(

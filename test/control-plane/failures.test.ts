@@ -95,7 +95,7 @@ describe('failed creates end failed, classified, with capacity released (real ag
     assert.equal(r.body.code, code, JSON.stringify(r.body));
   }
 
-  it('the agent answers 5xx to the create: failed (boot_failure, AGENT_ERROR), nothing reserved', async (t) => {
+  it('the agent answers 5xx to the create: failed (error, AGENT_ERROR), nothing reserved', async (t) => {
     if (guard(t)) return;
     proxy!.rule = (method, path) => (method === 'POST' && path === '/v1/vms' ? 500 : undefined);
     const r = await cp!.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base', ram_mb: 256, host_id: 'hp' } });
@@ -103,7 +103,7 @@ describe('failed creates end failed, classified, with capacity released (real ag
     expectStatus(r, 502, 'AGENT_ERROR');
     assert.match(r.body.detail, /failed with 500/);
     const vm = await failedVm('hp');
-    assert.equal(vm.reason, 'boot_failure');
+    assert.equal(vm.reason, 'error');
     assert.equal(vm.error_code, 'AGENT_ERROR');
     await assertReleased('hp', vm.id);
     await assertNoSandbox(a, vm.id);
@@ -117,7 +117,7 @@ describe('failed creates end failed, classified, with capacity released (real ag
     expectStatus(r, 502, 'AGENT_ERROR');
     assert.ok(proxy!.injected.some((x) => x.endsWith('/exec')));
     const vm = await failedVm('hp');
-    assert.equal(vm.reason, 'boot_failure');
+    assert.equal(vm.reason, 'error');
     assert.equal(vm.error_code, 'AGENT_ERROR');
     await assertReleased('hp', vm.id);
     await assertNoSandbox(a, vm.id);
@@ -132,7 +132,7 @@ describe('failed creates end failed, classified, with capacity released (real ag
     expectStatus(r, 422, 'STARTUP_SCRIPT_FAILED');
     assert.match(r.body.detail, /exited with code 7: cannot configure/);
     const vm = await failedVm('hp');
-    assert.equal(vm.reason, 'boot_failure');
+    assert.equal(vm.reason, 'error');
     assert.equal(vm.error_code, 'STARTUP_SCRIPT_FAILED');
     assert.match(vm.error, /cannot configure/);
     await assertReleased('hp', vm.id);
@@ -150,7 +150,7 @@ describe('failed creates end failed, classified, with capacity released (real ag
     expectStatus(r, 504, 'STARTUP_SCRIPT_TIMEOUT');
     assert.ok(took < 30_000, `the create answered after ${took} ms`);
     const vm = await failedVm('hp');
-    assert.equal(vm.reason, 'boot_failure');
+    assert.equal(vm.reason, 'error');
     assert.equal(vm.error_code, 'STARTUP_SCRIPT_TIMEOUT');
     await assertReleased('hp', vm.id);
     await assertNoSandbox(a, vm.id);
@@ -173,7 +173,7 @@ describe('failed creates end failed, classified, with capacity released (real ag
     const r = await pending;
     expectStatus(r, 503, 'HOST_UNREACHABLE');
     const vm = await failedVm('hb');
-    assert.equal(vm.reason, 'boot_failure');
+    assert.equal(vm.reason, 'error');
     assert.equal(vm.error_code, 'HOST_UNREACHABLE');
     await assertReleased('hb', vm.id);
     // Bring the agent back so the fleet's teardown can destroy what it still holds.

@@ -23,7 +23,7 @@ export async function startFaultProxy(target: string): Promise<FaultProxy> {
     url: '',
     rule: undefined,
     injected: [],
-    close: async () => undefined,
+    close: () => Promise.resolve(),
   };
   const server: Server = createServer((req: IncomingMessage, res: ServerResponse) => {
     const path = (req.url ?? '/').split('?')[0]!;

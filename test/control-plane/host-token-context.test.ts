@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import { hostTokenContext, legacyHostTokenContext } from '../../src/commands/host-commands.js';
+import { hostTokenContext, legacyHostTokenContext } from '../../src/commands/host/host-commands.js';
 import { AesGcmSecretBox } from '../../src/adapters/crypto.js';
 import { pino } from 'pino';
 import { startService, apiKeysFrom, type Service } from '../../src/adapters/service.js';
@@ -56,7 +56,7 @@ describe('host token sealed with the host URL', { timeout: 120_000 }, () => {
     cp = await startControlPlane();
     // Where a tampered record would send the token: it records every Authorization header it gets.
     trap = http.createServer((req, res) => {
-      seen.push(String(req.headers.authorization ?? ''));
+      seen.push(req.headers.authorization ?? '');
       res.statusCode = 500;
       res.end();
     });

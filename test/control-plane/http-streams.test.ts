@@ -37,7 +37,7 @@ class Session {
 
   constructor(readonly ws: WebSocket) {
     ws.on('message', (raw) => {
-      const f = JSON.parse(raw.toString()) as Frame;
+      const f = JSON.parse((raw as Buffer).toString()) as Frame;
       this.frames.push(f);
       if ((f.type === 'stdout' || f.type === 'stderr') && f.data) this.output += Buffer.from(f.data, 'base64').toString();
       this.wake?.();

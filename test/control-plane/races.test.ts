@@ -91,7 +91,7 @@ async function verifyFromStreams(cp: ControlPlane, stub: StubAgents, prefix: str
       assert.equal(vm.status, 'failed', `vm ${id} is ${vm.status}`);
       if (vm.status !== 'failed') continue;
       failed++;
-      assert.equal(vm.reason, 'capacity');
+      assert.equal(vm.reason, 'error');
       assert.equal(vm.error_code, 'CAPACITY_EXHAUSTED');
       assert.ok(!holders.has(id), `failed vm ${id} holds no capacity`);
     }

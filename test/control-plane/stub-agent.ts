@@ -59,12 +59,21 @@ export async function startStubAgents(): Promise<StubAgents> {
     const url = new URL(req.url ?? '/', 'http://stub');
     const m = /^\/([a-z0-9-]+)\/v1(\/.*)$/.exec(url.pathname);
     const host = m ? hosts.get(m[1]!) : undefined;
-    if (!m || !host) return send(404, { code: 'NOT_FOUND', message: `no stub host at ${url.pathname}` });
-    if (req.headers.authorization !== `Bearer ${host.token}`) return send(401, { code: 'UNAUTHORIZED', message: 'bad token' });
+    if (!m || !host) {
+      send(404, { code: 'NOT_FOUND', message: `no stub host at ${url.pathname}` });
+      return;
+    }
+    if (req.headers.authorization !== `Bearer ${host.token}`) {
+      send(401, { code: 'UNAUTHORIZED', message: 'bad token' });
+      return;
+    }
     if (host.delayMs) await new Promise((r) => setTimeout(r, host.delayMs));
     const path = m[2]!;
     const method = req.method ?? 'GET';
-    if (method === 'GET' && path === '/capacity') return send(200, { ...host.capacity, backend: 'process', vms_running: host.live.size });
+    if (method === 'GET' && path === '/capacity') {
+      send(200, { ...host.capacity, backend: 'process', vms_running: host.live.size });
+      return;
+    }
     if (method === 'POST' && path === '/vms') {
       calls.creates++;
       const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as {
@@ -74,54 +83,83 @@ export async function startStubAgents(): Promise<StubAgents> {
         tenant?: string;
         image?: string;
       };
-      if (host.failCreateWith)
-        return send(host.failCreateWith, { code: 'AGENT_ERROR', message: host.failCreateMessage ?? 'stub: injected failure' });
-      if (host.live.has(body.name)) return send(409, { code: 'SANDBOX_EXISTS', message: `${body.name} exists` });
+      if (host.failCreateWith) {
+        send(host.failCreateWith, { code: 'AGENT_ERROR', message: host.failCreateMessage ?? 'stub: injected failure' });
+        return;
+      }
+      if (host.live.has(body.name)) {
+        send(409, { code: 'SANDBOX_EXISTS', message: `${body.name} exists` });
+        return;
+      }
       if (host.live.size >= host.capacity.vm_count) {
         host.overCommits++;
-        return send(507, { code: 'HOST_CAPACITY_EXHAUSTED', message: 'stub: no room' });
+        {
+          send(507, { code: 'HOST_CAPACITY_EXHAUSTED', message: 'stub: no room' });
+          return;
+        }
       }
       host.live.add(body.name);
-      return send(201, {
-        name: body.name,
-        state: 'running',
-        image: body.image ?? 'base',
-        tenant: body.tenant ?? 'default',
-        ip: '10.0.0.2',
-        cpus: body.cpus ?? 1,
-        ram_mb: body.ram_mb ?? 512,
-        created_at: new Date().toISOString(),
-        endpoints: [],
-      });
+      {
+        send(201, {
+          name: body.name,
+          state: 'running',
+          image: body.image ?? 'base',
+          tenant: body.tenant ?? 'default',
+          ip: '10.0.0.2',
+          cpus: body.cpus ?? 1,
+          ram_mb: body.ram_mb ?? 512,
+          created_at: new Date().toISOString(),
+          endpoints: [],
+        });
+        return;
+      }
     }
     const vm = /^\/vms\/([^/]+)(\/.*)?$/.exec(path);
-    if (!vm) return send(404, { code: 'NOT_FOUND', message: `stub: no route ${method} ${path}` });
+    if (!vm) {
+      send(404, { code: 'NOT_FOUND', message: `stub: no route ${method} ${path}` });
+      return;
+    }
     const name = decodeURIComponent(vm[1]!);
     const sub = vm[2] ?? '';
     if (method === 'DELETE' && sub === '') {
       calls.destroys++;
       const existed = host.live.delete(name);
-      return send(200, { name, destroyed: existed, drained: false });
+      {
+        send(200, { name, destroyed: existed, drained: false });
+        return;
+      }
     }
-    if (!host.live.has(name)) return send(404, { code: 'SANDBOX_NOT_FOUND', message: `no sandbox ${name}` });
+    if (!host.live.has(name)) {
+      send(404, { code: 'SANDBOX_NOT_FOUND', message: `no sandbox ${name}` });
+      return;
+    }
     if (method === 'POST' && sub === '/exec') {
       calls.execs++;
-      return send(200, {
-        exit_code: 0,
-        stdout: '',
-        stderr: '',
-        encoding: 'utf8',
-        stdout_truncated: false,
-        stderr_truncated: false,
-        timed_out: false,
-        duration_ms: 0,
-      });
+      {
+        send(200, {
+          exit_code: 0,
+          stdout: '',
+          stderr: '',
+          encoding: 'utf8',
+          stdout_truncated: false,
+          stderr_truncated: false,
+          timed_out: false,
+          duration_ms: 0,
+        });
+        return;
+      }
     }
     if (method === 'PUT' && sub === '/files') {
       calls.uploads++;
-      return send(200, { path: url.searchParams.get('path') ?? '', size_bytes: Buffer.concat(chunks).length });
+      {
+        send(200, { path: url.searchParams.get('path') ?? '', size_bytes: Buffer.concat(chunks).length });
+        return;
+      }
     }
-    return send(404, { code: 'NOT_FOUND', message: `stub: no route ${method} ${path}` });
+    {
+      send(404, { code: 'NOT_FOUND', message: `stub: no route ${method} ${path}` });
+      return;
+    }
   };
 
   const server: Server = createServer((req, res) => {

@@ -29,6 +29,7 @@ export function given<C, E, S>(decider: Decider<C, E, S>, events: readonly E[] =
           } catch (e) {
             caught = e;
           }
+          // eslint-disable-next-line @typescript-eslint/no-base-to-string -- whatever was thrown, printed as JavaScript prints it
           assert.ok(caught instanceof AppError, `expected an AppError ${code}, got ${caught === undefined ? 'no error' : String(caught)}`);
           assert.equal(caught.code, code, caught.message);
           if (status !== undefined) assert.equal(caught.status, status);

@@ -37,6 +37,7 @@ const vm = (status: string, over: Record<string, unknown> = {}): VmState =>
     vm_id: 'v1',
     tenant_id: 't1',
     host_id: 'h1',
+    spec: {},
     transitioned_at: iso(t0),
     last_activity_at: iso(t0),
     ...over,
@@ -72,11 +73,28 @@ describe('reconcile decisions', () => {
     assert.equal(suspect(hint(), true, later, policy), 'stuck');
     assert.equal(suspect(hint({ lastActivityAt: t0 + 3_000_000 }), true, t0 + 3_599_000, policy), undefined);
     const v = decideVm('stuck', hint(), vm('running'), ctx({ now: later }), policy);
-    assert.equal(v.kind === 'fail_stuck' && v.reason, 'stuck');
-    const m = decideVm('stuck', hint({ maxRuntimeS: 10 }), vm('running'), ctx({ now: t0 + 11_000 }), policy);
-    assert.deepEqual(m, { kind: 'fail_stuck', reason: 'max_runtime', error: 'no state change for 11 s (limit 10 s)' });
+    assert.equal(v.kind === 'fail_stuck' && `${v.reason}/${v.code}`, 'timeout/VM_STUCK');
+    const m = decideVm(
+      'stuck',
+      hint({ maxRuntimeS: 10 }),
+      vm('running', { spec: { max_runtime_s: 10 } }),
+      ctx({ now: t0 + 11_000 }),
+      policy,
+    );
+    assert.deepEqual(m, {
+      kind: 'fail_stuck',
+      reason: 'timeout',
+      code: 'MAX_RUNTIME_EXCEEDED',
+      error: 'no state change for 11 s (limit 10 s)',
+    });
     assert.deepEqual(
-      decideVm('stuck', hint({ maxRuntimeS: 10 }), vm('running', { transitioned_at: iso(t0 + 5000) }), ctx({ now: t0 + 11_000 }), policy),
+      decideVm(
+        'stuck',
+        hint({ maxRuntimeS: 10 }),
+        vm('running', { spec: { max_runtime_s: 10 }, transitioned_at: iso(t0 + 5000) }),
+        ctx({ now: t0 + 11_000 }),
+        policy,
+      ),
       { kind: 'none' },
       'the stream says it changed since',
     );
@@ -157,26 +175,5 @@ describe('reconcile decisions', () => {
     assert.equal(isStaleReservation(vm('requested', { host_id: undefined }), undefined, 'h1', now, policy), false);
     assert.equal(isStaleReservation(vm('running', { host_id: 'h2' }), undefined, 'h1', now, policy), true);
     assert.equal(isStaleReservation(vm('running', { host_id: 'h2' }), { target: 'h1', lastStepAt: t0 }, 'h1', now, policy), false);
-  });
-});
-
-describe('reconcile decisions: the E2B timeout', () => {
-  test('a running VM past its deadline is destroyed; before it, or without one, nothing', () => {
-    const deadline = t0 + 500;
-    assert.equal(suspect(hint({ expiresAt: deadline }), true, t0 + 1000, policy), 'expired');
-    assert.equal(suspect(hint({ expiresAt: t0 + 5000 }), true, t0 + 1000, policy), undefined);
-    assert.equal(suspect(hint({ expiresAt: null }), true, t0 + 1000, policy), undefined);
-    assert.equal(suspect(hint({ expiresAt: deadline }), false, t0 + 1000, policy), 'missing', 'an unlisted VM is missing first');
-    assert.deepEqual(decideVm('expired', hint({ expiresAt: deadline }), vm('running', { expires_at: iso(deadline) }), ctx(), policy), {
-      kind: 'destroy_expired',
-      expiredAt: iso(deadline),
-    });
-    // The stream is the truth: a deadline moved since the read model was read wins.
-    assert.deepEqual(decideVm('expired', hint({ expiresAt: deadline }), vm('running', { expires_at: iso(t0 + 9000) }), ctx(), policy), {
-      kind: 'none',
-    });
-    assert.deepEqual(decideVm('expired', hint({ expiresAt: deadline }), vm('destroying', { expires_at: iso(deadline) }), ctx(), policy), {
-      kind: 'none',
-    });
   });
 });

@@ -58,7 +58,10 @@ function record(store: EsdbEventStore, prefix: string): { items: SubscriptionIte
   const sub = store
     .subscribeToAll({ filter: { streamPrefixes: [prefix] } })
     .subscribe({ next: (i) => items.push(i), error: (e) => errors.push(e) });
-  cleanups.push(async () => sub.unsubscribe());
+  cleanups.push(() => {
+    sub.unsubscribe();
+    return Promise.resolve();
+  });
   return { items, errors, sub };
 }
 

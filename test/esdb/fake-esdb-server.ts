@@ -197,12 +197,13 @@ export class FakeEsdbServer {
   }
 
   /** Stops listening and cuts every open call, as a crashed or restarted node would. */
-  async stop(): Promise<void> {
+  stop(): Promise<void> {
     const server = this.server;
-    if (!server) return;
+    if (!server) return Promise.resolve();
     this.server = undefined;
     this.subscriptions.clear();
     server.forceShutdown();
+    return Promise.resolve();
   }
 
   /**
@@ -384,7 +385,8 @@ export class FakeEsdbServer {
         const any = new AnyMessage();
         any.pack(details.serializeBinary(), 'event_store.client.WrongExpectedVersion');
         const status = new statusPb.Status();
-        status.setCode(9); // FAILED_PRECONDITION
+        // eslint-disable-next-line @typescript-eslint/no-unsafe-enum-assignment -- FAILED_PRECONDITION by number: the generated Code enum is not exported
+        status.setCode(9);
         status.setMessage(`WrongExpectedVersion: stream ${entry.stream}`);
         status.setDetails(any);
         resp.setError(status);

@@ -25,10 +25,10 @@ after(async () => {
 describeEventStoreConformance('esdb (real client → gRPC test double, BatchAppend)', () => open(fake));
 describeEventStoreConformance('esdb (real client → gRPC test double, Append)', () => open(plain));
 
-async function open(fake: FakeEsdbServer): Promise<ConformanceTarget> {
+function open(fake: FakeEsdbServer): Promise<ConformanceTarget> {
   const store = new EsdbEventStore({ connectionString: fake.connectionString });
   const raw = EventStoreDBClient.connectionString(fake.connectionString);
-  return {
+  return Promise.resolve({
     store,
     async close() {
       await store.close();
@@ -41,5 +41,5 @@ async function open(fake: FakeEsdbServer): Promise<ConformanceTarget> {
         jsonEvent({ id: event.id, type: event.type, data: JSON.parse(event.data) as Record<string, unknown> }),
       );
     },
-  };
+  });
 }

@@ -149,8 +149,8 @@ describe('Postgres event store: group commit', { timeout: 120_000 }, () => {
     assert.deepEqual([ra.nextExpectedRevision, rb.nextExpectedRevision, rc.nextExpectedRevision], [0n, 1n, 3n]);
     assert.ok(txOf(ra) === txOf(rb) && txOf(rb) === txOf(rc), 'one transaction');
     assert.ok(ra.position < rb.position && rb.position < rc.position, 'positions follow the queue order');
-    assert.equal((reason(results[3]) as ConcurrencyError).actual, 3n);
-    assert.equal((reason(results[4]) as ConcurrencyError).actual, 3n);
+    assert.equal((reason(results[3]) as Error & Partial<Pick<ConcurrencyError, 'actual'>>).actual, 3n);
+    assert.equal((reason(results[4]) as Error & Partial<Pick<ConcurrencyError, 'actual'>>).actual, 3n);
     const read = await store.readStream(s);
     assert.deepEqual(
       read.map((e) => [e.id, e.revision]),

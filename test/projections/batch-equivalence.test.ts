@@ -4,7 +4,7 @@ import { after, before, describe, it } from 'node:test';
 import { runMigrations } from '../../src/adapters/postgres/migrations.js';
 import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
 import { hostsProjection } from '../../src/projections/hosts/hosts.projection.js';
-import type { Projection, Sql } from '../../src/projections/projection.js';
+import type { Projection } from '../../src/projections/projection.js';
 import { rebuildProjection } from '../../src/projections/rebuild.js';
 import { CHECKPOINTS_MIGRATION } from '../../src/projections/runner.js';
 import { vmsProjection } from '../../src/projections/vms/vms.projection.js';

@@ -112,7 +112,7 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     assert.equal(s.vms_missing_provider, 1);
     assert.equal(s.capacity_released, 1);
     const v = await vmState(vm.id);
-    assert.ok(v.status === 'failed' && v.reason === 'missing', JSON.stringify(v));
+    assert.ok(v.status === 'failed' && v.reason === 'host_lost' && v.error_code === 'SANDBOX_MISSING', JSON.stringify(v));
     assert.deepEqual(await reservations('h1'), []);
   });
 
@@ -140,7 +140,7 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     assert.equal(s.stuck_tasks_failed, 1);
     assert.equal(s.idle_vms_failed, 1);
     const sv = await vmState(stuck.id);
-    assert.ok(sv.status === 'failed' && sv.reason === 'max_runtime', JSON.stringify(sv));
+    assert.ok(sv.status === 'failed' && sv.reason === 'timeout' && sv.error_code === 'MAX_RUNTIME_EXCEEDED', JSON.stringify(sv));
     const iv = await vmState(idle.id);
     assert.ok(iv.status === 'destroyed' && iv.reason === 'idle', JSON.stringify(iv));
     assert.equal((await vmState(busy.id)).status, 'running', 'a VM with recent activity is not idle');

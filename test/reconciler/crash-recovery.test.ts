@@ -123,7 +123,7 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
     const v = await vm(cp2, id);
     assert.equal(v.state, 'failed');
-    assert.equal(v.reason, 'boot_failure');
+    assert.equal(v.reason, 'orphaned');
     assert.equal(v.error_code, 'INTERRUPTED');
     assert.match(v.error, /booting/);
 
@@ -175,7 +175,7 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     const t0 = Date.now();
     const states = await waitFor('converged after the crash', BOUND_MS, () => converged(cp2, [id, ...healthy]), 200);
     t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
-    assert.equal(states[id], 'destroyed:client');
+    assert.equal(states[id], 'destroyed:admin');
     assert.equal(states[healthy[0]!], 'running');
     const summary = (await api(cp2.url, 'GET', '/v1/reconciler')).body;
     assert.equal(summary.leader, true);
@@ -208,7 +208,7 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     const states = await waitFor('converged after the agent restart', BOUND_MS, () => converged(cp, healthy), 200);
     t.diagnostic(`fleet: ${JSON.stringify(states)}`);
     const st = states[healthy[0]!]!;
-    assert.ok(st === 'running' || st === 'failed:missing', st);
+    assert.ok(st === 'running' || st === 'failed:host_lost', st);
     if (st === 'running') {
       const ex = await api(cp.url, 'POST', `/v1/vms/${healthy[0]}/exec`, { argv: ['echo', 'alive'] });
       assert.equal(ex.body.stdout?.trim(), 'alive', JSON.stringify(ex.body));

@@ -174,7 +174,7 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     assert.equal(s.capacity_released, 1);
     const vm = await svc!.vms.get(vmId, { tenantId: 'admin', admin: true });
     assert.equal(vm.status, 'failed');
-    assert.ok(vm.status === 'failed' && vm.reason === 'placement' && vm.error_code === 'INTERRUPTED' && vm.phase === 'requested');
+    assert.ok(vm.status === 'failed' && vm.reason === 'orphaned' && vm.error_code === 'INTERRUPTED' && vm.phase === 'requested');
     const host = await svc!.hosts.load('h1');
     assert.ok(host.state.status !== 'unregistered' && host.state.reservations.size === 0, 'no capacity held for the abandoned VM');
   });
@@ -236,7 +236,7 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
     assert.equal(s.capacity_released, 1);
     const vm = await svc!.vms.get(vmId, { tenantId: 'admin', admin: true });
     assert.ok(
-      vm.status === 'failed' && vm.reason === 'boot_failure' && vm.error_code === 'INTERRUPTED' && vm.phase === 'placed',
+      vm.status === 'failed' && vm.reason === 'orphaned' && vm.error_code === 'INTERRUPTED' && vm.phase === 'placed',
       JSON.stringify(vm),
     );
     assert.match(vm.status === 'failed' ? vm.error : '', /capacity was reserved but the boot had not started/);

@@ -192,7 +192,12 @@ export function sleep(ms: number): Promise<void> {
 }
 
 /** Polls until `check` returns a truthy value; fails with `what` and the last value after `timeoutMs`. */
-export async function waitFor<T>(what: string, timeoutMs: number, check: () => Promise<T | undefined | false>, everyMs = 250): Promise<T> {
+export async function waitFor<T>(
+  what: string,
+  timeoutMs: number,
+  check: () => T | undefined | false | Promise<T | undefined | false>,
+  everyMs = 250,
+): Promise<T> {
   const deadline = Date.now() + timeoutMs;
   let last: unknown;
   for (;;) {

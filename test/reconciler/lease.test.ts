@@ -38,16 +38,16 @@ describe('Postgres advisory lease', { timeout: 60_000 }, () => {
 
   test('one holder; stop hands over; a killed session steps down and the standby takes over', async () => {
     const a = make('a');
-    await waitFor('a holds', 5000, async () => a.held);
+    await waitFor('a holds', 5000, () => a.held);
     const b = make('b');
     const other = make('x', 'another-lease');
-    await waitFor('an unrelated lease is independent', 5000, async () => other.held);
+    await waitFor('an unrelated lease is independent', 5000, () => other.held);
     await new Promise((r) => setTimeout(r, 500));
     assert.equal(b.held, false, 'never two holders');
 
     await a.stop();
     assert.equal(a.held, false);
-    await waitFor('b takes over after a graceful stop', 2000, async () => b.held);
+    await waitFor('b takes over after a graceful stop', 2000, () => b.held);
 
     // The server ends b's session (what a network cut looks like from the server once keepalives fire).
     const c = make('c');
@@ -60,8 +60,8 @@ describe('Postgres advisory lease', { timeout: 60_000 }, () => {
     await db.pool.query('SELECT pg_terminate_backend($1)', [rows[0]!.pid]);
     // The log, not b.held: b reconnects at once and may win the lock back before c, so its `held`
     // can go false and true again between two looks.
-    await waitFor('b notices it lost the lease', 3000, async () => log.includes('b-'));
-    await waitFor('one of the standbys holds it', 3000, async () => b.held || c.held);
+    await waitFor('b notices it lost the lease', 3000, () => log.includes('b-'));
+    await waitFor('one of the standbys holds it', 3000, () => b.held || c.held);
     assert.ok(!(b.held && c.held), 'never two holders');
     // (Which of b and c wins, and the order of b- and c+, is not guaranteed: that window is why every
     // reconciler action is an append at an expected revision.)

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { fold } from '../../src/domain/decider.js';
-import { snapshotDecider, type SnapshotCommand } from '../../src/domain/snapshot/snapshot.decider.js';
+import { snapshotDecider } from '../../src/domain/snapshot/snapshot.decider.js';
 import type { SnapshotEvent } from '../../src/domain/snapshot/snapshot.events.js';
 import { quotaUsage, tenantDecider, type TenantEvent } from '../../src/domain/tenant/tenant.decider.js';
 import { at, given, T0 } from '../domain/gwt.js';

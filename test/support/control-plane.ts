@@ -273,6 +273,7 @@ export async function eventually<T>(fn: () => Promise<T | undefined | false>, ms
     } catch (err) {
       last = err;
     }
+    // eslint-disable-next-line @typescript-eslint/no-base-to-string -- whatever was thrown, printed as JavaScript prints it
     if (Date.now() > deadline) throw new Error(`${what} not reached within ${ms} ms${last ? `: ${String(last)}` : ''}`);
     await new Promise((r) => setTimeout(r, 50));
   }

@@ -94,6 +94,10 @@ export type Endpoint = z.infer<typeof endpointSchema>;
 
 export const capacityResponseSchema = hostCapacitySchema.extend({
   backend: z.string(),
+  /** VM backends: the accelerator guests run on (kvm, or tcg when KVM is absent or does not work). */
+  accel: z.enum(['kvm', 'tcg']).optional(),
+  /** backend.go.txt NestedVirtSupported: guests can run VMs of their own. */
+  nested_virt_supported: z.boolean().optional(),
   /** Sandboxes currently known to the agent. */
   vms_running: z.number().int().nonnegative(),
 });
@@ -129,7 +133,7 @@ export const createVmRequestSchema = z
     /** Keep CAP_NET_RAW in the sandbox (raw sockets: ping, packet capture); dropped by default. */
     net_raw: z.boolean().optional(),
   })
-  .refine((r) => !(r.image && r.checkpoint_id), { message: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
+  .refine((r) => !(r.image && r.checkpoint_id), { error: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
 export type CreateVmRequest = z.input<typeof createVmRequestSchema>;
 
 export const vmInfoSchema = z.object({
@@ -181,7 +185,7 @@ export const execRequestSchema = z.object({
   /** 0 or absent: the agent's default. Above the agent's maximum: clamped. */
   timeout_ms: z.number().int().nonnegative().optional(),
   /** Bytes fed to the command's stdin, base64. */
-  stdin: z.string().base64().optional(),
+  stdin: z.base64().optional(),
   encoding: outputEncodingSchema.default('utf8'),
 });
 export type ExecRequest = z.input<typeof execRequestSchema>;
@@ -225,7 +229,7 @@ export type AttachStart = z.input<typeof attachStartSchema>;
 
 /** Frames a client sends after the start frame. `data` is base64. */
 export const clientFrameSchema = z.discriminatedUnion('type', [
-  z.object({ type: z.literal('stdin'), data: z.string().base64() }),
+  z.object({ type: z.literal('stdin'), data: z.base64() }),
   /** Closes the process's stdin. */
   z.object({ type: z.literal('eof') }),
   z.object({ type: z.literal('resize'), rows: z.number().int().min(1).max(65535), cols: z.number().int().min(1).max(65535) }),
@@ -260,7 +264,7 @@ export type UploadResponse = z.infer<typeof uploadResponseSchema>;
 
 export const agentSpecSchema = z.object({
   /** Guest path -> base64 content, written before the command starts. */
-  files: z.record(z.string().startsWith('/', 'file paths must be absolute'), z.string().base64()).default({}),
+  files: z.record(z.string().startsWith('/', 'file paths must be absolute'), z.base64()).default({}),
   /** Shell command that launches the daemon (run detached, `sh -c`). */
   command: z.string().min(1),
   /** Run inside the guest on graceful destroy; empty skips. */
@@ -355,10 +359,7 @@ export type ArtifactManifest = z.infer<typeof artifactManifestSchema>;
 
 /** The seed's ArtifactEndpoint, as the receiver sees it: where to pull from and under which grant. */
 export const artifactEndpointSchema = z.object({
-  url: z
-    .string()
-    .url()
-    .regex(/^https?:\/\//, "the peer agent's http(s) base URL"),
+  url: z.url().regex(/^https?:\/\//, "the peer agent's http(s) base URL"),
   grant: z.string().min(1),
   host_id: z.string().optional(),
 });

@@ -1,4 +1,4 @@
-import { createHash, randomBytes } from 'node:crypto';
+import { randomBytes } from 'node:crypto';
 import { mkdir, open, readdir, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { Worker } from 'node:worker_threads';
@@ -177,13 +177,9 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
       }),
     );
     // Every byte was hashed on its way to disk above; a backend that can skip re-reading 1 GiB to check it again may.
-    const importCheckpoint = backend.importCheckpoint.bind(backend) as (
-      path: string,
-      opts?: { verifyDigest?: boolean },
-    ) => Promise<Checkpoint>;
     let committed: Checkpoint;
     try {
-      committed = await importCheckpoint(staging, { verifyDigest: false });
+      committed = await backend.importCheckpoint(staging, { verifyDigest: false });
     } catch (err) {
       // A concurrent pull of the same bytes won the rename: same outcome, not a conflict.
       if (err instanceof AppError && err.code === 'CHECKPOINT_EXISTS') {
@@ -301,7 +297,10 @@ type ReceiverResult =
 
 function receive(url: string, headers: Record<string, string>, fd: number, signal: AbortSignal): Promise<ReceiverResult> {
   return new Promise((resolve, reject) => {
-    if (signal.aborted) return reject(signal.reason as Error);
+    if (signal.aborted) {
+      reject(signal.reason as Error);
+      return;
+    }
     const worker = new Worker(RECEIVER_SOURCE, { eval: true, workerData: { url, headers, fd } });
     let settled = false;
     const settle = (fn: () => void): void => {
@@ -360,7 +359,7 @@ export async function fetchFile(
 }
 
 function describe(err: unknown): string {
-  const e = err as { name?: string; message?: string; cause?: { code?: string; message?: string } };
+  const e = err as { name?: string; message?: string; cause?: { code?: string; message?: string } } | null | undefined;
   if (e?.name === 'TimeoutError') return 'timed out';
   return e?.cause?.code ?? e?.cause?.message ?? e?.message ?? String(err);
 }

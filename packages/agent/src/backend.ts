@@ -278,7 +278,7 @@ export interface NetworkReassertReport {
 }
 
 export interface Backend {
-  readonly kind: 'process';
+  readonly kind: 'process' | 'qemu';
   capacity(): Promise<HostCapacity>;
   create(spec: CreateSpec): Promise<SandboxInfo>;
   get(name: string): Promise<SandboxInfo>;

@@ -11,11 +11,11 @@ import { join, resolve } from 'node:path';
  */
 
 const bool = z
-  .enum(['true', 'false', '1', '0', 'yes', 'no'], { message: 'must be true or false' })
+  .enum(['true', 'false', '1', '0', 'yes', 'no'], { error: 'must be true or false' })
   .transform((v) => v === 'true' || v === '1' || v === 'yes');
 const positiveInt = (what: string) =>
   z.coerce
-    .number({ message: `must be ${what}` })
+    .number({ error: `must be ${what}` })
     .int(`must be ${what}`)
     .positive(`must be ${what}`);
 
@@ -23,17 +23,21 @@ export const agentConfigSchema = z
   .object({
     AGENT_HOST: z.string().min(1).default('127.0.0.1'),
     AGENT_PORT: z.coerce
-      .number({ message: 'must be a port number 0-65535' })
+      .number({ error: 'must be a port number 0-65535' })
       .int()
       .min(0, 'must be a port number 0-65535')
       .max(65535, 'must be a port number 0-65535')
       .default(7070),
     AGENT_TOKEN: z
-      .string({ message: 'is required: the bearer token the control plane presents (at least 16 characters)' })
+      .string({ error: 'is required: the bearer token the control plane presents (at least 16 characters)' })
       .min(16, 'must be at least 16 characters'),
     AGENT_DATA_DIR: z.string().min(1).default('.data/agent'),
     AGENT_IMAGE_DIR: z.string().min(1).optional(),
-    AGENT_BACKEND: z.enum(['process'], { message: 'must be one of: process' }).default('process'),
+    AGENT_BACKEND: z.enum(['process', 'qemu'], { error: 'must be one of: process, qemu' }).default('process'),
+    /** qemu backend: auto probes KVM (it must boot firmware in time) and falls back to TCG. */
+    AGENT_QEMU_ACCEL: z.enum(['auto', 'kvm', 'tcg'], { error: 'must be one of: auto, kvm, tcg' }).default('auto'),
+    /** qemu backend: bound on a boot until the in-guest agent answers. */
+    AGENT_QEMU_BOOT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(180_000),
     AGENT_SUBNET: z
       .string()
       .regex(/^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})\/(\d{1,2})$/, 'must be an IPv4 CIDR such as 10.88.0.0/16')
@@ -56,7 +60,7 @@ export const agentConfigSchema = z
       .default('base'),
     AGENT_LOG_LEVEL: z
       .enum(['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], {
-        message: 'must be one of fatal, error, warn, info, debug, trace, silent',
+        error: 'must be one of fatal, error, warn, info, debug, trace, silent',
       })
       .default('info'),
     AGENT_MAX_VMS: positiveInt('a positive integer').default(64),
@@ -75,7 +79,7 @@ export const agentConfigSchema = z
       .min(4096, 'at least 4096')
       .default(16 * 1024 * 1024),
     AGENT_UID_BASE: z.coerce
-      .number({ message: 'must be a multiple of 65536' })
+      .number({ error: 'must be a multiple of 65536' })
       .int()
       .min(65536)
       .max(2 ** 31)
@@ -85,7 +89,7 @@ export const agentConfigSchema = z
     AGENT_PULL_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(30 * 60_000),
   })
   .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
-    message: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
+    error: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
     path: ['AGENT_EXEC_DEFAULT_TIMEOUT_MS'],
   });
 
@@ -97,7 +101,9 @@ export interface AgentConfig {
   token: string;
   dataDir: string;
   imageDir: string;
-  backend: 'process';
+  backend: 'process' | 'qemu';
+  qemuAccel: 'auto' | 'kvm' | 'tcg';
+  qemuBootTimeoutMs: number;
   subnet: string;
   bridgePrefix: string;
   publishHost: string;
@@ -153,6 +159,8 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     dataDir,
     imageDir: resolve(raw.AGENT_IMAGE_DIR ?? join(dataDir, 'images')),
     backend: raw.AGENT_BACKEND,
+    qemuAccel: raw.AGENT_QEMU_ACCEL,
+    qemuBootTimeoutMs: raw.AGENT_QEMU_BOOT_TIMEOUT_MS,
     subnet: raw.AGENT_SUBNET,
     bridgePrefix: raw.AGENT_BRIDGE_PREFIX,
     publishHost: raw.AGENT_PUBLISH_HOST,

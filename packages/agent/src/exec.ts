@@ -1,5 +1,5 @@
 import type { Readable } from 'node:stream';
-import type { WebSocket } from 'ws';
+import type { WebSocket } from '@fastify/websocket';
 import { attachStartSchema, clientFrameSchema, execStreamStartSchema, type ExecResult, type ServerFrame } from '@fleet/agent-protocol';
 import { AppError, ValidationError } from '@fleet/agent-protocol';
 import type { Backend, ProcessHandle } from './backend.js';
@@ -299,8 +299,7 @@ export async function runSession(
         handle.kill(frame.signal);
         break;
       default: {
-        const never: never = frame;
-        never;
+        const _exhaustive: never = frame;
       }
     }
   });

@@ -118,8 +118,8 @@ export async function buildImage(imageDir: string, name: string, opts: BuildImag
       if (rel === 'bin/busybox' || rel.includes('..')) continue;
       const link = join(tmp, rel);
       await mkdir(dirname(link), { recursive: true });
-      await symlink('/bin/busybox', link).catch((err: NodeJS.ErrnoException) => {
-        if (err.code !== 'EEXIST') throw err;
+      await symlink('/bin/busybox', link).catch((err: unknown) => {
+        if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err;
       });
     }
     await writeFile(join(tmp, 'etc/passwd'), 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n');

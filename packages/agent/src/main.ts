@@ -12,8 +12,8 @@ import { buildAgentApp } from './server.js';
  */
 
 const USAGE = `usage: fleet-agent [serve]
-       fleet-agent image build NAME [--force] [--busybox PATH]
-       fleet-agent image list
+       fleet-agent image build NAME [--force] [--busybox PATH] [--backend process|qemu]
+       fleet-agent image list [--backend process|qemu]
 Configuration comes from AGENT_* environment variables (docs/host-agent.md).`;
 
 const VERSION = (() => {
@@ -25,6 +25,23 @@ const VERSION = (() => {
 })();
 
 async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend> {
+  if (config.backend === 'qemu') {
+    const { QemuBackend } = await import('./backend/qemu/qemu-backend.js');
+    return QemuBackend.open({
+      dataDir: config.dataDir,
+      imageDir: config.imageDir,
+      subnet: config.subnet,
+      bridgePrefix: config.bridgePrefix,
+      maxSandboxes: config.maxVms,
+      allowCrossTenant: config.allowCrossTenant,
+      publishHost: config.publishHost,
+      defaultImage: config.defaultImage,
+      accel: config.qemuAccel,
+      bootTimeoutMs: config.qemuBootTimeoutMs,
+      consoleLogMaxBytes: config.consoleLogMaxBytes,
+      logger: logger.child({ component: 'backend' }),
+    });
+  }
   // Loaded lazily: `image build` must work on a host where the backend's kernel features are missing.
   const { ProcessBackend } = await import('./backend/process/process-backend.js');
   return ProcessBackend.open({
@@ -100,6 +117,30 @@ async function serve(): Promise<void> {
 async function image(args: string[]): Promise<void> {
   const [sub, name, ...flags] = args;
   const imageDir = imageDirFromEnv();
+  const all = [name, ...flags].filter((f): f is string => f !== undefined);
+  const bk = all.indexOf('--backend');
+  const kind = bk >= 0 ? all[bk + 1] : (process.env.AGENT_BACKEND ?? 'process');
+  if (kind !== 'process' && kind !== 'qemu') {
+    process.stderr.write(`--backend must be process or qemu (got "${kind}")\n${USAGE}\n`);
+    process.exit(2);
+  }
+  if (kind === 'qemu') {
+    const { buildQemuImage, listQemuImages } = await import('./backend/qemu/image.js');
+    if (sub === 'list') {
+      for (const n of await listQemuImages(imageDir)) process.stdout.write(`${n}\n`);
+      return;
+    }
+    if (sub === 'build' && name && name !== '--backend') {
+      const bi = flags.indexOf('--busybox');
+      const busybox = bi >= 0 ? flags[bi + 1] : undefined;
+      const started = Date.now();
+      const img = await buildQemuImage(imageDir, name, { force: flags.includes('--force'), ...(busybox ? { busybox } : {}) });
+      process.stdout.write(`built VM image ${img.name} (kernel ${img.kernelVersion}) at ${img.dir} in ${Date.now() - started} ms\n`);
+      return;
+    }
+    process.stderr.write(`${USAGE}\n`);
+    process.exit(2);
+  }
   if (sub === 'list') {
     for (const img of await listImages(imageDir)) process.stdout.write(`${img.name}\t${img.path}\n`);
     return;
@@ -117,7 +158,8 @@ async function image(args: string[]): Promise<void> {
 
 function describeErr(err: unknown): Record<string, unknown> {
   if (err instanceof AppError) return { code: err.code, message: err.message, details: err.details };
-  return { message: (err as Error)?.message ?? String(err), stack: (err as Error)?.stack };
+  const e = err as Partial<Error> | null | undefined;
+  return { message: e?.message ?? String(err), stack: e?.stack };
 }
 
 function flush(logger: Logger): Promise<void> {
@@ -138,6 +180,6 @@ async function main(argv: string[]): Promise<void> {
 
 main(process.argv.slice(2)).catch((err: unknown) => {
   if (err instanceof AppError) process.stderr.write(`${err.code}: ${err.message}\n`);
-  else process.stderr.write(`${(err as Error)?.stack ?? String(err)}\n`);
+  else process.stderr.write(`${(err as Partial<Error> | null | undefined)?.stack ?? String(err)}\n`);
   process.exit(1);
 });

@@ -56,8 +56,10 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   // Uploads stream straight to disk: the body is handed over unparsed and capped while piping.
   app.addContentTypeParser('application/octet-stream', (_req, payload, done) => done(null, payload));
 
+  // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise
   app.addHook('onRequest', async (req) => {
-    const auth = req.routeOptions.config?.auth;
+    // Not-found requests have no route config.
+    const auth = (req.routeOptions.config as { auth?: string } | undefined)?.auth;
     if (auth === 'none' || auth === 'grant') return;
     // Hash both sides: timingSafeEqual needs equal lengths, and the digest hides the token's length.
     const m = /^Bearer ([^\s]+)$/.exec(req.headers.authorization ?? '');
@@ -75,7 +77,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
     void reply.code(404).send({ code: 'NOT_FOUND', message: `no route ${req.method} ${req.url.split('?')[0]}` });
   });
 
-  app.get('/healthz', { config: { auth: 'none' } }, async () => ({ ok: true, version: deps.version ?? '0' }));
+  app.get('/healthz', { config: { auth: 'none' } }, () => ({ ok: true, version: deps.version ?? '0' }));
 
   const checkedRun = async (name: string, argv: string[], what: string, env: Record<string, string> = {}): Promise<string> => {
     const res = await runBuffered(
@@ -114,7 +116,7 @@ export function toProblem(err: unknown): { status: number; body: { code: string;
     const body = { code: err.code, message: err.message, ...(err.details ? { details: { ...err.details } } : {}) };
     return { status: err.status, body };
   }
-  const e = err as { code?: string; statusCode?: number; message?: string };
+  const e = err as { code?: string; statusCode?: number; message?: string } | null | undefined;
   if (e && typeof e.statusCode === 'number' && e.statusCode >= 400 && e.statusCode < 500) {
     const code =
       e.code === 'FST_ERR_CTP_BODY_TOO_LARGE'

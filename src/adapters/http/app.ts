@@ -87,12 +87,14 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   // One client frame at most 1 MiB: the relay holds up to WS_MAX_PENDING_FRAMES of them before a session starts.
   await app.register(fastifyWebsocket, { options: { maxPayload: 1024 * 1024 } });
 
+  // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise
   app.addHook('onRequest', async (req) => {
-    const path = req.url.split('?')[0]!;
+    const path = req.url.replace(/\?.*/s, '');
     // The E2B-compatible API authenticates in its own scope (X-API-Key; envd by the sandbox's access token).
     if (PUBLIC.has(path) || path.startsWith(`${E2B_PREFIX}/`)) return;
     req.caller = opts.apiKeys.authenticate(req);
   });
+  // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise
   app.addHook('preValidation', async (req) => {
     // A raw body (a file upload as text or bytes) may hold any byte; parsed JSON, params and the query may not.
     // A guest file path is the exception: the files routes refuse it with their own code (INVALID_GUEST_PATH).
@@ -111,21 +113,22 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
     opts.metrics.httpDuration.observe({ method: req.method, route }, reply.elapsedTime / 1000);
   });
 
-  app.get('/healthz', { schema: { hide: true } }, async () => ({ status: 'ok' }));
+  app.get('/healthz', { schema: { hide: true } }, () => ({ status: 'ok' }));
   app.get('/readyz', { schema: { hide: true } }, async (req, reply) => {
     const results: Record<string, string> = {};
-    let ready = true;
+    const failed: string[] = [];
     await Promise.all(
       Object.entries(opts.readiness.checks).map(async ([name, check]) => {
         try {
           await withTimeout(check(), 2000);
           results[name] = 'ok';
         } catch (err) {
-          ready = false;
+          failed.push(name);
           results[name] = err instanceof Error ? err.message : String(err);
         }
       }),
     );
+    const ready = failed.length === 0;
     const status = ready ? 'ready' : 'not ready';
     // Error text names hosts, ports and internals: only for the operator (admin key or METRICS_TOKEN).
     const detailed = isAdmin(req) || isMetricsToken(req);
@@ -138,7 +141,7 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
     const body = await opts.metrics.registry.metrics();
     return reply.type(opts.metrics.registry.contentType).send(body);
   });
-  app.get('/openapi.json', { schema: { hide: true } }, async () => app.swagger());
+  app.get('/openapi.json', { schema: { hide: true } }, () => app.swagger());
 
   for (const routes of opts.routes) await app.register(async (scope) => routes(scope));
   await app.ready();

@@ -5,6 +5,7 @@ import { ValidationError, NotFoundError } from '@fleet/agent-protocol';
 import { assertStreamName, streamCategory, type EventStore, type JsonValue, type RecordedEvent } from '../../domain/event-store.port.js';
 import { eventTime, upTo, type AsOf } from '../../commands/vm/vm-history.js';
 import { TENANT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';
+import { upgradeVmEventData } from '../../domain/vm/vm.lifecycle.js';
 import type { Caller } from './auth.js';
 import { problemResponses } from './common.js';
 
@@ -24,6 +25,11 @@ export interface AuditEntry {
   readonly correlation_id: string | null;
   readonly causation_id: string | null;
   readonly data: JsonValue;
+  /**
+   * For an event that ends a VM: its reason in the closed set, as the VM reads
+   * it (an event written before the set shows its old reason in `data`).
+   */
+  readonly end_reason?: string;
 }
 
 /**
@@ -62,7 +68,14 @@ export function toAuditEntry(e: RecordedEvent): AuditEntry {
     correlation_id: e.metadata.correlationId ?? null,
     causation_id: e.metadata.causationId ?? null,
     data: redactSealed(e.data),
+    ...endReasonOf(e),
   };
+}
+
+function endReasonOf(e: RecordedEvent): { end_reason?: string } {
+  if (!e.streamId.startsWith('vm-') || !['VmDestroyRequested', 'VmDestroyed', 'VmFailed'].includes(e.type)) return {};
+  const reason = (upgradeVmEventData(e.type, e.data, e.metadata) as { reason?: unknown } | null)?.reason;
+  return typeof reason === 'string' ? { end_reason: reason } : {};
 }
 
 /** Who owns a stream: the tenant named by its first event (VM, snapshot) or by its id (tenant-…); hosts and the rest are the operator's. */
@@ -97,6 +110,7 @@ function canRead(caller: Caller, owner: string | undefined): boolean {
 }
 
 export function auditRoutes(deps: AuditRoutesDeps) {
+  // eslint-disable-next-line @typescript-eslint/require-await -- a fastify plugin that returns no promise must call done()
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
     const entry = z.object({
@@ -111,6 +125,7 @@ export function auditRoutes(deps: AuditRoutesDeps) {
       correlation_id: z.string().nullable(),
       causation_id: z.string().nullable(),
       data: z.unknown(),
+      end_reason: z.string().optional(),
     });
     app.get(
       '/v1/audit/streams/:stream',
@@ -147,13 +162,13 @@ export function auditRoutes(deps: AuditRoutesDeps) {
           maxCount: req.query.limit + 1,
         });
         if (page.length === 0 && req.query.from_revision === undefined) throw notFound;
-        const more = page.length > req.query.limit;
+        const next = page[req.query.limit];
         const shown = asOf ? upTo(page.slice(0, req.query.limit), asOf) : page.slice(0, req.query.limit);
         return {
           stream,
           owner: owner ?? null,
           events: shown.map(toAuditEntry),
-          next_revision: more && (!asOf || shown.length === req.query.limit) ? page[req.query.limit]!.revision.toString() : null,
+          next_revision: next && (!asOf || shown.length === req.query.limit) ? next.revision.toString() : null,
         };
       },
     );

@@ -14,7 +14,7 @@ export const problemSchema = z
     instance: z.string().optional(),
     errors: z.array(z.object({ path: z.string(), message: z.string() })).optional(),
   })
-  .passthrough();
+  .loose();
 
 /** Documented for OpenAPI; the error handler produces them. */
 export const problemResponses = {

@@ -44,25 +44,20 @@ export function registerConsumerMetrics(
     },
   );
 
-  metrics.gauge('fleet_feed_clients', 'Open live event feed (SSE) connections', [], async () => [
-    { labels: {}, value: deps.feed.clients.size },
-  ]);
-  metrics.gauge('fleet_feed_lag_events', 'Largest number of events received but not yet sent to one feed client', [], async () => [
+  metrics.gauge('fleet_feed_clients', 'Open live event feed (SSE) connections', [], () => [{ labels: {}, value: deps.feed.clients.size }]);
+  metrics.gauge('fleet_feed_lag_events', 'Largest number of events received but not yet sent to one feed client', [], () => [
     { labels: {}, value: Math.max(0, ...[...deps.feed.clients].map((c) => c.queued())) },
   ]);
-  metrics.gauge('fleet_feed_lag_seconds', 'Age of the oldest event not yet sent to any feed client', [], async () => {
+  metrics.gauge('fleet_feed_lag_seconds', 'Age of the oldest event not yet sent to any feed client', [], () => {
     const now = Date.now();
     const oldest = [...deps.feed.clients].map((c) => c.oldestPendingMs()).filter((t): t is number => t !== undefined);
     return [{ labels: {}, value: oldest.length ? Math.max(0, (now - Math.min(...oldest)) / 1000) : 0 }];
   });
-  metrics.gauge('fleet_feed_buffered_bytes', 'Largest number of bytes written but not yet read by one feed client', [], async () => [
+  metrics.gauge('fleet_feed_buffered_bytes', 'Largest number of bytes written but not yet read by one feed client', [], () => [
     { labels: {}, value: Math.max(0, ...[...deps.feed.clients].map((c) => c.bufferedBytes())) },
   ]);
-  metrics.custom(
-    'fleet_feed_disconnects_total',
-    'Feed connections ended, by reason (slow_consumer, client_closed, …)',
-    'counter',
-    async () => [...deps.feed.disconnects].map(([reason, value]) => ({ labels: { reason }, value })),
+  metrics.custom('fleet_feed_disconnects_total', 'Feed connections ended, by reason (slow_consumer, client_closed, …)', 'counter', () =>
+    [...deps.feed.disconnects].map(([reason, value]) => ({ labels: { reason }, value })),
   );
 
   for (const [name, def] of Object.entries(EVENT_COUNTERS)) {

@@ -5,50 +5,11 @@ import type { Logger } from 'pino';
 import type { Subscription } from 'rxjs';
 import { z } from 'zod';
 import { AppError, ForbiddenError } from '@fleet/agent-protocol';
-import type { EventStore, Position, RecordedEvent } from '../../domain/event-store.port.js';
-import { vmEventSchema, type VmEvent, type VmStatus } from '../../domain/vm/vm.events.js';
+import type { EventStore, RecordedEvent } from '../../domain/event-store.port.js';
+import { FEED_TYPES, toEnvironmentEvent } from '../../domain/vm/vm.feed.js';
 import { problemResponses } from './common.js';
 
-/** The seed's EnvironmentEvent: one VM lifecycle change as a client sees it. */
-export interface EnvironmentEvent {
-  /** The event's global position: also its SSE id, so `Last-Event-ID` resumes right after it. */
-  readonly id: Position;
-  readonly event: string;
-  readonly vm_id: string;
-  readonly state: VmStatus;
-  readonly url?: string;
-  readonly error?: string;
-  readonly updated_at: string;
-}
-
-const FEED: Partial<Record<VmEvent['type'], { event: string; state: VmStatus }>> = {
-  VmRequested: { event: 'vm.requested', state: 'requested' },
-  VmPlaced: { event: 'vm.placed', state: 'placed' },
-  VmBootStarted: { event: 'vm.booting', state: 'booting' },
-  VmBooted: { event: 'vm.booted', state: 'running' },
-  VmDestroyRequested: { event: 'vm.destroying', state: 'destroying' },
-  VmDestroyed: { event: 'vm.destroyed', state: 'destroyed' },
-  VmFailed: { event: 'vm.failed', state: 'failed' },
-};
-const FEED_TYPES = Object.keys(FEED);
-
-/** Maps a stored VM event to the feed's shape; undefined for events the feed does not carry. */
-export function toEnvironmentEvent(recorded: RecordedEvent): EnvironmentEvent | undefined {
-  const kind = FEED[recorded.type as VmEvent['type']];
-  if (!kind) return undefined;
-  const parsed = vmEventSchema.safeParse({ type: recorded.type, data: recorded.data });
-  if (!parsed.success) return undefined;
-  const e = parsed.data;
-  return {
-    id: recorded.position,
-    event: kind.event,
-    vm_id: e.data.vm_id,
-    state: kind.state,
-    ...(e.type === 'VmBooted' ? { url: e.data.url } : {}),
-    ...(e.type === 'VmFailed' ? { error: e.data.error } : {}),
-    updated_at: e.data.at,
-  };
-}
+export { toEnvironmentEvent, type EnvironmentEvent } from '../../domain/vm/vm.feed.js';
 
 /** A VM's tenant never changes, so it is cached; a miss reads the stream's first event (VmRequested). */
 export class VmTenants {
@@ -126,10 +87,12 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
   const maxPerTenant = deps.maxPerTenant ?? 8;
   const openPerCaller = new Map<string, number>();
   const filter = { streamPrefixes: ['vm-'], eventTypes: FEED_TYPES };
+  // eslint-disable-next-line @typescript-eslint/require-await -- a fastify plugin that returns no promise must call done()
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
     // Open feeds would keep the server from closing: end them first, with a reason.
     const open = new Set<() => void>();
+    // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise
     app.addHook('preClose', async () => {
       for (const end of [...open]) end();
     });
@@ -140,7 +103,7 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           tags: ['events'],
           summary: 'Live VM lifecycle events (text/event-stream); resume with Last-Event-ID',
           querystring: z.object({ tenant: z.string().min(1).max(200).optional(), last_event_id: z.string().optional() }),
-          headers: z.object({ 'last-event-id': z.string().optional() }).passthrough(),
+          headers: z.object({ 'last-event-id': z.string().optional() }).loose(),
           response: { ...problemResponses },
         },
       },
@@ -186,6 +149,8 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         const queue: RecordedEvent[] = [];
         let draining = false;
         let closed = false;
+        // Read (by `cleanup`) before it is assigned: as a const that read would throw.
+        // eslint-disable-next-line prefer-const -- see above
         let sub: Subscription | undefined;
         const client = {
           queued: () => queue.length,
@@ -207,6 +172,8 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           deps.stats?.clients.delete(client);
           deps.stats?.countDisconnect(reason);
         };
+        // `closed` flips in the 'close' handler while this request awaits: read it through a call, not a narrowed local.
+        const isClosed = (): boolean => closed;
         const fail = (code: string, message: string): void => {
           if (closed) return;
           cleanup(code.toLowerCase());
@@ -224,8 +191,9 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           if (draining) return;
           draining = true;
           try {
-            while (queue.length > 0 && !closed) {
-              const recorded = queue.shift()!;
+            while (!closed) {
+              const recorded = queue.shift();
+              if (recorded === undefined) break;
               await send(recorded);
               if (res.writableLength > maxBufferBytes) {
                 fail(
@@ -270,11 +238,11 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           for (;;) {
             const page = await deps.store.readAll({ after: position, maxCount: 500, filter });
             for (const e of page) {
-              if (closed) return;
+              if (isClosed()) return;
               await send(e);
               position = e.position;
             }
-            if (closed) return;
+            if (isClosed()) return;
             if (res.writableLength > maxBufferBytes / 2 && !(await drained())) {
               fail(
                 'SLOW_CONSUMER',
@@ -289,7 +257,7 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           fail('FEED_FAILED', 'the event feed failed; reconnect with Last-Event-ID to resume');
           return;
         }
-        if (closed) return;
+        if (isClosed()) return;
         res.write(`: caught-up ${position ?? ''}\n\n`);
 
         sub = deps.store.subscribeToAll({ after: position, filter }).subscribe({
@@ -312,7 +280,7 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           },
           complete: () => fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume'),
         });
-        if (closed) sub.unsubscribe();
+        if (isClosed()) sub.unsubscribe();
       },
     );
   };

@@ -2,7 +2,7 @@ import type { FastifyInstance } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
-import { registerHostRequestSchema, type HostCommands } from '../../commands/host-commands.js';
+import { registerHostRequestSchema, type HostCommands } from '../../commands/host/host-commands.js';
 import { hostCapacitySchema } from '@fleet/agent-protocol';
 import { NotFoundError } from '@fleet/agent-protocol';
 import { idSchema } from '../../domain/ids.js';
@@ -38,6 +38,7 @@ export interface HostRoutesDeps {
 
 /** Host registry: admin only. Reads come from the `hosts` read model; `?after=` waits for it to catch up. */
 export function hostRoutes(deps: HostRoutesDeps) {
+  // eslint-disable-next-line @typescript-eslint/require-await -- a fastify plugin that returns no promise must call done()
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
     adminOnly(scope);
@@ -105,13 +106,17 @@ export function hostRoutes(deps: HostRoutesDeps) {
       },
     );
 
-    for (const action of ['cordon', 'uncordon', 'probe'] as const) {
+    for (const [action, title] of [
+      ['cordon', 'Cordon'],
+      ['uncordon', 'Uncordon'],
+      ['probe', 'Probe'],
+    ] as const) {
       app.post(
         `/v1/hosts/:id/${action}`,
         {
           schema: {
             tags: ['hosts'],
-            summary: `${action[0]!.toUpperCase()}${action.slice(1)} a host`,
+            summary: `${title} a host`,
             params,
             body: z
               .object({ reason: z.string().max(500).optional() })

@@ -1,5 +1,7 @@
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
 
+/** Computed at scrape time, read from memory or queried. */
+type Samples<T> = T | Promise<T>;
 /**
  * Prometheus metrics. Request metrics are counted here; gauges that describe
  * the fleet are read from the read models at scrape time (collect callbacks
@@ -33,7 +35,7 @@ export class Metrics {
     name: string,
     help: string,
     labelNames: readonly L[],
-    collect: () => Promise<Array<{ labels: Record<L, string>; value: number }>>,
+    collect: () => Samples<Array<{ labels: Record<L, string>; value: number }>>,
   ): void {
     const g: Gauge<L> = new Gauge<L>({
       name,
@@ -57,7 +59,7 @@ export class Metrics {
     name: string,
     help: string,
     type: 'counter' | 'gauge' | 'histogram',
-    collect: () => Promise<Array<{ suffix?: string; labels: Record<string, string | number>; value: number }>>,
+    collect: () => Samples<Array<{ suffix?: string; labels: Record<string, string | number>; value: number }>>,
   ): void {
     const metric = {
       name,

@@ -1,6 +1,6 @@
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { hasZodFastifySchemaValidationErrors, isResponseSerializationError } from 'fastify-type-provider-zod';
-import { AppError, type FieldError } from '@fleet/agent-protocol';
+import { AppError, describeFields, type FieldError } from '@fleet/agent-protocol';
 
 /** RFC 7807 problem document; `code` is the stable, machine-readable part. */
 export interface Problem {
@@ -86,7 +86,7 @@ export function errorHandler(err: FastifyError | Error, req: FastifyRequest, rep
       path: `${where}${v.instancePath ? v.instancePath.replace(/\//g, '.') : ''}`,
       message: v.message ?? 'invalid',
     }));
-    send(problem(400, 'VALIDATION_FAILED', `invalid ${where}: ${errors.map((e) => `${e.path}: ${e.message}`).join('; ')}`, { errors }));
+    send(problem(400, 'VALIDATION_FAILED', `invalid ${where}: ${describeFields(errors)}`, { errors }));
     return;
   }
   if (err instanceof AppError) {

@@ -3,7 +3,8 @@ import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
 import { ForbiddenError, ValidationError } from '@fleet/agent-protocol';
-import { queryUsage, usageCsv } from '../../projections/billing/billing.queries.js';
+import { queryUsage, queryVmRuns, usageCsv } from '../../projections/billing/billing.queries.js';
+import { vmEndReasonSchema } from '../../domain/vm/vm.lifecycle.js';
 import { HOUR_MS } from '../../projections/billing/billing.projection.js';
 import { problemResponses } from './common.js';
 
@@ -46,6 +47,7 @@ function hourBoundary(name: 'from' | 'to', value: string): Date {
  * only; the admin key reads any one tenant (`tenant=`) or all of them.
  */
 export function usageRoutes(deps: UsageRoutesDeps) {
+  // eslint-disable-next-line @typescript-eslint/require-await -- a fastify plugin that returns no promise must call done()
   return async (scope: FastifyInstance): Promise<void> => {
     const app = scope.withTypeProvider<ZodTypeProvider>();
     app.get(
@@ -92,6 +94,61 @@ export function usageRoutes(deps: UsageRoutesDeps) {
             .header('content-disposition', 'inline; filename="usage.csv"')
             .send(usageCsv(rows) as never);
         return { from: from.toISOString(), to: to.toISOString(), group_by: req.query.group_by, as_of: now.toISOString(), usage: rows };
+      },
+    );
+
+    app.get(
+      '/v1/usage/vms',
+      {
+        schema: {
+          tags: ['usage'],
+          summary: 'Billing rows per VM run overlapping from..to: what it was billed within the window, and why it ended',
+          querystring: z.object({
+            from: z.iso.datetime({ offset: true }),
+            to: z.iso.datetime({ offset: true }).optional(),
+            tenant: z.string().min(1).max(200).optional(),
+            reason: vmEndReasonSchema.optional(),
+            limit: z.coerce.number().int().min(1).max(10_000).default(1000),
+          }),
+          response: {
+            200: z.object({
+              from: z.string(),
+              to: z.string(),
+              as_of: z.string(),
+              vms: z.array(
+                z.object({
+                  vm_id: z.string(),
+                  tenant_id: z.string(),
+                  started_at: z.string(),
+                  ended_at: z.string().nullable(),
+                  reason: z.string().nullable(),
+                  vm_seconds: z.number(),
+                  cpu_seconds: z.number(),
+                  ram_mb_seconds: z.number(),
+                  gpu_seconds: z.number(),
+                  gpu_kind: z.string(),
+                }),
+              ),
+            }),
+            ...problemResponses,
+          },
+        },
+      },
+      async (req) => {
+        const now = (deps.now ?? (() => new Date()))();
+        const from = new Date(req.query.from);
+        const to = req.query.to !== undefined ? new Date(req.query.to) : now;
+        if (to.getTime() <= from.getTime())
+          throw new ValidationError('to must be after from', [{ path: 'querystring.to', message: 'not after from' }]);
+        let tenantId: string | undefined;
+        if (req.caller.admin) tenantId = req.query.tenant;
+        else {
+          if (req.query.tenant !== undefined && req.query.tenant !== req.caller.tenantId)
+            throw new ForbiddenError('a tenant key reads its own usage only; leave out tenant= or use the admin key');
+          tenantId = req.caller.tenantId;
+        }
+        const vms = await queryVmRuns(deps.pool, { from, to, now, tenantId, reason: req.query.reason, limit: req.query.limit });
+        return { from: from.toISOString(), to: to.toISOString(), as_of: now.toISOString(), vms };
       },
     );
   };

@@ -2,12 +2,13 @@ import type { FastifyInstance, FastifyRequest } from 'fastify';
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { Readable } from 'node:stream';
-import type { WebSocket } from 'ws';
+import type { WebSocket } from '@fastify/websocket';
+import type { RawData } from 'ws';
 import { z } from 'zod';
 import type { Actor, VmCommands } from '../../commands/vm/vm-commands.js';
 import { attachStartSchema, clientFrameSchema, execResultSchema, execStreamStartSchema } from '@fleet/agent-protocol';
 import type { AgentStream } from '../../domain/host-agent.port.js';
-import { AppError, NotFoundError } from '@fleet/agent-protocol';
+import { AppError, NotFoundError, describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 import { placementDecisionSchema } from '../../domain/placement/placement.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import { publicSpec, vmSpecSchema } from '../../domain/vm/spec.js';
@@ -19,6 +20,7 @@ import { parseAsOf, vmAsOf } from './audit.routes.js';
 import { commandMeta, positionSchema, problemResponses, waitForPosition } from './common.js';
 import { cursorTime, decodeCursor, encodeCursor, pageQuery } from './pagination.js';
 import { problem } from './problem.js';
+import { lifecycleOfRow, lifecycleOfState, metadataFilter, vmLifecycleFields, vmLifecycleListQuery } from './vm-lifecycle-fields.js';
 
 const endpointOut = z.object({ as: z.string(), url: z.string(), port: z.number(), protocol: z.string().optional() });
 
@@ -37,6 +39,7 @@ export const vmSchema = z.object({
   boot_ms: z.number().nullable(),
   created_at: z.string(),
   updated_at: z.string(),
+  ...vmLifecycleFields,
 });
 type VmOut = z.infer<typeof vmSchema>;
 
@@ -58,6 +61,7 @@ function fromRow(r: VmRow): VmOut {
     boot_ms: r.boot_ms,
     created_at: r.created_at,
     updated_at: r.updated_at,
+    ...lifecycleOfRow(r),
   };
 }
 
@@ -77,6 +81,7 @@ export function fromState(s: ExistingVmState): VmOut {
     boot_ms: s.boot_ms ?? null,
     created_at: s.requested_at,
     updated_at: s.transitioned_at,
+    ...lifecycleOfState(s),
   };
 }
 
@@ -130,7 +135,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
           tags: ['vms'],
           summary: 'Create a VM: place it, boot it, and answer when it runs',
           body: vmSpecSchema,
-          headers: z.object({ 'idempotency-key': z.string().min(1).max(200).optional() }).passthrough(),
+          headers: z.object({ 'idempotency-key': z.string().min(1).max(200).optional() }).loose(),
           response: { 201: vmCommandResult, 200: vmCommandResult, ...problemResponses },
         },
       },
@@ -152,6 +157,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
             task_id: z.string().max(200).optional(),
             host_id: z.string().max(64).optional(),
             after: positionSchema.optional(),
+            ...vmLifecycleListQuery,
           }),
           response: { 200: z.object({ vms: z.array(vmSchema), next_cursor: z.string().nullable() }), ...problemResponses },
         },
@@ -164,6 +170,8 @@ export function vmRoutes(deps: VmRoutesDeps) {
           state: req.query.state,
           taskId: req.query.task_id,
           hostId: req.query.host_id,
+          reason: req.query.reason,
+          metadata: metadataFilter(req.query.metadata),
           limit: req.query.limit,
           after,
         });
@@ -244,7 +252,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
               env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'an environment variable name'), z.string()).optional(),
               cwd: z.string().startsWith('/', 'cwd must be an absolute path').optional(),
               timeout_ms: z.number().int().nonnegative().optional(),
-              stdin: z.string().base64('stdin must be base64').optional(),
+              stdin: z.base64('stdin must be base64').optional(),
             })
             .strict(),
           response: { 200: execResultSchema, ...problemResponses },
@@ -273,6 +281,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
     );
 
     // Uploads in a scope of their own: only here is an octet-stream body handed over unread, to be streamed to the agent.
+    // eslint-disable-next-line @typescript-eslint/require-await -- a fastify plugin that returns no promise must call done()
     await scope.register(async (files) => {
       files.removeContentTypeParser('application/octet-stream');
       files.addContentTypeParser('application/octet-stream', (_req, payload, done) => done(null, payload));
@@ -298,13 +307,14 @@ export function vmRoutes(deps: VmRoutesDeps) {
             const declared = Number(req.headers['content-length']);
             if (Number.isFinite(declared) && declared > limits.fileMaxBytes) throw uploadTooLarge(limits.fileMaxBytes, declared);
             let seen = 0;
-            let tooLarge = false;
+            // Set inside the generator, read after the upload: a field, so the compiler does not narrow it to false.
+            const over = { tooLarge: false };
             const max = limits.fileMaxBytes;
             async function* capped(): AsyncGenerator<Uint8Array> {
               for await (const chunk of body as Readable) {
                 seen += (chunk as Buffer).length;
                 if (seen > max) {
-                  tooLarge = true;
+                  over.tooLarge = true;
                   throw uploadTooLarge(max);
                 }
                 yield chunk as Buffer;
@@ -313,7 +323,7 @@ export function vmRoutes(deps: VmRoutesDeps) {
             try {
               return await deps.vms.upload(req.params.id, req.query.path, capped(), actorOf(req));
             } catch (err) {
-              if (tooLarge) throw uploadTooLarge(max);
+              if (over.tooLarge) throw uploadTooLarge(max);
               throw err;
             }
           } finally {
@@ -334,15 +344,16 @@ export function vmRoutes(deps: VmRoutesDeps) {
           params,
         },
         // Refused before the upgrade, as an HTTP 429 the client's handshake sees.
+        // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise
         preHandler: async (req) => {
           if (!req.ws) return;
           sessions.reserve(req.caller.actor, req.params.id, req.raw.socket);
         },
-        handler: async () => {
+        handler: () => {
           throw new AppError('WEBSOCKET_REQUIRED', 400, `${mode} streams over a websocket: connect with an Upgrade: websocket request`);
         },
         wsHandler: (socket, req) => {
-          void relay(socket, req as FastifyRequest<{ Params: { id: string } }>, mode, deps.vms, limits);
+          relay(socket, req as FastifyRequest<{ Params: { id: string } }>, mode, deps.vms, limits);
         },
       });
     }
@@ -433,13 +444,16 @@ function below(amount: () => number, low: number, gone: () => boolean): Promise<
  * agent stops reading the process), and the client's socket is not read
  * while the agent has not taken what was forwarded.
  */
-async function relay(
+/** binaryType 'nodebuffer' (the default): every message arrives as one Buffer. */
+const text = (raw: RawData): string => (raw as Buffer).toString();
+
+function relay(
   socket: WebSocket,
   req: FastifyRequest<{ Params: { id: string } }>,
   mode: 'exec' | 'attach',
   vms: VmCommands,
   limits: VmStreamLimits,
-): Promise<void> {
+): void {
   const closeWith = (code: string, message: string, wsCode = 1008): void => {
     if (socket.readyState === socket.OPEN) socket.send(JSON.stringify({ type: 'error', code, message }));
     socket.close(wsCode, code);
@@ -457,6 +471,7 @@ async function relay(
       closeWith('START_FRAME_TIMEOUT', `send the start frame within ${START_FRAME_TIMEOUT_MS} ms`, WS_CLOSE.START_FRAME_TIMEOUT);
   }, START_FRAME_TIMEOUT_MS);
   let idleTimer: NodeJS.Timeout | undefined;
+  let stopActive: () => void = () => undefined;
   const touch = (): void => {
     if (mode !== 'attach' || limits.attachIdleTimeoutMs <= 0 || clientGone) return;
     clearTimeout(idleTimer);
@@ -475,41 +490,43 @@ async function relay(
     clientGone = true;
     clearTimeout(startTimer);
     clearTimeout(idleTimer);
+    stopActive();
     stream?.close();
   });
   socket.on('message', (raw) => {
     touch();
     if (!stream) {
-      if (pending.length >= WS_MAX_PENDING_FRAMES)
-        return void closeWith(
+      if (pending.length >= WS_MAX_PENDING_FRAMES) {
+        closeWith(
           'FRAME_QUEUE_FULL',
           `more than ${WS_MAX_PENDING_FRAMES} frames sent before the session started`,
           WS_CLOSE.FRAME_QUEUE_FULL,
         );
-      pending.push(raw.toString());
+        return;
+      }
       // Frames that arrive while the agent session opens wait behind the start frame; they must not start a second one.
       if (!starting) {
         starting = true;
         clearTimeout(startTimer);
-        void start();
-      }
+        void start(text(raw));
+      } else pending.push(text(raw));
       return;
     }
-    forward(raw.toString());
+    forward(text(raw));
   });
   const forward = (text: string): void => {
     let frame: unknown;
     try {
       frame = JSON.parse(text);
     } catch {
-      return void sendError('VALIDATION_FAILED', 'frames are JSON text');
+      sendError('VALIDATION_FAILED', 'frames are JSON text');
+      return;
     }
     const parsed = clientFrameSchema.safeParse(frame);
-    if (!parsed.success)
-      return void sendError(
-        'VALIDATION_FAILED',
-        `bad frame: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
-      );
+    if (!parsed.success) {
+      sendError('VALIDATION_FAILED', `bad frame: ${describeFields(fieldsFromZod(parsed.error))}`);
+      return;
+    }
     const s = stream;
     if (!s) return;
     s.send(parsed.data);
@@ -527,34 +544,37 @@ async function relay(
       });
     }
   };
-  const start = async (): Promise<void> => {
+  const start = async (startFrame: string): Promise<void> => {
     try {
       let first: unknown;
       try {
-        first = JSON.parse(pending.shift()!);
+        first = JSON.parse(startFrame);
       } catch {
-        return void sendError('VALIDATION_FAILED', 'the start frame must be JSON text');
+        sendError('VALIDATION_FAILED', 'the start frame must be JSON text');
+        return;
       }
       const actor = actorOf(req);
       if (mode === 'exec') {
         const s = execStreamStartSchema.safeParse(first);
-        if (!s.success)
-          return void sendError(
-            'VALIDATION_FAILED',
-            `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
-          );
+        if (!s.success) {
+          sendError('VALIDATION_FAILED', `bad start frame: ${describeFields(fieldsFromZod(s.error))}`);
+          return;
+        }
         stream = await vms.execStream(req.params.id, s.data, actor);
       } else {
         const s = attachStartSchema.safeParse(first);
-        if (!s.success)
-          return void sendError(
-            'VALIDATION_FAILED',
-            `bad start frame: ${s.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
-          );
+        if (!s.success) {
+          sendError('VALIDATION_FAILED', `bad start frame: ${describeFields(fieldsFromZod(s.error))}`);
+          return;
+        }
         stream = await vms.attach(req.params.id, s.data, actor);
       }
       // The client left while the session opened: close it, or its process would run on unattended.
-      if (clientGone) return void stream.close();
+      if (clientGone) {
+        stream.close();
+        return;
+      }
+      stopActive = vms.keepActive(req.params.id, actor);
       for (const text of pending.splice(0)) forward(text);
       for await (const frame of stream.frames) {
         if (socket.readyState !== socket.OPEN) break;
@@ -575,6 +595,7 @@ async function relay(
       sendError(p.code, p.detail);
     } finally {
       clearTimeout(idleTimer);
+      stopActive();
     }
   };
 }

@@ -155,7 +155,7 @@ interface ServerView {
 
 async function serverView(dataDir: string, bin: Binaries, runAs: RunAs): Promise<ServerView> {
   if (runAs.uid === undefined || runAs.gid === undefined)
-    return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }), cleanup: async () => undefined };
+    return { dataDir, bin, wrap: (cmd, args) => ({ cmd, args }), cleanup: () => Promise.resolve() };
   const nativeDir = path.dirname(path.dirname(bin.postgres));
   const root = path.join('/run/fleet-pg', createHash('sha256').update(dataDir).digest('hex').slice(0, 16));
   await fs.mkdir('/run/fleet-pg', { recursive: true, mode: 0o755 });

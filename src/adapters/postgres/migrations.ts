@@ -95,8 +95,8 @@ export async function runMigrations(
         options.logger?.info({ migration: m.id }, 'applied migration');
       }
     } finally {
-      await client.query('SELECT pg_advisory_unlock($1)', [LOCK_KEY.toString()]).catch((err: Error) => {
-        broken = err;
+      await client.query('SELECT pg_advisory_unlock($1)', [LOCK_KEY.toString()]).catch((err: unknown) => {
+        broken = err as Error;
       });
     }
   } finally {

@@ -140,7 +140,7 @@ function checkFilter(filter: EventFilter | undefined): { prefixes: string[]; typ
 
 /** Errors that mean "the database is not there" rather than "this request is wrong". */
 function isConnectionError(err: unknown): boolean {
-  const e = err as { code?: string; message?: string };
+  const e = err as { code?: string; message?: string } | null | undefined;
   if (
     typeof e?.code === 'string' &&
     (/^(08|57P)/.test(e.code) || ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH'].includes(e.code))
@@ -161,6 +161,7 @@ function unavailable(err: unknown, what: string): unknown {
 }
 
 const INT8_MAX = 9_223_372_036_854_775_807n;
+const DIRECTIONS = ['forwards', 'backwards'] as const;
 
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
@@ -202,6 +203,8 @@ class NotificationListener {
     this.connecting = true;
     const client = new pg.Client({ ...this.config, application_name: 'fleet-event-store-listener' });
     let failed = false;
+    // `failed` flips in the connection's event handlers while this awaits: read it through a call.
+    const hasFailed = (): boolean => failed;
     const onLoss = (err?: Error): void => {
       if (failed || this.retired.has(client)) return;
       failed = true;
@@ -221,7 +224,7 @@ class NotificationListener {
       await client.connect();
       await client.query(`LISTEN ${EVENTS_CHANNEL}`);
       this.connecting = false;
-      if (failed) return;
+      if (hasFailed()) return;
       if (this.wakers.size === 0) {
         failed = true;
         await client.end().catch(() => undefined);
@@ -335,8 +338,10 @@ export class PostgresEventStore implements EventStore {
     const metadata: Array<string | null> = [];
     valid.events.forEach((e, i) => {
       let meta: JsonValue | undefined;
-      if (e.metadata !== undefined && e.metadata !== null) {
-        if (typeof e.metadata !== 'object' || Array.isArray(e.metadata)) {
+      // Checked at run time: JavaScript callers pass anything.
+      const given: unknown = e.metadata;
+      if (given !== undefined && given !== null) {
+        if (typeof given !== 'object' || Array.isArray(given)) {
           throw new ValidationError(
             `events[${i}].metadata must be an object`,
             [{ path: `events[${i}].metadata`, message: 'must be an object' }],
@@ -376,6 +381,11 @@ export class PostgresEventStore implements EventStore {
   }
 
   /** Starts a flush unless one is in flight: a lone writer goes at once, the rest queue behind it. */
+  /** Read through a call: `kick()` may start a flush the compiler cannot see. */
+  private isFlushing(): boolean {
+    return this.flushing;
+  }
+
   private kick(): void {
     if (this.flushing || this.queue.length === 0) return;
     this.flushing = true;
@@ -387,7 +397,7 @@ export class PostgresEventStore implements EventStore {
       .finally(() => {
         this.flushing = false;
         this.kick();
-        if (!this.flushing) for (const done of this.drained.splice(0)) done();
+        if (!this.isFlushing()) for (const done of this.drained.splice(0)) done();
       });
   }
 
@@ -409,7 +419,8 @@ export class PostgresEventStore implements EventStore {
         batch.length >= this.maxFlushAppends ||
         (batch.length > 0 && (events + a.ids.length > this.maxFlushEvents || bytes + a.bytes > this.maxFlushBytes));
       let ids = idsByStream.get(a.streamId);
-      if (full || deferred.has(a.streamId) || (ids !== undefined && a.ids.some((id) => ids!.has(id)))) {
+      const earlier = ids;
+      if (full || deferred.has(a.streamId) || (earlier !== undefined && a.ids.some((id) => earlier.has(id)))) {
         deferred.add(a.streamId);
         rest.push(a);
         continue;
@@ -558,7 +569,9 @@ export class PostgresEventStore implements EventStore {
       // A lost wake-up costs one poll interval, so this commit need not wait for the WAL flush.
       this.pool
         .query(`SELECT set_config('synchronous_commit', 'off', true), pg_notify('${EVENTS_CHANNEL}', '')`)
-        .catch((err: Error) => this.logger?.debug({ err: { message: err.message } }, 'event notification failed; subscribers will poll'))
+        .catch((err: unknown) =>
+          this.logger?.debug({ err: { message: (err as Error).message } }, 'event notification failed; subscribers will poll'),
+        )
         .finally(() => {
           if (this.notifyPending && !this.closed) send();
           else this.notifyInFlight = false;
@@ -570,7 +583,8 @@ export class PostgresEventStore implements EventStore {
   async readStream(streamId: string, options: ReadStreamOptions = {}): Promise<RecordedEvent[]> {
     assertStreamName(streamId);
     const direction = options.direction ?? 'forwards';
-    if (direction !== 'forwards' && direction !== 'backwards') {
+    // Checked at run time: JavaScript callers pass anything.
+    if (!(DIRECTIONS as readonly string[]).includes(direction)) {
       throw new ValidationError(
         `direction must be 'forwards' or 'backwards'`,
         [{ path: 'direction', message: 'forwards | backwards' }],
@@ -674,6 +688,8 @@ export class PostgresEventStore implements EventStore {
       }
       const filtered = filter.prefixes.length > 0 || filter.types.length > 0;
       let stopped = false;
+      // `stopped` flips in `stop()` while the loop below awaits: read it through a call, not a narrowed local.
+      const isStopped = (): boolean => stopped;
       let dirty = false;
       let wakeUp: (() => void) | undefined;
       const wake = (): void => {
@@ -694,7 +710,10 @@ export class PostgresEventStore implements EventStore {
 
       const waitForWork = (ms: number): Promise<void> =>
         new Promise<void>((resolve) => {
-          if (dirty || stopped) return resolve();
+          if (dirty || stopped) {
+            resolve();
+            return;
+          }
           const timer = setTimeout(done, ms);
           function done(): void {
             clearTimeout(timer);
@@ -721,7 +740,7 @@ export class PostgresEventStore implements EventStore {
             failingSince = undefined;
             attempt = 0;
           } catch (err) {
-            if (stopped) return;
+            if (isStopped()) return;
             failingSince ??= Date.now();
             if (Date.now() - failingSince > this.giveUpMs || !isConnectionError(err)) {
               subscriber.error(
@@ -737,14 +756,14 @@ export class PostgresEventStore implements EventStore {
             await waitForWork(Math.min(5_000, 100 * 2 ** attempt++));
             continue;
           }
-          if (stopped) return;
+          if (isStopped()) return;
           // Catching up: ask for the next page before decoding this one, so Postgres and we work at once.
           if (page.scanned === this.batchSize && page.last !== undefined) {
             prefetched = this.page(parsePositionPair(page.last), filter.prefixes, filter.types);
             prefetched.catch(() => undefined); // observed when awaited; this only stops an unhandled-rejection crash
           }
           for (const row of page.rows) {
-            if (stopped) return;
+            if (isStopped()) return;
             subscriber.next({ kind: 'event', event: toEvent(row) });
           }
           if (page.last !== undefined) {

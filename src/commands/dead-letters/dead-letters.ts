@@ -7,7 +7,7 @@ import type { HostAgent } from '../../domain/host-agent.port.js';
 import { isValidId } from '../../domain/ids.js';
 import { isTerminal, type VmState } from '../../domain/vm/vm.decider.js';
 import { bindAggregate, type BoundOf, type CommandHandler, type CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import { errInfo, type ReconcileSummary } from '../reconcile/reconcile-types.js';
 import { SANDBOX_PREFIX } from '../vm/boot-sandbox.js';
 import type { Actor } from '../vm/vm-commands.js';

@@ -9,7 +9,7 @@ import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
@@ -134,6 +134,8 @@ export class ForkMigrate {
     let targetId: string | undefined;
     let reserved = false;
     let booted = false;
+    // `booted` flips in the onCreated callback: read it through a call, not a narrowed local.
+    const isBooted = (): boolean => booted;
     try {
       const snap = await this.snapshots.create(
         vmId,
@@ -189,6 +191,8 @@ export class ForkMigrate {
       await this.stepDone(vmId, 'boot', { host_id: targetId }, actor);
 
       step = 'switch';
+      // With an ingress the VM keeps its URLs; the routes are pointed at the target right after the switch.
+      const shown = this.vms.ingress ? await this.vms.ingress.present(vmId, endpoints) : undefined;
       const switched = await this.vmHandler.handle(
         vmId,
         {
@@ -200,8 +204,8 @@ export class ForkMigrate {
             decision: placed.choice.decision,
             reservation: placed.reservation,
             snapshot_id: snapshotId,
-            url: info.ip ? `http://${info.ip}` : '',
-            endpoints,
+            url: shown?.url ?? (info.ip ? `http://${info.ip}` : ''),
+            endpoints: shown?.endpoints ?? endpoints,
           },
         } satisfies VmCommand,
         actor,
@@ -211,6 +215,14 @@ export class ForkMigrate {
       let final = switched.state;
       booted = false;
       reserved = false;
+      await this.vms.ingress
+        ?.adopt(vmId, targetId, endpoints, actor)
+        .catch((err: unknown) =>
+          this.logger.error(
+            { vm_id: vmId, err: { message: (err as Error).message } },
+            'migrated, but its ingress routes still name the source',
+          ),
+        );
 
       // From here the VM runs on the target: a failure only leaves garbage on the source, which the reconciler collects.
       step = 'destroy_source';
@@ -239,7 +251,7 @@ export class ForkMigrate {
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
       // Undo on the target only: the source was never touched and still runs.
-      if (booted && targetId) {
+      if (isBooted() && targetId) {
         await this.hosts
           .agentFor(targetId)
           .then((a) => a.destroyVm(sandboxName(vmId), { force: true }))

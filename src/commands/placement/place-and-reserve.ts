@@ -5,7 +5,7 @@ import type { Placement, PlacementOptions, PlacementPolicy, PlacementRequest } f
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { VmReservation } from '../../domain/vm/vm.events.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import type { PlacementView } from '../placement-view.js';
+import type { PlacementView } from './placement-view.js';
 import { KeyedQueue } from '../keyed-queue.js';
 
 /** What a VM takes on its host. */

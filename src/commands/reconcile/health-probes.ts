@@ -33,7 +33,8 @@ export class HealthProbes {
    * when it changes. A failing probe reports; it never destroys.
    */
   async probe(agent: HostAgent, hint: LiveVmHint, s: ReconcileSummary, actor: Actor): Promise<void> {
-    const hc = hint.healthcheck!;
+    const hc = hint.healthcheck;
+    if (!hc) return;
     const now = this.clock().getTime();
     let p = this.probes.get(hint.id);
     if (!p) {
@@ -44,9 +45,14 @@ export class HealthProbes {
     if (now - p.lastAt < (hc.interval_seconds ?? HEALTH_DEFAULTS.interval_seconds) * 1000) return;
     p.lastAt = now;
     const timeoutS = hc.timeout_seconds ?? HEALTH_DEFAULTS.timeout_seconds;
-    const argv = hc.exec
-      ? [...hc.exec]
-      : ['wget', '-q', '-O', '/dev/null', '-T', String(timeoutS), `http://127.0.0.1:${hc.http!.port}${hc.http!.path ?? '/'}`];
+    const { exec, http } = hc;
+    const argv = exec
+      ? [...exec]
+      : http
+        ? ['wget', '-q', '-O', '/dev/null', '-T', String(timeoutS), `http://127.0.0.1:${http.port}${http.path ?? '/'}`]
+        : undefined;
+    // The spec sets exactly one of exec and http.
+    if (!argv) return;
     let passed: boolean;
     let message = '';
     try {

@@ -35,8 +35,8 @@ export interface LiveVmHint {
   readonly last_activity_at: Date;
   readonly max_runtime_s: number | null;
   readonly idle_timeout_s: number | null;
-  /** Its deadline (VmTimeoutSet), when it has one. */
-  readonly expires_at?: Date | null | undefined;
+  /** Its deadline (boot + max_runtime_s, or a PATCHed timeout); null or absent: none recorded. */
+  readonly timeout_at?: Date | null | undefined;
   /** The spec's healthcheck, when it declared one. */
   readonly healthcheck?: VmHealthcheck | null | undefined;
 }
@@ -73,9 +73,9 @@ export interface ReconcileSummary {
   stuck_tasks_failed: number;
   idle_vms_suspected: number;
   idle_vms_failed: number;
-  /** Running VMs past their deadline (E2B's sandbox timeout): destroyed with reason `timeout`. */
-  timed_out_vms_destroyed: number;
   vms_missing_provider: number;
+  /** Running VMs whose init ended on its own: failed `exited` (or `oom`), sandbox destroyed. */
+  vms_exited: number;
   /** Non-terminal VMs whose host was deregistered: failed `host_lost`. */
   vms_host_lost: number;
   /** VMs whose healthcheck gave a verdict this cycle, and how many of those failed. Neither causes a teardown. */
@@ -110,8 +110,8 @@ export function emptySummary(cycle: number, startedAt: Date): ReconcileSummary {
     stuck_tasks_failed: 0,
     idle_vms_suspected: 0,
     idle_vms_failed: 0,
-    timed_out_vms_destroyed: 0,
     vms_missing_provider: 0,
+    vms_exited: 0,
     vms_host_lost: 0,
     health_checked: 0,
     health_failing: 0,

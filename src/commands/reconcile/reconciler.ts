@@ -41,7 +41,7 @@ import { type HostCommand } from '../../domain/host/host.decider.js';
 import { isValidId } from '../../domain/ids.js';
 import { isTerminal, vmDecider, type ExistingVmState, type VmCommand, type VmState } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 
 const SYSTEM: Actor = { correlationId: 'reconciler', actor: 'reconciler', tenantId: 'system', admin: true };
@@ -188,7 +188,7 @@ export class Reconciler {
             type: 'FailVm',
             data: {
               vm_id: hint.id,
-              reason: 'placement',
+              reason: 'orphaned',
               error: 'the control plane stopped before this VM was placed; the reconciler rolled the request back',
               error_code: 'INTERRUPTED',
             },
@@ -248,9 +248,14 @@ export class Reconciler {
 
     const listStarted = this.clock().getTime();
     let listed: Set<string>;
+    /** Listed sandboxes whose init is no longer running. */
+    let stopped: Set<string>;
     try {
-      const vms = await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs });
-      listed = new Set(vms.map((v) => v.name).filter((n) => n.startsWith(SANDBOX_PREFIX)));
+      const vms = (await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs })).filter((v) =>
+        v.name.startsWith(SANDBOX_PREFIX),
+      );
+      listed = new Set(vms.map((v) => v.name));
+      stopped = new Set(vms.filter((v) => v.state === 'stopped').map((v) => v.name));
     } catch (err) {
       if (classifyHostAgentError(err) !== 'host') {
         // It answered, with a refusal (a token that no longer matches, an agent without the route): reachable, but nothing to compare.
@@ -300,7 +305,7 @@ export class Reconciler {
 
     for (const hint of hints) {
       try {
-        await this.reconcileVm(hostId, agent, hint, listed, listStarted, now, gone, s, actor);
+        await this.reconcileVm(hostId, agent, hint, listed, stopped, listStarted, now, gone, s, actor);
       } catch (err) {
         s.errors++;
         this.logger.warn({ vm_id: hint.id, host_id: hostId, err: errInfo(err) }, 'reconcile of vm failed');
@@ -345,6 +350,7 @@ export class Reconciler {
     agent: HostAgent,
     hint: LiveVmHint,
     listed: ReadonlySet<string>,
+    stopped: ReadonlySet<string>,
     listStarted: number,
     now: number,
     gone: Set<string>,
@@ -354,7 +360,7 @@ export class Reconciler {
     const name = sandboxName(hint.id);
     const listedHere = listed.has(name);
     if (hint.state === 'running' && listedHere) this.absent.delete(hint.id);
-    const suspicion = suspect(vmHintOf(hint), listedHere, now, this.config);
+    const suspicion = suspect(vmHintOf(hint), listedHere, now, this.config, stopped.has(name));
     if (suspicion === undefined) return;
     if (suspicion === 'stuck') s.stuck_tasks_suspected++;
     if (suspicion === 'idle') s.idle_vms_suspected++;
@@ -363,7 +369,15 @@ export class Reconciler {
       suspicion,
       vmHintOf(hint),
       vm,
-      { hostId, listed: listedHere, listStarted, now, absentBefore: this.absent.get(hint.id) ?? 0 },
+      {
+        hostId,
+        listed: listedHere,
+        listStarted,
+        now,
+        absentBefore: this.absent.get(hint.id) ?? 0,
+        // The agent protocol reports no exit code yet: the VM ends `exited` without one until the host says more.
+        stopped: stopped.has(name) ? {} : undefined,
+      },
       this.config,
     );
     switch (verdict.kind) {
@@ -384,7 +398,7 @@ export class Reconciler {
             type: 'FailVm',
             data: {
               vm_id: hint.id,
-              reason: 'missing',
+              reason: 'host_lost',
               error: `host ${hostId} no longer lists sandbox ${name}`,
               error_code: 'SANDBOX_MISSING',
             },
@@ -398,23 +412,25 @@ export class Reconciler {
       case 'fail_stuck':
         await this.runVm(
           hint.id,
-          { type: 'FailVm', data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: 'VM_STUCK' } },
+          { type: 'FailVm', data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: verdict.code } },
           actor,
         );
         s.stuck_tasks_failed++;
         this.logger.warn({ vm_id: hint.id, host_id: hostId, reason: verdict.reason }, 'stuck vm failed; destroying its sandbox');
         if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
         return;
-      case 'destroy_expired':
-        this.logger.info({ vm_id: hint.id, host_id: hostId, expired_at: verdict.expiredAt }, 'vm past its timeout: destroying');
-        try {
-          await this.vms.destroy(hint.id, actor, 'timeout');
-          s.timed_out_vms_destroyed++;
-          gone.add(name);
-        } catch (err) {
-          s.errors++;
-          this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'timeout destroy did not finish');
-        }
+      case 'fail_exited':
+        await this.runVm(
+          hint.id,
+          {
+            type: 'FailVm',
+            data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: verdict.code, exit_code: verdict.exit_code },
+          },
+          actor,
+        );
+        s.vms_exited++;
+        this.logger.info({ vm_id: hint.id, host_id: hostId, reason: verdict.reason }, 'vm init ended; destroying its sandbox');
+        if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
         return;
       case 'destroy_idle':
         this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: verdict.idleMs }, 'idle vm: destroying');
@@ -439,7 +455,7 @@ export class Reconciler {
       case 'roll_back_boot':
         await this.runVm(
           hint.id,
-          { type: 'FailVm', data: { vm_id: hint.id, reason: 'boot_failure', error: verdict.error, error_code: 'INTERRUPTED' } },
+          { type: 'FailVm', data: { vm_id: hint.id, reason: 'orphaned', error: verdict.error, error_code: 'INTERRUPTED' } },
           actor,
         );
         s.half_done_rolled_back++;
@@ -532,8 +548,8 @@ function vmHintOf(h: LiveVmHint): VmHint {
     state: h.state,
     stateChangedAt: h.state_changed_at.getTime(),
     lastActivityAt: h.last_activity_at.getTime(),
-    expiresAt: h.expires_at ? h.expires_at.getTime() : null,
     maxRuntimeS: h.max_runtime_s,
     idleTimeoutS: h.idle_timeout_s,
+    timeoutAt: h.timeout_at?.getTime() ?? null,
   };
 }

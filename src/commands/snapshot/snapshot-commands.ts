@@ -20,7 +20,7 @@ import {
 } from '../../domain/tenant/tenant.decider.js';
 import { validationErrorFromZod } from '../../domain/vm/spec.js';
 import { CommandHandler, type CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import { sandboxName, type Actor, type SeedArtifacts, type VmCommands } from '../vm/vm-commands.js';
 import { KeyedQueue } from '../keyed-queue.js';
 
@@ -481,9 +481,7 @@ export class SnapshotCommands implements SeedArtifacts {
     );
   }
 
-  async quotaUsage(
-    tenantId: string,
-  ): Promise<{
+  async quotaUsage(tenantId: string): Promise<{
     count: number;
     bytes: number;
     max_count: number;

@@ -18,12 +18,13 @@ import {
   type VmSpec,
 } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
-import { type VmEndReason } from '../../domain/vm/vm.events.js';
+import type { DestroyReason, FailReason } from '../../domain/vm/vm.lifecycle.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
-import type { HostCommands } from '../host-commands.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
+import type { IngressPublisher } from '../ingress/ingress-commands.js';
 
 export { SANDBOX_PREFIX, sandboxName } from './boot-sandbox.js';
 export const vmTokenContext = (vmId: string): string => `vm:${vmId}`;
@@ -80,6 +81,8 @@ export interface Actor extends CommandMeta {
 export class VmCommands {
   private readonly lastActivity = new Map<string, number>();
   private seeds: SeedArtifacts | undefined;
+  /** Set when an ingress domain is configured: endpoints are then published at stable URLs. */
+  ingress: IngressPublisher | undefined;
 
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
 
@@ -194,12 +197,13 @@ export class VmCommands {
         actor,
       );
     } catch (err) {
-      const reason: VmEndReason = err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED' ? 'capacity' : 'placement';
-      await this.fail(vmId, reason, err, actor);
+      await this.fail(vmId, 'error', err, actor, 'PLACEMENT_FAILED');
       throw err;
     }
     const agentFor = async (): Promise<HostAgent> => this.hosts.agentFor(hostId);
     let created = false;
+    // `created` flips in the onCreated callback: read it through a call, not a narrowed local.
+    const wasCreated = (): boolean => created;
     try {
       await this.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
@@ -221,7 +225,10 @@ export class VmCommands {
         },
         { onCreated: () => (created = true), setup: (name) => this.setUpGuest(agent, name, spec, token) },
       );
-      const url = info.ip ? `http://${info.ip}` : '';
+      const shown = this.ingress
+        ? await this.ingress.publish({ vm_id: vmId, tenant_id: vm.tenant_id, spec }, hostId, endpoints, actor)
+        : undefined;
+      const url = shown?.url ?? (info.ip ? `http://${info.ip}` : '');
       return await this.run(
         vmId,
         {
@@ -229,7 +236,7 @@ export class VmCommands {
           data: {
             vm_id: vmId,
             url,
-            endpoints,
+            endpoints: shown?.endpoints ?? endpoints,
             boot_ms: Date.now() - started,
             auth_token_encrypted: this.secrets.seal(token, vmTokenContext(vmId)),
           },
@@ -240,14 +247,13 @@ export class VmCommands {
       // A failing startup script may print what it was given: its output ends up in the error, the event and the log.
       if (err instanceof Error && spec.secrets) err.message = scrub(err.message, Object.values(spec.secrets));
       const cls = classifyHostAgentError(err);
-      const reason: VmEndReason = cls === 'capacity' ? 'capacity' : cls === 'host' ? 'host_lost' : 'boot_failure';
       this.logger.warn(
         { vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } },
         'boot failed',
       );
-      await this.fail(vmId, reason === 'host_lost' ? 'boot_failure' : reason, err, actor);
+      await this.fail(vmId, 'error', err, actor, 'BOOT_FAILED');
       // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
-      if (created || cls !== 'capacity') {
+      if (wasCreated() || cls !== 'capacity') {
         await agentFor()
           .then((a) => a.destroyVm(sandboxName(vmId), { force: true, timeoutMs: 10_000 }))
           .catch((e: unknown) =>
@@ -289,7 +295,8 @@ export class VmCommands {
     }
   }
 
-  async destroy(vmId: string, actor: Actor, reason: VmEndReason = 'client'): Promise<VmResult> {
+  /** The reason is the caller's: `admin` for the admin key, `client` for a tenant, unless a process names its own (idle, evicted). */
+  async destroy(vmId: string, actor: Actor, reason: DestroyReason = actor.admin ? 'admin' : 'client'): Promise<VmResult> {
     const current = await this.get(vmId, actor);
     if (current.status === 'destroyed' || current.status === 'failed') return { vm: current, position: undefined };
     const requested = await this.run(vmId, { type: 'RequestDestroy', data: { vm_id: vmId, reason } }, actor);
@@ -301,7 +308,14 @@ export class VmCommands {
       await this.releaseCapacity(hostId, vmId, actor);
     }
     this.lastActivity.delete(vmId);
-    return this.run(vmId, { type: 'ConfirmDestroyed', data: { vm_id: vmId } }, actor);
+    const done = await this.run(vmId, { type: 'ConfirmDestroyed', data: { vm_id: vmId } }, actor);
+    // The route table already drops an ending VM; this records it for the readers of the stream.
+    await this.ingress
+      ?.unpublish(vmId, actor)
+      .catch((err: unknown) =>
+        this.logger.warn({ vm_id: vmId, err: { message: (err as Error).message } }, 'ingress unpublish not recorded'),
+      );
+    return done;
   }
 
   /** The VM as its stream says, for this caller: another tenant's VM does not exist (404, not 403). */
@@ -354,20 +368,16 @@ export class VmCommands {
     actor: Actor,
   ): Promise<{ path: string; size_bytes: number }> {
     assertCallerPath(path);
-    const { agent } = await this.running(vmId, actor);
+    const { vm, agent } = await this.running(vmId, actor);
+    this.touch(vm, actor);
     return agent.upload(sandboxName(vmId), path, data);
   }
 
   async download(vmId: string, path: string, actor: Actor, maxBytes?: number): Promise<FileDownload> {
     assertNormalisedPath(path);
-    const { agent } = await this.running(vmId, actor);
+    const { vm, agent } = await this.running(vmId, actor);
+    this.touch(vm, actor);
     return agent.openDownload(sandboxName(vmId), path, { maxBytes });
-  }
-
-  /** E2B's sandbox timeout: once `expiresAt` passes the reconciler destroys the VM (reason `timeout`); a later call replaces it. */
-  async setTimeout(vmId: string, expiresAt: Date, actor: Actor): Promise<VmResult> {
-    await this.get(vmId, actor);
-    return this.run(vmId, { type: 'SetTimeout', data: { vm_id: vmId, expires_at: expiresAt.toISOString() } }, actor);
   }
 
   /**
@@ -391,6 +401,33 @@ export class VmCommands {
     return { vm, agent: await this.hosts.agentFor(vm.host_id) };
   }
 
+  /**
+   * Activity for idle expiry from outside a request of this class: an open
+   * exec or attach session while it lasts, an ingress request or connection.
+   * Coalesced like the rest; a VM that is not running is left alone.
+   */
+  async recordActivity(vmId: string, actor: Actor): Promise<void> {
+    const vm = await this.get(vmId, actor);
+    if (vm.status === 'running') this.touch(vm, actor);
+  }
+
+  /**
+   * An open exec or attach session is activity for as long as it lasts, not
+   * only when it starts: recorded every ACTIVITY_COALESCE_MS until the
+   * returned function is called.
+   */
+  keepActive(vmId: string, actor: Actor): () => void {
+    const timer = setInterval(
+      () =>
+        void this.recordActivity(vmId, actor).catch((err: unknown) =>
+          this.logger.debug({ vm_id: vmId, err: { message: (err as Error).message } }, 'session activity not recorded'),
+        ),
+      Math.max(this.config.activityCoalesceMs ?? 60_000, 100),
+    );
+    timer.unref();
+    return () => clearInterval(timer);
+  }
+
   /** Idle expiry reads control-plane activity; coalesced so a busy VM does not write an event per exec. */
   private touch(vm: ExistingVmState, actor: Actor): void {
     const now = Date.now();
@@ -402,11 +439,15 @@ export class VmCommands {
     );
   }
 
-  private async fail(vmId: string, reason: VmEndReason, err: unknown, actor: Actor): Promise<void> {
+  /** `fallbackCode` when the error carries none of its own: an `error` end always says what went wrong. */
+  private async fail(vmId: string, reason: FailReason, err: unknown, actor: Actor, fallbackCode: string): Promise<void> {
     const e = err instanceof AppError ? err : undefined;
     await this.run(
       vmId,
-      { type: 'FailVm', data: { vm_id: vmId, reason, error: (err as Error).message ?? String(err), error_code: e?.code } },
+      {
+        type: 'FailVm',
+        data: { vm_id: vmId, reason, error: (err as { message?: string }).message ?? String(err), error_code: e?.code ?? fallbackCode },
+      },
       actor,
     ).catch((failErr: unknown) => this.logger.error({ vm_id: vmId, err: failErr }, 'could not record a VM failure; the reconciler will'));
   }

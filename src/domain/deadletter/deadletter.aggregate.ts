@@ -6,7 +6,9 @@ import { deadLetterDecider, type DeadLetterCommand, type DeadLetterState } from 
 import { DEADLETTER_STREAM_PREFIX, isDeadLetterEventType, parseDeadLetterEvent, type DeadLetterEvent } from './deadletter.events.js';
 
 export function deadLetterStream(id: string): string {
-  if (!isValidId(id)) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${id} does not exist`);
+  // Named apart from `id`: the type guard narrows a string that fails the pattern to never.
+  const shown: string = id;
+  if (!isValidId(id)) throw new NotFoundError('DEAD_LETTER_NOT_FOUND', `dead letter ${shown} does not exist`);
   return DEADLETTER_STREAM_PREFIX + id;
 }
 

@@ -1,7 +1,7 @@
 import { z } from 'zod';
 import { hostCapacitySchema, type HostCapacity } from '@fleet/agent-protocol';
 import { assertNever, compact, type DecideContext, type Decider } from '../decider.js';
-import { ValidationError } from '@fleet/agent-protocol';
+import { ValidationError, dottedPath, validationErrorFrom } from '@fleet/agent-protocol';
 import { idSchema } from '../ids.js';
 import {
   emptyAllocation,
@@ -38,7 +38,7 @@ import {
 
 export const registerHostDataSchema = z.object({
   host_id: idSchema,
-  url: z.string().url(),
+  url: z.url(),
   region: z.string().max(64).default(''),
   backend: hostBackendSchema,
   labels: labelsSchema.default({}),
@@ -155,8 +155,7 @@ export function addReservation(alloc: HostAllocation, r: HeldResources): void {
 function parseOrThrow<T>(schema: z.ZodType<T>, data: unknown, what: string): T {
   const r = schema.safeParse(data);
   if (r.success) return r.data;
-  const fields = r.error.issues.map((i) => ({ path: i.path.map(String).join('.') || '(root)', message: i.message }));
-  throw new ValidationError(`invalid ${what}: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`, fields);
+  throw validationErrorFrom(r.error, what, { formatPath: (p) => dottedPath(p) || '(root)' });
 }
 
 function registered(state: HostState, hostId: string): RegisteredHost & { readonly status: HostStatus } {
@@ -287,7 +286,7 @@ function decideReserve(raw: ReserveCapacityData, state: HostState, at: string): 
   let gpuUuids: string[] = [];
   let migUuids: string[] = [];
   if (req.gpus > 0 && req.gpu_profile) {
-    migUuids = bindMig(h, alloc, req);
+    migUuids = bindMig(h, alloc, req, req.gpu_profile);
   } else if (req.gpus > 0) {
     gpuUuids = bindGpus(h, alloc, req);
   }
@@ -337,8 +336,7 @@ function bindGpus(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve):
   return [...given];
 }
 
-function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve): string[] {
-  const profile = req.gpu_profile!;
+function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve, profile: string): string[] {
   const given = req.mig_instance_uuids ?? [];
   if (!hasMigInventory(h.capacity)) {
     if (given.length > 0)
@@ -347,7 +345,7 @@ function bindMig(h: RegisteredHost, alloc: HostAllocation, req: ParsedReserve): 
   }
   if (given.length === 0) return pickMigInstances(h.capacity, alloc, profile, req.gpu_kind, req.gpus) ?? [];
   const ok = new Set(
-    (h.capacity.mig_instances ?? [])
+    h.capacity.mig_instances
       .filter(
         (m) =>
           m.profile === profile && kindMatches(m.kind ?? h.capacity.gpu_kind, req.gpu_kind) && !alloc.mig_instance_uuids.includes(m.uuid),

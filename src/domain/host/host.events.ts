@@ -60,7 +60,7 @@ export const hostRegisteredSchema = z.object({
   type: z.literal('HostRegistered'),
   data: z.object({
     host_id: idSchema,
-    url: z.string().url(),
+    url: z.url(),
     region: z.string(),
     backend: hostBackendSchema,
     labels: labelsSchema,

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import type { GpuDevice, HostCapacity } from '@fleet/agent-protocol';
+import type { GpuDevice, HostCapacity, MigInstance } from '@fleet/agent-protocol';
 
 /**
  * What is taken on a host, derived from its per-VM reservations (never stored
@@ -48,11 +48,11 @@ function isMigMode(d: GpuDevice): boolean {
   return !!d.mig_mode && d.mig_mode.toLowerCase() === 'enabled';
 }
 
-export function hasGpuInventory(cap: HostCapacity): boolean {
+export function hasGpuInventory(cap: HostCapacity): cap is HostCapacity & { gpu_devices: GpuDevice[] } {
   return !!cap.gpu_devices && cap.gpu_devices.length > 0;
 }
 
-export function hasMigInventory(cap: HostCapacity): boolean {
+export function hasMigInventory(cap: HostCapacity): cap is HostCapacity & { mig_instances: MigInstance[] } {
   return !!cap.mig_instances && cap.mig_instances.length > 0;
 }
 
@@ -66,7 +66,7 @@ export function freeGpuCount(cap: HostCapacity, alloc: HostAllocation, kind: str
   if (!kindMatches(cap.gpu_kind, kind)) return 0;
   if (hasGpuInventory(cap)) {
     let free = 0;
-    for (const d of cap.gpu_devices!) if (!isMigMode(d) && !alloc.gpu_device_uuids.includes(d.uuid)) free++;
+    for (const d of cap.gpu_devices) if (!isMigMode(d) && !alloc.gpu_device_uuids.includes(d.uuid)) free++;
     return free;
   }
   return Math.max(0, (cap.gpus ?? 0) - alloc.gpus);
@@ -76,7 +76,7 @@ export function freeGpuCount(cap: HostCapacity, alloc: HostAllocation, kind: str
 export function pickGpuDevices(cap: HostCapacity, alloc: HostAllocation, kind: string | undefined, count: number): string[] | undefined {
   if (!hasGpuInventory(cap) || !kindMatches(cap.gpu_kind, kind)) return undefined;
   const out: string[] = [];
-  for (const d of cap.gpu_devices!) {
+  for (const d of cap.gpu_devices) {
     if (out.length === count) break;
     if (!isMigMode(d) && !alloc.gpu_device_uuids.includes(d.uuid)) out.push(d.uuid);
   }
@@ -87,7 +87,7 @@ export function pickGpuDevices(cap: HostCapacity, alloc: HostAllocation, kind: s
 export function freeMigCount(cap: HostCapacity, alloc: HostAllocation, profile: string, kind: string | undefined): number {
   if (hasMigInventory(cap)) {
     let free = 0;
-    for (const m of cap.mig_instances!) {
+    for (const m of cap.mig_instances) {
       if (m.profile === profile && kindMatches(m.kind ?? cap.gpu_kind, kind) && !alloc.mig_instance_uuids.includes(m.uuid)) free++;
     }
     return free;
@@ -105,7 +105,7 @@ export function pickMigInstances(
 ): string[] | undefined {
   if (!hasMigInventory(cap)) return undefined;
   const out: string[] = [];
-  for (const m of cap.mig_instances!) {
+  for (const m of cap.mig_instances) {
     if (out.length === count) break;
     if (m.profile === profile && kindMatches(m.kind ?? cap.gpu_kind, kind) && !alloc.mig_instance_uuids.includes(m.uuid)) out.push(m.uuid);
   }

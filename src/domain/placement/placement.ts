@@ -213,8 +213,7 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
       continue;
     }
     let labelsOk = true;
-    for (let i = 0; i < labelKeys.length; i++) {
-      const k = labelKeys[i]!;
+    for (const k of labelKeys) {
       if (h.labels[k] !== labels[k]) {
         labelsOk = false;
         break;

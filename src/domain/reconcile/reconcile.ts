@@ -1,5 +1,5 @@
 import { isTerminal, type VmState } from '../vm/vm.decider.js';
-import type { VmEndReason } from '../vm/vm.events.js';
+import { endOfStoppedSandbox } from '../vm/vm.lifecycle.js';
 
 /**
  * What the reconciler decides about a VM on a host, as pure functions (after
@@ -27,8 +27,8 @@ export interface VmHint {
   readonly lastActivityAt: number;
   readonly maxRuntimeS: number | null;
   readonly idleTimeoutS: number | null;
-  /** The VM's deadline (VmTimeoutSet), when it has one. */
-  readonly expiresAt?: number | null | undefined;
+  /** The VM's deadline (boot + max_runtime_s, or a PATCHed timeout), when the read model has one. */
+  readonly timeoutAt?: number | null | undefined;
 }
 
 /** A migration of the VM that has not switched yet (its steps are on the VM stream). */
@@ -37,16 +37,19 @@ export interface MigrationInFlight {
   readonly lastStepAt: number;
 }
 
-export type Suspicion = 'missing' | 'expired' | 'stuck' | 'idle' | 'half_done';
+export type Suspicion = 'missing' | 'exited' | 'stuck' | 'idle' | 'half_done';
 
-/** From the hint alone: whether the VM's stream is worth reading. `listed`: its host lists its sandbox. */
-export function suspect(hint: VmHint, listed: boolean, now: number, p: ReconcilePolicy): Suspicion | undefined {
+/**
+ * From the hint alone: whether the VM's stream is worth reading. `listed`:
+ * its host lists its sandbox; `stopped`: listed, but its init is no longer running.
+ */
+export function suspect(hint: VmHint, listed: boolean, now: number, p: ReconcilePolicy, stopped = false): Suspicion | undefined {
   const age = now - hint.stateChangedAt;
   if (hint.state === 'running') {
     if (!listed) return 'missing';
-    if (hint.expiresAt != null && now >= hint.expiresAt) return 'expired';
-    const maxRuntimeMs = maxRuntimeOf(hint, p);
-    if (maxRuntimeMs > 0 && age > maxRuntimeMs) return 'stuck';
+    if (stopped) return 'exited';
+    const deadline = deadlineOf(hint.timeoutAt ?? undefined, hint.stateChangedAt, hint, p);
+    if (deadline !== undefined && now > deadline) return 'stuck';
     const idleMs = idleOf(hint, p);
     if (idleMs > 0 && now - hint.lastActivityAt > idleMs + p.activityCoalesceMs) return 'idle';
     return undefined;
@@ -60,10 +63,17 @@ export type VmVerdict =
   /** Not listed once: failed as missing only if still absent next cycle (an agent recovering after a restart costs a cycle, not a VM). */
   | { readonly kind: 'absent_once' }
   | { readonly kind: 'fail_missing' }
-  | { readonly kind: 'fail_stuck'; readonly reason: Extract<VmEndReason, 'max_runtime' | 'stuck'>; readonly error: string }
+  /** Past its deadline: ended with reason `timeout`; the code says whose limit (MAX_RUNTIME_EXCEEDED: the VM's own, VM_STUCK: the fleet's ceiling). */
+  | { readonly kind: 'fail_stuck'; readonly reason: 'timeout'; readonly code: 'MAX_RUNTIME_EXCEEDED' | 'VM_STUCK'; readonly error: string }
   | { readonly kind: 'destroy_idle'; readonly idleMs: number }
-  /** Its deadline passed: destroyed with reason `timeout`. */
-  | { readonly kind: 'destroy_expired'; readonly expiredAt: string }
+  /** Its init ended on its own: failed `exited` (or `oom`), its sandbox destroyed. */
+  | {
+      readonly kind: 'fail_exited';
+      readonly reason: 'exited' | 'oom';
+      readonly exit_code: number | undefined;
+      readonly code: string;
+      readonly error: string;
+    }
   | { readonly kind: 'complete_destroy' }
   | { readonly kind: 'roll_back_boot'; readonly phase: 'placed' | 'booting'; readonly error: string };
 
@@ -76,6 +86,8 @@ export interface HostContext {
   readonly now: number;
   /** Cycles in a row this running VM was already not listed. */
   readonly absentBefore: number;
+  /** What the host says of a listed sandbox whose init is no longer running (exit code and OOM kill when it knows them). */
+  readonly stopped?: { readonly exit_code?: number | undefined; readonly oom_killed?: boolean | undefined } | undefined;
 }
 
 /** The suspicion checked against the VM's stream state. */
@@ -87,19 +99,37 @@ export function decideVm(suspicion: Suspicion, hint: VmHint, vm: VmState, ctx: H
       if (vm.status !== 'running' || vm.host_id !== ctx.hostId || Date.parse(vm.transitioned_at) >= ctx.listStarted)
         return { kind: 'none' };
       return ctx.absentBefore + 1 < 2 ? { kind: 'absent_once' } : { kind: 'fail_missing' };
-    case 'stuck': {
-      const maxRuntimeMs = maxRuntimeOf(hint, p);
-      if (vm.status !== 'running' || now - Date.parse(vm.transitioned_at) <= maxRuntimeMs) return { kind: 'none' };
-      const age = now - hint.stateChangedAt;
+    case 'exited': {
+      // Running before the listing started: a sandbox that has not finished booting is not taken for ended.
+      if (!ctx.stopped || vm.status !== 'running' || vm.host_id !== ctx.hostId || Date.parse(vm.transitioned_at) >= ctx.listStarted)
+        return { kind: 'none' };
+      const end = endOfStoppedSandbox(ctx.stopped);
+      const how = end.reason === 'oom' ? 'was killed for memory' : 'ended on its own';
       return {
-        kind: 'fail_stuck',
-        reason: hint.maxRuntimeS ? 'max_runtime' : 'stuck',
-        error: `no state change for ${Math.round(age / 1000)} s (limit ${Math.round(maxRuntimeMs / 1000)} s)`,
+        kind: 'fail_exited',
+        reason: end.reason,
+        exit_code: end.exit_code,
+        code: end.error_code,
+        error: `the sandbox's init ${how}${end.exit_code !== undefined ? ` (exit code ${end.exit_code})` : ''}`,
       };
     }
-    case 'expired': {
-      if (vm.status !== 'running' || vm.expires_at === undefined || now < Date.parse(vm.expires_at)) return { kind: 'none' };
-      return { kind: 'destroy_expired', expiredAt: vm.expires_at };
+    case 'stuck': {
+      if (vm.status !== 'running') return { kind: 'none' };
+      // The stream's deadline decides, not the hint's: a PATCH that extended it since the hint was read keeps the VM.
+      const own = vm.timeout_at !== undefined ? Date.parse(vm.timeout_at) : undefined;
+      const deadline = deadlineOf(own, Date.parse(vm.transitioned_at), { maxRuntimeS: vm.spec.max_runtime_s ?? null }, p);
+      if (deadline === undefined || now <= deadline) return { kind: 'none' };
+      const ownLimit = own !== undefined || !!vm.spec.max_runtime_s;
+      const age = now - Date.parse(vm.transitioned_at);
+      return {
+        kind: 'fail_stuck',
+        reason: 'timeout',
+        code: ownLimit ? 'MAX_RUNTIME_EXCEEDED' : 'VM_STUCK',
+        error:
+          own !== undefined
+            ? `its timeout passed at ${vm.timeout_at} (running for ${Math.round(age / 1000)} s)`
+            : `no state change for ${Math.round(age / 1000)} s (limit ${Math.round((deadline - Date.parse(vm.transitioned_at)) / 1000)} s)`,
+      };
     }
     case 'idle': {
       const idleMs = idleOf(hint, p);
@@ -174,8 +204,21 @@ export function isStaleReservation(
   return elsewhere && !isMigratingTo(vm, migration, hostId, now, p);
 }
 
-function maxRuntimeOf(hint: VmHint, p: ReconcilePolicy): number {
-  return hint.maxRuntimeS ? hint.maxRuntimeS * 1000 : p.taskStuckTimeoutMs;
+/**
+ * When a running VM times out: its own deadline (boot + max_runtime_s, or a
+ * PATCHed timeout) when it has one, else the spec's max runtime from its last
+ * state change (read models from before deadlines were kept), else the
+ * fleet's ceiling; undefined when none applies.
+ */
+function deadlineOf(
+  own: number | undefined,
+  since: number,
+  limits: { readonly maxRuntimeS: number | null },
+  p: ReconcilePolicy,
+): number | undefined {
+  if (own !== undefined) return own;
+  const ms = limits.maxRuntimeS ? limits.maxRuntimeS * 1000 : p.taskStuckTimeoutMs;
+  return ms > 0 ? since + ms : undefined;
 }
 
 function idleOf(hint: VmHint, p: ReconcilePolicy): number {

@@ -1,8 +1,9 @@
 import { z } from 'zod';
 import { archSchema } from '@fleet/agent-protocol';
-import { ValidationError, type FieldError } from '@fleet/agent-protocol';
+import { ValidationError, describeFields, fieldsFromZod, validationErrorFrom, type FieldError } from '@fleet/agent-protocol';
 import { hostBackendSchema, labelsSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
+import { metadataSchema } from './vm.lifecycle.js';
 import type { PlacementRequest } from '../placement/placement.js';
 
 /** Guest directory the fleet writes its own files into (agent manifest, credentials): callers may not write under it. */
@@ -64,6 +65,8 @@ export const exposeSchema = z.object({
   port: z.number().int().min(1, 'a port 1–65535').max(65535, 'a port 1–65535'),
   as: z.string().regex(/^[a-z0-9][a-z0-9_-]{0,31}$/, 'a label: lowercase letters, digits, _ and -, up to 32 characters'),
   protocol: protocolSchema.default('tcp'),
+  /** Through the ingress without the VM's traffic token; private (token required) by default. */
+  public: z.boolean().optional(),
 });
 export type ExposeSpec = z.infer<typeof exposeSchema>;
 
@@ -83,7 +86,7 @@ export const healthcheckSchema = z
     retries: z.number().int().nonnegative().max(100).optional(),
     start_period_seconds: z.number().int().nonnegative().max(86_400).optional(),
   })
-  .refine((h) => (h.http === undefined) !== (h.exec === undefined), { message: 'set exactly one of http or exec' });
+  .refine((h) => (h.http === undefined) !== (h.exec === undefined), { error: 'set exactly one of http or exec' });
 
 /** Secrets are environment variables of the guest: names as a shell takes them, bounded so events stay small. */
 export const SECRET_LIMITS = { maxCount: 64, maxValueBytes: 32 * 1024, maxTotalBytes: 128 * 1024 } as const;
@@ -110,15 +113,6 @@ export const secretsSchema = z.record(secretNameSchema, z.string()).superRefine(
   if (total > SECRET_LIMITS.maxTotalBytes)
     ctx.addIssue({ code: 'custom', message: `secrets total ${total} bytes, above the limit of ${SECRET_LIMITS.maxTotalBytes}` });
 });
-
-/** Caller's labels for finding its VMs again (E2B's sandbox metadata): plain strings, bounded so events stay small. */
-export const METADATA_LIMITS = { maxCount: 64, maxKeyBytes: 256, maxValueBytes: 4096 } as const;
-export const vmMetadataSchema = z
-  .record(
-    z.string().min(1).max(METADATA_LIMITS.maxKeyBytes, `a metadata key is at most ${METADATA_LIMITS.maxKeyBytes} characters`),
-    z.string().max(METADATA_LIMITS.maxValueBytes, `a metadata value is at most ${METADATA_LIMITS.maxValueBytes} characters`),
-  )
-  .refine((m) => Object.keys(m).length <= METADATA_LIMITS.maxCount, `at most ${METADATA_LIMITS.maxCount} metadata entries`);
 
 /**
  * A VM spec as the API takes it (snake_case). Structural and cross-field
@@ -157,7 +151,8 @@ const vmSpecObject = z.object({
   healthcheck: healthcheckSchema.optional(),
   net_raw: z.boolean().optional(),
   secrets: secretsSchema.optional(),
-  metadata: vmMetadataSchema.optional(),
+  /** Caller metadata: kept on VmRequested and the VM, not in the stored spec (PATCH replaces it). */
+  metadata: metadataSchema.optional(),
 });
 
 export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
@@ -193,7 +188,7 @@ export type VmSpec = z.output<typeof vmSpecSchema>;
  * layer. `startup_script` and `agent.command` in clear are read from events
  * written before sealing existed; nothing writes them any more.
  */
-export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, secrets: true }).extend({
+export const storedVmSpecSchema = vmSpecObject.omit({ files: true, agent: true, secrets: true, metadata: true }).extend({
   file_paths: z.array(z.string()).optional(),
   startup_script_encrypted: z.string().optional(),
   secrets_encrypted: z.string().optional(),
@@ -222,7 +217,7 @@ export type SealedField = 'startup_script' | 'agent.command' | 'agent.drain_comm
 export const sealedFieldContext = (vmId: string, field: SealedField): string => `vm:${vmId}:${field}`;
 
 export function toStoredSpec(spec: VmSpec, sealed: SealedSpecFields = {}): StoredVmSpec {
-  const { files, agent, secrets, startup_script, ...rest } = spec;
+  const { files, agent, secrets, startup_script, metadata: _metadata, ...rest } = spec;
   const stored: StoredVmSpec = { ...rest };
   if (files) stored.file_paths = Object.keys(files).sort();
   // Refusing here, not storing in clear, is what keeps a forgotten seal out of the event store.
@@ -283,8 +278,7 @@ export function formatIssuePath(path: ReadonlyArray<PropertyKey>): string {
 
 /** Turns zod issues into one ValidationError listing every bad field. */
 export function validationErrorFromZod(error: z.ZodError, what = 'request', code = 'VALIDATION_FAILED'): ValidationError {
-  const fields: FieldError[] = error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
-  return new ValidationError(`invalid ${what}: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`, fields, code);
+  return validationErrorFrom(error, what, { code, formatPath: formatIssuePath });
 }
 
 export const STARTUP_SCRIPT_TIMEOUT_TOO_LARGE = 'STARTUP_SCRIPT_TIMEOUT_TOO_LARGE';
@@ -296,9 +290,7 @@ export const STARTUP_SCRIPT_TIMEOUT_TOO_LARGE = 'STARTUP_SCRIPT_TIMEOUT_TOO_LARG
  */
 export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC_LIMITS): VmSpec {
   const parsed = vmSpecSchema.safeParse(input);
-  const fields: FieldError[] = parsed.success
-    ? []
-    : parsed.error.issues.map((i) => ({ path: formatIssuePath(i.path), message: i.message }));
+  const fields: FieldError[] = parsed.success ? [] : fieldsFromZod(parsed.error, formatIssuePath);
   let timeoutTooLarge = false;
   if (parsed.success) {
     const s = parsed.data;
@@ -321,14 +313,15 @@ export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC
     if (bytes > limits.maxFilesBytes)
       fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
   }
-  if (fields.length > 0) {
+  // A failed parse always has issues, so !parsed.success implies fields.length > 0.
+  if (!parsed.success || fields.length > 0) {
     throw new ValidationError(
-      `invalid vm spec: ${fields.map((f) => `${f.path}: ${f.message}`).join('; ')}`,
+      `invalid vm spec: ${describeFields(fields)}`,
       fields,
       timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : 'VALIDATION_FAILED',
     );
   }
-  return parsed.data!;
+  return parsed.data;
 }
 
 function base64Bytes(b64: string): number {

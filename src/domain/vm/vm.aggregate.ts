@@ -10,7 +10,7 @@ export function vmStream(vmId: string): string {
 }
 
 export function decodeVmEvent(r: RecordedEvent): VmEvent | undefined {
-  return isVmEventType(r.type) ? parseVmEvent(r.type, r.data) : undefined;
+  return isVmEventType(r.type) ? parseVmEvent(r.type, r.data, r.metadata) : undefined;
 }
 
 export const vmAggregate: Aggregate<VmCommand, VmEvent, VmState> = { streamName: vmStream, decode: decodeVmEvent, decider: vmDecider };

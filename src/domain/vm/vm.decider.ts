@@ -3,6 +3,7 @@ import type { PlacementDecision } from '../placement/placement.js';
 import { toStoredSpec, type SealedSpecFields, type StoredVmSpec, type VmSpec } from './spec.js';
 import { VmAlreadyExistsError, VmInvalidStateError, VmNotFoundError } from './vm.errors.js';
 import type { Endpoint, VmEndReason, VmEvent, VmPhase, VmReservation } from './vm.events.js';
+import { assertEndReason, type DestroyReason, type FailReason, type VmMetadata } from './vm.lifecycle.js';
 
 // ---------------------------------------------------------------- commands
 
@@ -41,9 +42,7 @@ export type VmCommand =
       };
     }
   | { readonly type: 'RecordActivity'; readonly data: { readonly vm_id: string } }
-  /** Destroy the VM at `expires_at` (ISO 8601); replaces any earlier deadline. */
-  | { readonly type: 'SetTimeout'; readonly data: { readonly vm_id: string; readonly expires_at: string } }
-  | { readonly type: 'RequestDestroy'; readonly data: { readonly vm_id: string; readonly reason: VmEndReason } }
+  | { readonly type: 'RequestDestroy'; readonly data: { readonly vm_id: string; readonly reason: DestroyReason } }
   | { readonly type: 'ConfirmDestroyed'; readonly data: { readonly vm_id: string } }
   | {
       readonly type: 'CompleteMigration';
@@ -62,10 +61,17 @@ export type VmCommand =
       readonly type: 'FailVm';
       readonly data: {
         readonly vm_id: string;
-        readonly reason: VmEndReason;
+        readonly reason: FailReason;
         readonly error: string;
         readonly error_code?: string | undefined;
+        /** For `exited` and `oom`, when the host reported it. */
+        readonly exit_code?: number | undefined;
       };
+    }
+  | {
+      /** PATCH: a new max runtime from now (running VMs only) and/or metadata replaced, in one append. */
+      readonly type: 'UpdateVm';
+      readonly data: { readonly vm_id: string; readonly timeout_s?: number | undefined; readonly metadata?: VmMetadata | undefined };
     };
 
 // ---------------------------------------------------------------- state
@@ -89,8 +95,9 @@ interface VmCore {
   readonly endpoints: readonly Endpoint[];
   readonly boot_ms?: number | undefined;
   readonly auth_token_encrypted?: string | undefined;
-  /** When the reconciler destroys it (reason `timeout`); absent: no deadline. */
-  readonly expires_at?: string | undefined;
+  readonly metadata: VmMetadata;
+  /** When a running VM ends with reason `timeout`: boot + max_runtime_s, or a PATCHed timeout. Unset: the fleet ceiling only. */
+  readonly timeout_at?: string | undefined;
 }
 
 interface Placed {
@@ -118,6 +125,7 @@ export type VmState =
       readonly error: string;
       readonly error_code: string | undefined;
       readonly phase: VmPhase;
+      readonly exit_code?: number | undefined;
     });
 
 export type ExistingVmState = Exclude<VmState, { status: 'initial' }>;
@@ -155,6 +163,7 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
             tenant_id: d.tenant_id,
             task_id: d.task_id,
             idempotency_key: d.idempotency_key,
+            metadata: d.spec.metadata && Object.keys(d.spec.metadata).length > 0 ? { ...d.spec.metadata } : undefined,
             at,
           }),
         },
@@ -205,17 +214,10 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [{ type: 'VmActivityRecorded', data: { vm_id, at } }];
     }
 
-    case 'SetTimeout': {
-      const s = existing(state, vm_id);
-      if (s.status === 'destroying' || isTerminal(s.status)) throw new VmInvalidStateError(vm_id, s.status, 'set its timeout');
-      const expires_at = new Date(command.data.expires_at).toISOString();
-      if (s.expires_at === expires_at) return [];
-      return [{ type: 'VmTimeoutSet', data: { vm_id, expires_at, at } }];
-    }
-
     case 'RequestDestroy': {
       const s = existing(state, vm_id);
       const reason = command.data.reason;
+      assertEndReason(reason, 'destroy');
       switch (s.status) {
         case 'destroying':
         case 'destroyed':
@@ -259,7 +261,28 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       if (isTerminal(s.status)) return [];
       const phase = s.status;
       const d = command.data;
-      return [{ type: 'VmFailed', data: compact({ vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, at }) }];
+      assertEndReason(d.reason, 'fail', d);
+      return [
+        {
+          type: 'VmFailed',
+          data: compact({ vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, exit_code: d.exit_code, at }),
+        },
+      ];
+    }
+
+    case 'UpdateVm': {
+      const s = existing(state, vm_id);
+      const d = command.data;
+      const out: VmEvent[] = [];
+      if (d.timeout_s !== undefined) {
+        // A deadline only means something while it runs: before, boot has not started its clock; after, it is over.
+        if (s.status !== 'running') throw new VmInvalidStateError(vm_id, s.status, 'set its timeout', 'a timeout is set on a running VM');
+        const timeout_at = new Date(ctx.now.getTime() + d.timeout_s * 1000).toISOString();
+        out.push({ type: 'VmTimeoutSet', data: { vm_id, timeout_s: d.timeout_s, timeout_at, at } });
+      }
+      if (d.metadata !== undefined && !sameMetadata(d.metadata, s.metadata))
+        out.push({ type: 'VmMetadataSet', data: { vm_id, metadata: { ...d.metadata }, at } });
+      return out;
     }
 
     default:
@@ -283,6 +306,7 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
       transitioned_at: d.at,
       last_activity_at: d.at,
       endpoints: [],
+      metadata: d.metadata ?? {},
     };
   }
   if (state.status === 'initial') return state;
@@ -307,6 +331,7 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         auth_token_encrypted: d.auth_token_encrypted,
         transitioned_at: d.at,
         last_activity_at: d.at,
+        timeout_at: state.spec.max_runtime_s ? new Date(Date.parse(d.at) + state.spec.max_runtime_s * 1000).toISOString() : undefined,
       };
     }
     case 'VmActivityRecorded':
@@ -328,8 +353,6 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         last_activity_at: d.at,
       };
     }
-    case 'VmTimeoutSet':
-      return { ...state, expires_at: event.data.expires_at };
     case 'VmFailed': {
       const d = event.data;
       return {
@@ -339,12 +362,23 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         error: d.error,
         error_code: d.error_code,
         phase: d.phase,
+        exit_code: d.exit_code,
         transitioned_at: d.at,
       };
     }
+    case 'VmTimeoutSet':
+      if (state.status !== 'running') return state;
+      return { ...state, timeout_at: event.data.timeout_at };
+    case 'VmMetadataSet':
+      return { ...state, metadata: event.data.metadata };
     default:
       return assertNever(event, 'vm event');
   }
+}
+
+function sameMetadata(a: VmMetadata, b: VmMetadata): boolean {
+  const ka = Object.keys(a);
+  return ka.length === Object.keys(b).length && ka.every((k) => b[k] === a[k]);
 }
 
 export const vmDecider: Decider<VmCommand, VmEvent, VmState> = {

@@ -4,23 +4,9 @@ import { reservationSchema } from '../host/host.events.js';
 import { idSchema } from '../ids.js';
 import { placementDecisionSchema } from '../placement/placement.js';
 import { protocolSchema, storedVmSpecSchema } from './spec.js';
+import { metadataSchema, upgradeVmEventData, vmEndReasonSchema } from './vm.lifecycle.js';
 
-/** Why a VM ended (or is ending): a closed set, so reports and the reconciler can count them. */
-export const vmEndReasonSchema = z.enum([
-  'client',
-  'idle',
-  'max_runtime',
-  'stuck',
-  'orphan',
-  'boot_failure',
-  'host_lost',
-  'missing',
-  'placement',
-  'capacity',
-  /** Its deadline (E2B's sandbox timeout, set on create or later) passed. */
-  'timeout',
-]);
-export type VmEndReason = z.infer<typeof vmEndReasonSchema>;
+export { vmEndReasonSchema, type VmEndReason } from './vm.lifecycle.js';
 
 export const vmStatusSchema = z.enum(['requested', 'placed', 'booting', 'running', 'destroying', 'destroyed', 'failed']);
 export type VmStatus = z.infer<typeof vmStatusSchema>;
@@ -53,6 +39,8 @@ export const vmRequestedSchema = z.object({
     tenant_id: z.string().min(1),
     task_id: z.string().optional(),
     idempotency_key: z.string().optional(),
+    /** Caller metadata given at create (absent: none); replaced later by VmMetadataSet. */
+    metadata: metadataSchema.optional(),
     at,
   }),
 });
@@ -107,17 +95,13 @@ export const vmFailedSchema = z.object({
     vm_id: idSchema,
     reason: vmEndReasonSchema,
     error: z.string(),
-    /** Stable code of the error that ended it, when there was one (e.g. AGENT_UNAVAILABLE). */
+    /** Stable code of the error that ended it, when there was one (e.g. AGENT_UNAVAILABLE); always set for reason `error`. */
     error_code: z.string().optional(),
     phase: vmPhaseSchema,
+    /** For `exited` and `oom`: the init's exit code, when its host reported it. */
+    exit_code: z.number().int().optional(),
     at,
   }),
-});
-
-/** The VM is to be destroyed at `expires_at` (E2B's sandbox timeout); a later one replaces it. */
-export const vmTimeoutSetSchema = z.object({
-  type: z.literal('VmTimeoutSet'),
-  data: z.object({ vm_id: idSchema, expires_at: at, at }),
 });
 
 /** A cold migration finished: the VM, same id, now runs on `host_id` (booted from `snapshot_id`). */
@@ -136,6 +120,18 @@ export const vmMigratedSchema = z.object({
   }),
 });
 
+/** The VM's max runtime set from now on (`PATCH timeout_s`): it ends with reason `timeout` at `timeout_at`. */
+export const vmTimeoutSetSchema = z.object({
+  type: z.literal('VmTimeoutSet'),
+  data: z.object({ vm_id: idSchema, timeout_s: z.number().int().positive(), timeout_at: at, at }),
+});
+
+/** The VM's caller metadata replaced as a whole. */
+export const vmMetadataSetSchema = z.object({
+  type: z.literal('VmMetadataSet'),
+  data: z.object({ vm_id: idSchema, metadata: metadataSchema, at }),
+});
+
 export const vmEventSchema = z.discriminatedUnion('type', [
   vmRequestedSchema,
   vmPlacedSchema,
@@ -147,6 +143,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmFailedSchema,
   vmMigratedSchema,
   vmTimeoutSetSchema,
+  vmMetadataSetSchema,
 ]);
 export type VmEvent = z.infer<typeof vmEventSchema>;
 export type VmEventType = VmEvent['type'];
@@ -162,10 +159,16 @@ export type VmDestroyed = z.infer<typeof vmDestroyedSchema>;
 export type VmFailed = z.infer<typeof vmFailedSchema>;
 export type VmMigrated = z.infer<typeof vmMigratedSchema>;
 export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
+export type VmMetadataSet = z.infer<typeof vmMetadataSetSchema>;
 
-/** Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID` (500) when it does not match. */
-export function parseVmEvent(type: string, data: unknown): VmEvent {
-  return parseStoredEvent(vmEventSchema, type, data);
+/**
+ * Parses a stored event back into a typed VM event; `STORED_EVENT_INVALID`
+ * (500) when it does not match. Events written before the closed reason set
+ * are upgraded on read (see upgradeVmEventData); pass the event's metadata
+ * so an admin's old destroy reads `admin`.
+ */
+export function parseVmEvent(type: string, data: unknown, meta?: { readonly actor?: string | undefined }): VmEvent {
+  return parseStoredEvent(vmEventSchema, type, upgradeVmEventData(type, data, meta));
 }
 
 export function isVmEventType(type: string): type is VmEventType {

@@ -1,5 +1,6 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
 import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
+import { isSnapshotEventType, parseSnapshotEvent, SNAPSHOT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';
 import type { Projection, Sql } from '../projection.js';
 
 export const HOUR_MS = 3_600_000;
@@ -21,7 +22,10 @@ export interface UsagePiece {
   readonly milli: bigint;
 }
 
-export const USAGE_METRICS = ['vm_seconds', 'cpu_seconds', 'ram_mb_seconds', 'gpu_seconds', 'snapshot_gb_hours'] as const;
+/** `snapshot_byte_seconds` is stored (exact integers of byte-milliseconds); reads show it as `snapshot_gb_hours`. */
+export const USAGE_METRICS = ['vm_seconds', 'cpu_seconds', 'ram_mb_seconds', 'gpu_seconds', 'snapshot_byte_seconds'] as const;
+/** A GB of snapshot storage is 2^30 bytes. */
+export const GB_BYTES = 1024 ** 3;
 export type UsageMetric = (typeof USAGE_METRICS)[number];
 
 /**
@@ -40,6 +44,17 @@ export function splitUsage(shape: BilledShape, startMs: number, endMs: number): 
     out.push({ hourMs: hour, metric: 'ram_mb_seconds', kind: '', milli: ms * BigInt(shape.ram_mb) });
     if (shape.gpus > 0)
       out.push({ hourMs: hour, metric: 'gpu_seconds', kind: shape.gpu_kind || 'unknown', milli: ms * BigInt(shape.gpus) });
+  }
+  return out;
+}
+
+/** One stored snapshot's [startMs, endMs) as byte-milliseconds per UTC hour (kind = snapshot mode). */
+export function splitSnapshotUsage(sizeBytes: number, mode: string, startMs: number, endMs: number): UsagePiece[] {
+  const out: UsagePiece[] = [];
+  if (!(endMs > startMs) || sizeBytes <= 0) return out;
+  for (let hour = Math.floor(startMs / HOUR_MS) * HOUR_MS; hour < endMs; hour += HOUR_MS) {
+    const ms = BigInt(Math.min(endMs, hour + HOUR_MS) - Math.max(startMs, hour));
+    if (ms > 0n) out.push({ hourMs: hour, metric: 'snapshot_byte_seconds', kind: mode, milli: ms * BigInt(sizeBytes) });
   }
   return out;
 }
@@ -90,11 +105,38 @@ export const billingProjection: Projection = {
           started_at timestamptz NOT NULL
         );`,
     },
+    {
+      // billing_open_snapshots was never written: replaced by a table that also knows snapshots not taken yet.
+      // billing_vm_runs: one row per ended VM run, with its end reason (the per-VM billing rows).
+      id: 'billing_0002_snapshots_runs',
+      sql: `
+        DROP TABLE IF EXISTS billing_open_snapshots;
+        CREATE TABLE IF NOT EXISTS billing_snapshots (
+          snapshot_id text PRIMARY KEY,
+          tenant_id text NOT NULL,
+          mode text NOT NULL,
+          size_bytes bigint NOT NULL DEFAULT 0,
+          started_at timestamptz
+        );
+        CREATE TABLE IF NOT EXISTS billing_vm_runs (
+          vm_id text PRIMARY KEY,
+          tenant_id text NOT NULL,
+          started_at timestamptz NOT NULL,
+          ended_at timestamptz NOT NULL,
+          reason text NOT NULL,
+          cpus integer NOT NULL,
+          ram_mb integer NOT NULL,
+          gpus integer NOT NULL,
+          gpu_kind text NOT NULL DEFAULT ''
+        );
+        CREATE INDEX IF NOT EXISTS billing_vm_runs_tenant_idx ON billing_vm_runs (tenant_id, ended_at);`,
+    },
   ],
   tables: [
     { name: 'billing_vms', key: ['vm_id'] },
     { name: 'billing_usage', key: ['tenant_id', 'hour', 'metric', 'kind'] },
-    { name: 'billing_open_snapshots', key: ['snapshot_id'] },
+    { name: 'billing_snapshots', key: ['snapshot_id'] },
+    { name: 'billing_vm_runs', key: ['vm_id'] },
   ],
   async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
     await applyBillingBatch(sql, [recorded]);
@@ -124,9 +166,10 @@ interface OpenRow {
  * are exact integers of milli-units either way.
  */
 async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  await applySnapshotBilling(sql, events);
   const relevant = events
     .filter((e) => BILLED_TYPES.has(e.type) && e.streamId.startsWith('vm-') && isVmEventType(e.type))
-    .map((e) => parseVmEvent(e.type, e.data));
+    .map((e) => parseVmEvent(e.type, e.data, e.metadata));
   if (relevant.length === 0) return;
   const rows = new Map<string, OpenRow | null>();
   const ids = [...new Set(relevant.map((e) => e.data.vm_id))];
@@ -157,6 +200,7 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
   }
   const deleted = new Set<string>();
   const usage = new Map<string, { tenant: string; piece: UsagePiece; milli: bigint }>();
+  const runs: Array<{ vm_id: string; row: OpenRow & { started: { text: string } }; ended: string; reason: string }> = [];
   for (const event of relevant) {
     const id = event.data.vm_id;
     const row = rows.get(id);
@@ -198,12 +242,8 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
         if (row.inDb) deleted.add(id);
         rows.set(id, null);
         if (!row.started) break; // never booted: nothing ran, nothing billed
-        for (const piece of splitUsage(row, row.started.ms, Date.parse(event.data.at))) {
-          const key = `${row.tenant_id}\0${piece.hourMs}\0${piece.metric}\0${piece.kind}`;
-          const acc = usage.get(key);
-          if (acc) acc.milli += piece.milli;
-          else usage.set(key, { tenant: row.tenant_id, piece, milli: piece.milli });
-        }
+        addPieces(usage, row.tenant_id, splitUsage(row, row.started.ms, Date.parse(event.data.at)));
+        runs.push({ vm_id: id, row: row as OpenRow & { started: { text: string } }, ended: event.data.at, reason: event.data.reason });
         break;
       }
       default:
@@ -230,6 +270,124 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
       ],
     );
   }
+  if (runs.length > 0) {
+    await sql.query(
+      `INSERT INTO billing_vm_runs (vm_id, tenant_id, started_at, ended_at, reason, cpus, ram_mb, gpus, gpu_kind)
+       SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::timestamptz[], $5::text[], $6::int[], $7::int[], $8::int[], $9::text[])
+       ON CONFLICT (vm_id) DO NOTHING`,
+      [
+        runs.map((r) => r.vm_id),
+        runs.map((r) => r.row.tenant_id),
+        runs.map((r) => r.row.started.text),
+        runs.map((r) => r.ended),
+        runs.map((r) => r.reason),
+        runs.map((r) => r.row.cpus),
+        runs.map((r) => r.row.ram_mb),
+        runs.map((r) => r.row.gpus),
+        runs.map((r) => r.row.gpu_kind),
+      ],
+    );
+  }
+  await writeUsage(sql, usage);
+}
+
+type UsageAcc = Map<string, { tenant: string; piece: UsagePiece; milli: bigint }>;
+
+function addPieces(usage: UsageAcc, tenant: string, pieces: readonly UsagePiece[]): void {
+  for (const piece of pieces) {
+    const key = `${tenant}\0${piece.hourMs}\0${piece.metric}\0${piece.kind}`;
+    const acc = usage.get(key);
+    if (acc) acc.milli += piece.milli;
+    else usage.set(key, { tenant, piece, milli: piece.milli });
+  }
+}
+
+interface SnapshotRow {
+  tenant_id: string;
+  mode: string;
+  size_bytes: number;
+  started: { text: string; ms: number } | null;
+  inDb: boolean;
+}
+
+/**
+ * Snapshot storage, by the same rule as VMs: stored from SnapshotTaken.at
+ * (its size_bytes) to SnapshotDeleted.at, split at hour boundaries into
+ * byte-milliseconds. A snapshot that failed or was never taken is never
+ * billed; copies on several hosts are one snapshot.
+ */
+async function applySnapshotBilling(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  const relevant = events
+    .filter((e) => e.streamId.startsWith(SNAPSHOT_STREAM_PREFIX) && isSnapshotEventType(e.type))
+    .map((e) => parseSnapshotEvent(e.type, e.data))
+    .filter((e) => ['SnapshotRequested', 'SnapshotTaken', 'SnapshotFailed', 'SnapshotDeleted'].includes(e.type));
+  if (relevant.length === 0) return;
+  const ids = [...new Set(relevant.map((e) => e.data.snapshot_id))];
+  const loaded = await sql.query<{
+    snapshot_id: string;
+    tenant_id: string;
+    mode: string;
+    size_bytes: string;
+    started_at: Date | null;
+    started_text: string | null;
+  }>(
+    `SELECT snapshot_id, tenant_id, mode, size_bytes, started_at, started_at::text AS started_text FROM billing_snapshots WHERE snapshot_id = ANY($1::text[])`,
+    [ids],
+  );
+  const rows = new Map<string, SnapshotRow | null>();
+  for (const r of loaded.rows)
+    rows.set(r.snapshot_id, {
+      tenant_id: r.tenant_id,
+      mode: r.mode,
+      size_bytes: Number(r.size_bytes),
+      started: r.started_at && r.started_text ? { text: r.started_text, ms: r.started_at.getTime() } : null,
+      inDb: true,
+    });
+  const gone = new Set<string>();
+  const usage: UsageAcc = new Map();
+  for (const e of relevant) {
+    const id = e.data.snapshot_id;
+    const row = rows.get(id);
+    switch (e.type) {
+      case 'SnapshotRequested':
+        if (row === undefined) rows.set(id, { tenant_id: e.data.tenant_id, mode: e.data.mode, size_bytes: 0, started: null, inDb: false });
+        break;
+      case 'SnapshotTaken':
+        if (row && !row.started)
+          Object.assign(row, { size_bytes: e.data.size_bytes, started: { text: e.data.at, ms: Date.parse(e.data.at) } });
+        break;
+      case 'SnapshotFailed':
+      case 'SnapshotDeleted':
+        if (!row) break;
+        if (row.inDb) gone.add(id);
+        rows.set(id, null);
+        if (e.type === 'SnapshotDeleted' && row.started)
+          addPieces(usage, row.tenant_id, splitSnapshotUsage(row.size_bytes, row.mode, row.started.ms, Date.parse(e.data.at)));
+        break;
+      default:
+        break;
+    }
+  }
+  const del = [...gone].filter((id) => rows.get(id) === null);
+  if (del.length > 0) await sql.query('DELETE FROM billing_snapshots WHERE snapshot_id = ANY($1::text[])', [del]);
+  const up = [...rows].filter((e): e is [string, SnapshotRow] => e[1] !== null && ids.includes(e[0]));
+  if (up.length > 0)
+    await sql.query(
+      `INSERT INTO billing_snapshots (snapshot_id, tenant_id, mode, size_bytes, started_at)
+       SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::timestamptz[])
+       ON CONFLICT (snapshot_id) DO UPDATE SET size_bytes = EXCLUDED.size_bytes, started_at = EXCLUDED.started_at`,
+      [
+        up.map(([id]) => id),
+        up.map(([, r]) => r.tenant_id),
+        up.map(([, r]) => r.mode),
+        up.map(([, r]) => r.size_bytes),
+        up.map(([, r]) => r.started?.text ?? null),
+      ],
+    );
+  await writeUsage(sql, usage);
+}
+
+async function writeUsage(sql: Sql, usage: UsageAcc): Promise<void> {
   if (usage.size > 0) {
     const all = [...usage.values()];
     await sql.query(

@@ -1,5 +1,5 @@
 import type { Sql } from '../projection.js';
-import { HOUR_MS, splitUsage, USAGE_METRICS, type UsageMetric } from './billing.projection.js';
+import { GB_BYTES, HOUR_MS, splitSnapshotUsage, splitUsage, USAGE_METRICS, type UsageMetric } from './billing.projection.js';
 
 export type GroupBy = 'hour' | 'day';
 
@@ -23,7 +23,7 @@ export interface UsageRow {
   readonly ram_mb_seconds: number;
   readonly gpu_seconds: Record<string, number>;
   readonly snapshot_gb_hours: number;
-  /** Whether a still-running VM contributed (the figure grows until it stops). */
+  /** Whether a still-running VM or a still-stored snapshot contributed (the figure grows until it ends). */
   readonly includes_running: boolean;
 }
 
@@ -78,6 +78,16 @@ export async function queryUsage(sql: Sql, q: UsageQuery): Promise<UsageRow[]> {
     const start = Math.max(r.started_at.getTime(), q.from.getTime());
     for (const p of splitUsage(r, start, end)) add(r.tenant_id, periodStart(p.hourMs, q.groupBy), p.metric, p.kind, p.milli * 1000n, true);
   }
+  const stored = await sql.query<{ tenant_id: string; mode: string; size_bytes: string; started_at: Date }>(
+    `SELECT tenant_id, mode, size_bytes, started_at FROM billing_snapshots
+      WHERE started_at IS NOT NULL AND started_at < $1 AND ($2::text IS NULL OR tenant_id = $2)`,
+    [new Date(end), q.tenantId ?? null],
+  );
+  for (const r of stored.rows) {
+    const start = Math.max(r.started_at.getTime(), q.from.getTime());
+    for (const p of splitSnapshotUsage(Number(r.size_bytes), r.mode, start, end))
+      add(r.tenant_id, periodStart(p.hourMs, q.groupBy), p.metric, p.kind, p.milli * 1000n, true);
+  }
 
   return [...acc.values()]
     .sort((a, b) => (a.tenant < b.tenant ? -1 : a.tenant > b.tenant ? 1 : a.period - b.period))
@@ -89,7 +99,7 @@ export async function queryUsage(sql: Sql, q: UsageQuery): Promise<UsageRow[]> {
         if (metric === 'gpu_seconds') gpu[kind] = microToNumber(v);
       }
       let snapshots = 0n;
-      for (const [k, v] of a.m) if (k.startsWith('snapshot_gb_hours\0')) snapshots += v;
+      for (const [k, v] of a.m) if (k.startsWith('snapshot_byte_seconds\0')) snapshots += v;
       return {
         tenant_id: a.tenant,
         period_start: new Date(a.period).toISOString(),
@@ -97,7 +107,7 @@ export async function queryUsage(sql: Sql, q: UsageQuery): Promise<UsageRow[]> {
         cpu_seconds: get('cpu_seconds'),
         ram_mb_seconds: get('ram_mb_seconds'),
         gpu_seconds: gpu,
-        snapshot_gb_hours: microToNumber(snapshots),
+        snapshot_gb_hours: Number(snapshots) / 1_000_000 / 3600 / GB_BYTES,
         includes_running: a.running,
       };
     });
@@ -138,4 +148,66 @@ export function usageCsv(rows: readonly UsageRow[]): string {
     );
   }
   return `${lines.join('\r\n')}\r\n`;
+}
+
+/** One VM run as billing keeps it: its end reason beside what it was billed for within the window. */
+export interface VmRunRow {
+  readonly vm_id: string;
+  readonly tenant_id: string;
+  readonly started_at: string;
+  /** Null while it runs. */
+  readonly ended_at: string | null;
+  /** The closed set of end reasons; null while it runs. */
+  readonly reason: string | null;
+  readonly vm_seconds: number;
+  readonly cpu_seconds: number;
+  readonly ram_mb_seconds: number;
+  readonly gpu_seconds: number;
+  readonly gpu_kind: string;
+}
+
+/** Every VM run overlapping [from, to), ended ones with their reason, running ones up to `now`; oldest start first. */
+export async function queryVmRuns(
+  sql: Sql,
+  q: Omit<UsageQuery, 'groupBy'> & { readonly reason?: string | undefined; readonly limit: number },
+): Promise<VmRunRow[]> {
+  const { rows } = await sql.query<{
+    vm_id: string;
+    tenant_id: string;
+    started_at: Date;
+    ended_at: Date | null;
+    reason: string | null;
+    cpus: number;
+    ram_mb: number;
+    gpus: number;
+    gpu_kind: string;
+  }>(
+    `SELECT * FROM (
+       SELECT vm_id, tenant_id, started_at, ended_at, reason, cpus, ram_mb, gpus, gpu_kind FROM billing_vm_runs
+        WHERE started_at < $2 AND ended_at > $1
+       UNION ALL
+       SELECT vm_id, tenant_id, started_at, NULL, NULL, cpus, ram_mb, gpus, gpu_kind FROM billing_vms
+        WHERE started_at IS NOT NULL AND started_at < LEAST($2, $3)) r
+      WHERE ($4::text IS NULL OR tenant_id = $4) AND ($5::text IS NULL OR reason = $5)
+      ORDER BY started_at, vm_id LIMIT $6`,
+    [q.from, q.to, q.now, q.tenantId ?? null, q.reason ?? null, q.limit],
+  );
+  return rows.map((r) => {
+    const start = Math.max(r.started_at.getTime(), q.from.getTime());
+    const end = Math.min(r.ended_at?.getTime() ?? q.now.getTime(), q.to.getTime());
+    const sum = (metric: UsageMetric): number =>
+      Number(splitUsage(r, start, end).reduce((acc, p) => (p.metric === metric ? acc + p.milli : acc), 0n)) / 1000;
+    return {
+      vm_id: r.vm_id,
+      tenant_id: r.tenant_id,
+      started_at: r.started_at.toISOString(),
+      ended_at: r.ended_at?.toISOString() ?? null,
+      reason: r.reason,
+      vm_seconds: sum('vm_seconds'),
+      cpu_seconds: sum('cpu_seconds'),
+      ram_mb_seconds: sum('ram_mb_seconds'),
+      gpu_seconds: sum('gpu_seconds'),
+      gpu_kind: r.gpu_kind,
+    };
+  });
 }

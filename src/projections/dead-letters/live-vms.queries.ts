@@ -15,7 +15,7 @@ export interface LiveVmHintRow {
   last_activity_at: Date;
   max_runtime_s: number | null;
   idle_timeout_s: number | null;
-  expires_at: Date | null;
+  timeout_at: Date | null;
   healthcheck: {
     http?: { port: number; path?: string };
     exec?: string[];
@@ -35,10 +35,10 @@ export async function listLiveVmHints(sql: Sql): Promise<LiveVmHintRow[]> {
     last_activity_at: Date;
     max_runtime_s: string | null;
     idle_timeout_s: string | null;
-    expires_at: Date | null;
+    timeout_at: Date | null;
     healthcheck: LiveVmHintRow['healthcheck'];
   }>(
-    `SELECT id, state, host_id, state_changed_at, last_activity_at, expires_at,
+    `SELECT id, state, host_id, state_changed_at, last_activity_at, timeout_at,
             (spec->>'max_runtime_s')::bigint AS max_runtime_s, (spec->>'idle_timeout_s')::bigint AS idle_timeout_s, spec->'healthcheck' AS healthcheck
        FROM vms WHERE state NOT IN ('destroyed', 'failed')`,
   );

@@ -135,12 +135,21 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
     e.type === 'CapacityReserved' || e.type === 'CapacityReleased' ? [[e.data.host_id, e.data.vm_id] as const] : [],
   );
   const holds = new Map<string, Hold>(pairs.map(([h, v]) => [pairKey(h, v), { exists: false }]));
+  // Every pair of the batch has its hold from the line above; this only spares the lookups a non-null assertion.
+  const holdOf = (h: string, v: string): Hold => {
+    const key = pairKey(h, v);
+    const found = holds.get(key);
+    if (found) return found;
+    const hold: Hold = { exists: false };
+    holds.set(key, hold);
+    return hold;
+  };
   if (pairs.length > 0) {
     const existing = await sql.query<{ host_id: string; vm_id: string }>(
       `SELECT host_id, vm_id FROM host_reservations WHERE (host_id, vm_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))`,
       [pairs.map(([h]) => h), pairs.map(([, v]) => v)],
     );
-    for (const row of existing.rows) holds.get(pairKey(row.host_id, row.vm_id))!.exists = true;
+    for (const row of existing.rows) holdOf(row.host_id, row.vm_id).exists = true;
   }
   const wiped = new Set<string>();
   const touched = new Set<string>();
@@ -185,7 +194,7 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
     }
     let sign = 0;
     if (e.type === 'CapacityReserved' || e.type === 'CapacityReleased') {
-      const hold = holds.get(pairKey(id, e.data.vm_id))!;
+      const hold = holdOf(id, e.data.vm_id);
       if (e.type === 'CapacityReserved' && !hold.exists) {
         Object.assign(hold, { exists: true, written: { reservation: reservationOf(e.data), at } });
         sign = 1;
@@ -248,12 +257,11 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
       gone.map(([, v]) => v),
     ]);
   }
-  const made = [...holds]
-    .filter(([, h]) => h.exists && h.written)
-    .map(([k, h]) => {
-      const [host_id, vm_id] = k.split('\u0000') as [string, string];
-      return { host_id, vm_id, reservation: h.written!.reservation, reserved_at: h.written!.at };
-    });
+  const made = [...holds].flatMap(([k, h]) => {
+    if (!h.exists || !h.written) return [];
+    const [host_id, vm_id] = k.split('\u0000') as [string, string];
+    return [{ host_id, vm_id, reservation: h.written.reservation, reserved_at: h.written.at }];
+  });
   if (made.length > 0) {
     await sql.query(
       `INSERT INTO host_reservations (host_id, vm_id, reservation, reserved_at)
@@ -271,7 +279,8 @@ async function applyHostEvents(sql: Sql, events: readonly RecordedEvent[]): Prom
          .filter((c) => c !== 'id')
          .map((c) => `${c} = EXCLUDED.${c}`)
          .join(', ')}`,
-      [JSON.stringify([...touched].map((id) => hosts.get(id)!))],
+      // Every touched id was set in `hosts` above.
+      [JSON.stringify([...touched].flatMap((id) => hosts.get(id) ?? []))],
     );
   }
 }

@@ -1,5 +1,7 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
-import { parseVmEvent } from '../../domain/vm/vm.events.js';
+import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
+import { VM_END_REASONS } from '../../domain/vm/vm.lifecycle.js';
+import { isSnapshotEventType, parseSnapshotEvent, SNAPSHOT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';
 import type { Projection, Sql } from '../projection.js';
 
 /** Upper bounds (seconds) of the boot duration histogram; +Inf is implied. */
@@ -11,10 +13,11 @@ export const BOOT_BUCKETS_S = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300
  * any replica reads the same table). Buckets are stored non-cumulative; the
  * exposition accumulates them.
  *
- * `metrics_counters` is where snapshot and egress events add their counts
- * once those events exist; the metric names they feed are defined in
- * `EVENT_COUNTERS` now so dashboards can be built against them. (Reconcile
- * summaries are counted by the reconciler's own fleet_reconcile_* metrics.)
+ * `metrics_counters` holds the counters of `EVENT_COUNTERS` that events
+ * feed: snapshot transitions (snapshot events) and VM ends by reason.
+ * Egress failures have no events yet (the networking work adds them); that
+ * counter is published at zero. (Reconcile summaries are counted by the
+ * reconciler's own fleet_reconcile_* metrics.)
  */
 export const metricsProjection: Projection = {
   name: 'metrics',
@@ -34,10 +37,16 @@ export const metricsProjection: Projection = {
           PRIMARY KEY (name, labels)
         );`,
     },
+    {
+      // A snapshot's later events do not repeat its mode: remembered from SnapshotRequested.
+      id: 'metrics_0002_snapshot_modes',
+      sql: `CREATE TABLE IF NOT EXISTS metrics_snapshot_modes (snapshot_id text PRIMARY KEY, mode text NOT NULL);`,
+    },
   ],
   tables: [
     { name: 'metrics_boot_buckets', key: ['le'] },
     { name: 'metrics_counters', key: ['name', 'labels'] },
+    { name: 'metrics_snapshot_modes', key: ['snapshot_id'] },
   ],
   async apply(sql: Sql, recorded: RecordedEvent): Promise<void> {
     await applyMetricsBatch(sql, [recorded]);
@@ -47,6 +56,7 @@ export const metricsProjection: Projection = {
 
 /** Sums the batch's boots per bucket in memory: one statement per batch. */
 async function applyMetricsBatch(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  await applyCounters(sql, events);
   const buckets = new Map<number, { n: number; ms: number }>();
   for (const recorded of events) {
     if (recorded.type !== 'VmBooted' || !recorded.streamId.startsWith('vm-')) continue;
@@ -68,6 +78,73 @@ async function applyMetricsBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
   );
 }
 
+/** Which snapshot event is which transition of fleet_snapshot_transitions_total. */
+const SNAPSHOT_TRANSITIONS: Readonly<Record<string, string>> = {
+  SnapshotRequested: 'creating',
+  SnapshotTaken: 'ready',
+  SnapshotFailed: 'failed',
+  SnapshotUsed: 'restoring',
+  SnapshotDeleted: 'deleted',
+};
+
+const labelText = (labels: Record<string, string>): string =>
+  Object.entries(labels)
+    .sort(([a], [b]) => (a < b ? -1 : 1))
+    .map(([k, v]) => `${k}=${v}`)
+    .join(',');
+
+/** Snapshot transitions and VM ends, summed per label set in memory: a few statements per batch. */
+async function applyCounters(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  const snaps = events.filter(
+    (r) => r.streamId.startsWith(SNAPSHOT_STREAM_PREFIX) && r.type in SNAPSHOT_TRANSITIONS && isSnapshotEventType(r.type),
+  );
+  const ends = events.filter(
+    (r) => r.streamId.startsWith('vm-') && (r.type === 'VmDestroyed' || r.type === 'VmFailed') && isVmEventType(r.type),
+  );
+  if (snaps.length === 0 && ends.length === 0) return;
+  const counts = new Map<string, { name: string; labels: string; n: number }>();
+  const inc = (name: string, labels: Record<string, string>): void => {
+    const text = labelText(labels);
+    const key = `${name}\0${text}`;
+    const c = counts.get(key) ?? { name, labels: text, n: 0 };
+    c.n += 1;
+    counts.set(key, c);
+  };
+  if (snaps.length > 0) {
+    const parsed = snaps.map((r) => parseSnapshotEvent(r.type, r.data));
+    const modes = new Map<string, string>();
+    for (const e of parsed) if (e.type === 'SnapshotRequested') modes.set(e.data.snapshot_id, e.data.mode);
+    if (modes.size > 0)
+      await sql.query(
+        'INSERT INTO metrics_snapshot_modes (snapshot_id, mode) SELECT * FROM unnest($1::text[], $2::text[]) ON CONFLICT (snapshot_id) DO NOTHING',
+        [[...modes.keys()], [...modes.values()]],
+      );
+    const unknown = [...new Set(parsed.map((e) => e.data.snapshot_id))].filter((id) => !modes.has(id));
+    if (unknown.length > 0) {
+      const { rows } = await sql.query<{ snapshot_id: string; mode: string }>(
+        'SELECT snapshot_id, mode FROM metrics_snapshot_modes WHERE snapshot_id = ANY($1::text[])',
+        [unknown],
+      );
+      for (const r of rows) modes.set(r.snapshot_id, r.mode);
+    }
+    for (const e of parsed) {
+      const mode = modes.get(e.data.snapshot_id);
+      const state = SNAPSHOT_TRANSITIONS[e.type];
+      if (mode !== undefined && state !== undefined) inc('fleet_snapshot_transitions_total', { state, mode });
+    }
+  }
+  for (const r of ends) {
+    const e = parseVmEvent(r.type, r.data, r.metadata);
+    if (e.type === 'VmDestroyed' || e.type === 'VmFailed') inc('fleet_vm_ends_total', { reason: e.data.reason });
+  }
+  const all = [...counts.values()];
+  await sql.query(
+    `INSERT INTO metrics_counters (name, labels, value) SELECT * FROM unnest($1::text[], $2::text[], $3::float8[])
+     ON CONFLICT (name, labels) DO UPDATE SET value = metrics_counters.value + EXCLUDED.value`,
+    [all.map((c) => c.name), all.map((c) => c.labels), all.map((c) => c.n)],
+  );
+}
+
 /**
  * Counters fed by later events (snapshot lifecycle after the seed's
  * SnapshotCountKey, egress failures after EgressMetrics): name → help and the
@@ -76,7 +153,13 @@ async function applyMetricsBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
 export const EVENT_COUNTERS = {
   fleet_snapshot_transitions_total: {
     help: 'Snapshot state transitions by state and mode (snapshot events; SnapshotCountKey)',
-    labels: ['creating', 'ready', 'restoring', 'failed'].flatMap((state) => ['manual', 'build'].map((mode) => ({ state, mode }))),
+    labels: ['creating', 'ready', 'restoring', 'failed', 'deleted'].flatMap((state) =>
+      ['manual', 'build'].map((mode) => ({ state, mode })),
+    ),
+  },
+  fleet_vm_ends_total: {
+    help: 'VMs that ended, by reason (VmDestroyed and VmFailed)',
+    labels: VM_END_REASONS.map((reason) => ({ reason })),
   },
   fleet_egress_failures_total: {
     help: 'Egress provision/teardown failures by provider and operation (EgressMetrics)',
@@ -95,7 +178,7 @@ export async function bootHistogram(sql: Sql): Promise<BootHistogram> {
   const { rows } = await sql.query<{ le: number; observations: string; sum_ms: string }>(
     'SELECT le, observations, sum_ms FROM metrics_boot_buckets',
   );
-  const by = new Map(rows.map((r) => [Number(r.le), r]));
+  const by = new Map(rows.map((r) => [r.le, r]));
   let cumulative = 0;
   let sumMs = 0;
   const buckets: Array<{ le: number; count: number }> = [];
@@ -115,7 +198,7 @@ export async function eventCounters(sql: Sql): Promise<Array<{ name: string; lab
   );
   return rows.map((r) => ({
     name: r.name,
-    value: Number(r.value),
+    value: r.value,
     labels: Object.fromEntries(r.labels ? r.labels.split(',').map((kv) => kv.split('=') as [string, string]) : []),
   }));
 }

@@ -54,11 +54,20 @@ export const vmsProjection: Projection = {
         UPDATE vms SET spec = jsonb_set(spec, '{agent}', (spec->'agent') - 'command_encrypted' - 'drain_command_encrypted') WHERE spec->'agent' ?| array['command_encrypted', 'drain_command_encrypted'];`,
     },
     {
-      // E2B's sandbox timeout (VmTimeoutSet), and its metadata filter on the spec.
-      id: 'vms_0003_expires_at',
+      // Rows kept before the closed reason set read as a replay now reads their events (upgradeVmEventData);
+      // an admin's old destroy stays `client` here until a rebuild, which reads the actor from the event metadata.
+      id: 'vms_0003_lifecycle',
       sql: `
-        ALTER TABLE vms ADD COLUMN IF NOT EXISTS expires_at timestamptz;
-        CREATE INDEX IF NOT EXISTS vms_metadata_idx ON vms USING gin ((spec->'metadata')) WHERE spec ? 'metadata';`,
+        ALTER TABLE vms ADD COLUMN IF NOT EXISTS metadata jsonb NOT NULL DEFAULT '{}';
+        ALTER TABLE vms ADD COLUMN IF NOT EXISTS exit_code integer;
+        ALTER TABLE vms ADD COLUMN IF NOT EXISTS timeout_at timestamptz;
+        CREATE INDEX IF NOT EXISTS vms_metadata_idx ON vms USING gin (metadata jsonb_path_ops);
+        CREATE INDEX IF NOT EXISTS vms_tenant_reason_idx ON vms (tenant_id, reason) WHERE reason IS NOT NULL;
+        UPDATE vms SET reason = 'orphaned' WHERE reason IN ('placement', 'boot_failure') AND error_code = 'INTERRUPTED';
+        UPDATE vms SET reason = CASE reason WHEN 'max_runtime' THEN 'timeout' WHEN 'stuck' THEN 'timeout' WHEN 'orphan' THEN 'orphaned'
+          WHEN 'missing' THEN 'host_lost' ELSE 'error' END
+          WHERE reason IN ('max_runtime', 'stuck', 'orphan', 'missing', 'boot_failure', 'placement', 'capacity');
+        UPDATE vms SET error_code = 'UNKNOWN' WHERE state = 'failed' AND reason = 'error' AND error_code IS NULL;`,
     },
   ],
   tables: [{ name: 'vms', key: ['id'] }],
@@ -87,7 +96,9 @@ interface VmRowState {
   updated_at: Date;
   state_changed_at: Date;
   last_activity_at: Date;
-  expires_at: Date | null;
+  metadata: Record<string, string>;
+  exit_code: number | null;
+  timeout_at: string | null;
 }
 
 const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
@@ -111,7 +122,9 @@ const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
   ['updated_at', 'timestamptz'],
   ['state_changed_at', 'timestamptz'],
   ['last_activity_at', 'timestamptz'],
-  ['expires_at', 'timestamptz'],
+  ['metadata', 'jsonb'],
+  ['exit_code', 'integer'],
+  ['timeout_at', 'timestamptz'],
 ];
 
 /**
@@ -125,7 +138,7 @@ const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
 async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
   const vmEvents = events
     .filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type))
-    .map((r) => ({ r, e: parseVmEvent(r.type, r.data) }));
+    .map((r) => ({ r, e: parseVmEvent(r.type, r.data, r.metadata) }));
   if (vmEvents.length === 0) return;
   const ids = [...new Set(vmEvents.map(({ e }) => e.data.vm_id))];
   const { rows } = await sql.query(`SELECT ${COLUMNS.map(([c]) => c).join(', ')} FROM vms WHERE id = ANY($1::text[])`, [ids]);
@@ -160,7 +173,9 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
         updated_at: at,
         state_changed_at: at,
         last_activity_at: at,
-        expires_at: null,
+        metadata: d.metadata ?? {},
+        exit_code: null,
+        timeout_at: null,
       });
       touched.add(id);
       continue;
@@ -177,7 +192,8 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       case 'VmBootStarted':
         Object.assign(row, { state: 'booting', state_changed_at: at });
         break;
-      case 'VmBooted':
+      case 'VmBooted': {
+        const maxRuntimeS = (row.spec as { max_runtime_s?: number }).max_runtime_s;
         Object.assign(row, {
           state: 'running',
           url: e.data.url,
@@ -185,7 +201,16 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
           boot_ms: e.data.boot_ms,
           state_changed_at: at,
           last_activity_at: at,
+          // The same deadline the decider folds: from the event's own time, so a replay agrees.
+          timeout_at: maxRuntimeS ? new Date(Date.parse(e.data.at) + maxRuntimeS * 1000).toISOString() : null,
         });
+        break;
+      }
+      case 'VmTimeoutSet':
+        if (row.state === 'running') row.timeout_at = e.data.timeout_at;
+        break;
+      case 'VmMetadataSet':
+        row.metadata = e.data.metadata;
         break;
       case 'VmActivityRecorded': {
         const activity = new Date(e.data.at);
@@ -201,9 +226,6 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
       case 'VmMigrated':
         Object.assign(row, { host_id: e.data.host_id, placement: e.data.decision, url: e.data.url, endpoints: e.data.endpoints });
         break;
-      case 'VmTimeoutSet':
-        row.expires_at = new Date(e.data.expires_at);
-        break;
       case 'VmFailed':
         Object.assign(row, {
           state: 'failed',
@@ -211,13 +233,15 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
           error: e.data.error,
           error_code: e.data.error_code ?? null,
           failed_phase: e.data.phase,
+          exit_code: e.data.exit_code ?? null,
           state_changed_at: at,
         });
         break;
     }
   }
   if (touched.size === 0) return;
-  const out = [...touched].map((id) => byId.get(id)!);
+  // Every touched id was set in `byId` above.
+  const out = [...touched].flatMap((id) => byId.get(id) ?? []);
   const cols = COLUMNS.map(([c]) => c);
   // JSON null in a jsonb field of the record set is the jsonb value null, not SQL NULL: map it back.
   const select = COLUMNS.map(([c, t]) => (t === 'jsonb' ? `NULLIF(r.${c}, 'null'::jsonb)` : `r.${c}`)).join(', ');

@@ -17,11 +17,13 @@ export interface VmRow {
   created_at: string;
   updated_at: string;
   last_activity_at: string;
-  /** The VM's deadline (VmTimeoutSet), null when it has none. */
-  expires_at: string | null;
+  metadata: Record<string, string>;
+  failed_phase: string | null;
+  exit_code: number | null;
+  timeout_at: string | null;
 }
 
-const COLUMNS = `id, tenant_id, task_id, state, host_id, url, endpoints, spec, placement, reason, error, error_code, boot_ms, created_at, updated_at, last_activity_at, expires_at`;
+const COLUMNS = `id, tenant_id, task_id, state, host_id, url, endpoints, spec, placement, reason, error, error_code, boot_ms, created_at, updated_at, last_activity_at, metadata, failed_phase, exit_code, timeout_at`;
 
 function toRow(r: Record<string, unknown>): VmRow {
   return {
@@ -29,7 +31,7 @@ function toRow(r: Record<string, unknown>): VmRow {
     created_at: (r.created_at as Date).toISOString(),
     updated_at: (r.updated_at as Date).toISOString(),
     last_activity_at: (r.last_activity_at as Date).toISOString(),
-    expires_at: r.expires_at ? (r.expires_at as Date).toISOString() : null,
+    timeout_at: r.timeout_at ? (r.timeout_at as Date).toISOString() : null,
   };
 }
 
@@ -39,10 +41,12 @@ export interface VmFilter {
   state?: string | undefined;
   taskId?: string | undefined;
   hostId?: string | undefined;
+  /** One of the closed set of end reasons. */
+  reason?: string | undefined;
+  /** Every pair must match (`metadata @> …`). */
+  metadata?: Record<string, string> | undefined;
   /** Any of these states (with `state`, both must hold). */
   states?: readonly string[] | undefined;
-  /** Every pair must be in the spec's metadata. */
-  metadata?: Readonly<Record<string, string>> | undefined;
   createdAfter?: string | undefined;
   /** The spec's image or seed snapshot. */
   template?: string | undefined;
@@ -60,10 +64,11 @@ export async function listVms(sql: Sql, f: VmFilter): Promise<VmRow[]> {
         AND ($3::text IS NULL OR task_id = $3)
         AND ($4::text IS NULL OR host_id = $4)
         AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::text))
-        AND ($8::text[] IS NULL OR state = ANY($8::text[]))
-        AND ($9::jsonb IS NULL OR spec->'metadata' @> $9::jsonb)
-        AND ($10::timestamptz IS NULL OR created_at >= $10::timestamptz)
-        AND ($11::text IS NULL OR spec->>'image' = $11 OR spec->>'seed_snapshot_id' = $11)
+        AND ($8::text IS NULL OR reason = $8)
+        AND ($9::jsonb IS NULL OR metadata @> $9::jsonb)
+        AND ($10::text[] IS NULL OR state = ANY($10::text[]))
+        AND ($11::timestamptz IS NULL OR created_at >= $11::timestamptz)
+        AND ($12::text IS NULL OR spec->>'image' = $12 OR spec->>'seed_snapshot_id' = $12)
       ORDER BY created_at DESC, id DESC
       LIMIT $7`,
     [
@@ -74,8 +79,9 @@ export async function listVms(sql: Sql, f: VmFilter): Promise<VmRow[]> {
       f.after?.created_at ?? null,
       f.after?.id ?? null,
       f.limit,
+      f.reason ?? null,
+      f.metadata && Object.keys(f.metadata).length > 0 ? JSON.stringify(f.metadata) : null,
       f.states ? [...f.states] : null,
-      f.metadata ? JSON.stringify(f.metadata) : null,
       f.createdAfter ?? null,
       f.template ?? null,
     ],

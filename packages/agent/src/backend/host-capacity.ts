@@ -56,7 +56,8 @@ export function parseMigList(text: string): MigInstance[] {
       continue;
     }
     const mig = /^\s+MIG\s+(\S+)\s+Device\s+\d+:\s+\(UUID: ([^)]+)\)/.exec(line);
-    if (mig) out.push({ uuid: mig[2]!, profile: mig[1]!, kind: 'mig', ...(parent ? { parent_gpu_uuid: parent } : {}) });
+    const [, profile, uuid] = mig ?? [];
+    if (profile && uuid) out.push({ uuid, profile, kind: 'mig', ...(parent ? { parent_gpu_uuid: parent } : {}) });
   }
   return out;
 }
@@ -87,9 +88,10 @@ export async function probeCapacity(opts: { dataDir: string; maxSandboxes: numbe
   // A GPU in MIG mode is never part of the whole-device pool.
   const migParents = new Set(migs.map((m) => m.parent_gpu_uuid));
   const whole = devices.filter((d) => !migParents.has(d.uuid) && d.mig_mode?.toLowerCase() !== 'enabled');
-  if (whole.length > 0) {
+  const [first] = whole;
+  if (first) {
     cap.gpus = whole.length;
-    const kind = gpuKind(whole[0]!.model);
+    const kind = gpuKind(first.model);
     if (kind) cap.gpu_kind = kind;
     cap.gpu_devices = whole;
   }

@@ -57,13 +57,11 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
     const body = parse(createGrantRequestSchema, req.body, 'grant request');
     await backend.getCheckpoint(body.snapshot_id);
     const expiresAt = now() + body.ttl_s * 1000;
-    return reply
-      .code(201)
-      .send({
-        snapshot_id: body.snapshot_id,
-        grant: mintGrant(config.grantSecret, body.snapshot_id, expiresAt),
-        expires_at: new Date(expiresAt).toISOString(),
-      });
+    return reply.code(201).send({
+      snapshot_id: body.snapshot_id,
+      grant: mintGrant(config.grantSecret, body.snapshot_id, expiresAt),
+      expires_at: new Date(expiresAt).toISOString(),
+    });
   });
 
   const checkGrant = (req: FastifyRequest, id: string): void => {

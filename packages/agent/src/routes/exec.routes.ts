@@ -43,7 +43,7 @@ export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext)
     app.route({
       method: 'GET',
       url: `${AGENT_API_PREFIX}/vms/:name/${mode}`,
-      handler: async () => {
+      handler: () => {
         throw new ValidationError(`${mode} streams over a websocket: connect with an Upgrade: websocket request`, [], 'WEBSOCKET_REQUIRED');
       },
       wsHandler: (socket, req) => {
@@ -61,14 +61,15 @@ export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext)
   // ---- files ------------------------------------------------------------------
   app.put(`${AGENT_API_PREFIX}/vms/:name/files`, async (req) => {
     const name = nameParam(req);
-    const body = req.body as IncomingMessage | undefined;
+    // Any other content type arrives parsed, not as a stream.
+    const body = req.body as Partial<IncomingMessage> | undefined;
     try {
       const q = parse(filePathQuerySchema, req.query, 'query');
       if (!body || typeof (body as { pipe?: unknown }).pipe !== 'function') {
         throw new AppError('UNSUPPORTED_MEDIA_TYPE', 415, 'send the file as the raw body with Content-Type: application/octet-stream');
       }
       // Written from inside the sandbox: a guest racing to swap a path component for a symlink cannot redirect it.
-      const written = await backend.writeGuestFile(name, q.path, body, {
+      const written = await backend.writeGuestFile(name, q.path, body as IncomingMessage, {
         maxBytes: config.maxUploadBytes,
         ...(q.mode ? { mode: parseInt(q.mode, 8) } : {}),
       });

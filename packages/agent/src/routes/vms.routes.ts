@@ -71,15 +71,16 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
     const info = await backend.get(name);
     const fh = await open(info.console_log, 'r').catch(() => undefined);
     if (!fh) return reply.type('text/plain; charset=utf-8').send('');
+    let buf: Buffer;
     try {
       const size = (await fh.stat()).size;
       const len = Math.min(size, q.tail_bytes);
-      const buf = Buffer.alloc(len);
+      buf = Buffer.alloc(len);
       await fh.read(buf, 0, len, size - len);
-      return reply.type('text/plain; charset=utf-8').send(buf);
     } finally {
       await fh.close();
     }
+    return reply.type('text/plain; charset=utf-8').send(buf);
   });
 
   // ---- in-guest agent -----------------------------------------------------------

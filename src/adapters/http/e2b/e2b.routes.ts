@@ -4,9 +4,10 @@ import type { Pool } from 'pg';
 import { z } from 'zod';
 import { AppError, NotFoundError, UnauthorizedError, ValidationError } from '@fleet/agent-protocol';
 import type { Actor, VmCommands } from '../../../commands/vm/vm-commands.js';
+import type { VmLifecycle } from '../../../commands/vm/vm-lifecycle.js';
 import type { Position } from '../../../domain/event-store.port.js';
 import type { ExistingVmState } from '../../../domain/vm/vm.decider.js';
-import { vmMetadataSchema } from '../../../domain/vm/spec.js';
+import { metadataSchema } from '../../../domain/vm/vm.lifecycle.js';
 import type { ProjectionRunner } from '../../../projections/runner.js';
 import { getSnapshot } from '../../../projections/snapshots/snapshots.queries.js';
 import { listVms, type VmRow } from '../../../projections/vms/vms.queries.js';
@@ -28,7 +29,7 @@ import { E2B_PREFIX, ENVD_VERSION, type EnvdTokens } from './e2b-auth.js';
 /** E2B's default sandbox timeout when a create names none (its API's documented default). */
 export const DEFAULT_TIMEOUT_S = 300;
 const MAX_TIMEOUT_S = 30 * 24 * 3600;
-/** endAt of a VM without a deadline (one made through /v1): E2B's schema requires a time. */
+/** endAt of a VM without a deadline (one made through /v1 without max_runtime_s): E2B's schema requires a time. */
 const NO_END = '9999-12-31T23:59:59.000Z';
 /** Our states E2B calls `running`: a create answers once the VM runs, so the earlier ones are only brief. */
 const RUNNING_STATES = ['requested', 'placed', 'booting', 'running'] as const;
@@ -36,6 +37,8 @@ const RUNNING_STATES = ['requested', 'placed', 'booting', 'running'] as const;
 export interface E2bRoutesDeps {
   readonly apiKeys: ApiKeys;
   readonly vms: VmCommands;
+  /** E2B's timeout and metadata are the VM lifecycle's own (timeout_at, metadata): the same command PATCH /v1/vms/:id uses. */
+  readonly lifecycle: VmLifecycle;
   readonly pool: Pool;
   readonly runner: ProjectionRunner;
   readonly tokens: EnvdTokens;
@@ -48,7 +51,7 @@ const envVarsSchema = z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'an 
 const newSandboxFields = {
   templateID: z.string().min(1).max(256),
   timeout: timeoutSchema.optional(),
-  metadata: vmMetadataSchema.optional(),
+  metadata: metadataSchema.optional(),
   envVars: envVarsSchema.optional(),
   allow_internet_access: z.boolean().optional(),
   autoPause: z.boolean().optional(),
@@ -140,21 +143,12 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
             ...(snapshot && snapshot.state === 'ready' ? { seed_snapshot_id: body.templateID } : { image: body.templateID }),
             ...(body.metadata && Object.keys(body.metadata).length > 0 ? { metadata: body.metadata } : {}),
             ...(body.envVars && Object.keys(body.envVars).length > 0 ? { secrets: body.envVars } : {}),
+            // The sandbox's timeout is the VM's max runtime: its deadline (timeout_at) is set as it boots, in the same stream.
+            max_runtime_s: body.timeout ?? DEFAULT_TIMEOUT_S,
           };
           const created = await deps.vms.create(spec, actor);
           remember(actor, created.position);
-          const timeoutS = body.timeout ?? DEFAULT_TIMEOUT_S;
-          let vm = created.vm;
-          try {
-            const r = await deps.vms.setTimeout(vm.vm_id, new Date(Date.now() + timeoutS * 1000), actor);
-            remember(actor, r.position);
-            vm = r.vm;
-          } catch (err) {
-            // A sandbox without the deadline it was asked for would outlive it: it goes, and the create fails.
-            await deps.vms.destroy(vm.vm_id, actor).catch(() => undefined);
-            throw err;
-          }
-          return reply.status(201).send(sandboxAnswer(vm));
+          return reply.status(201).send(sandboxAnswer(created.vm));
         };
 
         app.post('/v2/sandboxes', { schema: { hide: true, body: newSandboxV2Schema } }, async (req, reply) => create(req.body, req, reply));
@@ -221,11 +215,11 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
 
         app.post(
           '/sandboxes/:sandboxID/timeout',
-          { schema: { hide: true, params, body: z.object({ timeout: z.number().int().min(0).max(MAX_TIMEOUT_S) }) } },
+          { schema: { hide: true, params, body: z.object({ timeout: timeoutSchema }) } },
           async (req, reply) => {
             const actor = actorOf(req);
             await live(req.params.sandboxID, actor);
-            const r = await deps.vms.setTimeout(req.params.sandboxID, new Date(Date.now() + req.body.timeout * 1000), actor);
+            const r = await deps.lifecycle.update(req.params.sandboxID, { timeout_s: req.body.timeout }, actor);
             remember(actor, r.position);
             return reply.status(204).send();
           },
@@ -236,9 +230,9 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
           const actor = actorOf(req);
           let vm = await live(id, actor);
           // E2B: connecting only ever extends the sandbox's life.
-          const wanted = Date.now() + (timeout ?? DEFAULT_TIMEOUT_S) * 1000;
-          if (vm.expires_at !== undefined && Date.parse(vm.expires_at) < wanted) {
-            const r = await deps.vms.setTimeout(vm.vm_id, new Date(wanted), actor);
+          const timeoutS = timeout ?? DEFAULT_TIMEOUT_S;
+          if (vm.status === 'running' && vm.timeout_at !== undefined && Date.parse(vm.timeout_at) < Date.now() + timeoutS * 1000) {
+            const r = await deps.lifecycle.update(vm.vm_id, { timeout_s: timeoutS }, actor);
             remember(actor, r.position);
             vm = r.vm;
           }
@@ -310,9 +304,9 @@ function listedFromState(vm: ExistingVmState) {
     clientID: 'fleet',
     ...resources(vm.spec),
     startedAt: vm.requested_at,
-    endAt: vm.expires_at ?? NO_END,
+    endAt: vm.timeout_at ?? NO_END,
     envdVersion: ENVD_VERSION,
-    metadata: vm.spec.metadata ?? {},
+    metadata: vm.metadata,
     state: 'running' as const,
   };
 }
@@ -324,7 +318,6 @@ function listedFromRow(r: VmRow) {
     storage_gb?: number;
     image?: string;
     seed_snapshot_id?: string;
-    metadata?: Record<string, string>;
   };
   return {
     sandboxID: r.id,
@@ -332,9 +325,9 @@ function listedFromRow(r: VmRow) {
     clientID: 'fleet',
     ...resources({ cpus: spec.cpus ?? 1, ram_mb: spec.ram_mb ?? 0, storage_gb: spec.storage_gb ?? 0 }),
     startedAt: r.created_at,
-    endAt: r.expires_at ?? NO_END,
+    endAt: r.timeout_at ?? NO_END,
     envdVersion: ENVD_VERSION,
-    metadata: spec.metadata ?? {},
+    metadata: r.metadata,
     state: 'running' as const,
   };
 }

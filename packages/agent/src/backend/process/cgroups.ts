@@ -43,6 +43,12 @@ export class Cgroups {
     return this.version === 2 ? [join(this.root, this.parent, name)] : V1_CONTROLLERS.map((c) => join(this.root, c, this.parent, name));
   }
 
+  /** One directory per v1 controller, by name. */
+  private v1(name: string): Record<(typeof V1_CONTROLLERS)[number], string> {
+    const dir = (c: string): string => join(this.root, c, this.parent, name);
+    return { cpu: dir('cpu'), memory: dir('memory'), pids: dir('pids'), freezer: dir('freezer') };
+  }
+
   /** The files a process writes its pid to, to join the group (all of them, in order). */
   procsFiles(name: string): string[] {
     return this.dirs(name).map((d) => join(d, 'cgroup.procs'));
@@ -63,11 +69,11 @@ export class Cgroups {
       return;
     }
     for (const dir of this.dirs(name)) await mkdir(dir, { recursive: true });
-    const [cpu, memory, pidsDir] = this.dirs(name);
-    await writeFile(join(cpu!, 'cpu.cfs_period_us'), String(CFS_PERIOD));
-    await writeFile(join(cpu!, 'cpu.cfs_quota_us'), quota);
-    await writeFile(join(memory!, 'memory.limit_in_bytes'), mem);
-    await writeFile(join(pidsDir!, 'pids.max'), pids);
+    const { cpu, memory, pids: pidsDir } = this.v1(name);
+    await writeFile(join(cpu, 'cpu.cfs_period_us'), String(CFS_PERIOD));
+    await writeFile(join(cpu, 'cpu.cfs_quota_us'), quota);
+    await writeFile(join(memory, 'memory.limit_in_bytes'), mem);
+    await writeFile(join(pidsDir, 'pids.max'), pids);
   }
 
   /** HOST_FEATURE_MISSING unless the controllers the limits need are there (checked at open, not at the first create). */
@@ -106,13 +112,13 @@ export class Cgroups {
         pidsMax: Number((await readFile(join(dir, 'pids.max'), 'utf8')).trim()),
       };
     }
-    const [cpu, memory, pids] = this.dirs(name);
+    const { cpu, memory, pids } = this.v1(name);
     const num = async (f: string): Promise<number> => Number((await readFile(f, 'utf8')).trim());
     return {
-      cpuQuotaUs: await num(join(cpu!, 'cpu.cfs_quota_us')),
-      cpuPeriodUs: await num(join(cpu!, 'cpu.cfs_period_us')),
-      memoryBytes: await num(join(memory!, 'memory.limit_in_bytes')),
-      pidsMax: await num(join(pids!, 'pids.max')),
+      cpuQuotaUs: await num(join(cpu, 'cpu.cfs_quota_us')),
+      cpuPeriodUs: await num(join(cpu, 'cpu.cfs_period_us')),
+      memoryBytes: await num(join(memory, 'memory.limit_in_bytes')),
+      pidsMax: await num(join(pids, 'pids.max')),
     };
   }
 
@@ -136,7 +142,7 @@ export class Cgroups {
       }
       throw new Error(`cgroup ${name} did not ${frozen ? 'freeze' : 'thaw'} within 5s`);
     }
-    const dir = this.dirs(name)[3]!;
+    const dir = this.v1(name).freezer;
     await writeFile(join(dir, 'freezer.state'), frozen ? 'FROZEN' : 'THAWED');
     for (let i = 0; i < 500; i++) {
       const state = (await readFile(join(dir, 'freezer.state'), 'utf8')).trim();

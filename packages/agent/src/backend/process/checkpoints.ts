@@ -6,7 +6,7 @@ import { join } from 'node:path';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { z } from 'zod';
-import { AppError } from '@fleet/agent-protocol';
+import { AppError, describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 import { BackendErrorCode, checkpointNotFound, invalidSpec, sandboxFailed, type Checkpoint } from '../../backend.js';
 
 /**
@@ -280,7 +280,7 @@ export class CheckpointStore {
         throw new AppError(
           BackendErrorCode.CheckpointCorrupt,
           400,
-          `staged ${MANIFEST} is invalid: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
+          `staged ${MANIFEST} is invalid: ${describeFields(fieldsFromZod(parsed.error))}`,
         );
       const cp = parsed.data;
       if (opts.verifyDigest !== false) {

@@ -205,12 +205,12 @@ export class Firewall {
     if (res.code !== 0) throw sandboxFailed(`listing the nftables ruleset failed: ${res.stderr.trim().slice(0, 500)}`);
     const lines = res.stdout.split('\n');
     const out: string[] = [];
-    for (let i = 0; i < lines.length; i++) {
-      if (!this.tables.some((tbl) => lines[i] === `table ${tbl} {`)) continue;
-      for (; i < lines.length; i++) {
-        out.push(lines[i]!);
-        if (lines[i] === '}') break;
-      }
+    let inside = false;
+    for (const line of lines) {
+      if (!inside && !this.tables.some((tbl) => line === `table ${tbl} {`)) continue;
+      inside = true;
+      out.push(line);
+      if (line === '}') inside = false;
     }
     return out.join('\n');
   }

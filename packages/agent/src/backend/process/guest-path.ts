@@ -28,8 +28,7 @@ export async function resolveInRoot(
   // Work list of components still to walk, front first.
   let pending = guestPath.split('/').filter((c) => c !== '' && c !== '.');
   let links = 0;
-  while (pending.length > 0) {
-    const comp = pending.shift()!;
+  for (let comp = pending.shift(); comp !== undefined; comp = pending.shift()) {
     if (comp === '..') {
       if (resolved.length === 0) throw pathEscapes(guestPath);
       resolved.pop();

@@ -35,7 +35,10 @@ const signalNames = new Map<number, NodeJS.Signals>(
 
 export function spawnPiped(argv: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
   const [cmd, ...args] = argv;
-  const child = spawn(cmd!, args, { detached: true, stdio: [withStdin ? 'pipe' : 'ignore', 'pipe', 'pipe'], env: hostEnv });
+  if (cmd === undefined) throw new TypeError('an empty argv names no command');
+  const child = spawn(cmd, args, { detached: true, stdio: [withStdin ? 'pipe' : 'ignore', 'pipe', 'pipe'], env: hostEnv });
+  const { stdout, stderr } = child;
+  if (!stdout || !stderr) throw new TypeError('spawned with piped output, yet no stdout/stderr');
   const stdin = child.stdin ?? endedWritable();
   stdin.on('error', () => undefined);
   const exited = new Promise<ExitStatus>((resolve, reject) => {
@@ -58,8 +61,8 @@ export function spawnPiped(argv: readonly string[], hostEnv: Record<string, stri
     letGo();
   });
   return {
-    stdout: child.stdout!,
-    stderr: child.stderr!,
+    stdout,
+    stderr,
     stdin,
     resize: () => undefined,
     kill: (signal = 'SIGKILL') => {
@@ -88,7 +91,8 @@ export async function spawnPty(
   const pty = impl === 'script' ? null : await loadPty();
   if (!pty) return spawnScriptPty(argv, hostEnv);
   const [cmd, ...args] = argv;
-  const term = pty.spawn(cmd!, args, { name: 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env: hostEnv, encoding: null });
+  if (cmd === undefined) throw new TypeError('an empty argv names no command');
+  const term = pty.spawn(cmd, args, { name: 'xterm-256color', cols: size.cols, rows: size.rows, cwd: '/', env: hostEnv, encoding: null });
   const stdout = new PassThrough();
   const stderr = new PassThrough();
   stderr.end();
@@ -231,7 +235,10 @@ export class Spawner {
       child.once('exit', (code, signal) => {
         const was = this.up;
         this.up = false;
-        if (!was) return void reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
+        if (!was) {
+          reject(new Error(`the exec spawner exited (${signal ?? code}) before it listened: ${stderr.trim()}`));
+          return;
+        }
         if (this.closed) return;
         this.onError(new Error(`the exec spawner exited (${signal ?? code}): ${stderr.trim()}; restarting it`));
         this.restart(200);
@@ -243,8 +250,8 @@ export class Spawner {
   private restart(delayMs: number): void {
     setTimeout(() => {
       if (this.closed) return;
-      this.launch().catch((err: Error) => {
-        this.onError(err);
+      this.launch().catch((err: unknown) => {
+        this.onError(err as Error);
         this.restart(5000);
       });
     }, delayMs).unref();
@@ -302,7 +309,7 @@ export function spawnViaSpawner(
     while (buf.length >= 5) {
       const len = buf.readUInt32LE(1);
       if (buf.length < 5 + len) break;
-      const type = String.fromCharCode(buf[0]!);
+      const type = String.fromCharCode(buf.readUInt8(0));
       const payload = buf.subarray(5, 5 + len);
       buf = buf.subarray(5 + len);
       if (type === 'P') {
@@ -344,7 +351,10 @@ export function spawnViaSpawner(
   const stdin = withStdin
     ? new Writable({
         write(chunk: Buffer, _enc, cb) {
-          if (sock.writableEnded || sock.destroyed) return void cb();
+          if (sock.writableEnded || sock.destroyed) {
+            cb();
+            return;
+          }
           sock.write(chunk, () => cb());
         },
         final(cb) {

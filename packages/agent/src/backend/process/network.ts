@@ -41,7 +41,7 @@ export function ipToInt(ip: string): number | null {
   if (!m) return null;
   const parts = m.slice(1).map(Number);
   if (parts.some((p) => p > 255)) return null;
-  return ((parts[0]! << 24) | (parts[1]! << 16) | (parts[2]! << 8) | parts[3]!) >>> 0;
+  return parts.reduce((acc, p) => acc * 256 + p, 0);
 }
 
 export function intToIp(n: number): string {
@@ -88,7 +88,7 @@ export function reserve(subnet: Subnet, name: string, ipHint: string | undefined
 /** Locally administered, unicast, derived from the name only: the same name always gets the same MAC. */
 export function generateMac(name: string): string {
   const h = createHash('sha256').update(name).digest();
-  const bytes = [0x02, h[0]!, h[1]!, h[2]!, h[3]!, h[4]!];
+  const bytes = [0x02, ...h.subarray(0, 5)];
   return bytes.map((b) => b.toString(16).padStart(2, '0')).join(':');
 }
 
@@ -147,8 +147,8 @@ export async function hardenLink(link: string, kind: 'bridge' | 'veth'): Promise
     // The link may go between the read and the write (a destroy racing a reassert).
     const gone = await writeFile(file, want).then(
       () => false,
-      (err: NodeJS.ErrnoException) => {
-        if (err.code === 'ENOENT') return true;
+      (err: unknown) => {
+        if ((err as NodeJS.ErrnoException).code === 'ENOENT') return true;
         throw err;
       },
     );
@@ -221,7 +221,7 @@ export async function listLinks(kind: 'bridge' | 'veth'): Promise<string[]> {
   const res = await runTool('ip', ['-j', 'link', 'show', 'type', kind]);
   if (res.code !== 0) return [];
   try {
-    return (JSON.parse(res.stdout) as Array<{ ifname: string }>).map((l) => l.ifname.split('@')[0]!);
+    return (JSON.parse(res.stdout) as Array<{ ifname: string }>).map((l) => l.ifname.replace(/@.*/s, ''));
   } catch {
     return [];
   }

@@ -6,7 +6,7 @@ import { Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import type { Logger } from 'pino';
 import { z } from 'zod';
-import { AppError } from '@fleet/agent-protocol';
+import { AppError, describeFields, dottedPath, fieldsFromZod } from '@fleet/agent-protocol';
 import type { HostCapacity } from '@fleet/agent-protocol';
 import {
   capacityExhausted,
@@ -254,9 +254,7 @@ export class ProcessBackend implements Backend {
     const { logger, ...rest } = options;
     const parsed = optionsSchema.safeParse(rest);
     if (!parsed.success) {
-      throw invalidSpec(
-        `invalid process backend options: ${parsed.error.issues.map((i) => `${i.path.join('.')}: ${i.message}`).join('; ')}`,
-      );
+      throw invalidSpec(`invalid process backend options: ${describeFields(fieldsFromZod(parsed.error))}`);
     }
     // Absolute paths: they go into mount options and are compared with /proc/self/mountinfo.
     const opts = { ...parsed.data, dataDir: resolve(parsed.data.dataDir), imageDir: resolve(parsed.data.imageDir) };
@@ -322,8 +320,8 @@ export class ProcessBackend implements Backend {
     const parsed = createSpecSchema.safeParse(input);
     if (!parsed.success) {
       throw invalidSpec(
-        `invalid sandbox spec: ${parsed.error.issues.map((i) => `${i.path.join('.') || '(spec)'}: ${i.message}`).join('; ')}`,
-        parsed.error.issues.map((i) => ({ path: i.path.join('.'), message: i.message })),
+        `invalid sandbox spec: ${describeFields(fieldsFromZod(parsed.error, (p) => dottedPath(p) || '(spec)'))}`,
+        fieldsFromZod(parsed.error),
       );
     }
     const spec = parsed.data;
@@ -500,7 +498,7 @@ export class ProcessBackend implements Backend {
     if (!cwd.startsWith('/') || cwd.includes('\0'))
       throw invalidSpec('cwd must be an absolute guest path', [{ path: 'cwd', message: 'must start with /' }]);
     if (opts.tty) {
-      env.TERM ??= 'xterm-256color';
+      if (env.TERM === undefined) env.TERM = 'xterm-256color';
       const size = { rows: clampSize(opts.tty.rows, 24), cols: clampSize(opts.tty.cols, 80) };
       const argv = await this.enter(record, { op: 'exec', argv: opts.argv }, cwd, size);
       return spawnPty(argv, checkExecSize(argv, encodeGuestEnv(env)), size, this.opts.pty);
@@ -550,7 +548,8 @@ export class ProcessBackend implements Backend {
     const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
     const h = spawnPiped(await this.enter(record, { op: 'put', path: resolved.guestPath, mode, tmp }), {}, true);
     let bytes = 0;
-    let tooLarge = false;
+    // Set inside the transform below, read after the pipeline: a field, so the compiler does not narrow it to false.
+    const over = { tooLarge: false };
     let stderr = '';
     h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
     h.stdout.resume();
@@ -558,7 +557,7 @@ export class ProcessBackend implements Backend {
       transform(chunk: Buffer, _enc, cb) {
         bytes += chunk.length;
         if (opts.maxBytes !== undefined && bytes > opts.maxBytes) {
-          tooLarge = true;
+          over.tooLarge = true;
           // Killed before its stdin closes: an end of input would commit the partial file.
           h.kill('SIGKILL');
           cb(new Error('too large'));
@@ -578,7 +577,7 @@ export class ProcessBackend implements Backend {
       h.kill('SIGKILL');
     }
     const st = await h.wait();
-    if (tooLarge || pipeErr !== undefined || st.exitCode !== 0) {
+    if (over.tooLarge || pipeErr !== undefined || st.exitCode !== 0) {
       if (pipeErr !== undefined) {
         await this.enter(record, { op: 'unlink', path: tmp })
           .then((argv) => {
@@ -589,7 +588,7 @@ export class ProcessBackend implements Backend {
           })
           .catch(() => undefined);
       }
-      if (tooLarge)
+      if (over.tooLarge)
         throw new AppError('PAYLOAD_TOO_LARGE', 413, `the file is larger than ${opts.maxBytes} bytes`, { path: resolved.guestPath });
       if (st.exitCode === 21)
         throw new AppError('GUEST_PATH_NOT_A_FILE', 400, `"${resolved.guestPath}" is a directory in the sandbox; give a file path`, {
@@ -767,7 +766,7 @@ export class ProcessBackend implements Backend {
     };
     const known = new Map([...this.records.values()].map((r) => [r.state.name, r.state]));
     const note = (what: string, err: unknown): void => {
-      report.errors.push(`${what}: ${(err as Error).message ?? String(err)}`);
+      report.errors.push(`${what}: ${(err as { message?: string }).message ?? String(err)}`);
     };
     // Mounts under the data dir: by design every sandbox mount lives in the sandbox's own namespace.
     // The exception: a known sandbox's disk, which lives in the agent's namespace on purpose (storage.ts).

@@ -1,6 +1,12 @@
-import { addReservation, hostAllocation, type HostState } from '../domain/host/host.decider.js';
-import { place, type Placement, type PlacementHost, type PlacementOptions, type PlacementRequest } from '../domain/placement/placement.js';
-import type { HostCommands } from './host-commands.js';
+import { addReservation, hostAllocation, type HostState } from '../../domain/host/host.decider.js';
+import {
+  place,
+  type Placement,
+  type PlacementHost,
+  type PlacementOptions,
+  type PlacementRequest,
+} from '../../domain/placement/placement.js';
+import type { HostCommands } from '../host/host-commands.js';
 
 /** Lists hosts with the stream revision the read model has seen (the `hosts` projection). */
 export type HostDirectory = () => Promise<ReadonlyArray<{ id: string; revision: string }>>;
@@ -40,7 +46,8 @@ export class PlacementView {
   private loadedAt = 0;
 
   constructor(
-    private readonly hosts: HostCommands,
+    // Only reads host streams: any loader of host state will do (the host commands, or the bound host handler).
+    private readonly hosts: Pick<HostCommands, 'load'>,
     private readonly directory: HostDirectory,
     private readonly maxAgeMs = 1000,
   ) {}

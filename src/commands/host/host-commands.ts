@@ -1,24 +1,21 @@
 import { z } from 'zod';
-import { bindAggregate, type BoundOf } from './command-handler.js';
-import { hostAggregate } from '../domain/host/host.aggregate.js';
-import { capacityOverridesSchema, hostBackendSchema, labelsSchema, type HostEvent } from '../domain/host/host.events.js';
-import { type HostCommand, type HostState } from '../domain/host/host.decider.js';
-import { idSchema } from '../domain/ids.js';
+import { bindAggregate, type BoundOf } from '../command-handler.js';
+import { hostAggregate } from '../../domain/host/host.aggregate.js';
+import { capacityOverridesSchema, hostBackendSchema, labelsSchema, type HostEvent } from '../../domain/host/host.events.js';
+import { type HostCommand, type HostState } from '../../domain/host/host.decider.js';
+import { idSchema } from '../../domain/ids.js';
 import { AppError, NotFoundError } from '@fleet/agent-protocol';
-import type { HostAgent, HostAgentConnector } from '../domain/host-agent.port.js';
-import type { SecretBox } from '../domain/secret-box.port.js';
+import type { HostAgent, HostAgentConnector } from '../../domain/host-agent.port.js';
+import type { SecretBox } from '../../domain/secret-box.port.js';
 import type { CapacityResponse } from '@fleet/agent-protocol';
 import type { HostCapacity } from '@fleet/agent-protocol';
-import type { Position } from '../domain/event-store.port.js';
-import { CommandHandler, type CommandMeta, type Handled } from './command-handler.js';
+import type { Position } from '../../domain/event-store.port.js';
+import { CommandHandler, type CommandMeta, type Handled } from '../command-handler.js';
 
 export const registerHostRequestSchema = z
   .object({
     id: idSchema,
-    url: z
-      .string()
-      .url()
-      .refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
+    url: z.url().refine((u) => /^https?:\/\//.test(u), 'must be an http(s) URL of the host agent'),
     token: z.string().min(16, 'the host agent bearer token: at least 16 characters'),
     region: z.string().max(64).default(''),
     backend: hostBackendSchema.default('process'),

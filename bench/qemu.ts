@@ -1,0 +1,85 @@
+import { mkdtemp, rm } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { buildQemuImage } from '../packages/agent/src/backend/qemu/image.js';
+import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from '../test/agent/harness.js';
+
+/**
+ * `npm run bench -- qemu [--runs N] [--execs N]`
+ *
+ * The qemu backend beside the process backend, one agent each on this
+ * machine: VM image build, create → first successful exec (N runs, default
+ * 2: a TCG boot takes tens of seconds), exec round trip of `true` (p50 over
+ * --execs, default 30), destroy (ACPI power-off for a VM). The accelerator
+ * is whatever the agent's probe chose (printed): TCG on a host without
+ * working KVM.
+ */
+export default async function qemuBench(args: string[]): Promise<void> {
+  const opt = (name: string, dflt: number) => {
+    const i = args.indexOf(`--${name}`);
+    return i >= 0 ? Number(args[i + 1]) : dflt;
+  };
+  const runs = opt('runs', 2);
+  const execs = opt('execs', 30);
+  const log = (s: string) => process.stdout.write(`${s}\n`);
+  const missing = await missingPrerequisite();
+  if (missing) throw new Error(`cannot run the qemu benchmark: ${missing}`);
+  const images = await prepareImages();
+  if ('skip' in images) throw new Error(`cannot run the qemu benchmark: ${images.skip}`);
+  const dirs: string[] = [];
+  const agents: RunningAgent[] = [];
+  const p50 = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)] ?? NaN;
+  try {
+    const t0 = Date.now();
+    await buildQemuImage(images.imageDir, 'base', { force: true });
+    log(`qemu image build: ${Date.now() - t0} ms`);
+    for (const backend of ['process', 'qemu'] as const) {
+      const dataDir = await mkdtemp(join(tmpdir(), `bench-${backend}-`));
+      dirs.push(dataDir);
+      const agent = await startAgent(
+        {
+          dataDir,
+          imageDir: images.imageDir,
+          subnet: uniqueSubnet(),
+          bridgePrefix: uniquePrefix(),
+          env: { AGENT_LOG_LEVEL: 'warn', AGENT_BACKEND: backend },
+        },
+        60_000,
+      );
+      agents.push(agent);
+      const cap = await agent.client.capacity();
+      const boots: number[] = [];
+      const rtts: number[] = [];
+      const destroys: number[] = [];
+      for (let i = 0; i < runs; i++) {
+        const name = `bench-${backend}-${i}`;
+        const started = Date.now();
+        await agent.client.createVm({ name, cpus: 1, ram_mb: 256, tenant: 'bench' }, { timeoutMs: 600_000 });
+        const first = await agent.client.exec(name, { argv: ['true'] });
+        if (first.exit_code !== 0) throw new Error(`first exec in ${name} failed`);
+        boots.push(Date.now() - started);
+        if (i === 0) {
+          for (let k = 0; k < execs; k++) {
+            const s = process.hrtime.bigint();
+            await agent.client.exec(name, { argv: ['true'] });
+            rtts.push(Number(process.hrtime.bigint() - s) / 1e6);
+          }
+        }
+        const d = Date.now();
+        await agent.client.destroyVm(name, { timeoutMs: 60_000 });
+        destroys.push(Date.now() - d);
+      }
+      log(
+        `${backend}${cap.accel ? ` (${cap.accel})` : ''}: create→first exec p50 ${p50(boots)} ms [${boots.join(', ')}], ` +
+          `exec round trip p50 ${p50(rtts).toFixed(1)} ms (${execs}), destroy p50 ${p50(destroys)} ms`,
+      );
+    }
+  } finally {
+    for (const a of agents) {
+      await a.client.prune().catch(() => undefined);
+      await a.stop();
+      await a.cleanupHost();
+    }
+    for (const d of dirs) await rm(d, { recursive: true, force: true });
+  }
+}
