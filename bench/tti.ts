@@ -124,11 +124,14 @@ async function oneTti(s: Started, tag: string): Promise<Sample> {
 
 /**
  * The same through the stock `e2b` SDK, configured only by the lines `npm start` prints:
- * `Sandbox.create()` → the first stdout chunk of `commands.run('echo ready')` (envd through the relay).
+ * `Sandbox.create()` → the first stdout chunk of `commands.run('echo ready')` (envd through the ingress).
  */
 async function oneSdkTti(s: Started, tag: string): Promise<number> {
   process.env.E2B_API_URL = `${s.base}/e2b`;
-  process.env.E2B_SANDBOX_URL = `${s.base}/e2b/envd`;
+  // What `npm start` printed: the in-process ingress (header routing to its envd handler).
+  const printed = /^export E2B_SANDBOX_URL=(\S+)$/m.exec(s.output())?.[1];
+  if (printed === undefined) throw new Error('npm start printed no E2B_SANDBOX_URL');
+  process.env.E2B_SANDBOX_URL = printed;
   process.env.E2B_API_KEY = s.key;
   const { Sandbox } = await import('e2b');
   const t0 = performance.now();

@@ -476,6 +476,11 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
     await assert.rejects(sbx.getInfo(), SandboxNotFoundError);
     assert.equal(await Sandbox.kill(sbx.sandboxId), false);
     assert.equal(await sbx.isRunning(), false);
+    // On the ingress too: a gone sandbox is envd's 502 to its token holder, and a 401 to anyone else.
+    const health = (headers: Record<string, string>): Promise<Response> =>
+      fetch(`${ingress!.url}/health`, { headers: { 'e2b-sandbox-id': sbx.sandboxId, 'e2b-sandbox-port': '49983', ...headers } });
+    assert.equal((await health({})).status, 401);
+    assert.equal((await health({ 'x-access-token': (sbx as unknown as { envdAccessToken: string }).envdAccessToken })).status, 502);
     await assert.rejects(sbx.commands.run('true'), (err: unknown) => err instanceof SandboxNotFoundError || err instanceof TimeoutError);
   });
 

@@ -51,6 +51,12 @@ export interface IngressTarget {
 export interface PortHandler {
   request?(target: IngressTarget, req: IncomingMessage, res: ServerResponse): void | Promise<void>;
   upgrade?(target: IngressTarget, req: IncomingMessage, socket: Duplex, head: Buffer): void | Promise<void>;
+  /**
+   * With `auth: 'handler'`: answers a request for a VM the ingress cannot find (no such VM, or
+   * not running) in the handler's own protocol, e.g. envd's 502 that the E2B SDK reads as "not
+   * running". Absent: the ingress's 404 INGRESS_VM_NOT_FOUND.
+   */
+  gone?(vmId: string, req: IncomingMessage, res: ServerResponse): void | Promise<void>;
 }
 
 export interface PortHandlerOptions {
@@ -101,6 +107,16 @@ export interface IngressProxyOptions {
   readonly logger: Logger;
   /** Upstream connect + response-head bound. */
   readonly upstreamTimeoutMs?: number | undefined;
+}
+
+/** No VM for a port whose handler answers that itself (PortHandler.gone). */
+class HandlerGone extends Error {
+  constructor(
+    readonly vmId: string,
+    readonly answer: NonNullable<PortHandler['gone']>,
+  ) {
+    super(`sandbox ${vmId} is not running`);
+  }
 }
 
 class IngressError extends Error {
@@ -197,6 +213,7 @@ export class IngressProxy {
           target: { vmId, tenant: vm.tenant_id, hostId: vm.host_id, hostUrl: vm.host_url ?? undefined, port },
           handler: registered.handler,
         };
+      if (registered.handler.gone) throw new HandlerGone(vmId, registered.handler.gone.bind(registered.handler));
     }
     if (!row) throw new IngressError(404, 'INGRESS_VM_NOT_FOUND', `sandbox ${vmId} does not exist or publishes no ports`);
     const target: IngressTarget = { vmId, tenant: row.tenant_id, hostId: row.host_id, hostUrl: row.host_url ?? undefined, port };
@@ -215,6 +232,15 @@ export class IngressProxy {
     try {
       resolved = await this.resolve(req);
     } catch (err) {
+      if (err instanceof HandlerGone) {
+        stripIngressHeaders(req.headers);
+        try {
+          await err.answer(err.vmId, req, res);
+        } catch (e) {
+          this.refuse(res, e);
+        }
+        return;
+      }
       this.refuse(res, err);
       return;
     }

@@ -130,8 +130,17 @@ export async function serveEnvd(
  */
 export function envdIngressHandler(deps: EnvdForwardDeps): {
   request(target: { readonly vmId: string }, req: IncomingMessage, res: ServerResponse): Promise<void>;
+  gone(vmId: string, req: IncomingMessage, res: ServerResponse): void;
 } {
   return {
+    // As the API's relay answers: the token first (nothing said to a stranger), then E2B's 502 for a sandbox not running.
+    gone(vmId, req, res) {
+      req.resume();
+      const token = req.headers['x-access-token'];
+      if (!deps.tokens.verify(vmId, typeof token === 'string' ? token : undefined))
+        refuse(res, 401, 'a valid X-Access-Token for this sandbox is required (the envdAccessToken of its create or connect answer)');
+      else refuse(res, 502, `sandbox ${vmId} is not running`);
+    },
     async request(target, req, res) {
       try {
         await serveEnvd(deps, target.vmId, req.url ?? '/', req, res, `ingress-envd-${target.vmId}`);
