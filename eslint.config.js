@@ -4,7 +4,7 @@ import eslint from '@eslint/js';
 import tseslint from 'typescript-eslint';
 
 export default tseslint.config(
-  { ignores: ['node_modules/', 'dist/', '.data/', '**/*.cjs', '**/*.mjs', 'eslint.config.js'] },
+  { ignores: ['node_modules/', 'dist/', '.data/', '**/*.cjs', '**/*.mjs', 'eslint.config.js', 'packages/agent/src/envd/gen/'] },
   eslint.configs.recommended,
   tseslint.configs.strictTypeChecked,
   {

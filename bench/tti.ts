@@ -15,7 +15,9 @@ import { freePort } from '../src/adapters/postgres/embedded.js';
  * ports. Three shapes, each --runs (100) samples:
  *   sequential: one create → exec → (untimed) destroy after another;
  *   staggered:  a new create every --stagger-ms (200) without waiting;
- *   burst:      --burst (20) creates at once, repeated until --runs samples.
+ *   burst:      --burst (20) creates at once, repeated until --runs samples;
+ *   e2b SDK:    sequential, through the stock `e2b` SDK (Sandbox.create() to the
+ *               first stdout chunk of commands.run), configured as npm start prints.
  * Every sample is a fresh sandbox; destroys are not timed. The leaderboard's
  * published medians (Daytona 0.11 s, E2B 0.44 s) cross a network from the
  * measuring client to the provider; these do not, which is said beside them.
@@ -120,6 +122,27 @@ async function oneTti(s: Started, tag: string): Promise<Sample> {
   return { ms, vm: vm.id };
 }
 
+/**
+ * The same through the stock `e2b` SDK, configured only by the lines `npm start` prints:
+ * `Sandbox.create()` → the first stdout chunk of `commands.run('echo ready')` (envd through the ingress).
+ */
+async function oneSdkTti(s: Started, tag: string): Promise<number> {
+  process.env.E2B_API_URL = `${s.base}/e2b`;
+  // What `npm start` printed: the in-process ingress (header routing to its envd handler).
+  const printed = /^export E2B_SANDBOX_URL=(\S+)$/m.exec(s.output())?.[1];
+  if (printed === undefined) throw new Error('npm start printed no E2B_SANDBOX_URL');
+  process.env.E2B_SANDBOX_URL = printed;
+  process.env.E2B_API_KEY = s.key;
+  const { Sandbox } = await import('e2b');
+  const t0 = performance.now();
+  const sbx = await Sandbox.create();
+  let first: number | undefined;
+  const r = await sbx.commands.run('echo ready', { onStdout: () => void (first ??= performance.now() - t0) });
+  await sbx.kill();
+  if (r.stdout.trim() !== 'ready' || first === undefined) throw new Error(`sdk ${tag}: unexpected output ${JSON.stringify(r.stdout)}`);
+  return first;
+}
+
 async function destroy(s: Started, vm: string): Promise<void> {
   const r = await fetch(`${s.base}/v1/vms/${vm}`, { method: 'DELETE', headers: { authorization: `Bearer ${s.key}` } });
   if (!r.ok && r.status !== 404) throw new Error(`destroy ${vm}: ${r.status} ${await r.text()}`);
@@ -174,6 +197,19 @@ export default async function ttiBench(args: string[]): Promise<void> {
       }
     }
     lines.push(summary('sequential', seq, seqFail));
+    log(lines.at(-1)!);
+
+    const sdk: number[] = [];
+    let sdkFail = 0;
+    for (let i = 0; i < runs; i++) {
+      try {
+        sdk.push(await oneSdkTti(s, `sdk${i}`));
+      } catch (err) {
+        sdkFail++;
+        log(`  ${(err as Error).message}`);
+      }
+    }
+    lines.push(summary('e2b SDK', sdk, sdkFail));
     log(lines.at(-1)!);
 
     const stag: number[] = [];

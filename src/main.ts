@@ -6,6 +6,7 @@ import { createLogger } from './adapters/logger.js';
 import { startEmbeddedPostgres, type EmbeddedPostgres } from './adapters/postgres/embedded.js';
 import { loadOrCreateSecrets } from './adapters/secrets.js';
 import { apiKeysFrom, startService, type Service } from './adapters/service.js';
+import { e2bShellExports } from './adapters/http/e2b/e2b-shell.js';
 import { ingressSettingsOf, startIngress } from './adapters/ingress/ingress.js';
 
 /**
@@ -73,6 +74,7 @@ async function main(): Promise<void> {
     stops.push(() => service.close());
     await service.app.listen({ host: config.HOST, port: config.PORT });
     const apiUrl = `http://${config.HOST}:${config.PORT}`;
+    let ingressUrl: string | undefined;
     if (ingress.run && ingress.settings) {
       const proxy = await startIngress({
         pool: service.pool,
@@ -86,6 +88,7 @@ async function main(): Promise<void> {
         logger,
       });
       stops.push(() => proxy.close());
+      ingressUrl = proxy.url;
     }
 
     if (config.START_LOCAL_AGENT ?? embedded) {
@@ -119,6 +122,8 @@ async function main(): Promise<void> {
         'ready; the generated keys are shown by: npm run fleet -- keys',
       );
     }
+    // Every start: what points the stock e2b SDK here (docs/e2b-compatibility.md), with the key where the demo key is shown.
+    process.stdout.write(`E2B SDK:\n${e2bShellExports(apiUrl, created && showDemo ? secrets.demo_api_key : undefined, ingressUrl)}\n`);
   } catch (err) {
     logger.fatal({ err }, 'start-up failed');
     await shutdown('startup-failure', 1);

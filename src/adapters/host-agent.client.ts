@@ -1,3 +1,7 @@
+import { request as httpRequest } from 'node:http';
+import { request as httpsRequest } from 'node:https';
+import { Readable } from 'node:stream';
+import { pipeline } from 'node:stream/promises';
 import WebSocket from 'ws';
 import type { z } from 'zod';
 import {
@@ -67,6 +71,8 @@ import {
   type HostAgentConnector,
   type HostAgentEndpoint,
   type StreamOptions,
+  type EnvdRequest,
+  type EnvdResponse,
 } from '../domain/host-agent.port.js';
 
 /** The subset of a pino logger the client uses; it never receives the token. */
@@ -347,6 +353,24 @@ export class HostAgentClient implements HostAgent {
 
   egressStatus(name: string, opts?: CallOptions): Promise<EgressStatus> {
     return this.#call({ method: 'GET', path: `/vms/${seg(name)}/egress`, schema: egressStatusSchema, idempotent: true, opts });
+  }
+
+  /** A plain node:http exchange, not fetch: fetch would decompress a gzip answer and a relay must pass bytes through as sent. */
+  envd(name: string, req: EnvdRequest): Promise<EnvdResponse> {
+    const base = this.#url(`/vms/${seg(name)}/envd`);
+    const url = new URL(base.href + req.path);
+    const what = `${req.method} ${AGENT_API_PREFIX}/vms/${seg(name)}/envd on host ${this.hostId}`;
+    const send = url.protocol === 'https:' ? httpsRequest : httpRequest;
+    return new Promise<EnvdResponse>((resolve, reject) => {
+      const out = send(
+        url,
+        { method: req.method, headers: { ...req.headers, authorization: `Bearer ${this.#token}` }, signal: req.signal },
+        (res) => resolve({ status: res.statusCode ?? 502, headers: res.headers as Record<string, string | string[]>, body: res }),
+      );
+      out.on('error', (err) => reject(this.#transportError(err, what, this.#timeoutMs, req.signal)));
+      if (req.body) pipeline(Readable.from(req.body), out).catch(() => out.destroy());
+      else out.end();
+    });
   }
 
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse> {

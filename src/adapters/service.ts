@@ -51,6 +51,9 @@ import { networkRoutes } from './http/network.routes.js';
 import { usageRoutes } from './http/usage.routes.js';
 import { eventsRoutes, FeedStats } from './http/events.routes.js';
 import { auditRoutes } from './http/audit.routes.js';
+import { ENVD_PORT, EnvdTokens } from './http/e2b/e2b-auth.js';
+import { e2bRoutes } from './http/e2b/e2b.routes.js';
+import { envdForwardRoutes, envdIngressHandler } from './http/e2b/envd-forward.routes.js';
 import { lifecycleRoutes } from './http/lifecycle.routes.js';
 import { VmLifecycle } from '../commands/vm/vm-lifecycle.js';
 import { vmEventsProjection } from '../projections/vm-events/vm-events.projection.js';
@@ -310,9 +313,14 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     webhooks.registerMetrics(metrics);
 
     const rywTimeout = config.READ_YOUR_WRITES_TIMEOUT_MS;
+    const apiKeys = new ApiKeys(opts.apiKeys);
+    const envdTokens = new EnvdTokens(opts.tokenEncryptionKey);
+    // envd (E2B_SANDBOX_URL) on every ingress this process runs, for every running sandbox; envd checks X-Access-Token itself.
+    const ingressHandlers = new IngressPortHandlers();
+    ingressHandlers.setPortHandler(ENVD_PORT, envdIngressHandler({ vms, tokens: envdTokens }), { auth: 'handler' });
     const app = await buildApp({
       logger: opts.httpLogger === false ? false : logger,
-      apiKeys: new ApiKeys(opts.apiKeys),
+      apiKeys,
       metrics,
       bodyLimit: config.API_BODY_LIMIT_BYTES,
       metricsToken: config.METRICS_TOKEN,
@@ -364,6 +372,8 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         auditRoutes({ store }),
         lifecycleRoutes({ lifecycle, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         snapshotRoutes({ snapshots, forkMigrate, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
+        e2bRoutes({ apiKeys, vms, lifecycle, pool, runner, tokens: envdTokens, readYourWritesTimeoutMs: rywTimeout }),
+        envdForwardRoutes({ vms, tokens: envdTokens }),
         ...(ingress ? [ingressRoutes({ ingress, vms })] : []),
         observeRoutes({ vms, hosts, maxFollowsPerCaller: config.SSE_MAX_PER_TENANT }),
         webhookRoutes({
@@ -399,7 +409,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       isReconcilerLeader: () => lease.held,
       pool,
       ingress,
-      ingressHandlers: new IngressPortHandlers(),
+      ingressHandlers,
       recordIngressActivity: activityRecorder(handler, { correlationId: 'ingress-activity', actor: 'ingress' }),
       close,
     };

@@ -88,6 +88,13 @@ export interface HostAgent {
    */
   openDownload(name: string, path: string, opts?: CallOptions & { maxBytes?: number }): Promise<FileDownload>;
 
+  /**
+   * One HTTP exchange with the sandbox's envd (the E2B SDK's in-sandbox API: Connect RPC, /files,
+   * /health), streamed both ways and passed through unchanged: status, headers and body are envd's.
+   * Rejects only when the agent cannot be reached (HostUnreachableError).
+   */
+  envd(name: string, req: EnvdRequest): Promise<EnvdResponse>;
+
   startAgent(name: string, spec: AgentSpec, opts?: CallOptions): Promise<StartAgentResponse>;
 
   /** `kind` in the answer is what the backend produced (a live request may come back as disk). */
@@ -120,6 +127,23 @@ export interface HostAgent {
   setEgress(name: string, egress: AgentEgress, opts?: CallOptions): Promise<VmInfo>;
   /** The resolved outbound policy, with a probe of its proxy endpoint from the host. */
   egressStatus(name: string, opts?: CallOptions): Promise<EgressStatus>;
+}
+
+export interface EnvdRequest {
+  readonly method: string;
+  /** envd's own path and query, e.g. `/process.Process/Start` or `/files?path=a.txt`. */
+  readonly path: string;
+  readonly headers: Readonly<Record<string, string>>;
+  /** Absent for GET and HEAD. */
+  readonly body?: AsyncIterable<Uint8Array> | undefined;
+  /** Aborting it drops the exchange (the client went away). */
+  readonly signal?: AbortSignal | undefined;
+}
+
+export interface EnvdResponse {
+  readonly status: number;
+  readonly headers: Readonly<Record<string, string | string[]>>;
+  readonly body: AsyncIterable<Uint8Array>;
 }
 
 export interface CallOptions {

@@ -76,6 +76,9 @@ describe('host agent HTTP edge', { timeout: 30_000 }, () => {
     ['POST', '/v1/artifacts/grants'],
     ['POST', '/v1/artifacts/pull'],
     ['POST', '/v1/prune'],
+    ['GET', '/v1/vms/a/envd/health'],
+    ['POST', '/v1/vms/a/envd/process.Process/Start'],
+    ['POST', '/v1/vms/a/envd/files?path=/x'],
     ['GET', '/v1/nonexistent'],
   ];
 

@@ -84,21 +84,32 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
         LOG_LEVEL: 'info',
         NODE_ENV: 'production',
       };
-      const first = await runUntil(['src/main.ts'], env, (o) => /admin key:/.test(o) || /"ready|start-up failed/.test(o), 120_000);
+      const first = await runUntil(
+        ['src/main.ts'],
+        env,
+        (o) => /export E2B_API_KEY=\S+\n/.test(o) || /"ready|start-up failed/.test(o),
+        120_000,
+      );
       const secrets = JSON.parse(await fs.readFile(path.join(dataDir, 'secrets.json'), 'utf8')) as Record<string, string>;
       assert.ok(first.out.includes(secrets.admin_api_key!), `first start prints the admin key:\n${first.out.slice(-2000)}`);
       assert.ok(first.out.includes(secrets.demo_api_key!));
       assert.equal(first.code, 0, first.out.slice(-2000));
+      // What points the stock e2b SDK here (docs/e2b-compatibility.md), the key with the demo key.
+      assert.match(first.out, /^export E2B_API_URL=http:\/\/127\.0\.0\.1:\d+\/e2b$/m);
+      // envd through the in-process ingress (PORT+1 by default), routed by the SDK's E2b-Sandbox-Id header.
+      assert.match(first.out, new RegExp(`^export E2B_SANDBOX_URL=http://127\\.0\\.0\\.1:${Number(env.PORT) + 1}$`, 'm'));
+      assert.ok(first.out.includes(`export E2B_API_KEY=${secrets.demo_api_key!}\n`));
 
       const second = await runUntil(
         ['src/main.ts'],
         env,
-        (o) => /generated keys are shown by/.test(o) || /start-up failed/.test(o),
+        (o) => /export E2B_SANDBOX_URL=\S+\n/.test(o) || /start-up failed/.test(o),
         120_000,
       );
       assert.match(second.out, /generated keys are shown by: npm run fleet -- keys/, second.out.slice(-2000));
       assert.ok(!second.out.includes(secrets.admin_api_key!), 'a later start does not print the admin key');
       assert.ok(!second.out.includes(secrets.demo_api_key!), 'nor the demo key');
+      assert.match(second.out, /^export E2B_API_URL=\S+\/e2b$/m, 'the E2B lines are printed on every start');
       assert.equal(second.code, 0);
 
       // Postgres was initialised with the generated password, not the constant one.

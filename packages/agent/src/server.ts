@@ -7,6 +7,7 @@ import { runBuffered, type ExecLimits } from './exec.js';
 import { GuestAgentStore } from './guest-agents.js';
 import type { AgentAppConfig, AgentRouteContext } from './routes/context.js';
 import { registerCheckpointRoutes } from './routes/checkpoints.routes.js';
+import { registerEnvdRoutes } from './routes/envd.routes.js';
 import { registerExecRoutes } from './routes/exec.routes.js';
 import { registerHostRoutes } from './routes/host.routes.js';
 import { registerVmRoutes } from './routes/vms.routes.js';
@@ -106,6 +107,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   registerObserveRoutes(app, ctx);
   registerEgressRoutes(app, ctx);
   registerMemoryRoutes(app, ctx);
+  registerEnvdRoutes(app, ctx);
 
   return app;
 }

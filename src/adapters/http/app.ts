@@ -9,6 +9,7 @@ import { bearerOf, type ApiKeys } from './auth.js';
 import { safeEqual } from '../crypto.js';
 import type { Metrics } from './metrics.js';
 import { withTimeout } from '../timeout.js';
+import { E2B_PREFIX } from './e2b/e2b-auth.js';
 
 export interface Readiness {
   /** Name → check; each resolves when its dependency answers. */
@@ -89,7 +90,8 @@ export async function buildApp(opts: AppOptions): Promise<FastifyInstance> {
   // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise
   app.addHook('onRequest', async (req) => {
     const path = req.url.replace(/\?.*/s, '');
-    if (PUBLIC.has(path)) return;
+    // The E2B-compatible API authenticates in its own scope (X-API-Key; envd by the sandbox's access token).
+    if (PUBLIC.has(path) || path.startsWith(`${E2B_PREFIX}/`)) return;
     req.caller = opts.apiKeys.authenticate(req);
   });
   // eslint-disable-next-line @typescript-eslint/require-await -- fastify waits for done() unless a hook returns a promise

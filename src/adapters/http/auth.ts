@@ -46,6 +46,11 @@ export class ApiKeys {
     const match = /^Bearer\s+(\S+)\s*$/i.exec(header);
     const presented = match?.[1];
     if (presented === undefined) throw new UnauthorizedError('Authorization header must be "Bearer <api key>"');
+    return this.authenticateKey(presented);
+  }
+
+  /** A key presented some other way than a bearer token (the E2B API's X-API-Key). */
+  authenticateKey(presented: string): Caller {
     // Compare against every key, always: the time taken does not say which key came close.
     let found: ApiKey | undefined;
     for (const k of this.keys) if (safeEqual(presented, k.key) && !found) found = k;

@@ -43,13 +43,20 @@ export interface IngressTarget {
 /**
  * Serves one guest port itself instead of proxying it to a published
  * endpoint: e.g. E2B's envd port 49983, which no sandbox publishes. The
- * ingress has already found the VM (it must have published routes) and,
- * unless `auth: 'handler'`, checked its traffic token. Headers naming the
+ * ingress has already found the VM (by its published routes; with
+ * `auth: 'handler'` also any running VM that publishes none) and, unless
+ * `auth: 'handler'`, checked its traffic token. Headers naming the
  * sandbox and the traffic token are removed before the handler sees the request.
  */
 export interface PortHandler {
   request?(target: IngressTarget, req: IncomingMessage, res: ServerResponse): void | Promise<void>;
   upgrade?(target: IngressTarget, req: IncomingMessage, socket: Duplex, head: Buffer): void | Promise<void>;
+  /**
+   * With `auth: 'handler'`: answers a request for a VM the ingress cannot find (no such VM, or
+   * not running) in the handler's own protocol, e.g. envd's 502 that the E2B SDK reads as "not
+   * running". Absent: the ingress's 404 INGRESS_VM_NOT_FOUND.
+   */
+  gone?(vmId: string, req: IncomingMessage, res: ServerResponse): void | Promise<void>;
 }
 
 export interface PortHandlerOptions {
@@ -100,6 +107,16 @@ export interface IngressProxyOptions {
   readonly logger: Logger;
   /** Upstream connect + response-head bound. */
   readonly upstreamTimeoutMs?: number | undefined;
+}
+
+/** No VM for a port whose handler answers that itself (PortHandler.gone). */
+class HandlerGone extends Error {
+  constructor(
+    readonly vmId: string,
+    readonly answer: NonNullable<PortHandler['gone']>,
+  ) {
+    super(`sandbox ${vmId} is not running`);
+  }
 }
 
 class IngressError extends Error {
@@ -187,9 +204,19 @@ export class IngressProxy {
   private async resolve(req: IncomingMessage, fresh = false): Promise<Resolved> {
     const { vmId, port } = this.parse(req);
     const row = await this.opts.routes.lookup(vmId, fresh);
+    const registered = this.handlers.get(port);
+    if (!row && registered?.auth === 'handler') {
+      // A handler that authenticates itself (envd) serves every running sandbox, not only those publishing ports.
+      const vm = await this.opts.routes.lookupRunning(vmId);
+      if (vm)
+        return {
+          target: { vmId, tenant: vm.tenant_id, hostId: vm.host_id, hostUrl: vm.host_url ?? undefined, port },
+          handler: registered.handler,
+        };
+      if (registered.handler.gone) throw new HandlerGone(vmId, registered.handler.gone.bind(registered.handler));
+    }
     if (!row) throw new IngressError(404, 'INGRESS_VM_NOT_FOUND', `sandbox ${vmId} does not exist or publishes no ports`);
     const target: IngressTarget = { vmId, tenant: row.tenant_id, hostId: row.host_id, hostUrl: row.host_url ?? undefined, port };
-    const registered = this.handlers.get(port);
     if (registered) {
       if (registered.auth === 'traffic-token') checkToken(req, row.token_sha256);
       return { target, handler: registered.handler };
@@ -205,6 +232,15 @@ export class IngressProxy {
     try {
       resolved = await this.resolve(req);
     } catch (err) {
+      if (err instanceof HandlerGone) {
+        stripIngressHeaders(req.headers);
+        try {
+          await err.answer(err.vmId, req, res);
+        } catch (e) {
+          this.refuse(res, e);
+        }
+        return;
+      }
       this.refuse(res, err);
       return;
     }

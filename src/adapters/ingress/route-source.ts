@@ -1,9 +1,11 @@
 import type { Pool } from 'pg';
-import { getIngressTarget, type IngressTargetRow } from '../../projections/ingress/ingress.queries.js';
+import { getIngressTarget, getRunningVmPlacement, type IngressTargetRow } from '../../projections/ingress/ingress.queries.js';
 
 /** Where a proxy reads the route table; `fresh` skips any cache. */
 export interface RouteSource {
   lookup(vmId: string, fresh?: boolean): Promise<IngressTargetRow | undefined>;
+  /** A running VM that publishes no ports: only a port handler that authenticates itself serves it. Not cached. */
+  lookupRunning(vmId: string): Promise<Pick<IngressTargetRow, 'vm_id' | 'tenant_id' | 'host_id' | 'host_url'> | undefined>;
 }
 
 /**
@@ -33,5 +35,9 @@ export class PgRouteSource implements RouteSource {
       this.cache.set(vmId, { row, until: now + this.ttlMs });
     } else this.cache.delete(vmId);
     return row;
+  }
+
+  lookupRunning(vmId: string): ReturnType<RouteSource['lookupRunning']> {
+    return getRunningVmPlacement(this.pool, vmId);
   }
 }

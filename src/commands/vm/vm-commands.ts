@@ -428,6 +428,16 @@ export class VmCommands {
     }
   }
 
+  /**
+   * The host agent and sandbox that serve a running VM's in-sandbox traffic (E2B's envd; the ingress too).
+   * Looked up for any tenant: the caller has already checked the VM's own access token. Counts as activity.
+   */
+  async sandboxFor(vmId: string, meta: CommandMeta): Promise<{ agent: HostAgent; name: string; tenantId: string }> {
+    const { vm, agent } = await this.running(vmId, { ...meta, tenantId: 'admin', admin: true });
+    this.touch(vm, { ...meta, tenantId: vm.tenant_id, admin: false });
+    return { agent, name: sandboxName(vmId), tenantId: vm.tenant_id };
+  }
+
   private async running(vmId: string, actor: Actor): Promise<{ vm: ExistingVmState; agent: HostAgent }> {
     const vm = await this.get(vmId, actor);
     if (vm.status !== 'running' || !vm.host_id) {

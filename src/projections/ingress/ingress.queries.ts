@@ -27,6 +27,19 @@ export async function getIngressTarget(sql: Sql, vmId: string): Promise<IngressT
   return rows[0];
 }
 
+/** Where a running VM is, whether or not it publishes ports: for a port handler that authenticates itself (E2B's envd). */
+export async function getRunningVmPlacement(
+  sql: Sql,
+  vmId: string,
+): Promise<{ vm_id: string; tenant_id: string; host_id: string; host_url: string | null } | undefined> {
+  const { rows } = await sql.query<{ vm_id: string; tenant_id: string; host_id: string; host_url: string | null }>(
+    `SELECT v.id AS vm_id, v.tenant_id, v.host_id, h.url AS host_url
+       FROM vms v LEFT JOIN hosts h ON h.id = v.host_id WHERE v.id = $1 AND v.state = 'running' AND v.host_id IS NOT NULL`,
+    [vmId],
+  );
+  return rows[0];
+}
+
 export async function countIngressRoutes(sql: Sql): Promise<number> {
   const { rows } = await sql.query<{ n: string }>(`SELECT coalesce(sum(jsonb_array_length(routes)), 0) AS n FROM ingress_routes`);
   return Number(rows[0]?.n ?? 0);

@@ -45,6 +45,11 @@ export interface VmFilter {
   reason?: string | undefined;
   /** Every pair must match (`metadata @> …`). */
   metadata?: Record<string, string> | undefined;
+  /** Any of these states (with `state`, both must hold). */
+  states?: readonly string[] | undefined;
+  createdAfter?: string | undefined;
+  /** The spec's image or seed snapshot. */
+  template?: string | undefined;
   limit: number;
   /** Keyset: the (created_at, id) of the last row of the previous page. */
   after?: { created_at: string; id: string } | undefined;
@@ -61,6 +66,9 @@ export async function listVms(sql: Sql, f: VmFilter): Promise<VmRow[]> {
         AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::text))
         AND ($8::text IS NULL OR reason = $8)
         AND ($9::jsonb IS NULL OR metadata @> $9::jsonb)
+        AND ($10::text[] IS NULL OR state = ANY($10::text[]))
+        AND ($11::timestamptz IS NULL OR created_at >= $11::timestamptz)
+        AND ($12::text IS NULL OR spec->>'image' = $12 OR spec->>'seed_snapshot_id' = $12)
       ORDER BY created_at DESC, id DESC
       LIMIT $7`,
     [
@@ -73,6 +81,9 @@ export async function listVms(sql: Sql, f: VmFilter): Promise<VmRow[]> {
       f.limit,
       f.reason ?? null,
       f.metadata && Object.keys(f.metadata).length > 0 ? JSON.stringify(f.metadata) : null,
+      f.states ? [...f.states] : null,
+      f.createdAfter ?? null,
+      f.template ?? null,
     ],
   );
   return rows.map(toRow);

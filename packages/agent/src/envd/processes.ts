@@ -1,0 +1,294 @@
+import { Code, ConnectError, type HandlerContext } from '@connectrpc/connect';
+import type { Backend, ProcessHandle } from '../backend.js';
+import { ENVD_HOME } from './guest-fs.js';
+
+/**
+ * The processes envd started, per sandbox. A process belongs to the agent,
+ * not to the RPC that started it: a client that goes away leaves it
+ * running, and Connect re-attaches to its output from then on (like envd,
+ * nothing is replayed). Only the deadline the start request carried
+ * (Connect-Timeout-Ms) kills it.
+ */
+
+/**
+ * The SDK always asks for /bin/bash; an image without bash (the busybox base
+ * image) runs /bin/sh instead, decided inside the guest. `echo $$` before the
+ * exec hands the agent the guest pid of what follows (exec keeps the pid).
+ */
+const WRAPPER = 'echo $$; c=$1; shift; if [ "$c" = /bin/bash ] && [ ! -x /bin/bash ]; then c=/bin/sh; fi; exec "$c" "$@"';
+
+/** Output waiting for one slow client past which the guest's pipes are paused. */
+const HIGH_WATER = 4 * 1024 * 1024;
+const MAX_PROCESSES_PER_SANDBOX = 256;
+
+export interface ProcessConfigInit {
+  readonly cmd: string;
+  readonly args: readonly string[];
+  readonly envs: Readonly<Record<string, string>>;
+  readonly cwd?: string | undefined;
+}
+
+export type OutputEvent =
+  | { readonly kind: 'data'; readonly stream: 'stdout' | 'stderr' | 'pty'; readonly data: Uint8Array }
+  | { readonly kind: 'end'; readonly exitCode: number; readonly exited: boolean; readonly status: string; readonly error?: string }
+  | { readonly kind: 'keepalive' };
+
+/** One client's view of a process's output: a bounded queue it drains at its own pace. */
+export class Subscriber {
+  #queue: OutputEvent[] = [];
+  #bytes = 0;
+  #wake: (() => void) | null = null;
+  #closed = false;
+
+  constructor(private readonly onDrained: () => void) {}
+
+  get backlog(): number {
+    return this.#bytes;
+  }
+
+  push(e: OutputEvent): void {
+    if (this.#closed) return;
+    this.#queue.push(e);
+    if (e.kind === 'data') this.#bytes += e.data.length;
+    this.#wake?.();
+  }
+
+  close(): void {
+    this.#closed = true;
+    this.#wake?.();
+  }
+
+  async *events(signal: AbortSignal): AsyncGenerator<OutputEvent> {
+    const onAbort = (): void => this.#wake?.();
+    signal.addEventListener('abort', onAbort);
+    try {
+      for (;;) {
+        const e = this.#queue.shift();
+        if (e) {
+          if (e.kind === 'data') {
+            this.#bytes -= e.data.length;
+            if (this.#bytes < HIGH_WATER / 4) this.onDrained();
+          }
+          yield e;
+          if (e.kind === 'end') return;
+          continue;
+        }
+        if (this.#closed || signal.aborted) return;
+        await new Promise<void>((resolve) => (this.#wake = resolve));
+        this.#wake = null;
+      }
+    } finally {
+      signal.removeEventListener('abort', onAbort);
+    }
+  }
+}
+
+export class EnvdProcess {
+  readonly subscribers = new Set<Subscriber>();
+  ended = false;
+  #paused = false;
+
+  constructor(
+    readonly pid: number,
+    readonly tag: string | undefined,
+    readonly config: ProcessConfigInit,
+    readonly pty: boolean,
+    readonly handle: ProcessHandle,
+  ) {}
+
+  subscribe(): Subscriber {
+    const s = new Subscriber(() => this.resumeIfDrained());
+    this.subscribers.add(s);
+    return s;
+  }
+
+  unsubscribe(s: Subscriber): void {
+    this.subscribers.delete(s);
+    s.close();
+    this.resumeIfDrained();
+  }
+
+  publish(e: OutputEvent): void {
+    for (const s of this.subscribers) s.push(e);
+    if (e.kind === 'data' && !this.#paused && [...this.subscribers].some((s) => s.backlog > HIGH_WATER)) {
+      // The guest then blocks on a full pipe until the slowest client catches up; output keeps its order.
+      this.#paused = true;
+      this.handle.stdout.pause();
+      this.handle.stderr.pause();
+    }
+  }
+
+  private resumeIfDrained(): void {
+    if (!this.#paused || [...this.subscribers].some((s) => s.backlog > HIGH_WATER / 4)) return;
+    this.#paused = false;
+    this.handle.stdout.resume();
+    this.handle.stderr.resume();
+  }
+
+  get stdinWritable(): boolean {
+    return !this.handle.stdin.destroyed && !this.handle.stdin.writableEnded;
+  }
+}
+
+export interface StartRequest {
+  readonly config: ProcessConfigInit;
+  readonly pty?: { readonly rows: number; readonly cols: number } | undefined;
+  readonly tag?: string | undefined;
+  readonly stdin: boolean;
+}
+
+export class ProcessTable {
+  readonly #bySandbox = new Map<string, Map<number, EnvdProcess>>();
+
+  constructor(private readonly backend: Backend) {}
+
+  list(sandbox: string): EnvdProcess[] {
+    return [...(this.#bySandbox.get(sandbox)?.values() ?? [])].filter((p) => !p.ended);
+  }
+
+  find(sandbox: string, selector: { case: 'pid'; value: number } | { case: 'tag'; value: string } | { case: undefined }): EnvdProcess {
+    if (selector.case === undefined) throw new ConnectError('process selector needs a pid or a tag', Code.InvalidArgument);
+    const found = this.list(sandbox).find((p) => (selector.case === 'pid' ? p.pid === selector.value : p.tag === selector.value));
+    if (!found) throw new ConnectError(`process with ${selector.case} ${String(selector.value)} not found`, Code.NotFound);
+    return found;
+  }
+
+  /**
+   * Spawns the process and subscribes `first` before any output can flow, so
+   * the starting client misses nothing; resolves once the guest pid is known.
+   */
+  async start(sandbox: string, req: StartRequest, timeoutMs: number | undefined): Promise<{ proc: EnvdProcess; first: Subscriber }> {
+    const table = this.#bySandbox.get(sandbox) ?? new Map<number, EnvdProcess>();
+    if (this.list(sandbox).length >= MAX_PROCESSES_PER_SANDBOX) {
+      throw new ConnectError(`more than ${MAX_PROCESSES_PER_SANDBOX} envd processes are running in this sandbox`, Code.ResourceExhausted);
+    }
+    if (!req.config.cmd) throw new ConnectError('process.cmd is required', Code.InvalidArgument);
+    const handle = await this.backend.spawn(sandbox, {
+      argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
+      env: { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs },
+      cwd: req.config.cwd ?? ENVD_HOME,
+      stdin: req.stdin || req.pty !== undefined,
+      ...(req.pty ? { tty: req.pty } : {}),
+    });
+    handle.stdin.on('error', () => {});
+    const pending: OutputEvent[] = [];
+    // Output that comes before the pid is known waits here for the process record.
+    const live: { proc?: EnvdProcess } = {};
+    const emit = (e: OutputEvent): void => {
+      if (live.proc) live.proc.publish(e);
+      else pending.push(e);
+    };
+
+    // The first line of stdout is the wrapper's pid; everything after it is the process's own output.
+    const pid = new Promise<number>((resolve, reject) => {
+      let head = Buffer.alloc(0);
+      let found = false;
+      const outStream = req.pty ? 'pty' : 'stdout';
+      handle.stdout.on('data', (chunk: Buffer) => {
+        if (found) {
+          emit({ kind: 'data', stream: outStream, data: chunk });
+          return;
+        }
+        head = Buffer.concat([head, chunk]);
+        const nl = head.indexOf(10);
+        if (nl < 0) {
+          if (head.length > 64) handle.kill('SIGKILL');
+          return;
+        }
+        found = true;
+        const line = head.subarray(0, nl).toString('latin1').replace(/\r$/, '');
+        const rest = head.subarray(nl + 1);
+        const n = Number(line);
+        if (!/^\d+$/.test(line) || n <= 0) {
+          handle.kill('SIGKILL');
+          reject(new ConnectError('the process did not start', Code.Internal));
+          return;
+        }
+        resolve(n);
+        if (rest.length > 0) emit({ kind: 'data', stream: outStream, data: rest });
+      });
+      let stderrHead = '';
+      handle.stderr.on('data', (chunk: Buffer) => {
+        if (!found && stderrHead.length < 2000) stderrHead += chunk.toString('utf8');
+        emit({ kind: 'data', stream: 'stderr', data: chunk });
+      });
+      handle.wait().then(
+        (st) => {
+          if (!found)
+            reject(
+              new ConnectError(
+                `could not start ${req.config.cmd}: ${stderrHead.trim().slice(0, 500) || `exit ${st.exitCode ?? st.signal}`}`,
+                Code.InvalidArgument,
+              ),
+            );
+        },
+        (err: unknown) => {
+          reject(err instanceof Error ? err : new Error(String(err)));
+        },
+      );
+    });
+
+    let timedOut = false;
+    const timer =
+      timeoutMs !== undefined && timeoutMs > 0
+        ? setTimeout(() => {
+            timedOut = true;
+            handle.kill('SIGKILL');
+          }, timeoutMs)
+        : undefined;
+    let guestPid: number;
+    try {
+      guestPid = await pid;
+    } catch (err) {
+      if (timer) clearTimeout(timer);
+      throw err;
+    }
+    const proc = new EnvdProcess(guestPid, req.tag, req.config, req.pty !== undefined, handle);
+    live.proc = proc;
+    const first = proc.subscribe();
+    for (const e of pending.splice(0)) proc.publish(e);
+    table.set(guestPid, proc);
+    this.#bySandbox.set(sandbox, table);
+
+    const started = proc;
+    void handle.wait().then(
+      (st) => {
+        if (timer) clearTimeout(timer);
+        started.ended = true;
+        const exitCode = st.exitCode ?? -1;
+        const status = st.signal ? `signal: ${signalName(st.signal)}` : `exit status ${exitCode}`;
+        started.publish({
+          kind: 'end',
+          exitCode,
+          exited: st.signal === null,
+          status,
+          ...(exitCode !== 0 || st.signal ? { error: timedOut ? `${status} (deadline exceeded)` : status } : {}),
+        });
+        for (const s of started.subscribers) s.close();
+        table.delete(started.pid);
+        if (table.size === 0 && this.#bySandbox.get(sandbox) === table) this.#bySandbox.delete(sandbox);
+      },
+      () => undefined,
+    );
+    return { proc: started, first };
+  }
+}
+
+function signalName(signal: NodeJS.Signals): string {
+  return signal === 'SIGKILL' ? 'killed' : signal === 'SIGTERM' ? 'terminated' : signal.toLowerCase();
+}
+
+/** Streams a subscriber's events with keepalives; the process outlives a client that disconnects. */
+export async function* follow(proc: EnvdProcess, sub: Subscriber, ctx: HandlerContext): AsyncGenerator<OutputEvent> {
+  const interval = Number(ctx.requestHeader.get('keepalive-ping-interval') ?? '');
+  const keepalive =
+    Number.isFinite(interval) && interval > 0
+      ? setInterval(() => sub.push({ kind: 'keepalive' }), Math.max(1, interval) * 1000)
+      : undefined;
+  try {
+    yield* sub.events(ctx.signal);
+  } finally {
+    if (keepalive) clearInterval(keepalive);
+    proc.unsubscribe(sub);
+  }
+}
