@@ -94,19 +94,21 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
       async () => {
         await cp!.service.reconciler.reconcileOnce();
         const vm = await cp!.service.vms.get(id, { tenantId: 'acme', admin: false });
-        return vm.status === 'destroyed' ? vm : undefined;
+        return vm.status === 'failed' ? vm : undefined;
       },
       30_000,
       'the VM to end',
     );
+    // An init that died is a failure of the VM (the stopped-sandbox verdict), with reason oom rather than exited.
     const evs = await events(id);
-    const ended = evs.find((e) => e.type === 'VmDestroyed')!;
+    const ended = evs.find((e) => e.type === 'VmFailed')!;
     assert.equal(ended.data.reason, 'oom');
+    assert.equal(ended.data.error_code, 'OOM_KILLED');
     const kill = evs.find((e) => e.type === 'VmOomKilled')!;
     assert.equal(kill.data.pid, 1);
     const row = await eventually(async () => {
       const r = await cp!.request('GET', `/v1/vms/${id}`, { as: 'acme' });
-      return r.body.state === 'destroyed' ? r.body : undefined;
+      return r.body.state === 'failed' ? r.body : undefined;
     });
     assert.equal(row.reason, 'oom');
   });
