@@ -77,6 +77,8 @@ const CONSOLE = 'console.log';
 
 export class SandboxMonitor implements SandboxObserver {
   private readonly watches = new Map<string, Watch>();
+  /** Execs SIGKILLed in a sandbox the monitor has not polled yet (a hog run right after the create): named at first sight. */
+  private readonly earlyKills = new Map<string, string[]>();
   private sampleTimer: NodeJS.Timeout | undefined;
   private oomTimer: NodeJS.Timeout | undefined;
   private busy = false;
@@ -133,6 +135,7 @@ export class SandboxMonitor implements SandboxObserver {
       const targets = this.opts.targets();
       const names = new Set(targets.map((t) => t.name));
       for (const name of this.watches.keys()) if (!names.has(name)) this.watches.delete(name);
+      for (const name of this.earlyKills.keys()) if (!names.has(name)) this.earlyKills.delete(name);
       await Promise.all(targets.map((t) => this.pollOne(t)));
       if (Date.now() - this.lastSweep > 60_000) {
         this.lastSweep = Date.now();
@@ -146,15 +149,18 @@ export class SandboxMonitor implements SandboxObserver {
   private watchOf(t: MonitorTarget, count: number): Watch {
     let w = this.watches.get(t.name);
     if (w?.initStart !== t.initStart) {
-      // First sight (or a new init under the same name): kills counted before are known by number only.
+      // First sight (or a new init under the same name): kills counted before are known by number only, except those of
+      // execs that reported a SIGKILL before this poll: they count as risen now and are named at the next poll.
+      const early = this.earlyKills.get(t.name) ?? [];
+      this.earlyKills.delete(t.name);
       w = {
         initStart: t.initStart,
-        oomCount: count,
+        oomCount: Math.max(0, count - early.length),
         events: [],
         alive: true,
         initOom: false,
         procs: new Map(),
-        killedExecs: [],
+        killedExecs: [...early],
         pending: 0,
         vanished: [],
         samples: [],
@@ -219,7 +225,15 @@ export class SandboxMonitor implements SandboxObserver {
   }
 
   noteKilledExec(name: string, process: string): void {
-    this.watches.get(name)?.killedExecs.push(basename(process).slice(0, 64) || 'unknown');
+    const note = basename(process).slice(0, 64) || 'unknown';
+    const w = this.watches.get(name);
+    if (w) {
+      w.killedExecs.push(note);
+      return;
+    }
+    const early = this.earlyKills.get(name) ?? [];
+    if (early.length < MAX_EVENTS) early.push(note);
+    this.earlyKills.set(name, early);
   }
 
   async oomKills(name: string): Promise<number> {

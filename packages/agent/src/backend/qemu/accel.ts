@@ -17,7 +17,8 @@ export interface AccelReport {
 /**
  * Whether KVM actually runs a guest here. `/dev/kvm` existing proves
  * nothing: in a nested setup it opens fine and guests then crawl or hang. The
- * probe boots QEMU's own firmware (SeaBIOS, no disk) under KVM and waits for
+ * probe boots QEMU's own firmware (SeaBIOS, no disk) under KVM, with the CPU
+ * model real VMs use, and waits for
  * it to finish POST ("No bootable device." on its debug port): TCG gets there
  * in well under a second here, so a KVM that cannot within `timeoutMs` is
  * worse than no KVM.
@@ -44,6 +45,9 @@ export async function firmwarePosts(
     [
       '-machine',
       `q35,accel=${accel}`,
+      // The CPU model real VMs get (command.ts): here KVM boots the default model but aborts on `host` (an MSR it cannot set).
+      '-cpu',
+      accel === 'kvm' ? 'host' : 'max',
       '-nodefaults',
       '-no-user-config',
       '-display',
