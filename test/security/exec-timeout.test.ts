@@ -41,6 +41,21 @@ describe('security review: exec timeout', { skip: skip ? `host feature missing: 
     assert.ok(Date.now() - t0 < 6000);
   });
 
+  test('a timed-out exec takes what it started with it, though it runs in a session of its own inside the sandbox', async () => {
+    const run = (argv: string[], timeoutMs: number) =>
+      runBuffered(lab.backend, 'to', { argv, env: {}, timeoutMs, encoding: 'utf8' }, 4096, new AbortController().signal);
+    // A background child in the exec's group that keeps the exec's output open, so the exec runs into its timeout.
+    const r = await run(['/bin/sh', '-c', 'sleep 777 & echo started; wait'], 1500);
+    assert.equal(r.timed_out, true);
+    let left = '';
+    for (let i = 0; i < 20; i++) {
+      left = (await run(['/bin/sh', '-c', 'ps -o args | grep "[s]leep 777" || true'], 5000)).stdout;
+      if (left === '') break;
+      await new Promise((resolve) => setTimeout(resolve, 250));
+    }
+    assert.equal(left, '', 'the timed-out exec left its child running');
+  });
+
   test('an exec whose daemon redirected its output ends when the command does', async () => {
     const r = await runBuffered(
       lab.backend,

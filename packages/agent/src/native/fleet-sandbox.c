@@ -468,6 +468,56 @@ static const int FORWARDED[] = {SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUS
 
 static volatile pid_t forward_to;
 
+/* The host side died (SIGKILLed by the agent on a timeout or a hang-up): everything the exec started goes too. */
+static void kill_own_group(int sig) {
+  (void)sig;
+  kill(0, SIGKILL);
+  _exit(137);
+}
+
+/*
+ * The exec's own session leader inside the sandbox: it runs the command as its child and answers with its status. It
+ * exists so that a SIGKILL of the host side, which nothing can forward, still reaches the whole group (its parent-death
+ * signal makes it kill the group), as a group kill did when the exec shared the host side's session. Forwarded
+ * signals reach the command through the group; this process ignores them, so it lives to report how the command ended.
+ */
+static int supervise(char **argv, char **envp) {
+  sigset_t all, old;
+  sigfillset(&all);
+  sigprocmask(SIG_BLOCK, &all, &old);
+  pid_t cmd = fork();
+  if (cmd < 0) return 126;
+  if (cmd == 0) {
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    environ = envp;
+    execvp(argv[0], argv);
+    int e = errno;
+    dprintf(2, "fleet-sandbox: %s: %s\n", argv[0], strerror(e));
+    _exit(e == ENOENT ? 127 : 126);
+  }
+  for (size_t s = 0; s < sizeof FORWARDED / sizeof FORWARDED[0]; s++) signal(FORWARDED[s], SIG_IGN);
+  /* Not one of the forwarded signals: a caller's SIGUSR2 must reach the command, not end the group. */
+  signal(SIGRTMIN + 1, kill_own_group);
+  prctl(PR_SET_PDEATHSIG, SIGRTMIN + 1);
+  /* The host side is outside the sandbox's pid namespace (getppid() is 0); once it is gone this is reparented inside. */
+  if (getppid() != 0) kill_own_group(0);
+  sigprocmask(SIG_SETMASK, &old, NULL);
+  int status;
+  while (waitpid(cmd, &status, 0) < 0) {
+    if (errno != EINTR) return 126;
+  }
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  int sig = WTERMSIG(status);
+  signal(sig, SIG_DFL);
+  prctl(PR_SET_PDEATHSIG, 0);
+  sigset_t one;
+  sigemptyset(&one);
+  sigaddset(&one, sig);
+  sigprocmask(SIG_UNBLOCK, &one, NULL);
+  kill(getpid(), sig);
+  return 128 + sig;
+}
+
 static void forward_signal(int sig) {
   if (forward_to > 0 && kill(-forward_to, sig) < 0) kill(forward_to, sig);
 }
@@ -554,7 +604,10 @@ static int cmd_enter(int argc, char **argv) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     /* A session of the sandbox's own, not the caller's on the host (unless a terminal is to stay controlling):
        what an exec leaves running is then wholly inside the sandbox, which a memory checkpoint (CRIU) requires. */
-    if (!isatty(0) && setsid() < 0) fail("setsid", NULL);
+    int own_session = !isatty(0) && strcmp(op, "put") != 0 && strcmp(op, "get") != 0 && strcmp(op, "unlink") != 0;
+    /* The agent's own file operations stay in the host side's group: its kill must stop a put before the put reads
+       the closed stream as the end of the file and renames it into place. */
+    if (own_session && setsid() < 0) fail("setsid", NULL);
     sigprocmask(SIG_SETMASK, &old, NULL);
     /* Only stdio: exec (libuv's too) passes on whatever the host side inherited without O_CLOEXEC. */
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
@@ -562,6 +615,8 @@ static int cmd_enter(int argc, char **argv) {
     if (strcmp(op, "put") == 0) _exit(op_put(rest));
     if (strcmp(op, "get") == 0) _exit(op_get(rest));
     if (strcmp(op, "unlink") == 0) _exit(unlink(rest[0]) < 0 && errno != ENOENT ? 1 : 0);
+    /* With a session of its own, a supervisor keeps the group killable; with a terminal, the group kill still reaches it. */
+    if (!isatty(0)) _exit(supervise(rest, envp));
     environ = envp;
     execvp(rest[0], rest);
     int e = errno;
