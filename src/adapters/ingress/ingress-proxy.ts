@@ -54,7 +54,9 @@ export interface PortHandler {
   /**
    * With `auth: 'handler'`: answers a request for a VM the ingress cannot find (no such VM, or
    * not running) in the handler's own protocol, e.g. envd's 502 that the E2B SDK reads as "not
-   * running". Absent: the ingress's 404 INGRESS_VM_NOT_FOUND.
+   * running". Absent: the ingress's 404 INGRESS_VM_NOT_FOUND. A handler with both `gone` and
+   * `request` resolves VMs itself: a plain request for a VM the read model does not show (yet)
+   * goes to `request` with only `vmId` and `port` set, and `gone` answers upgrades.
    */
   gone?(vmId: string, req: IncomingMessage, res: ServerResponse): void | Promise<void>;
 }
@@ -113,7 +115,10 @@ export interface IngressProxyOptions {
 class HandlerGone extends Error {
   constructor(
     readonly vmId: string,
+    readonly port: number,
     readonly answer: NonNullable<PortHandler['gone']>,
+    /** The handler's own request path: it resolves the VM itself (the read model may not show a VM created a moment ago). */
+    readonly request: PortHandler['request'],
   ) {
     super(`sandbox ${vmId} is not running`);
   }
@@ -213,7 +218,13 @@ export class IngressProxy {
           target: { vmId, tenant: vm.tenant_id, hostId: vm.host_id, hostUrl: vm.host_url ?? undefined, port },
           handler: registered.handler,
         };
-      if (registered.handler.gone) throw new HandlerGone(vmId, registered.handler.gone.bind(registered.handler));
+      if (registered.handler.gone)
+        throw new HandlerGone(
+          vmId,
+          port,
+          registered.handler.gone.bind(registered.handler),
+          registered.handler.request?.bind(registered.handler),
+        );
     }
     if (!row) throw new IngressError(404, 'INGRESS_VM_NOT_FOUND', `sandbox ${vmId} does not exist or publishes no ports`);
     const target: IngressTarget = { vmId, tenant: row.tenant_id, hostId: row.host_id, hostUrl: row.host_url ?? undefined, port };
@@ -235,7 +246,10 @@ export class IngressProxy {
       if (err instanceof HandlerGone) {
         stripIngressHeaders(req.headers);
         try {
-          await err.answer(err.vmId, req, res);
+          // Not in the read model yet is not gone: a create answers before the projection has it, and a client calls at
+          // once. A handler that resolves the VM itself serves the request (and answers for a VM not running as gone does).
+          if (err.request) await err.request({ vmId: err.vmId, tenant: '', hostId: '', hostUrl: undefined, port: err.port }, req, res);
+          else await err.answer(err.vmId, req, res);
         } catch (e) {
           this.refuse(res, e);
         }
