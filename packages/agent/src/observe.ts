@@ -12,6 +12,8 @@ export interface SandboxObserver {
   metrics(name: string, sinceMs: number): MetricSample[];
   /** The OOM facts of a running sandbox; undefined before its first sample. */
   oom(name: string): OomReport | undefined;
+  /** A fresh OOM pass: after it, a sandbox whose init died says whether an OOM kill ended it. */
+  settleOom(): Promise<void>;
   /** The live oom_kill counter of the sandbox's memory cgroup (read now). */
   oomKills(name: string): Promise<number>;
   /** An exec that ended with SIGKILL: a candidate to name should the counter have risen. */

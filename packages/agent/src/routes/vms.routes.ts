@@ -42,10 +42,17 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
 
   app.get(`${AGENT_API_PREFIX}/vms`, async (req) => {
     const q = parse(listVmsQuerySchema, req.query, 'query');
-    return { vms: (await backend.list(q.prefix)).map((s) => withOom(toVmInfo(s), backend)) };
+    const infos = await backend.list(q.prefix);
+    // Whether an init died of an OOM kill is known after the monitor's next pass: the listing waits for it.
+    if (infos.some((s) => s.state === 'stopped')) await backend.observer?.settleOom();
+    return { vms: infos.map((s) => withOom(toVmInfo(s), backend)) };
   });
 
-  app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req) => withOom(toVmInfo(await backend.get(nameParam(req))), backend));
+  app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
+    const info = await backend.get(nameParam(req));
+    if (info.state === 'stopped') await backend.observer?.settleOom();
+    return withOom(toVmInfo(info), backend);
+  });
 
   app.delete(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
     const name = nameParam(req);

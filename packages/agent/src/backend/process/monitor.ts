@@ -81,7 +81,8 @@ export class SandboxMonitor implements SandboxObserver {
   private readonly earlyKills = new Map<string, string[]>();
   private sampleTimer: NodeJS.Timeout | undefined;
   private oomTimer: NodeJS.Timeout | undefined;
-  private busy = false;
+  /** The OOM pass in flight: a second caller shares it. */
+  private polling: Promise<void> | undefined;
   private lastSweep = 0;
 
   constructor(private readonly opts: MonitorOptions) {}
@@ -128,21 +129,28 @@ export class SandboxMonitor implements SandboxObserver {
   // ---- OOM ----------------------------------------------------------------------
 
   /** One OOM pass over every sandbox (public for tests, which do not wait for the timer). */
-  async pollOom(): Promise<void> {
-    if (this.busy) return;
-    this.busy = true;
-    try {
-      const targets = this.opts.targets();
-      const names = new Set(targets.map((t) => t.name));
-      for (const name of this.watches.keys()) if (!names.has(name)) this.watches.delete(name);
-      for (const name of this.earlyKills.keys()) if (!names.has(name)) this.earlyKills.delete(name);
-      await Promise.all(targets.map((t) => this.pollOne(t)));
-      if (Date.now() - this.lastSweep > 60_000) {
-        this.lastSweep = Date.now();
-        await this.sweepLogs();
-      }
-    } finally {
-      this.busy = false;
+  pollOom(): Promise<void> {
+    this.polling ??= this.oomPass().finally(() => {
+      this.polling = undefined;
+    });
+    return this.polling;
+  }
+
+  /** A pass that starts now (after any in flight): a listing of a sandbox whose init just died says whether OOM ended it. */
+  async settleOom(): Promise<void> {
+    await this.polling?.catch(() => undefined);
+    await this.pollOom();
+  }
+
+  private async oomPass(): Promise<void> {
+    const targets = this.opts.targets();
+    const names = new Set(targets.map((t) => t.name));
+    for (const name of this.watches.keys()) if (!names.has(name)) this.watches.delete(name);
+    for (const name of this.earlyKills.keys()) if (!names.has(name)) this.earlyKills.delete(name);
+    await Promise.all(targets.map((t) => this.pollOne(t)));
+    if (Date.now() - this.lastSweep > 60_000) {
+      this.lastSweep = Date.now();
+      await this.sweepLogs();
     }
   }
 
