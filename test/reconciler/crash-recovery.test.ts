@@ -112,7 +112,7 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     const reg = await api(cp.url, 'POST', '/v1/hosts', { id: 'h1', url: agent!.url, token: agent!.token, backend: 'process' });
     assert.equal(reg.status, 201, JSON.stringify(reg.body));
     const id = createAndForget(cp, 'crash-before-boot', { cpus: 1, ram_mb: 128 });
-    await waitFor('vm booting', 30_000, async () => (await vm(cp, id)).state === 'booting');
+    await waitFor('vm booting', 60_000, async () => (await vm(cp, id)).state === 'booting');
     const host = (await api(cp.url, 'GET', '/v1/hosts/h1')).body;
     assert.equal(host.allocated.vm_count, 1, 'capacity reserved before the crash');
     await kill(cp);
@@ -222,7 +222,7 @@ describe('reconciler: crashes of the control plane and of an agent', { skip: pre
     const b = await start();
     const leaderOf = async (cp: ControlPlaneProcess) =>
       (await api(cp.url, 'GET', '/v1/reconciler')).body as { leader: boolean; last_summary: { cycle: number } | null };
-    const [la, lb] = await waitFor('one leader', 10_000, async () => {
+    const [la, lb] = await waitFor('one leader', 30_000, async () => {
       const x = await leaderOf(a);
       const y = await leaderOf(b);
       return x.leader !== y.leader ? [x, y] : undefined;
