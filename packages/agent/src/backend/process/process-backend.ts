@@ -82,6 +82,7 @@ import {
   requireDiskTools,
   type LayerUsage,
 } from './storage.js';
+import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 
 /**
  * The `process` backend: each sandbox is a set of Linux namespaces (pid,
@@ -143,16 +144,6 @@ export const optionsSchema = z.object({
   egressDnsServers: z.array(z.string()).default([]),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
-
-const nameRe = /^[a-z0-9][a-z0-9-]{0,62}$/;
-const tenantRe = /^[a-z0-9][a-z0-9_-]{0,62}$/;
-const envKeyRe = /^[A-Za-z_][A-Za-z0-9_]*$/;
-
-const exposeSchema = z.object({
-  port: z.number().int().min(1).max(65535),
-  as: z.string().min(1).max(63),
-  protocol: z.enum(['tcp', 'udp']).optional(),
-});
 
 const createSpecSchema = z.object({
   name: z.string().regex(nameRe, 'a sandbox name is 1-63 of [a-z0-9-], starting with a letter or digit'),

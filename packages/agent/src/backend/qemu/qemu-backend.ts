@@ -38,6 +38,7 @@ import { ConsoleLog } from './console.js';
 import { guestRun, guestSpawn, type GuestTarget } from './guest-client.js';
 import { GUEST_AGENT_PORT, resolveQemuImage } from './image.js';
 import { qmp } from './qmp.js';
+import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 
 /**
  * `AGENT_BACKEND=qemu`: every sandbox is a QEMU VM (q35, virtio disk and
@@ -55,9 +56,6 @@ import { qmp } from './qmp.js';
  * Design and limits: docs/qemu-backend.md.
  */
 
-const nameRe = /^[a-z0-9][a-z0-9-]{0,62}$/;
-const tenantRe = /^[a-z0-9][a-z0-9_-]{0,62}$/;
-const envKeyRe = /^[A-Za-z_][A-Za-z0-9_]*$/;
 const DEFAULT_PATH = '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin';
 
 export interface QemuBackendOptions {
@@ -81,12 +79,6 @@ export interface QemuBackendOptions {
   readonly consoleLogMaxBytes?: number;
   readonly logger?: Logger;
 }
-
-const exposeSchema = z.object({
-  port: z.number().int().min(1).max(65535),
-  as: z.string().min(1).max(63),
-  protocol: z.enum(['tcp', 'udp']).optional(),
-});
 
 const createSpecSchema = z.object({
   name: z.string().regex(nameRe, 'a sandbox name is 1-63 of [a-z0-9-], starting with a letter or digit'),
