@@ -1,5 +1,5 @@
-import { createHash, randomBytes } from 'node:crypto';
-import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { createHash, randomBytes, randomUUID } from 'node:crypto';
+import { chmod, mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join, resolve } from 'node:path';
 import { PassThrough, Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
@@ -36,8 +36,11 @@ import { chooseAccel, type Accel, type AccelReport } from './accel.js';
 import { buildQemuArgs } from './command.js';
 import { ConsoleLog } from './console.js';
 import { guestRun, guestSpawn, type GuestTarget } from './guest-client.js';
-import { GUEST_AGENT_PORT, resolveQemuImage } from './image.js';
+import { GUEST_AGENT_PORT, resolveQemuImage, type QemuImage } from './image.js';
 import { qmp } from './qmp.js';
+import { sendIdentity } from './control.js';
+import { capture, DISK_FILE, loadState, readMeta, verifyState, writeCheckpoint, type QemuMeta } from './state.js';
+import { CheckpointStore, expectedArchiveBytes } from '../process/checkpoints.js';
 import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 
 /**
@@ -84,6 +87,7 @@ const createSpecSchema = z.object({
   name: z.string().regex(nameRe, 'a sandbox name is 1-63 of [a-z0-9-], starting with a letter or digit'),
   image: z.string().min(1).optional(),
   checkpointId: z.string().min(1).optional(),
+  resume: z.boolean().optional(),
   cpus: z.number().positive().max(255),
   ram_mb: z
     .number()
@@ -106,7 +110,13 @@ const createSpecSchema = z.object({
 
 const stateSchema = z.object({
   name: z.string(),
-  status: z.enum(['creating', 'running']),
+  status: z.enum(['creating', 'running', 'paused']),
+  /** While paused: the live checkpoint its state is in (resume loads it). */
+  paused_checkpoint: z.string().default(''),
+  /** The checkpoint it was last restored from. */
+  checkpoint_id: z.string().default(''),
+  /** vmgenid guid: a new one on every restore of a copy (a fork, an earlier state), so the guest reseeds its RNG. */
+  vmgenid: z.string().default(''),
   tenant: z.string(),
   image: z.string(),
   ip: z.string(),
@@ -154,6 +164,8 @@ export class QemuBackend implements Backend {
     private readonly firewall: Firewall,
     readonly accel: AccelReport,
     private readonly log: Logger | undefined,
+    private readonly store: CheckpointStore,
+    private readonly qemuVersion: string,
   ) {
     this.vmsDir = join(opts.dataDir, 'qemu', 'vms');
     this.runDir = join(opts.dataDir, 'qemu', 'run');
@@ -193,7 +205,10 @@ export class QemuBackend implements Backend {
     await mkdir(join(opts.dataDir, 'staging'), { recursive: true, mode: 0o700 });
     // Its own tables: a process backend on the same prefix must not have its ruleset replaced by ours.
     const firewall = await Firewall.open(`${opts.bridgePrefix}v`);
-    const backend = new QemuBackend(opts, subnet, firewall, accel, options.logger);
+    const store = new CheckpointStore(join(opts.dataDir, 'checkpoints'), join(opts.dataDir, 'staging'));
+    await store.init();
+    const version = (await runTool(opts.qemuBinary, ['--version'])).stdout.split('\n')[0]?.trim() ?? '';
+    const backend = new QemuBackend(opts, subnet, firewall, accel, options.logger, store, version);
     await backend.recover();
     return backend;
   }
@@ -208,6 +223,9 @@ export class QemuBackend implements Backend {
   }
   private serialPath(name: string): string {
     return join(this.runDir, `${nameHash(name)}.serial`);
+  }
+  private controlPath(name: string): string {
+    return join(this.runDir, `${nameHash(name)}.ctl`);
   }
   private async startConsole(r: VmRecord): Promise<void> {
     await r.console?.close();
@@ -236,7 +254,15 @@ export class QemuBackend implements Backend {
   async capacity(): Promise<HostCapacity & { accel: Accel; nested_virt_supported: boolean }> {
     // GPUs are left out until create can bind them (the command line is ready: command.ts).
     const { capacity } = withoutDevices(await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes }));
-    return { ...capacity, accel: this.accel.accel, nested_virt_supported: this.accel.nestedVirtSupported };
+    return {
+      ...capacity,
+      accel: this.accel.accel,
+      nested_virt_supported: this.accel.nestedVirtSupported,
+      // QEMU writes and loads its own state: no host tool needed. No dirty-page diffs, no postcopy (yet).
+      live_snapshot: true,
+      lazy_pages: false,
+      memory_diff: false,
+    };
   }
 
   /** backend.go.txt NestedVirtSupported. */
@@ -250,18 +276,6 @@ export class QemuBackend implements Backend {
   }
 
   // ---- create ----
-
-  pause(_name: string): Promise<Checkpoint> {
-    return Promise.reject(unsupportedByQemu('pause (memory checkpoints)'));
-  }
-
-  resume(_name: string): Promise<SandboxInfo> {
-    return Promise.reject(unsupportedByQemu('resume (memory checkpoints)'));
-  }
-
-  restoreCheckpoint(_name: string, _checkpointId: string): Promise<SandboxInfo> {
-    return Promise.reject(unsupportedByQemu('restore in place'));
-  }
 
   setEgress(_name: string, _egress: AgentEgressParsed): Promise<SandboxInfo> {
     return Promise.reject(unsupportedByQemu('changing the outbound policy'));
@@ -286,7 +300,9 @@ export class QemuBackend implements Backend {
       );
     }
     const spec = parsed.data;
-    if (spec.checkpointId) throw unsupportedByQemu('restoring a checkpoint');
+    if (spec.resume && !spec.checkpointId) {
+      throw invalidSpec('resume needs a checkpointId (a live checkpoint)', [{ path: 'resume', message: 'needs checkpointId' }]);
+    }
     if (spec.pids_max !== undefined) {
       throw invalidSpec('pids_max does not apply to a VM (the guest runs its own kernel)', [
         { path: 'pids_max', message: 'not supported' },
@@ -300,19 +316,58 @@ export class QemuBackend implements Backend {
     }
     return this.locks.run(`vm:${spec.name}`, async () => {
       if (this.records.has(spec.name) || this.creating.has(spec.name)) throw sandboxExists(spec.name);
-      const image = await resolveQemuImage(this.opts.imageDir, spec.image ?? this.opts.defaultImage);
+      const from = spec.checkpointId ? await this.fromCheckpoint(spec) : undefined;
+      const image = await resolveQemuImage(this.opts.imageDir, from?.cp.image ?? spec.image ?? this.opts.defaultImage);
+      if (from?.meta) await this.checkMachine(from.cp, from.meta, image);
       this.creating.add(spec.name);
       try {
-        return await this.createLocked(spec, image);
+        return await this.createLocked(spec, image, from);
       } finally {
         this.creating.delete(spec.name);
       }
     });
   }
 
+  /** A create from a checkpoint: the checkpoint, and for a resume the machine its state needs (the spec must agree with it). */
+  private async fromCheckpoint(spec: z.infer<typeof createSpecSchema>): Promise<{ cp: Checkpoint; meta?: QemuMeta }> {
+    const cp = await this.store.get(spec.checkpointId ?? '');
+    if (spec.image && spec.image !== cp.image) {
+      throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", not "${spec.image}": omit image or name the checkpoint's`, [
+        { path: 'image', message: 'conflicts with the checkpoint' },
+      ]);
+    }
+    if (!spec.resume) return { cp };
+    const meta = await readMeta(this.store, cp);
+    const fields: { path: string; message: string }[] = [];
+    if (Math.max(1, Math.ceil(spec.cpus)) !== meta.cpus) fields.push({ path: 'cpus', message: `the state was captured with ${meta.cpus}` });
+    if (spec.ram_mb !== meta.ram_mb) fields.push({ path: 'ram_mb', message: `the state was captured with ${meta.ram_mb}` });
+    if ((spec.storage_gb ?? 0) * 1024 ** 3 > meta.disk_bytes) fields.push({ path: 'storage_gb', message: 'larger than the captured disk' });
+    if (fields.length > 0) {
+      throw invalidSpec(
+        `checkpoint "${cp.id}" holds the memory of a VM of another size: a resumed VM keeps its machine (${fields.map((f) => f.path).join(', ')})`,
+        fields,
+      );
+    }
+    return { cp, meta };
+  }
+
+  /** A state loads only into the machine it came from: same accelerator, QEMU build and base image build. */
+  private async checkMachine(cp: Checkpoint, meta: QemuMeta, image: QemuImage): Promise<void> {
+    const why =
+      meta.accel !== this.accel.accel
+        ? `it was captured under ${meta.accel}, this host runs ${this.accel.accel}`
+        : meta.qemu_version !== this.qemuVersion
+          ? `it was written by "${meta.qemu_version}", this host runs "${this.qemuVersion}"`
+          : meta.image_build !== (await imageBuild(image))
+            ? `its disk is a delta over another build of image "${image.name}"`
+            : '';
+    if (why) throw new AppError('CHECKPOINT_INCOMPATIBLE', 409, `checkpoint "${cp.id}" cannot be resumed here: ${why}`, { id: cp.id });
+  }
+
   private async createLocked(
     spec: z.infer<typeof createSpecSchema>,
-    image: Awaited<ReturnType<typeof resolveQemuImage>>,
+    image: QemuImage,
+    from?: { cp: Checkpoint; meta?: QemuMeta },
   ): Promise<SandboxInfo> {
     const dir = this.vmDir(spec.name);
     // Addresses, taps and bridges are host-wide: allocate under one lock and record before anything is made.
@@ -329,10 +384,13 @@ export class QemuBackend implements Backend {
         tap = `${this.opts.bridgePrefix}vt${i}`;
         if (!others.some((s) => s.tap === tap)) break;
       }
-      const diskBytes = Math.max(image.rootBytes, (spec.storage_gb ?? 0) * 1024 ** 3);
+      const diskBytes = from?.meta?.disk_bytes ?? Math.max(image.rootBytes, (spec.storage_gb ?? 0) * 1024 ** 3);
       const st: VmState = {
         name: spec.name,
         status: 'creating',
+        paused_checkpoint: '',
+        checkpoint_id: from?.cp.id ?? '',
+        vmgenid: randomUUID(),
         tenant: spec.tenant,
         image: image.name,
         ip,
@@ -365,23 +423,36 @@ export class QemuBackend implements Backend {
     try {
       await this.plugNetwork(state);
       await this.firewall.apply(() => this.firewallState());
-      await mustRun('qemu-img', [
-        'create',
-        '-q',
-        '-f',
-        'qcow2',
-        '-b',
-        image.rootfs,
-        '-F',
-        'qcow2',
-        join(dir, 'overlay.qcow2'),
-        String(state.disk_bytes),
-      ]);
+      if (from) {
+        await this.diskFromCheckpoint(state, from.cp, image);
+        // A cold boot over a checkpoint's disk may grow it (the guest grows its filesystem at boot); a resumed state may not.
+        if (!from.meta && state.disk_bytes > (await virtualSize(join(dir, DISK_FILE)))) {
+          await mustRun('qemu-img', ['resize', '-q', join(dir, DISK_FILE), String(state.disk_bytes)]);
+        }
+        if (!from.meta) state.disk_bytes = Math.max(state.disk_bytes, await virtualSize(join(dir, DISK_FILE)));
+      } else {
+        await mustRun('qemu-img', [
+          'create',
+          '-q',
+          '-f',
+          'qcow2',
+          '-b',
+          image.rootfs,
+          '-F',
+          'qcow2',
+          join(dir, DISK_FILE),
+          String(state.disk_bytes),
+        ]);
+      }
       await this.writeSeed(state);
-      await this.launch(state, image);
-      await this.writeState(state);
-      await this.startConsole(record);
-      await this.waitForGuest(state, started);
+      if (from?.meta) {
+        await this.loadInto(record, from.cp, image, started);
+      } else {
+        await this.launch(state, image);
+        await this.writeState(state);
+        await this.startConsole(record);
+        await this.waitForGuest(state, started);
+      }
       await this.publish(record);
       state.status = 'running';
       await this.writeState(state);
@@ -431,8 +502,10 @@ export class QemuBackend implements Backend {
     await rm(seed, { recursive: true, force: true });
   }
 
-  private async launch(s: VmState, image: Awaited<ReturnType<typeof resolveQemuImage>>): Promise<void> {
+  private async launch(s: VmState, image: QemuImage, opts: { incoming?: boolean } = {}): Promise<void> {
     const dir = this.vmDir(s.name);
+    // An old state file (before memory restores) has none; a VM's generation id is fixed at its launch.
+    if (!s.vmgenid) s.vmgenid = randomUUID();
     const args = buildQemuArgs({
       processName: this.processName(s.name),
       accel: s.accel,
@@ -440,12 +513,15 @@ export class QemuBackend implements Backend {
       memoryMb: s.ram_mb,
       kernel: image.kernel,
       initrd: image.initrd,
-      diskPath: join(dir, 'overlay.qcow2'),
+      diskPath: join(dir, DISK_FILE),
       seedPath: join(dir, 'seed.tar'),
       mac: s.mac,
       tap: s.tap,
       serialSocket: this.serialPath(s.name),
       qmpSocket: this.qmpPath(s.name),
+      controlSocket: this.controlPath(s.name),
+      vmGenId: s.vmgenid,
+      incoming: opts.incoming === true,
       pidFile: join(dir, 'qemu.pid'),
     });
     // -daemonize: the parent exits once the VM is set up (errors come back on stderr first).
@@ -510,20 +586,22 @@ export class QemuBackend implements Backend {
 
   async get(name: string): Promise<SandboxInfo> {
     const r = this.records.get(name);
-    if (!r || r.state.status !== 'running') throw sandboxNotFound(name);
+    // A paused VM exists (its disk, its checkpoint): it can be read, resumed and destroyed, not entered.
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
     return this.info(r);
   }
 
   async list(prefix = ''): Promise<SandboxInfo[]> {
     const out: SandboxInfo[] = [];
     for (const r of this.records.values())
-      if (r.state.status === 'running' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
+      if (r.state.status !== 'creating' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
     return out.sort((a, b) => a.name.localeCompare(b.name));
   }
 
   private async info(r: VmRecord): Promise<SandboxInfo> {
     const s = r.state;
-    const running = await this.alive(s);
+    const paused = s.status === 'paused';
+    const running = !paused && (await this.alive(s));
     const host = this.opts.advertiseHost ?? (this.opts.publishHost === '0.0.0.0' ? '127.0.0.1' : this.opts.publishHost);
     const endpoints: Endpoint[] = s.endpoints.map((e) => ({
       as: e.as,
@@ -534,10 +612,10 @@ export class QemuBackend implements Backend {
     }));
     return {
       name: s.name,
-      state: running ? 'running' : 'stopped',
+      state: paused ? 'paused' : running ? 'running' : 'stopped',
       tenant: s.tenant,
       image: s.image,
-      checkpoint_id: '',
+      checkpoint_id: s.checkpoint_id,
       ip: s.ip,
       mac: s.mac,
       cpus: s.cpus,
@@ -560,8 +638,8 @@ export class QemuBackend implements Backend {
 
   private async running(name: string): Promise<VmRecord> {
     const r = this.records.get(name);
-    if (!r || r.state.status !== 'running') throw sandboxNotFound(name);
-    if (!(await this.alive(r.state))) throw sandboxNotRunning(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    if (r.state.status === 'paused' || !(await this.alive(r.state))) throw sandboxNotRunning(name);
     return r;
   }
 
@@ -758,6 +836,8 @@ export class QemuBackend implements Backend {
     r.console = undefined;
     await rm(this.qmpPath(s.name), { force: true });
     await rm(this.serialPath(s.name), { force: true });
+    await rm(this.controlPath(s.name), { force: true });
+    if (s.paused_checkpoint) await this.store.delete(s.paused_checkpoint).catch(() => undefined);
     await runTool('ip', ['route', 'del', `${s.ip}/32`, 'dev', s.bridge]);
     await runTool('ip', ['link', 'del', s.tap]);
     this.records.delete(s.name);
@@ -791,9 +871,9 @@ export class QemuBackend implements Backend {
       if (!nameRe.test(name) || this.records.has(name) || this.creating.has(name)) continue;
       const r = await this.readRecord(name);
       // Half-created VMs (the agent died mid-create) are left for prune.
-      if (!r || r.state.status !== 'running') continue;
+      if (!r || r.state.status === 'creating') continue;
       this.records.set(name, r);
-      if (await this.alive(r.state)) {
+      if (r.state.status === 'running' && (await this.alive(r.state))) {
         const status = await qmp(this.qmpPath(name), 'query-status').catch(() => null);
         if (!status) this.log?.warn({ vm: name }, 'QEMU is alive but its QMP socket does not answer');
         await this.startConsole(r).catch((err: unknown) => this.log?.warn({ vm: name, err: (err as Error).message }, 'no serial console'));
@@ -844,8 +924,8 @@ export class QemuBackend implements Backend {
         await rm(this.vmDir(name), { recursive: true, force: true });
         report.directories.push(this.vmDir(name));
       }
-      const sockets = new Set(known.flatMap((s) => [this.qmpPath(s.name), this.serialPath(s.name)]));
-      for (const n of this.creating) sockets.add(this.qmpPath(n)).add(this.serialPath(n));
+      const sockets = new Set(known.flatMap((s) => [this.qmpPath(s.name), this.serialPath(s.name), this.controlPath(s.name)]));
+      for (const n of this.creating) sockets.add(this.qmpPath(n)).add(this.serialPath(n)).add(this.controlPath(n));
       for (const f of await readdir(this.runDir).catch(() => [] as string[])) {
         const path = join(this.runDir, f);
         if (sockets.has(path)) continue;
@@ -903,31 +983,296 @@ export class QemuBackend implements Backend {
     }
   }
 
-  // ---- checkpoints: not yet (memory state through QEMU is the next slice) ----
+  // ---- memory state (state.ts): checkpoints, pause and resume, restores, forks ----
 
-  checkpoint(_name: string, _opts: CheckpointOptions): Promise<Checkpoint> {
-    return Promise.reject(unsupportedByQemu('checkpoints'));
+  private machineMeta(s: VmState, build: string): QemuMeta {
+    return {
+      format: 1,
+      cpus: Math.max(1, Math.ceil(s.cpus)),
+      ram_mb: s.ram_mb,
+      disk_bytes: s.disk_bytes,
+      accel: s.accel,
+      qemu_version: this.qemuVersion,
+      image_build: build,
+      name: s.name,
+      ip: s.ip,
+      mac: s.mac,
+    };
   }
-  layerUsage(): Promise<LayerUsageReport> {
-    return Promise.reject(unsupportedByQemu('layer usage (it sizes checkpoints)'));
+
+  private scratchDir(name: string): string {
+    return join(this.store.staging, `.qemu-${name}-${randomBytes(4).toString('hex')}`);
+  }
+
+  /**
+   * Disk (`live` false, or a VM that is not running) or disk plus memory:
+   * the guest is stopped for the copy of its overlay and the write of its
+   * state, then runs on. `pause_ms` is how long it was stopped.
+   */
+  async checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      const running = s.status === 'running' && (await this.alive(s));
+      const scratch = this.scratchDir(name);
+      try {
+        let pauseMs = 0;
+        let memory = false;
+        if (running) {
+          const got = await capture({
+            qmpPath: this.qmpPath(name),
+            diskPath: join(this.vmDir(name), DISK_FILE),
+            scratch,
+            memory: opts.live === true,
+            leaveStopped: false,
+            timeoutMs: 120_000,
+          });
+          pauseMs = got.pauseMs;
+          memory = got.memory;
+        } else {
+          // No QEMU holds the disk (paused): its overlay is already one instant.
+          await mkdir(scratch, { recursive: true, mode: 0o700 });
+          await mustRun('cp', ['--sparse=always', '--reflink=auto', join(this.vmDir(name), DISK_FILE), join(scratch, DISK_FILE)]);
+        }
+        const image = await resolveQemuImage(this.opts.imageDir, s.image);
+        const cp = await writeCheckpoint(this.store, scratch, {
+          ...(opts.id ? { id: opts.id } : {}),
+          ...(opts.maxBytes ? { maxBytes: opts.maxBytes } : {}),
+          comment: opts.comment ?? '',
+          image: s.image,
+          now: new Date(),
+          machine: this.machineMeta(s, await imageBuild(image)),
+          memory,
+        });
+        this.log?.info({ vm: name, checkpoint: cp.id, kind: cp.kind, pause_ms: pauseMs }, 'checkpoint taken');
+        return { ...cp, pause_ms: pauseMs };
+      } finally {
+        await rm(scratch, { recursive: true, force: true });
+      }
+    });
+  }
+
+  /**
+   * A live checkpoint, then QEMU ends: the VM's CPU and memory are free, its
+   * disk, tap and address kept (state `paused`) until resume() or destroy().
+   * The checkpoint is an ordinary live one: it can move, and be resumed
+   * under another name elsewhere (create with resume).
+   */
+  async pause(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      if (s.status === 'paused') return { ...(await this.store.get(s.paused_checkpoint)), pause_ms: 0 };
+      if (!(await this.alive(s))) throw sandboxNotRunning(name);
+      const scratch = this.scratchDir(name);
+      let cp: Checkpoint;
+      let pauseMs: number;
+      try {
+        const got = await capture({
+          qmpPath: this.qmpPath(name),
+          diskPath: join(this.vmDir(name), DISK_FILE),
+          scratch,
+          memory: true,
+          leaveStopped: true,
+          timeoutMs: 120_000,
+        });
+        pauseMs = got.pauseMs;
+        const image = await resolveQemuImage(this.opts.imageDir, s.image);
+        cp = await writeCheckpoint(this.store, scratch, {
+          ...(opts.id ? { id: opts.id } : {}),
+          comment: opts.comment ?? 'pause',
+          image: s.image,
+          now: new Date(),
+          machine: this.machineMeta(s, await imageBuild(image)),
+          memory: true,
+        });
+      } catch (err) {
+        // Nothing was kept: the guest runs on as it was.
+        await qmp(this.qmpPath(name), 'cont').catch(() => undefined);
+        throw err;
+      } finally {
+        await rm(scratch, { recursive: true, force: true });
+      }
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      // Stopped and captured: nothing the guest does is lost by ending QEMU now.
+      await this.stopVm(s, 0);
+      await r.console?.close().catch(() => undefined);
+      r.console = undefined;
+      s.status = 'paused';
+      s.paused_checkpoint = cp.id;
+      s.pid = 0;
+      s.pid_start = '';
+      await this.writeState(s);
+      this.log?.info({ vm: name, checkpoint: cp.id, pause_ms: pauseMs }, 'VM paused');
+      return { ...cp, pause_ms: pauseMs };
+    });
+  }
+
+  /** Loads a paused VM's state into a new QEMU over its own disk (idempotent: a running VM is answered as it is). */
+  async resume(name: string): Promise<SandboxInfo> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      if (s.status === 'running') return this.info(r);
+      const cp = await this.store.get(s.paused_checkpoint);
+      const image = await resolveQemuImage(this.opts.imageDir, s.image);
+      await this.checkMachine(cp, await readMeta(this.store, cp), image);
+      try {
+        await this.plugNetwork(s);
+        await this.loadInto(r, cp, image, Date.now());
+      } catch (err) {
+        // Still paused, its checkpoint kept: resume can be asked again.
+        await this.stopVm(s, 0).catch(() => undefined);
+        await r.console?.close().catch(() => undefined);
+        r.console = undefined;
+        s.pid = 0;
+        s.pid_start = '';
+        await this.writeState(s);
+        throw err;
+      }
+      await this.publish(r);
+      s.status = 'running';
+      s.paused_checkpoint = '';
+      await this.writeState(s);
+      await this.store
+        .delete(cp.id)
+        .catch((err: unknown) => this.log?.warn({ err, checkpoint: cp.id }, 'could not remove the pause checkpoint'));
+      return this.info(r);
+    });
+  }
+
+  /**
+   * Puts a VM (running or paused) back to a checkpoint of this host: QEMU
+   * ends, the disk becomes the checkpoint's; a live one then loads its state
+   * (any VM's, re-addressed as this one), a disk one boots afresh.
+   */
+  async restoreCheckpoint(name: string, checkpointId: string): Promise<SandboxInfo> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      const cp = await this.store.get(checkpointId);
+      if (cp.image !== s.image) {
+        throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", the VM on "${s.image}"`, [
+          { path: 'checkpoint_id', message: 'another image' },
+        ]);
+      }
+      const image = await resolveQemuImage(this.opts.imageDir, s.image);
+      const meta = cp.kind === 'live' ? await readMeta(this.store, cp) : undefined;
+      if (meta) {
+        await this.checkMachine(cp, meta, image);
+        if (meta.ram_mb !== s.ram_mb || meta.cpus !== Math.max(1, Math.ceil(s.cpus)) || meta.disk_bytes !== s.disk_bytes) {
+          throw invalidSpec(`checkpoint "${cp.id}" holds the memory of a VM of another size than "${name}"`, [
+            { path: 'checkpoint_id', message: 'another machine size' },
+          ]);
+        }
+        await verifyState(this.store, cp);
+      }
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      await this.stopVm(s, 0);
+      await r.console?.close().catch(() => undefined);
+      r.console = undefined;
+      const started = Date.now();
+      await this.diskFromCheckpoint(s, cp, image);
+      await this.plugNetwork(s);
+      // A restored copy of a past state is not the VM that ran on from it: a new generation id.
+      s.vmgenid = randomUUID();
+      if (meta) {
+        await this.loadInto(r, cp, image, started);
+      } else {
+        await this.launch(s, image);
+        await this.writeState(s);
+        await this.startConsole(r);
+        await this.waitForGuest(s, started);
+      }
+      const paused = s.paused_checkpoint;
+      s.status = 'running';
+      s.paused_checkpoint = '';
+      s.checkpoint_id = cp.id;
+      await this.publish(r);
+      await this.writeState(s);
+      if (paused && paused !== cp.id) await this.store.delete(paused).catch(() => undefined);
+      return this.info(r);
+    });
+  }
+
+  /** The checkpoint's overlay (digest checked while extracted) becomes the VM's disk, over this host's copy of its image. */
+  private async diskFromCheckpoint(s: VmState, cp: Checkpoint, image: QemuImage): Promise<void> {
+    const dir = this.vmDir(s.name);
+    const tmp = join(dir, `.restore-${randomBytes(4).toString('hex')}`);
+    await mkdir(tmp, { mode: 0o700 });
+    try {
+      await this.store.extract(cp.id, tmp);
+      // The overlay names its base by the capturing host's path: point it at ours (same build, checkMachine saw to it).
+      await mustRun('qemu-img', ['rebase', '-u', '-q', '-f', 'qcow2', '-b', image.rootfs, '-F', 'qcow2', join(tmp, DISK_FILE)]);
+      await rename(join(tmp, DISK_FILE), join(dir, DISK_FILE));
+    } finally {
+      await rm(tmp, { recursive: true, force: true });
+    }
+  }
+
+  /**
+   * QEMU with `-incoming defer -S`, the checkpoint's state loaded into it
+   * (its sha256 checked first), run; then the guest is told who it is now
+   * over its control channel and must answer on its address.
+   */
+  private async loadInto(r: VmRecord, cp: Checkpoint, image: QemuImage, started: number): Promise<void> {
+    const s = r.state;
+    const file = await verifyState(this.store, cp);
+    await this.launch(s, image, { incoming: true });
+    await this.writeState(s);
+    await this.startConsole(r);
+    await loadState(this.qmpPath(s.name), file, 120_000, () => this.alive(s));
+    // The host may remember another MAC for this address (a VM that had it before).
+    await runTool('ip', ['neigh', 'del', s.ip, 'dev', s.bridge]);
+    await qmp(this.qmpPath(s.name), 'cont');
+    await sendIdentity(this.controlPath(s.name), {
+      ip: s.ip,
+      prefixLen: this.subnet.prefixLen,
+      gateway: this.subnet.gateway,
+      mac: s.mac,
+      hostname: s.name,
+      token: s.token,
+      epochS: Date.now() / 1000,
+    });
+    await this.waitForGuest(s, started);
+    this.log?.info({ vm: s.name, checkpoint: cp.id, restore_ms: Date.now() - started }, 'VM state loaded');
+  }
+
+  /** The overlay's allocated bytes; a checkpoint's rootfs.tar is that file (sparse) plus tar's framing. */
+  async layerUsage(name: string): Promise<LayerUsageReport> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    const st = await stat(join(this.vmDir(name), DISK_FILE));
+    const used = st.blocks * 512;
+    return {
+      used_bytes: used,
+      entries: 1,
+      limit_bytes: r.state.disk_bytes,
+      expected_archive_bytes: expectedArchiveBytes({ used_bytes: Math.max(used, st.size), entries: 1 }),
+    };
   }
   listCheckpoints(): Promise<Checkpoint[]> {
-    return Promise.resolve([]);
+    return this.store.list();
   }
   getCheckpoint(id: string): Promise<Checkpoint> {
-    return Promise.reject(new AppError('CHECKPOINT_NOT_FOUND', 404, `no checkpoint "${id}" on this host`, { id }));
+    return this.store.get(id);
   }
-  deleteCheckpoint(): Promise<void> {
-    return Promise.resolve();
+  deleteCheckpoint(id: string): Promise<void> {
+    return this.store.delete(id);
   }
-  checkpointDir(id: string): Promise<string> {
-    return this.getCheckpoint(id).then(() => '');
+  async checkpointDir(id: string): Promise<string> {
+    await this.store.get(id);
+    return this.store.path(id);
   }
   stagingDir(): string {
-    return join(this.opts.dataDir, 'staging');
+    return this.store.staging;
   }
-  importCheckpoint(): Promise<Checkpoint> {
-    return Promise.reject(unsupportedByQemu('importing checkpoints'));
+  importCheckpoint(stagingPath: string, opts: { verifyDigest?: boolean } = {}): Promise<Checkpoint> {
+    return this.store.import(stagingPath, opts);
   }
 }
 
@@ -945,4 +1290,16 @@ async function listAllLinks(): Promise<string[]> {
   } catch {
     return [];
   }
+}
+
+/** Identifies one build of an image (image.json carries its build time): a qcow2 delta is valid only over that build. */
+async function imageBuild(image: QemuImage): Promise<string> {
+  return createHash('sha256')
+    .update(await readFile(join(image.dir, 'image.json')))
+    .digest('hex');
+}
+
+async function virtualSize(path: string): Promise<number> {
+  const out = await mustRun('qemu-img', ['info', '--output=json', '-U', path]);
+  return (JSON.parse(out) as { 'virtual-size': number })['virtual-size'];
 }
