@@ -21,6 +21,8 @@ import {
   type DestroyOptions,
   type Endpoint,
   type LayerUsageReport,
+  type MigrationSendReport,
+  type MigrationTarget,
   type NetworkReassertReport,
   type ProcessHandle,
   type PruneReport,
@@ -39,7 +41,18 @@ import { guestRun, guestSpawn, type GuestTarget } from './guest-client.js';
 import { GUEST_AGENT_PORT, resolveQemuImage, type QemuImage } from './image.js';
 import { qmp } from './qmp.js';
 import { sendIdentity } from './control.js';
-import { capture, DISK_FILE, loadState, readMeta, verifyState, writeCheckpoint, type QemuMeta } from './state.js';
+import {
+  capture,
+  DISK_FILE,
+  loadState,
+  qemuMetaSchema,
+  readMeta,
+  verifyState,
+  waitIncoming,
+  waitMigration,
+  writeCheckpoint,
+  type QemuMeta,
+} from './state.js';
 import { CheckpointStore, expectedArchiveBytes } from '../process/checkpoints.js';
 import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 
@@ -142,6 +155,8 @@ interface VmRecord {
   state: VmState;
   proxies: Proxy[];
   console?: ConsoleLog | undefined;
+  /** Waiting for a live migration's stream (prepareIncoming until completeIncoming). */
+  incoming?: { pskDir: string; timer: NodeJS.Timeout } | undefined;
 }
 
 const nameHash = (name: string): string => createHash('sha256').update(name).digest('hex').slice(0, 12);
@@ -338,30 +353,38 @@ export class QemuBackend implements Backend {
     }
     if (!spec.resume) return { cp };
     const meta = await readMeta(this.store, cp);
+    this.checkSize(spec, meta, `checkpoint "${cp.id}"`);
+    return { cp, meta };
+  }
+
+  /** A state loads only into the machine it came from: same accelerator, QEMU build and base image build. */
+  private async checkMachine(cp: Checkpoint, meta: QemuMeta, image: QemuImage): Promise<void> {
+    const why = await this.machineMismatch(meta, image);
+    if (why) throw new AppError('CHECKPOINT_INCOMPATIBLE', 409, `checkpoint "${cp.id}" cannot be resumed here: ${why}`, { id: cp.id });
+  }
+
+  private async machineMismatch(meta: QemuMeta, image: QemuImage): Promise<string> {
+    return meta.accel !== this.accel.accel
+      ? `it was captured under ${meta.accel}, this host runs ${this.accel.accel}`
+      : meta.qemu_version !== this.qemuVersion
+        ? `it was written by "${meta.qemu_version}", this host runs "${this.qemuVersion}"`
+        : meta.image_build !== (await imageBuild(image))
+          ? `its disk is a delta over another build of image "${image.name}"`
+          : '';
+  }
+
+  /** A state loads only into a machine of its size. */
+  private checkSize(spec: z.infer<typeof createSpecSchema>, meta: QemuMeta, what: string): void {
     const fields: { path: string; message: string }[] = [];
     if (Math.max(1, Math.ceil(spec.cpus)) !== meta.cpus) fields.push({ path: 'cpus', message: `the state was captured with ${meta.cpus}` });
     if (spec.ram_mb !== meta.ram_mb) fields.push({ path: 'ram_mb', message: `the state was captured with ${meta.ram_mb}` });
     if ((spec.storage_gb ?? 0) * 1024 ** 3 > meta.disk_bytes) fields.push({ path: 'storage_gb', message: 'larger than the captured disk' });
     if (fields.length > 0) {
       throw invalidSpec(
-        `checkpoint "${cp.id}" holds the memory of a VM of another size: a resumed VM keeps its machine (${fields.map((f) => f.path).join(', ')})`,
+        `${what} holds the memory of a VM of another size: a resumed VM keeps its machine (${fields.map((f) => f.path).join(', ')})`,
         fields,
       );
     }
-    return { cp, meta };
-  }
-
-  /** A state loads only into the machine it came from: same accelerator, QEMU build and base image build. */
-  private async checkMachine(cp: Checkpoint, meta: QemuMeta, image: QemuImage): Promise<void> {
-    const why =
-      meta.accel !== this.accel.accel
-        ? `it was captured under ${meta.accel}, this host runs ${this.accel.accel}`
-        : meta.qemu_version !== this.qemuVersion
-          ? `it was written by "${meta.qemu_version}", this host runs "${this.qemuVersion}"`
-          : meta.image_build !== (await imageBuild(image))
-            ? `its disk is a delta over another build of image "${image.name}"`
-            : '';
-    if (why) throw new AppError('CHECKPOINT_INCOMPATIBLE', 409, `checkpoint "${cp.id}" cannot be resumed here: ${why}`, { id: cp.id });
   }
 
   private async createLocked(
@@ -370,55 +393,13 @@ export class QemuBackend implements Backend {
     from?: { cp: Checkpoint; meta?: QemuMeta },
   ): Promise<SandboxInfo> {
     const dir = this.vmDir(spec.name);
-    // Addresses, taps and bridges are host-wide: allocate under one lock and record before anything is made.
-    const state = await this.locks.run('alloc', async () => {
-      // Every VM past this point (being created or running) is in records.
-      if (this.records.size >= this.opts.maxSandboxes) {
-        throw capacityExhausted(`${this.opts.maxSandboxes} VMs already run here`, { max: this.opts.maxSandboxes });
-      }
-      const others = [...this.records.values()].map((r) => r.state);
-      const { ip, mac } = reserve(this.subnet, spec.name, spec.ipHint, new Set(others.map((s) => s.ip)));
-      const bridge = allocateBridge(this.bridgeStem(), spec.tenant, this.opts.allowCrossTenant, others);
-      let tap = '';
-      for (let i = 0; ; i++) {
-        tap = `${this.opts.bridgePrefix}vt${i}`;
-        if (!others.some((s) => s.tap === tap)) break;
-      }
-      const diskBytes = from?.meta?.disk_bytes ?? Math.max(image.rootBytes, (spec.storage_gb ?? 0) * 1024 ** 3);
-      const st: VmState = {
-        name: spec.name,
-        status: 'creating',
-        paused_checkpoint: '',
-        checkpoint_id: from?.cp.id ?? '',
-        vmgenid: randomUUID(),
-        tenant: spec.tenant,
-        image: image.name,
-        ip,
-        mac,
-        cpus: spec.cpus,
-        ram_mb: spec.ram_mb,
-        storage_gb: spec.storage_gb ?? 0,
-        disk_bytes: diskBytes,
-        created_at: new Date().toISOString(),
-        bridge,
-        tap,
-        token: randomBytes(24).toString('hex'),
-        accel: this.accel.accel,
-        env: spec.env ?? {},
-        expose: spec.expose ?? [],
-        endpoints: [],
-        pid: 0,
-        pid_start: '',
-      };
-      await rm(dir, { recursive: true, force: true });
-      await mkdir(dir, { recursive: true, mode: 0o700 });
-      await this.writeState(st);
-      // Recorded now so the next allocation sees its address, tap and bridge taken.
-      this.records.set(spec.name, { state: st, proxies: [] });
-      return st;
-    });
-    const record = this.records.get(spec.name);
-    if (!record) throw sandboxFailed(`VM "${spec.name}" vanished while being created`);
+    const record = await this.allocate(
+      spec,
+      image,
+      from?.meta?.disk_bytes ?? Math.max(image.rootBytes, (spec.storage_gb ?? 0) * 1024 ** 3),
+      from?.cp.id ?? '',
+    );
+    const state = record.state;
     const started = Date.now();
     try {
       await this.plugNetwork(state);
@@ -462,6 +443,63 @@ export class QemuBackend implements Backend {
     }
     this.log?.info({ vm: spec.name, ip: state.ip, accel: state.accel, boot_ms: Date.now() - started }, 'VM created');
     return this.info(record);
+  }
+
+  /** Name, address, MAC, tap and bridge, taken under one lock and recorded (status `creating`) before anything is made. */
+  private async allocate(
+    spec: z.infer<typeof createSpecSchema>,
+    image: QemuImage,
+    diskBytes: number,
+    checkpointId: string,
+  ): Promise<VmRecord> {
+    const dir = this.vmDir(spec.name);
+    // Addresses, taps and bridges are host-wide: allocate under one lock and record before anything is made.
+    return this.locks.run('alloc', async () => {
+      // Every VM past this point (being created or running) is in records.
+      if (this.records.size >= this.opts.maxSandboxes) {
+        throw capacityExhausted(`${this.opts.maxSandboxes} VMs already run here`, { max: this.opts.maxSandboxes });
+      }
+      const others = [...this.records.values()].map((r) => r.state);
+      const { ip, mac } = reserve(this.subnet, spec.name, spec.ipHint, new Set(others.map((s) => s.ip)));
+      const bridge = allocateBridge(this.bridgeStem(), spec.tenant, this.opts.allowCrossTenant, others);
+      let tap = '';
+      for (let i = 0; ; i++) {
+        tap = `${this.opts.bridgePrefix}vt${i}`;
+        if (!others.some((s) => s.tap === tap)) break;
+      }
+      const st: VmState = {
+        name: spec.name,
+        status: 'creating',
+        paused_checkpoint: '',
+        checkpoint_id: checkpointId,
+        vmgenid: randomUUID(),
+        tenant: spec.tenant,
+        image: image.name,
+        ip,
+        mac,
+        cpus: spec.cpus,
+        ram_mb: spec.ram_mb,
+        storage_gb: spec.storage_gb ?? 0,
+        disk_bytes: diskBytes,
+        created_at: new Date().toISOString(),
+        bridge,
+        tap,
+        token: randomBytes(24).toString('hex'),
+        accel: this.accel.accel,
+        env: spec.env ?? {},
+        expose: spec.expose ?? [],
+        endpoints: [],
+        pid: 0,
+        pid_start: '',
+      };
+      await rm(dir, { recursive: true, force: true });
+      await mkdir(dir, { recursive: true, mode: 0o700 });
+      await this.writeState(st);
+      // Recorded now so the next allocation sees its address, tap and bridge taken.
+      const record: VmRecord = { state: st, proxies: [] };
+      this.records.set(spec.name, record);
+      return record;
+    });
   }
 
   private async plugNetwork(s: VmState): Promise<void> {
@@ -831,8 +869,10 @@ export class QemuBackend implements Backend {
   private async teardown(r: VmRecord, opts: DestroyOptions): Promise<void> {
     const s = r.state;
     for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
-    await this.stopVm(s, opts.graceMs ?? 5_000);
+    // A stopped guest (paused, or frozen after a migration) cannot answer the power button.
+    await this.stopVm(s, s.status === 'paused' ? 0 : (opts.graceMs ?? 5_000));
     await r.console?.close().catch(() => undefined);
+    if (r.incoming) clearTimeout(r.incoming.timer);
     r.console = undefined;
     await rm(this.qmpPath(s.name), { force: true });
     await rm(this.serialPath(s.name), { force: true });
@@ -994,6 +1034,7 @@ export class QemuBackend implements Backend {
       accel: s.accel,
       qemu_version: this.qemuVersion,
       image_build: build,
+      image: s.image,
       name: s.name,
       ip: s.ip,
       mac: s.mac,
@@ -1064,6 +1105,9 @@ export class QemuBackend implements Backend {
     if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
     return this.locks.run(`vm:${name}`, async () => {
       const s = r.state;
+      if (s.status === 'paused' && !s.paused_checkpoint) {
+        throw new AppError('VM_FROZEN', 409, `VM "${name}" is frozen after a live migration: resume or destroy it`, { name });
+      }
       if (s.status === 'paused') return { ...(await this.store.get(s.paused_checkpoint)), pause_ms: 0 };
       if (!(await this.alive(s))) throw sandboxNotRunning(name);
       const scratch = this.scratchDir(name);
@@ -1117,6 +1161,7 @@ export class QemuBackend implements Backend {
     return this.locks.run(`vm:${name}`, async () => {
       const s = r.state;
       if (s.status === 'running') return this.info(r);
+      if (!s.paused_checkpoint) return this.thaw(r);
       const cp = await this.store.get(s.paused_checkpoint);
       const image = await resolveQemuImage(this.opts.imageDir, s.image);
       await this.checkMachine(cp, await readMeta(this.store, cp), image);
@@ -1242,6 +1287,222 @@ export class QemuBackend implements Backend {
     this.log?.info({ vm: s.name, checkpoint: cp.id, restore_ms: Date.now() - started }, 'VM state loaded');
   }
 
+  /** A frozen VM (QEMU alive, stopped: after keep_paused, or a source whose migration the caller rolls back) runs on. */
+  private async thaw(r: VmRecord): Promise<SandboxInfo> {
+    const s = r.state;
+    if (!(await this.alive(s))) throw sandboxNotRunning(s.name);
+    const started = Date.now();
+    await qmp(this.qmpPath(s.name), 'cont');
+    if (!r.console) await this.startConsole(r).catch(() => undefined);
+    await sendIdentity(this.controlPath(s.name), this.identity(s));
+    await this.waitForGuest(s, started);
+    await this.publish(r);
+    s.status = 'running';
+    await this.writeState(s);
+    return this.info(r);
+  }
+
+  private identity(s: VmState): Parameters<typeof sendIdentity>[1] {
+    return {
+      ip: s.ip,
+      prefixLen: this.subnet.prefixLen,
+      gateway: this.subnet.gateway,
+      mac: s.mac,
+      hostname: s.name,
+      token: s.token,
+      epochS: Date.now() / 1000,
+    };
+  }
+
+  // ---- native live migration (backend.ts sendMigration; agent-protocol migration.ts) ----
+
+  /** The machine a target must build to receive this VM's stream. */
+  async migrationOffer(name: string): Promise<Record<string, unknown>> {
+    const r = await this.running(name);
+    return this.machineMeta(r.state, await imageBuild(await resolveQemuImage(this.opts.imageDir, r.state.image)));
+  }
+
+  /**
+   * The target's half: the VM is allocated here (its own address, MAC, tap,
+   * seed and token), an empty overlay over the same image build, and a QEMU
+   * waiting with `-incoming defer` behind TLS with a fresh pre-shared key;
+   * answers where and with which key the source may send.
+   */
+  async prepareIncoming(input: CreateSpec, machine: Record<string, unknown>, opts: { ttlMs: number }): Promise<MigrationTarget> {
+    if (this.closed) throw sandboxFailed('the qemu backend is closed');
+    if (input.egress && input.egress.mode !== 'none')
+      throw unsupportedByQemu(`egress mode "${input.egress.mode}" (create with egress {"mode":"none"})`);
+    const parsed = createSpecSchema.safeParse(input);
+    if (!parsed.success) {
+      throw invalidSpec(
+        `invalid sandbox spec: ${parsed.error.issues.map((i) => `${i.path.join('.') || '(spec)'}: ${i.message}`).join('; ')}`,
+        parsed.error.issues.map((i) => ({ path: i.path.join('.'), message: i.message })),
+      );
+    }
+    const spec = parsed.data;
+    if (spec.checkpointId || spec.resume)
+      throw invalidSpec('a migrated VM comes from its stream, not a checkpoint', [
+        { path: 'checkpoint_id', message: 'not with a migration' },
+      ]);
+    const m = qemuMetaSchema.safeParse(machine);
+    if (!m.success) throw invalidSpec('machine is not a qemu migration offer', [{ path: 'machine', message: 'not a qemu offer' }]);
+    const meta = m.data;
+    this.checkSize(spec, meta, 'the source VM');
+    if (meta.image && spec.image && meta.image !== spec.image) {
+      throw invalidSpec(`the source VM runs image "${meta.image}", not "${spec.image}"`, [
+        { path: 'image', message: 'conflicts with the source' },
+      ]);
+    }
+    return this.locks.run(`vm:${spec.name}`, async () => {
+      if (this.records.has(spec.name) || this.creating.has(spec.name)) throw sandboxExists(spec.name);
+      const image = await resolveQemuImage(this.opts.imageDir, meta.image ?? spec.image ?? this.opts.defaultImage);
+      const why = await this.machineMismatch(meta, image);
+      if (why) throw new AppError('MIGRATION_INCOMPATIBLE', 409, `VM "${spec.name}" cannot migrate here: ${why}`, { name: spec.name });
+      this.creating.add(spec.name);
+      let record: VmRecord | undefined;
+      try {
+        record = await this.allocate(spec, image, meta.disk_bytes, '');
+        const s = record.state;
+        const dir = this.vmDir(s.name);
+        await this.plugNetwork(s);
+        await this.firewall.apply(() => this.firewallState());
+        // The stream carries the source overlay's blocks (block-incremental) onto an empty overlay over the same base.
+        await mustRun('qemu-img', [
+          'create',
+          '-q',
+          '-f',
+          'qcow2',
+          '-b',
+          image.rootfs,
+          '-F',
+          'qcow2',
+          join(dir, DISK_FILE),
+          String(s.disk_bytes),
+        ]);
+        await this.writeSeed(s);
+        const psk = randomBytes(32).toString('hex');
+        const pskDir = await writePsk(dir, 'mig-in', psk);
+        record.incoming = { pskDir, timer: setTimeout(() => void this.expireIncoming(s.name), opts.ttlMs) };
+        record.incoming.timer.unref();
+        await this.launch(s, image, { incoming: true });
+        await this.writeState(s);
+        await this.startConsole(record);
+        const q = this.qmpPath(s.name);
+        await qmp(q, 'object-add', { 'qom-type': 'tls-creds-psk', id: MIG_TLS, endpoint: 'server', dir: pskDir });
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS });
+        await qmp(q, 'migrate-incoming', { uri: `tcp:${this.opts.publishHost}:0` });
+        const st = (await qmp(q, 'query-migrate')) as { 'socket-address'?: Array<{ port?: string | number }> };
+        const port = Number(st['socket-address']?.[0]?.port ?? 0);
+        if (!port) throw sandboxFailed('QEMU did not say which port it listens on for the migration');
+        const host = this.opts.advertiseHost ?? (this.opts.publishHost === '0.0.0.0' ? '127.0.0.1' : this.opts.publishHost);
+        this.log?.info({ vm: s.name, port }, 'waiting for a live migration');
+        return { uri: `tcp:${host}:${port}`, psk, expires_at: new Date(Date.now() + opts.ttlMs).toISOString() };
+      } catch (err) {
+        if (record) await this.teardown(record, { graceMs: 0 }).catch(() => undefined);
+        else this.records.delete(spec.name);
+        this.creating.delete(spec.name);
+        throw err instanceof AppError
+          ? err
+          : sandboxFailed(`preparing the migration of "${spec.name}" failed: ${(err as Error).message}`, {}, err);
+      }
+    });
+  }
+
+  private async expireIncoming(name: string): Promise<void> {
+    await this.locks.run(`vm:${name}`, async () => {
+      const r = this.records.get(name);
+      if (!r?.incoming) return;
+      this.log?.warn({ vm: name }, 'no live migration landed in time: what was prepared for it is removed');
+      await this.teardown(r, { graceMs: 0 }).catch(() => undefined);
+      this.creating.delete(name);
+    });
+  }
+
+  /**
+   * The source's half: the guest's memory and its overlay's blocks stream to
+   * the target in TLS under the key the target minted (a listener without it
+   * gets a failed handshake, never a byte of the guest). Completed, the
+   * source stays stopped (`paused`): destroy it, or resume it if the target
+   * failed. A failed send leaves the source running.
+   */
+  async sendMigration(name: string, to: { uri: string; psk: string }): Promise<MigrationSendReport> {
+    const r = await this.running(name);
+    if (!/^tcp:[A-Za-z0-9.-]{1,253}:\d{1,5}$/.test(to.uri) || !/^[0-9a-f]{64}$/.test(to.psk)) {
+      throw invalidSpec('to.uri must be tcp:<host>:<port> and to.psk 64 hex digits', [{ path: 'to', message: 'invalid target' }]);
+    }
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      if (s.status !== 'running' || !(await this.alive(s))) throw sandboxNotRunning(name);
+      const q = this.qmpPath(name);
+      const pskDir = await writePsk(this.vmDir(name), 'mig-out', to.psk);
+      let st: Awaited<ReturnType<typeof waitMigration>>;
+      try {
+        await qmp(q, 'object-del', { id: MIG_TLS }).catch(() => undefined);
+        await qmp(q, 'object-add', { 'qom-type': 'tls-creds-psk', id: MIG_TLS, endpoint: 'client', dir: pskDir, username: PSK_USER });
+        await qmp(q, 'migrate-set-capabilities', {
+          capabilities: [
+            { capability: 'block', state: true },
+            { capability: 'postcopy-ram', state: false },
+          ],
+        });
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS, 'block-incremental': true, 'max-bandwidth': 8 * 1024 ** 3 });
+        await qmp(q, 'migrate', { uri: to.uri });
+        st = await waitMigration(q, 600_000, () => this.alive(s));
+      } catch (err) {
+        // QEMU resumed the guest itself (it was running): only our settings are undone.
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': '', 'block-incremental': false }).catch(() => undefined);
+        await qmp(q, 'object-del', { id: MIG_TLS }).catch(() => undefined);
+        throw new AppError('MIGRATION_FAILED', 424, `the live migration of "${name}" failed; it runs on here: ${(err as Error).message}`, {
+          name,
+        });
+      } finally {
+        await rm(pskDir, { recursive: true, force: true });
+      }
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      s.status = 'paused';
+      s.paused_checkpoint = '';
+      await this.writeState(s);
+      const report = {
+        downtime_ms: st.downtime ?? 0,
+        total_ms: st['total-time'] ?? 0,
+        transferred_bytes: (st.ram?.transferred ?? 0) + (st.disk?.transferred ?? 0),
+      };
+      this.log?.info({ vm: name, ...report }, 'live migration sent');
+      return report;
+    });
+  }
+
+  /** The target's last step: the stream has landed; the guest is told who it is here and runs (or stays frozen: keepPaused). */
+  async completeIncoming(name: string, opts: { keepPaused: boolean }): Promise<SandboxInfo> {
+    return this.locks.run(`vm:${name}`, async () => {
+      const r = this.records.get(name);
+      if (!r?.incoming) throw new AppError('MIGRATION_NOT_FOUND', 404, `no live migration of "${name}" is waiting on this host`, { name });
+      const s = r.state;
+      const incoming = r.incoming;
+      try {
+        await waitIncoming(this.qmpPath(name), 60_000, () => this.alive(s));
+        clearTimeout(incoming.timer);
+        r.incoming = undefined;
+        const q = this.qmpPath(name);
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': '' }).catch(() => undefined);
+        await qmp(q, 'object-del', { id: MIG_TLS }).catch(() => undefined);
+        await rm(incoming.pskDir, { recursive: true, force: true });
+        await runTool('ip', ['neigh', 'del', s.ip, 'dev', s.bridge]);
+        s.status = 'paused';
+        if (opts.keepPaused) {
+          await this.writeState(s);
+          return await this.info(r);
+        }
+        return await this.thaw(r);
+      } catch (err) {
+        await this.teardown(r, { graceMs: 0 }).catch(() => undefined);
+        throw err;
+      } finally {
+        this.creating.delete(name);
+      }
+    });
+  }
+
   /** The overlay's allocated bytes; a checkpoint's rootfs.tar is that file (sparse) plus tar's framing. */
   async layerUsage(name: string): Promise<LayerUsageReport> {
     const r = this.records.get(name);
@@ -1302,4 +1563,16 @@ async function imageBuild(image: QemuImage): Promise<string> {
 async function virtualSize(path: string): Promise<number> {
   const out = await mustRun('qemu-img', ['info', '--output=json', '-U', path]);
   return (JSON.parse(out) as { 'virtual-size': number })['virtual-size'];
+}
+
+const MIG_TLS = 'fleet-migration-tls';
+const PSK_USER = 'fleet';
+
+/** QEMU's tls-creds-psk reads `<dir>/keys.psk` ("user:hexkey"): a directory of its own, 0700, removed after use. */
+async function writePsk(vmDir: string, name: string, psk: string): Promise<string> {
+  const dir = join(vmDir, name);
+  await rm(dir, { recursive: true, force: true });
+  await mkdir(dir, { mode: 0o700 });
+  await writeFile(join(dir, 'keys.psk'), `${PSK_USER}:${psk}\n`, { mode: 0o600 });
+  return dir;
 }

@@ -38,6 +38,8 @@ export const qemuMetaSchema = z.object({
   qemu_version: z.string(),
   /** sha256 of the base image's image.json: the overlay is a block-level delta, valid only over that very build. */
   image_build: z.string(),
+  /** The image its disk is a delta over. */
+  image: z.string().optional(),
   /** Who it was captured as (a restore under another identity re-addresses the guest). */
   name: z.string(),
   ip: z.string(),
@@ -57,6 +59,7 @@ interface MigrateStatus {
   downtime?: number;
   'total-time'?: number;
   ram?: { transferred?: number };
+  disk?: { transferred?: number };
 }
 
 /** Polls query-migrate until it settles; answers the final status object. */
@@ -103,10 +106,14 @@ export async function capture(opts: {
     await mustRun('cp', ['--sparse=always', '--reflink=auto', opts.diskPath, join(opts.scratch, DISK_FILE)], { timeoutMs: opts.timeoutMs });
     if (opts.memory) {
       const file = join(opts.scratch, QEMU_VMSTATE);
+      // A plain file: whatever a live migration set on this QEMU before (TLS, disk blocks in the stream) is off.
       await qmp(opts.qmpPath, 'migrate-set-capabilities', {
-        capabilities: [{ capability: 'postcopy-ram', state: false }],
+        capabilities: [
+          { capability: 'postcopy-ram', state: false },
+          { capability: 'block', state: false },
+        ],
       });
-      await qmp(opts.qmpPath, 'migrate-set-parameters', { 'max-bandwidth': 8 * 1024 ** 3 });
+      await qmp(opts.qmpPath, 'migrate-set-parameters', { 'max-bandwidth': 8 * 1024 ** 3, 'tls-creds': '', 'block-incremental': false });
       await qmp(opts.qmpPath, 'migrate', { uri: `exec:cat > ${shellPath(file)}` });
       await waitMigration(opts.qmpPath, opts.timeoutMs);
     }
