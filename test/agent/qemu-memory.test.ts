@@ -2,11 +2,11 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import { appendFile, cp, mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
-import { createConnection } from 'node:net';
+import { createConnection, createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { AppError } from '@fleet/agent-protocol';
+import { AppError, type IncomingMigration, type MigrationOffer, type MigrationReport, type VmInfo } from '@fleet/agent-protocol';
 import { buildQemuImage } from '../../packages/agent/src/backend/qemu/image.js';
 import { generateMac } from '../../packages/agent/src/backend/process/network.js';
 import { startAgent, type RunningAgent } from './harness.js';
@@ -71,6 +71,17 @@ function rawExec(ip: string, token: string, marker: string): Promise<Buffer> {
     s.on('close', () => resolve(Buffer.concat(got)));
     s.on('connect', () => s.write(Buffer.concat([frame('A', token), frame('X', req), frame('E', '')])));
   });
+}
+
+/** The migration routes (no control-plane client method calls them yet). */
+async function api<T>(agent: RunningAgent, method: string, path: string, body?: unknown): Promise<{ status: number; body: T }> {
+  const res = await fetch(`${agent.url}/v1${path}`, {
+    method,
+    headers: { authorization: `Bearer ${agent.token}`, ...(body === undefined ? {} : { 'content-type': 'application/json' }) },
+    ...(body === undefined ? {} : { body: JSON.stringify(body) }),
+    signal: AbortSignal.timeout(600_000),
+  });
+  return { status: res.status, body: (await res.json()) as T };
 }
 
 describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${lack}` : false, timeout: 900_000 }, () => {
@@ -335,5 +346,68 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
       0,
       "the source's pause checkpoint went with it",
     );
+  });
+
+  const spec = { name: vm, cpus: 1, ram_mb: 192, tenant: 't1', expose: [{ port: 8080, as: 'http' }], egress: { mode: 'none' } };
+
+  it('never streams a guest to a listener that lacks the key the target minted: the send fails and the VM runs on', async () => {
+    const got: Buffer[] = [];
+    const rogue = createServer((c) => {
+      c.on('data', (d: Buffer) => got.push(d));
+      c.on('error', () => undefined);
+      setTimeout(() => c.destroy(), 1500);
+    });
+    await new Promise<void>((res) => rogue.listen(0, '127.0.0.1', res));
+    try {
+      const port = (rogue.address() as AddressInfo).port;
+      const res = await api<{ code: string }>(b, 'POST', `/vms/${vm}/migration/send`, {
+        to: { uri: `tcp:127.0.0.1:${port}`, psk: 'ab'.repeat(32) },
+      });
+      assert.equal(res.status, 424);
+      assert.equal(res.body.code, 'MIGRATION_FAILED');
+    } finally {
+      rogue.close();
+    }
+    const bytes = Buffer.concat(got);
+    assert.ok(bytes.length > 0, 'the source did connect');
+    assert.equal(bytes.indexOf('QEVM'), -1, 'no migration stream in the clear');
+    assert.equal(bytes[0], 0x16, 'a TLS handshake record, nothing else');
+    const c = await count(b, vm);
+    await new Promise((r) => setTimeout(r, 1000));
+    assert.ok((await count(b, vm)) > c, 'the source VM runs on');
+  });
+
+  it('live-migrates between two agents over a TLS stream the target keyed: memory and disk arrive, keep_paused holds it', async () => {
+    const offer = await api<MigrationOffer>(b, 'GET', `/vms/${vm}/migration/offer`);
+    assert.equal(offer.status, 200);
+    const incoming = await api<IncomingMigration>(a, 'POST', '/migrations/incoming', { vm: spec, machine: offer.body.machine });
+    assert.equal(incoming.status, 201, JSON.stringify(incoming.body));
+    assert.match(incoming.body.uri, /^tcp:127\.0\.0\.1:\d+$/);
+    await b.client.exec(vm, { argv: ['sh', '-c', 'echo migrated-disk > /root/mark2'] });
+    const before = await count(b, vm);
+    const t0 = Date.now();
+    const sent = await api<MigrationReport>(b, 'POST', `/vms/${vm}/migration/send`, {
+      to: { uri: incoming.body.uri, psk: incoming.body.psk },
+    });
+    assert.equal(sent.status, 200, JSON.stringify(sent.body));
+    console.log(
+      `# live migration: total ${Date.now() - t0} ms, QEMU downtime ${sent.body.downtime_ms} ms, ${sent.body.transferred_bytes} B`,
+    );
+    assert.equal((await b.client.getVm(vm)).state, 'paused', 'the source stays stopped once sent');
+
+    const done = await api<VmInfo>(a, 'POST', `/vms/${vm}/migration/complete`, { keep_paused: true });
+    assert.equal(done.status, 200, JSON.stringify(done.body));
+    assert.equal(done.body.state, 'paused', 'keep_paused: landed, frozen');
+    await assert.rejects(a.client.exec(vm, { argv: ['true'] }), (e: AppError) => e.code === 'SANDBOX_NOT_RUNNING');
+    const running = await a.client.resumeVm(vm, { timeoutMs: 180_000 });
+    assert.equal(running.state, 'running');
+    assert.equal(running.ip, '10.251.7.2', "the target's address");
+    const after = await count(a, vm);
+    assert.ok(after >= before && after < before + 60, `counter ${before} on the source, ${after} on the target`);
+    assert.equal((await a.client.exec(vm, { argv: ['cat', '/root/mark2'] })).stdout, 'migrated-disk\n', 'the disk came in the stream');
+    const ep = running.endpoints.find((e) => e.as === 'http');
+    assert.equal(await (await fetch(`${ep!.url}/mark2`)).text(), 'migrated-disk\n');
+    await b.client.destroyVm(vm);
+    assert.equal((await b.client.listVms()).length, 0);
   });
 });
