@@ -6,7 +6,15 @@ import { createConnection, createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { AppError, type IncomingMigration, type MigrationOffer, type MigrationReport, type VmInfo } from '@fleet/agent-protocol';
+import type { z } from 'zod';
+import {
+  AppError,
+  errorBodySchema,
+  incomingMigrationSchema,
+  migrationOfferSchema,
+  migrationReportSchema,
+  vmInfoSchema,
+} from '@fleet/agent-protocol';
 import { buildQemuImage } from '../../packages/agent/src/backend/qemu/image.js';
 import { generateMac } from '../../packages/agent/src/backend/process/network.js';
 import { startAgent, type RunningAgent } from './harness.js';
@@ -73,15 +81,22 @@ function rawExec(ip: string, token: string, marker: string): Promise<Buffer> {
   });
 }
 
-/** The migration routes (no control-plane client method calls them yet). */
-async function api<T>(agent: RunningAgent, method: string, path: string, body?: unknown): Promise<{ status: number; body: T }> {
+/** The migration routes (no control-plane client method calls them yet), their answers checked against the protocol's schemas. */
+async function api<S extends z.ZodType>(
+  agent: RunningAgent,
+  method: string,
+  path: string,
+  body: unknown,
+  schema: S,
+): Promise<{ status: number; body: z.infer<S> }> {
   const res = await fetch(`${agent.url}/v1${path}`, {
     method,
     headers: { authorization: `Bearer ${agent.token}`, ...(body === undefined ? {} : { 'content-type': 'application/json' }) },
     ...(body === undefined ? {} : { body: JSON.stringify(body) }),
     signal: AbortSignal.timeout(600_000),
   });
-  return { status: res.status, body: (await res.json()) as T };
+  const json: unknown = await res.json();
+  return { status: res.status, body: (res.ok ? schema : errorBodySchema).parse(json) as z.infer<S> };
 }
 
 describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${lack}` : false, timeout: 900_000 }, () => {
@@ -360,9 +375,13 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
     await new Promise<void>((res) => rogue.listen(0, '127.0.0.1', res));
     try {
       const port = (rogue.address() as AddressInfo).port;
-      const res = await api<{ code: string }>(b, 'POST', `/vms/${vm}/migration/send`, {
-        to: { uri: `tcp:127.0.0.1:${port}`, psk: 'ab'.repeat(32) },
-      });
+      const res = await api(
+        b,
+        'POST',
+        `/vms/${vm}/migration/send`,
+        { to: { uri: `tcp:127.0.0.1:${port}`, psk: 'ab'.repeat(32) } },
+        errorBodySchema,
+      );
       assert.equal(res.status, 424);
       assert.equal(res.body.code, 'MIGRATION_FAILED');
     } finally {
@@ -378,24 +397,28 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
   });
 
   it('live-migrates between two agents over a TLS stream the target keyed: memory and disk arrive, keep_paused holds it', async () => {
-    const offer = await api<MigrationOffer>(b, 'GET', `/vms/${vm}/migration/offer`);
+    const offer = await api(b, 'GET', `/vms/${vm}/migration/offer`, undefined, migrationOfferSchema);
     assert.equal(offer.status, 200);
-    const incoming = await api<IncomingMigration>(a, 'POST', '/migrations/incoming', { vm: spec, machine: offer.body.machine });
+    const incoming = await api(a, 'POST', '/migrations/incoming', { vm: spec, machine: offer.body.machine }, incomingMigrationSchema);
     assert.equal(incoming.status, 201, JSON.stringify(incoming.body));
     assert.match(incoming.body.uri, /^tcp:127\.0\.0\.1:\d+$/);
     await b.client.exec(vm, { argv: ['sh', '-c', 'echo migrated-disk > /root/mark2'] });
     const before = await count(b, vm);
     const t0 = Date.now();
-    const sent = await api<MigrationReport>(b, 'POST', `/vms/${vm}/migration/send`, {
-      to: { uri: incoming.body.uri, psk: incoming.body.psk },
-    });
+    const sent = await api(
+      b,
+      'POST',
+      `/vms/${vm}/migration/send`,
+      { to: { uri: incoming.body.uri, psk: incoming.body.psk } },
+      migrationReportSchema,
+    );
     assert.equal(sent.status, 200, JSON.stringify(sent.body));
     console.log(
       `# live migration: total ${Date.now() - t0} ms, QEMU downtime ${sent.body.downtime_ms} ms, ${sent.body.transferred_bytes} B`,
     );
     assert.equal((await b.client.getVm(vm)).state, 'paused', 'the source stays stopped once sent');
 
-    const done = await api<VmInfo>(a, 'POST', `/vms/${vm}/migration/complete`, { keep_paused: true });
+    const done = await api(a, 'POST', `/vms/${vm}/migration/complete`, { keep_paused: true }, vmInfoSchema);
     assert.equal(done.status, 200, JSON.stringify(done.body));
     assert.equal(done.body.state, 'paused', 'keep_paused: landed, frozen');
     await assert.rejects(a.client.exec(vm, { argv: ['true'] }), (e: AppError) => e.code === 'SANDBOX_NOT_RUNNING');
