@@ -380,10 +380,11 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
         'POST',
         `/vms/${vm}/migration/send`,
         { to: { uri: `tcp:127.0.0.1:${port}`, psk: 'ab'.repeat(32) } },
-        errorBodySchema,
+        // Either answer parses, so a send that "succeeded" fails on its status, not on its shape.
+        errorBodySchema.or(migrationReportSchema),
       );
       assert.equal(res.status, 424);
-      assert.equal(res.body.code, 'MIGRATION_FAILED');
+      assert.ok('code' in res.body && res.body.code === 'MIGRATION_FAILED');
     } finally {
       rogue.close();
     }
