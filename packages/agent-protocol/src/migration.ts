@@ -27,6 +27,8 @@ export const incomingMigrationRequestSchema = z.object({
   machine: migrationMachineSchema,
   /** The target gives up (and frees what it prepared) if no stream has landed by then. */
   ttl_s: z.number().int().min(10).max(3600).default(600),
+  /** The source will switch to post-copy (send with lazy): the target must be set up for it before the stream starts. */
+  lazy: z.boolean().default(false),
 });
 export type IncomingMigrationRequest = z.input<typeof incomingMigrationRequestSchema>;
 
@@ -42,7 +44,16 @@ export const incomingMigrationSchema = z.object({
 });
 export type IncomingMigration = z.infer<typeof incomingMigrationSchema>;
 
-export const sendMigrationRequestSchema = z.object({ to: z.object({ uri: migrationUriSchema, psk: migrationPskSchema }) });
+export const sendMigrationRequestSchema = z.object({
+  to: z.object({ uri: migrationUriSchema, psk: migrationPskSchema }),
+  /**
+   * Post-copy (QEMU postcopy-ram): the guest runs on the target before all of
+   * its memory has arrived and faults the rest in from the source. The answer
+   * comes at the switch-over; until the source has sent the last page the
+   * guest depends on it (destroying the source waits for that).
+   */
+  lazy: z.boolean().default(false),
+});
 export type SendMigrationRequest = z.infer<typeof sendMigrationRequestSchema>;
 
 export const migrationReportSchema = z.object({
@@ -50,6 +61,8 @@ export const migrationReportSchema = z.object({
   downtime_ms: z.number().nonnegative(),
   total_ms: z.number().nonnegative(),
   transferred_bytes: z.number().nonnegative(),
+  /** Answered at the post-copy switch-over: pages still flow from the source. */
+  lazy: z.boolean().optional(),
 });
 export type MigrationReport = z.infer<typeof migrationReportSchema>;
 

@@ -304,6 +304,8 @@ export interface MigrationSendReport {
   readonly downtime_ms: number;
   readonly total_ms: number;
   readonly transferred_bytes: number;
+  /** Post-copy: answered at the switch-over, pages still flowing from the source. */
+  readonly lazy?: boolean;
 }
 
 export interface Backend {
@@ -378,8 +380,8 @@ export interface Backend {
    * until destroyed, or resumed if the target failed) -> completeIncoming (target).
    */
   migrationOffer?(name: string): Promise<Record<string, unknown>>;
-  prepareIncoming?(spec: CreateSpec, machine: Record<string, unknown>, opts: { ttlMs: number }): Promise<MigrationTarget>;
-  sendMigration?(name: string, to: { uri: string; psk: string }): Promise<MigrationSendReport>;
+  prepareIncoming?(spec: CreateSpec, machine: Record<string, unknown>, opts: { ttlMs: number; lazy?: boolean }): Promise<MigrationTarget>;
+  sendMigration?(name: string, to: { uri: string; psk: string }, opts?: { lazy?: boolean }): Promise<MigrationSendReport>;
   completeIncoming?(name: string, opts: { keepPaused: boolean }): Promise<SandboxInfo>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;

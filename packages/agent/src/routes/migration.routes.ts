@@ -48,7 +48,7 @@ export function registerMigrationRoutes(app: FastifyInstance, ctx: AgentRouteCon
         ...(vm.egress ? { egress: vm.egress } : {}),
       },
       body.machine,
-      { ttlMs: body.ttl_s * 1000 },
+      { ttlMs: body.ttl_s * 1000, lazy: body.lazy },
     );
     const res: IncomingMigration = { name: vm.name, ...target };
     return reply.code(201).send(res);
@@ -58,7 +58,7 @@ export function registerMigrationRoutes(app: FastifyInstance, ctx: AgentRouteCon
     const name = nameParam(req);
     const body = parse(sendMigrationRequestSchema, req.body, 'migration send');
     if (!backend.sendMigration) throw unsupported(backend);
-    return backend.sendMigration(name, body.to);
+    return backend.sendMigration(name, body.to, { lazy: body.lazy });
   });
 
   app.post(`${AGENT_API_PREFIX}/vms/:name/migration/complete`, async (req) => {

@@ -1,4 +1,5 @@
 import { createHash, randomBytes, randomUUID } from 'node:crypto';
+import { existsSync } from 'node:fs';
 import { chmod, mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join, resolve } from 'node:path';
 import { PassThrough, Transform, type Readable } from 'node:stream';
@@ -49,6 +50,7 @@ import {
   readMeta,
   verifyState,
   waitIncoming,
+  switchToPostcopy,
   waitMigration,
   writeCheckpoint,
   type QemuMeta,
@@ -157,6 +159,8 @@ interface VmRecord {
   console?: ConsoleLog | undefined;
   /** Waiting for a live migration's stream (prepareIncoming until completeIncoming). */
   incoming?: { pskDir: string; timer: NodeJS.Timeout } | undefined;
+  /** A post-copy source still sending pages: the target's guest needs this QEMU until it settles. */
+  draining?: Promise<void> | undefined;
 }
 
 const nameHash = (name: string): string => createHash('sha256').update(name).digest('hex').slice(0, 12);
@@ -172,6 +176,8 @@ export class QemuBackend implements Backend {
   private readonly vmsDir: string;
   private readonly runDir: string;
   private closed = false;
+  /** Post-copy needs userfaultfd in the target's kernel (QEMU runs as root: the unprivileged switch does not matter). */
+  private readonly lazyPages = existsSync('/proc/sys/vm/unprivileged_userfaultfd');
 
   private constructor(
     private readonly opts: QemuBackendOptions & { bootTimeoutMs: number; qemuBinary: string },
@@ -275,7 +281,7 @@ export class QemuBackend implements Backend {
       nested_virt_supported: this.accel.nestedVirtSupported,
       // QEMU writes and loads its own state: no host tool needed. No dirty-page diffs, no postcopy (yet).
       live_snapshot: true,
-      lazy_pages: false,
+      lazy_pages: this.lazyPages,
       memory_diff: false,
     };
   }
@@ -868,6 +874,8 @@ export class QemuBackend implements Backend {
 
   private async teardown(r: VmRecord, opts: DestroyOptions): Promise<void> {
     const s = r.state;
+    // A post-copy source still feeds its guest on the target: it goes once the last page has.
+    if (r.draining) await r.draining;
     for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
     // A stopped guest (paused, or frozen after a migration) cannot answer the power button.
     await this.stopVm(s, s.status === 'paused' ? 0 : (opts.graceMs ?? 5_000));
@@ -1328,7 +1336,11 @@ export class QemuBackend implements Backend {
    * waiting with `-incoming defer` behind TLS with a fresh pre-shared key;
    * answers where and with which key the source may send.
    */
-  async prepareIncoming(input: CreateSpec, machine: Record<string, unknown>, opts: { ttlMs: number }): Promise<MigrationTarget> {
+  async prepareIncoming(
+    input: CreateSpec,
+    machine: Record<string, unknown>,
+    opts: { ttlMs: number; lazy?: boolean },
+  ): Promise<MigrationTarget> {
     if (this.closed) throw sandboxFailed('the qemu backend is closed');
     if (input.egress && input.egress.mode !== 'none')
       throw unsupportedByQemu(`egress mode "${input.egress.mode}" (create with egress {"mode":"none"})`);
@@ -1390,6 +1402,7 @@ export class QemuBackend implements Backend {
         const q = this.qmpPath(s.name);
         await qmp(q, 'object-add', { 'qom-type': 'tls-creds-psk', id: MIG_TLS, endpoint: 'server', dir: pskDir });
         await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS });
+        if (opts.lazy) await qmp(q, 'migrate-set-capabilities', { capabilities: [{ capability: 'postcopy-ram', state: true }] });
         await qmp(q, 'migrate-incoming', { uri: `tcp:${this.opts.publishHost}:0` });
         const st = (await qmp(q, 'query-migrate')) as { 'socket-address'?: Array<{ port?: string | number }> };
         const port = Number(st['socket-address']?.[0]?.port ?? 0);
@@ -1425,7 +1438,10 @@ export class QemuBackend implements Backend {
    * source stays stopped (`paused`): destroy it, or resume it if the target
    * failed. A failed send leaves the source running.
    */
-  async sendMigration(name: string, to: { uri: string; psk: string }): Promise<MigrationSendReport> {
+  async sendMigration(name: string, to: { uri: string; psk: string }, opts: { lazy?: boolean } = {}): Promise<MigrationSendReport> {
+    const lazy = opts.lazy === true;
+    if (lazy && !this.lazyPages)
+      throw new AppError('LAZY_MIGRATION_UNSUPPORTED', 409, 'this host has no userfaultfd: post-copy is not possible');
     const r = await this.running(name);
     if (!/^tcp:[A-Za-z0-9.-]{1,253}:\d{1,5}$/.test(to.uri) || !/^[0-9a-f]{64}$/.test(to.psk)) {
       throw invalidSpec('to.uri must be tcp:<host>:<port> and to.psk 64 hex digits', [{ path: 'to', message: 'invalid target' }]);
@@ -1442,12 +1458,18 @@ export class QemuBackend implements Backend {
         await qmp(q, 'migrate-set-capabilities', {
           capabilities: [
             { capability: 'block', state: true },
-            { capability: 'postcopy-ram', state: false },
+            { capability: 'postcopy-ram', state: lazy },
           ],
         });
         await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS, 'block-incremental': true, 'max-bandwidth': 8 * 1024 ** 3 });
+        const t0 = Date.now();
         await qmp(q, 'migrate', { uri: to.uri });
-        st = await waitMigration(q, 600_000, () => this.alive(s));
+        if (lazy) {
+          st = await switchToPostcopy(q, 600_000, () => this.alive(s));
+          st = { ...st, downtime: st.downtime ?? Date.now() - t0 };
+        } else {
+          st = await waitMigration(q, 600_000, () => this.alive(s));
+        }
       } catch (err) {
         // QEMU resumed the guest itself (it was running): only our settings are undone.
         await qmp(q, 'migrate-set-parameters', { 'tls-creds': '', 'block-incremental': false }).catch(() => undefined);
@@ -1462,10 +1484,19 @@ export class QemuBackend implements Backend {
       s.status = 'paused';
       s.paused_checkpoint = '';
       await this.writeState(s);
+      if (lazy) {
+        // The guest runs on the target now; the rest of its memory still comes from here.
+        r.draining = waitMigration(q, 3_600_000, () => this.alive(s)).then(
+          () => this.log?.info({ vm: name }, 'post-copy migration complete: the source is no longer needed'),
+          (err: unknown) =>
+            this.log?.error({ vm: name, err: (err as Error).message }, 'post-copy migration failed: the target guest is lost'),
+        );
+      }
       const report = {
         downtime_ms: st.downtime ?? 0,
         total_ms: st['total-time'] ?? 0,
         transferred_bytes: (st.ram?.transferred ?? 0) + (st.disk?.transferred ?? 0),
+        ...(lazy ? { lazy: true } : {}),
       };
       this.log?.info({ vm: name, ...report }, 'live migration sent');
       return report;

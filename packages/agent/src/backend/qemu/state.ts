@@ -71,10 +71,37 @@ export async function waitMigration(qmpPath: string, timeoutMs: number, alive?: 
       throw err;
     })) as MigrateStatus;
     if (st.status === 'completed') return st;
-    if (st.status === 'failed' || st.status === 'cancelled') {
+    // postcopy-paused: the stream broke after the switch; QEMU would wait for a recovery nobody starts.
+    if (st.status === 'failed' || st.status === 'cancelled' || st.status === 'postcopy-paused') {
       throw sandboxFailed(`QEMU migration ${st.status}: ${st['error-desc'] ?? 'no reason given'}`);
     }
     if (Date.now() > until) throw sandboxFailed(`QEMU migration did not finish within ${timeoutMs} ms (status ${st.status ?? 'none'})`);
+    await sleep(50);
+  }
+}
+
+/**
+ * Asks a running migration to switch to post-copy and waits for the switch:
+ * answers once the guest runs on the target (or the copy finished first).
+ */
+export async function switchToPostcopy(qmpPath: string, timeoutMs: number, alive: () => Promise<boolean>): Promise<MigrateStatus> {
+  const until = Date.now() + timeoutMs;
+  let asked = false;
+  for (;;) {
+    const st = (await qmp(qmpPath, 'query-migrate').catch(async (err: unknown) => {
+      if (!(await alive())) throw sandboxFailed('QEMU exited during the migration');
+      throw err;
+    })) as MigrateStatus;
+    if (st.status === 'postcopy-active' || st.status === 'completed') return st;
+    if (st.status === 'failed' || st.status === 'cancelled' || st.status === 'postcopy-paused') {
+      throw sandboxFailed(`QEMU migration ${st.status}: ${st['error-desc'] ?? 'no reason given'}`);
+    }
+    // Only once the stream is up: before that QEMU refuses the switch.
+    if (!asked && st.status === 'active') {
+      await qmp(qmpPath, 'migrate-start-postcopy');
+      asked = true;
+    }
+    if (Date.now() > until) throw sandboxFailed(`QEMU did not switch to post-copy within ${timeoutMs} ms (status ${st.status ?? 'none'})`);
     await sleep(50);
   }
 }
