@@ -60,7 +60,7 @@ export async function sendIdentity(socketPath: string, id: GuestIdentity, timeou
     sock.on('connect', () => {
       sock.write(line);
       // A guest just resumed may not be reading yet (and a tty drops what arrives before): say it again until answered.
-      resend = setInterval(() => sock.write(line), 2_000);
+      resend = setInterval(() => sock.write(line), 500);
     });
     sock.setEncoding('utf8');
     sock.on('data', (d: string) => {
