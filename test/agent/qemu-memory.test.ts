@@ -53,9 +53,9 @@ const alive = (pid: number): boolean => {
   }
 };
 
-/** A counter in its own session (an exec's process group dies with its connection). */
+/** A counter in its own session (an exec's process group dies with its connection), replaced by rename so a read never sees it empty. */
 const COUNTER =
-  "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done' </dev/null >/dev/null 2>&1 & " +
+  "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.2; done' </dev/null >/dev/null 2>&1 & " +
   'setsid httpd -p 8080 -h /root </dev/null >/dev/null 2>&1 & echo started';
 
 /** One frame of the in-guest agent's protocol (guest/fleet-guest-agent.c). */
@@ -403,6 +403,15 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
     const incoming = await api(a, 'POST', '/migrations/incoming', { vm: spec, machine: offer.body.machine }, incomingMigrationSchema);
     assert.equal(incoming.status, 201, JSON.stringify(incoming.body));
     assert.match(incoming.body.uri, /^tcp:127\.0\.0\.1:\d+$/);
+    // A sender without the key: its stream (here a forged header) is never read as a migration; the target waits on.
+    const [host, port] = incoming.body.uri.slice('tcp:'.length).split(':');
+    await new Promise<void>((resolve) => {
+      const c = createConnection({ host: host!, port: Number(port) }, () =>
+        c.end(Buffer.concat([Buffer.from('QEVM'), Buffer.alloc(4096)])),
+      );
+      c.on('error', () => resolve());
+      c.on('close', () => resolve());
+    });
     await b.client.exec(vm, { argv: ['sh', '-c', 'echo migrated-disk > /root/mark2'] });
     const before = await count(b, vm);
     const t0 = Date.now();
