@@ -12,7 +12,10 @@ import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSub
  * 2: a TCG boot takes tens of seconds), exec round trip of `true` (p50 over
  * --execs, default 30), destroy (ACPI power-off for a VM). The accelerator
  * is whatever the agent's probe chose (printed): TCG on a host without
- * working KVM.
+ * working KVM. Then memory state on the first VM, where the backend has it
+ * (qemu always; process with CRIU): live snapshot (guest stopped for
+ * pause_ms), pause, resume, fork of the snapshot; and for qemu a live
+ * migration to a second qemu agent (QEMU's downtime and the whole send).
  */
 export default async function qemuBench(args: string[]): Promise<void> {
   const opt = (name: string, dflt: number) => {
@@ -64,6 +67,8 @@ export default async function qemuBench(args: string[]): Promise<void> {
             await agent.client.exec(name, { argv: ['true'] });
             rtts.push(Number(process.hrtime.bigint() - s) / 1e6);
           }
+          if (cap.live_snapshot) log(`${backend}: ${await memoryFigures(agent, name, backend === 'qemu' ? images.imageDir : undefined)}`);
+          else log(`${backend}: no memory state on this host (no CRIU)`);
         }
         const d = Date.now();
         await agent.client.destroyVm(name, { timeoutMs: 60_000 });
@@ -82,4 +87,68 @@ export default async function qemuBench(args: string[]): Promise<void> {
     }
     for (const d of dirs) await rm(d, { recursive: true, force: true });
   }
+}
+
+const timed = async <T>(f: () => Promise<T>): Promise<[T, number]> => {
+  const t = Date.now();
+  const v = await f();
+  return [v, Date.now() - t];
+};
+
+/** Live snapshot, pause, resume, fork of the snapshot on `name`; with an image dir (qemu), a live migration to a second agent and back. */
+async function memoryFigures(agent: RunningAgent, name: string, qemuImageDir?: string): Promise<string> {
+  const spec = { cpus: 1, ram_mb: 256, tenant: 'bench' };
+  await agent.client.exec(name, {
+    argv: ['sh', '-c', "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done' </dev/null >/dev/null 2>&1 &"],
+  });
+  const [snap, snapMs] = await timed(() => agent.client.checkpoint(name, { live: true }, { timeoutMs: 300_000 }));
+  const [paused, pauseMs] = await timed(() => agent.client.pauseVm(name, {}, { timeoutMs: 300_000 }));
+  const [, resumeMs] = await timed(() => agent.client.resumeVm(name, { timeoutMs: 300_000 }));
+  const [, forkMs] = await timed(() =>
+    agent.client.createVm({ name: `${name}-f`, checkpoint_id: snap.id, resume: true, ...spec }, { timeoutMs: 300_000 }),
+  );
+  await agent.client.destroyVm(`${name}-f`, { force: true, timeoutMs: 60_000 });
+  await agent.client.deleteCheckpoint(snap.id);
+  let line =
+    `live snapshot ${snapMs} ms (guest stopped ${snap.pause_ms} ms), pause ${pauseMs} ms (stopped ${paused.checkpoint.pause_ms} ms), ` +
+    `resume ${resumeMs} ms, fork ${forkMs} ms`;
+  if (qemuImageDir) {
+    const dataDir = await mkdtemp(join(tmpdir(), 'bench-qemu-target-'));
+    const target = await startAgent(
+      {
+        dataDir,
+        imageDir: qemuImageDir,
+        subnet: uniqueSubnet(),
+        bridgePrefix: uniquePrefix(),
+        env: { AGENT_LOG_LEVEL: 'warn', AGENT_BACKEND: 'qemu' },
+      },
+      60_000,
+    );
+    try {
+      const call = async (a: RunningAgent, method: string, path: string, body?: unknown): Promise<Record<string, unknown>> => {
+        const res = await fetch(`${a.url}/v1${path}`, {
+          method,
+          headers: { authorization: `Bearer ${a.token}`, ...(body === undefined ? {} : { 'content-type': 'application/json' }) },
+          ...(body === undefined ? {} : { body: JSON.stringify(body) }),
+        });
+        const json = (await res.json()) as Record<string, unknown>;
+        if (!res.ok) throw new Error(`${method} ${path}: ${res.status} ${JSON.stringify(json)}`);
+        return json;
+      };
+      const offer = await call(agent, 'GET', `/vms/${name}/migration/offer`);
+      const [sent, totalMs] = await timed(async () => {
+        const incoming = await call(target, 'POST', '/migrations/incoming', { vm: { name, ...spec }, machine: offer.machine });
+        const report = await call(agent, 'POST', `/vms/${name}/migration/send`, { to: { uri: incoming.uri, psk: incoming.psk } });
+        await call(target, 'POST', `/vms/${name}/migration/complete`, {});
+        return report;
+      });
+      line += `; live migration to another agent ${totalMs} ms (QEMU downtime ${String(sent.downtime_ms)} ms, ${String(sent.transferred_bytes)} B)`;
+      await target.client.destroyVm(name, { force: true, timeoutMs: 60_000 });
+    } finally {
+      await target.client.prune().catch(() => undefined);
+      await target.stop();
+      await rm(dataDir, { recursive: true, force: true });
+    }
+  }
+  return line;
 }

@@ -10,6 +10,7 @@ import { buildQemuArgs, type QemuVmConfig } from '../../packages/agent/src/backe
 import { encodeExecRequest } from '../../packages/agent/src/backend/qemu/guest-client.js';
 import { moduleClosure } from '../../packages/agent/src/backend/qemu/image.js';
 import { ConsoleLog } from '../../packages/agent/src/backend/qemu/console.js';
+import { identityLine, type GuestIdentity } from '../../packages/agent/src/backend/qemu/control.js';
 
 /**
  * The qemu backend's pure parts: the command line (including the GPU lane,
@@ -87,6 +88,47 @@ describe('qemu command line', () => {
     assert.throws(() => buildQemuArgs({ ...base, seedPath: 'relative.tar' }), /absolute/);
     assert.throws(() => buildQemuArgs({ ...base, mac: '02:11:22:33:44:55,x=1' }), /bad MAC/);
     assert.throws(() => buildQemuArgs({ ...base, tap: 'tap0,script=/tmp/x' }), /bad tap/);
+  });
+});
+
+describe('memory-state command line and the control channel', () => {
+  it('a restorable machine: control serial port and vmgenid in a fixed place; a load waits for its stream, stopped', () => {
+    const cfg = { ...base, controlSocket: '/run/vm1.ctl', vmGenId: '0b9f3c1e-2d4a-4c5b-8e6f-7a8b9c0d1e2f' };
+    const a = buildQemuArgs(cfg);
+    const b = buildQemuArgs({ ...cfg, incoming: true, vmGenId: '1b9f3c1e-2d4a-4c5b-8e6f-7a8b9c0d1e2f' });
+    assert.ok(a.join(' ').includes('-chardev socket,id=control0,path=/run/vm1.ctl,server=on,wait=off -serial chardev:control0'));
+    assert.ok(a.includes('vmgenid,guid=0b9f3c1e-2d4a-4c5b-8e6f-7a8b9c0d1e2f'));
+    assert.ok(!a.includes('-incoming'));
+    assert.deepEqual(b.slice(-3), ['-incoming', 'defer', '-S']);
+    // The same devices in the same order, whatever the generation id: QEMU loads a state only into the machine it came from.
+    const devices = (args: string[]) => args.filter((x, i) => args[i - 1] === '-device' && !x.startsWith('vmgenid'));
+    assert.deepEqual(devices(a), devices(b));
+    assert.throws(() => buildQemuArgs({ ...cfg, vmGenId: 'x,addr=1' }), /vmgenid/);
+    assert.throws(() => buildQemuArgs({ ...cfg, controlSocket: '/run/a,server=off' }), /commas/);
+  });
+
+  it('the identity line carries no field the guest could split differently (spaces, newlines, shell)', () => {
+    const id: GuestIdentity = {
+      ip: '10.1.0.3',
+      prefixLen: 24,
+      gateway: '10.1.0.1',
+      mac: '02:aa:bb:cc:dd:ee',
+      hostname: 'vm-2',
+      token: 'ab'.repeat(24),
+      epochS: 1_700_000_000.7,
+    };
+    assert.equal(identityLine('n1', id), `identity n1 10.1.0.3 24 10.1.0.1 02:aa:bb:cc:dd:ee vm-2 ${'ab'.repeat(24)} 1700000000\n`);
+    for (const bad of [
+      { hostname: 'vm 2' },
+      { hostname: 'vm\nidentity' },
+      { token: 'ab'.repeat(24) + ' x' },
+      { token: '$(reboot)' },
+      { ip: '10.1.0.3; reboot' },
+      { mac: '02:aa:bb:cc:dd:ee\n' },
+      { prefixLen: 0 },
+    ]) {
+      assert.throws(() => identityLine('n1', { ...id, ...bad }), Error, JSON.stringify(bad));
+    }
   });
 });
 

@@ -4,3 +4,4 @@ export * from './capacity.js';
 export * from './errors.js';
 export * from './observe-protocol.js';
 export * from './egress.js';
+export * from './migration.js';

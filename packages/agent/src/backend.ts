@@ -292,6 +292,22 @@ export interface NetworkReassertReport {
   readonly repairs: string[];
 }
 
+/** Where a source sends a native live migration (qemu): minted by the target for one migration. */
+export interface MigrationTarget {
+  readonly uri: string;
+  /** Hex pre-shared key of the TLS session: only its holder can send, or receive, this stream. */
+  readonly psk: string;
+  readonly expires_at: string;
+}
+
+export interface MigrationSendReport {
+  readonly downtime_ms: number;
+  readonly total_ms: number;
+  readonly transferred_bytes: number;
+  /** Post-copy: answered at the switch-over, pages still flowing from the source. */
+  readonly lazy?: boolean;
+}
+
 export interface Backend {
   readonly kind: 'process' | 'qemu';
   /** Metrics, OOM kills, console logs (observe.ts); absent: the observe routes answer 501. */
@@ -358,6 +374,15 @@ export interface Backend {
   setEgress(name: string, egress: AgentEgressParsed): Promise<SandboxInfo>;
   /** The resolved outbound policy with a probe of its proxy endpoint. */
   egressStatus(name: string): Promise<EgressStatus>;
+  /**
+   * Native live migration (qemu; absent: the migration routes answer 409 BACKEND_UNSUPPORTED).
+   * offer (source) -> prepareIncoming (target) -> sendMigration (source; it stays stopped, `paused`,
+   * until destroyed, or resumed if the target failed) -> completeIncoming (target).
+   */
+  migrationOffer?(name: string): Promise<Record<string, unknown>>;
+  prepareIncoming?(spec: CreateSpec, machine: Record<string, unknown>, opts: { ttlMs: number; lazy?: boolean }): Promise<MigrationTarget>;
+  sendMigration?(name: string, to: { uri: string; psk: string }, opts?: { lazy?: boolean }): Promise<MigrationSendReport>;
+  completeIncoming?(name: string, opts: { keepPaused: boolean }): Promise<SandboxInfo>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;
   /** Stops the endpoint proxies; sandboxes keep running. */

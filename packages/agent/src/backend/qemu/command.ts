@@ -30,6 +30,12 @@ export interface QemuVmConfig {
   /** The serial console is served here; the agent writes it to the log (console.ts). */
   readonly serialSocket: string;
   readonly qmpSocket: string;
+  /** The host's control channel (second serial port, ttyS1 in the guest): re-addressing after a memory restore. */
+  readonly controlSocket?: string;
+  /** VM generation id: a restored copy gets a new one, so the guest kernel reseeds its RNG (Linux vmgenid). */
+  readonly vmGenId?: string;
+  /** Wait for a migration stream (`migrate-incoming`) and stay stopped (-S) until `cont`. */
+  readonly incoming?: boolean;
   readonly pidFile: string;
   readonly gpu?: GpuPassthrough;
 }
@@ -95,6 +101,15 @@ export function buildQemuArgs(c: QemuVmConfig): string[] {
     `socket,id=serial0,path=${optPath(c.serialSocket)},server=on,wait=off`,
     '-serial',
     'chardev:serial0',
+  );
+  // Both before -pidfile, in a fixed order: a restore's command line must build the very machine the state came from.
+  if (c.controlSocket)
+    args.push('-chardev', `socket,id=control0,path=${optPath(c.controlSocket)},server=on,wait=off`, '-serial', 'chardev:control0');
+  if (c.vmGenId !== undefined) {
+    if (!uuidRe.test(c.vmGenId)) throw new Error(`bad vmgenid "${c.vmGenId}"`);
+    args.push('-device', `vmgenid,guid=${c.vmGenId}`);
+  }
+  args.push(
     '-qmp',
     `unix:${optPath(c.qmpSocket)},server=on,wait=off`,
     '-pidfile',
@@ -102,6 +117,7 @@ export function buildQemuArgs(c: QemuVmConfig): string[] {
     // QEMU forks into its own session: it is no child of the agent and outlives it.
     '-daemonize',
   );
+  if (c.incoming) args.push('-incoming', 'defer', '-S');
   for (const addr of c.gpu?.pciAddresses ?? []) {
     if (!pciRe.test(addr)) throw new Error(`bad PCI address "${addr}": use the full form 0000:3b:00.0`);
     args.push('-device', `vfio-pci,host=${addr}`);

@@ -34,6 +34,8 @@ export interface QemuImage {
   readonly rootfs: string;
   readonly kernelVersion: string;
   readonly rootBytes: number;
+  /** QEMU_IMAGE_FORMAT it was built with (1: before memory restores). */
+  readonly format: number;
 }
 
 export const qemuImageRoot = (imageDir: string): string => join(imageDir, '.qemu');
@@ -41,9 +43,9 @@ export const qemuImageRoot = (imageDir: string): string => join(imageDir, '.qemu
 export async function resolveQemuImage(imageDir: string, name: string): Promise<QemuImage> {
   validateImageName(name);
   const dir = join(qemuImageRoot(imageDir), name);
-  let meta: { kernel_version: string; root_bytes: number };
+  let meta: { kernel_version: string; root_bytes: number; format?: number };
   try {
-    meta = JSON.parse(await readFile(join(dir, 'image.json'), 'utf8')) as { kernel_version: string; root_bytes: number };
+    meta = JSON.parse(await readFile(join(dir, 'image.json'), 'utf8')) as { kernel_version: string; root_bytes: number; format?: number };
   } catch {
     throw new NotFoundError(
       BackendErrorCode.ImageNotFound,
@@ -59,6 +61,7 @@ export async function resolveQemuImage(imageDir: string, name: string): Promise<
     rootfs: join(dir, 'rootfs.qcow2'),
     kernelVersion: meta.kernel_version,
     rootBytes: meta.root_bytes,
+    format: meta.format ?? 1,
   };
 }
 
@@ -206,8 +209,43 @@ acpid
 echo "fleet: guest up at $FLEET_IP"
 `;
 
+/**
+ * The host's control channel on the second serial port (a unix socket only
+ * the agent reaches). After a memory restore the guest still holds the
+ * identity it was captured under; the host sends the one it has now (a
+ * fork's address, MAC, name and token; the time) and waits for "ok <nonce>".
+ */
+const CONTROL = `#!/bin/sh
+stty -F /dev/ttyS1 raw -echo 2>/dev/null
+exec </dev/ttyS1 >/dev/ttyS1 2>/dev/null
+while read -r verb nonce ip prefix gw mac name token epoch; do
+  [ "$verb" = identity ] || continue
+  date -s "@$epoch" >/dev/null
+  if [ "$(cat /sys/class/net/eth0/address)" != "$mac" ] || ! ip -o -4 addr show dev eth0 | grep -q " $ip/$prefix "; then
+    ip link set eth0 down
+    ip addr flush dev eth0
+    ip link set eth0 address "$mac"
+    ip addr add "$ip/$prefix" dev eth0
+    ip link set eth0 up
+    ip route replace "$gw" dev eth0
+    ip route replace default via "$gw" dev eth0
+  fi
+  hostname "$name"
+  echo "$name" > /etc/hostname
+  umask 077
+  printf '%s' "$token" > ${GUEST_SEED_DIR}/token.new && mv ${GUEST_SEED_DIR}/token.new ${GUEST_SEED_DIR}/token
+  printf 'FLEET_HOSTNAME=%s\\nFLEET_IP=%s\\nFLEET_PREFIX=%s\\nFLEET_GATEWAY=%s\\nFLEET_MAC=%s\\n' "$name" "$ip" "$prefix" "$gw" "$mac" > ${GUEST_SEED_DIR}/net.env
+  arping -U -c 1 -I eth0 "$ip" >/dev/null 2>&1 &
+  echo "ok $nonce"
+done
+`;
+
+/** Bumped when a VM needs something of its image that older builds lack (2: the control channel, memory restores). */
+export const QEMU_IMAGE_FORMAT = 2;
+
 const INITTAB = `::sysinit:/etc/init.d/rcS
 ::respawn:/usr/sbin/fleet-guest-agent ${GUEST_AGENT_PORT} ${GUEST_SEED_DIR}/token
+::respawn:/usr/sbin/fleet-control
 ::shutdown:/bin/sh -c 'kill -TERM -1; sleep 1; sync; umount -a -r'
 `;
 
@@ -219,7 +257,11 @@ export async function buildQemuImage(imageDir: string, name: string, opts: Build
   validateImageName(name);
   const root = qemuImageRoot(imageDir);
   const dest = join(root, name);
-  if (!opts.force && (await exists(join(dest, 'image.json')))) return resolveQemuImage(imageDir, name);
+  if (!opts.force && (await exists(join(dest, 'image.json')))) {
+    const have = await resolveQemuImage(imageDir, name);
+    // An image from an older build lacks what VMs now need of it: rebuilt, not reused.
+    if (have.format >= QEMU_IMAGE_FORMAT) return have;
+  }
   const busybox = opts.busybox ?? '/bin/busybox';
   if (!(await exists(busybox))) throw featureMissing('busybox', `${busybox} is absent: run \`apt-get install busybox-static\``);
   for (const tool of ['qemu-img', 'mke2fs', 'cpio', 'resize2fs']) {
@@ -262,6 +304,7 @@ export async function buildQemuImage(imageDir: string, name: string, opts: Build
     await compileGuestAgent(join(rfs, 'usr/sbin/fleet-guest-agent'));
     await writeFile(join(rfs, 'etc/init.d/rcS'), RCS, { mode: 0o755 });
     await writeFile(join(rfs, 'etc/inittab'), INITTAB);
+    await writeFile(join(rfs, 'usr/sbin/fleet-control'), CONTROL, { mode: 0o755 });
     // busybox acpid runs /etc/acpi/PWRF/00000080 on the power button QEMU's system_powerdown presses.
     await writeFile(join(rfs, 'etc/acpi/PWRF/00000080'), '#!/bin/sh\npoweroff\n', { mode: 0o755 });
     await writeFile(join(rfs, 'etc/passwd'), 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n');
@@ -275,7 +318,7 @@ export async function buildQemuImage(imageDir: string, name: string, opts: Build
     await chmod(join(out, 'rootfs.qcow2'), 0o444);
     await writeFile(
       join(out, 'image.json'),
-      `${JSON.stringify({ name, kernel_version: version, root_bytes: ROOT_SIZE_MB * 1024 * 1024, built_at: new Date().toISOString() })}\n`,
+      `${JSON.stringify({ name, format: QEMU_IMAGE_FORMAT, kernel_version: version, root_bytes: ROOT_SIZE_MB * 1024 * 1024, built_at: new Date().toISOString() })}\n`,
     );
     if (await exists(dest)) await rm(dest, { recursive: true, force: true });
     await rename(out, dest);

@@ -1,5 +1,6 @@
-import { createHash, randomBytes } from 'node:crypto';
-import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { createHash, randomBytes, randomUUID } from 'node:crypto';
+import { existsSync } from 'node:fs';
+import { chmod, mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join, resolve } from 'node:path';
 import { PassThrough, Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
@@ -21,6 +22,8 @@ import {
   type DestroyOptions,
   type Endpoint,
   type LayerUsageReport,
+  type MigrationSendReport,
+  type MigrationTarget,
   type NetworkReassertReport,
   type ProcessHandle,
   type PruneReport,
@@ -36,8 +39,23 @@ import { chooseAccel, type Accel, type AccelReport } from './accel.js';
 import { buildQemuArgs } from './command.js';
 import { ConsoleLog } from './console.js';
 import { guestRun, guestSpawn, type GuestTarget } from './guest-client.js';
-import { GUEST_AGENT_PORT, resolveQemuImage } from './image.js';
+import { GUEST_AGENT_PORT, resolveQemuImage, type QemuImage } from './image.js';
 import { qmp } from './qmp.js';
+import { sendIdentity } from './control.js';
+import {
+  capture,
+  DISK_FILE,
+  loadState,
+  qemuMetaSchema,
+  readMeta,
+  verifyState,
+  waitIncoming,
+  switchToPostcopy,
+  waitMigration,
+  writeCheckpoint,
+  type QemuMeta,
+} from './state.js';
+import { CheckpointStore, expectedArchiveBytes } from '../process/checkpoints.js';
 import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 
 /**
@@ -84,6 +102,7 @@ const createSpecSchema = z.object({
   name: z.string().regex(nameRe, 'a sandbox name is 1-63 of [a-z0-9-], starting with a letter or digit'),
   image: z.string().min(1).optional(),
   checkpointId: z.string().min(1).optional(),
+  resume: z.boolean().optional(),
   cpus: z.number().positive().max(255),
   ram_mb: z
     .number()
@@ -106,7 +125,13 @@ const createSpecSchema = z.object({
 
 const stateSchema = z.object({
   name: z.string(),
-  status: z.enum(['creating', 'running']),
+  status: z.enum(['creating', 'running', 'paused']),
+  /** While paused: the live checkpoint its state is in (resume loads it). */
+  paused_checkpoint: z.string().default(''),
+  /** The checkpoint it was last restored from. */
+  checkpoint_id: z.string().default(''),
+  /** vmgenid guid: a new one on every restore of a copy (a fork, an earlier state), so the guest reseeds its RNG. */
+  vmgenid: z.string().default(''),
   tenant: z.string(),
   image: z.string(),
   ip: z.string(),
@@ -132,6 +157,10 @@ interface VmRecord {
   state: VmState;
   proxies: Proxy[];
   console?: ConsoleLog | undefined;
+  /** Waiting for a live migration's stream (prepareIncoming until completeIncoming). */
+  incoming?: { pskDir: string; timer: NodeJS.Timeout } | undefined;
+  /** A post-copy source still sending pages: the target's guest needs this QEMU until it settles. */
+  draining?: Promise<void> | undefined;
 }
 
 const nameHash = (name: string): string => createHash('sha256').update(name).digest('hex').slice(0, 12);
@@ -147,6 +176,8 @@ export class QemuBackend implements Backend {
   private readonly vmsDir: string;
   private readonly runDir: string;
   private closed = false;
+  /** Post-copy needs userfaultfd in the target's kernel (QEMU runs as root: the unprivileged switch does not matter). */
+  private readonly lazyPages = existsSync('/proc/sys/vm/unprivileged_userfaultfd');
 
   private constructor(
     private readonly opts: QemuBackendOptions & { bootTimeoutMs: number; qemuBinary: string },
@@ -154,6 +185,8 @@ export class QemuBackend implements Backend {
     private readonly firewall: Firewall,
     readonly accel: AccelReport,
     private readonly log: Logger | undefined,
+    private readonly store: CheckpointStore,
+    private readonly qemuVersion: string,
   ) {
     this.vmsDir = join(opts.dataDir, 'qemu', 'vms');
     this.runDir = join(opts.dataDir, 'qemu', 'run');
@@ -193,7 +226,10 @@ export class QemuBackend implements Backend {
     await mkdir(join(opts.dataDir, 'staging'), { recursive: true, mode: 0o700 });
     // Its own tables: a process backend on the same prefix must not have its ruleset replaced by ours.
     const firewall = await Firewall.open(`${opts.bridgePrefix}v`);
-    const backend = new QemuBackend(opts, subnet, firewall, accel, options.logger);
+    const store = new CheckpointStore(join(opts.dataDir, 'checkpoints'), join(opts.dataDir, 'staging'));
+    await store.init();
+    const version = (await runTool(opts.qemuBinary, ['--version'])).stdout.split('\n')[0]?.trim() ?? '';
+    const backend = new QemuBackend(opts, subnet, firewall, accel, options.logger, store, version);
     await backend.recover();
     return backend;
   }
@@ -208,6 +244,9 @@ export class QemuBackend implements Backend {
   }
   private serialPath(name: string): string {
     return join(this.runDir, `${nameHash(name)}.serial`);
+  }
+  private controlPath(name: string): string {
+    return join(this.runDir, `${nameHash(name)}.ctl`);
   }
   private async startConsole(r: VmRecord): Promise<void> {
     await r.console?.close();
@@ -236,7 +275,15 @@ export class QemuBackend implements Backend {
   async capacity(): Promise<HostCapacity & { accel: Accel; nested_virt_supported: boolean }> {
     // GPUs are left out until create can bind them (the command line is ready: command.ts).
     const { capacity } = withoutDevices(await probeCapacity({ dataDir: this.opts.dataDir, maxSandboxes: this.opts.maxSandboxes }));
-    return { ...capacity, accel: this.accel.accel, nested_virt_supported: this.accel.nestedVirtSupported };
+    return {
+      ...capacity,
+      accel: this.accel.accel,
+      nested_virt_supported: this.accel.nestedVirtSupported,
+      // QEMU writes and loads its own state: no host tool needed. No dirty-page diffs, no postcopy (yet).
+      live_snapshot: true,
+      lazy_pages: this.lazyPages,
+      memory_diff: false,
+    };
   }
 
   /** backend.go.txt NestedVirtSupported. */
@@ -250,18 +297,6 @@ export class QemuBackend implements Backend {
   }
 
   // ---- create ----
-
-  pause(_name: string): Promise<Checkpoint> {
-    return Promise.reject(unsupportedByQemu('pause (memory checkpoints)'));
-  }
-
-  resume(_name: string): Promise<SandboxInfo> {
-    return Promise.reject(unsupportedByQemu('resume (memory checkpoints)'));
-  }
-
-  restoreCheckpoint(_name: string, _checkpointId: string): Promise<SandboxInfo> {
-    return Promise.reject(unsupportedByQemu('restore in place'));
-  }
 
   setEgress(_name: string, _egress: AgentEgressParsed): Promise<SandboxInfo> {
     return Promise.reject(unsupportedByQemu('changing the outbound policy'));
@@ -286,7 +321,9 @@ export class QemuBackend implements Backend {
       );
     }
     const spec = parsed.data;
-    if (spec.checkpointId) throw unsupportedByQemu('restoring a checkpoint');
+    if (spec.resume && !spec.checkpointId) {
+      throw invalidSpec('resume needs a checkpointId (a live checkpoint)', [{ path: 'resume', message: 'needs checkpointId' }]);
+    }
     if (spec.pids_max !== undefined) {
       throw invalidSpec('pids_max does not apply to a VM (the guest runs its own kernel)', [
         { path: 'pids_max', message: 'not supported' },
@@ -300,23 +337,130 @@ export class QemuBackend implements Backend {
     }
     return this.locks.run(`vm:${spec.name}`, async () => {
       if (this.records.has(spec.name) || this.creating.has(spec.name)) throw sandboxExists(spec.name);
-      const image = await resolveQemuImage(this.opts.imageDir, spec.image ?? this.opts.defaultImage);
+      const from = spec.checkpointId ? await this.fromCheckpoint(spec) : undefined;
+      const image = await resolveQemuImage(this.opts.imageDir, from?.cp.image ?? spec.image ?? this.opts.defaultImage);
+      if (from?.meta) await this.checkMachine(from.cp, from.meta, image);
       this.creating.add(spec.name);
       try {
-        return await this.createLocked(spec, image);
+        return await this.createLocked(spec, image, from);
       } finally {
         this.creating.delete(spec.name);
       }
     });
   }
 
+  /** A create from a checkpoint: the checkpoint, and for a resume the machine its state needs (the spec must agree with it). */
+  private async fromCheckpoint(spec: z.infer<typeof createSpecSchema>): Promise<{ cp: Checkpoint; meta?: QemuMeta }> {
+    const cp = await this.store.get(spec.checkpointId ?? '');
+    if (spec.image && spec.image !== cp.image) {
+      throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", not "${spec.image}": omit image or name the checkpoint's`, [
+        { path: 'image', message: 'conflicts with the checkpoint' },
+      ]);
+    }
+    if (!spec.resume) return { cp };
+    const meta = await readMeta(this.store, cp);
+    this.checkSize(spec, meta, `checkpoint "${cp.id}"`);
+    return { cp, meta };
+  }
+
+  /** A state loads only into the machine it came from: same accelerator, QEMU build and base image build. */
+  private async checkMachine(cp: Checkpoint, meta: QemuMeta, image: QemuImage): Promise<void> {
+    const why = await this.machineMismatch(meta, image);
+    if (why) throw new AppError('CHECKPOINT_INCOMPATIBLE', 409, `checkpoint "${cp.id}" cannot be resumed here: ${why}`, { id: cp.id });
+  }
+
+  private async machineMismatch(meta: QemuMeta, image: QemuImage): Promise<string> {
+    return meta.accel !== this.accel.accel
+      ? `it was captured under ${meta.accel}, this host runs ${this.accel.accel}`
+      : meta.qemu_version !== this.qemuVersion
+        ? `it was written by "${meta.qemu_version}", this host runs "${this.qemuVersion}"`
+        : meta.image_build !== (await imageBuild(image))
+          ? `its disk is a delta over another build of image "${image.name}"`
+          : '';
+  }
+
+  /** A state loads only into a machine of its size. */
+  private checkSize(spec: z.infer<typeof createSpecSchema>, meta: QemuMeta, what: string): void {
+    const fields: { path: string; message: string }[] = [];
+    if (Math.max(1, Math.ceil(spec.cpus)) !== meta.cpus) fields.push({ path: 'cpus', message: `the state was captured with ${meta.cpus}` });
+    if (spec.ram_mb !== meta.ram_mb) fields.push({ path: 'ram_mb', message: `the state was captured with ${meta.ram_mb}` });
+    if ((spec.storage_gb ?? 0) * 1024 ** 3 > meta.disk_bytes) fields.push({ path: 'storage_gb', message: 'larger than the captured disk' });
+    if (fields.length > 0) {
+      throw invalidSpec(
+        `${what} holds the memory of a VM of another size: a resumed VM keeps its machine (${fields.map((f) => f.path).join(', ')})`,
+        fields,
+      );
+    }
+  }
+
   private async createLocked(
     spec: z.infer<typeof createSpecSchema>,
-    image: Awaited<ReturnType<typeof resolveQemuImage>>,
+    image: QemuImage,
+    from?: { cp: Checkpoint; meta?: QemuMeta },
   ): Promise<SandboxInfo> {
     const dir = this.vmDir(spec.name);
+    const record = await this.allocate(
+      spec,
+      image,
+      from?.meta?.disk_bytes ?? Math.max(image.rootBytes, (spec.storage_gb ?? 0) * 1024 ** 3),
+      from?.cp.id ?? '',
+    );
+    const state = record.state;
+    const started = Date.now();
+    try {
+      await this.plugNetwork(state);
+      await this.firewall.apply(() => this.firewallState());
+      if (from) {
+        await this.diskFromCheckpoint(state, from.cp, image);
+        // A cold boot over a checkpoint's disk may grow it (the guest grows its filesystem at boot); a resumed state may not.
+        if (!from.meta && state.disk_bytes > (await virtualSize(join(dir, DISK_FILE)))) {
+          await mustRun('qemu-img', ['resize', '-q', join(dir, DISK_FILE), String(state.disk_bytes)]);
+        }
+        if (!from.meta) state.disk_bytes = Math.max(state.disk_bytes, await virtualSize(join(dir, DISK_FILE)));
+      } else {
+        await mustRun('qemu-img', [
+          'create',
+          '-q',
+          '-f',
+          'qcow2',
+          '-b',
+          image.rootfs,
+          '-F',
+          'qcow2',
+          join(dir, DISK_FILE),
+          String(state.disk_bytes),
+        ]);
+      }
+      await this.writeSeed(state);
+      if (from?.meta) {
+        await this.loadInto(record, from.cp, image, started);
+      } else {
+        await this.launch(state, image);
+        await this.writeState(state);
+        await this.startConsole(record);
+        await this.waitForGuest(state, started);
+      }
+      await this.publish(record);
+      state.status = 'running';
+      await this.writeState(state);
+    } catch (err) {
+      await this.teardown(record, { graceMs: 0 }).catch(() => undefined);
+      throw err instanceof AppError ? err : sandboxFailed(`creating VM "${spec.name}" failed: ${(err as Error).message}`, {}, err);
+    }
+    this.log?.info({ vm: spec.name, ip: state.ip, accel: state.accel, boot_ms: Date.now() - started }, 'VM created');
+    return this.info(record);
+  }
+
+  /** Name, address, MAC, tap and bridge, taken under one lock and recorded (status `creating`) before anything is made. */
+  private async allocate(
+    spec: z.infer<typeof createSpecSchema>,
+    image: QemuImage,
+    diskBytes: number,
+    checkpointId: string,
+  ): Promise<VmRecord> {
+    const dir = this.vmDir(spec.name);
     // Addresses, taps and bridges are host-wide: allocate under one lock and record before anything is made.
-    const state = await this.locks.run('alloc', async () => {
+    return this.locks.run('alloc', async () => {
       // Every VM past this point (being created or running) is in records.
       if (this.records.size >= this.opts.maxSandboxes) {
         throw capacityExhausted(`${this.opts.maxSandboxes} VMs already run here`, { max: this.opts.maxSandboxes });
@@ -329,10 +473,12 @@ export class QemuBackend implements Backend {
         tap = `${this.opts.bridgePrefix}vt${i}`;
         if (!others.some((s) => s.tap === tap)) break;
       }
-      const diskBytes = Math.max(image.rootBytes, (spec.storage_gb ?? 0) * 1024 ** 3);
       const st: VmState = {
         name: spec.name,
         status: 'creating',
+        paused_checkpoint: '',
+        checkpoint_id: checkpointId,
+        vmgenid: randomUUID(),
         tenant: spec.tenant,
         image: image.name,
         ip,
@@ -356,41 +502,10 @@ export class QemuBackend implements Backend {
       await mkdir(dir, { recursive: true, mode: 0o700 });
       await this.writeState(st);
       // Recorded now so the next allocation sees its address, tap and bridge taken.
-      this.records.set(spec.name, { state: st, proxies: [] });
-      return st;
+      const record: VmRecord = { state: st, proxies: [] };
+      this.records.set(spec.name, record);
+      return record;
     });
-    const record = this.records.get(spec.name);
-    if (!record) throw sandboxFailed(`VM "${spec.name}" vanished while being created`);
-    const started = Date.now();
-    try {
-      await this.plugNetwork(state);
-      await this.firewall.apply(() => this.firewallState());
-      await mustRun('qemu-img', [
-        'create',
-        '-q',
-        '-f',
-        'qcow2',
-        '-b',
-        image.rootfs,
-        '-F',
-        'qcow2',
-        join(dir, 'overlay.qcow2'),
-        String(state.disk_bytes),
-      ]);
-      await this.writeSeed(state);
-      await this.launch(state, image);
-      await this.writeState(state);
-      await this.startConsole(record);
-      await this.waitForGuest(state, started);
-      await this.publish(record);
-      state.status = 'running';
-      await this.writeState(state);
-    } catch (err) {
-      await this.teardown(record, { graceMs: 0 }).catch(() => undefined);
-      throw err instanceof AppError ? err : sandboxFailed(`creating VM "${spec.name}" failed: ${(err as Error).message}`, {}, err);
-    }
-    this.log?.info({ vm: spec.name, ip: state.ip, accel: state.accel, boot_ms: Date.now() - started }, 'VM created');
-    return this.info(record);
   }
 
   private async plugNetwork(s: VmState): Promise<void> {
@@ -431,8 +546,10 @@ export class QemuBackend implements Backend {
     await rm(seed, { recursive: true, force: true });
   }
 
-  private async launch(s: VmState, image: Awaited<ReturnType<typeof resolveQemuImage>>): Promise<void> {
+  private async launch(s: VmState, image: QemuImage, opts: { incoming?: boolean } = {}): Promise<void> {
     const dir = this.vmDir(s.name);
+    // An old state file (before memory restores) has none; a VM's generation id is fixed at its launch.
+    if (!s.vmgenid) s.vmgenid = randomUUID();
     const args = buildQemuArgs({
       processName: this.processName(s.name),
       accel: s.accel,
@@ -440,12 +557,15 @@ export class QemuBackend implements Backend {
       memoryMb: s.ram_mb,
       kernel: image.kernel,
       initrd: image.initrd,
-      diskPath: join(dir, 'overlay.qcow2'),
+      diskPath: join(dir, DISK_FILE),
       seedPath: join(dir, 'seed.tar'),
       mac: s.mac,
       tap: s.tap,
       serialSocket: this.serialPath(s.name),
       qmpSocket: this.qmpPath(s.name),
+      controlSocket: this.controlPath(s.name),
+      vmGenId: s.vmgenid,
+      incoming: opts.incoming === true,
       pidFile: join(dir, 'qemu.pid'),
     });
     // -daemonize: the parent exits once the VM is set up (errors come back on stderr first).
@@ -510,20 +630,22 @@ export class QemuBackend implements Backend {
 
   async get(name: string): Promise<SandboxInfo> {
     const r = this.records.get(name);
-    if (!r || r.state.status !== 'running') throw sandboxNotFound(name);
+    // A paused VM exists (its disk, its checkpoint): it can be read, resumed and destroyed, not entered.
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
     return this.info(r);
   }
 
   async list(prefix = ''): Promise<SandboxInfo[]> {
     const out: SandboxInfo[] = [];
     for (const r of this.records.values())
-      if (r.state.status === 'running' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
+      if (r.state.status !== 'creating' && r.state.name.startsWith(prefix)) out.push(await this.info(r));
     return out.sort((a, b) => a.name.localeCompare(b.name));
   }
 
   private async info(r: VmRecord): Promise<SandboxInfo> {
     const s = r.state;
-    const running = await this.alive(s);
+    const paused = s.status === 'paused';
+    const running = !paused && (await this.alive(s));
     const host = this.opts.advertiseHost ?? (this.opts.publishHost === '0.0.0.0' ? '127.0.0.1' : this.opts.publishHost);
     const endpoints: Endpoint[] = s.endpoints.map((e) => ({
       as: e.as,
@@ -534,10 +656,10 @@ export class QemuBackend implements Backend {
     }));
     return {
       name: s.name,
-      state: running ? 'running' : 'stopped',
+      state: paused ? 'paused' : running ? 'running' : 'stopped',
       tenant: s.tenant,
       image: s.image,
-      checkpoint_id: '',
+      checkpoint_id: s.checkpoint_id,
       ip: s.ip,
       mac: s.mac,
       cpus: s.cpus,
@@ -560,8 +682,8 @@ export class QemuBackend implements Backend {
 
   private async running(name: string): Promise<VmRecord> {
     const r = this.records.get(name);
-    if (!r || r.state.status !== 'running') throw sandboxNotFound(name);
-    if (!(await this.alive(r.state))) throw sandboxNotRunning(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    if (r.state.status === 'paused' || !(await this.alive(r.state))) throw sandboxNotRunning(name);
     return r;
   }
 
@@ -752,12 +874,18 @@ export class QemuBackend implements Backend {
 
   private async teardown(r: VmRecord, opts: DestroyOptions): Promise<void> {
     const s = r.state;
+    // A post-copy source still feeds its guest on the target: it goes once the last page has.
+    if (r.draining) await r.draining;
     for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
-    await this.stopVm(s, opts.graceMs ?? 5_000);
+    // A stopped guest (paused, or frozen after a migration) cannot answer the power button.
+    await this.stopVm(s, s.status === 'paused' ? 0 : (opts.graceMs ?? 5_000));
     await r.console?.close().catch(() => undefined);
+    if (r.incoming) clearTimeout(r.incoming.timer);
     r.console = undefined;
     await rm(this.qmpPath(s.name), { force: true });
     await rm(this.serialPath(s.name), { force: true });
+    await rm(this.controlPath(s.name), { force: true });
+    if (s.paused_checkpoint) await this.store.delete(s.paused_checkpoint).catch(() => undefined);
     await runTool('ip', ['route', 'del', `${s.ip}/32`, 'dev', s.bridge]);
     await runTool('ip', ['link', 'del', s.tap]);
     this.records.delete(s.name);
@@ -791,9 +919,9 @@ export class QemuBackend implements Backend {
       if (!nameRe.test(name) || this.records.has(name) || this.creating.has(name)) continue;
       const r = await this.readRecord(name);
       // Half-created VMs (the agent died mid-create) are left for prune.
-      if (!r || r.state.status !== 'running') continue;
+      if (!r || r.state.status === 'creating') continue;
       this.records.set(name, r);
-      if (await this.alive(r.state)) {
+      if (r.state.status === 'running' && (await this.alive(r.state))) {
         const status = await qmp(this.qmpPath(name), 'query-status').catch(() => null);
         if (!status) this.log?.warn({ vm: name }, 'QEMU is alive but its QMP socket does not answer');
         await this.startConsole(r).catch((err: unknown) => this.log?.warn({ vm: name, err: (err as Error).message }, 'no serial console'));
@@ -844,8 +972,8 @@ export class QemuBackend implements Backend {
         await rm(this.vmDir(name), { recursive: true, force: true });
         report.directories.push(this.vmDir(name));
       }
-      const sockets = new Set(known.flatMap((s) => [this.qmpPath(s.name), this.serialPath(s.name)]));
-      for (const n of this.creating) sockets.add(this.qmpPath(n)).add(this.serialPath(n));
+      const sockets = new Set(known.flatMap((s) => [this.qmpPath(s.name), this.serialPath(s.name), this.controlPath(s.name)]));
+      for (const n of this.creating) sockets.add(this.qmpPath(n)).add(this.serialPath(n)).add(this.controlPath(n));
       for (const f of await readdir(this.runDir).catch(() => [] as string[])) {
         const path = join(this.runDir, f);
         if (sockets.has(path)) continue;
@@ -903,31 +1031,540 @@ export class QemuBackend implements Backend {
     }
   }
 
-  // ---- checkpoints: not yet (memory state through QEMU is the next slice) ----
+  // ---- memory state (state.ts): checkpoints, pause and resume, restores, forks ----
 
-  checkpoint(_name: string, _opts: CheckpointOptions): Promise<Checkpoint> {
-    return Promise.reject(unsupportedByQemu('checkpoints'));
+  private machineMeta(s: VmState, build: string): QemuMeta {
+    return {
+      format: 1,
+      cpus: Math.max(1, Math.ceil(s.cpus)),
+      ram_mb: s.ram_mb,
+      disk_bytes: s.disk_bytes,
+      accel: s.accel,
+      qemu_version: this.qemuVersion,
+      image_build: build,
+      image: s.image,
+      name: s.name,
+      ip: s.ip,
+      mac: s.mac,
+    };
   }
-  layerUsage(): Promise<LayerUsageReport> {
-    return Promise.reject(unsupportedByQemu('layer usage (it sizes checkpoints)'));
+
+  private scratchDir(name: string): string {
+    return join(this.store.staging, `.qemu-${name}-${randomBytes(4).toString('hex')}`);
+  }
+
+  /**
+   * Disk (`live` false, or a VM that is not running) or disk plus memory:
+   * the guest is stopped for the copy of its overlay and the write of its
+   * state, then runs on. `pause_ms` is how long it was stopped.
+   */
+  async checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      const running = s.status === 'running' && (await this.alive(s));
+      const scratch = this.scratchDir(name);
+      try {
+        let pauseMs = 0;
+        let memory = false;
+        if (running) {
+          const got = await capture({
+            qmpPath: this.qmpPath(name),
+            diskPath: join(this.vmDir(name), DISK_FILE),
+            scratch,
+            memory: opts.live === true,
+            leaveStopped: false,
+            timeoutMs: 120_000,
+          });
+          pauseMs = got.pauseMs;
+          memory = got.memory;
+        } else {
+          // No QEMU holds the disk (paused): its overlay is already one instant.
+          await mkdir(scratch, { recursive: true, mode: 0o700 });
+          await mustRun('cp', ['--sparse=always', '--reflink=auto', join(this.vmDir(name), DISK_FILE), join(scratch, DISK_FILE)]);
+        }
+        const image = await resolveQemuImage(this.opts.imageDir, s.image);
+        const cp = await writeCheckpoint(this.store, scratch, {
+          ...(opts.id ? { id: opts.id } : {}),
+          ...(opts.maxBytes ? { maxBytes: opts.maxBytes } : {}),
+          comment: opts.comment ?? '',
+          image: s.image,
+          now: new Date(),
+          machine: this.machineMeta(s, await imageBuild(image)),
+          memory,
+        });
+        this.log?.info({ vm: name, checkpoint: cp.id, kind: cp.kind, pause_ms: pauseMs }, 'checkpoint taken');
+        return { ...cp, pause_ms: pauseMs };
+      } finally {
+        await rm(scratch, { recursive: true, force: true });
+      }
+    });
+  }
+
+  /**
+   * A live checkpoint, then QEMU ends: the VM's CPU and memory are free, its
+   * disk, tap and address kept (state `paused`) until resume() or destroy().
+   * The checkpoint is an ordinary live one: it can move, and be resumed
+   * under another name elsewhere (create with resume).
+   */
+  async pause(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      if (s.status === 'paused' && !s.paused_checkpoint) {
+        throw new AppError('VM_FROZEN', 409, `VM "${name}" is frozen after a live migration: resume or destroy it`, { name });
+      }
+      if (s.status === 'paused') return { ...(await this.store.get(s.paused_checkpoint)), pause_ms: 0 };
+      if (!(await this.alive(s))) throw sandboxNotRunning(name);
+      const scratch = this.scratchDir(name);
+      let cp: Checkpoint;
+      let pauseMs: number;
+      try {
+        const got = await capture({
+          qmpPath: this.qmpPath(name),
+          diskPath: join(this.vmDir(name), DISK_FILE),
+          scratch,
+          memory: true,
+          leaveStopped: true,
+          timeoutMs: 120_000,
+        });
+        pauseMs = got.pauseMs;
+        const image = await resolveQemuImage(this.opts.imageDir, s.image);
+        cp = await writeCheckpoint(this.store, scratch, {
+          ...(opts.id ? { id: opts.id } : {}),
+          comment: opts.comment ?? 'pause',
+          image: s.image,
+          now: new Date(),
+          machine: this.machineMeta(s, await imageBuild(image)),
+          memory: true,
+        });
+      } catch (err) {
+        // Nothing was kept: the guest runs on as it was.
+        await qmp(this.qmpPath(name), 'cont').catch(() => undefined);
+        throw err;
+      } finally {
+        await rm(scratch, { recursive: true, force: true });
+      }
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      // Stopped and captured: nothing the guest does is lost by ending QEMU now.
+      await this.stopVm(s, 0);
+      await r.console?.close().catch(() => undefined);
+      r.console = undefined;
+      s.status = 'paused';
+      s.paused_checkpoint = cp.id;
+      s.pid = 0;
+      s.pid_start = '';
+      await this.writeState(s);
+      this.log?.info({ vm: name, checkpoint: cp.id, pause_ms: pauseMs }, 'VM paused');
+      return { ...cp, pause_ms: pauseMs };
+    });
+  }
+
+  /** Loads a paused VM's state into a new QEMU over its own disk (idempotent: a running VM is answered as it is). */
+  async resume(name: string): Promise<SandboxInfo> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      if (s.status === 'running') return this.info(r);
+      if (!s.paused_checkpoint) return this.thaw(r);
+      const cp = await this.store.get(s.paused_checkpoint);
+      const image = await resolveQemuImage(this.opts.imageDir, s.image);
+      await this.checkMachine(cp, await readMeta(this.store, cp), image);
+      try {
+        await this.plugNetwork(s);
+        await this.loadInto(r, cp, image, Date.now());
+      } catch (err) {
+        // Still paused, its checkpoint kept: resume can be asked again.
+        await this.stopVm(s, 0).catch(() => undefined);
+        await r.console?.close().catch(() => undefined);
+        r.console = undefined;
+        s.pid = 0;
+        s.pid_start = '';
+        await this.writeState(s);
+        throw err;
+      }
+      await this.publish(r);
+      s.status = 'running';
+      s.paused_checkpoint = '';
+      await this.writeState(s);
+      await this.store
+        .delete(cp.id)
+        .catch((err: unknown) => this.log?.warn({ err, checkpoint: cp.id }, 'could not remove the pause checkpoint'));
+      return this.info(r);
+    });
+  }
+
+  /**
+   * Puts a VM (running or paused) back to a checkpoint of this host: QEMU
+   * ends, the disk becomes the checkpoint's; a live one then loads its state
+   * (any VM's, re-addressed as this one), a disk one boots afresh.
+   */
+  async restoreCheckpoint(name: string, checkpointId: string): Promise<SandboxInfo> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      const cp = await this.store.get(checkpointId);
+      if (cp.image !== s.image) {
+        throw invalidSpec(`checkpoint "${cp.id}" sits on image "${cp.image}", the VM on "${s.image}"`, [
+          { path: 'checkpoint_id', message: 'another image' },
+        ]);
+      }
+      const image = await resolveQemuImage(this.opts.imageDir, s.image);
+      const meta = cp.kind === 'live' ? await readMeta(this.store, cp) : undefined;
+      if (meta) {
+        await this.checkMachine(cp, meta, image);
+        if (meta.ram_mb !== s.ram_mb || meta.cpus !== Math.max(1, Math.ceil(s.cpus)) || meta.disk_bytes !== s.disk_bytes) {
+          throw invalidSpec(`checkpoint "${cp.id}" holds the memory of a VM of another size than "${name}"`, [
+            { path: 'checkpoint_id', message: 'another machine size' },
+          ]);
+        }
+        await verifyState(this.store, cp);
+      }
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      await this.stopVm(s, 0);
+      await r.console?.close().catch(() => undefined);
+      r.console = undefined;
+      const started = Date.now();
+      await this.diskFromCheckpoint(s, cp, image);
+      await this.plugNetwork(s);
+      // A restored copy of a past state is not the VM that ran on from it: a new generation id.
+      s.vmgenid = randomUUID();
+      if (meta) {
+        await this.loadInto(r, cp, image, started);
+      } else {
+        await this.launch(s, image);
+        await this.writeState(s);
+        await this.startConsole(r);
+        await this.waitForGuest(s, started);
+      }
+      const paused = s.paused_checkpoint;
+      s.status = 'running';
+      s.paused_checkpoint = '';
+      s.checkpoint_id = cp.id;
+      await this.publish(r);
+      await this.writeState(s);
+      if (paused && paused !== cp.id) await this.store.delete(paused).catch(() => undefined);
+      return this.info(r);
+    });
+  }
+
+  /** The checkpoint's overlay (digest checked while extracted) becomes the VM's disk, over this host's copy of its image. */
+  private async diskFromCheckpoint(s: VmState, cp: Checkpoint, image: QemuImage): Promise<void> {
+    const dir = this.vmDir(s.name);
+    const tmp = join(dir, `.restore-${randomBytes(4).toString('hex')}`);
+    await mkdir(tmp, { mode: 0o700 });
+    try {
+      await this.store.extract(cp.id, tmp);
+      // The overlay names its base by the capturing host's path: point it at ours (same build, checkMachine saw to it).
+      await mustRun('qemu-img', ['rebase', '-u', '-q', '-f', 'qcow2', '-b', image.rootfs, '-F', 'qcow2', join(tmp, DISK_FILE)]);
+      await rename(join(tmp, DISK_FILE), join(dir, DISK_FILE));
+    } finally {
+      await rm(tmp, { recursive: true, force: true });
+    }
+  }
+
+  /**
+   * QEMU with `-incoming defer -S`, the checkpoint's state loaded into it
+   * (its sha256 checked first), run; then the guest is told who it is now
+   * over its control channel and must answer on its address.
+   */
+  private async loadInto(r: VmRecord, cp: Checkpoint, image: QemuImage, started: number): Promise<void> {
+    const s = r.state;
+    const file = await verifyState(this.store, cp);
+    await this.launch(s, image, { incoming: true });
+    await this.writeState(s);
+    await this.startConsole(r);
+    await loadState(this.qmpPath(s.name), file, 120_000, () => this.alive(s));
+    // The host may remember another MAC for this address (a VM that had it before).
+    await runTool('ip', ['neigh', 'del', s.ip, 'dev', s.bridge]);
+    await qmp(this.qmpPath(s.name), 'cont');
+    await sendIdentity(this.controlPath(s.name), {
+      ip: s.ip,
+      prefixLen: this.subnet.prefixLen,
+      gateway: this.subnet.gateway,
+      mac: s.mac,
+      hostname: s.name,
+      token: s.token,
+      epochS: Date.now() / 1000,
+    });
+    await this.waitForGuest(s, started);
+    this.log?.info({ vm: s.name, checkpoint: cp.id, restore_ms: Date.now() - started }, 'VM state loaded');
+  }
+
+  /** A frozen VM (QEMU alive, stopped: after keep_paused, or a source whose migration the caller rolls back) runs on. */
+  private async thaw(r: VmRecord): Promise<SandboxInfo> {
+    const s = r.state;
+    if (!(await this.alive(s))) throw sandboxNotRunning(s.name);
+    const started = Date.now();
+    await qmp(this.qmpPath(s.name), 'cont');
+    if (!r.console) await this.startConsole(r).catch(() => undefined);
+    await sendIdentity(this.controlPath(s.name), this.identity(s));
+    await this.waitForGuest(s, started);
+    await this.publish(r);
+    s.status = 'running';
+    await this.writeState(s);
+    return this.info(r);
+  }
+
+  private identity(s: VmState): Parameters<typeof sendIdentity>[1] {
+    return {
+      ip: s.ip,
+      prefixLen: this.subnet.prefixLen,
+      gateway: this.subnet.gateway,
+      mac: s.mac,
+      hostname: s.name,
+      token: s.token,
+      epochS: Date.now() / 1000,
+    };
+  }
+
+  // ---- native live migration (backend.ts sendMigration; agent-protocol migration.ts) ----
+
+  /** The machine a target must build to receive this VM's stream. */
+  async migrationOffer(name: string): Promise<Record<string, unknown>> {
+    const r = await this.running(name);
+    return this.machineMeta(r.state, await imageBuild(await resolveQemuImage(this.opts.imageDir, r.state.image)));
+  }
+
+  /**
+   * The target's half: the VM is allocated here (its own address, MAC, tap,
+   * seed and token), an empty overlay over the same image build, and a QEMU
+   * waiting with `-incoming defer` behind TLS with a fresh pre-shared key;
+   * answers where and with which key the source may send.
+   */
+  async prepareIncoming(
+    input: CreateSpec,
+    machine: Record<string, unknown>,
+    opts: { ttlMs: number; lazy?: boolean },
+  ): Promise<MigrationTarget> {
+    if (this.closed) throw sandboxFailed('the qemu backend is closed');
+    if (input.egress && input.egress.mode !== 'none')
+      throw unsupportedByQemu(`egress mode "${input.egress.mode}" (create with egress {"mode":"none"})`);
+    const parsed = createSpecSchema.safeParse(input);
+    if (!parsed.success) {
+      throw invalidSpec(
+        `invalid sandbox spec: ${parsed.error.issues.map((i) => `${i.path.join('.') || '(spec)'}: ${i.message}`).join('; ')}`,
+        parsed.error.issues.map((i) => ({ path: i.path.join('.'), message: i.message })),
+      );
+    }
+    const spec = parsed.data;
+    if (spec.checkpointId || spec.resume)
+      throw invalidSpec('a migrated VM comes from its stream, not a checkpoint', [
+        { path: 'checkpoint_id', message: 'not with a migration' },
+      ]);
+    const m = qemuMetaSchema.safeParse(machine);
+    if (!m.success) throw invalidSpec('machine is not a qemu migration offer', [{ path: 'machine', message: 'not a qemu offer' }]);
+    const meta = m.data;
+    this.checkSize(spec, meta, 'the source VM');
+    if (meta.image && spec.image && meta.image !== spec.image) {
+      throw invalidSpec(`the source VM runs image "${meta.image}", not "${spec.image}"`, [
+        { path: 'image', message: 'conflicts with the source' },
+      ]);
+    }
+    return this.locks.run(`vm:${spec.name}`, async () => {
+      if (this.records.has(spec.name) || this.creating.has(spec.name)) throw sandboxExists(spec.name);
+      const image = await resolveQemuImage(this.opts.imageDir, meta.image ?? spec.image ?? this.opts.defaultImage);
+      const why = await this.machineMismatch(meta, image);
+      if (why) throw new AppError('MIGRATION_INCOMPATIBLE', 409, `VM "${spec.name}" cannot migrate here: ${why}`, { name: spec.name });
+      this.creating.add(spec.name);
+      let record: VmRecord | undefined;
+      try {
+        record = await this.allocate(spec, image, meta.disk_bytes, '');
+        const s = record.state;
+        const dir = this.vmDir(s.name);
+        await this.plugNetwork(s);
+        await this.firewall.apply(() => this.firewallState());
+        // The stream carries the source overlay's blocks (block-incremental) onto an empty overlay over the same base.
+        await mustRun('qemu-img', [
+          'create',
+          '-q',
+          '-f',
+          'qcow2',
+          '-b',
+          image.rootfs,
+          '-F',
+          'qcow2',
+          join(dir, DISK_FILE),
+          String(s.disk_bytes),
+        ]);
+        await this.writeSeed(s);
+        const psk = randomBytes(32).toString('hex');
+        const pskDir = await writePsk(dir, 'mig-in', psk);
+        record.incoming = { pskDir, timer: setTimeout(() => void this.expireIncoming(s.name), opts.ttlMs) };
+        record.incoming.timer.unref();
+        await this.launch(s, image, { incoming: true });
+        await this.writeState(s);
+        await this.startConsole(record);
+        const q = this.qmpPath(s.name);
+        await qmp(q, 'object-add', { 'qom-type': 'tls-creds-psk', id: MIG_TLS, endpoint: 'server', dir: pskDir });
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS });
+        if (opts.lazy) await qmp(q, 'migrate-set-capabilities', { capabilities: [{ capability: 'postcopy-ram', state: true }] });
+        await qmp(q, 'migrate-incoming', { uri: `tcp:${this.opts.publishHost}:0` });
+        const st = (await qmp(q, 'query-migrate')) as { 'socket-address'?: Array<{ port?: string | number }> };
+        const port = Number(st['socket-address']?.[0]?.port ?? 0);
+        if (!port) throw sandboxFailed('QEMU did not say which port it listens on for the migration');
+        const host = this.opts.advertiseHost ?? (this.opts.publishHost === '0.0.0.0' ? '127.0.0.1' : this.opts.publishHost);
+        this.log?.info({ vm: s.name, port }, 'waiting for a live migration');
+        return { uri: `tcp:${host}:${port}`, psk, expires_at: new Date(Date.now() + opts.ttlMs).toISOString() };
+      } catch (err) {
+        if (record) await this.teardown(record, { graceMs: 0 }).catch(() => undefined);
+        else this.records.delete(spec.name);
+        this.creating.delete(spec.name);
+        throw err instanceof AppError
+          ? err
+          : sandboxFailed(`preparing the migration of "${spec.name}" failed: ${(err as Error).message}`, {}, err);
+      }
+    });
+  }
+
+  private async expireIncoming(name: string): Promise<void> {
+    await this.locks.run(`vm:${name}`, async () => {
+      const r = this.records.get(name);
+      if (!r?.incoming) return;
+      this.log?.warn({ vm: name }, 'no live migration landed in time: what was prepared for it is removed');
+      await this.teardown(r, { graceMs: 0 }).catch(() => undefined);
+      this.creating.delete(name);
+    });
+  }
+
+  /**
+   * The source's half: the guest's memory and its overlay's blocks stream to
+   * the target in TLS under the key the target minted (a listener without it
+   * gets a failed handshake, never a byte of the guest). Completed, the
+   * source stays stopped (`paused`): destroy it, or resume it if the target
+   * failed. A failed send leaves the source running.
+   */
+  async sendMigration(name: string, to: { uri: string; psk: string }, opts: { lazy?: boolean } = {}): Promise<MigrationSendReport> {
+    const lazy = opts.lazy === true;
+    if (lazy && !this.lazyPages)
+      throw new AppError('LAZY_MIGRATION_UNSUPPORTED', 409, 'this host has no userfaultfd: post-copy is not possible');
+    const r = await this.running(name);
+    if (!/^tcp:[A-Za-z0-9.-]{1,253}:\d{1,5}$/.test(to.uri) || !/^[0-9a-f]{64}$/.test(to.psk)) {
+      throw invalidSpec('to.uri must be tcp:<host>:<port> and to.psk 64 hex digits', [{ path: 'to', message: 'invalid target' }]);
+    }
+    return this.locks.run(`vm:${name}`, async () => {
+      const s = r.state;
+      if (s.status !== 'running' || !(await this.alive(s))) throw sandboxNotRunning(name);
+      const q = this.qmpPath(name);
+      const pskDir = await writePsk(this.vmDir(name), 'mig-out', to.psk);
+      let st: Awaited<ReturnType<typeof waitMigration>>;
+      try {
+        await qmp(q, 'object-del', { id: MIG_TLS }).catch(() => undefined);
+        await qmp(q, 'object-add', { 'qom-type': 'tls-creds-psk', id: MIG_TLS, endpoint: 'client', dir: pskDir, username: PSK_USER });
+        await qmp(q, 'migrate-set-capabilities', {
+          capabilities: [
+            { capability: 'block', state: true },
+            { capability: 'postcopy-ram', state: lazy },
+          ],
+        });
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS, 'block-incremental': true, 'max-bandwidth': 8 * 1024 ** 3 });
+        const t0 = Date.now();
+        await qmp(q, 'migrate', { uri: to.uri });
+        if (lazy) {
+          st = await switchToPostcopy(q, 600_000, () => this.alive(s));
+          st = { ...st, downtime: st.downtime ?? Date.now() - t0 };
+        } else {
+          st = await waitMigration(q, 600_000, () => this.alive(s));
+        }
+      } catch (err) {
+        // QEMU resumed the guest itself (it was running): only our settings are undone.
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': '', 'block-incremental': false }).catch(() => undefined);
+        await qmp(q, 'object-del', { id: MIG_TLS }).catch(() => undefined);
+        throw new AppError('MIGRATION_FAILED', 424, `the live migration of "${name}" failed; it runs on here: ${(err as Error).message}`, {
+          name,
+        });
+      } finally {
+        await rm(pskDir, { recursive: true, force: true });
+      }
+      for (const p of r.proxies.splice(0)) await p.close().catch(() => undefined);
+      s.status = 'paused';
+      s.paused_checkpoint = '';
+      await this.writeState(s);
+      if (lazy) {
+        // The guest runs on the target now; the rest of its memory still comes from here.
+        r.draining = waitMigration(q, 3_600_000, () => this.alive(s)).then(
+          () => this.log?.info({ vm: name }, 'post-copy migration complete: the source is no longer needed'),
+          (err: unknown) =>
+            this.log?.error({ vm: name, err: (err as Error).message }, 'post-copy migration failed: the target guest is lost'),
+        );
+      }
+      const report = {
+        downtime_ms: st.downtime ?? 0,
+        total_ms: st['total-time'] ?? 0,
+        transferred_bytes: (st.ram?.transferred ?? 0) + (st.disk?.transferred ?? 0),
+        ...(lazy ? { lazy: true } : {}),
+      };
+      this.log?.info({ vm: name, ...report }, 'live migration sent');
+      return report;
+    });
+  }
+
+  /** The target's last step: the stream has landed; the guest is told who it is here and runs (or stays frozen: keepPaused). */
+  async completeIncoming(name: string, opts: { keepPaused: boolean }): Promise<SandboxInfo> {
+    return this.locks.run(`vm:${name}`, async () => {
+      const r = this.records.get(name);
+      if (!r?.incoming) throw new AppError('MIGRATION_NOT_FOUND', 404, `no live migration of "${name}" is waiting on this host`, { name });
+      const s = r.state;
+      const incoming = r.incoming;
+      try {
+        await waitIncoming(this.qmpPath(name), 60_000, () => this.alive(s));
+        clearTimeout(incoming.timer);
+        r.incoming = undefined;
+        const q = this.qmpPath(name);
+        await qmp(q, 'migrate-set-parameters', { 'tls-creds': '' }).catch(() => undefined);
+        await qmp(q, 'object-del', { id: MIG_TLS }).catch(() => undefined);
+        await rm(incoming.pskDir, { recursive: true, force: true });
+        await runTool('ip', ['neigh', 'del', s.ip, 'dev', s.bridge]);
+        s.status = 'paused';
+        if (opts.keepPaused) {
+          await this.writeState(s);
+          return await this.info(r);
+        }
+        return await this.thaw(r);
+      } catch (err) {
+        await this.teardown(r, { graceMs: 0 }).catch(() => undefined);
+        throw err;
+      } finally {
+        this.creating.delete(name);
+      }
+    });
+  }
+
+  /** The overlay's allocated bytes; a checkpoint's rootfs.tar is that file (sparse) plus tar's framing. */
+  async layerUsage(name: string): Promise<LayerUsageReport> {
+    const r = this.records.get(name);
+    if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+    const st = await stat(join(this.vmDir(name), DISK_FILE));
+    const used = st.blocks * 512;
+    return {
+      used_bytes: used,
+      entries: 1,
+      limit_bytes: r.state.disk_bytes,
+      expected_archive_bytes: expectedArchiveBytes({ used_bytes: Math.max(used, st.size), entries: 1 }),
+    };
   }
   listCheckpoints(): Promise<Checkpoint[]> {
-    return Promise.resolve([]);
+    return this.store.list();
   }
   getCheckpoint(id: string): Promise<Checkpoint> {
-    return Promise.reject(new AppError('CHECKPOINT_NOT_FOUND', 404, `no checkpoint "${id}" on this host`, { id }));
+    return this.store.get(id);
   }
-  deleteCheckpoint(): Promise<void> {
-    return Promise.resolve();
+  deleteCheckpoint(id: string): Promise<void> {
+    return this.store.delete(id);
   }
-  checkpointDir(id: string): Promise<string> {
-    return this.getCheckpoint(id).then(() => '');
+  async checkpointDir(id: string): Promise<string> {
+    await this.store.get(id);
+    return this.store.path(id);
   }
   stagingDir(): string {
-    return join(this.opts.dataDir, 'staging');
+    return this.store.staging;
   }
-  importCheckpoint(): Promise<Checkpoint> {
-    return Promise.reject(unsupportedByQemu('importing checkpoints'));
+  importCheckpoint(stagingPath: string, opts: { verifyDigest?: boolean } = {}): Promise<Checkpoint> {
+    return this.store.import(stagingPath, opts);
   }
 }
 
@@ -945,4 +1582,28 @@ async function listAllLinks(): Promise<string[]> {
   } catch {
     return [];
   }
+}
+
+/** Identifies one build of an image (image.json carries its build time): a qcow2 delta is valid only over that build. */
+async function imageBuild(image: QemuImage): Promise<string> {
+  return createHash('sha256')
+    .update(await readFile(join(image.dir, 'image.json')))
+    .digest('hex');
+}
+
+async function virtualSize(path: string): Promise<number> {
+  const out = await mustRun('qemu-img', ['info', '--output=json', '-U', path]);
+  return (JSON.parse(out) as { 'virtual-size': number })['virtual-size'];
+}
+
+const MIG_TLS = 'fleet-migration-tls';
+const PSK_USER = 'fleet';
+
+/** QEMU's tls-creds-psk reads `<dir>/keys.psk` ("user:hexkey"): a directory of its own, 0700, removed after use. */
+async function writePsk(vmDir: string, name: string, psk: string): Promise<string> {
+  const dir = join(vmDir, name);
+  await rm(dir, { recursive: true, force: true });
+  await mkdir(dir, { mode: 0o700 });
+  await writeFile(join(dir, 'keys.psk'), `${PSK_USER}:${psk}\n`, { mode: 0o600 });
+  return dir;
 }

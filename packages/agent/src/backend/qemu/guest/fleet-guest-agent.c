@@ -9,7 +9,7 @@
  *   guest -> host: 'O' stdout, 'e' stderr, 'Z' "<exit code> <signal>" (last frame)
  * The exec request is NUL-terminated strings: argc, argv..., envc, env..., cwd,
  * tty (0/1), rows, cols, stdin (0/1). Closing the connection kills the
- * process group. The token is read from the seed at start; a connection that
+ * process group. The token is read from the seed per connection; a connection that
  * does not present it first is closed without an answer.
  */
 #define _GNU_SOURCE
@@ -35,6 +35,25 @@
 
 static char token[256];
 static size_t token_len;
+static const char *token_path;
+
+/* Read again for every connection: a restored copy of this VM (a fork) is given its own token by the host. */
+static int load_token(void) {
+  int fd = open(token_path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    perror("token file");
+    return -1;
+  }
+  ssize_t n = read(fd, token, sizeof token - 1);
+  close(fd);
+  while (n > 0 && (token[n - 1] == '\n' || token[n - 1] == ' ')) n--;
+  if (n < 16) {
+    fprintf(stderr, "token too short\n");
+    return -1;
+  }
+  token_len = (size_t)n;
+  return 0;
+}
 
 static int write_all(int fd, const void *buf, size_t n) {
   const char *p = buf;
@@ -279,19 +298,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: fleet-guest-agent PORT TOKEN_FILE\n");
     return 2;
   }
-  int fd = open(argv[2], O_RDONLY);
-  if (fd < 0) {
-    perror("token file");
-    return 1;
-  }
-  ssize_t n = read(fd, token, sizeof token - 1);
-  close(fd);
-  while (n > 0 && (token[n - 1] == '\n' || token[n - 1] == ' ')) n--;
-  if (n < 16) {
-    fprintf(stderr, "token too short\n");
-    return 1;
-  }
-  token_len = (size_t)n;
+  token_path = argv[2];
+  if (load_token() < 0) return 1;
   signal(SIGPIPE, SIG_IGN);
   signal(SIGCHLD, SIG_IGN); /* connection handlers are reaped by the kernel */
   int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -310,6 +318,7 @@ int main(int argc, char **argv) {
     if (h == 0) {
       close(ls);
       signal(SIGCHLD, SIG_DFL);
+      if (load_token() < 0) _exit(1);
       serve(s);
     }
     close(s);
