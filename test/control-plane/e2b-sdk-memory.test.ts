@@ -145,6 +145,13 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     const at = await count(resumed);
     assert.ok(at >= before, `the counter went on from where it was (${before} → ${at}), not from 0`);
     await until('the counter to move on after the resume', async () => (await count(resumed)) > at);
+    // E2B's older resume verb: a running sandbox is its 409.
+    const resume = await fetch(`${base}/e2b/sandboxes/${sbx.sandboxId}/resume`, {
+      method: 'POST',
+      headers: { 'x-api-key': TENANT_KEYS.acme, 'content-type': 'application/json' },
+      body: '{}',
+    });
+    assert.equal(resume.status, 409);
     // Connecting to a running sandbox changes nothing.
     assert.equal((await Sandbox.connect(sbx.sandboxId)).sandboxId, sbx.sandboxId);
     sbx = resumed;
@@ -216,6 +223,15 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     // A window in the future holds no sample.
     assert.deepEqual(await sbx.getMetrics({ start: new Date(Date.now() + 3_600_000) }), []);
     await assert.rejects(Sandbox.getMetrics('no-such-sandbox'), SandboxNotFoundError);
+    // Another tenant's sandbox does not exist for any of these verbs.
+    const globex = { apiKey: TENANT_KEYS.globex };
+    await assert.rejects(Sandbox.getMetrics(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.pause(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.createSnapshot(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.updateNetwork(sbx.sandboxId, { allowInternetAccess: false }, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.fork(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.connect(sbx.sandboxId, globex), SandboxNotFoundError);
+    assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, 'running', 'and nothing happened to it');
   });
 
   it('updateNetwork: replaces the egress policy (omitted fields cleared)', async (t) => {

@@ -88,6 +88,26 @@ export function registerE2bMemoryRoutes(app: E2bApp, deps: E2bMemoryDeps, scope:
     },
   );
 
+  // E2B's older resume verb (Sandbox.connect does the same): a running sandbox is its 409.
+  app.post(
+    '/sandboxes/:sandboxID/resume',
+    { schema: { hide: true, params, body: z.object({ timeout: timeoutSchema.optional() }).strict().optional() } },
+    async (req, reply) => {
+      const actor = scope.actorOf(req);
+      const vm = await scope.live(req.params.sandboxID, actor);
+      if (vm.status !== 'paused') return reply.status(409).send({ code: 409, message: `sandbox ${vm.vm_id} is already running` });
+      const r = await deps.memory.resume(vm.vm_id, actor);
+      scope.remember(actor, r.position);
+      let resumed = r.vm;
+      if (req.body?.timeout !== undefined) {
+        const t = await deps.lifecycle.update(vm.vm_id, { timeout_s: req.body.timeout }, actor);
+        scope.remember(actor, t.position);
+        resumed = t.vm;
+      }
+      return reply.status(201).send(scope.sandboxAnswer(resumed));
+    },
+  );
+
   app.post(
     '/sandboxes/:sandboxID/fork',
     {
