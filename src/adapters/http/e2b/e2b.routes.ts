@@ -294,8 +294,9 @@ function refuseUnsupported(b: NewSandbox): void {
     if (key !== 'allowOut' && key !== 'denyOut')
       refuse(`network.${key}`, 'only allowOut and denyOut are supported (docs/e2b-compatibility.md)');
   }
-  if (b.autoPause === true || b.autoPauseMemory !== undefined) refuse('autoPause', 'pausing needs memory state (CRIU, issue 16)');
-  if (b.autoResume?.enabled === true) refuse('autoResume', 'resuming needs memory state (CRIU, issue 16)');
+  if (b.autoPause === true || b.autoPauseMemory !== undefined)
+    refuse('autoPause', 'a timeout here always ends the sandbox: pause it yourself (pause()) before then');
+  if (b.autoResume?.enabled === true) refuse('autoResume', 'nothing pauses a sandbox by itself here, so nothing resumes one on traffic');
   if (b.mcp !== undefined && b.mcp !== null) refuse('mcp', 'the MCP gateway is not provided');
   if (b.iam !== undefined) refuse('iam', 'workload identity is not provided');
   if (b.volumeMounts !== undefined && b.volumeMounts.length > 0) refuse('volumeMounts', 'volumes are not provided');
