@@ -15,6 +15,7 @@ import { listVms, type VmRow } from '../../../projections/vms/vms.queries.js';
 import type { ApiKeys } from '../auth.js';
 import { cursorTime, decodeCursor, encodeCursor } from '../pagination.js';
 import { E2B_PREFIX, ENVD_VERSION, type EnvdTokens } from './e2b-auth.js';
+import { registerE2bMemoryRoutes, type E2bMemoryDeps } from './e2b-memory.routes.js';
 
 /**
  * The E2B REST API (what the stock `e2b` SDK calls with E2B_API_URL set to
@@ -22,9 +23,8 @@ import { E2B_PREFIX, ENVD_VERSION, type EnvdTokens } from './e2b-auth.js';
  * model: a sandbox is a VM, every action is the VM's own event. Answers and
  * errors are in E2B's shapes (`{code, message}`), since the SDK reads them:
  * 401 → AuthenticationError, 404 → SandboxNotFoundError, 429 →
- * RateLimitError, 503 → ServiceBusyError. What is not built yet (pause,
- * resume, fork, snapshots, metrics, network) answers 501 saying why, never
- * a pretend success.
+ * RateLimitError, 503 → ServiceBusyError. Pause, fork, snapshots, metrics
+ * and network are in e2b-memory.routes.ts.
  */
 
 /** E2B's default sandbox timeout when a create names none (its API's documented default). */
@@ -34,6 +34,8 @@ const MAX_TIMEOUT_S = 30 * 24 * 3600;
 const NO_END = '9999-12-31T23:59:59.000Z';
 /** Our states E2B calls `running`: a create answers once the VM runs, so the earlier ones are only brief. */
 const RUNNING_STATES = ['requested', 'placed', 'booting', 'running'] as const;
+/** Sandboxes E2B still knows: running ones and paused ones (which Sandbox.connect resumes). */
+const KNOWN_STATES: readonly string[] = [...RUNNING_STATES, 'paused'];
 
 export interface E2bRoutesDeps {
   readonly apiKeys: ApiKeys;
@@ -44,6 +46,8 @@ export interface E2bRoutesDeps {
   readonly runner: ProjectionRunner;
   readonly tokens: EnvdTokens;
   readonly readYourWritesTimeoutMs: number;
+  /** Pause/resume, fork, snapshots, metrics and network: e2b-memory.routes.ts. */
+  readonly memory: Omit<E2bMemoryDeps, 'vms' | 'lifecycle' | 'pool'>;
 }
 
 const timeoutSchema = z.number().int().min(1).max(MAX_TIMEOUT_S);
@@ -123,7 +127,7 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
             if (err instanceof AppError && err.status === 404) throw sandboxNotFound(id);
             throw err;
           });
-          if (!(RUNNING_STATES as readonly string[]).includes(vm.status)) throw sandboxNotFound(id);
+          if (!KNOWN_STATES.includes(vm.status)) throw sandboxNotFound(id);
           return vm;
         };
 
@@ -189,8 +193,8 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
               throw new ValidationError(`state "${s}" is not one of running, paused`, [
                 { path: 'querystring.state', message: 'running or paused' },
               ]);
-          // No sandbox is ever paused until memory state (issue 16) lands.
-          const states = onlyRunning || wanted.length === 0 || wanted.includes('running') ? [...RUNNING_STATES] : [];
+          const states: string[] = onlyRunning || wanted.length === 0 || wanted.includes('running') ? [...RUNNING_STATES] : [];
+          if (!onlyRunning && (wanted.length === 0 || wanted.includes('paused'))) states.push('paused');
           if (states.length === 0) return reply.send([]);
           const after = decodeCursor(q.nextToken, z.object({ created_at: cursorTime, id: z.string() }));
           const rows = await listVms(deps.pool, {
@@ -230,6 +234,14 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
         const connect = async (req: FastifyRequest, id: string, timeout: number | undefined, reply: FastifyReply) => {
           const actor = actorOf(req);
           let vm = await live(id, actor);
+          let status = 200;
+          if (vm.status === 'paused') {
+            // E2B: connecting to a paused sandbox resumes it (201), memory and processes as they were.
+            const resumed = await deps.memory.memory.resume(vm.vm_id, actor);
+            remember(actor, resumed.position);
+            vm = resumed.vm;
+            status = 201;
+          }
           // E2B: connecting only ever extends the sandbox's life.
           const timeoutS = timeout ?? DEFAULT_TIMEOUT_S;
           if (vm.status === 'running' && vm.timeout_at !== undefined && Date.parse(vm.timeout_at) < Date.now() + timeoutS * 1000) {
@@ -237,7 +249,7 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
             remember(actor, r.position);
             vm = r.vm;
           }
-          return reply.status(200).send(sandboxAnswer(vm));
+          return reply.status(status).send(sandboxAnswer(vm));
         };
         app.post('/v2/sandboxes/:sandboxID/connect', { schema: { hide: true, params, body: connectBody } }, async (req, reply) =>
           connect(req, req.params.sandboxID, req.body?.timeout, reply),
@@ -246,21 +258,20 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
           connect(req, req.params.sandboxID, req.body?.timeout, reply),
         );
 
-        const notYet = (what: string, needs: string) => async (req: FastifyRequest<{ Params: { sandboxID?: string } }>) => {
-          if (req.params.sandboxID !== undefined) await live(req.params.sandboxID, actorOf(req));
-          throw new AppError('E2B_NOT_SUPPORTED', 501, `${what} is not supported by this control plane yet: it needs ${needs}`);
-        };
-        const memory = 'memory state (CRIU, issue 16)';
-        app.post('/sandboxes/:sandboxID/pause', { schema: { hide: true, params } }, notYet('pause', memory));
-        app.post('/sandboxes/:sandboxID/resume', { schema: { hide: true, params } }, notYet('resume', memory));
-        app.post('/sandboxes/:sandboxID/fork', { schema: { hide: true, params } }, notYet('fork of a running sandbox', memory));
-        app.post('/sandboxes/:sandboxID/snapshots', { schema: { hide: true, params } }, notYet('createSnapshot', memory));
-        app.get('/snapshots', { schema: { hide: true } }, notYet('listing snapshots', memory));
-        app.put('/sandboxes/:sandboxID/network', { schema: { hide: true, params } }, notYet('updateNetwork', 'egress policy (issue 17)'));
-        app.get(
-          '/sandboxes/:sandboxID/metrics',
-          { schema: { hide: true, params } },
-          notYet('getMetrics', 'per-sandbox usage readings from the host agent'),
+        registerE2bMemoryRoutes(
+          app,
+          { ...deps.memory, vms: deps.vms, lifecycle: deps.lifecycle, pool: deps.pool },
+          {
+            actorOf,
+            live,
+            sandboxAnswer,
+            remember,
+            egressOf,
+            caughtUp: async (actor) => {
+              const pending = lastPosition.get(actor.tenantId);
+              if (pending !== undefined) await deps.runner.waitFor(pending, deps.readYourWritesTimeoutMs);
+            },
+          },
         );
         done();
       },
@@ -284,8 +295,9 @@ function refuseUnsupported(b: NewSandbox): void {
     if (key !== 'allowOut' && key !== 'denyOut')
       refuse(`network.${key}`, 'only allowOut and denyOut are supported (docs/e2b-compatibility.md)');
   }
-  if (b.autoPause === true || b.autoPauseMemory !== undefined) refuse('autoPause', 'pausing needs memory state (CRIU, issue 16)');
-  if (b.autoResume?.enabled === true) refuse('autoResume', 'resuming needs memory state (CRIU, issue 16)');
+  if (b.autoPause === true || b.autoPauseMemory !== undefined)
+    refuse('autoPause', 'a timeout here always ends the sandbox: pause it yourself (pause()) before then');
+  if (b.autoResume?.enabled === true) refuse('autoResume', 'nothing pauses a sandbox by itself here, so nothing resumes one on traffic');
   if (b.mcp !== undefined && b.mcp !== null) refuse('mcp', 'the MCP gateway is not provided');
   if (b.iam !== undefined) refuse('iam', 'workload identity is not provided');
   if (b.volumeMounts !== undefined && b.volumeMounts.length > 0) refuse('volumeMounts', 'volumes are not provided');
@@ -298,7 +310,11 @@ const stringList = z.array(z.string().min(1).max(253)).max(256);
  * with the lists (domain names there are refused by the egress validation, as our direct mode enforces only
  * addresses: EGRESS_DOMAIN_RULES_NEED_PROXY).
  */
-function egressOf(b: NewSandbox): { mode: 'direct' | 'none'; allow_out?: string[]; deny_out?: string[] } {
+function egressOf(b: Pick<NewSandbox, 'allow_internet_access' | 'network'>): {
+  mode: 'direct' | 'none';
+  allow_out?: string[];
+  deny_out?: string[];
+} {
   const parse = (field: 'allowOut' | 'denyOut'): string[] | undefined => {
     const v = b.network?.[field];
     if (v === undefined) return undefined;
@@ -339,7 +355,7 @@ function listedFromState(vm: ExistingVmState) {
     endAt: vm.timeout_at ?? NO_END,
     envdVersion: ENVD_VERSION,
     metadata: vm.metadata,
-    state: 'running' as const,
+    state: vm.status === 'paused' ? ('paused' as const) : ('running' as const),
   };
 }
 
@@ -360,7 +376,7 @@ function listedFromRow(r: VmRow) {
     endAt: r.timeout_at ?? NO_END,
     envdVersion: ENVD_VERSION,
     metadata: r.metadata,
-    state: 'running' as const,
+    state: r.state === 'paused' ? ('paused' as const) : ('running' as const),
   };
 }
 

@@ -1,0 +1,313 @@
+import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { after, before, describe, it, type TestContext } from 'node:test';
+import { Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
+import { pino } from 'pino';
+import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
+import type { RunningAgent } from '../agent/harness.js';
+import {
+  registerHost,
+  startCheckedFleet,
+  startControlPlane,
+  TENANT_KEYS,
+  type AgentFleet,
+  type ControlPlane,
+} from '../support/control-plane.js';
+
+/**
+ * Issue 19's memory verbs through the stock npm `e2b` SDK, unpatched and
+ * configured only by E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY: pause then
+ * Sandbox.connect (resume) with a process still running and a file intact,
+ * fork, createSnapshot then create from it, listSnapshots, deleteSnapshot,
+ * getMetrics and updateNetwork, against a real agent whose CRIU comes from
+ * CRIU_PATH (a missing CRIU fails under CI=true, skips elsewhere).
+ */
+
+const criu = process.env.CRIU_PATH;
+const noCriu = !criu || !existsSync(criu) || spawnSync(criu, ['check']).status !== 0 ? 'a working CRIU at CRIU_PATH' : undefined;
+if (noCriu && process.env.CI === 'true') it('CRIU is available in CI', () => assert.fail(`missing: ${noCriu}`));
+
+async function until<T>(what: string, f: () => T | undefined | false | Promise<T | undefined | false>, timeoutMs = 15_000): Promise<T> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const v = await f();
+    if (v !== undefined && v !== false) return v;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+/** A counter the sandbox keeps in a file, detached from any envd process. */
+const COUNTER = '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 </dev/null &';
+
+describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout: 600_000 }, () => {
+  let skip: string | undefined = noCriu;
+  let fleet: AgentFleet | undefined;
+  let cp: ControlPlane | undefined;
+  let agent: RunningAgent;
+  let base = '';
+  let ingress: RunningIngress | undefined;
+  let sbx: Sandbox;
+  const made: Sandbox[] = [];
+  const env: Record<string, string | undefined> = {};
+
+  const guard = (t: TestContext): boolean => {
+    if (skip) t.skip(skip);
+    return !!skip;
+  };
+  const ours = async (id: string): Promise<{ state: string; spec: { egress?: unknown } }> =>
+    (await (await fetch(`${base}/v1/vms/${id}`, { headers: { authorization: `Bearer ${TENANT_KEYS.acme}` } })).json()) as {
+      state: string;
+      spec: { egress?: unknown };
+    };
+  /** The /v1 read model is a moment behind the VM's stream: its view settles on what `check` wants. */
+  const settles = async (id: string, check: (v: Awaited<ReturnType<typeof ours>>) => void): Promise<void> => {
+    const deadline = Date.now() + 10_000;
+    for (;;) {
+      const v = await ours(id);
+      try {
+        check(v);
+        return;
+      } catch (err) {
+        if (Date.now() > deadline) throw err;
+        await new Promise((r) => setTimeout(r, 100));
+      }
+    }
+  };
+  const count = async (s: Sandbox): Promise<number> => Number((await s.files.read('/tmp/count')).trim());
+
+  before(async () => {
+    if (skip) return;
+    const started = await startCheckedFleet();
+    ({ fleet, skip } = started);
+    if (skip) return;
+    agent = started.agents[0]!;
+    cp = await startControlPlane({ env: { RECONCILER_ENABLED: 'false' } });
+    const h = await registerHost(cp, 'h1', agent, { capacity_overrides: { cpus: 16 } });
+    assert.equal(h.status, 201, JSON.stringify(h.body));
+    base = await cp.listen();
+    ingress = await startIngress({
+      pool: cp.service.pool,
+      domain: 'sbx.test',
+      host: '127.0.0.1',
+      port: 0,
+      routeCacheMs: 1000,
+      activityFlushMs: 1000,
+      recordActivity: cp.service.recordIngressActivity,
+      handlers: cp.service.ingressHandlers,
+      logger: pino({ level: 'silent' }),
+    });
+    for (const k of ['E2B_API_URL', 'E2B_SANDBOX_URL', 'E2B_API_KEY', 'E2B_DOMAIN', 'E2B_DEBUG']) env[k] = process.env[k];
+    process.env.E2B_API_URL = `${base}/e2b`;
+    process.env.E2B_SANDBOX_URL = ingress.url;
+    process.env.E2B_API_KEY = TENANT_KEYS.acme;
+    sbx = await Sandbox.create({ metadata: { suite: 'e2b-memory' }, requestTimeoutMs: 180_000 });
+  });
+
+  after(async () => {
+    for (const s of [...made, ...(sbx ? [sbx] : [])]) await s.kill().catch(() => undefined);
+    for (const [k, v] of Object.entries(env)) {
+      if (v === undefined) Reflect.deleteProperty(process.env, k);
+      else process.env[k] = v;
+    }
+    await ingress?.close();
+    await cp?.close();
+    await fleet?.close();
+  });
+
+  it('pause, then Sandbox.connect with a process still running and a file intact', async (t) => {
+    if (guard(t)) return;
+    await sbx.files.write('/root/kept.txt', 'kept across a pause\n');
+    await sbx.commands.run(COUNTER);
+    const before = await until('the counter', async () => (await count(sbx).catch(() => 0)) > 3 && count(sbx));
+
+    assert.equal(await sbx.pause(), true);
+    assert.equal(await sbx.pause(), false, 'a second pause is E2B\'s 409: "already paused"');
+    await settles(sbx.sandboxId, (v) => assert.equal(v.state, 'paused'));
+    const info = await Sandbox.getInfo(sbx.sandboxId);
+    assert.equal(info.state, 'paused');
+    const paused = await Sandbox.list({ query: { state: ['paused'], metadata: { suite: 'e2b-memory' } } }).nextItems();
+    assert.deepEqual(
+      paused.map((s) => s.sandboxId),
+      [sbx.sandboxId],
+    );
+    const running = await Sandbox.list({ query: { state: ['running'], metadata: { suite: 'e2b-memory' } } }).nextItems();
+    assert.deepEqual(running, [], 'a paused sandbox is not listed as running');
+    // Paused means stopped: no envd answers, and the counter the file holds does not move.
+    assert.equal(await sbx.isRunning(), false);
+
+    const resumed = await Sandbox.connect(sbx.sandboxId);
+    assert.equal(resumed.sandboxId, sbx.sandboxId);
+    await settles(sbx.sandboxId, (v) => assert.equal(v.state, 'running'));
+    assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, 'running');
+    assert.equal(await resumed.files.read('/root/kept.txt'), 'kept across a pause\n');
+    const at = await count(resumed);
+    assert.ok(at >= before, `the counter went on from where it was (${before} → ${at}), not from 0`);
+    await until('the counter to move on after the resume', async () => (await count(resumed)) > at);
+    // E2B's older resume verb: a running sandbox is its 409.
+    const resume = await fetch(`${base}/e2b/sandboxes/${sbx.sandboxId}/resume`, {
+      method: 'POST',
+      headers: { 'x-api-key': TENANT_KEYS.acme, 'content-type': 'application/json' },
+      body: '{}',
+    });
+    assert.equal(resume.status, 409);
+    // Connecting to a running sandbox changes nothing.
+    assert.equal((await Sandbox.connect(sbx.sandboxId)).sandboxId, sbx.sandboxId);
+    sbx = resumed;
+  });
+
+  it(
+    'pause keeps an envd background process: commands.connect(pid) after the resume, output in order',
+    {
+      todo:
+        "envd processes are children of the host-side exec helper, outside the sandbox init's process tree that CRIU dumps: " +
+        'a pause ends them (a process the command detached survives, as above); see docs/e2b-compatibility.md',
+    },
+    async (t) => {
+      if (guard(t)) return;
+      // An envd background process: it must survive the pause and be re-attachable by pid after the resume, its output in order.
+      const seen: string[] = [];
+      const bg = await sbx.commands.run('i=0; while true; do i=$((i+1)); echo "tick $i"; sleep 0.1; done', {
+        background: true,
+        timeoutMs: 0,
+        onStdout: (d) => void seen.push(d),
+      });
+      await until('ticks before the pause', () => seen.join('').includes('tick 3'));
+      await bg.disconnect();
+      assert.equal(await sbx.pause(), true);
+      const resumed = await Sandbox.connect(sbx.sandboxId);
+      sbx = resumed;
+      const procs = await resumed.commands.list();
+      assert.ok(
+        procs.some((p) => p.pid === bg.pid),
+        `the envd process ${bg.pid} is still listed: ${JSON.stringify(procs)}`,
+      );
+      const after: string[] = [];
+      const again = await resumed.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+      await until('ticks after the resume', () => after.join('').split('\n').filter(Boolean).length >= 3);
+      const ticks = after
+        .join('')
+        .split('\n')
+        .filter(Boolean)
+        .map((l) => Number(/^tick (\d+)$/.exec(l)?.[1]));
+      const lastBefore = Number(/tick (\d+)\n$/.exec(seen.join(''))?.[1] ?? '0');
+      assert.ok(
+        ticks.every((n, i) => Number.isInteger(n) && (i === 0 || n === ticks[i - 1]! + 1)),
+        `in order: ${after.join('')}`,
+      );
+      assert.ok(ticks[0]! > lastBefore, `continues after ${lastBefore}: ${ticks[0]}`);
+      assert.equal(await resumed.commands.kill(bg.pid), true);
+      const end = await again.wait().catch((e: unknown) => e);
+      assert.ok(end instanceof Error || (end as { exitCode: number }).exitCode !== 0);
+    },
+  );
+
+  it('getMetrics: E2B-shaped samples of the running sandbox', async (t) => {
+    if (guard(t)) return;
+    const m = await until(
+      'two metric samples',
+      async () => {
+        const r = await sbx.getMetrics();
+        return r.length > 0 && r;
+      },
+      30_000,
+    );
+    const last = m.at(-1)!;
+    assert.ok(last.timestamp instanceof Date && !Number.isNaN(last.timestamp.getTime()));
+    assert.equal(last.cpuCount, 1);
+    assert.ok(last.cpuUsedPct >= 0 && last.cpuUsedPct <= 100, String(last.cpuUsedPct));
+    assert.ok(last.memUsed > 0 && last.memUsed <= last.memTotal, `${last.memUsed} of ${last.memTotal}`);
+    assert.equal(last.memTotal, 512 * 1024 * 1024);
+    assert.equal(last.diskTotal, 1024 * 1024 * 1024);
+    // A window in the future holds no sample.
+    assert.deepEqual(await sbx.getMetrics({ start: new Date(Date.now() + 3_600_000) }), []);
+    await assert.rejects(Sandbox.getMetrics('no-such-sandbox'), SandboxNotFoundError);
+    // Another tenant's sandbox does not exist for any of these verbs.
+    const globex = { apiKey: TENANT_KEYS.globex };
+    await assert.rejects(Sandbox.getMetrics(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.pause(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.createSnapshot(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.updateNetwork(sbx.sandboxId, { allowInternetAccess: false }, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.fork(sbx.sandboxId, globex), SandboxNotFoundError);
+    await assert.rejects(Sandbox.connect(sbx.sandboxId, globex), SandboxNotFoundError);
+    assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, 'running', 'and nothing happened to it');
+  });
+
+  it('updateNetwork: replaces the egress policy (omitted fields cleared)', async (t) => {
+    if (guard(t)) return;
+    await sbx.updateNetwork({ allowOut: ['198.51.100.7'], denyOut: ['0.0.0.0/0'] });
+    await settles(sbx.sandboxId, (v) =>
+      assert.deepEqual(v.spec.egress, { mode: 'direct', allow_out: ['198.51.100.7'], deny_out: ['0.0.0.0/0'] }),
+    );
+    await sbx.updateNetwork({ allowInternetAccess: false });
+    await settles(sbx.sandboxId, (v) => assert.deepEqual(v.spec.egress, { mode: 'none' }));
+    assert.equal((await sbx.getInfo()).allowInternetAccess, false);
+    await sbx.updateNetwork({});
+    await settles(sbx.sandboxId, (v) => assert.deepEqual(v.spec.egress, { mode: 'direct' }));
+    // What has no counterpart here is refused, never dropped.
+    await assert.rejects(
+      sbx.updateNetwork({ allowOut: ['example.com'] }),
+      (e: unknown) => e instanceof SandboxError && /400/.test(e.message),
+    );
+    await assert.rejects(
+      sbx.updateNetwork({ egressProxy: { address: 'http://198.51.100.9:3128' } }),
+      (e: unknown) => e instanceof SandboxError && /400/.test(e.message),
+    );
+    await settles(sbx.sandboxId, (v) => assert.deepEqual(v.spec.egress, { mode: 'direct' }));
+    await assert.rejects(Sandbox.updateNetwork('no-such-sandbox', {}), SandboxNotFoundError);
+  });
+
+  it('createSnapshot, then Sandbox.create from it; listSnapshots; deleteSnapshot', async (t) => {
+    if (guard(t)) return;
+    await sbx.files.write('/root/snap.txt', 'in the snapshot\n');
+    const snap = await sbx.createSnapshot({ name: 'e2b-memory-snap' });
+    assert.match(snap.snapshotId, /\S/);
+    assert.deepEqual(snap.names, ['e2b-memory-snap']);
+    assert.equal(await sbx.isRunning(), true, 'the source runs on');
+    const listed = await sbx.listSnapshots().nextItems();
+    assert.ok(
+      listed.some((s) => s.snapshotId === snap.snapshotId),
+      JSON.stringify(listed),
+    );
+    const byName = await Sandbox.listSnapshots({ name: 'e2b-memory-snap' }).nextItems();
+    assert.deepEqual(
+      byName.map((s) => s.snapshotId),
+      [snap.snapshotId],
+    );
+    assert.deepEqual(await Sandbox.listSnapshots({ apiKey: TENANT_KEYS.globex }).nextItems(), [], 'another tenant sees none');
+
+    const child = await Sandbox.create(snap.snapshotId, { requestTimeoutMs: 180_000 });
+    made.push(child);
+    assert.notEqual(child.sandboxId, sbx.sandboxId);
+    assert.equal(await child.files.read('/root/snap.txt'), 'in the snapshot\n');
+    assert.equal(await child.files.read('/root/kept.txt'), 'kept across a pause\n');
+    assert.equal((await child.getInfo()).templateId, snap.snapshotId);
+
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId, { apiKey: TENANT_KEYS.globex }), false, "another tenant's is not found");
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true);
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false);
+    assert.equal(await Sandbox.deleteSnapshot('no-such-snapshot'), false);
+  });
+
+  it('fork of a running sandbox: count forks with the source files, each its own sandbox', async (t) => {
+    if (guard(t)) return;
+    await sbx.files.write('/root/fork.txt', 'before the fork\n');
+    const forks = await sbx.fork({ count: 2, timeoutMs: 120_000, requestTimeoutMs: 240_000 });
+    assert.equal(forks.length, 2);
+    const ids = new Set<string>([sbx.sandboxId]);
+    for (const f of forks) {
+      assert.ok(f instanceof Sandbox, f instanceof Error ? f.message : 'not a sandbox');
+      made.push(f);
+      ids.add(f.sandboxId);
+      assert.equal(await f.files.read('/root/fork.txt'), 'before the fork\n');
+      const info = await f.getInfo();
+      assert.ok(Math.abs(info.endAt.getTime() - Date.now() - 120_000) < 30_000, `endAt ${info.endAt.toISOString()}`);
+      // Each fork is its own sandbox: a write in one is not in the others.
+      await f.files.write('/root/mine.txt', f.sandboxId);
+    }
+    assert.equal(ids.size, 3);
+    assert.equal(await sbx.files.exists('/root/mine.txt'), false);
+    await assert.rejects(Sandbox.fork('no-such-sandbox'), SandboxNotFoundError);
+  });
+});
