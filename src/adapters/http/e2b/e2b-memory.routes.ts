@@ -9,10 +9,11 @@ import type {
 import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
-import { AppError, type MetricSample } from '@fleet/agent-protocol';
+import { AppError, type EgressSpec, type MetricSample } from '@fleet/agent-protocol';
 import type { HostCommands } from '../../../commands/host/host-commands.js';
 import type { ForkMigrate } from '../../../commands/migrate/fork-migrate.js';
 import type { SnapshotCommands } from '../../../commands/snapshot/snapshot-commands.js';
+import { snapshotRequest } from '../../../commands/snapshot/snapshot-request.js';
 import { sandboxName, type Actor, type VmCommands } from '../../../commands/vm/vm-commands.js';
 import type { VmLifecycle } from '../../../commands/vm/vm-lifecycle.js';
 import type { VmMemory } from '../../../commands/vm/vm-memory.js';
@@ -58,7 +59,7 @@ export interface E2bScope {
   /** Waits until this replica's read models hold the caller's own writes. */
   readonly caughtUp: (actor: Actor) => Promise<void>;
   /** E2B's allow/deny lists and internet switch as our egress policy (the same mapping a create uses). */
-  readonly egressOf: (b: { allow_internet_access?: boolean | undefined; network?: Record<string, unknown> | undefined }) => unknown;
+  readonly egressOf: (b: { allow_internet_access?: boolean | undefined; network?: Record<string, unknown> | undefined }) => EgressSpec;
 }
 
 const params = z.object({ sandboxID: z.string().min(1).max(64) });
@@ -174,7 +175,7 @@ export function registerE2bMemoryRoutes(app: E2bApp, deps: E2bMemoryDeps, scope:
       const name = req.body?.name;
       const r = await deps.snapshots.create(
         vm.vm_id,
-        { mode: 'manual', live, comment: 'e2b createSnapshot', metadata: name ? { name } : {} },
+        snapshotRequest({ mode: 'manual', live, comment: 'e2b createSnapshot', metadata: name ? { name } : {} }),
         actor,
       );
       scope.remember(actor, r.position);
