@@ -14,7 +14,7 @@ import {
 import { ConflictError } from '@fleet/agent-protocol';
 import { parse } from '../parse.js';
 import { isCode, nameParam, toVmInfo, type AgentRouteContext } from './context.js';
-import { withOom } from './observe.routes.js';
+import { withInitExit, withOom } from './observe.routes.js';
 
 /** Sandboxes: create, list, read, destroy, console tail, and the in-guest agent's start. */
 export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
@@ -45,13 +45,13 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
     const infos = await backend.list(q.prefix);
     // Whether an init died of an OOM kill is known after the monitor's next pass: the listing waits for it.
     if (infos.some((s) => s.state === 'stopped')) await backend.observer?.settleOom();
-    return { vms: infos.map((s) => withOom(toVmInfo(s), backend)) };
+    return { vms: await Promise.all(infos.map((s) => withInitExit(withOom(toVmInfo(s), backend), backend))) };
   });
 
   app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
     const info = await backend.get(nameParam(req));
     if (info.state === 'stopped') await backend.observer?.settleOom();
-    return withOom(toVmInfo(info), backend);
+    return withInitExit(withOom(toVmInfo(info), backend), backend);
   });
 
   app.delete(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
