@@ -103,8 +103,9 @@ export type VmCommand =
         readonly reason: FailReason;
         readonly error: string;
         readonly error_code?: string | undefined;
-        /** For `exited` and `oom`, when the host reported it. */
+        /** For `exited` and `oom`, when the host reported it: the init's exit code, or the signal that killed it. */
         readonly exit_code?: number | undefined;
+        readonly exit_signal?: string | undefined;
       };
     }
   | {
@@ -175,6 +176,7 @@ export type VmState =
       readonly error_code: string | undefined;
       readonly phase: VmPhase;
       readonly exit_code?: number | undefined;
+      readonly exit_signal?: string | undefined;
     });
 
 export type ExistingVmState = Exclude<VmState, { status: 'initial' }>;
@@ -375,7 +377,16 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmFailed',
-          data: compact({ vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, exit_code: d.exit_code, at }),
+          data: compact({
+            vm_id,
+            reason: d.reason,
+            error: d.error,
+            error_code: d.error_code,
+            phase,
+            exit_code: d.exit_code,
+            exit_signal: d.exit_signal,
+            at,
+          }),
         },
       ];
     }
@@ -509,6 +520,7 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         error_code: d.error_code,
         phase: d.phase,
         exit_code: d.exit_code,
+        exit_signal: d.exit_signal,
         transitioned_at: d.at,
       };
     }

@@ -101,6 +101,8 @@ export const vmFailedSchema = z.object({
     phase: vmPhaseSchema,
     /** For `exited` and `oom`: the init's exit code, when its host reported it. */
     exit_code: z.number().int().optional(),
+    /** For `exited` and `oom`: the signal that killed the init instead (e.g. SIGKILL), when its host reported it. */
+    exit_signal: z.string().optional(),
     at,
   }),
 });
