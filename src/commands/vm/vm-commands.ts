@@ -4,7 +4,15 @@ import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { Logger } from 'pino';
 import type { AttachStart, ExecResult, ExecStreamStart } from '@fleet/agent-protocol';
-import { AppError, egressSpecProblems, egressSpecSchema, NotFoundError, ValidationError, type EgressStatus } from '@fleet/agent-protocol';
+import {
+  AppError,
+  EGRESS_PROVISION_FAILED,
+  egressSpecProblems,
+  egressSpecSchema,
+  NotFoundError,
+  ValidationError,
+  type EgressStatus,
+} from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import { classifyHostAgentError, type AgentStream, type FileDownload, type HostAgent } from '../../domain/host-agent.port.js';
 import {
@@ -27,6 +35,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import type { IngressPublisher } from '../ingress/ingress-commands.js';
 import { agentEgressOf, bootSandbox, sandboxName } from './boot-sandbox.js';
+import { egressProvisionFailure } from './egress-failures.js';
 import { assertEgressProvisionable, type EgressRegistry } from '../../domain/egress/egress-registry.js';
 
 export { SANDBOX_PREFIX, sandboxName } from './boot-sandbox.js';
@@ -257,7 +266,19 @@ export class VmCommands {
         { vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } },
         'boot failed',
       );
-      await this.fail(vmId, 'error', err, actor, 'BOOT_FAILED');
+      // An egress provider that could not provision is a fact of its own (fleet_egress_failures_total), and the VM's end code.
+      const egressFailed = egressProvisionFailure(vmId, spec.egress, err);
+      if (egressFailed)
+        await this.run(vmId, egressFailed, actor).catch((e: unknown) =>
+          this.logger.warn({ vm_id: vmId, err: { message: (e as Error).message } }, 'could not record an egress failure'),
+        );
+      await this.fail(
+        vmId,
+        'error',
+        egressFailed ? new AppError(EGRESS_PROVISION_FAILED, 502, (err as Error).message) : err,
+        actor,
+        'BOOT_FAILED',
+      );
       // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
       if (wasCreated() || cls !== 'capacity') {
         await agentFor()
@@ -404,7 +425,11 @@ export class VmCommands {
       );
     assertEgressProvisionable(parsed.data, this.config.egressRegistry);
     const { agent } = await this.running(vmId, actor);
-    await agent.setEgress(sandboxName(vmId), agentEgressOf(parsed.data));
+    await agent.setEgress(sandboxName(vmId), agentEgressOf(parsed.data)).catch(async (err: unknown) => {
+      const egressFailed = egressProvisionFailure(vmId, parsed.data, err);
+      if (egressFailed) await this.run(vmId, egressFailed, actor).catch(() => undefined);
+      throw err;
+    });
     return this.run(vmId, { type: 'ChangeEgress', data: { vm_id: vmId, egress: parsed.data } }, actor);
   }
 

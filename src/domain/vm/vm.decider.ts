@@ -60,6 +60,11 @@ export type VmCommand =
     }
   | { readonly type: 'ChangeEgress'; readonly data: { readonly vm_id: string; readonly egress: EgressSpec } }
   | {
+      /** Its egress provider failed to provision or tear down its endpoint (a fact to count; the VM's end is separate). */
+      readonly type: 'RecordEgressFailure';
+      readonly data: { readonly vm_id: string; readonly provider: string; readonly op: 'provision' | 'teardown'; readonly error: string };
+    }
+  | {
       readonly type: 'RecordOomKill';
       readonly data: {
         readonly vm_id: string;
@@ -319,6 +324,12 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       ];
     }
 
+    case 'RecordEgressFailure': {
+      existing(state, vm_id);
+      const d = command.data;
+      return [{ type: 'VmEgressFailed', data: { vm_id, provider: d.provider, op: d.op, error: d.error.slice(0, 2000), at } }];
+    }
+
     case 'PauseVm': {
       const s = existing(state, vm_id);
       if (s.status === 'paused') return [];
@@ -478,6 +489,8 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
       return { ...state, oom_kills: Math.max(state.oom_kills ?? 0, event.data.count) };
     case 'VmEgressChanged':
       return { ...state, spec: { ...state.spec, egress: event.data.egress } };
+    case 'VmEgressFailed':
+      return state;
     case 'VmPaused':
       if (state.status !== 'running') return state;
       return {

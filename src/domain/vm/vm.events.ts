@@ -175,6 +175,17 @@ export const vmEgressChangedSchema = z.object({
   data: z.object({ vm_id: idSchema, egress: egressSpecSchema, at }),
 });
 
+/**
+ * The VM's egress provider failed an operation on its endpoint (the seed's
+ * EgressMetrics: provision, teardown): what feeds
+ * fleet_egress_failures_total{provider,op}. The VM's own end, if the failure
+ * ended it, is its VmFailed.
+ */
+export const vmEgressFailedSchema = z.object({
+  type: z.literal('VmEgressFailed'),
+  data: z.object({ vm_id: idSchema, provider: z.string(), op: z.enum(['provision', 'teardown']), error: z.string(), at }),
+});
+
 /** Its processes run again where they stopped, on `host_id` with a new reservation. */
 export const vmResumedSchema = z.object({
   type: z.literal('VmResumed'),
@@ -216,6 +227,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmMetadataSetSchema,
   vmOomKilledSchema,
   vmEgressChangedSchema,
+  vmEgressFailedSchema,
   vmPausedSchema,
   vmResumedSchema,
   vmRestoredSchema,
@@ -237,6 +249,7 @@ export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
 export type VmMetadataSet = z.infer<typeof vmMetadataSetSchema>;
 export type VmOomKilled = z.infer<typeof vmOomKilledSchema>;
 export type VmEgressChanged = z.infer<typeof vmEgressChangedSchema>;
+export type VmEgressFailed = z.infer<typeof vmEgressFailedSchema>;
 export type VmPaused = z.infer<typeof vmPausedSchema>;
 export type VmResumed = z.infer<typeof vmResumedSchema>;
 
