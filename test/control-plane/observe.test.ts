@@ -156,6 +156,16 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
       );
     }
     assert.match(String((await cp!.request('GET', `/v1/vms/${three}`, { as: 'acme' })).body.error), /exit code 3/);
+    const from = new Date(Date.now() - 3_600_000).toISOString();
+    const runs = (await cp!.request('GET', `/v1/usage/vms?from=${from}&reason=exited`, { as: 'acme' })).body.vms as Array<{
+      vm_id: string;
+      exit_code: number | null;
+      exit_signal: string | null;
+    }>;
+    for (const [id, want] of Object.entries(expected)) {
+      const run = runs.find((r) => r.vm_id === id);
+      assert.deepEqual([run?.exit_code, run?.exit_signal], [want.exit_code, want.exit_signal], `billing row of ${id}`);
+    }
   });
 
   it('metrics show CPU rising under a busy loop and memory under an allocation, for the tenant only', async (t) => {
