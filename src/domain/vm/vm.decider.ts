@@ -62,7 +62,7 @@ export type VmCommand =
   | {
       /** Its egress provider failed to provision or tear down its endpoint (a fact to count; the VM's end is separate). */
       readonly type: 'RecordEgressFailure';
-      readonly data: { readonly vm_id: string; readonly provider: string; readonly op: 'provision' | 'teardown'; readonly error: string };
+      readonly data: { readonly vm_id: string; readonly provider: string; readonly op: 'provision'; readonly error: string };
     }
   | {
       readonly type: 'RecordOomKill';

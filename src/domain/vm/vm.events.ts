@@ -177,13 +177,15 @@ export const vmEgressChangedSchema = z.object({
 
 /**
  * The VM's egress provider failed an operation on its endpoint (the seed's
- * EgressMetrics: provision, teardown): what feeds
- * fleet_egress_failures_total{provider,op}. The VM's own end, if the failure
- * ended it, is its VmFailed.
+ * EgressMetrics): what feeds fleet_egress_failures_total{provider,op}. Only
+ * `provision` exists: the agent's own proxy has no endpoint of its own to
+ * tear down (a sandbox's proxy policy goes with it), so `teardown` is added
+ * (additively) with the first provider that has one. The VM's own end, if
+ * the failure ended it, is its VmFailed.
  */
 export const vmEgressFailedSchema = z.object({
   type: z.literal('VmEgressFailed'),
-  data: z.object({ vm_id: idSchema, provider: z.string(), op: z.enum(['provision', 'teardown']), error: z.string(), at }),
+  data: z.object({ vm_id: idSchema, provider: z.string(), op: z.enum(['provision']), error: z.string(), at }),
 });
 
 /** Its processes run again where they stopped, on `host_id` with a new reservation. */
