@@ -115,6 +115,22 @@ describe('vm end reasons: no end without one', () => {
     assert.ok(s.status === 'failed' && s.reason === 'exited' && s.exit_code === 3 && s.phase === 'running');
   });
 
+  test('an egress provision failure is an event of its own (parses back, counted by metrics); the VM is left as it was', () => {
+    const g = given(vmDecider, RUNNING);
+    const command: VmCommand = {
+      type: 'RecordEgressFailure',
+      data: { vm_id: 'v1', provider: 'corp', op: 'provision', error: 'port taken' },
+    };
+    const events = g.when(command).events();
+    assert.deepEqual(
+      events.map((e) => [e.type, (e.data as { provider?: string }).provider, (e.data as { op?: string }).op]),
+      [['VmEgressFailed', 'corp', 'provision']],
+    );
+    assert.ok(vmEventSchema.safeParse(JSON.parse(JSON.stringify(events[0]))).success);
+    assert.deepEqual(fold(vmDecider, [...RUNNING, ...events]), fold(vmDecider, RUNNING));
+    given(vmDecider, []).when(command).thenThrows('VM_NOT_FOUND');
+  });
+
   test('an init killed by a signal keeps the signal, told apart from an exit code; the event parses back', () => {
     const g = given(vmDecider, RUNNING);
     const events = g
