@@ -6,6 +6,8 @@ import { place, type PlacementHost, type PlacementRequest } from '../src/domain/
 import { foldHosts, readSettledLog } from '../test/control-plane/host-streams.js';
 import { startStubAgents } from '../test/control-plane/stub-agent.js';
 import { startControlPlane } from '../test/support/control-plane.js';
+import { registerHostRequestSchema } from '../src/commands/host/host-commands.js';
+import { parseVmSpec } from '../src/domain/vm/spec.js';
 
 /**
  * `npm run bench -- control-plane [--hosts N] [--decisions N] [--creates N] [--race N]`
@@ -109,7 +111,8 @@ async function benchRace(creates: number, log: (s: string) => void): Promise<voi
     let last: string | undefined;
     for (let i = 0; i < HOSTS; i++) {
       const { url, token } = stub.add(`r${i}`, i % 2 === 0 ? { vm_count: sizes[i]! } : { vm_count: 64, cpus: sizes[i]! });
-      last = (await cp.service.hosts.register({ id: `r${i}`, url, token, backend: 'process' }, meta)).position;
+      last = (await cp.service.hosts.register(registerHostRequestSchema.parse({ id: `r${i}`, url, token, backend: 'process' }), meta))
+        .position;
     }
     await cp.service.runner.waitFor(last!, 30_000);
     const actor: Actor = { correlationId: 'race', actor: 'tenant:bench', tenantId: 'bench', admin: false };
@@ -120,7 +123,7 @@ async function benchRace(creates: number, log: (s: string) => void): Promise<voi
       Array.from({ length: creates }, async () => {
         const s = performance.now();
         try {
-          return await cp.service.vms.create({ image: 'base', cpus: 1, ram_mb: 512, storage_gb: 1 }, actor);
+          return await cp.service.vms.create(parseVmSpec({ image: 'base', cpus: 1, ram_mb: 512, storage_gb: 1 }), actor);
         } finally {
           lat.push(performance.now() - s);
           if (++done % 100 === 0) log(`  ${done}/${creates} answered`);

@@ -8,6 +8,7 @@ import { loadOrCreateSecrets } from './adapters/secrets.js';
 import { apiKeysFrom, startService, type Service } from './adapters/service.js';
 import { e2bShellExports } from './adapters/http/e2b/e2b-shell.js';
 import { ingressSettingsOf, startIngress } from './adapters/ingress/ingress.js';
+import { registerHostRequestSchema } from './commands/host/host-commands.js';
 
 /**
  * The control plane process: config, the embedded Postgres when nothing else
@@ -95,14 +96,14 @@ async function main(): Promise<void> {
       const agent: LocalAgent = await startLocalAgent({ dataDir, port: config.LOCAL_AGENT_PORT, token: secrets.local_agent_token, logger });
       stops.push(() => agent.stop());
       await service.hosts.register(
-        {
+        registerHostRequestSchema.parse({
           id: 'local',
           url: agent.url,
           token: secrets.local_agent_token,
           backend: 'process',
           region: 'local',
           capacity_overrides: { cpu_overcommit_ratio: config.CPU_OVERCOMMIT_RATIO ?? LOCAL_HOST_CPU_OVERCOMMIT_RATIO },
-        },
+        }),
         { correlationId: 'startup', actor: 'system', tenantId: 'admin' },
       );
       logger.info({ host: 'local', url: agent.url }, 'local host registered');

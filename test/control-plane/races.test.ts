@@ -10,6 +10,8 @@ import { ADMIN_KEY, startControlPlane, type ControlPlane } from '../support/cont
 import { foldHosts, readSettledLog } from './host-streams.js';
 import { startStubAgents, type StubAgents } from './stub-agent.js';
 import { pino } from 'pino';
+import { registerHostRequestSchema } from '../../src/commands/host/host-commands.js';
+import { parseVmSpec } from '../../src/domain/vm/spec.js';
 
 /**
  * Races at the command layer: many concurrent CreateVm against hosts whose
@@ -47,7 +49,7 @@ async function registerStubHosts(services: Service[], stub: StubAgents, prefix: 
   for (let i = 0; i < HOSTS; i++) {
     const id = `${prefix}${i}`;
     const { url, token } = stub.add(id, i % 2 === 0 ? { vm_count: SIZES[i]!, cpus: 64 } : { vm_count: 64, cpus: SIZES[i]! });
-    last = (await services[0]!.hosts.register({ id, url, token, backend: 'process' }, meta)).position;
+    last = (await services[0]!.hosts.register(registerHostRequestSchema.parse({ id, url, token, backend: 'process' }), meta)).position;
   }
   for (const s of services) await s.runner.waitFor(last!, 30_000);
 }
@@ -125,7 +127,9 @@ describe('control plane races (stub agent test double)', { timeout: 240_000 }, (
   it(`500 concurrent CreateVm on ${HOSTS} hosts that fit ${TOTAL}: exactly ${TOTAL} run, the rest CAPACITY_EXHAUSTED, no host over-committed`, async () => {
     await registerStubHosts([cp.service], stub, 'r');
     const t0 = performance.now();
-    const results = await Promise.allSettled(Array.from({ length: 500 }, () => cp.service.vms.create(SPEC, actorFor('race-1'))));
+    const results = await Promise.allSettled(
+      Array.from({ length: 500 }, () => cp.service.vms.create(parseVmSpec(SPEC), actorFor('race-1'))),
+    );
     const ms = performance.now() - t0;
     process.stdout.write(`# 500 concurrent creates on ${HOSTS} hosts: ${ms.toFixed(0)} ms, ${JSON.stringify(tally(results))}\n`);
     for (const r of results) {
@@ -156,7 +160,9 @@ describe('control plane races (stub agent test double)', { timeout: 240_000 }, (
     await registerStubHosts([cp.service, second], stub, 's');
     const halves = [cp.service, second];
     const t0 = performance.now();
-    const results = await Promise.allSettled(Array.from({ length: 500 }, (_, i) => halves[i % 2]!.vms.create(SPEC, actorFor('race-2'))));
+    const results = await Promise.allSettled(
+      Array.from({ length: 500 }, (_, i) => halves[i % 2]!.vms.create(parseVmSpec(SPEC), actorFor('race-2'))),
+    );
     const ms = performance.now() - t0;
     process.stdout.write(`# 500 concurrent creates split over 2 processes: ${ms.toFixed(0)} ms, ${JSON.stringify(tally(results))}\n`);
     assert.deepEqual(tally(results), { 'ok:running': TOTAL, CAPACITY_EXHAUSTED: 500 - TOTAL });
@@ -165,9 +171,9 @@ describe('control plane races (stub agent test double)', { timeout: 240_000 }, (
 
   it('concurrent destroys of one VM: one destroy, every caller answered with the destroyed VM', async () => {
     const { url, token } = stub.add('d0', { vm_count: 4 });
-    const reg = await cp.service.hosts.register({ id: 'd0', url, token, backend: 'process' }, meta);
+    const reg = await cp.service.hosts.register(registerHostRequestSchema.parse({ id: 'd0', url, token, backend: 'process' }), meta);
     await cp.service.runner.waitFor(reg.position!, 30_000);
-    const created = await cp.service.vms.create({ ...SPEC, host_id: 'd0' }, actorFor('destroy'));
+    const created = await cp.service.vms.create(parseVmSpec({ ...SPEC, host_id: 'd0' }), actorFor('destroy'));
     assert.equal(created.vm.status, 'running');
     const vmId = created.vm.vm_id;
     const destroysBefore = stub.calls.destroys;

@@ -20,6 +20,7 @@ import {
   waitFor,
   type TestAgent,
 } from './harness.js';
+import { registerHostRequestSchema } from '../../src/commands/host/host-commands.js';
 
 /**
  * The per-VM and per-host checks, one reconcile cycle at a time (in
@@ -84,8 +85,14 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
     const meta = { correlationId: 't', actor: 'test' };
     // Declared room for a few small sandboxes each: CI machines have 2 cores, and these barely use any.
     const capacity_overrides = { cpus: 8, ram_mb: 4096 };
-    await svc.hosts.register({ id: 'h1', url: a.url, token: a.token, backend: 'process', capacity_overrides }, meta);
-    await svc.hosts.register({ id: 'h2', url: proxy.url, token: b.token, backend: 'process', capacity_overrides }, meta);
+    await svc.hosts.register(
+      registerHostRequestSchema.parse({ id: 'h1', url: a.url, token: a.token, backend: 'process', capacity_overrides }),
+      meta,
+    );
+    await svc.hosts.register(
+      registerHostRequestSchema.parse({ id: 'h2', url: proxy.url, token: b.token, backend: 'process', capacity_overrides }),
+      meta,
+    );
     await waitFor('hosts in the read model', 10_000, async () => (await inject('GET', '/v1/hosts')).body.hosts?.length === 2);
   });
 

@@ -21,6 +21,7 @@ import {
   waitFor,
   type TestAgent,
 } from './harness.js';
+import { registerHostRequestSchema } from '../../src/commands/host/host-commands.js';
 
 /**
  * Dead letters end to end, in process (the reconciler driven one cycle at a
@@ -66,7 +67,10 @@ describe('reconciler: dead letters and abandoned requests', { skip: prereq, time
       defaultMetrics: false,
       httpLogger: false,
     });
-    await svc.hosts.register({ id: 'h1', url: proxy.url, token: agent.token, backend: 'process' }, { correlationId: 't', actor: 'test' });
+    await svc.hosts.register(registerHostRequestSchema.parse({ id: 'h1', url: proxy.url, token: agent.token, backend: 'process' }), {
+      correlationId: 't',
+      actor: 'test',
+    });
   });
 
   after(async () => {

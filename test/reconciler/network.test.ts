@@ -6,6 +6,7 @@ import { configSchema } from '../../src/adapters/config.js';
 import { apiKeysFrom, startService, type Service } from '../../src/adapters/service.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 import { ADMIN_KEY, prepareTestImages, skipReason, startTestAgent, TOKEN_KEY, waitFor, type TestAgent } from './harness.js';
+import { registerHostRequestSchema } from '../../src/commands/host/host-commands.js';
 
 /**
  * Each cycle the reconciler has every host re-assert its sandbox network
@@ -49,7 +50,13 @@ describe('reconciler: network boundary repairs', { skip: prereq, timeout: 180_00
       httpLogger: false,
     });
     await svc.hosts.register(
-      { id: 'h1', url: agent.url, token: agent.token, backend: 'process', capacity_overrides: { cpus: 8, ram_mb: 4096 } },
+      registerHostRequestSchema.parse({
+        id: 'h1',
+        url: agent.url,
+        token: agent.token,
+        backend: 'process',
+        capacity_overrides: { cpus: 8, ram_mb: 4096 },
+      }),
       { correlationId: 't', actor: 'test' },
     );
     await waitFor('host in the read model', 10_000, async () => JSON.parse((await inject('GET', '/v1/hosts')).body).hosts?.length === 1);

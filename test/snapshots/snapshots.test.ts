@@ -19,6 +19,8 @@ import {
   type Reply,
   startCheckedFleet,
 } from '../support/control-plane.js';
+import { parseVmSpec } from '../../src/domain/vm/spec.js';
+import { snapshotRequest } from '../../src/commands/snapshot/snapshot-commands.js';
 
 /**
  * Snapshots, quota, the artifact index, moves, the layer cache, fork and
@@ -426,10 +428,12 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
       httpLogger: false,
     });
     const actor: Actor = { correlationId: 'quota-race-2', actor: 'admin', tenantId: 'admin', admin: true };
-    const vm = await c.service.vms.create({ cpus: 1, ram_mb: 256 }, actor);
+    const vm = await c.service.vms.create(parseVmSpec({ cpus: 1, ram_mb: 256 }), actor);
     const services = [c.service, second];
     const results = await Promise.allSettled(
-      Array.from({ length: 50 }, (_, i) => services[i % 2]!.snapshots.create(vm.vm.vm_id, { no_lineage: true, comment: `r${i}` }, actor)),
+      Array.from({ length: 50 }, (_, i) =>
+        services[i % 2]!.snapshots.create(vm.vm.vm_id, snapshotRequest({ no_lineage: true, comment: `r${i}` }), actor),
+      ),
     );
     const codes = results.map((r) => (r.status === 'fulfilled' ? 'ok' : r.reason instanceof AppError ? r.reason.code : String(r.reason)));
     assert.equal(codes.filter((x) => x === 'ok').length, 10, codes.join(','));
@@ -488,12 +492,15 @@ describe('snapshots, artifacts, layers, fork and migrate (two real agents)', { t
       const s2 = ok(await c.request('GET', `/v1/snapshots/${st.s2.id}`, { as: 'acme' }));
       assert.deepEqual(s2.holders, ['h1']);
       const actor: Actor = { correlationId: 'pull-timeout', actor: 'tenant:acme', tenantId: 'acme', admin: false };
-      await assert.rejects(third.vms.create({ seed_snapshot_id: st.s2.id, host_id: 'h2', cpus: 1, ram_mb: 256 }, actor), (err: unknown) => {
-        assert.ok(err instanceof AppError);
-        assert.equal(err.code, 'ARTIFACT_PULL_TIMEOUT', err.message);
-        assert.match(err.message, /ARTIFACT_PULL_TIMEOUT_MS=1/);
-        return true;
-      });
+      await assert.rejects(
+        third.vms.create(parseVmSpec({ seed_snapshot_id: st.s2.id, host_id: 'h2', cpus: 1, ram_mb: 256 }), actor),
+        (err: unknown) => {
+          assert.ok(err instanceof AppError);
+          assert.equal(err.code, 'ARTIFACT_PULL_TIMEOUT', err.message);
+          assert.match(err.message, /ARTIFACT_PULL_TIMEOUT_MS=1/);
+          return true;
+        },
+      );
       const evs = (await c.service.store.readStream(`snapshot-${st.s2.id}`)).map((e) => e.type);
       assert.equal(evs.at(-1), 'SnapshotArtifactMoveFailed');
 

@@ -3,7 +3,12 @@ import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
 import type { ForkMigrate } from '../../commands/migrate/fork-migrate.js';
-import { assertLayerKey, type SnapshotCommands } from '../../commands/snapshot/snapshot-commands.js';
+import {
+  assertLayerKey,
+  createSnapshotRequestSchema,
+  DEFAULT_SNAPSHOT_REQUEST,
+  type SnapshotCommands,
+} from '../../commands/snapshot/snapshot-commands.js';
 import { NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { ExistingSnapshot } from '../../domain/snapshot/snapshot.decider.js';
 import { exportStatusSchema, snapshotModeSchema, snapshotStateSchema } from '../../domain/snapshot/snapshot.events.js';
@@ -110,13 +115,13 @@ export function snapshotRoutes(deps: SnapshotRoutesDeps) {
           params,
           // Lineage is read from the read model: `after` makes it see the caller's previous snapshot.
           querystring: z.object({ after: positionSchema.optional() }),
-          body: z.record(z.string(), z.unknown()).optional(),
+          body: createSnapshotRequestSchema.optional(),
           response: { 201: snapshotCommandResult, ...problemResponses },
         },
       },
       async (req, reply) => {
         await waitForPosition(deps.runner, req.query.after, deps.readYourWritesTimeoutMs);
-        const r = await deps.snapshots.create(req.params.id, req.body ?? {}, actorOf(req));
+        const r = await deps.snapshots.create(req.params.id, req.body ?? DEFAULT_SNAPSHOT_REQUEST, actorOf(req));
         return reply.status(201).send({ ...snapshotFromState(r.snapshot), position: r.position ?? null });
       },
     );

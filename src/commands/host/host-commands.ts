@@ -25,6 +25,8 @@ export const registerHostRequestSchema = z
   })
   .strict();
 export type RegisterHostRequest = z.input<typeof registerHostRequestSchema>;
+/** A registration as the edge parsed it (defaults filled in): what HostCommands.register takes. */
+export type HostRegistration = z.output<typeof registerHostRequestSchema>;
 
 /**
  * Token context binds a sealed host token to its host and the URL it is sent
@@ -62,8 +64,7 @@ export class HostCommands {
     this.hostHandler = bindAggregate(handler, hostAggregate);
   }
 
-  async register(input: unknown, meta: CommandMeta): Promise<HostResult> {
-    const req = registerHostRequestSchema.parse(input);
+  async register(req: HostRegistration, meta: CommandMeta): Promise<HostResult> {
     // Probe first: a host whose agent does not answer with this token is not registered at all.
     const agent = this.connector.connect({ hostId: req.id, url: req.url, token: req.token });
     const probed = toHostCapacity(await agent.capacity({ timeoutMs: 10_000 }));

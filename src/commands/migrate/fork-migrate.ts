@@ -6,13 +6,14 @@ import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/
 import type { Position } from '../../domain/event-store.port.js';
 import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
-import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
+import { parseVmSpec, placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
+import { snapshotRequest } from '../snapshot/snapshot-request.js';
 import { sandboxName, type Actor, type GuestInputs, type VmCommands } from '../vm/vm-commands.js';
 
 export interface ForkResult {
@@ -68,13 +69,13 @@ export class ForkMigrate {
     } else {
       const r = await this.snapshots.create(
         vmId,
-        { mode: 'manual', comment: opts.comment ?? `fork of ${vmId}`, metadata: { fork_of: vmId } },
+        snapshotRequest({ mode: 'manual', comment: opts.comment ?? `fork of ${vmId}`, metadata: { fork_of: vmId } }),
         actor,
       );
       snapshotId = r.snapshot.snapshot_id;
     }
     // The create flow mints a fresh per-VM token and overwrites the copied one before the fork runs anything.
-    const r = await this.vms.create(forkSpec(src.spec, snapshotId, this.vms.openGuestInputs(src)), actor);
+    const r = await this.vms.create(parseVmSpec(forkSpec(src.spec, snapshotId, this.vms.openGuestInputs(src))), actor);
     return { vm: r.vm, position: r.position, snapshotId };
   }
 
@@ -139,7 +140,7 @@ export class ForkMigrate {
     try {
       const snap = await this.snapshots.create(
         vmId,
-        { mode: 'migrate', no_lineage: true, comment: `migrate ${vmId} from ${fromHostId}` },
+        snapshotRequest({ mode: 'migrate', no_lineage: true, comment: `migrate ${vmId} from ${fromHostId}` }),
         actor,
       );
       snapshotId = snap.snapshot.snapshot_id;

@@ -12,7 +12,16 @@ import { SnapshotCreate } from './snapshot-create.js';
 import { SnapshotQuota } from './snapshot-quota.js';
 import { SnapshotStream } from './snapshot-stream.js';
 import type { SnapshotConfig, SnapshotReads, SnapshotResult } from './snapshot-types.js';
-export { assertLayerKey, createSnapshotRequestSchema, RESERVED_METADATA_KEYS, type CreateSnapshotRequest } from './snapshot-request.js';
+import type { SnapshotRequest } from './snapshot-request.js';
+export {
+  assertLayerKey,
+  createSnapshotRequestSchema,
+  DEFAULT_SNAPSHOT_REQUEST,
+  RESERVED_METADATA_KEYS,
+  snapshotRequest,
+  type CreateSnapshotRequest,
+  type SnapshotRequest,
+} from './snapshot-request.js';
 export type { SnapshotConfig, SnapshotReads, SnapshotResult } from './snapshot-types.js';
 
 /**
@@ -45,8 +54,8 @@ export class SnapshotCommands implements SeedArtifacts {
   // ---------------------------------------------------------------- create
 
   /** A snapshot of a running VM (snapshot-create.ts). */
-  create(vmId: string, input: unknown, actor: Actor, now = new Date()): Promise<SnapshotResult> {
-    return this.creator.create(vmId, input, actor, now);
+  create(vmId: string, req: SnapshotRequest, actor: Actor, now = new Date()): Promise<SnapshotResult> {
+    return this.creator.create(vmId, req, actor, now);
   }
 
   // ---------------------------------------------------------------- read, delete, export

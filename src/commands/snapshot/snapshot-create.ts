@@ -2,11 +2,10 @@ import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import { AppError, ConflictError } from '@fleet/agent-protocol';
 import type { QuotaPool } from '../../domain/tenant/tenant.decider.js';
-import { validationErrorFromZod } from '../../domain/vm/spec.js';
 import type { HostCommands } from '../host/host-commands.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { SnapshotQuota } from './snapshot-quota.js';
-import { createSnapshotRequestSchema } from './snapshot-request.js';
+import type { SnapshotRequest } from './snapshot-request.js';
 import type { SnapshotStream } from './snapshot-stream.js';
 import type { SnapshotConfig, SnapshotReads, SnapshotResult } from './snapshot-types.js';
 
@@ -26,10 +25,7 @@ export class SnapshotCreate {
     private readonly logger: Logger,
   ) {}
 
-  async create(vmId: string, input: unknown, actor: Actor, now = new Date()): Promise<SnapshotResult> {
-    const parsed = createSnapshotRequestSchema.safeParse(input ?? {});
-    if (!parsed.success) throw validationErrorFromZod(parsed.error, 'snapshot request');
-    const req = parsed.data;
+  async create(vmId: string, req: SnapshotRequest, actor: Actor, now = new Date()): Promise<SnapshotResult> {
     const vm = await this.vms.get(vmId, actor);
     if (vm.status !== 'running' || !vm.host_id) {
       throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: only a running VM can be snapshotted`, {

@@ -50,6 +50,16 @@ export const createSnapshotRequestSchema = z
       ctx.addIssue({ code: 'custom', path: ['layer_key'], message: 'a layer is a build artifact: set mode "build" with layer_key' });
   });
 export type CreateSnapshotRequest = z.input<typeof createSnapshotRequestSchema>;
+/** A snapshot request as the edge parsed it (defaults filled in): what SnapshotCommands.create takes. */
+export type SnapshotRequest = z.output<typeof createSnapshotRequestSchema>;
+
+/** The request with every default: what an empty body asks for. */
+export const DEFAULT_SNAPSHOT_REQUEST: SnapshotRequest = createSnapshotRequestSchema.parse({});
+
+/** A request built in code (fork, migrate): the defaults with the caller's choices over them. */
+export function snapshotRequest(ask: Partial<SnapshotRequest>): SnapshotRequest {
+  return { ...DEFAULT_SNAPSHOT_REQUEST, ...ask };
+}
 
 export function assertLayerKey(key: string): void {
   if (!layerKeySchema.safeParse(key).success)

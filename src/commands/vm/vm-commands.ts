@@ -1,8 +1,8 @@
 import type { Logger } from 'pino';
-import type { AttachStart, EgressStatus, ExecResult, ExecStreamStart } from '@fleet/agent-protocol';
+import type { AttachStart, EgressSpec, EgressStatus, ExecResult, ExecStreamStart } from '@fleet/agent-protocol';
 import type { AgentStream, FileDownload, HostAgent } from '../../domain/host-agent.port.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
-import type { StoredVmSpec } from '../../domain/vm/spec.js';
+import type { StoredVmSpec, VmSpec } from '../../domain/vm/spec.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import type { DestroyReason } from '../../domain/vm/vm.lifecycle.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
@@ -71,8 +71,8 @@ export class VmCommands {
    * is derived from (tenant, key), so a retry lands on the same stream and
    * returns the same VM instead of making a second one.
    */
-  create(input: unknown, actor: Actor, idempotencyKey?: string, opts: CreateOptions = {}): Promise<VmResult> {
-    return this.creator.create(input, actor, idempotencyKey, opts);
+  create(spec: VmSpec, actor: Actor, idempotencyKey?: string, opts: CreateOptions = {}): Promise<VmResult> {
+    return this.creator.create(spec, actor, idempotencyKey, opts);
   }
 
   /**
@@ -142,8 +142,8 @@ export class VmCommands {
   }
 
   /** Replaces a running VM's outbound policy (vm-egress.ts). */
-  changeEgress(vmId: string, input: unknown, actor: Actor): Promise<VmResult> {
-    return this.egress.changeEgress(vmId, input, actor);
+  changeEgress(vmId: string, egress: EgressSpec, actor: Actor): Promise<VmResult> {
+    return this.egress.changeEgress(vmId, egress, actor);
   }
 
   /** The resolved policy, with the host's probe for a running VM (vm-egress.ts). */

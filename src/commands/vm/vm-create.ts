@@ -5,9 +5,9 @@ import { assertEgressProvisionable } from '../../domain/egress/egress-registry.j
 import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
 import {
+  checkVmSpec,
   placementRequestOf,
   sealedFieldContext,
-  validateVmSpec,
   type SealedField,
   type SealedSpecFields,
   type StoredVmSpec,
@@ -52,8 +52,8 @@ export class VmCreate {
     private readonly logger: Logger,
   ) {}
 
-  async create(input: unknown, actor: Actor, idempotencyKey?: string, opts: CreateOptions = {}): Promise<VmResult> {
-    const spec = validateVmSpec(input, this.config.limits);
+  async create(spec: VmSpec, actor: Actor, idempotencyKey?: string, opts: CreateOptions = {}): Promise<VmResult> {
+    checkVmSpec(spec, this.config.limits);
     assertEgressProvisionable(spec.egress, this.config.egressRegistry);
     // Resolved before anything is written: an unknown or foreign seed is a 404, not a failed VM.
     const artifactHosts = spec.seed_snapshot_id && this.seeds ? await this.seeds.holders(spec.seed_snapshot_id, actor) : undefined;

@@ -1,6 +1,5 @@
-import { egressSpecProblems, egressSpecSchema, ValidationError, type EgressStatus } from '@fleet/agent-protocol';
+import { egressSpecProblems, ValidationError, type EgressSpec, type EgressStatus } from '@fleet/agent-protocol';
 import { assertEgressProvisionable } from '../../domain/egress/egress-registry.js';
-import { validationErrorFromZod } from '../../domain/vm/spec.js';
 import type { HostCommands } from '../host/host-commands.js';
 import { agentEgressOf, sandboxName } from './boot-sandbox.js';
 import { egressProvisionFailure } from './egress-failures.js';
@@ -18,28 +17,26 @@ export class VmEgress {
   ) {}
 
   /**
-   * Replaces a running VM's outbound policy: validated like a create's, the
+   * Replaces a running VM's outbound policy (parsed at the edge; checked here like a create's): the
    * host applies it, then VmEgressChanged records it (a retry re-applies the
    * same policy, which the agent takes idempotently).
    */
-  async changeEgress(vmId: string, input: unknown, actor: Actor): Promise<VmResult> {
-    const parsed = egressSpecSchema.safeParse(input);
-    if (!parsed.success) throw validationErrorFromZod(parsed.error, 'egress policy');
-    const problems = egressSpecProblems(parsed.data);
+  async changeEgress(vmId: string, egress: EgressSpec, actor: Actor): Promise<VmResult> {
+    const problems = egressSpecProblems(egress);
     if (problems.length > 0)
       throw new ValidationError(
         `invalid egress policy: ${problems.map((p) => `${p.path}: ${p.message}`).join('; ')}`,
         problems.map((p) => ({ path: p.path, message: p.message })),
         problems.find((p) => p.code !== 'VALIDATION_FAILED')?.code ?? 'VALIDATION_FAILED',
       );
-    assertEgressProvisionable(parsed.data, this.config.egressRegistry);
+    assertEgressProvisionable(egress, this.config.egressRegistry);
     const { agent } = await this.access.running(vmId, actor);
-    await agent.setEgress(sandboxName(vmId), agentEgressOf(parsed.data)).catch(async (err: unknown) => {
-      const egressFailed = egressProvisionFailure(vmId, parsed.data, err);
+    await agent.setEgress(sandboxName(vmId), agentEgressOf(egress)).catch(async (err: unknown) => {
+      const egressFailed = egressProvisionFailure(vmId, egress, err);
       if (egressFailed) await this.stream.run(vmId, egressFailed, actor).catch(() => undefined);
       throw err;
     });
-    return this.stream.run(vmId, { type: 'ChangeEgress', data: { vm_id: vmId, egress: parsed.data } }, actor);
+    return this.stream.run(vmId, { type: 'ChangeEgress', data: { vm_id: vmId, egress } }, actor);
   }
 
   /**

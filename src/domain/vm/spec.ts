@@ -291,44 +291,58 @@ export const STARTUP_SCRIPT_TIMEOUT_TOO_LARGE = 'STARTUP_SCRIPT_TIMEOUT_TOO_LARG
  * them (the seed's ErrStartupScriptTimeoutTooLarge), else VALIDATION_FAILED.
  */
 export function validateVmSpec(input: unknown, limits: SpecLimits = DEFAULT_SPEC_LIMITS): VmSpec {
+  const spec = parseVmSpec(input);
+  checkVmSpec(spec, limits);
+  return spec;
+}
+
+/** The spec's shape (vmSpecSchema), for a spec built in code rather than parsed at an HTTP edge (E2B's create, a fork). */
+export function parseVmSpec(input: unknown): VmSpec {
   const parsed = vmSpecSchema.safeParse(input);
-  const fields: FieldError[] = parsed.success ? [] : fieldsFromZod(parsed.error, formatIssuePath);
+  if (!parsed.success) {
+    const fields = fieldsFromZod(parsed.error, formatIssuePath);
+    throw new ValidationError(`invalid vm spec: ${describeFields(fields)}`, fields, 'VALIDATION_FAILED');
+  }
+  return parsed.data;
+}
+
+/**
+ * What a parsed spec must also meet: the fleet's limits (they are
+ * configuration, so the command applies them) and the egress rules.
+ */
+export function checkVmSpec(s: VmSpec, limits: SpecLimits = DEFAULT_SPEC_LIMITS): void {
+  const fields: FieldError[] = [];
   let timeoutTooLarge = false;
   let egressCode: string | undefined;
-  if (parsed.success) {
-    const s = parsed.data;
-    for (const p of s.egress ? egressSpecProblems(s.egress) : []) {
-      fields.push({ path: p.path, message: p.message });
-      if (p.code !== 'VALIDATION_FAILED') egressCode = p.code;
-    }
-    const range = (path: string, v: number, min: number, max: number, unit: string): void => {
-      if (v < min || v > max) fields.push({ path, message: `must be between ${min} and ${max}${unit} (got ${v})` });
-    };
-    range('cpus', s.cpus, limits.minCpus, limits.maxCpus, '');
-    range('ram_mb', s.ram_mb, limits.minRamMb, limits.maxRamMb, ' MB');
-    range('storage_gb', s.storage_gb, limits.minStorageGb, limits.maxStorageGb, ' GB');
-    if (s.gpus > limits.maxGpus) fields.push({ path: 'gpus', message: `at most ${limits.maxGpus} (got ${s.gpus})` });
-    if (s.startup_script_timeout_s !== undefined && s.startup_script_timeout_s * 1000 > limits.maxStartupScriptTimeoutMs) {
-      timeoutTooLarge = true;
-      fields.push({
-        path: 'startup_script_timeout_s',
-        message: `startup script timeout ${s.startup_script_timeout_s}s is above the fleet maximum of ${limits.maxStartupScriptTimeoutMs / 1000}s`,
-      });
-    }
-    let bytes = 0;
-    for (const content of [...Object.values(s.files ?? {}), ...Object.values(s.agent?.files ?? {})]) bytes += base64Bytes(content);
-    if (bytes > limits.maxFilesBytes)
-      fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
+  for (const p of s.egress ? egressSpecProblems(s.egress) : []) {
+    fields.push({ path: p.path, message: p.message });
+    if (p.code !== 'VALIDATION_FAILED') egressCode = p.code;
   }
-  // A failed parse always has issues, so !parsed.success implies fields.length > 0.
-  if (!parsed.success || fields.length > 0) {
+  const range = (path: string, v: number, min: number, max: number, unit: string): void => {
+    if (v < min || v > max) fields.push({ path, message: `must be between ${min} and ${max}${unit} (got ${v})` });
+  };
+  range('cpus', s.cpus, limits.minCpus, limits.maxCpus, '');
+  range('ram_mb', s.ram_mb, limits.minRamMb, limits.maxRamMb, ' MB');
+  range('storage_gb', s.storage_gb, limits.minStorageGb, limits.maxStorageGb, ' GB');
+  if (s.gpus > limits.maxGpus) fields.push({ path: 'gpus', message: `at most ${limits.maxGpus} (got ${s.gpus})` });
+  if (s.startup_script_timeout_s !== undefined && s.startup_script_timeout_s * 1000 > limits.maxStartupScriptTimeoutMs) {
+    timeoutTooLarge = true;
+    fields.push({
+      path: 'startup_script_timeout_s',
+      message: `startup script timeout ${s.startup_script_timeout_s}s is above the fleet maximum of ${limits.maxStartupScriptTimeoutMs / 1000}s`,
+    });
+  }
+  let bytes = 0;
+  for (const content of [...Object.values(s.files ?? {}), ...Object.values(s.agent?.files ?? {})]) bytes += base64Bytes(content);
+  if (bytes > limits.maxFilesBytes)
+    fields.push({ path: 'files', message: `files total ${bytes} bytes, above the limit of ${limits.maxFilesBytes}` });
+  if (fields.length > 0) {
     throw new ValidationError(
       `invalid vm spec: ${describeFields(fields)}`,
       fields,
       timeoutTooLarge ? STARTUP_SCRIPT_TIMEOUT_TOO_LARGE : (egressCode ?? 'VALIDATION_FAILED'),
     );
   }
-  return parsed.data;
 }
 
 function base64Bytes(b64: string): number {

@@ -1,10 +1,10 @@
 import type { FastifyRequest } from 'fastify';
-import { checkpointIdSchema, vmNameSchema, type VmInfo } from '@fleet/agent-protocol';
+import type { VmInfo } from '@fleet/agent-protocol';
 import { AppError } from '@fleet/agent-protocol';
 import type { Backend, SandboxInfo } from '../backend.js';
 import type { ExecLimits } from '../exec.js';
 import type { GuestAgentStore } from '../guest-agents.js';
-import { parse } from '../parse.js';
+import { paramOf, sandboxName } from './route-schema.js';
 
 /** The host agent's HTTP settings (from AGENT_* variables, see config.ts). */
 export interface AgentAppConfig {
@@ -31,12 +31,9 @@ export interface AgentRouteContext {
   checkedRun: (name: string, argv: string[], what: string, env?: Record<string, string>) => Promise<string>;
 }
 
+/** The `:name` of a route that declares no schema object of its own (envd's pass-through). */
 export function nameParam(req: FastifyRequest): string {
-  return parse(vmNameSchema, (req.params as { name?: string }).name, 'sandbox name');
-}
-
-export function idParam(req: FastifyRequest): string {
-  return parse(checkpointIdSchema, (req.params as { id?: string }).id, 'checkpoint id');
+  return paramOf(req, { name: sandboxName }, 'name');
 }
 
 export function isCode(err: unknown, code: string): boolean {

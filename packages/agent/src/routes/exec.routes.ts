@@ -1,22 +1,43 @@
 import type { IncomingMessage } from 'node:http';
 import type { FastifyInstance } from 'fastify';
 import { z } from 'zod';
-import { AGENT_API_PREFIX, execRequestSchema, filePathQuerySchema, vmNameSchema } from '@fleet/agent-protocol';
+import { Readable } from 'node:stream';
+import {
+  AGENT_API_PREFIX,
+  execRequestSchema,
+  execResultSchema,
+  filePathQuerySchema,
+  uploadResponseSchema,
+  vmNameSchema,
+} from '@fleet/agent-protocol';
 import { AppError, ValidationError } from '@fleet/agent-protocol';
 import { effectiveTimeout, runBuffered, runSession } from '../exec.js';
-import { parse } from '../parse.js';
-import { nameParam, type AgentRouteContext } from './context.js';
+import { type AgentRouteContext } from './context.js';
+import { bodyOf, paramOf, part, queryOf, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
 
-/** `max_bytes` on a download: the caller's cap, checked against the file's size before any byte moves. */
-const downloadCapSchema = z.object({ max_bytes: z.coerce.number().int().nonnegative().optional() });
+/** A download's path, and `max_bytes`: the caller's cap, checked against the file's size before any byte moves. */
+const downloadQuerySchema = filePathQuerySchema.extend({ max_bytes: z.coerce.number().int().nonnegative().optional() });
+
+/** Each route's request parts and responses (route-schema.ts). The websocket exec/attach frames are the protocol's client and server frames. */
+export const schemas = {
+  exec: { params: { name: sandboxName }, body: part(execRequestSchema, 'exec request'), response: { 200: execResultSchema } },
+  /** The body is the file's raw bytes (application/octet-stream). */
+  upload: { params: { name: sandboxName }, querystring: part(filePathQuerySchema, 'query'), response: { 200: uploadResponseSchema } },
+  /** application/octet-stream; `max_bytes` refuses a larger file (413) before a byte moves. */
+  download: {
+    params: { name: sandboxName },
+    querystring: part(downloadQuerySchema, 'query'),
+    response: { 200: z.instanceof(Readable) },
+  },
+} satisfies Record<string, RouteSchema>;
 
 /** Inside a sandbox: buffered exec, exec/attach over websockets, file upload and download. */
 export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
   const { backend, config, limits } = ctx;
   // ---- exec -------------------------------------------------------------------
   app.post(`${AGENT_API_PREFIX}/vms/:name/exec`, async (req, reply) => {
-    const name = nameParam(req);
-    const body = parse(execRequestSchema, req.body, 'exec request');
+    const name = paramOf(req, schemas.exec.params, 'name');
+    const body = bodyOf(req, schemas.exec.body);
     const abort = new AbortController();
     // A caller that hangs up gets its command killed, not left running unobserved. (The response's
     // close, not the socket's: a keep-alive socket outlives many requests.)
@@ -59,12 +80,12 @@ export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext)
   }
 
   // ---- files ------------------------------------------------------------------
-  app.put(`${AGENT_API_PREFIX}/vms/:name/files`, async (req) => {
-    const name = nameParam(req);
+  app.put(`${AGENT_API_PREFIX}/vms/:name/files`, async (req): Promise<Answer<typeof schemas.upload, 200>> => {
+    const name = paramOf(req, schemas.upload.params, 'name');
     // Any other content type arrives parsed, not as a stream.
     const body = req.body as Partial<IncomingMessage> | undefined;
     try {
-      const q = parse(filePathQuerySchema, req.query, 'query');
+      const q = queryOf(req, schemas.upload.querystring);
       if (!body || typeof (body as { pipe?: unknown }).pipe !== 'function') {
         throw new AppError('UNSUPPORTED_MEDIA_TYPE', 415, 'send the file as the raw body with Content-Type: application/octet-stream');
       }
@@ -82,9 +103,9 @@ export function registerExecRoutes(app: FastifyInstance, ctx: AgentRouteContext)
   });
 
   app.get(`${AGENT_API_PREFIX}/vms/:name/files`, async (req, reply) => {
-    const name = nameParam(req);
-    const q = parse(filePathQuerySchema, req.query, 'query');
-    const { max_bytes: maxBytes } = parse(downloadCapSchema, req.query, 'query');
+    const name = paramOf(req, schemas.download.params, 'name');
+    const q = queryOf(req, schemas.download.querystring);
+    const maxBytes = q.max_bytes;
     const file = await backend.readGuestFile(name, q.path);
     // The size is known before a byte is read: a file over the caller's cap is refused, and its reader stopped.
     if (maxBytes !== undefined && file.size > maxBytes) {

@@ -1,19 +1,27 @@
 import type { FastifyInstance } from 'fastify';
-import { AGENT_API_PREFIX, type CapacityResponse, type NetworkReassertResponse } from '@fleet/agent-protocol';
+import { AGENT_API_PREFIX, capacityResponseSchema, networkReassertResponseSchema, pruneResponseSchema } from '@fleet/agent-protocol';
 import { pruneStaging } from '../artifacts.js';
 import type { AgentRouteContext } from './context.js';
+import type { Answer, RouteSchema } from './route-schema.js';
+
+/** Each route's responses (route-schema.ts); none takes input. */
+export const schemas = {
+  capacity: { response: { 200: capacityResponseSchema } },
+  prune: { response: { 200: pruneResponseSchema } },
+  reassert: { response: { 200: networkReassertResponseSchema } },
+} satisfies Record<string, RouteSchema>;
 
 /** The host as a whole: capacity, prune of leftovers, network reassert. */
 export function registerHostRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
   const { backend, guestAgents, activePulls } = ctx;
   // ---- capacity ----------------------------------------------------------------
-  app.get(`${AGENT_API_PREFIX}/capacity`, async (): Promise<CapacityResponse> => {
+  app.get(`${AGENT_API_PREFIX}/capacity`, async (): Promise<Answer<typeof schemas.capacity, 200>> => {
     const [cap, vms] = await Promise.all([backend.capacity(), backend.list()]);
     return { ...cap, backend: backend.kind, vms_running: vms.filter((v) => v.state === 'running').length };
   });
 
   // ---- prune ----------------------------------------------------------------------
-  app.post(`${AGENT_API_PREFIX}/prune`, async () => {
+  app.post(`${AGENT_API_PREFIX}/prune`, async (): Promise<Answer<typeof schemas.prune, 200>> => {
     const report = await backend.prune();
     const known = new Set((await backend.list()).map((s) => s.name));
     const reclaimed = [
@@ -32,5 +40,5 @@ export function registerHostRoutes(app: FastifyInstance, ctx: AgentRouteContext)
   });
 
   // ---- network ------------------------------------------------------------------
-  app.post(`${AGENT_API_PREFIX}/network/reassert`, async (): Promise<NetworkReassertResponse> => backend.reassertNetwork());
+  app.post(`${AGENT_API_PREFIX}/network/reassert`, async (): Promise<Answer<typeof schemas.reassert, 200>> => backend.reassertNetwork());
 }

@@ -1,11 +1,27 @@
 import { open } from 'node:fs/promises';
 import type { FastifyInstance } from 'fastify';
-import { AGENT_API_PREFIX, AppError, logsQuerySchema, metricsQuerySchema, type VmInfo } from '@fleet/agent-protocol';
+import {
+  AGENT_API_PREFIX,
+  AppError,
+  hostMetricsResponseSchema,
+  logsQuerySchema,
+  logsResponseSchema,
+  metricsQuerySchema,
+  metricsResponseSchema,
+  type VmInfo,
+} from '@fleet/agent-protocol';
 import type { Backend } from '../backend.js';
 import { sandboxNotFound } from '../backend.js';
 import type { SandboxObserver } from '../observe.js';
-import { parse } from '../parse.js';
-import { nameParam, type AgentRouteContext } from './context.js';
+import { type AgentRouteContext } from './context.js';
+import { paramOf, part, queryOf, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
+
+/** Each route's request parts and responses (route-schema.ts). */
+export const schemas = {
+  metrics: { params: { name: sandboxName }, querystring: part(metricsQuerySchema, 'query'), response: { 200: metricsResponseSchema } },
+  hostMetrics: { response: { 200: hostMetricsResponseSchema } },
+  logs: { params: { name: sandboxName }, querystring: part(logsQuerySchema, 'query'), response: { 200: logsResponseSchema } },
+} satisfies Record<string, RouteSchema>;
 
 /** The OOM facts ride on the VM info the reconciler already lists each cycle. */
 export function withOom(info: VmInfo, backend: Backend): VmInfo {
@@ -29,20 +45,22 @@ function observerOf(backend: Backend): SandboxObserver {
 export function registerObserveRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
   const { backend } = ctx;
 
-  app.get(`${AGENT_API_PREFIX}/vms/:name/metrics`, (req) => {
-    const name = nameParam(req);
-    const q = parse(metricsQuerySchema, req.query, 'query');
+  app.get(`${AGENT_API_PREFIX}/vms/:name/metrics`, (req): Promise<Answer<typeof schemas.metrics, 200>> => {
+    const name = paramOf(req, schemas.metrics.params, 'name');
+    const q = queryOf(req, schemas.metrics.querystring);
     const observer = observerOf(backend);
     return Promise.resolve({ interval_ms: observer.intervalMs, window: observer.window, samples: observer.metrics(name, q.since) });
   });
 
-  app.get(`${AGENT_API_PREFIX}/host/metrics`, () => Promise.resolve(observerOf(backend).host()));
+  app.get(`${AGENT_API_PREFIX}/host/metrics`, (): Promise<Answer<typeof schemas.hostMetrics, 200>> =>
+    Promise.resolve(observerOf(backend).host()),
+  );
 
   // Bytes of the console from an offset over the previous (rotated) file then the current one, so a follower
   // polling with the next offset neither repeats nor skips across a rotation it did not see.
-  app.get(`${AGENT_API_PREFIX}/vms/:name/logs`, async (req) => {
-    const name = nameParam(req);
-    const q = parse(logsQuerySchema, req.query, 'query');
+  app.get(`${AGENT_API_PREFIX}/vms/:name/logs`, async (req): Promise<Answer<typeof schemas.logs, 200>> => {
+    const name = paramOf(req, schemas.logs.params, 'name');
+    const q = queryOf(req, schemas.logs.querystring);
     const logs = await observerOf(backend).logFiles(name);
     if (!logs) throw sandboxNotFound(name);
     const handles = await Promise.all(logs.files.map((f) => open(f, 'r').catch(() => null)));

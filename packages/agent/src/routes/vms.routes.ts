@@ -2,26 +2,50 @@ import { open } from 'node:fs/promises';
 import { posix } from 'node:path';
 import { Readable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
+import { z } from 'zod';
 import {
   AGENT_API_PREFIX,
   agentSpecSchema,
   consoleQuerySchema,
   createVmRequestSchema,
   destroyVmQuerySchema,
+  destroyVmResponseSchema,
   listVmsQuerySchema,
+  listVmsResponseSchema,
+  startAgentResponseSchema,
+  vmInfoSchema,
   type Endpoint,
 } from '@fleet/agent-protocol';
 import { ConflictError } from '@fleet/agent-protocol';
-import { parse } from '../parse.js';
-import { isCode, nameParam, toVmInfo, type AgentRouteContext } from './context.js';
+import { isCode, toVmInfo, type AgentRouteContext } from './context.js';
 import { withInitExit, withOom } from './observe.routes.js';
+import { bodyOf, paramOf, part, queryOf, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
+
+/** Each route's request parts and responses (route-schema.ts). */
+export const schemas = {
+  create: { body: part(createVmRequestSchema, 'create request'), response: { 201: vmInfoSchema } },
+  list: { querystring: part(listVmsQuerySchema, 'query'), response: { 200: listVmsResponseSchema } },
+  get: { params: { name: sandboxName }, response: { 200: vmInfoSchema } },
+  destroy: {
+    params: { name: sandboxName },
+    querystring: part(destroyVmQuerySchema, 'query'),
+    response: { 200: destroyVmResponseSchema },
+  },
+  /** text/plain: the tail of the console log. */
+  console: {
+    params: { name: sandboxName },
+    querystring: part(consoleQuerySchema, 'query'),
+    response: { 200: z.union([z.string(), z.instanceof(Buffer)]) },
+  },
+  startAgent: { params: { name: sandboxName }, body: part(agentSpecSchema, 'agent spec'), response: { 200: startAgentResponseSchema } },
+} satisfies Record<string, RouteSchema>;
 
 /** Sandboxes: create, list, read, destroy, console tail, and the in-guest agent's start. */
 export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): void {
   const { backend, guestAgents, checkedRun } = ctx;
   // ---- VMs -------------------------------------------------------------------
   app.post(`${AGENT_API_PREFIX}/vms`, async (req, reply) => {
-    const spec = parse(createVmRequestSchema, req.body, 'create request');
+    const spec = bodyOf(req, schemas.create.body);
     const info = await backend.create({
       name: spec.name,
       ...(spec.image ? { image: spec.image } : {}),
@@ -37,26 +61,26 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
       ...(spec.egress ? { egress: spec.egress } : {}),
       ...(spec.resume ? { resume: true } : {}),
     });
-    return reply.code(201).send(toVmInfo(info));
+    return reply.code(201).send(toVmInfo(info) satisfies Answer<typeof schemas.create, 201>);
   });
 
-  app.get(`${AGENT_API_PREFIX}/vms`, async (req) => {
-    const q = parse(listVmsQuerySchema, req.query, 'query');
+  app.get(`${AGENT_API_PREFIX}/vms`, async (req): Promise<Answer<typeof schemas.list, 200>> => {
+    const q = queryOf(req, schemas.list.querystring);
     const infos = await backend.list(q.prefix);
     // Whether an init died of an OOM kill is known after the monitor's next pass: the listing waits for it.
     if (infos.some((s) => s.state === 'stopped')) await backend.observer?.settleOom();
     return { vms: await Promise.all(infos.map((s) => withInitExit(withOom(toVmInfo(s), backend), backend))) };
   });
 
-  app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
-    const info = await backend.get(nameParam(req));
+  app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req): Promise<Answer<typeof schemas.get, 200>> => {
+    const info = await backend.get(paramOf(req, schemas.get.params, 'name'));
     if (info.state === 'stopped') await backend.observer?.settleOom();
     return withInitExit(withOom(toVmInfo(info), backend), backend);
   });
 
-  app.delete(`${AGENT_API_PREFIX}/vms/:name`, async (req) => {
-    const name = nameParam(req);
-    const { force } = parse(destroyVmQuerySchema, req.query, 'query');
+  app.delete(`${AGENT_API_PREFIX}/vms/:name`, async (req): Promise<Answer<typeof schemas.destroy, 200>> => {
+    const name = paramOf(req, schemas.destroy.params, 'name');
+    const { force } = queryOf(req, schemas.destroy.querystring);
     const existed = await backend.get(name).then(
       () => true,
       (err: unknown) => {
@@ -76,8 +100,8 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
 
   // The serial-style log of the sandbox's init: its tail, as text.
   app.get(`${AGENT_API_PREFIX}/vms/:name/console`, async (req, reply) => {
-    const name = nameParam(req);
-    const q = parse(consoleQuerySchema, req.query, 'query');
+    const name = paramOf(req, schemas.console.params, 'name');
+    const q = queryOf(req, schemas.console.querystring);
     const info = await backend.get(name);
     const fh = await open(info.console_log, 'r').catch(() => undefined);
     if (!fh) return reply.type('text/plain; charset=utf-8').send('');
@@ -94,9 +118,9 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
   });
 
   // ---- in-guest agent -----------------------------------------------------------
-  app.post(`${AGENT_API_PREFIX}/vms/:name/agent`, async (req) => {
-    const name = nameParam(req);
-    const spec = parse(agentSpecSchema, req.body, 'agent spec');
+  app.post(`${AGENT_API_PREFIX}/vms/:name/agent`, async (req): Promise<Answer<typeof schemas.startAgent, 200>> => {
+    const name = paramOf(req, schemas.startAgent.params, 'name');
+    const spec = bodyOf(req, schemas.startAgent.body);
     const info = await backend.get(name);
     const endpoints: Endpoint[] = [];
     for (const want of spec.expose) {

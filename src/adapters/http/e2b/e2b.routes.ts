@@ -8,6 +8,7 @@ import type { VmLifecycle } from '../../../commands/vm/vm-lifecycle.js';
 import type { Position } from '../../../domain/event-store.port.js';
 import type { ExistingVmState } from '../../../domain/vm/vm.decider.js';
 import { metadataSchema } from '../../../domain/vm/vm.lifecycle.js';
+import { parseVmSpec } from '../../../domain/vm/spec.js';
 import type { ProjectionRunner } from '../../../projections/runner.js';
 import { getSnapshot } from '../../../projections/snapshots/snapshots.queries.js';
 import { listVms, type VmRow } from '../../../projections/vms/vms.queries.js';
@@ -147,7 +148,7 @@ export function e2bRoutes(deps: E2bRoutesDeps) {
             // The sandbox's timeout is the VM's max runtime: its deadline (timeout_at) is set as it boots, in the same stream.
             max_runtime_s: body.timeout ?? DEFAULT_TIMEOUT_S,
           };
-          const created = await deps.vms.create(spec, actor);
+          const created = await deps.vms.create(parseVmSpec(spec), actor);
           remember(actor, created.position);
           return reply.status(201).send(sandboxAnswer(created.vm));
         };
