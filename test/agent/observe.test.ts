@@ -1,5 +1,6 @@
 import assert from 'node:assert/strict';
-import { mkdtemp, rm, writeFile } from 'node:fs/promises';
+import { existsSync } from 'node:fs';
+import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { buildImage } from '../../packages/agent/src/images.js';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -47,6 +48,8 @@ describe('agent observability (real agent, real sandboxes)', { timeout: 240_000 
     for (const [name, tail] of [
       ['hoginit', 'exec dd if=/dev/zero of=/dev/null bs=200M count=1'],
       ['exitinit', 'exit 3'],
+      // Exits 7 when the host sends it SIGUSR1 (a pid 1 gets the signals it has a handler for).
+      ['codeinit', "trap 'exit 7' USR1; while :; do usleep 50000; done"],
     ] as const) {
       await buildImage(images.imageDir, name);
       const init = join(images.imageDir, name, 'sbin', 'init');
@@ -157,6 +160,7 @@ describe('agent observability (real agent, real sandboxes)', { timeout: 240_000 
     assert.equal(oom.state, 'stopped');
     assert.equal(oom.oom!.events.at(-1)!.pid, 1);
     assert.ok(oom.oom!.kills >= 1);
+    assert.deepEqual(oom.init_exit, { exit_signal: 'SIGKILL' });
   });
 
   it('a sandbox whose init exits on its own is not called OOM-killed', async (t) => {
@@ -168,5 +172,41 @@ describe('agent observability (real agent, real sandboxes)', { timeout: 240_000 
     const info = await c.getVm('initexit');
     assert.equal(info.oom?.init_oom_killed ?? false, false);
     assert.equal(info.oom?.kills ?? 0, 0);
+    assert.deepEqual(info.init_exit, { exit_code: 3 });
+    assert.deepEqual((await c.listVms('initexit'))[0]!.init_exit, { exit_code: 3 });
+  });
+
+  it('how an init ended is recorded by its parent: an exit while the agent was down, and a signal death', async (t) => {
+    if (guard(t)) return;
+    const c = agent!.client;
+    await c.createVm({ name: 'codea', image: 'codeinit' });
+    await c.createVm({ name: 'codeb', image: 'codeinit' });
+    const initPid = async (name: string): Promise<number> =>
+      (JSON.parse(await readFile(join(agent!.opts.dataDir, 'sandboxes', name, 'state.json'), 'utf8')) as { init_pid: number }).init_pid;
+    const a = { init_pid: await initPid('codea') };
+    const b = { init_pid: await initPid('codeb') };
+    assert.equal((await c.getVm('codea')).init_exit, undefined, 'a running sandbox has no exit');
+    // The agent crashes; the init ends while no agent runs; a new agent on the same data directory still knows how.
+    await agent!.kill();
+    // Again until it ends: its trap is set a second after its start.
+    await until('the init to exit', () => {
+      if (!existsSync(`/proc/${a.init_pid}`)) return Promise.resolve(true);
+      process.kill(a.init_pid, 'SIGUSR1');
+      return Promise.resolve(undefined);
+    });
+    agent = await startAgent(agent!.opts);
+    const ended = await until('the listing of the ended sandbox', async () => {
+      const info = (await agent!.client.listVms('code')).find((v) => v.name === 'codea');
+      return info?.state === 'stopped' ? info : undefined;
+    });
+    assert.deepEqual(ended.init_exit, { exit_code: 7 });
+    // Killed from outside (a signal, not an exit code): told apart from `exit 137`.
+    process.kill(b.init_pid, 'SIGKILL');
+    const killed = await until('the killed init', async () => {
+      const info = await agent!.client.getVm('codeb');
+      return info.state === 'stopped' ? info : undefined;
+    });
+    assert.deepEqual(killed.init_exit, { exit_signal: 'SIGKILL' });
+    assert.equal(killed.oom?.init_oom_killed ?? false, false);
   });
 });

@@ -153,6 +153,12 @@ describe('VM lifecycle: reasons, timeouts, metadata, wait, events (real agent)',
       if (code) assert.equal(s.status === 'failed' && s.error_code, code);
       ended.set(id, reason!);
     }
+    // How the init ended is recorded by its parent: an exit code or a signal, never both, never neither.
+    const exited = await stream(vm.exited.id);
+    assert.ok(
+      exited.status === 'failed' && (exited.exit_code === undefined) !== (exited.exit_signal === undefined),
+      JSON.stringify(exited),
+    );
     assert.equal((await stream(vm.extended.id)).status, 'running', 'a timeout extended past its old end keeps the VM');
 
     // evicted: the operator drains the host.

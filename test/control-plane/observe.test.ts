@@ -1,5 +1,5 @@
 import assert from 'node:assert/strict';
-import { rm, writeFile } from 'node:fs/promises';
+import { readFile, rm, writeFile } from 'node:fs/promises';
 import { request as httpRequest } from 'node:http';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
@@ -18,7 +18,9 @@ import {
 /**
  * Observability through the API, against a real agent and real sandboxes:
  * OOM kills become VmOomKilled events (the VM living on), an init killed by
- * one ends its VM with reason `oom`; metrics and the console log (startup
+ * one ends its VM with reason `oom` (exit_signal SIGKILL), an init that
+ * exits 3 ends it `exited` with exit code 3, one killed by a signal with
+ * exit_signal; metrics and the console log (startup
  * script output, a followed line written later) are the VM tenant's only.
  */
 
@@ -42,6 +44,11 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
     const init = join(agent.opts.imageDir, 'obshog', 'sbin', 'init');
     await rm(init, { force: true });
     await writeFile(init, '#!/bin/sh\nsleep 1\nexec dd if=/dev/zero of=/dev/null bs=300M count=1\n', { mode: 0o755 });
+    // An init that runs `exit 3` when it gets SIGUSR1 (a pid 1 gets the signals it has a handler for).
+    await buildImage(agent.opts.imageDir, 'obsexit');
+    const exitInit = join(agent.opts.imageDir, 'obsexit', 'sbin', 'init');
+    await rm(exitInit, { force: true });
+    await writeFile(exitInit, "#!/bin/sh\ntrap 'exit 3' USR1\nwhile :; do usleep 50000; done\n", { mode: 0o755 });
     cp = await startControlPlane({ env: { SSE_MAX_PER_TENANT: '1' } });
     const r = await registerHost(cp, 'ho', agent, { capacity_overrides: { cpus: 8 } });
     assert.equal(r.status, 201, JSON.stringify(r.body));
@@ -111,6 +118,54 @@ describe('observability through the API (real agent, real sandboxes)', { timeout
       return r.body.state === 'failed' ? r.body : undefined;
     });
     assert.equal(row.reason, 'oom');
+    assert.deepEqual([ended.data.exit_signal, row.exit_signal, row.exit_code], ['SIGKILL', 'SIGKILL', null]);
+  });
+
+  it('an init that runs `exit 3` ends its VM `exited` with exit code 3; one killed by a signal, with exit_signal', async (t) => {
+    if (guard(t)) return;
+    const [three, killed] = [await create({ image: 'obsexit' }), await create({ image: 'obsexit' })];
+    await cp!.request('POST', `/v1/vms/${three}/exec`, { as: 'acme', body: { argv: ['kill', '-USR1', '1'] } });
+    const state = JSON.parse(await readFile(join(agent.opts.dataDir, 'sandboxes', `fl-${killed}`, 'state.json'), 'utf8')) as {
+      init_pid: number;
+    };
+    process.kill(state.init_pid, 'SIGKILL');
+    for (const id of [three, killed])
+      await eventually(
+        async () => {
+          await cp!.service.reconciler.reconcileOnce();
+          return (await cp!.service.vms.get(id, { tenantId: 'acme', admin: false })).status === 'failed';
+        },
+        30_000,
+        'the VM to end',
+      );
+    const head = await cp!.service.store.headPosition();
+    if (head) await cp!.service.runner.waitFor(head, 15_000);
+    const expected = { [three]: { exit_code: 3, exit_signal: null }, [killed]: { exit_code: null, exit_signal: 'SIGKILL' } };
+    for (const [id, want] of Object.entries(expected)) {
+      const ended = (await events(id)).find((e) => e.type === 'VmFailed')!;
+      assert.deepEqual(
+        [ended.data.reason, ended.data.error_code, ended.data.exit_code ?? null, ended.data.exit_signal ?? null],
+        ['exited', 'SANDBOX_EXITED', want.exit_code, want.exit_signal],
+      );
+      const got = (await cp!.request('GET', `/v1/vms/${id}`, { as: 'acme' })).body;
+      assert.deepEqual([got.state, got.reason, got.exit_code, got.exit_signal], ['failed', 'exited', want.exit_code, want.exit_signal]);
+      const feed = (await cp!.request('GET', `/v1/vm-events?vm_id=${id}&type=vm.failed`, { as: 'acme' })).body.events;
+      assert.deepEqual(
+        [feed.at(-1).reason, feed.at(-1).exit_code ?? null, feed.at(-1).exit_signal ?? null],
+        ['exited', want.exit_code, want.exit_signal],
+      );
+    }
+    assert.match(String((await cp!.request('GET', `/v1/vms/${three}`, { as: 'acme' })).body.error), /exit code 3/);
+    const from = new Date(Date.now() - 3_600_000).toISOString();
+    const runs = (await cp!.request('GET', `/v1/usage/vms?from=${from}&reason=exited`, { as: 'acme' })).body.vms as Array<{
+      vm_id: string;
+      exit_code: number | null;
+      exit_signal: string | null;
+    }>;
+    for (const [id, want] of Object.entries(expected)) {
+      const run = runs.find((r) => r.vm_id === id);
+      assert.deepEqual([run?.exit_code, run?.exit_signal], [want.exit_code, want.exit_signal], `billing row of ${id}`);
+    }
   });
 
   it('metrics show CPU rising under a busy loop and memory under an allocation, for the tenant only', async (t) => {

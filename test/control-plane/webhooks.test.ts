@@ -244,4 +244,36 @@ describe('webhooks (real agent, loopback receiver)', { timeout: 300_000 }, () =>
     assert.equal(del.status, 200);
     assert.equal((await cp!.request('GET', `/v1/webhooks/${hook}`, { as: 'acme' })).status, 404);
   });
+  it('vm.failed carries how an ended init ended: its exit code, or the signal that killed it', async (t) => {
+    if (guard(t)) return;
+    const created = await cp!.request('POST', '/v1/webhooks', { as: 'acme', body: { url: `${base}/exit`, event_types: ['vm.failed'] } });
+    assert.equal(created.status, 201, JSON.stringify(created.body));
+    const at = new Date().toISOString();
+    // Ends as the reconciler's verdict records them (appended directly: the paths themselves are tested with real sandboxes).
+    const ends: Array<[string, Record<string, unknown>]> = [
+      ['exitcode-vm', { reason: 'exited', error_code: 'SANDBOX_EXITED', exit_code: 3 }],
+      ['exitsig-vm', { reason: 'oom', error_code: 'OOM_KILLED', exit_signal: 'SIGKILL' }],
+    ];
+    for (const [vm, end] of ends)
+      await cp!.service.store.append(
+        `vm-${vm}`,
+        [
+          { id: randomUUID(), type: 'VmRequested', data: { vm_id: vm, tenant_id: 'acme', spec: { cpus: 1, ram_mb: 128, disk_gb: 1 }, at } },
+          { id: randomUUID(), type: 'VmFailed', data: { vm_id: vm, error: 'the init ended', phase: 'running', at, ...end } },
+        ],
+        'no_stream',
+      );
+    const got = await eventually(
+      () => {
+        const bodies = received.filter((r) => r.path === '/exit' && r.status === 200).map((r) => JSON.parse(r.body));
+        return Promise.resolve(bodies.length >= 2 ? bodies : undefined);
+      },
+      30_000,
+      'both vm.failed deliveries',
+    );
+    const byVm = Object.fromEntries(
+      got.map((b: { vm_id: string; data: Record<string, unknown> }) => [b.vm_id, [b.data.reason, b.data.exit_code, b.data.exit_signal]]),
+    );
+    assert.deepEqual(byVm, { 'exitcode-vm': ['exited', 3, undefined], 'exitsig-vm': ['oom', undefined, 'SIGKILL'] });
+  });
 });

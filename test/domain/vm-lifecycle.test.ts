@@ -62,6 +62,14 @@ describe('vm end reasons: no end without one', () => {
       );
     g.when({ type: 'FailVm', data: { vm_id: 'v1', reason: 'error', error: 'boom' } }).thenThrows('VALIDATION_FAILED', 400, /error code/);
     g.when({ type: 'FailVm', data: { vm_id: 'v1', reason: 'timeout', error: 'x', exit_code: 1 } }).thenThrows('VALIDATION_FAILED');
+    g.when({ type: 'FailVm', data: { vm_id: 'v1', reason: 'host_lost', error: 'x', exit_signal: 'SIGKILL' } }).thenThrows(
+      'VALIDATION_FAILED',
+    );
+    g.when({ type: 'FailVm', data: { vm_id: 'v1', reason: 'exited', error: 'x', exit_code: 1, exit_signal: 'SIGKILL' } }).thenThrows(
+      'VALIDATION_FAILED',
+      400,
+      /not both/,
+    );
   });
 
   test('every command that can end a VM, from every state, yields ending events that carry a reason', () => {
@@ -105,6 +113,38 @@ describe('vm end reasons: no end without one', () => {
       .when({ type: 'FailVm', data: { vm_id: 'v1', reason: 'exited', error: 'init ended', error_code: 'SANDBOX_EXITED', exit_code: 3 } })
       .thenState();
     assert.ok(s.status === 'failed' && s.reason === 'exited' && s.exit_code === 3 && s.phase === 'running');
+  });
+
+  test('an egress provision failure is an event of its own (parses back, counted by metrics); the VM is left as it was', () => {
+    const g = given(vmDecider, RUNNING);
+    const command: VmCommand = {
+      type: 'RecordEgressFailure',
+      data: { vm_id: 'v1', provider: 'corp', op: 'provision', error: 'port taken' },
+    };
+    const events = g.when(command).events();
+    assert.deepEqual(
+      events.map((e) => [e.type, (e.data as { provider?: string }).provider, (e.data as { op?: string }).op]),
+      [['VmEgressFailed', 'corp', 'provision']],
+    );
+    assert.ok(vmEventSchema.safeParse(JSON.parse(JSON.stringify(events[0]))).success);
+    assert.deepEqual(fold(vmDecider, [...RUNNING, ...events]), fold(vmDecider, RUNNING));
+    given(vmDecider, []).when(command).thenThrows('VM_NOT_FOUND');
+  });
+
+  test('an init killed by a signal keeps the signal, told apart from an exit code; the event parses back', () => {
+    const g = given(vmDecider, RUNNING);
+    const events = g
+      .when({
+        type: 'FailVm',
+        data: { vm_id: 'v1', reason: 'exited', error: 'init killed', error_code: 'SANDBOX_EXITED', exit_signal: 'SIGTERM' },
+      })
+      .events();
+    assert.equal(events.length, 1);
+    const e = events[0]!;
+    assert.ok(e.type === 'VmFailed' && e.data.exit_signal === 'SIGTERM' && e.data.exit_code === undefined);
+    assert.ok(vmEventSchema.safeParse(JSON.parse(JSON.stringify(e))).success);
+    const s = fold(vmDecider, [...RUNNING, e]);
+    assert.ok(s.status === 'failed' && s.exit_signal === 'SIGTERM' && s.exit_code === undefined);
   });
 });
 
@@ -221,6 +261,17 @@ describe('vm timeout and metadata (PATCH)', () => {
     });
     const oom = reconcileVm('exited', hint, vm, { ...ctx, stopped: { oom_killed: true, exit_code: 137 } }, policy);
     assert.ok(oom.kind === 'fail_exited' && oom.reason === 'oom' && oom.code === 'OOM_KILLED');
+    const killed = reconcileVm('exited', hint, vm, { ...ctx, stopped: { exit_signal: 'SIGKILL' } }, policy);
+    assert.deepEqual(killed, {
+      kind: 'fail_exited',
+      reason: 'exited',
+      exit_code: undefined,
+      exit_signal: 'SIGKILL',
+      code: 'SANDBOX_EXITED',
+      error: "the sandbox's init ended on its own (killed by SIGKILL)",
+    });
+    const oomKilled = reconcileVm('exited', hint, vm, { ...ctx, stopped: { oom_killed: true, exit_signal: 'SIGKILL' } }, policy);
+    assert.ok(oomKilled.kind === 'fail_exited' && oomKilled.reason === 'oom' && oomKilled.exit_signal === 'SIGKILL');
     assert.deepEqual(reconcileVm('exited', hint, vm, { ...ctx, listStarted: booted - 1 }, policy), { kind: 'none' });
   });
 
@@ -273,5 +324,9 @@ describe('feed shape', () => {
       { reason: failed?.reason, phase: failed?.phase, code: failed?.error_code, exit: failed?.exit_code },
       { reason: 'oom', phase: 'running', code: 'OOM_KILLED', exit: 137 },
     );
+    const signalled = toEnvironmentEvent(
+      r('VmFailed', { reason: 'oom', error: 'killed', error_code: 'OOM_KILLED', phase: 'running', exit_signal: 'SIGKILL' }),
+    );
+    assert.deepEqual([signalled?.exit_signal, signalled?.exit_code], ['SIGKILL', undefined]);
   });
 });

@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { oomReportSchema } from './observe-protocol.js';
+import { initExitSchema, oomReportSchema } from './observe-protocol.js';
 import { hostCapacitySchema } from './capacity.js';
 import { agentEgressSchema, egressStatusSchema } from './egress.js';
 
@@ -156,6 +156,8 @@ export const vmInfoSchema = z.object({
   endpoints: z.array(endpointSchema).default([]),
   /** OOM kills in the sandbox (observability); absent from an agent without the monitor. */
   oom: oomReportSchema.optional(),
+  /** A stopped sandbox: how its init ended, when the host recorded it. */
+  init_exit: initExitSchema.optional(),
   /** Absent from agents that predate egress (their sandboxes have no outbound network). */
   egress: egressStatusSchema.optional(),
 });

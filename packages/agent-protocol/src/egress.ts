@@ -166,3 +166,6 @@ export const egressStatusSchema = z.object({
   health: egressHealthSchema.optional(),
 });
 export type EgressStatus = z.infer<typeof egressStatusSchema>;
+
+/** An agent answers this code when a sandbox's egress provider (its own proxy) could not provide its endpoint. */
+export const EGRESS_PROVISION_FAILED = 'EGRESS_PROVISION_FAILED';

@@ -29,6 +29,18 @@ export const oomReportSchema = z.object({
 });
 export type OomReport = z.infer<typeof oomReportSchema>;
 
+/**
+ * How a stopped sandbox's init ended, as its parent recorded it: an exit code,
+ * or the signal that killed it (an OOM kill is SIGKILL). Absent when the host
+ * has no record of it (a backend or sandbox without the reaper, e.g. one
+ * restored from a checkpoint).
+ */
+export const initExitSchema = z.union([
+  z.object({ exit_code: z.number().int().min(0).max(255) }).strict(),
+  z.object({ exit_signal: z.string().regex(/^SIG[A-Z0-9]+$/) }).strict(),
+]);
+export type InitExit = z.infer<typeof initExitSchema>;
+
 export const metricSampleSchema = z.object({
   /** Unix milliseconds. */
   t: z.number().int(),

@@ -1,4 +1,4 @@
-import type { HostMetricsResponse, MetricSample, OomReport } from '@fleet/agent-protocol';
+import type { HostMetricsResponse, InitExit, MetricSample, OomReport } from '@fleet/agent-protocol';
 
 /**
  * What a backend observes of its sandboxes, beside running them: resource
@@ -14,6 +14,8 @@ export interface SandboxObserver {
   oom(name: string): OomReport | undefined;
   /** A fresh OOM pass: after it, a sandbox whose init died says whether an OOM kill ended it. */
   settleOom(): Promise<void>;
+  /** How the init of a sandbox whose init is gone ended, when its parent recorded it. */
+  initExit?(name: string): Promise<InitExit | undefined>;
   /** The live oom_kill counter of the sandbox's memory cgroup (read now). */
   oomKills(name: string): Promise<number>;
   /** An exec that ended with SIGKILL: a candidate to name should the counter have risen. */

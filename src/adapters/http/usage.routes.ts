@@ -122,6 +122,8 @@ export function usageRoutes(deps: UsageRoutesDeps) {
                   started_at: z.string(),
                   ended_at: z.string().nullable(),
                   reason: z.string().nullable(),
+                  exit_code: z.number().nullable(),
+                  exit_signal: z.string().nullable(),
                   vm_seconds: z.number(),
                   cpu_seconds: z.number(),
                   ram_mb_seconds: z.number(),

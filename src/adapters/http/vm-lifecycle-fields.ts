@@ -13,6 +13,8 @@ export const vmLifecycleFields = {
   phase: z.string().nullable(),
   /** For `exited` and `oom`: the init's exit code, when its host reported it. */
   exit_code: z.number().nullable(),
+  /** For `exited` and `oom`: the signal that killed the init instead of an exit (e.g. SIGKILL), when its host reported it. */
+  exit_signal: z.string().nullable(),
   /** When a running VM ends with reason `timeout` (null: only the fleet's ceiling applies). */
   timeout_at: z.string().nullable(),
 };
@@ -25,6 +27,7 @@ export function lifecycleOfRow(r: VmRow): LifecycleOut {
     last_activity_at: r.last_activity_at,
     phase: r.failed_phase,
     exit_code: r.exit_code,
+    exit_signal: r.exit_signal,
     timeout_at: r.state === 'running' ? r.timeout_at : null,
   };
 }
@@ -35,6 +38,7 @@ export function lifecycleOfState(s: ExistingVmState): LifecycleOut {
     last_activity_at: s.last_activity_at,
     phase: s.status === 'failed' ? s.phase : null,
     exit_code: s.status === 'failed' ? (s.exit_code ?? null) : null,
+    exit_signal: s.status === 'failed' ? (s.exit_signal ?? null) : null,
     timeout_at: s.status === 'running' ? (s.timeout_at ?? null) : null,
   };
 }

@@ -1,5 +1,11 @@
-import { AppError } from '@fleet/agent-protocol';
+import { AppError, type VmInfo } from '@fleet/agent-protocol';
 import type { HealthcheckSpec } from '../../domain/health/health.decider.js';
+import type { StoppedSandboxReport } from '../../domain/vm/vm.lifecycle.js';
+
+/** What a host's listing says of a sandbox whose init is gone: an OOM kill, and its exit code or signal when the host recorded it. */
+export function stoppedReportOf(v: VmInfo): StoppedSandboxReport {
+  return { ...(v.oom?.init_oom_killed ? { oom_killed: true } : {}), ...(v.init_exit ?? {}) };
+}
 
 /** The fleet's reconcile settings (the seed's FleetConfig). */
 export interface ReconcilerConfig {

@@ -11,6 +11,7 @@ import { DeadLetters } from '../dead-letters/dead-letters.js';
 import type { HostCommands } from '../host/host-commands.js';
 import { SANDBOX_PREFIX, sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import { HealthProbes } from './health-probes.js';
+import type { StoppedSandboxReport } from '../../domain/vm/vm.lifecycle.js';
 import { HostChecks } from './host-checks.js';
 import { OomRecorder } from './oom-recorder.js';
 import { ReconcileStore } from './reconcile-store.js';
@@ -21,6 +22,7 @@ import {
   type ReconcileReadModel,
   type ReconcilerConfig,
   type ReconcileSummary,
+  stoppedReportOf,
 } from './reconcile-types.js';
 import { Sweeps } from './sweeps.js';
 import { VmRepairs } from './vm-repairs.js';
@@ -186,7 +188,7 @@ export class Reconciler {
     const listStarted = this.clock().getTime();
     let listed: Set<string>;
     /** Listed sandboxes whose init is no longer running, and whether an OOM kill ended it. */
-    let stopped: Map<string, { oom_killed?: boolean }>;
+    let stopped: Map<string, StoppedSandboxReport>;
     let infos: VmInfo[];
     try {
       const vms = (await agent.listVms(SANDBOX_PREFIX, { timeoutMs: this.config.agentTimeoutMs })).filter((v) =>
@@ -194,7 +196,7 @@ export class Reconciler {
       );
       infos = vms;
       listed = new Set(vms.map((v) => v.name));
-      stopped = new Map(vms.filter((v) => v.state === 'stopped').map((v) => [v.name, v.oom?.init_oom_killed ? { oom_killed: true } : {}]));
+      stopped = new Map(vms.filter((v) => v.state === 'stopped').map((v) => [v.name, stoppedReportOf(v)]));
     } catch (err) {
       if (classifyHostAgentError(err) !== 'host') {
         // It answered, with a refusal (a token that no longer matches, an agent without the route): reachable, but nothing to compare.

@@ -4,6 +4,7 @@ import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.
 import { decideVm, suspect, type VmHint } from '../../domain/reconcile/reconcile.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { ReconcileStore } from './reconcile-store.js';
+import type { StoppedSandboxReport } from '../../domain/vm/vm.lifecycle.js';
 import { errInfo, type LiveVmHint, type ReconcilerConfig, type ReconcileSummary } from './reconcile-types.js';
 
 /**
@@ -32,7 +33,7 @@ export class VmRepairs {
     agent: HostAgent,
     hint: LiveVmHint,
     listed: ReadonlySet<string>,
-    stopped: ReadonlyMap<string, { oom_killed?: boolean }>,
+    stopped: ReadonlyMap<string, StoppedSandboxReport>,
     listStarted: number,
     now: number,
     gone: Set<string>,
@@ -57,7 +58,7 @@ export class VmRepairs {
         listStarted,
         now,
         absentBefore: this.absent.get(hint.id) ?? 0,
-        // The agent reports no exit code yet: the VM ends `exited` without one (or `oom` when an OOM kill ended its init).
+        // `exited` (or `oom` when an OOM kill ended its init), with the init's exit code or signal when its host recorded it.
         stopped: stopped.get(name),
       },
       this.config,
@@ -106,7 +107,14 @@ export class VmRepairs {
           hint.id,
           {
             type: 'FailVm',
-            data: { vm_id: hint.id, reason: verdict.reason, error: verdict.error, error_code: verdict.code, exit_code: verdict.exit_code },
+            data: {
+              vm_id: hint.id,
+              reason: verdict.reason,
+              error: verdict.error,
+              error_code: verdict.code,
+              exit_code: verdict.exit_code,
+              exit_signal: verdict.exit_signal,
+            },
           },
           actor,
         );

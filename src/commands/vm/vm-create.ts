@@ -1,6 +1,6 @@
 import { createHash, randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
-import { AppError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
+import { AppError, EGRESS_PROVISION_FAILED, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import { assertEgressProvisionable } from '../../domain/egress/egress-registry.js';
 import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
 import type { SecretBox } from '../../domain/secret-box.port.js';
@@ -19,6 +19,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import type { IngressPublisher } from '../ingress/ingress-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
+import { egressProvisionFailure } from './egress-failures.js';
 import { scrub, setUpGuest } from './guest-setup.js';
 import type { VmStream } from './vm-stream.js';
 import {
@@ -197,7 +198,21 @@ export class VmCreate {
         { vm_id: vmId, host_id: hostId, code: (err as AppError).code, class: cls, err: { message: (err as Error).message } },
         'boot failed',
       );
-      await this.fail(vmId, 'error', err, actor, 'BOOT_FAILED');
+      // An egress provider that could not provision is a fact of its own (fleet_egress_failures_total), and the VM's end code.
+      const egressFailed = egressProvisionFailure(vmId, spec.egress, err);
+      if (egressFailed)
+        await this.stream
+          .run(vmId, egressFailed, actor)
+          .catch((e: unknown) =>
+            this.logger.warn({ vm_id: vmId, err: { message: (e as Error).message } }, 'could not record an egress failure'),
+          );
+      await this.fail(
+        vmId,
+        'error',
+        egressFailed ? new AppError(EGRESS_PROVISION_FAILED, 502, (err as Error).message) : err,
+        actor,
+        'BOOT_FAILED',
+      );
       // Best effort: the reconciler destroys what this could not (orphans), so a dead host does not hold the request.
       if (wasCreated() || cls !== 'capacity') {
         await agentFor()

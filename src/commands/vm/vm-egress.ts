@@ -2,6 +2,7 @@ import { egressSpecProblems, ValidationError, type EgressSpec, type EgressStatus
 import { assertEgressProvisionable } from '../../domain/egress/egress-registry.js';
 import type { HostCommands } from '../host/host-commands.js';
 import { agentEgressOf, sandboxName } from './boot-sandbox.js';
+import { egressProvisionFailure } from './egress-failures.js';
 import type { VmAccess } from './vm-access.js';
 import type { VmStream } from './vm-stream.js';
 import type { Actor, VmCommandsConfig, VmResult } from './vm-types.js';
@@ -30,7 +31,11 @@ export class VmEgress {
       );
     assertEgressProvisionable(egress, this.config.egressRegistry);
     const { agent } = await this.access.running(vmId, actor);
-    await agent.setEgress(sandboxName(vmId), agentEgressOf(egress));
+    await agent.setEgress(sandboxName(vmId), agentEgressOf(egress)).catch(async (err: unknown) => {
+      const egressFailed = egressProvisionFailure(vmId, egress, err);
+      if (egressFailed) await this.stream.run(vmId, egressFailed, actor).catch(() => undefined);
+      throw err;
+    });
     return this.stream.run(vmId, { type: 'ChangeEgress', data: { vm_id: vmId, egress } }, actor);
   }
 

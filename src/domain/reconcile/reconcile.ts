@@ -1,5 +1,5 @@
 import { isTerminal, type VmState } from '../vm/vm.decider.js';
-import { endOfStoppedSandbox } from '../vm/vm.lifecycle.js';
+import { endOfStoppedSandbox, type StoppedSandboxReport } from '../vm/vm.lifecycle.js';
 
 /**
  * What the reconciler decides about a VM on a host, as pure functions (after
@@ -71,6 +71,7 @@ export type VmVerdict =
       readonly kind: 'fail_exited';
       readonly reason: 'exited' | 'oom';
       readonly exit_code: number | undefined;
+      readonly exit_signal?: string | undefined;
       readonly code: string;
       readonly error: string;
     }
@@ -87,7 +88,7 @@ export interface HostContext {
   /** Cycles in a row this running VM was already not listed. */
   readonly absentBefore: number;
   /** What the host says of a listed sandbox whose init is no longer running (exit code and OOM kill when it knows them). */
-  readonly stopped?: { readonly exit_code?: number | undefined; readonly oom_killed?: boolean | undefined } | undefined;
+  readonly stopped?: StoppedSandboxReport | undefined;
 }
 
 /** The suspicion checked against the VM's stream state. */
@@ -109,8 +110,9 @@ export function decideVm(suspicion: Suspicion, hint: VmHint, vm: VmState, ctx: H
         kind: 'fail_exited',
         reason: end.reason,
         exit_code: end.exit_code,
+        ...(end.exit_signal !== undefined ? { exit_signal: end.exit_signal } : {}),
         code: end.error_code,
-        error: `the sandbox's init ${how}${end.exit_code !== undefined ? ` (exit code ${end.exit_code})` : ''}`,
+        error: `the sandbox's init ${how}${end.exit_code !== undefined ? ` (exit code ${end.exit_code})` : end.exit_signal !== undefined ? ` (killed by ${end.exit_signal})` : ''}`,
       };
     }
     case 'stuck': {

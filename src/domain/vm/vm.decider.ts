@@ -60,6 +60,11 @@ export type VmCommand =
     }
   | { readonly type: 'ChangeEgress'; readonly data: { readonly vm_id: string; readonly egress: EgressSpec } }
   | {
+      /** Its egress provider failed to provision or tear down its endpoint (a fact to count; the VM's end is separate). */
+      readonly type: 'RecordEgressFailure';
+      readonly data: { readonly vm_id: string; readonly provider: string; readonly op: 'provision'; readonly error: string };
+    }
+  | {
       readonly type: 'RecordOomKill';
       readonly data: {
         readonly vm_id: string;
@@ -103,8 +108,9 @@ export type VmCommand =
         readonly reason: FailReason;
         readonly error: string;
         readonly error_code?: string | undefined;
-        /** For `exited` and `oom`, when the host reported it. */
+        /** For `exited` and `oom`, when the host reported it: the init's exit code, or the signal that killed it. */
         readonly exit_code?: number | undefined;
+        readonly exit_signal?: string | undefined;
       };
     }
   | {
@@ -175,6 +181,7 @@ export type VmState =
       readonly error_code: string | undefined;
       readonly phase: VmPhase;
       readonly exit_code?: number | undefined;
+      readonly exit_signal?: string | undefined;
     });
 
 export type ExistingVmState = Exclude<VmState, { status: 'initial' }>;
@@ -317,6 +324,12 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       ];
     }
 
+    case 'RecordEgressFailure': {
+      existing(state, vm_id);
+      const d = command.data;
+      return [{ type: 'VmEgressFailed', data: { vm_id, provider: d.provider, op: d.op, error: d.error.slice(0, 2000), at } }];
+    }
+
     case 'PauseVm': {
       const s = existing(state, vm_id);
       if (s.status === 'paused') return [];
@@ -375,7 +388,16 @@ export function decideVm(command: VmCommand, state: VmState, ctx: DecideContext)
       return [
         {
           type: 'VmFailed',
-          data: compact({ vm_id, reason: d.reason, error: d.error, error_code: d.error_code, phase, exit_code: d.exit_code, at }),
+          data: compact({
+            vm_id,
+            reason: d.reason,
+            error: d.error,
+            error_code: d.error_code,
+            phase,
+            exit_code: d.exit_code,
+            exit_signal: d.exit_signal,
+            at,
+          }),
         },
       ];
     }
@@ -467,6 +489,8 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
       return { ...state, oom_kills: Math.max(state.oom_kills ?? 0, event.data.count) };
     case 'VmEgressChanged':
       return { ...state, spec: { ...state.spec, egress: event.data.egress } };
+    case 'VmEgressFailed':
+      return state;
     case 'VmPaused':
       if (state.status !== 'running') return state;
       return {
@@ -509,6 +533,7 @@ export function evolveVm(state: VmState, event: VmEvent): VmState {
         error_code: d.error_code,
         phase: d.phase,
         exit_code: d.exit_code,
+        exit_signal: d.exit_signal,
         transitioned_at: d.at,
       };
     }

@@ -101,6 +101,8 @@ export const vmFailedSchema = z.object({
     phase: vmPhaseSchema,
     /** For `exited` and `oom`: the init's exit code, when its host reported it. */
     exit_code: z.number().int().optional(),
+    /** For `exited` and `oom`: the signal that killed the init instead (e.g. SIGKILL), when its host reported it. */
+    exit_signal: z.string().optional(),
     at,
   }),
 });
@@ -173,6 +175,19 @@ export const vmEgressChangedSchema = z.object({
   data: z.object({ vm_id: idSchema, egress: egressSpecSchema, at }),
 });
 
+/**
+ * The VM's egress provider failed an operation on its endpoint (the seed's
+ * EgressMetrics): what feeds fleet_egress_failures_total{provider,op}. Only
+ * `provision` exists: the agent's own proxy has no endpoint of its own to
+ * tear down (a sandbox's proxy policy goes with it), so `teardown` is added
+ * (additively) with the first provider that has one. The VM's own end, if
+ * the failure ended it, is its VmFailed.
+ */
+export const vmEgressFailedSchema = z.object({
+  type: z.literal('VmEgressFailed'),
+  data: z.object({ vm_id: idSchema, provider: z.string(), op: z.enum(['provision']), error: z.string(), at }),
+});
+
 /** Its processes run again where they stopped, on `host_id` with a new reservation. */
 export const vmResumedSchema = z.object({
   type: z.literal('VmResumed'),
@@ -214,6 +229,7 @@ export const vmEventSchema = z.discriminatedUnion('type', [
   vmMetadataSetSchema,
   vmOomKilledSchema,
   vmEgressChangedSchema,
+  vmEgressFailedSchema,
   vmPausedSchema,
   vmResumedSchema,
   vmRestoredSchema,
@@ -235,6 +251,7 @@ export type VmTimeoutSet = z.infer<typeof vmTimeoutSetSchema>;
 export type VmMetadataSet = z.infer<typeof vmMetadataSetSchema>;
 export type VmOomKilled = z.infer<typeof vmOomKilledSchema>;
 export type VmEgressChanged = z.infer<typeof vmEgressChangedSchema>;
+export type VmEgressFailed = z.infer<typeof vmEgressFailedSchema>;
 export type VmPaused = z.infer<typeof vmPausedSchema>;
 export type VmResumed = z.infer<typeof vmResumedSchema>;
 

@@ -21,6 +21,8 @@ export interface EnvironmentEvent {
   readonly error_code?: string;
   readonly phase?: VmPhase;
   readonly exit_code?: number;
+  /** vm.failed `exited`/`oom`: the signal that killed the init (instead of an exit code). */
+  readonly exit_signal?: string;
   readonly updated_at: string;
 }
 
@@ -58,6 +60,7 @@ function details(e: VmEvent): Partial<EnvironmentEvent> {
         phase: d.phase,
         ...(d.error_code !== undefined ? { error_code: d.error_code } : {}),
         ...(d.exit_code !== undefined ? { exit_code: d.exit_code } : {}),
+        ...(d.exit_signal !== undefined ? { exit_signal: d.exit_signal } : {}),
       };
     }
     default:

@@ -9,7 +9,8 @@ import { ValidationError } from '@fleet/agent-protocol';
  * - `client`: its tenant destroyed it; `admin`: the admin key did.
  * - `timeout`: its max runtime passed (`max_runtime_s`, a PATCHed `timeout_s`, or the fleet's TASK_STUCK_TIMEOUT_MS).
  * - `idle`: no activity for its idle timeout.
- * - `oom`: its init was killed for memory; `exited`: its init ended on its own (`exit_code` when the host reported it).
+ * - `oom`: its init was killed for memory; `exited`: its init ended on its own (`exit_code`, or `exit_signal` for a
+ *   signal death, when the host reported it).
  * - `host_lost`: its host was deregistered, or no longer has its sandbox.
  * - `orphaned`: the control plane that was creating it stopped part-way; the reconciler rolled it back.
  * - `error`: create failed (placement, capacity, boot, startup script): `phase` and `error_code` say where and what.
@@ -41,6 +42,7 @@ export type FailReason = (typeof FAIL_REASONS)[number];
 export interface EndDetails {
   readonly error_code?: string | undefined;
   readonly exit_code?: number | undefined;
+  readonly exit_signal?: string | undefined;
 }
 
 /** Throws VALIDATION_FAILED (a bug in the caller, surfaced) unless `reason` may end a VM this way with these details. */
@@ -53,8 +55,12 @@ export function assertEndReason(reason: unknown, how: 'destroy' | 'fail', detail
   }
   if (reason === 'error' && !details.error_code)
     throw new ValidationError('a VM that ends with reason error needs the error code', [{ path: 'error_code', message: 'missing' }]);
-  if (details.exit_code !== undefined && reason !== 'exited' && reason !== 'oom')
-    throw new ValidationError('only an init that ended (exited, oom) has an exit code', [{ path: 'exit_code', message: 'unexpected' }]);
+  if ((details.exit_code !== undefined || details.exit_signal !== undefined) && reason !== 'exited' && reason !== 'oom')
+    throw new ValidationError('only an init that ended (exited, oom) has an exit code or signal', [
+      { path: details.exit_code !== undefined ? 'exit_code' : 'exit_signal', message: 'unexpected' },
+    ]);
+  if (details.exit_code !== undefined && details.exit_signal !== undefined)
+    throw new ValidationError('an init ended with an exit code or of a signal, not both', [{ path: 'exit_signal', message: 'unexpected' }]);
 }
 
 /**
@@ -128,11 +134,20 @@ export function parseMetadataFilter(raw: string): [string, string] | undefined {
 }
 
 /** The reason and exit code a sandbox whose init ended is recorded with, from what its host reports. */
-export function endOfStoppedSandbox(report: { readonly exit_code?: number | undefined; readonly oom_killed?: boolean | undefined }): {
+export function endOfStoppedSandbox(report: StoppedSandboxReport): {
   reason: 'oom' | 'exited';
   exit_code: number | undefined;
+  exit_signal: string | undefined;
   error_code: string;
 } {
-  if (report.oom_killed) return { reason: 'oom', exit_code: report.exit_code, error_code: 'OOM_KILLED' };
-  return { reason: 'exited', exit_code: report.exit_code, error_code: 'SANDBOX_EXITED' };
+  const how = { exit_code: report.exit_code, exit_signal: report.exit_code === undefined ? report.exit_signal : undefined };
+  if (report.oom_killed) return { reason: 'oom', ...how, error_code: 'OOM_KILLED' };
+  return { reason: 'exited', ...how, error_code: 'SANDBOX_EXITED' };
+}
+
+/** What a host says of a listed sandbox whose init is no longer running (what it knows of it). */
+export interface StoppedSandboxReport {
+  readonly exit_code?: number | undefined;
+  readonly exit_signal?: string | undefined;
+  readonly oom_killed?: boolean | undefined;
 }

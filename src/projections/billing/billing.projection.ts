@@ -131,6 +131,11 @@ export const billingProjection: Projection = {
         );
         CREATE INDEX IF NOT EXISTS billing_vm_runs_tenant_idx ON billing_vm_runs (tenant_id, ended_at);`,
     },
+    {
+      // How an `exited`/`oom` run's init ended, beside its reason (no event before it carried a signal; codes were rare).
+      id: 'billing_0003_run_exit',
+      sql: `ALTER TABLE billing_vm_runs ADD COLUMN IF NOT EXISTS exit_code integer, ADD COLUMN IF NOT EXISTS exit_signal text;`,
+    },
   ],
   tables: [
     { name: 'billing_vms', key: ['vm_id'] },
@@ -200,7 +205,14 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
   }
   const deleted = new Set<string>();
   const usage = new Map<string, { tenant: string; piece: UsagePiece; milli: bigint }>();
-  const runs: Array<{ vm_id: string; row: OpenRow & { started: { text: string } }; ended: string; reason: string }> = [];
+  const runs: Array<{
+    vm_id: string;
+    row: OpenRow & { started: { text: string } };
+    ended: string;
+    reason: string;
+    exit_code: number | null;
+    exit_signal: string | null;
+  }> = [];
   for (const event of relevant) {
     const id = event.data.vm_id;
     const row = rows.get(id);
@@ -243,7 +255,14 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
         rows.set(id, null);
         if (!row.started) break; // never booted: nothing ran, nothing billed
         addPieces(usage, row.tenant_id, splitUsage(row, row.started.ms, Date.parse(event.data.at)));
-        runs.push({ vm_id: id, row: row as OpenRow & { started: { text: string } }, ended: event.data.at, reason: event.data.reason });
+        runs.push({
+          vm_id: id,
+          row: row as OpenRow & { started: { text: string } },
+          ended: event.data.at,
+          reason: event.data.reason,
+          exit_code: event.type === 'VmFailed' ? (event.data.exit_code ?? null) : null,
+          exit_signal: event.type === 'VmFailed' ? (event.data.exit_signal ?? null) : null,
+        });
         break;
       }
       default:
@@ -272,8 +291,9 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
   }
   if (runs.length > 0) {
     await sql.query(
-      `INSERT INTO billing_vm_runs (vm_id, tenant_id, started_at, ended_at, reason, cpus, ram_mb, gpus, gpu_kind)
-       SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::timestamptz[], $5::text[], $6::int[], $7::int[], $8::int[], $9::text[])
+      `INSERT INTO billing_vm_runs (vm_id, tenant_id, started_at, ended_at, reason, cpus, ram_mb, gpus, gpu_kind, exit_code, exit_signal)
+       SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::timestamptz[], $5::text[], $6::int[], $7::int[], $8::int[], $9::text[],
+         $10::int[], $11::text[])
        ON CONFLICT (vm_id) DO NOTHING`,
       [
         runs.map((r) => r.vm_id),
@@ -285,6 +305,8 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
         runs.map((r) => r.row.ram_mb),
         runs.map((r) => r.row.gpus),
         runs.map((r) => r.row.gpu_kind),
+        runs.map((r) => r.exit_code),
+        runs.map((r) => r.exit_signal),
       ],
     );
   }

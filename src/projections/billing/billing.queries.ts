@@ -159,6 +159,9 @@ export interface VmRunRow {
   readonly ended_at: string | null;
   /** The closed set of end reasons; null while it runs. */
   readonly reason: string | null;
+  /** For `exited`/`oom`: how its init ended, when its host recorded it. */
+  readonly exit_code: number | null;
+  readonly exit_signal: string | null;
   readonly vm_seconds: number;
   readonly cpu_seconds: number;
   readonly ram_mb_seconds: number;
@@ -177,16 +180,18 @@ export async function queryVmRuns(
     started_at: Date;
     ended_at: Date | null;
     reason: string | null;
+    exit_code: number | null;
+    exit_signal: string | null;
     cpus: number;
     ram_mb: number;
     gpus: number;
     gpu_kind: string;
   }>(
     `SELECT * FROM (
-       SELECT vm_id, tenant_id, started_at, ended_at, reason, cpus, ram_mb, gpus, gpu_kind FROM billing_vm_runs
+       SELECT vm_id, tenant_id, started_at, ended_at, reason, exit_code, exit_signal, cpus, ram_mb, gpus, gpu_kind FROM billing_vm_runs
         WHERE started_at < $2 AND ended_at > $1
        UNION ALL
-       SELECT vm_id, tenant_id, started_at, NULL, NULL, cpus, ram_mb, gpus, gpu_kind FROM billing_vms
+       SELECT vm_id, tenant_id, started_at, NULL, NULL, NULL, NULL, cpus, ram_mb, gpus, gpu_kind FROM billing_vms
         WHERE started_at IS NOT NULL AND started_at < LEAST($2, $3)) r
       WHERE ($4::text IS NULL OR tenant_id = $4) AND ($5::text IS NULL OR reason = $5)
       ORDER BY started_at, vm_id LIMIT $6`,
@@ -203,6 +208,8 @@ export async function queryVmRuns(
       started_at: r.started_at.toISOString(),
       ended_at: r.ended_at?.toISOString() ?? null,
       reason: r.reason,
+      exit_code: r.exit_code,
+      exit_signal: r.exit_signal,
       vm_seconds: sum('vm_seconds'),
       cpu_seconds: sum('cpu_seconds'),
       ram_mb_seconds: sum('ram_mb_seconds'),

@@ -15,9 +15,10 @@ export const BOOT_BUCKETS_S = [0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300
  *
  * `metrics_counters` holds the counters of `EVENT_COUNTERS` that events
  * feed: snapshot transitions (snapshot events) and VM ends by reason.
- * Egress failures have no events yet (the networking work adds them); that
- * counter is published at zero. (Reconcile summaries are counted by the
- * reconciler's own fleet_reconcile_* metrics.)
+ * Egress failures are counted from VmEgressFailed, by provider and
+ * operation, once one happened (providers are the operator's to name).
+ * (Reconcile summaries are counted by the reconciler's own
+ * fleet_reconcile_* metrics.)
  */
 export const metricsProjection: Projection = {
   name: 'metrics',
@@ -99,7 +100,10 @@ async function applyCounters(sql: Sql, events: readonly RecordedEvent[]): Promis
     (r) => r.streamId.startsWith(SNAPSHOT_STREAM_PREFIX) && r.type in SNAPSHOT_TRANSITIONS && isSnapshotEventType(r.type),
   );
   const ends = events.filter(
-    (r) => r.streamId.startsWith('vm-') && (r.type === 'VmDestroyed' || r.type === 'VmFailed') && isVmEventType(r.type),
+    (r) =>
+      r.streamId.startsWith('vm-') &&
+      (r.type === 'VmDestroyed' || r.type === 'VmFailed' || r.type === 'VmEgressFailed') &&
+      isVmEventType(r.type),
   );
   if (snaps.length === 0 && ends.length === 0) return;
   const counts = new Map<string, { name: string; labels: string; n: number }>();
@@ -136,6 +140,9 @@ async function applyCounters(sql: Sql, events: readonly RecordedEvent[]): Promis
   for (const r of ends) {
     const e = parseVmEvent(r.type, r.data, r.metadata);
     if (e.type === 'VmDestroyed' || e.type === 'VmFailed') inc('fleet_vm_ends_total', { reason: e.data.reason });
+    // Provider names are registry keys ([a-z0-9_-]); anything else would break the stored label text.
+    if (e.type === 'VmEgressFailed')
+      inc('fleet_egress_failures_total', { provider: e.data.provider.replace(/[^a-z0-9_-]/g, '_'), op: e.data.op });
   }
   const all = [...counts.values()];
   await sql.query(

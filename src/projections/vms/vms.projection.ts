@@ -69,6 +69,11 @@ export const vmsProjection: Projection = {
           WHERE reason IN ('max_runtime', 'stuck', 'orphan', 'missing', 'boot_failure', 'placement', 'capacity');
         UPDATE vms SET error_code = 'UNKNOWN' WHERE state = 'failed' AND reason = 'error' AND error_code IS NULL;`,
     },
+    {
+      // No event before it carried a signal: nothing to backfill.
+      id: 'vms_0004_exit_signal',
+      sql: `ALTER TABLE vms ADD COLUMN IF NOT EXISTS exit_signal text;`,
+    },
   ],
   tables: [{ name: 'vms', key: ['id'] }],
   apply: (sql: Sql, recorded: RecordedEvent) => applyVmEvents(sql, [recorded]),
@@ -98,6 +103,7 @@ interface VmRowState {
   last_activity_at: Date;
   metadata: Record<string, string>;
   exit_code: number | null;
+  exit_signal: string | null;
   timeout_at: string | null;
 }
 
@@ -124,6 +130,7 @@ const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
   ['last_activity_at', 'timestamptz'],
   ['metadata', 'jsonb'],
   ['exit_code', 'integer'],
+  ['exit_signal', 'text'],
   ['timeout_at', 'timestamptz'],
 ];
 
@@ -175,6 +182,7 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
         last_activity_at: at,
         metadata: d.metadata ?? {},
         exit_code: null,
+        exit_signal: null,
         timeout_at: null,
       });
       touched.add(id);
@@ -258,6 +266,7 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
           error_code: e.data.error_code ?? null,
           failed_phase: e.data.phase,
           exit_code: e.data.exit_code ?? null,
+          exit_signal: e.data.exit_signal ?? null,
           state_changed_at: at,
         });
         break;

@@ -20,10 +20,11 @@ export interface VmRow {
   metadata: Record<string, string>;
   failed_phase: string | null;
   exit_code: number | null;
+  exit_signal: string | null;
   timeout_at: string | null;
 }
 
-const COLUMNS = `id, tenant_id, task_id, state, host_id, url, endpoints, spec, placement, reason, error, error_code, boot_ms, created_at, updated_at, last_activity_at, metadata, failed_phase, exit_code, timeout_at`;
+const COLUMNS = `id, tenant_id, task_id, state, host_id, url, endpoints, spec, placement, reason, error, error_code, boot_ms, created_at, updated_at, last_activity_at, metadata, failed_phase, exit_code, exit_signal, timeout_at`;
 
 function toRow(r: Record<string, unknown>): VmRow {
   return {

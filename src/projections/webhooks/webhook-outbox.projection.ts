@@ -84,7 +84,15 @@ function shape(e: VmEvent): { event: WebhookEventType; data: Record<string, unkn
     case 'VmFailed':
       return {
         event: 'vm.failed',
-        data: { state: 'failed', reason: e.data.reason, error: e.data.error, error_code: e.data.error_code ?? null, phase: e.data.phase },
+        data: {
+          state: 'failed',
+          reason: e.data.reason,
+          error: e.data.error,
+          error_code: e.data.error_code ?? null,
+          phase: e.data.phase,
+          ...(e.data.exit_code !== undefined ? { exit_code: e.data.exit_code } : {}),
+          ...(e.data.exit_signal !== undefined ? { exit_signal: e.data.exit_signal } : {}),
+        },
       };
     case 'VmMigrated':
       return { event: 'vm.migrated', data: { state: 'running', host_id: e.data.host_id, url: e.data.url, endpoints: e.data.endpoints } };

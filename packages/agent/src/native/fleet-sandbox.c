@@ -17,6 +17,15 @@
  *       the ids and mounted ROOT (mount-root), become root of the
  *       namespace, exec ARGV (stage 2) in ROOT as its working directory,
  *       with this binary open as fd 4.
+ *   fleet-sandbox reap FD ARGV...
+ *       Run by `unshare --pid` (no --fork) in the sandbox's new namespaces,
+ *       still in the host's pid namespace: its child, ARGV, is the sandbox's
+ *       pid 1, so this is the one process that learns how the init ended.
+ *       FD is the status file, opened by the host side before the user
+ *       namespace (its directory is closed from inside): one record,
+ *       rewritten in place, "<init host pid> <start ticks> running", then
+ *       "... exited <code>" or "... signaled <signo>". Detached like the
+ *       init, it outlives the agent, which reads the record after a restart.
  *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
  *       Host side of a start, once PID (in the sandbox's new user and mount
  *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
@@ -307,6 +316,80 @@ static int cmd_wait_root(int argc, char **argv) {
   execv(argv[3], argv + 3);
   fail("exec", argv[3]);
   return 125;
+}
+
+/* ---- reap ---- */
+
+/* One fixed-width record rewritten in place: the directory is not writable from the new user namespace. */
+static void write_status(int fd, const char *text) {
+  char rec[96];
+  snprintf(rec, sizeof rec, "%-94s\n", text);
+  if (pwrite(fd, rec, strlen(rec), 0) < 0) { /* nothing to tell it to */ }
+  fsync(fd);
+}
+
+/* Field 22 of /proc/PID/stat (start time in clock ticks) into out; 0 when unreadable. */
+static int start_of(int pid, char *out, size_t size) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  char *p = strrchr(buf, ')');
+  if (!p) return 0;
+  p += 2;
+  for (int field = 3; field < 22 && p; field++) {
+    p = strchr(p, ' ');
+    if (p) p++;
+  }
+  if (!p) return 0;
+  size_t len = strcspn(p, " ");
+  if (len == 0 || len >= size) return 0;
+  memcpy(out, p, len);
+  out[len] = 0;
+  return 1;
+}
+
+static int cmd_reap(int argc, char **argv) {
+  if (argc < 4) usage();
+  int sfd = atoi(argv[2]);
+  if (sfd < 3 || fcntl(sfd, F_GETFD) < 0) usage();
+  pid_t init = fork();
+  if (init < 0) fail("fork", NULL);
+  if (init == 0) {
+    close(sfd);
+    /* The outer shell may have kept this process out of the OOM killer's choice; the sandbox is not. */
+    char adj[16] = "";
+    int fd = open("/proc/self/oom_score_adj", O_RDWR | O_CLOEXEC);
+    if (fd >= 0 && read(fd, adj, sizeof adj - 1) > 0 && strncmp(adj, "-1000", 5) == 0 && pwrite(fd, "0", 1, 0) != 1)
+      fail("reset oom_score_adj", NULL);
+    if (fd >= 0) close(fd);
+    execv(argv[3], argv + 3);
+    fail("exec", argv[3]);
+  }
+  /* The console FIFO and the ready pipe are the sandbox's: held here, they would outlive its last process. */
+  int null = open("/dev/null", O_RDWR);
+  if (null >= 0) dup2(null, 0), dup2(null, 1), dup2(null, 2);
+  if (sfd != 3) dup2(sfd, 3);
+  syscall(SYS_close_range, 4, ~0U, 0);
+  char start[32] = "", line[96];
+  int st = 0;
+  for (int i = 0; i < 1000 && !start_of(init, start, sizeof start); i++) usleep(1000);
+  snprintf(line, sizeof line, "%d %s running", init, start);
+  write_status(3, line);
+  for (;;) {
+    pid_t r = waitpid(init, &st, 0);
+    if (r == init) break;
+    if (errno != EINTR) return 0;
+  }
+  if (WIFEXITED(st)) snprintf(line, sizeof line, "%d %s exited %d", init, start, WEXITSTATUS(st));
+  else if (WIFSIGNALED(st)) snprintf(line, sizeof line, "%d %s signaled %d", init, start, WTERMSIG(st));
+  else return 0;
+  write_status(3, line);
+  return 0;
 }
 
 /* ---- mount-root ---- */
@@ -851,6 +934,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
   if (strcmp(argv[1], "wait-root") == 0) return cmd_wait_root(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
+  if (strcmp(argv[1], "reap") == 0) return cmd_reap(argc, argv);
   if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
   usage();
   return 125;

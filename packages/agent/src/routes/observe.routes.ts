@@ -29,6 +29,13 @@ export function withOom(info: VmInfo, backend: Backend): VmInfo {
   return oom ? { ...info, oom } : info;
 }
 
+/** A stopped sandbox's listing says how its init ended (exit code or signal), when the host recorded it. */
+export async function withInitExit(info: VmInfo, backend: Backend): Promise<VmInfo> {
+  if (info.state !== 'stopped') return info;
+  const exit = await backend.observer?.initExit?.(info.name);
+  return exit ? { ...info, init_exit: exit } : info;
+}
+
 function observerOf(backend: Backend): SandboxObserver {
   if (!backend.observer) throw new AppError('NOT_IMPLEMENTED', 501, 'this backend does not observe its sandboxes');
   return backend.observer;

@@ -18,7 +18,7 @@ import {
 } from '@fleet/agent-protocol';
 import { ConflictError } from '@fleet/agent-protocol';
 import { isCode, toVmInfo, type AgentRouteContext } from './context.js';
-import { withOom } from './observe.routes.js';
+import { withInitExit, withOom } from './observe.routes.js';
 import { bodyOf, paramOf, part, queryOf, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
 
 /** Each route's request parts and responses (route-schema.ts). */
@@ -69,13 +69,13 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
     const infos = await backend.list(q.prefix);
     // Whether an init died of an OOM kill is known after the monitor's next pass: the listing waits for it.
     if (infos.some((s) => s.state === 'stopped')) await backend.observer?.settleOom();
-    return { vms: infos.map((s) => withOom(toVmInfo(s), backend)) };
+    return { vms: await Promise.all(infos.map((s) => withInitExit(withOom(toVmInfo(s), backend), backend))) };
   });
 
   app.get(`${AGENT_API_PREFIX}/vms/:name`, async (req): Promise<Answer<typeof schemas.get, 200>> => {
     const info = await backend.get(paramOf(req, schemas.get.params, 'name'));
     if (info.state === 'stopped') await backend.observer?.settleOom();
-    return withOom(toVmInfo(info), backend);
+    return withInitExit(withOom(toVmInfo(info), backend), backend);
   });
 
   app.delete(`${AGENT_API_PREFIX}/vms/:name`, async (req): Promise<Answer<typeof schemas.destroy, 200>> => {

@@ -1,7 +1,7 @@
 import { connect } from 'node:net';
 import { networkInterfaces } from 'node:os';
 import type { Logger } from 'pino';
-import type { EgressHealth, EgressStatus } from '@fleet/agent-protocol';
+import { AppError, EGRESS_PROVISION_FAILED, type EgressHealth, type EgressStatus } from '@fleet/agent-protocol';
 import { startEgressProxy, type EgressProxy } from './egress-proxy.js';
 import { forwards, usesAgentProxy, type EgressHostConfig, type SandboxEgress } from './egress.js';
 
@@ -37,6 +37,15 @@ export class EgressHost {
     try {
       this.proxy = await this.starting;
       this.log?.info({ address: `${this.cfg.gateway}:${this.cfg.proxyPort}` }, 'egress proxy listening');
+    } catch (err) {
+      // Its own code, so the control plane records an egress provision failure (not a bare sandbox failure).
+      throw new AppError(
+        EGRESS_PROVISION_FAILED,
+        503,
+        `the agent's egress proxy could not start on ${this.cfg.gateway}:${this.cfg.proxyPort}: ${(err as Error).message}`,
+        {},
+        { cause: err },
+      );
     } finally {
       this.starting = undefined;
     }

@@ -1,9 +1,10 @@
 import { spawn } from 'node:child_process';
 import { closeSync, constants, existsSync, open as fsOpen } from 'node:fs';
 import { chown, readFile, readlink, rm, writeFile } from 'node:fs/promises';
-import { basename, dirname } from 'node:path';
+import { basename, dirname, join } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
+import { INIT_STATUS_FILE } from './init-status.js';
 
 /**
  * How a sandbox starts, and how a process enters it.
@@ -68,7 +69,12 @@ for f in "$@"; do
   echo $$ > "$f"
 done
 shift "$n"
-exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --fork --propagation private -- "$HELPER" wait-root "$4" "$BB" sh -c "$STAGE2" stage2 "$@"
+# How the init ends is recorded by its parent, the helper's reap (fd 5: the status file, opened while still host root).
+exec 5>"$INIT_STATUS"
+unset INIT_STATUS
+# Kept out of the OOM killer's choice where the host allows it (CAP_SYS_RESOURCE); its few pages rarely are the pick anyway.
+echo -1000 2>/dev/null > /proc/self/oom_score_adj || true
+exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --propagation private -- "$HELPER" reap 5 "$HELPER" wait-root "$4" "$BB" sh -c "$STAGE2" stage2 "$@"
 `;
 
 /** Ids per sandbox user namespace: 0-65535 inside. */
@@ -124,6 +130,8 @@ export interface LaunchOptions {
   readonly consoleLog: string;
   /** At most this many bytes of console output are kept (see openConsoleWriter). */
   readonly consoleLogMaxBytes: number;
+  /** Where the reaper records how the init ended (default: init.status beside the console log). */
+  readonly initStatus?: string;
   /** Guest address with prefix length, e.g. 10.213.0.2/16, and its gateway. */
   readonly address: string;
   readonly gateway: string;
@@ -139,7 +147,7 @@ export interface Launched {
   /** Host pid of the sandbox's pid 1. */
   readonly initPid: number;
   readonly initStart: string;
-  /** Host pid of unshare, the init's parent. */
+  /** Host pid of unshare, then (same pid, exec'd) the helper's reap: the init's parent, in its namespaces but the pid one. */
   readonly unsharePid: number;
 }
 
@@ -246,6 +254,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
           UNSHARE: opts.tools.unshare,
           BB: opts.tools.busybox,
           HELPER: opts.tools.helper,
+          INIT_STATUS: opts.initStatus ?? join(dirname(opts.consoleLog), INIT_STATUS_FILE),
         },
       },
     );
@@ -306,16 +315,13 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   return { initPid, initStart, unsharePid };
 }
 
-/** unshare(1) moves itself into the new namespaces before it forks pid 1: wait until its netns is not ours. */
+/** unshare(1) moves itself into the new namespaces (one call) before it execs the reaper that forks pid 1: wait until its netns is not ours. */
 async function waitForNetns(pid: number): Promise<void> {
   const own = await readlink('/proc/self/ns/net');
   for (let i = 0; i < 2000; i++) {
-    const [theirs, exe] = await Promise.all([
-      readlink(`/proc/${pid}/ns/net`).catch(() => null),
-      readlink(`/proc/${pid}/exe`).catch(() => null),
-    ]);
+    const theirs = await readlink(`/proc/${pid}/ns/net`).catch(() => null);
     if (theirs === null) throw new Error('the sandbox init exited before its network namespace existed');
-    if (theirs !== own && exe !== null && exe.endsWith('/unshare')) return;
+    if (theirs !== own) return;
     await sleep(2);
   }
   throw new Error('the sandbox network namespace did not appear within 4 s');

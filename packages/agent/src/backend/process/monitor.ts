@@ -2,11 +2,12 @@ import { existsSync } from 'node:fs';
 import { link, mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import type { Logger } from 'pino';
-import type { HostMetricsResponse, MetricSample, OomKill, OomReport } from '@fleet/agent-protocol';
+import type { HostMetricsResponse, InitExit, MetricSample, OomKill, OomReport } from '@fleet/agent-protocol';
 import { sandboxNotFound } from '../../backend.js';
 import type { SandboxObserver } from '../../observe.js';
 import type { Cgroups } from './cgroups.js';
 import { processStartTime } from './exec-util.js';
+import { readInitExit } from './init-status.js';
 import { layerUsage } from './storage.js';
 
 /**
@@ -242,6 +243,12 @@ export class SandboxMonitor implements SandboxObserver {
     const early = this.earlyKills.get(name) ?? [];
     if (early.length < MAX_EVENTS) early.push(note);
     this.earlyKills.set(name, early);
+  }
+
+  async initExit(name: string): Promise<InitExit | undefined> {
+    const t = this.opts.targets().find((x) => x.name === name);
+    if (!t || (await processStartTime(t.initPid)) === t.initStart) return undefined;
+    return readInitExit(t.sandboxDir, t.initPid, t.initStart);
   }
 
   async oomKills(name: string): Promise<number> {
