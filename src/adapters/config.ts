@@ -164,6 +164,8 @@ export const configSchema = z.object({
   INGRESS_PORT: z.coerce.number().int().min(0).max(65535).optional(),
   /** How long a proxy keeps a VM's route row before re-reading it (0: every request reads the table). */
   INGRESS_ROUTE_CACHE_MS: durationMs.default(1000),
+  /** How long the first requests to a paused VM wait for the resume they trigger (in-process ingress only). */
+  INGRESS_RESUME_TIMEOUT_MS: durationMs.default(60_000),
   // ---- webhooks (docs/webhooks.md) ----
   /** Let tenants' webhooks target loopback, private, link-local and reserved addresses (development, tests). */
   WEBHOOK_ALLOW_PRIVATE: bool.default(false),

@@ -118,6 +118,8 @@ export interface Service {
   readonly ingressHandlers: IngressPortHandlers;
   /** What a proxy calls once per VM per flush (ingress traffic as idle-expiry activity). */
   readonly recordIngressActivity: (vmId: string) => Promise<void>;
+  /** What an in-process ingress calls for a request to a paused VM: resume it (idempotent; as the VM's tenant). */
+  readonly resumeVm: (vmId: string, tenantId: string) => Promise<void>;
   close(): Promise<void>;
 }
 
@@ -419,6 +421,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       ingress,
       ingressHandlers,
       recordIngressActivity: activityRecorder(handler, { correlationId: 'ingress-activity', actor: 'ingress' }),
+      resumeVm: async (vmId, tenantId) => {
+        await memory.resume(vmId, { correlationId: `ingress-wake-${vmId}`, tenantId, actor: 'ingress', admin: false });
+      },
       close,
     };
   } catch (err) {
