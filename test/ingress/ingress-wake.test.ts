@@ -26,9 +26,10 @@ const noCriu = !criu || !existsSync(criu) || spawnSync(criu, ['check']).status !
 if (noCriu && process.env.CI === 'true') it('CRIU is available in CI', () => assert.fail(`missing: ${noCriu}`));
 
 const DOMAIN = 'wake.test';
+// busybox httpd forks per connection, so concurrent requests are all answered.
 const STARTUP =
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
-  '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n';
+  'mkdir -p /www; (i=0; while true; do i=$((i+1)); echo "count $i" > /www/c.tmp; mv /www/c.tmp /www/index.html; sleep 0.05; done) >/dev/null 2>&1 &\n' +
+  'httpd -p 8080 -h /www\n';
 
 function ok(r: Reply, status = 200): any {
   assert.equal(r.status, status, JSON.stringify(r.body));

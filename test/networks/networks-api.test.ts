@@ -84,8 +84,8 @@ describe('tenant networks (real agents and sandboxes)', { timeout: 600_000 }, ()
     const netB = ok(await c.request('POST', '/v1/networks', { as: 'acme', body: { name: 'cluster-b' } }), 201);
     assert.match(netA.subnet, /\/26$/);
     assert.notEqual(netA.subnet, netB.subnet);
-    const base = netA.subnet.split('/')[0].split('.').map(Number);
-    const hint = `${base[0]}.${base[1]}.${base[2]}.${base[3] + 40}`;
+    const base: number[] = (netA.subnet as string).split('/')[0]!.split('.').map(Number);
+    const hint = `${base[0]!}.${base[1]!}.${base[2]!}.${base[3]! + 40}`;
 
     const a1 = await vm({ host_id: 'h1', network_id: netA.id, startup_script: LISTEN('a1') });
     // No host named: spread would pick the empty h2; the network's pin keeps it with a1.
