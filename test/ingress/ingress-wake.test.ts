@@ -7,6 +7,7 @@ import pino from 'pino';
 import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
 import type { RunningAgent } from '../agent/harness.js';
 import {
+  eventually,
   registerHost,
   startCheckedFleet,
   startControlPlane,
@@ -124,7 +125,8 @@ describe('ingress resumes a paused VM on its first request', { timeout: 300_000 
       assert.equal(a.status, 200, a.body);
       assert.match(a.body, /^count \d+/);
     }
-    assert.equal(ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).state, 'running');
+    // The read model follows the resume's events.
+    await eventually(async () => ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).state === 'running', 10_000, 'running');
     const events = (await c.service.store.readStream(`vm-${vm.id}`)).map((e) => e.type);
     assert.equal(events.filter((e) => e === 'VmResumed').length, 1, 'one resume for three first requests');
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));

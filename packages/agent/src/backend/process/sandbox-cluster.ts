@@ -47,7 +47,7 @@ export function reserveAddress(
     return reserve(host, name, ipHint, taken);
   }
   const sub = parseSubnet(network.subnet);
-  if (!inside(host, sub) || sub.network === host.network) {
+  if (!inside(host, sub) || sub.prefixLen <= host.prefixLen) {
     throw invalidSpec(`network subnet ${network.subnet} must lie inside this host's sandbox subnet ${host.cidr} (not be all of it)`, [
       { path: 'network.subnet', message: `outside ${host.cidr}` },
     ]);
