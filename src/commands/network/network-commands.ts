@@ -1,8 +1,7 @@
 import { randomBytes } from 'node:crypto';
-import { AppError, ValidationError } from '@fleet/agent-protocol';
+import { AppError } from '@fleet/agent-protocol';
 import { networkAggregate, networkPoolAggregate } from '../../domain/network/network.aggregate.js';
 import { assertHintInSubnet, ownNetwork, pinnedHost, type ExistingNetwork } from '../../domain/network/network.decider.js';
-import { networkNameSchema } from '../../domain/network/network.events.js';
 import { isTerminal } from '../../domain/vm/vm.decider.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import { bindAggregate, type BoundOf, type CommandHandler, type CommandMeta, type Handled } from '../command-handler.js';
@@ -17,6 +16,7 @@ export interface NetworkSettings {
   readonly prefixLen: number;
 }
 
+/** Validated at the edge (networks.routes.ts). */
 export interface CreateNetworkInput {
   readonly name: string;
   readonly subnet?: string | undefined;
@@ -52,9 +52,6 @@ export class NetworkCommands {
   }
 
   async create(input: CreateNetworkInput, meta: CommandMeta & { readonly tenantId: string }): Promise<NetworkResult> {
-    const name = networkNameSchema.safeParse(input.name);
-    if (!name.success)
-      throw new ValidationError(`name: ${name.error.issues[0]?.message ?? 'invalid'}`, [{ path: 'name', message: 'invalid' }]);
     const networkId = `net-${randomBytes(10).toString('hex')}`;
     const allocated = await this.pool.handle(
       'default',
@@ -70,7 +67,7 @@ export class NetworkCommands {
     try {
       const r = await this.networks.handle(
         networkId,
-        { type: 'CreateNetwork', data: { network_id: networkId, tenant_id: meta.tenantId, name: name.data, subnet } },
+        { type: 'CreateNetwork', data: { network_id: networkId, tenant_id: meta.tenantId, name: input.name, subnet } },
         meta,
       );
       return { network: ownNetwork(r.state, networkId, meta.tenantId), live: [], position: r.position };
