@@ -86,6 +86,8 @@ async function main(): Promise<void> {
         activityFlushMs: config.ACTIVITY_COALESCE_MS,
         recordActivity: service.recordIngressActivity,
         handlers: service.ingressHandlers,
+        wake: service.resumeVm,
+        wakeTimeoutMs: config.INGRESS_RESUME_TIMEOUT_MS,
         logger,
       });
       stops.push(() => proxy.close());

@@ -164,6 +164,8 @@ export const configSchema = z.object({
   INGRESS_PORT: z.coerce.number().int().min(0).max(65535).optional(),
   /** How long a proxy keeps a VM's route row before re-reading it (0: every request reads the table). */
   INGRESS_ROUTE_CACHE_MS: durationMs.default(1000),
+  /** How long the first requests to a paused VM wait for the resume they trigger (in-process ingress only). */
+  INGRESS_RESUME_TIMEOUT_MS: durationMs.default(60_000),
   // ---- webhooks (docs/webhooks.md) ----
   /** Let tenants' webhooks target loopback, private, link-local and reserved addresses (development, tests). */
   WEBHOOK_ALLOW_PRIVATE: bool.default(false),
@@ -191,6 +193,10 @@ export const configSchema = z.object({
     })
     .pipe(egressRegistrySchema)
     .optional(),
+  /** Where tenant network subnets come from: must lie inside every process agent's AGENT_SUBNET (docs/networking.md). */
+  NETWORK_POOL: z.cidrv4().default('10.213.192.0/18'),
+  /** Size of a network subnet the caller did not name. */
+  NETWORK_PREFIX_LEN: z.coerce.number().int().min(16).max(29).default(24),
 });
 
 export type Config = z.infer<typeof configSchema>;

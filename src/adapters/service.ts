@@ -61,6 +61,9 @@ import { runMigrations } from './postgres/migrations.js';
 import { createPool } from './postgres/pool.js';
 import { PostgresEventStore } from './postgres/postgres-event-store.js';
 import { ingressProjection } from '../projections/ingress/ingress.projection.js';
+import { networksProjection } from '../projections/networks/networks.projection.js';
+import { NetworkCommands } from '../commands/network/network-commands.js';
+import { tenantNetworkRoutes } from './http/networks.routes.js';
 import { countIngressRoutes } from '../projections/ingress/ingress.queries.js';
 import { activityRecorder, IngressCommands, type IngressSettings } from '../commands/ingress/ingress-commands.js';
 import { ingressRoutes } from './http/ingress.routes.js';
@@ -76,6 +79,7 @@ export const PROJECTIONS: readonly Projection[] = [
   vmHealthProjection,
   snapshotsProjection,
   ingressProjection,
+  networksProjection,
   vmEventsProjection,
 ];
 
@@ -114,6 +118,8 @@ export interface Service {
   readonly ingressHandlers: IngressPortHandlers;
   /** What a proxy calls once per VM per flush (ingress traffic as idle-expiry activity). */
   readonly recordIngressActivity: (vmId: string) => Promise<void>;
+  /** What an in-process ingress calls for a request to a paused VM: resume it (idempotent; as the VM's tenant). */
+  readonly resumeVm: (vmId: string, tenantId: string) => Promise<void>;
   close(): Promise<void>;
 }
 
@@ -200,6 +206,8 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       new CommandHandler(store, undefined, 200),
     );
     vms.setSeedArtifacts(snapshots);
+    const networks = new NetworkCommands(handler, { pool: config.NETWORK_POOL, prefixLen: config.NETWORK_PREFIX_LEN });
+    vms.setNetworks(networks);
     const ingressSettings: IngressSettings | undefined =
       opts.ingress ?? (config.INGRESS_DOMAIN ? { domain: config.INGRESS_DOMAIN, scheme: config.INGRESS_SCHEME } : undefined);
     const ingress = ingressSettings
@@ -360,6 +368,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
         }),
         vmHealthRoutes({ vms, pool }),
         networkRoutes({ vms }),
+        tenantNetworkRoutes({ networks, pool, runner, readYourWritesTimeoutMs: rywTimeout }),
         deadLetterRoutes({
           reconciler,
           pool,
@@ -421,6 +430,9 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       ingress,
       ingressHandlers,
       recordIngressActivity: activityRecorder(handler, { correlationId: 'ingress-activity', actor: 'ingress' }),
+      resumeVm: async (vmId, tenantId) => {
+        await memory.resume(vmId, { correlationId: `ingress-wake-${vmId}`, tenantId, actor: 'ingress', admin: false });
+      },
       close,
     };
   } catch (err) {

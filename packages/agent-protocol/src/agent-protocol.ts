@@ -132,6 +132,8 @@ export const createVmRequestSchema = z
     expose: z.array(exposeSpecSchema).max(64).default([]),
     /** Honoured if free in the subnet, else the lowest free address. */
     ip_hint: z.ipv4().optional(),
+    /** A cluster network to join (members reach each other, nothing else); its subnet lies inside the agent's. */
+    network: z.object({ id: z.string().regex(/^[a-z0-9][a-z0-9-]{0,62}$/), subnet: z.cidrv4() }).optional(),
     /** Keep CAP_NET_RAW in the sandbox (raw sockets: ping, packet capture); dropped by default. */
     net_raw: z.boolean().optional(),
     /** Outbound policy; absent: none, as before egress existed (the control plane always sends one; its API defaults to direct). */

@@ -161,6 +161,8 @@ export interface CreateSpec {
   readonly tenant: string;
   /** Honoured if free in the subnet, else the lowest free address. */
   readonly ipHint?: string;
+  /** A cluster network to join: its members share a bridge of their own (process backend). */
+  readonly network?: { readonly id: string; readonly subnet: string };
   /** With a live checkpointId: resume its processes (under this name, address and ids) instead of booting its rootfs. */
   readonly resume?: boolean;
   readonly expose?: readonly ExposeSpec[];

@@ -12,9 +12,11 @@ import {
 import type { Socket } from 'node:net';
 import type { Duplex } from 'node:stream';
 import type { Logger } from 'pino';
+import { AppError } from '@fleet/agent-protocol';
 import { problem } from '../http/problem.js';
 import type { ActivityTracker } from './activity.js';
 import type { RouteSource } from './route-source.js';
+import type { Waker } from './wake.js';
 
 /**
  * The ingress proxy (the seed's IngressProxy, serving side): one listener in
@@ -109,6 +111,8 @@ export interface IngressProxyOptions {
   readonly logger: Logger;
   /** Upstream connect + response-head bound. */
   readonly upstreamTimeoutMs?: number | undefined;
+  /** Resumes a paused VM a request is for (wake.ts); absent: a paused VM's ports answer as unreachable. */
+  readonly waker?: Waker | undefined;
 }
 
 /** No VM for a port whose handler answers that itself (PortHandler.gone). */
@@ -227,6 +231,12 @@ export class IngressProxy {
         );
     }
     if (!row) throw new IngressError(404, 'INGRESS_VM_NOT_FOUND', `sandbox ${vmId} does not exist or publishes no ports`);
+    // Only a caller who may reach the port wakes the VM: the token is checked before the resume, as after it.
+    if (row.vm_state === 'paused' && this.opts.waker) {
+      const route = row.routes.find((r) => r.port === port);
+      if (registered?.auth !== 'handler' && !(route?.public ?? false)) checkToken(req, row.token_sha256);
+      await this.opts.waker.untilRunning(vmId, row.tenant_id);
+    }
     const target: IngressTarget = { vmId, tenant: row.tenant_id, hostId: row.host_id, hostUrl: row.host_url ?? undefined, port };
     if (registered) {
       if (registered.auth === 'traffic-token') checkToken(req, row.token_sha256);
@@ -300,9 +310,13 @@ export class IngressProxy {
       if (mayRetry && err.code === 'ECONNREFUSED' && !res.headersSent && bodiless(req)) {
         this.opts.routes
           .lookup(target.vmId, true)
-          .then((row) => {
+          .then(async (row) => {
             const route = row?.routes.find((r) => r.port === target.port);
-            if (!row)
+            // Paused since the route was cached: resume it, then send the request on once.
+            if (row && route && row.vm_state === 'paused' && this.opts.waker) {
+              await this.opts.waker.untilRunning(target.vmId, row.tenant_id);
+              this.forward(req, res, route.target, target, false);
+            } else if (!row)
               this.refuse(
                 res,
                 new IngressError(404, 'INGRESS_VM_NOT_FOUND', `sandbox ${target.vmId} does not exist or publishes no ports`),
@@ -417,6 +431,8 @@ export class IngressProxy {
 
   private problemOf(err: unknown): { status: number; body: string } {
     if (err instanceof IngressError) return { status: err.status, body: JSON.stringify(problem(err.status, err.code, err.message)) };
+    if (err instanceof AppError && err.code.startsWith('INGRESS_'))
+      return { status: err.status, body: JSON.stringify(problem(err.status, err.code, err.message)) };
     this.opts.logger.error({ err }, 'ingress request failed');
     return { status: 500, body: JSON.stringify(problem(500, 'INTERNAL', 'the ingress could not serve this request')) };
   }

@@ -5,6 +5,7 @@ import type { Config } from '../config.js';
 import { ActivityTracker } from './activity.js';
 import { IngressPortHandlers, IngressProxy } from './ingress-proxy.js';
 import { PgRouteSource } from './route-source.js';
+import { Waker, type WakeVm } from './wake.js';
 
 export { IngressPortHandlers, IngressProxy, TRAFFIC_TOKEN_HEADERS } from './ingress-proxy.js';
 export type { IngressTarget, PortHandler, PortHandlerOptions } from './ingress-proxy.js';
@@ -42,6 +43,10 @@ export async function startIngress(opts: {
   readonly activityFlushMs: number;
   readonly recordActivity: (vmId: string) => Promise<void>;
   readonly handlers?: IngressPortHandlers | undefined;
+  /** Resumes a paused VM on its first request (the in-process control plane's VmMemory); absent: no wake. */
+  readonly wake?: WakeVm | undefined;
+  /** How long a request to a paused VM waits for its resume (INGRESS_RESUME_TIMEOUT_MS). */
+  readonly wakeTimeoutMs?: number | undefined;
   readonly logger: Logger;
 }): Promise<RunningIngress> {
   const logger = opts.logger.child({ component: 'ingress' });
@@ -51,6 +56,7 @@ export async function startIngress(opts: {
     routes: new PgRouteSource(opts.pool, opts.routeCacheMs),
     activity,
     handlers: opts.handlers,
+    waker: opts.wake ? new Waker(opts.wake, opts.wakeTimeoutMs ?? 60_000) : undefined,
     logger,
   });
   const url = await proxy.listen(opts.port, opts.host);

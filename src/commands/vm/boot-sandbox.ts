@@ -1,4 +1,4 @@
-import type { AgentEgress, EgressSpec, VmInfo } from '@fleet/agent-protocol';
+import { ConflictError, type AgentEgress, type EgressSpec, type VmInfo } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';
@@ -21,6 +21,8 @@ export interface SandboxBoot {
   readonly env: Record<string, string>;
   /** The in-guest agent in clear; `files` empty for a disk that already carries them. */
   readonly agent?: { readonly command: string; readonly drainCommand: string; readonly files: Record<string, string> } | undefined;
+  /** A cluster network member: the address its network reserved for it (network-commands.ts). */
+  readonly network?: { readonly id: string; readonly subnet: string; readonly ip: string } | undefined;
 }
 
 /**
@@ -71,8 +73,15 @@ export async function bootSandbox(
     ...(spec.net_raw ? { net_raw: true } : {}),
     egress: agentEgressOf(spec.egress),
     env: boot.env,
+    ...(boot.network ? { network: { id: boot.network.id, subnet: boot.network.subnet }, ip_hint: boot.network.ip } : {}),
   });
   hooks.onCreated?.();
+  if (boot.network && info.ip !== boot.network.ip) {
+    throw new ConflictError(
+      'ADDRESS_IN_USE',
+      `the host gave ${name} ${info.ip ?? 'no address'}, not ${boot.network.ip} its network reserved (held by a sandbox the control plane does not know)`,
+    );
+  }
   if (hooks.setup) await hooks.setup(name);
   let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
   if (boot.agent) {

@@ -1,3 +1,4 @@
+import type { NetworkCommands } from '../network/network-commands.js';
 import type { Logger } from 'pino';
 import type { AttachStart, EgressSpec, EgressStatus, ExecResult, ExecStreamStart } from '@fleet/agent-protocol';
 import type { AgentStream, FileDownload, HostAgent } from '../../domain/host-agent.port.js';
@@ -64,6 +65,11 @@ export class VmCommands {
 
   setSeedArtifacts(seeds: SeedArtifacts): void {
     this.creator.seeds = seeds;
+  }
+
+  /** Tenant networks a create may join (`network_id`). */
+  setNetworks(networks: NetworkCommands): void {
+    this.creator.networks = networks;
   }
 
   /**

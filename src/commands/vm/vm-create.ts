@@ -17,6 +17,7 @@ import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import type { FailReason } from '../../domain/vm/vm.lifecycle.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { IngressPublisher } from '../ingress/ingress-commands.js';
+import type { NetworkCommands, NetworkJoinPlan } from '../network/network-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
 import { egressProvisionFailure } from './egress-failures.js';
@@ -42,6 +43,8 @@ export class VmCreate {
   seeds: SeedArtifacts | undefined;
   /** Set when an ingress domain is configured: endpoints are then published at stable URLs. */
   ingress: IngressPublisher | undefined;
+  /** Wired after construction (service.ts): tenant networks a VM may join (`network_id`). */
+  networks: NetworkCommands | undefined;
 
   constructor(
     private readonly stream: VmStream,
@@ -57,6 +60,8 @@ export class VmCreate {
     assertEgressProvisionable(spec.egress, this.config.egressRegistry);
     // Resolved before anything is written: an unknown or foreign seed is a 404, not a failed VM.
     const artifactHosts = spec.seed_snapshot_id && this.seeds ? await this.seeds.holders(spec.seed_snapshot_id, actor) : undefined;
+    // Likewise: another tenant's network is a 404, a hint outside its subnet a 400, before anything is written.
+    const network = spec.network_id ? await this.networkPlan(spec.network_id, spec.ip_hint, actor) : undefined;
     if (idempotencyKey !== undefined && !/^[\x21-\x7e]{1,200}$/.test(idempotencyKey)) {
       throw new ValidationError('Idempotency-Key must be 1-200 printable ASCII characters', [
         { path: 'headers.idempotency-key', message: 'invalid' },
@@ -77,7 +82,7 @@ export class VmCreate {
       if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
       return this.settled(vmId, requested);
     }
-    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts });
+    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts }, network);
   }
 
   private sealSpec(vmId: string, spec: VmSpec): SealedSpecFields {
@@ -130,13 +135,27 @@ export class VmCreate {
     return { vm, position: undefined };
   }
 
-  private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<VmResult> {
+  private async networkPlan(networkId: string, ipHint: string | undefined, actor: Actor): Promise<NetworkJoinPlan> {
+    if (!this.networks) throw new AppError('NETWORKS_UNAVAILABLE', 503, 'this control plane has no network commands wired');
+    return this.networks.planJoin(networkId, actor.tenantId, ipHint);
+  }
+
+  private async placeAndBoot(
+    vm: ExistingVmState,
+    spec: VmSpec,
+    actor: Actor,
+    where: PlaceHints = {},
+    network?: NetworkJoinPlan,
+  ): Promise<VmResult> {
     const vmId = vm.vm_id;
     const started = Date.now();
     // Place: decide on the view, reserve on the host stream; a lost race re-decides.
     let hostId: string;
     try {
-      const r = await this.placer.placeAndReserve(vmId, placementRequestOf(spec), spec, actor, where);
+      const request = network
+        ? { ...placementRequestOf(spec), backend: 'process' as const, network_host_id: network.host }
+        : placementRequestOf(spec);
+      const r = await this.placer.placeAndReserve(vmId, request, spec, actor, where);
       hostId = r.hostId;
       await this.stream.run(
         vmId,
@@ -153,6 +172,10 @@ export class VmCreate {
     const wasCreated = (): boolean => created;
     try {
       await this.stream.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
+      const member =
+        network && this.networks
+          ? { id: network.networkId, subnet: network.subnet, ip: await this.networks.join(network, vmId, hostId, spec.ip_hint, actor) }
+          : undefined;
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
       const agent = await agentFor();
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
@@ -166,6 +189,7 @@ export class VmCreate {
           image: spec.image,
           checkpointId: spec.seed_snapshot_id,
           env: spec.secrets ?? {},
+          network: member,
           agent: spec.agent
             ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} }
             : undefined,

@@ -67,6 +67,8 @@ export interface PlacementRequest extends ResourceRequest {
   readonly host_id?: string | undefined;
   /** Where a host-local seed artifact is (seed `PinnedHostID`). */
   readonly pinned_host_id?: string | undefined;
+  /** The host a cluster network's live members run on: a network spans one host (docs/networking.md). */
+  readonly network_host_id?: string | undefined;
 }
 
 export interface PlacementOptions {
@@ -95,6 +97,7 @@ export type PlacementGate =
   | 'labels_mismatch'
   | 'not_pinned_host'
   | 'not_seed_host'
+  | 'not_network_host'
   | 'short_cpus'
   | 'short_ram'
   | 'short_storage'
@@ -231,6 +234,10 @@ export function place(req: PlacementRequest, hosts: readonly PlacementHost[], op
       reject('not_seed_host');
       continue;
     }
+    if (req.network_host_id && h.id !== req.network_host_id) {
+      reject('not_network_host');
+      continue;
+    }
     const cap = h.capacity;
     const alloc = h.allocated;
     const ratio = h.cpu_overcommit_ratio ?? 1;
@@ -357,6 +364,7 @@ export function refusalMessage(req: PlacementRequest, r: PlacementRefusal): stri
   }
   if (n('not_pinned_host')) parts.push(`${n('not_pinned_host')} not the pinned host ${req.host_id}`);
   if (n('not_seed_host')) parts.push(`${n('not_seed_host')} not the seed artifact's host ${req.pinned_host_id}`);
+  if (n('not_network_host')) parts.push(`${n('not_network_host')} not the network's host ${req.network_host_id}`);
   for (const [gate, resource] of RESOURCE_GATES) {
     if (!n(gate)) continue;
     const free = r.best_free[resource] ?? 0;

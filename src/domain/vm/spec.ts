@@ -155,6 +155,10 @@ const vmSpecObject = z.object({
   metadata: metadataSchema.optional(),
   /** Outbound policy; absent: direct (the seed's zero value). */
   egress: egressSpecSchema.optional(),
+  /** A tenant network to join (POST /v1/networks): its members reach each other and nothing else. */
+  network_id: idSchema.optional(),
+  /** The member address wanted on that network: taken when free, else the lowest free one (seed `Reserve`). */
+  ip_hint: z.ipv4().optional(),
 });
 
 export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
@@ -167,6 +171,10 @@ export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
   if (s.startup_script_timeout_s !== undefined && s.startup_script === undefined) {
     ctx.addIssue({ code: 'custom', path: ['startup_script_timeout_s'], message: 'startup_script_timeout_s needs a startup_script' });
   }
+  if (s.ip_hint !== undefined && s.network_id === undefined)
+    ctx.addIssue({ code: 'custom', path: ['ip_hint'], message: 'ip_hint needs a network_id' });
+  if (s.network_id !== undefined && s.backend !== undefined && s.backend !== 'process')
+    ctx.addIssue({ code: 'custom', path: ['network_id'], message: `cluster networks are built for process hosts only, not ${s.backend}` });
   const seen = new Set<string>();
   const all = [
     ...(s.expose ?? []).map((e, i) => ({ e, path: ['expose', i, 'as'] })),

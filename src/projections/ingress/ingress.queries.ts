@@ -8,6 +8,8 @@ export interface IngressTargetRow {
   readonly host_url: string | null;
   readonly routes: ReadonlyArray<{ as: string; port: number; public: boolean; target: string }>;
   readonly token_sha256: string;
+  /** The VM's state in the vms read model (`paused`: the ingress resumes it first). */
+  readonly vm_state?: string | null | undefined;
 }
 
 /** The route row of a VM, or undefined when it has none (never published, unpublished, or ending). */
@@ -19,9 +21,10 @@ export async function getIngressTarget(sql: Sql, vmId: string): Promise<IngressT
     host_url: string | null;
     routes: IngressTargetRow['routes'];
     token_sha256: string;
+    vm_state: string | null;
   }>(
-    `SELECT r.vm_id, r.tenant_id, r.host_id, h.url AS host_url, r.routes, r.token_sha256
-       FROM ingress_routes r LEFT JOIN hosts h ON h.id = r.host_id WHERE r.vm_id = $1`,
+    `SELECT r.vm_id, r.tenant_id, r.host_id, h.url AS host_url, r.routes, r.token_sha256, v.state AS vm_state
+       FROM ingress_routes r LEFT JOIN hosts h ON h.id = r.host_id LEFT JOIN vms v ON v.id = r.vm_id WHERE r.vm_id = $1`,
     [vmId],
   );
   return rows[0];

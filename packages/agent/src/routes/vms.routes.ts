@@ -57,6 +57,7 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
       env: spec.env,
       expose: spec.expose,
       ...(spec.ip_hint ? { ipHint: spec.ip_hint } : {}),
+      ...(spec.network ? { network: spec.network } : {}),
       ...(spec.net_raw ? { net_raw: true } : {}),
       ...(spec.egress ? { egress: spec.egress } : {}),
       ...(spec.resume ? { resume: true } : {}),

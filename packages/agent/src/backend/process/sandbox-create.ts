@@ -9,7 +9,8 @@ import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 import { restoreInto } from './criu-sandbox.js';
 import { usesAgentProxy } from './egress-host.js';
 import { NO_EGRESS, sandboxEgressSchema } from './egress.js';
-import { allocateBridge, allocateVeth, reserve } from './network.js';
+import { allocateBridge, allocateVeth } from './network.js';
+import { bridgeKeyOf, reserveAddress } from './sandbox-cluster.js';
 import type { SandboxHost } from './sandbox-host.js';
 import type { Persisted, SandboxRecord } from './sandbox-state.js';
 import { teardownSandbox } from './sandbox-teardown.js';
@@ -30,6 +31,7 @@ const createSpecSchema = z.object({
   storage_gb: z.number().int().min(0).max(65536).optional(),
   tenant: z.string().regex(tenantRe, 'a tenant id is 1-63 of [a-z0-9_-], starting with a letter or digit'),
   ipHint: z.string().optional(),
+  network: z.object({ id: z.string().regex(/^[a-z0-9][a-z0-9-]{0,62}$/), subnet: z.string() }).optional(),
   resume: z.boolean().optional(),
   expose: z.array(exposeSchema).max(64).optional(),
   env: z
@@ -82,8 +84,13 @@ export async function createSandbox(host: SandboxHost, input: CreateSpec): Promi
     if (host.records.size >= host.opts.maxSandboxes) {
       throw capacityExhausted(`${host.records.size} of ${host.opts.maxSandboxes} sandboxes are in use`, { max: host.opts.maxSandboxes });
     }
-    const taken = new Set([...host.records.values()].map((r) => r.state.ip));
-    const { ip, mac } = reserve(host.subnet, spec.name, spec.ipHint, taken);
+    const { ip, mac } = reserveAddress(
+      host.subnet,
+      spec.name,
+      spec.network,
+      spec.ipHint,
+      [...host.records.values()].map((r) => r.state),
+    );
     const state: Persisted = {
       version: 1,
       name: spec.name,
@@ -95,9 +102,9 @@ export async function createSandbox(host: SandboxHost, input: CreateSpec): Promi
       mac,
       bridge: allocateBridge(
         host.opts.bridgePrefix,
-        spec.tenant,
-        host.opts.allowCrossTenant,
-        [...host.records.values()].map((r) => r.state),
+        bridgeKeyOf(spec),
+        host.opts.allowCrossTenant && !spec.network,
+        [...host.records.values()].map((r) => ({ tenant: bridgeKeyOf(r.state), bridge: r.state.bridge })),
       ),
       veth: allocateVeth(
         host.opts.bridgePrefix,
@@ -117,6 +124,7 @@ export async function createSandbox(host: SandboxHost, input: CreateSpec): Promi
       host_ports: [],
       egress: spec.egress ?? NO_EGRESS,
       paused_checkpoint: '',
+      ...(spec.network ? { network: spec.network } : {}),
     };
     Object.assign(state.env, host.egress.guestEnv(state.egress, ip));
     const record: SandboxRecord = { state, proxies: [] };

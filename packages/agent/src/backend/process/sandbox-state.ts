@@ -35,6 +35,8 @@ export const persistedSchema = z.object({
   egress: sandboxEgressSchema.default(NO_EGRESS),
   /** While paused: the memory checkpoint its processes are in (resume restores it). */
   paused_checkpoint: z.string().default(''),
+  /** A cluster network member (sandbox-cluster.ts): its bridge is the network's. */
+  network: z.object({ id: z.string(), subnet: z.string() }).optional(),
 });
 export type Persisted = z.output<typeof persistedSchema>;
 

@@ -121,6 +121,8 @@ const createSpecSchema = z.object({
     )
     .optional(),
   net_raw: z.boolean().optional(),
+  /** Cluster networks are built for the process backend only: refused here, never joined as the tenant's bridge. */
+  network: z.undefined({ error: 'cluster networks are not supported on qemu hosts' }).optional(),
 });
 
 const stateSchema = z.object({
