@@ -1,19 +1,11 @@
 import {
-  ANY,
   BACKWARDS,
   END,
   EventStoreDBClient,
   FORWARDS,
-  NO_STREAM,
   START,
-  STREAM_EXISTS,
   AccessDeniedError,
-  CancelledError,
-  DeadlineExceededError,
-  InvalidArgumentError,
-  NotLeaderError,
   StreamNotFoundError,
-  UnavailableError,
   WrongExpectedVersionError,
   eventTypeFilter,
   excludeSystemEvents,
@@ -21,7 +13,6 @@ import {
   streamNameFilter,
   type AllStreamResolvedEvent,
   type AllStreamSubscription,
-  type AppendExpectedRevision,
   type Filter,
   type JSONType,
   type Position as EsdbPosition,
@@ -35,15 +26,12 @@ import {
   assertStreamName,
   checkMaxCount,
   formatPosition,
-  matchesFilter,
   parsePositionPair,
   validateAppend,
   type AppendResult,
   type EventFilter,
-  type EventMetadata,
   type EventStore,
   type ExpectedRevision,
-  type JsonValue,
   type NewEvent,
   type Position,
   type ReadAllOptions,
@@ -52,6 +40,8 @@ import {
   type SubscribeOptions,
   type SubscriptionItem,
 } from '../../domain/event-store.port.js';
+import { comparePos, drain, isWanted, toEsdbExpected, toEsdbMetadata, toEsdbPosition, toRecorded } from './esdb-mapping.js';
+import { checkOptionKeys, describeEndpoint, errorText, invalidUrl, isFatal, isUnavailable, redactCredentials } from './esdb-connection.js';
 
 /**
  * The EventStore port on EventStoreDB (≥ 23.10: the adapter relies on the
@@ -383,190 +373,4 @@ export class EsdbEventStore implements EventStore {
       { cause: err },
     );
   }
-}
-
-// ------------------------------------------------------------ mapping
-
-/**
- * Reads a client stream to its end. Leaving a `for await` early would leave
- * the gRPC call unconsumed, and `client.dispose()` then waits for it forever.
- */
-async function drain<T>(readable: AsyncIterable<T>): Promise<T[]> {
-  const out: T[] = [];
-  for await (const item of readable) out.push(item);
-  return out;
-}
-
-function toEsdbExpected(expected: ExpectedRevision): AppendExpectedRevision {
-  switch (expected) {
-    case 'no_stream':
-      return NO_STREAM;
-    case 'stream_exists':
-      return STREAM_EXISTS;
-    case 'any':
-      return ANY;
-    default:
-      return expected;
-  }
-}
-
-/** EventStoreDB's own convention for correlation and causation (`$correlationId`, `$causationId`), then ours. */
-function toEsdbMetadata(metadata: EventMetadata | undefined): Record<string, string> {
-  const out: Record<string, string> = {};
-  if (!metadata) return out;
-  if (metadata.correlationId !== undefined) out.$correlationId = metadata.correlationId;
-  if (metadata.causationId !== undefined) out.$causationId = metadata.causationId;
-  if (metadata.tenantId !== undefined) out.tenantId = metadata.tenantId;
-  if (metadata.actor !== undefined) out.actor = metadata.actor;
-  if (metadata.recordedAt !== undefined) out.recordedAt = metadata.recordedAt;
-  return out;
-}
-
-function fromEsdbMetadata(raw: unknown): EventMetadata {
-  if (raw === null || typeof raw !== 'object' || raw instanceof Uint8Array) return {};
-  const m = raw as Record<string, unknown>;
-  const str = (v: unknown): string | undefined => (typeof v === 'string' ? v : undefined);
-  const out: { -readonly [K in keyof EventMetadata]: EventMetadata[K] } = {};
-  const correlationId = str(m.$correlationId) ?? str(m.correlationId);
-  const causationId = str(m.$causationId) ?? str(m.causationId);
-  if (correlationId !== undefined) out.correlationId = correlationId;
-  if (causationId !== undefined) out.causationId = causationId;
-  if (str(m.tenantId) !== undefined) out.tenantId = str(m.tenantId);
-  if (str(m.actor) !== undefined) out.actor = str(m.actor);
-  if (str(m.recordedAt) !== undefined) out.recordedAt = str(m.recordedAt);
-  return out;
-}
-
-interface AnyRecorded {
-  readonly event?:
-    | {
-        readonly id: string;
-        readonly streamId: string;
-        readonly type: string;
-        readonly revision: bigint;
-        readonly data: unknown;
-        readonly metadata?: unknown;
-        readonly created: Date;
-        readonly position?: EsdbPosition | undefined;
-      }
-    | undefined;
-}
-
-function toRecorded(resolved: AnyRecorded): RecordedEvent | undefined {
-  const e = resolved.event;
-  if (!e) return undefined;
-  const position = e.position;
-  if (!position) return undefined;
-  let data: JsonValue;
-  if (e.data instanceof Uint8Array) {
-    // Not written by this adapter (binary): hand it over as base64 rather than guess.
-    data = Buffer.from(e.data).toString('base64');
-  } else {
-    data = e.data as JsonValue;
-  }
-  return {
-    id: e.id.toLowerCase(),
-    streamId: e.streamId,
-    type: e.type,
-    revision: e.revision,
-    position: formatPosition(position.commit, position.prepare),
-    data,
-    metadata: fromEsdbMetadata(e.metadata),
-    created: e.created,
-  };
-}
-
-function toEsdbPosition(value: Position): EsdbPosition {
-  const { high, low } = parsePositionPair(value);
-  return { commit: high, prepare: low };
-}
-
-function comparePos(a: EsdbPosition, b: EsdbPosition): number {
-  if (a.commit !== b.commit) return a.commit < b.commit ? -1 : 1;
-  return a.prepare < b.prepare ? -1 : a.prepare > b.prepare ? 1 : 0;
-}
-
-function isWanted(streamId: string, type: string, filter: EventFilter | undefined): boolean {
-  return !type.startsWith('$') && !streamId.startsWith('$') && matchesFilter(filter, streamId, type);
-}
-
-function isUnavailable(err: unknown): boolean {
-  if (
-    err instanceof UnavailableError ||
-    err instanceof DeadlineExceededError ||
-    err instanceof CancelledError ||
-    err instanceof NotLeaderError
-  )
-    return true;
-  const code = (err as { code?: unknown } | null)?.code;
-  if (code === 14 || code === 4) return true; // raw gRPC UNAVAILABLE / DEADLINE_EXCEEDED
-  return err instanceof Error && /discover|ECONNREFUSED|ENOTFOUND|no connection|no answer within/i.test(err.message);
-}
-
-function isFatal(err: unknown): boolean {
-  return err instanceof AccessDeniedError || err instanceof InvalidArgumentError;
-}
-
-function errorText(err: unknown): string {
-  return err instanceof Error ? err.message : String(err);
-}
-
-/** Options the client understands (lowercase), minus those that would change the adapter's contract. */
-const KNOWN_OPTIONS = new Set(
-  [
-    'connectionName',
-    'defaultDeadline',
-    'discoveryInterval',
-    'dnsDiscover',
-    'gossipTimeout',
-    'keepAliveInterval',
-    'keepAliveTimeout',
-    'maxDiscoverAttempts',
-    'nodePreference',
-    'tls',
-    'tlsCAFile',
-    'tlsVerifyCert',
-    'userCertFile',
-    'userKeyFile',
-  ].map((k) => k.toLowerCase()),
-);
-
-/**
- * The client only warns about an unknown option, and its warning prints the
- * whole connection string, password included; so unknown options are refused
- * here, by name. `throwOnAppendFailure=false` would turn conflicts into
- * silent non-appends.
- */
-function checkOptionKeys(connectionString: string): void {
-  const query = connectionString.split('?')[1];
-  if (query === undefined) return;
-  for (const pair of query.split('&')) {
-    const key = pair.split('=')[0] ?? '';
-    if (key === '') continue;
-    if (key.toLowerCase() === 'throwonappendfailure')
-      throw invalidUrl('the option throwOnAppendFailure is not supported: the adapter needs conflicts as errors');
-    if (!KNOWN_OPTIONS.has(key.toLowerCase())) throw invalidUrl(`unknown option ${JSON.stringify(key.slice(0, 40))}`);
-  }
-}
-
-function invalidUrl(why: string): ValidationError {
-  return new ValidationError(
-    `EVENTSTORE_URL is not a valid EventStoreDB connection string: ${why}; expected esdb://host:2113?tls=false or esdb+discover://host1:2113,host2:2113`,
-    [{ path: 'EVENTSTORE_URL', message: why }],
-    'INVALID_EVENTSTORE_URL',
-  );
-}
-
-function redactCredentials(message: string, connectionString: string): string {
-  const userinfo = /^esdb(?:\+discover)?:\/\/([^@/]*)@/.exec(connectionString)?.[1];
-  if (!userinfo) return message;
-  let out = message;
-  for (const secret of [userinfo, ...userinfo.split(':')]) if (secret.length >= 3) out = out.split(secret).join('***');
-  return out;
-}
-
-/** host:port list of a connection string, without credentials or query. */
-function describeEndpoint(connectionString: string): string {
-  const match = /^esdb(?:\+discover)?:\/\/(?:[^@/]*@)?([^/?]+)/.exec(connectionString);
-  return match?.[1] ?? '(unparsable EVENTSTORE_URL)';
 }
