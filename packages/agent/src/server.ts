@@ -14,6 +14,7 @@ import { registerVmRoutes } from './routes/vms.routes.js';
 import { registerObserveRoutes } from './routes/observe.routes.js';
 import { registerEgressRoutes } from './routes/egress.routes.js';
 import { registerMemoryRoutes } from './routes/memory.routes.js';
+import { registerLazyRoutes } from './routes/lazy.routes.js';
 
 export type { AgentAppConfig } from './routes/context.js';
 
@@ -107,6 +108,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   registerObserveRoutes(app, ctx);
   registerEgressRoutes(app, ctx);
   registerMemoryRoutes(app, ctx);
+  registerLazyRoutes(app, ctx);
   registerEnvdRoutes(app, ctx);
 
   return app;
