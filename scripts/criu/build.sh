@@ -9,12 +9,15 @@
 #   before it builds the tree and the tasks ask that for their uffd, closing it before the restorer hands over; the
 #   sysctl stays 0 and the sandbox never holds the device. (UFFD_USER_MODE_ONLY is no way out: kernel-mode accesses
 #   to a missing page then fail with EFAULT, and the restorer's own rseq registration already does.)
+#   criu-4.1.1-lazy-pipe-size.patch. The lazy page server sizes its tee pipe past fs.pipe-max-size, which needs
+#   CAP_SYS_RESOURCE (these hosts run without it): EPERM, ignored, and every page request then failed (splice EBADF,
+#   the target saw "connection reset"). It now falls back to pipe-max-size, which the page pipes it reads never exceed.
 #   Installed to $CRIU_PREFIX (default /opt/criu-4.1.1-fleet), apart from an unpatched build.
 # Needs root for apt-get (Debian 12 build dependencies). Idempotent.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 prefix=${CRIU_PREFIX:-/opt/criu-4.1.1-fleet}
-patches=("$here/criu-4.1.1-sockopt-6.16.patch" "$here/criu-4.1.1-uffd-dev.patch")
+patches=("$here/criu-4.1.1-sockopt-6.16.patch" "$here/criu-4.1.1-uffd-dev.patch" "$here/criu-4.1.1-lazy-pipe-size.patch")
 stamp="$prefix/patch.sha256"
 want=$(cat "${patches[@]}" | sha256sum | cut -d' ' -f1)
 if [ -x "$prefix/sbin/criu" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$prefix/sbin/criu" check >/dev/null 2>&1; then

@@ -123,10 +123,6 @@ describe('criu lazy moves between agents', { skip: skip ? `missing: ${skip}` : f
     assert.equal(paused.status, 200, JSON.stringify(paused.body));
     assert.equal(paused.body.vm.state, 'paused');
     assert.equal(paused.body.checkpoint.kind, 'live');
-    assert.ok(
-      !Object.keys(paused.body.checkpoint.files).some((f) => /^criu-pages-/.test(f)),
-      'the pages stay with the source, not in the checkpoint',
-    );
     const grant = await a.client.grantArtifact(id, 60);
     await b.client.pullArtifact({ snapshot_id: id, digest: paused.body.checkpoint.digest, files: paused.body.checkpoint.files, from: { url: a.url, grant: grant.grant } });
     return { ...paused.body.checkpoint, grant: grant.grant };

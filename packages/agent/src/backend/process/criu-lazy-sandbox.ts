@@ -5,6 +5,7 @@ import WebSocket, { createWebSocketStream } from 'ws';
 import { sandboxNotFound, sandboxNotRunning, type Checkpoint, type CreateSpec, type SandboxInfo } from '../../backend.js';
 import { startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
 import { dumpMemory } from './criu-sandbox.js';
+import { processStartTime } from './exec-util.js';
 import { detachSandbox } from './network.js';
 import { createSandbox } from './sandbox-create.js';
 import type { SandboxHost } from './sandbox-host.js';
@@ -109,9 +110,20 @@ export class LazyMemory {
       const pauseMs = Math.round(performance.now() - t0);
       const child = server as ChildProcess | undefined;
       if (!child) throw new AppError('SANDBOX_FAILED', 500, 'criu dump --lazy-pages started no page server');
+      const initPid = s.init_pid;
+      const initStart = s.init_start;
       const released = new Promise<void>((resolve) => {
         if (child.exitCode !== null || child.signalCode !== null) resolve();
         else child.once('exit', () => resolve());
+      }).then(async () => {
+        // criu ends the tree itself once every page is fetched; a capture released before that leaves it to us
+        // (the pid namespace's init: its whole tree goes with it). The start time guards against a reused pid.
+        if ((await processStartTime(initPid)) !== initStart) return;
+        try {
+          process.kill(initPid, 'SIGKILL');
+        } catch {
+          /* gone */
+        }
       });
       const src: PageSource = {
         checkpointId: cp.id,

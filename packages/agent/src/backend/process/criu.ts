@@ -288,7 +288,7 @@ function criuError(what: string, log: string): AppError {
 
 function runCriu(
   argv: readonly string[],
-  opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string> },
+  opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string>; signal?: AbortSignal },
 ): Promise<number | null> {
   // Inside the sandbox's cgroups first, so what it restores starts there.
   const script = 'n=$1; shift; i=0; for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done; shift "$n"; exec "$@"';
@@ -300,6 +300,7 @@ function runCriu(
     });
     child.once('error', reject);
     child.once('close', (code) => resolve(code));
+    opts.signal?.addEventListener('abort', () => child.kill('SIGKILL'), { once: true });
   });
 }
 
@@ -383,11 +384,13 @@ export async function dumpTree(
     // Loopback only: the page server has no authentication; the agent tunnels it to the one granted target.
     // criu takes no port 0: a port the kernel just handed out (and took back) is free but for a tiny race.
     const port = await freeLoopbackPort();
-    const child = await spawnUntilReady(
-      [...argv, '--lazy-pages', '--address', '127.0.0.1', '--port', String(port)],
-      join(opts.dir, 'dump.log'),
-      'criu dump --lazy-pages',
-    );
+    // Its log outlives the images directory (the checkpoint writer empties that while the pages are still served).
+    const log = `${opts.dir}.lazy-dump.log`;
+    const lazyArgv = argv.map((a) => (a === 'dump.log' ? log : a));
+    const child = await spawnUntilReady([...lazyArgv, '--lazy-pages', '--address', '127.0.0.1', '--port', String(port)], log, 'criu dump --lazy-pages');
+    child.once('exit', (code) => {
+      if (code === 0) void rm(log, { force: true });
+    });
     return { meta, frozenMs: 0, pagesWritten: 0, pageServer: { child, port } };
   }
   const code = await runCriu(argv, {});
@@ -446,6 +449,11 @@ export async function restoreTree(
     }
     // Lazy: memory comes from a `criu lazy-pages` daemon that reads the images in scratch until every page is in.
     const daemon = lazy ? await lazy(scratch) : undefined;
+    // A restore waits on pages that will never come once the daemon is gone: it must not outlive it.
+    const abort = new AbortController();
+    void daemon?.exited.then((code) => {
+      if (code !== 0) abort.abort();
+    });
     const pidfile = join(scratch, 'restored.pid');
     const sameAddress = meta.ip === target.ip;
     const argv = [
@@ -476,6 +484,7 @@ export async function restoreTree(
     const code = await runCriu(argv, {
       cgroupProcs: target.cgroupProcs,
       fd3: target.consoleFd,
+      signal: abort.signal,
       env: {
         FLEET_VETH: target.veth,
         FLEET_BRIDGE: target.bridge,
