@@ -38,6 +38,7 @@ interface MemoryStatus {
   error?: string;
 }
 
+// eslint-disable-next-line @typescript-eslint/no-unnecessary-type-parameters -- the caller names the shape of the answer
 async function call<T>(agent: RunningAgent, method: string, path: string, body?: unknown): Promise<{ status: number; body: T }> {
   const res = await fetch(`${agent.url}${path}`, {
     method,
@@ -61,7 +62,9 @@ async function waitFor<T>(what: string, fn: () => Promise<T | undefined>, ms = 6
 /** The upgrade answer of the page route for a grant (101 when it lets the socket through). */
 function upgradeStatus(agent: RunningAgent, id: string, grant: string): Promise<number> {
   return new Promise((resolve, reject) => {
-    const ws = new WebSocket(`${agent.url.replace(/^http/, 'ws')}/v1/artifacts/${id}/pages`, { headers: { authorization: `Bearer ${grant}` } });
+    const ws = new WebSocket(`${agent.url.replace(/^http/, 'ws')}/v1/artifacts/${id}/pages`, {
+      headers: { authorization: `Bearer ${grant}` },
+    });
     ws.once('unexpected-response', (_req, res) => {
       resolve(res.statusCode ?? 0);
       ws.terminate();
@@ -124,7 +127,12 @@ describe('criu lazy moves between agents', { skip: skip ? `missing: ${skip}` : f
     assert.equal(paused.body.vm.state, 'paused');
     assert.equal(paused.body.checkpoint.kind, 'live');
     const grant = await a.client.grantArtifact(id, 60);
-    await b.client.pullArtifact({ snapshot_id: id, digest: paused.body.checkpoint.digest, files: paused.body.checkpoint.files, from: { url: a.url, grant: grant.grant } });
+    await b.client.pullArtifact({
+      snapshot_id: id,
+      digest: paused.body.checkpoint.digest,
+      files: paused.body.checkpoint.files,
+      from: { url: a.url, grant: grant.grant },
+    });
     return { ...paused.body.checkpoint, grant: grant.grant };
   }
 

@@ -1,5 +1,4 @@
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { createWebSocketStream } from 'ws';
 import { z } from 'zod';
 import { AGENT_API_PREFIX, AppError, checkpointIdSchema, createVmRequestSchema, pauseVmRequestSchema } from '@fleet/agent-protocol';
 import { toWireCheckpoint } from '../artifacts.js';
@@ -20,7 +19,12 @@ import { idParam, nameParam, toVmInfo, type AgentRouteContext } from './context.
 export const lazyCreateRequestSchema = createVmRequestSchema.and(
   z.object({
     checkpoint_id: checkpointIdSchema,
-    from: z.object({ url: z.string().url().regex(/^https?:\/\//, 'an http(s) URL'), grant: z.string().min(1).max(1024) }).strict(),
+    from: z
+      .object({
+        url: z.url({ protocol: /^https?$/ }),
+        grant: z.string().min(1).max(1024),
+      })
+      .strict(),
   }),
 );
 
@@ -38,13 +42,13 @@ export function registerLazyRoutes(app: FastifyInstance, ctx: AgentRouteContext)
     return { vm: toVmInfo(await backend.get(name)), checkpoint: toWireCheckpoint(cp, name) };
   });
 
-  app.get(`${AGENT_API_PREFIX}/checkpoints/:id/pages`, async (req) => {
+  app.get(`${AGENT_API_PREFIX}/checkpoints/:id/pages`, (req) => {
     const id = idParam(req);
     const src = lazy().source(id);
     return { checkpoint_id: id, pinned: src !== undefined, streaming: src?.streaming ?? false };
   });
 
-  app.delete(`${AGENT_API_PREFIX}/checkpoints/:id/pages`, async (req) => {
+  app.delete(`${AGENT_API_PREFIX}/checkpoints/:id/pages`, (req) => {
     const id = idParam(req);
     const src = lazy().source(id) as { release?: () => void } | undefined;
     src?.release?.();
@@ -65,10 +69,15 @@ export function registerLazyRoutes(app: FastifyInstance, ctx: AgentRouteContext)
     url: `${AGENT_API_PREFIX}/artifacts/:id/pages`,
     config: { auth: 'grant' },
     // Before the upgrade: a missing or wrong grant is an HTTP 401/403, never a socket.
-    preValidation: async (req) => {
-      const id = idParam(req);
-      checkGrant(req, id);
-      if (!lazy().source(id)) throw new AppError('LAZY_PAGES_GONE', 410, `checkpoint "${id}" has no pages being served`);
+    preValidation: (req, _reply, done) => {
+      try {
+        const id = idParam(req);
+        checkGrant(req, id);
+        if (!lazy().source(id)) throw new AppError('LAZY_PAGES_GONE', 410, `checkpoint "${id}" has no pages being served`);
+        done();
+      } catch (err) {
+        done(err as Error);
+      }
     },
     handler: () => {
       throw new AppError('WEBSOCKET_REQUIRED', 400, 'the pages stream over a websocket: connect with an Upgrade: websocket request');
@@ -81,13 +90,16 @@ export function registerLazyRoutes(app: FastifyInstance, ctx: AgentRouteContext)
         socket.close(1008, (err as Error).message.slice(0, 120));
         return;
       }
-      const stream = createWebSocketStream(socket);
       tcp.setNoDelay(true);
+      // criu's page protocol is request/answer, so what is in flight stays small without more flow control.
+      tcp.on('data', (d: Buffer) => {
+        socket.send(d);
+      });
+      socket.on('message', (d: Buffer) => tcp.write(d));
       tcp.on('error', () => socket.terminate());
-      stream.on('error', () => tcp.destroy());
+      socket.on('close', () => tcp.destroy());
       // The page server closes once the target has every page: a normal end of the stream.
       tcp.on('end', () => socket.close(1000));
-      tcp.pipe(stream).pipe(tcp);
     },
   });
 

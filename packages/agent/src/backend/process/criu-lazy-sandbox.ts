@@ -108,7 +108,7 @@ export class LazyMemory {
         throw err;
       }
       const pauseMs = Math.round(performance.now() - t0);
-      const child = server as ChildProcess | undefined;
+      const child = server;
       if (!child) throw new AppError('SANDBOX_FAILED', 500, 'criu dump --lazy-pages started no page server');
       const initPid = s.init_pid;
       const initStart = s.init_start;

@@ -35,7 +35,12 @@ const PATH_ENV = { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbi
  */
 export function spawnUntilReady(argv: readonly string[], log: string, what: string): Promise<ChildProcess> {
   return new Promise((resolve, reject) => {
-    const child = spawn(argv[0]!, [...argv.slice(1), '--status-fd', '3'], {
+    const [cmd, ...args] = argv;
+    if (cmd === undefined) {
+      reject(new Error('no command'));
+      return;
+    }
+    const child = spawn(cmd, [...args, '--status-fd', '3'], {
       stdio: ['ignore', 'ignore', 'ignore', 'pipe'],
       env: PATH_ENV,
     });

@@ -387,7 +387,11 @@ export async function dumpTree(
     // Its log outlives the images directory (the checkpoint writer empties that while the pages are still served).
     const log = `${opts.dir}.lazy-dump.log`;
     const lazyArgv = argv.map((a) => (a === 'dump.log' ? log : a));
-    const child = await spawnUntilReady([...lazyArgv, '--lazy-pages', '--address', '127.0.0.1', '--port', String(port)], log, 'criu dump --lazy-pages');
+    const child = await spawnUntilReady(
+      [...lazyArgv, '--lazy-pages', '--address', '127.0.0.1', '--port', String(port)],
+      log,
+      'criu dump --lazy-pages',
+    );
     child.once('exit', (code) => {
       if (code === 0) void rm(log, { force: true });
     });
