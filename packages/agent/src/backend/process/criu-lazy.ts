@@ -2,7 +2,6 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { open } from 'node:fs/promises';
 import { join } from 'node:path';
 import { sandboxFailed } from '../../backend.js';
-import type { CriuFeatures } from './criu.js';
 
 /*
  * Post-copy ("lazy") restore with CRIU: `criu lazy-pages` owns the restored
@@ -125,7 +124,7 @@ class LogProgress {
  * (the source's `criu dump --lazy-pages`), else from the local images.
  */
 export async function startLazyDaemon(
-  criu: CriuFeatures,
+  criu: { readonly path: string },
   dir: string,
   pageServer?: { readonly address: string; readonly port: number },
 ): Promise<LazyDaemon> {
