@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # Builds the CRIU the agent's memory checkpoints use and prints its path on the last line (CI: CRIU_PATH=$(... | tail -1)).
-#   CRIU 4.1.1 (the shared vendored tarball, as ../shared/tools/build-criu.sh builds it) plus one patch:
+#   CRIU 4.1.1 (the shared vendored tarball, as ../shared/tools/build-criu.sh builds it) plus two patches:
 #   criu-4.1.1-sockopt-6.16.patch. Linux 6.16 answers EOPNOTSUPP to SO_PASSCRED/SO_PASSSEC on inet sockets, and 4.1.1
 #   then refuses to dump any TCP socket (upstream criu issue #2718): a sandbox with a listening server could not be
-#   checkpointed at all. Installed to $CRIU_PREFIX (default /opt/criu-4.1.1-fleet), apart from an unpatched build.
+#   checkpointed at all.
+#   criu-4.1.1-uffd-dev.patch. A lazy restore has each restored task open its own userfaultfd, inside the sandbox's
+#   user namespace, which vm.unprivileged_userfaultfd=0 refuses (EPERM). criu (root) opens /dev/userfaultfd (Linux 6.1)
+#   before it builds the tree and the tasks ask that for their uffd, closing it before the restorer hands over; the
+#   sysctl stays 0 and the sandbox never holds the device. (UFFD_USER_MODE_ONLY is no way out: kernel-mode accesses
+#   to a missing page then fail with EFAULT, and the restorer's own rseq registration already does.)
+#   criu-4.1.1-lazy-pipe-size.patch. The lazy page server sizes its tee pipe past fs.pipe-max-size, which needs
+#   CAP_SYS_RESOURCE (these hosts run without it): EPERM, ignored, and every page request then failed (splice EBADF,
+#   the target saw "connection reset"). It now falls back to pipe-max-size, which the page pipes it reads never exceed.
+#   Installed to $CRIU_PREFIX (default /opt/criu-4.1.1-fleet), apart from an unpatched build.
 # Needs root for apt-get (Debian 12 build dependencies). Idempotent.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 prefix=${CRIU_PREFIX:-/opt/criu-4.1.1-fleet}
-patch="$here/criu-4.1.1-sockopt-6.16.patch"
+patches=("$here/criu-4.1.1-sockopt-6.16.patch" "$here/criu-4.1.1-uffd-dev.patch" "$here/criu-4.1.1-lazy-pipe-size.patch")
 stamp="$prefix/patch.sha256"
-want=$(sha256sum "$patch" | cut -d' ' -f1)
+want=$(cat "${patches[@]}" | sha256sum | cut -d' ' -f1)
 if [ -x "$prefix/sbin/criu" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$prefix/sbin/criu" check >/dev/null 2>&1; then
   echo "$prefix/sbin/criu"; exit 0
 fi
@@ -28,7 +37,7 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 tar -xf "$tarball" -C "$work"
-patch -d "$work/criu-4.1.1" -p1 < "$patch" >&2
+for p in "${patches[@]}"; do patch -d "$work/criu-4.1.1" -p1 < "$p" >&2; done
 make -C "$work/criu-4.1.1" -j"$(nproc)" criu >&2
 install -D -m 0755 "$work/criu-4.1.1/criu/criu" "$prefix/sbin/criu"
 echo "$want" > "$stamp"

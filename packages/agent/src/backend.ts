@@ -314,6 +314,8 @@ export interface Backend {
   readonly kind: 'process' | 'qemu';
   /** Metrics, OOM kills, console logs (observe.ts); absent: the observe routes answer 501. */
   readonly observer?: SandboxObserver;
+  /** Lazy (post-copy) moves with CRIU (process backend); absent: the lazy routes answer LAZY_PAGES_UNSUPPORTED. */
+  readonly lazy?: LazyMemoryApi;
   capacity(): Promise<HostCapacity>;
   create(spec: CreateSpec): Promise<SandboxInfo>;
   get(name: string): Promise<SandboxInfo>;
@@ -389,4 +391,13 @@ export interface Backend {
   recover(): Promise<SandboxInfo[]>;
   /** Stops the endpoint proxies; sandboxes keep running. */
   close(): Promise<void>;
+}
+
+/** What the agent's lazy routes need of a backend (implemented by process/criu-lazy-sandbox.ts). */
+export interface LazyMemoryApi {
+  pauseLazy(name: string, opts?: { id?: string; comment?: string }): Promise<Checkpoint>;
+  source(checkpointId: string): { readonly port: number; readonly startedAt: number; streaming: boolean } | undefined;
+  openPages(checkpointId: string): import('node:net').Socket;
+  createLazy(spec: CreateSpec, from: { readonly url: string; readonly grant: string }): Promise<SandboxInfo>;
+  memoryStatus(name: string): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string }>;
 }

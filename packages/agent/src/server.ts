@@ -15,6 +15,7 @@ import { registerObserveRoutes } from './routes/observe.routes.js';
 import { registerEgressRoutes } from './routes/egress.routes.js';
 import { registerMemoryRoutes } from './routes/memory.routes.js';
 import { registerMigrationRoutes } from './routes/migration.routes.js';
+import { registerLazyRoutes } from './routes/lazy.routes.js';
 
 export type { AgentAppConfig } from './routes/context.js';
 
@@ -109,6 +110,7 @@ export async function buildAgentApp(deps: AgentAppDeps): Promise<FastifyInstance
   registerEgressRoutes(app, ctx);
   registerMemoryRoutes(app, ctx);
   registerMigrationRoutes(app, ctx);
+  registerLazyRoutes(app, ctx);
   registerEnvdRoutes(app, ctx);
 
   return app;

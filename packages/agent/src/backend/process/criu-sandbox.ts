@@ -6,7 +6,7 @@ import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed, type Checkpoint } from '../../backend.js';
 import { resolveImage } from '../../images.js';
-import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, type CriuMeta } from './criu.js';
+import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, type CriuMeta, type DumpResult } from './criu.js';
 import { mustRun, processStartTime, runTool, sleep } from './exec-util.js';
 import { openConsoleWriter, USERNS_SIZE } from './launch.js';
 import { deleteLink, hardenLink } from './network.js';
@@ -21,7 +21,8 @@ export async function dumpMemory(
   host: SandboxHost,
   record: SandboxRecord,
   leaveRunning: boolean,
-): Promise<{ dir: string; meta: CriuMeta }> {
+  lazy = false,
+): Promise<{ dir: string; meta: CriuMeta; pageServer?: DumpResult['pageServer'] }> {
   const s = record.state;
   const entry = `.criu-${s.name}-${randomBytes(4).toString('hex')}`;
   const dir = join(host.checkpoints.staging, entry);
@@ -37,9 +38,10 @@ export async function dumpMemory(
       uidBase: s.uid_base,
       ip: s.ip,
       hostname: s.name,
+      lazy,
     });
     host.log?.info({ sandbox: s.name, frozen_ms: res.frozenMs, pages: res.pagesWritten, leave_running: leaveRunning }, 'criu dump');
-    return { dir, meta: res.meta };
+    return { dir, meta: res.meta, ...(res.pageServer ? { pageServer: res.pageServer } : {}) };
   } catch (err) {
     await rm(dir, { recursive: true, force: true });
     throw err;
@@ -53,7 +55,12 @@ export async function dumpMemory(
  * idmapped clones made against a throwaway user namespace with the
  * record's id map, and detached once the restored namespace holds it.
  */
-export async function restoreInto(host: SandboxHost, record: SandboxRecord, cp: Checkpoint): Promise<void> {
+export async function restoreInto(
+  host: SandboxHost,
+  record: SandboxRecord,
+  cp: Checkpoint,
+  lazy?: Parameters<typeof restoreTree>[5],
+): Promise<void> {
   const criu = host.requireCriu();
   const s = record.state;
   if (cp.kind !== 'live' || !(CRIU_META in cp.files)) {
@@ -108,6 +115,7 @@ export async function restoreInto(host: SandboxHost, record: SandboxRecord, cp: 
         hook: host.criuHook,
       },
       join(host.checkpoints.staging, scratch),
+      lazy,
     );
     const start = await processStartTime(pid);
     if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');

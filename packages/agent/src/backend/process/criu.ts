@@ -1,10 +1,12 @@
-import { spawn } from 'node:child_process';
+import { spawn, type ChildProcess } from 'node:child_process';
 import { accessSync, constants as fsConstants, existsSync } from 'node:fs';
 import { chmod, link, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { createServer } from 'node:net';
 import { delimiter, join } from 'node:path';
 import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
+import { spawnUntilReady } from './criu-lazy.js';
 import { runTool } from './exec-util.js';
 
 /**
@@ -113,11 +115,14 @@ export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ fea
   // The restored tasks open their userfaultfd themselves, as root of the sandbox's user namespace: the kernel
   // refuses that unless unprivileged userfaultfd is allowed.
   const unpriv = (await readFile('/proc/sys/vm/unprivileged_userfaultfd', 'utf8').catch(() => '0')).trim() === '1';
+  // Or scripts/criu's uffd-dev patch (its service fd's name is in the binary): criu opens /dev/userfaultfd for them.
+  const viaDev = !unpriv && existsSync('/dev/userfaultfd') && (await readFile(path).catch(() => Buffer.alloc(0))).includes('UFFD_DEV_OFF');
   if (!uffd) notes.push('lazy pages off: the kernel has no non-cooperative userfaultfd');
-  else if (!unpriv) notes.push('lazy pages off: vm.unprivileged_userfaultfd is 0 (restored tasks live in a user namespace)');
+  else if (!unpriv && !viaDev)
+    notes.push('lazy pages off: vm.unprivileged_userfaultfd is 0 and this criu lacks the /dev/userfaultfd patch (scripts/criu)');
   const dirty = await feature('mem_dirty_track');
   if (!dirty) notes.push('memory diff off: the kernel has no soft-dirty bits');
-  return { features: { path, version, liveSnapshot: true, lazyPages: uffd && unpriv, memoryDiff: dirty, notes }, reason: '' };
+  return { features: { path, version, liveSnapshot: true, lazyPages: uffd && (unpriv || viaDev), memoryDiff: dirty, notes }, reason: '' };
 }
 
 // ---- image rewriting --------------------------------------------------------------
@@ -252,8 +257,21 @@ async function devtmpfsMounts(pid: number): Promise<Array<{ mountpoint: string; 
 
 const mountKey = (mountpoint: string): string => `m${mountpoint.replace(/[^A-Za-z0-9]/g, '_')}`;
 
+function freeLoopbackPort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const srv = createServer();
+    srv.once('error', reject);
+    srv.listen(0, '127.0.0.1', () => {
+      const a = srv.address();
+      srv.close(() => (typeof a === 'object' && a ? resolve(a.port) : reject(new Error('no port'))));
+    });
+  });
+}
+
 export interface DumpResult {
   readonly meta: CriuMeta;
+  /** Lazy dump: the criu process that now holds the pages and serves them on 127.0.0.1:port until they are all fetched. */
+  readonly pageServer?: { readonly child: ChildProcess; readonly port: number };
   /** CRIU's statistics: how long the tree was frozen, and pages written. */
   readonly frozenMs: number;
   readonly pagesWritten: number;
@@ -270,7 +288,7 @@ function criuError(what: string, log: string): AppError {
 
 function runCriu(
   argv: readonly string[],
-  opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string> },
+  opts: { cgroupProcs?: readonly string[]; fd3?: number; env?: Record<string, string>; signal?: AbortSignal },
 ): Promise<number | null> {
   // Inside the sandbox's cgroups first, so what it restores starts there.
   const script = 'n=$1; shift; i=0; for f in "$@"; do i=$((i+1)); [ "$i" -gt "$n" ] && break; echo $$ > "$f"; done; shift "$n"; exec "$@"';
@@ -282,6 +300,7 @@ function runCriu(
     });
     child.once('error', reject);
     child.once('close', (code) => resolve(code));
+    opts.signal?.addEventListener('abort', () => child.kill('SIGKILL'), { once: true });
   });
 }
 
@@ -312,7 +331,16 @@ async function dumpStats(dir: string): Promise<{ frozenMs: number; pagesWritten:
  */
 export async function dumpTree(
   criu: CriuFeatures,
-  opts: { initPid: number; dir: string; leaveRunning: boolean; freezerDir?: string; uidBase: number; ip: string; hostname: string },
+  opts: {
+    initPid: number;
+    dir: string;
+    leaveRunning: boolean;
+    freezerDir?: string;
+    uidBase: number;
+    ip: string;
+    hostname: string;
+    lazy?: boolean;
+  },
 ): Promise<DumpResult> {
   await mkdir(opts.dir, { recursive: true, mode: 0o700 });
   const mounts = await devtmpfsMounts(opts.initPid);
@@ -352,6 +380,23 @@ export async function dumpTree(
     ...(opts.leaveRunning ? ['--leave-running'] : []),
     ...(opts.freezerDir ? ['--freeze-cgroup', opts.freezerDir] : []),
   ];
+  if (opts.lazy) {
+    // Loopback only: the page server has no authentication; the agent tunnels it to the one granted target.
+    // criu takes no port 0: a port the kernel just handed out (and took back) is free but for a tiny race.
+    const port = await freeLoopbackPort();
+    // Its log outlives the images directory (the checkpoint writer empties that while the pages are still served).
+    const log = `${opts.dir}.lazy-dump.log`;
+    const lazyArgv = argv.map((a) => (a === 'dump.log' ? log : a));
+    const child = await spawnUntilReady(
+      [...lazyArgv, '--lazy-pages', '--address', '127.0.0.1', '--port', String(port)],
+      log,
+      'criu dump --lazy-pages',
+    );
+    child.once('exit', (code) => {
+      if (code === 0) void rm(log, { force: true });
+    });
+    return { meta, frozenMs: 0, pagesWritten: 0, pageServer: { child, port } };
+  }
   const code = await runCriu(argv, {});
   if (code !== 0) {
     const log = await readFile(join(opts.dir, 'dump.log'), 'utf8').catch(() => '');
@@ -389,7 +434,9 @@ export async function restoreTree(
   meta: CriuMeta,
   target: RestoreTarget,
   scratch: string,
+  lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void }>,
 ): Promise<number> {
+  let keepScratch = false;
   await rm(scratch, { recursive: true, force: true });
   await mkdir(scratch, { recursive: true, mode: 0o700 });
   // Searchable by the restored tasks (the sandbox's root is not host root): its parent stays closed to host users.
@@ -404,6 +451,13 @@ export async function restoreTree(
       // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
       await chmod(join(scratch, f), 0o644);
     }
+    // Lazy: memory comes from a `criu lazy-pages` daemon that reads the images in scratch until every page is in.
+    const daemon = lazy ? await lazy(scratch) : undefined;
+    // A restore waits on pages that will never come once the daemon is gone: it must not outlive it.
+    const abort = new AbortController();
+    void daemon?.exited.then((code) => {
+      if (code !== 0) abort.abort();
+    });
     const pidfile = join(scratch, 'restored.pid');
     const sameAddress = meta.ip === target.ip;
     const argv = [
@@ -429,10 +483,12 @@ export async function restoreTree(
       ...Object.entries(meta.mounts).flatMap(([key, source]) => ['--external', `mnt[${key}]:${source}`]),
       '--inherit-fd',
       `fd[3]:${meta.console_id}`,
+      ...(daemon ? ['--lazy-pages'] : []),
     ];
     const code = await runCriu(argv, {
       cgroupProcs: target.cgroupProcs,
       fd3: target.consoleFd,
+      signal: abort.signal,
       env: {
         FLEET_VETH: target.veth,
         FLEET_BRIDGE: target.bridge,
@@ -442,14 +498,21 @@ export async function restoreTree(
         FLEET_GW: target.gateway,
       },
     });
-    if (code !== 0) throw criuError('criu restore failed', await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => ''));
+    if (code !== 0) {
+      daemon?.kill();
+      throw criuError('criu restore failed', await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => ''));
+    }
     const pid = Number((await readFile(pidfile, 'utf8')).trim());
     if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');
+    if (daemon) {
+      keepScratch = true;
+      void daemon.exited.finally(() => rm(scratch, { recursive: true, force: true }).catch(() => undefined));
+    }
     if (meta.hostname !== target.hostname) {
       await runTool('nsenter', ['-t', String(pid), '-u', 'hostname', target.hostname]);
     }
     return pid;
   } finally {
-    await rm(scratch, { recursive: true, force: true }).catch(() => undefined);
+    if (!keepScratch) await rm(scratch, { recursive: true, force: true }).catch(() => undefined);
   }
 }

@@ -30,6 +30,7 @@ import { Spawner } from './guest-process.js';
 import { findHostTools, type EnterOp, type HostTools } from './launch.js';
 import { parseSubnet } from './network.js';
 import { assertHostFeatures, optionsSchema, type ProcessBackendOptions } from './options.js';
+import { LazyMemory } from './criu-lazy-sandbox.js';
 import { createSandbox } from './sandbox-create.js';
 import { SandboxHost } from './sandbox-host.js';
 import { checkpointSandbox, pauseSandbox, restoreSandboxCheckpoint, resumeSandbox } from './sandbox-memory.js';
@@ -60,9 +61,12 @@ export class ProcessBackend implements Backend {
   private saidLeftOut = false;
   /** Metrics, OOM kills and kept console logs (monitor.ts). */
   readonly observer: SandboxHost['observer'];
+  /** Lazy (post-copy) moves: criu-lazy-sandbox.ts. */
+  readonly lazy: LazyMemory;
 
   private constructor(private readonly host: SandboxHost) {
     this.observer = host.observer;
+    this.lazy = new LazyMemory(host);
   }
 
   /** Checks the host (tools, overlayfs, cgroups), creates the data directories and recovers surviving sandboxes. */
@@ -165,6 +169,7 @@ export class ProcessBackend implements Backend {
   }
 
   async destroy(name: string, opts: DestroyOptions = {}): Promise<void> {
+    this.lazy.forget(name);
     if (!nameRe.test(name)) return;
     await this.host.locks.run(`sb:${name}`, async () => {
       let record = this.host.records.get(name);
@@ -292,6 +297,7 @@ export class ProcessBackend implements Backend {
   }
 
   async close(): Promise<void> {
+    this.lazy.close();
     this.host.closed = true;
     this.observer.stop();
     this.host.spawner?.close();

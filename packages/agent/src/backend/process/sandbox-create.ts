@@ -45,7 +45,12 @@ const createSpecSchema = z.object({
   egress: sandboxEgressSchema.optional(),
 });
 
-export async function createSandbox(host: SandboxHost, input: CreateSpec): Promise<SandboxInfo> {
+export async function createSandbox(
+  host: SandboxHost,
+  input: CreateSpec,
+  /** With resume: a post-copy restore, memory paged in by this daemon (criu-lazy.ts). */
+  lazy?: Parameters<typeof restoreInto>[3],
+): Promise<SandboxInfo> {
   host.assertOpen();
   const parsed = createSpecSchema.safeParse(input);
   if (!parsed.success) {
@@ -159,7 +164,7 @@ export async function createSandbox(host: SandboxHost, input: CreateSpec): Promi
       await host.syncBridgeForwarding(state.bridge);
       if (usesAgentProxy(state.egress)) await host.egress.ensureProxy();
       mark('bridge');
-      if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId));
+      if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), lazy);
       else await host.launch(record, imagePath);
       mark('init');
       await host.persist(state);

@@ -1,0 +1,286 @@
+import type { ChildProcess } from 'node:child_process';
+import { createServer, connect, type Server, type Socket } from 'node:net';
+import { AppError } from '@fleet/agent-protocol';
+import WebSocket, { createWebSocketStream } from 'ws';
+import { sandboxNotFound, sandboxNotRunning, type Checkpoint, type CreateSpec, type SandboxInfo } from '../../backend.js';
+import { startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
+import { dumpMemory } from './criu-sandbox.js';
+import { processStartTime } from './exec-util.js';
+import { detachSandbox } from './network.js';
+import { createSandbox } from './sandbox-create.js';
+import type { SandboxHost } from './sandbox-host.js';
+import { freeze } from './sandbox-memory.js';
+import { layerDirs } from './storage.js';
+
+/*
+ * Lazy (post-copy) moves between two agents.
+ *
+ * Source: `pauseLazy` dumps the sandbox with `criu dump --lazy-pages`: the
+ * tree ends, everything but its memory pages goes into an ordinary live
+ * checkpoint (moved under the artifact grant like any other), and the pages
+ * stay in that criu process, which serves them on 127.0.0.1 only. It is the
+ * pinned capture: it lives until the target has fetched every page (then
+ * criu exits and the pages are released) or the agent ends it.
+ *
+ * Transport: the page server has no authentication, so it never leaves
+ * loopback. The target reaches it through the source agent's own HTTP
+ * server, as a websocket on /v1/artifacts/:id/pages authenticated by the
+ * same short-lived grant that moved the checkpoint (one snapshot, minutes):
+ * only the granted target can pull, and one stream at a time.
+ *
+ * Target: `createLazy` restores the sandbox from the pulled checkpoint
+ * before its memory is there; `criu lazy-pages` reads faults and background
+ * pages through a loopback listener of this agent that is piped into that
+ * websocket. If the stream breaks before every page is in (the source is
+ * lost), the restored tasks cannot go on: the sandbox is killed and its
+ * memory status keeps the error.
+ */
+
+export interface PageSource {
+  readonly checkpointId: string;
+  readonly port: number;
+  readonly startedAt: number;
+  /** One target stream at a time: the page server serves one client. */
+  streaming: boolean;
+  readonly released: Promise<void>;
+  release(): void;
+}
+
+export interface LazyFrom {
+  /** The source agent's base URL (http://host:port). */
+  readonly url: string;
+  readonly grant: string;
+}
+
+interface TargetState {
+  daemon?: LazyDaemon;
+  error?: string;
+  listener?: Server;
+}
+
+export class LazyMemory {
+  private readonly sources = new Map<string, PageSource>();
+  private readonly targets = new Map<string, TargetState>();
+
+  constructor(private readonly host: SandboxHost) {}
+
+  /** The pinned capture of a lazy pause, while its pages are still being served. */
+  source(checkpointId: string): PageSource | undefined {
+    return this.sources.get(checkpointId);
+  }
+
+  /**
+   * Pauses the sandbox for a lazy move: as pause(), but its pages stay in a
+   * serving criu process (source()) instead of the checkpoint.
+   */
+  async pauseLazy(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
+    const host = this.host;
+    const criu = host.requireCriu();
+    if (!criu.lazyPages) throw lazyUnsupported();
+    const record = host.records.get(name);
+    if (!record) throw sandboxNotFound(name);
+    return host.locks.run(`sb:${name}`, async () => {
+      const s = record.state;
+      if (s.status === 'paused' && this.sources.has(s.paused_checkpoint))
+        return { ...(await host.checkpoints.get(s.paused_checkpoint)), pause_ms: 0 };
+      if (s.status !== 'running' || !(await host.isAlive(s))) throw sandboxNotRunning(name);
+      const t0 = performance.now();
+      await freeze(host, name);
+      let server: ChildProcess | undefined;
+      let port = 0;
+      let cp: Checkpoint;
+      try {
+        cp = await host.checkpoints.write(layerDirs(host.sandboxDir(name), s.storage_gb).upper, {
+          ...(opts.id ? { id: opts.id } : {}),
+          comment: opts.comment ?? 'lazy',
+          image: s.image,
+          now: new Date(),
+          memory: async () => {
+            const d = await dumpMemory(host, record, false, true);
+            server = d.pageServer?.child;
+            port = d.pageServer?.port ?? 0;
+            return d;
+          },
+        });
+      } catch (err) {
+        if (server) server.kill('SIGKILL');
+        else await host.cgroups.setFrozen(name, false).catch(() => undefined);
+        throw err;
+      }
+      const pauseMs = Math.round(performance.now() - t0);
+      const child = server;
+      if (!child) throw new AppError('SANDBOX_FAILED', 500, 'criu dump --lazy-pages started no page server');
+      const initPid = s.init_pid;
+      const initStart = s.init_start;
+      const released = new Promise<void>((resolve) => {
+        if (child.exitCode !== null || child.signalCode !== null) resolve();
+        else child.once('exit', () => resolve());
+      }).then(async () => {
+        // criu ends the tree itself once every page is fetched; a capture released before that leaves it to us
+        // (the pid namespace's init: its whole tree goes with it). The start time guards against a reused pid.
+        if ((await processStartTime(initPid)) !== initStart) return;
+        try {
+          process.kill(initPid, 'SIGKILL');
+        } catch {
+          /* gone */
+        }
+      });
+      const src: PageSource = {
+        checkpointId: cp.id,
+        port,
+        startedAt: Date.now(),
+        streaming: false,
+        released,
+        release: () => {
+          child.kill('SIGKILL');
+        },
+      };
+      this.sources.set(cp.id, src);
+      void released.then(() => {
+        this.sources.delete(cp.id);
+        host.log?.info({ sandbox: name, checkpoint: cp.id, served_ms: Date.now() - src.startedAt }, 'lazy pages released');
+      });
+      await host.unpublish(record);
+      await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
+      await host.cgroups.setFrozen(name, false).catch(() => undefined);
+      s.status = 'paused';
+      s.paused_checkpoint = cp.id;
+      s.init_pid = 0;
+      s.init_start = '';
+      await host.persist(s);
+      host.log?.info({ sandbox: name, checkpoint: cp.id, pause_ms: pauseMs, port }, 'sandbox paused for a lazy move');
+      return { ...cp, pause_ms: pauseMs };
+    });
+  }
+
+  /** A loopback connection to a pinned capture's page server (the route pipes the grant-checked websocket into it). */
+  openPages(checkpointId: string): Socket {
+    const src = this.sources.get(checkpointId);
+    if (!src) throw new AppError('LAZY_PAGES_GONE', 410, `checkpoint "${checkpointId}" has no pages being served`);
+    if (src.streaming) throw new AppError('LAZY_PAGES_BUSY', 409, `the pages of "${checkpointId}" are already being pulled`);
+    src.streaming = true;
+    return connect({ host: '127.0.0.1', port: src.port });
+  }
+
+  /**
+   * Restores a sandbox from a pulled lazy checkpoint and pages its memory in
+   * from the source agent; answers once its processes run.
+   */
+  async createLazy(spec: CreateSpec, from: LazyFrom): Promise<SandboxInfo> {
+    const host = this.host;
+    const criu = host.requireCriu();
+    if (!criu.lazyPages) throw lazyUnsupported();
+    if (!spec.checkpointId) throw new AppError('VALIDATION_FAILED', 400, 'a lazy restore needs checkpoint_id');
+    const checkpointId = spec.checkpointId;
+    if (this.targets.has(spec.name)) {
+      const known = host.records.get(spec.name);
+      if (known) return host.info(known);
+    }
+    const state: TargetState = {};
+    this.targets.set(spec.name, state);
+    try {
+      return await createSandbox(host, { ...spec, resume: true }, async (dir) => {
+        const tunnel = await openTunnel(from, checkpointId, (err) => {
+          state.error ??= `page stream from the source failed: ${err.message}`;
+        });
+        state.listener = tunnel;
+        const address = tunnel.address();
+        const port = typeof address === 'object' && address ? address.port : 0;
+        const daemon = await startLazyDaemon(criu, dir, { address: '127.0.0.1', port }).catch((err: unknown) => {
+          tunnel.close();
+          throw err;
+        });
+        state.daemon = daemon;
+        void daemon.exited.then((code) => this.settle(spec.name, state, code));
+        return daemon;
+      });
+    } catch (err) {
+      state.daemon?.kill();
+      state.listener?.close();
+      this.targets.delete(spec.name);
+      throw err;
+    }
+  }
+
+  private async settle(name: string, state: TargetState, code: number | null): Promise<void> {
+    state.listener?.close();
+    if (code === 0) {
+      this.host.log?.info({ sandbox: name }, 'lazy restore: every page is resident');
+      return;
+    }
+    // Tasks that touch a page that never came get SIGBUS at best: the sandbox is lost with its source.
+    const status = await state.daemon?.status();
+    state.error = status?.error ?? state.error ?? `criu lazy-pages ended with ${String(code)}`;
+    this.host.log?.error({ sandbox: name, error: state.error }, 'lazy restore failed: the sandbox is lost');
+    const record = this.host.records.get(name);
+    if (record && record.state.init_pid > 0) {
+      try {
+        process.kill(record.state.init_pid, 'SIGKILL');
+      } catch {
+        /* already gone */
+      }
+    }
+  }
+
+  /** The seed's MemoryStatus of a sandbox on this host; one not restored lazily is all resident. */
+  async memoryStatus(name: string): Promise<MemoryStatus> {
+    if (!this.host.records.has(name)) throw sandboxNotFound(name);
+    const state = this.targets.get(name);
+    if (!state?.daemon) return { resident_chunks: 0, total_chunks: 0, done: true };
+    const st = await state.daemon.status();
+    if (state.error !== undefined && !st.done) return { ...st, done: false, error: state.error };
+    return st;
+  }
+
+  /** Forget a destroyed sandbox; end a pinned capture that nobody will pull. */
+  forget(name: string): void {
+    const state = this.targets.get(name);
+    state?.daemon?.kill();
+    state?.listener?.close();
+    this.targets.delete(name);
+  }
+
+  close(): void {
+    for (const src of this.sources.values()) src.release();
+    for (const name of [...this.targets.keys()]) this.forget(name);
+  }
+}
+
+export function lazyUnsupported(): AppError {
+  return new AppError('LAZY_PAGES_UNSUPPORTED', 409, 'this host cannot restore lazily (capacity lazy_pages is false)');
+}
+
+/**
+ * A loopback listener for `criu lazy-pages --page-server`: its one
+ * connection is piped into a websocket to the source agent's page route,
+ * authenticated by the artifact grant.
+ */
+function openTunnel(from: LazyFrom, checkpointId: string, onError: (err: Error) => void): Promise<Server> {
+  return new Promise((resolve, reject) => {
+    const server = createServer({ noDelay: true } as never, (sock) => {
+      server.close();
+      const url = `${from.url.replace(/^http/, 'ws').replace(/\/+$/, '')}/v1/artifacts/${encodeURIComponent(checkpointId)}/pages`;
+      const ws = new WebSocket(url, { headers: { authorization: `Bearer ${from.grant}` }, perMessageDeflate: false });
+      ws.once('unexpected-response', (_req, res) => {
+        onError(new Error(`the source answered ${String(res.statusCode)}`));
+        sock.destroy();
+      });
+      ws.once('error', (err) => {
+        onError(err);
+        sock.destroy();
+      });
+      ws.once('close', (code) => {
+        if (code !== 1000) onError(new Error(`the page stream closed (${String(code)})`));
+        sock.destroy();
+      });
+      ws.once('open', () => {
+        const stream = createWebSocketStream(ws);
+        stream.on('error', () => sock.destroy());
+        sock.on('error', () => ws.terminate());
+        sock.pipe(stream).pipe(sock);
+      });
+    });
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => resolve(server));
+  });
+}
