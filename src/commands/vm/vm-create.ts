@@ -76,7 +76,7 @@ export class VmCreate {
       if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
       return this.settled(vmId, requested);
     }
-    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts });
+    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts }, opts.resume === true);
   }
 
   private sealSpec(vmId: string, spec: VmSpec): SealedSpecFields {
@@ -129,7 +129,7 @@ export class VmCreate {
     return { vm, position: undefined };
   }
 
-  private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor, where: PlaceHints = {}): Promise<VmResult> {
+  private async placeAndBoot(vm: ExistingVmState, spec: VmSpec, actor: Actor, where: PlaceHints = {}, resume = false): Promise<VmResult> {
     const vmId = vm.vm_id;
     const started = Date.now();
     // Place: decide on the view, reserve on the host stream; a lost race re-decides.
@@ -164,9 +164,15 @@ export class VmCreate {
           spec,
           image: spec.image,
           checkpointId: spec.seed_snapshot_id,
+          resume,
           env: spec.secrets ?? {},
+          // A resumed copy already runs the in-guest agent it captured: only its ports and drain command are registered.
           agent: spec.agent
-            ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} }
+            ? {
+                command: resume ? 'true' : spec.agent.command,
+                drainCommand: spec.agent.drain_command ?? '',
+                files: resume ? {} : (spec.agent.files ?? {}),
+              }
             : undefined,
         },
         { onCreated: () => (created = true), setup: (name) => setUpGuest(agent, name, spec, token, this.config.startupScriptTimeoutMs) },

@@ -1,0 +1,184 @@
+import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { after, before, describe, it, type TestContext } from 'node:test';
+import type { RunningAgent } from '../agent/harness.js';
+import {
+  prepareAgents,
+  problemOf,
+  registerHost,
+  startCheckedAgent,
+  startControlPlane,
+  type AgentFleet,
+  type ControlPlane,
+  type Reply,
+} from '../support/control-plane.js';
+
+/**
+ * Fork ×N and live migration through the API, with real agents: h1 and h2
+ * have CRIU (CRIU_PATH), h3 has none. A missing CRIU fails under CI=true,
+ * skips elsewhere.
+ */
+
+const criu = process.env.CRIU_PATH;
+const noCriu = !criu || !existsSync(criu) || spawnSync(criu, ['check']).status !== 0 ? 'a working CRIU at CRIU_PATH' : undefined;
+if (noCriu && process.env.CI === 'true') it('CRIU is available in CI', () => assert.fail(`missing: ${noCriu}`));
+
+function ok(r: Reply, status = 200): any {
+  assert.equal(r.status, status, JSON.stringify(r.body));
+  return r.body;
+}
+
+const STARTUP =
+  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
+  '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n';
+
+describe('fork ×N and live migration through the API (real agents with CRIU)', { timeout: 400_000 }, () => {
+  let skip: string | undefined = noCriu;
+  let fleet: AgentFleet | undefined;
+  let cp: ControlPlane | undefined;
+  const guard = (t: TestContext): boolean => {
+    if (skip) t.skip(skip);
+    return !!skip;
+  };
+
+  before(async () => {
+    if (skip) return;
+    const f = await prepareAgents();
+    if ('skip' in f) {
+      skip = f.skip;
+      return;
+    }
+    fleet = f;
+    const agents: RunningAgent[] = [];
+    for (const env of [{}, {}, { CRIU_PATH: '/nonexistent/criu' }]) {
+      const a = await startCheckedAgent(f, { env });
+      if ('skip' in a) {
+        skip = a.skip;
+        return;
+      }
+      agents.push(a);
+    }
+    cp = await startControlPlane({ env: { RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '20000' } });
+    for (const [i, a] of agents.entries()) ok(await registerHost(cp, `h${i + 1}`, a), 201);
+    const { state: h3 } = await cp.service.hosts.load('h3');
+    assert.ok(h3.status !== 'unregistered' && h3.capacity.live_snapshot !== true, 'h3 has no CRIU');
+  });
+
+  after(async () => {
+    await cp?.close();
+    await fleet?.close();
+  });
+
+  const count = async (vm: string): Promise<number> => {
+    const r = ok(await cp!.request('POST', `/v1/vms/${vm}/exec`, { as: 'acme', body: { argv: ['cat', '/tmp/count'] } }));
+    return Number(r.stdout);
+  };
+  const advances = async (vm: string): Promise<number> => {
+    const a = await count(vm);
+    await new Promise((r) => setTimeout(r, 400));
+    const b = await count(vm);
+    assert.ok(b > a, `the counter of ${vm} runs: ${a} -> ${b}`);
+    return a;
+  };
+  const answers = async (url: string): Promise<void> => {
+    assert.match(await fetch(url, { signal: AbortSignal.timeout(5000) }).then((r) => r.text()), /^count \d+/);
+  };
+  const start = async (): Promise<{ id: string; url: string }> => {
+    const vm = ok(
+      await cp!.request('POST', '/v1/vms', {
+        as: 'acme',
+        body: { host_id: 'h1', cpus: 1, ram_mb: 128, startup_script: STARTUP, expose: [{ port: 8080, as: 'http' }] },
+      }),
+      201,
+    );
+    await new Promise((r) => setTimeout(r, 300));
+    return { id: vm.id, url: (vm.endpoints as Array<{ url: string }>)[0]!.url };
+  };
+
+  it('fork ×3: one live capture, three new VMs continuing its processes independently, each serving; none on the host without CRIU', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const src = await start();
+    const before = await count(src.id);
+    const r = await c.request('POST', `/v1/vms/${src.id}/fork`, { as: 'acme', body: { count: 3 } });
+    const body = ok(r, 201);
+    assert.equal(body.kind, 'live');
+    assert.equal(body.forks.length, 3);
+    const forks = (body.forks as Array<{ vm: { id: string; host_id: string; state: string; endpoints: Array<{ url: string }> } }>).map(
+      (f) => f.vm,
+    );
+    assert.equal(new Set([src.id, ...forks.map((f) => f.id)]).size, 4, 'fresh ids');
+    const source = ok(await c.request('GET', `/v1/vms/${src.id}`, { as: 'acme' }));
+    const atCapture: number[] = [];
+    for (const f of forks) {
+      assert.equal(f.state, 'running');
+      assert.notEqual(f.host_id, 'h3', 'a live capture is never restored on a host without CRIU');
+      const from = await advances(f.id);
+      assert.ok(from >= before, `fork ${f.id} continued from the capture (>= ${before}), not from 0: ${from}`);
+      atCapture.push(from);
+      await answers(f.endpoints[0]!.url);
+    }
+    assert.equal(new Set(forks.map((f) => f.endpoints[0]!.url)).size, 3, 'each fork has its own endpoint');
+    // Independent: stopping the counter in one fork leaves the others (and the source) counting.
+    ok(
+      await c.request('POST', `/v1/vms/${forks[0]!.id}/exec`, {
+        as: 'acme',
+        body: { argv: ['sh', '-c', 'kill -STOP -1 2>/dev/null; true'] },
+      }),
+    );
+    for (const f of forks.slice(1)) await advances(f.id);
+    await advances(src.id);
+    await answers(source.endpoints[0].url);
+    for (const f of forks) ok(await c.request('DELETE', `/v1/vms/${f.id}`, { as: 'acme' }));
+    // reuse_snapshot_id takes the live capture again: one more fork from the same instant.
+    const again = ok(
+      await c.request('POST', `/v1/vms/${src.id}/fork`, { as: 'acme', body: { count: 1, reuse_snapshot_id: body.seed_snapshot_id } }),
+      201,
+    );
+    assert.equal(again.kind, 'live');
+    const from = await advances(again.forks[0].vm.id);
+    assert.ok(from >= before && from < Math.max(...atCapture) + 200, `the reused capture resumes the same instant: ${from}`);
+    ok(await c.request('DELETE', `/v1/vms/${again.forks[0].vm.id}`, { as: 'acme' }));
+    ok(await c.request('DELETE', `/v1/vms/${src.id}`, { as: 'acme' }));
+
+    const bad = await c.request('POST', `/v1/vms/${src.id}/fork`, { as: 'acme', body: { count: 101 } });
+    assert.equal(bad.status, 400, JSON.stringify(bad.body));
+  });
+
+  it('live migrate h1 -> h2: the counter keeps counting, same id, served again, downtime recorded; refused to a host without CRIU before anything freezes', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = await start();
+    const before = await count(vm.id);
+    const m = ok(await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h2' } }));
+    assert.equal(m.id, vm.id);
+    assert.equal(m.host_id, 'h2');
+    assert.equal(m.from_host_id, 'h1');
+    assert.equal(typeof m.downtime_ms, 'number');
+    assert.equal(typeof m.readdressed, 'boolean');
+    const from = await advances(vm.id);
+    assert.ok(from >= before && from < before + 400, `counter continued across the move: ${before} -> ${from}`);
+    await answers(m.endpoints[0].url);
+    const events = await c.service.store.readStream(`vm-${vm.id}`);
+    const boot = events.find((e) => e.type === 'VmMigrationStepCompleted' && (e.data as { step: string }).step === 'boot');
+    assert.ok(boot && typeof (boot.data as { downtime_ms?: number }).downtime_ms === 'number', 'downtime on the boot step');
+    assert.ok(events.some((e) => e.type === 'VmMigrated'));
+    assert.ok(!(await c.service.hosts.load('h1').then(({ state }) => state.status !== 'unregistered' && state.reservations.has(vm.id))));
+
+    const n = events.length;
+    const refused = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h3' } });
+    assert.equal(refused.status, 409, JSON.stringify(refused.body));
+    assert.equal(problemOf(refused).code, 'LIVE_MIGRATION_TARGET_UNSUPPORTED');
+    assert.equal((await c.service.store.readStream(`vm-${vm.id}`)).length, n, 'nothing recorded: no migration started');
+    const still = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));
+    assert.equal(still.host_id, 'h2');
+    await advances(vm.id);
+    // And back: h2 -> (placement) h1, the only other host that can restore it.
+    const back = ok(await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true } }));
+    assert.equal(back.host_id, 'h1');
+    await advances(vm.id);
+    await answers(back.endpoints[0].url);
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
+  });
+});
