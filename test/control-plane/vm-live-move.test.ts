@@ -37,6 +37,7 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
   let skip: string | undefined = noCriu;
   let fleet: AgentFleet | undefined;
   let cp: ControlPlane | undefined;
+  const agents: RunningAgent[] = [];
   const guard = (t: TestContext): boolean => {
     if (skip) t.skip(skip);
     return !!skip;
@@ -50,8 +51,8 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
       return;
     }
     fleet = f;
-    const agents: RunningAgent[] = [];
-    for (const env of [{}, {}, { CRIU_PATH: '/nonexistent/criu' }]) {
+    const envs: Array<Record<string, string>> = [{}, {}, { CRIU_PATH: '/nonexistent/criu' }];
+    for (const env of envs) {
       const a = await startCheckedAgent(f, { env });
       if ('skip' in a) {
         skip = a.skip;
@@ -157,6 +158,7 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     assert.equal(m.from_host_id, 'h1');
     assert.equal(typeof m.downtime_ms, 'number');
     assert.equal(typeof m.readdressed, 'boolean');
+    t.diagnostic(`live migrate downtime ${m.downtime_ms} ms, readdressed ${m.readdressed}`);
     const from = await advances(vm.id);
     assert.ok(from >= before && from < before + 400, `counter continued across the move: ${before} -> ${from}`);
     await answers(m.endpoints[0].url);
@@ -179,6 +181,33 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     assert.equal(back.host_id, 'h1');
     await advances(vm.id);
     await answers(back.endpoints[0].url);
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
+  });
+
+  it('resume when the origin is full: the checkpoint moves and the VM resumes on another host; of concurrent resumes exactly one restores', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = await start();
+    ok(await c.request('POST', `/v1/vms/${vm.id}/pause`, { as: 'acme' }));
+    const paused = await count(vm.id).catch(() => undefined);
+    assert.equal(paused, undefined, 'a paused VM runs nothing');
+    // Fill h1's CPUs with another VM: the paused one no longer fits on its origin.
+    const { state: h1 } = await c.service.hosts.load('h1');
+    assert.ok(h1.status !== 'unregistered');
+    let used = 0;
+    for (const r of h1.reservations.values()) used += r.cpus;
+    const free = Math.floor(h1.capacity.cpus * h1.cpu_overcommit_ratio) - used;
+    const filler = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h1', cpus: free, ram_mb: 64 } }), 201);
+    const replies = await Promise.all([1, 2, 3].map(() => c.request('POST', `/v1/vms/${vm.id}/resume`, { as: 'acme' })));
+    for (const r of replies) assert.equal(ok(r).state, 'running');
+    const resumed = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));
+    assert.equal(resumed.host_id, 'h2', 'the only other host that can restore memory');
+    const events = (await c.service.store.readStream(`vm-${vm.id}`)).map((e) => e.type);
+    assert.equal(events.filter((e) => e === 'VmResumed').length, 1, 'exactly one resume');
+    await advances(vm.id);
+    await answers(resumed.endpoints[0].url);
+    assert.ok(!(await agents[0]!.client.listVms()).some((v) => v.name.endsWith(vm.id)), 'nothing of it left on the origin');
+    ok(await c.request('DELETE', `/v1/vms/${filler.id}`, { as: 'acme' }));
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 });
