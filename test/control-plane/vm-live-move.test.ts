@@ -163,6 +163,7 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     assert.ok(from >= before && from < before + 400, `counter continued across the move: ${before} -> ${from}`);
     await answers(m.endpoints[0].url);
     const events = await c.service.store.readStream(`vm-${vm.id}`);
+    for (const e of events.filter((x) => x.type.startsWith('VmMigration'))) t.diagnostic(`${e.type} ${JSON.stringify(e.data)}`);
     const boot = events.find((e) => e.type === 'VmMigrationStepCompleted' && (e.data as { step: string }).step === 'boot');
     assert.ok(boot && typeof (boot.data as { downtime_ms?: number }).downtime_ms === 'number', 'downtime on the boot step');
     assert.ok(events.some((e) => e.type === 'VmMigrated'));
@@ -197,7 +198,7 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     let used = 0;
     for (const r of h1.reservations.values()) used += r.cpus;
     const free = Math.floor(h1.capacity.cpus * h1.cpu_overcommit_ratio) - used;
-    const filler = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h1', cpus: free, ram_mb: 64 } }), 201);
+    const filler = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h1', cpus: free, ram_mb: 128 } }), 201);
     const replies = await Promise.all([1, 2, 3].map(() => c.request('POST', `/v1/vms/${vm.id}/resume`, { as: 'acme' })));
     for (const r of replies) assert.equal(ok(r).state, 'running');
     const resumed = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));

@@ -76,7 +76,14 @@ export class VmCreate {
       if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
       return this.settled(vmId, requested);
     }
-    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts }, opts.resume === true);
+    // An idle VM that is to be paused must sit where memory can be checkpointed.
+    let excludeHosts = opts.excludeHosts;
+    if (spec.on_idle === 'pause') {
+      const unfit = new Set(excludeHosts);
+      for (const h of await this.placer.hosts()) if (h.capacity.live_snapshot !== true) unfit.add(h.id);
+      excludeHosts = unfit;
+    }
+    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts }, opts.resume === true);
   }
 
   private sealSpec(vmId: string, spec: VmSpec): SealedSpecFields {

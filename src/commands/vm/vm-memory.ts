@@ -116,6 +116,26 @@ export class VmMemory {
     });
   }
 
+  /**
+   * Where the VM's memory is (the seed's MemoryStatus). Every restore this
+   * control plane drives copies the whole image before the processes run,
+   * so there is never anything left to page in: done, with no chunks
+   * outstanding. A lazy restore (memory paged in after resume) would report
+   * its progress here; it is not built.
+   */
+  async memoryStatus(
+    vmId: string,
+    actor: Actor,
+  ): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string | undefined }> {
+    const vm = await this.vms.get(vmId, actor);
+    if (vm.status !== 'running' && vm.status !== 'paused')
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: it has no memory to report on`, {
+        vm_id: vmId,
+        status: vm.status,
+      });
+    return { resident_chunks: 0, total_chunks: 0, done: true };
+  }
+
   private async resumeOnAnotherHost(
     vm: Extract<ExistingVmState, { status: 'paused' }>,
     started: number,
