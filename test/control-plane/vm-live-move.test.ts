@@ -4,6 +4,7 @@ import { existsSync } from 'node:fs';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
 import {
+  eventually,
   prepareAgents,
   problemOf,
   registerHost,
@@ -60,7 +61,7 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
       }
       agents.push(a);
     }
-    cp = await startControlPlane({ env: { RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '20000' } });
+    cp = await startControlPlane({ env: { RECONCILER_ENABLED: 'false', EXEC_DEFAULT_TIMEOUT_MS: '20000', ACTIVITY_COALESCE_MS: '100' } });
     for (const [i, a] of agents.entries()) ok(await registerHost(cp, `h${i + 1}`, a), 201);
     const { state: h3 } = await cp.service.hosts.load('h3');
     assert.ok(h3.status !== 'unregistered' && h3.capacity.live_snapshot !== true, 'h3 has no CRIU');
@@ -209,6 +210,37 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     await answers(resumed.endpoints[0].url);
     assert.ok(!(await agents[0]!.client.listVms()).some((v) => v.name.endsWith(vm.id)), 'nothing of it left on the origin');
     ok(await c.request('DELETE', `/v1/vms/${filler.id}`, { as: 'acme' }));
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
+  });
+
+  it('on_idle: pause: an idle VM is paused by the reconciler (not destroyed) and resumes where it stopped; never placed where it could not be paused', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const bad = await c.request('POST', '/v1/vms', { as: 'acme', body: { cpus: 1, ram_mb: 128, on_idle: 'sleep' } });
+    assert.equal(bad.status, 400, JSON.stringify(bad.body));
+    const vm = ok(
+      await c.request('POST', '/v1/vms', {
+        as: 'acme',
+        body: { cpus: 1, ram_mb: 128, idle_timeout_s: 1, on_idle: 'pause', startup_script: STARTUP },
+      }),
+      201,
+    );
+    assert.notEqual(vm.host_id, 'h3', 'placed only on a host that can checkpoint memory');
+    const before = await count(vm.id);
+    await eventually(
+      async () => {
+        await c.service.reconciler.reconcileOnce();
+        const now = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));
+        return now.state === 'paused' ? now : undefined;
+      },
+      30_000,
+      'the idle VM paused',
+    );
+    const memory = ok(await c.request('GET', `/v1/vms/${vm.id}/memory`, { as: 'acme' }));
+    assert.equal(memory.done, true);
+    ok(await c.request('POST', `/v1/vms/${vm.id}/resume`, { as: 'acme' }));
+    const from = await advances(vm.id);
+    assert.ok(from >= before, `resumed where it stopped: ${before} -> ${from}`);
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 });
