@@ -159,12 +159,6 @@ export class ForkMigrate {
         { vm_id: vmId },
       );
     if (opts.target_host_id !== undefined) {
-      if (opts.target_host_id === fromHostId)
-        throw new ValidationError(
-          `target_host_id ${fromHostId} is the VM's own host: pick another`,
-          [{ path: 'target_host_id', message: 'same as the source host' }],
-          'MIGRATION_TARGET_IS_SOURCE',
-        );
       const { state: t } = await this.hosts.load(opts.target_host_id);
       if (t.status === 'unregistered')
         throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
