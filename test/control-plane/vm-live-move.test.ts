@@ -243,4 +243,42 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     assert.ok(from >= before, `resumed where it stopped: ${before} -> ${from}`);
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
+
+  // Last: it kills h2's agent.
+  it('a failure after the freeze resumes the source; with keep_paused the source stays paused and the caller resumes it', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = await start();
+    await agents[1]!.kill();
+    const before = await count(vm.id);
+    const r = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h2' } });
+    assert.equal(r.status, 502, JSON.stringify(r.body));
+    assert.equal(problemOf(r).code, 'MIGRATION_FAILED');
+    assert.equal((r.body as { details?: { source?: string } }).details?.source, 'running');
+    const events = (await c.service.store.readStream(`vm-${vm.id}`)).filter((e) => e.type.startsWith('VmMigration'));
+    assert.ok(
+      events.some((e) => e.type === 'VmMigrationStepCompleted' && (e.data as { step: string }).step === 'snapshot'),
+      'it failed after the freeze',
+    );
+    assert.ok(events.some((e) => e.type === 'VmMigrationFailed'));
+    const back = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));
+    assert.equal(back.state, 'running');
+    assert.equal(back.host_id, 'h1');
+    const from = await advances(vm.id);
+    assert.ok(from >= before, `the source resumed where it froze: ${before} -> ${from}`);
+    await answers(back.endpoints[0].url);
+
+    const kept = await c.request('POST', `/v1/vms/${vm.id}/migrate`, {
+      as: 'acme',
+      body: { live: true, target_host_id: 'h2', keep_paused: true },
+    });
+    assert.equal(problemOf(kept).code, 'MIGRATION_FAILED');
+    assert.equal((kept.body as { details?: { source?: string } }).details?.source, 'paused');
+    const paused = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));
+    assert.equal(paused.state, 'paused', 'left frozen for the caller');
+    const resumed = ok(await c.request('POST', `/v1/vms/${vm.id}/resume`, { as: 'acme' }));
+    assert.equal(resumed.host_id, 'h1');
+    await advances(vm.id);
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
+  });
 });
