@@ -6,7 +6,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import type { Actor, VmCommands } from '../vm/vm-commands.js';
-import { forkSpec } from './fork-migrate.js';
+import { forkSpec } from './fork-spec.js';
 
 export const MAX_FORKS = 100;
 /** Forks booted at once: each is a restore on some host, and a hundred at a time would only queue on their agents. */

@@ -6,15 +6,17 @@ import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/
 import type { Position } from '../../domain/event-store.port.js';
 import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
-import { placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
+import { placementRequestOf } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
-import { sandboxName, type Actor, type GuestInputs, type VmCommands } from '../vm/vm-commands.js';
+import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import { LiveFork, type ForkManyResult } from './fork-live.js';
+import { forkSpec } from './fork-spec.js';
+export { forkSpec } from './fork-spec.js';
 import { LiveMigrate, type LiveMigrateResult } from './live-migrate.js';
 
 export interface ForkResult {
@@ -322,30 +324,4 @@ export class ForkMigrate {
     const r = await this.migrationHandler.handle(vmId, command, actor);
     return r.position;
   }
-}
-
-/** A fork's spec: the source's shape, seeded from the snapshot; what the disk already carries is not replayed. */
-export function forkSpec(src: StoredVmSpec, snapshotId: string, guest: GuestInputs): Record<string, unknown> {
-  const {
-    image: _i,
-    file_paths: _f,
-    startup_script: _s,
-    startup_script_encrypted: _se,
-    secrets_encrypted: _sec,
-    startup_script_timeout_s: _t,
-    host_id: _h,
-    pinned_host_id: _p,
-    seed_snapshot_id: _seed,
-    name: _n,
-    agent,
-    ...rest
-  } = src;
-  const out: Record<string, unknown> = { ...rest, seed_snapshot_id: snapshotId };
-  // The copy runs the same guest: it gets the source's secrets, sealed again under its own id.
-  if (Object.keys(guest.secrets).length > 0) out.secrets = guest.secrets;
-  if (agent) {
-    const { file_paths: _af, command_encrypted: _ce, command: _c, drain_command: _d, drain_command_encrypted: _de, ...a } = agent;
-    out.agent = { ...a, command: guest.agentCommand, ...(guest.drainCommand ? { drain_command: guest.drainCommand } : {}) };
-  }
-  return out;
 }
