@@ -274,8 +274,14 @@ describe('fork ×N and live migration through the API (real agents with CRIU)', 
     });
     assert.equal(problemOf(kept).code, 'MIGRATION_FAILED');
     assert.equal((kept.body as { details?: { source?: string } }).details?.source, 'paused');
-    const paused = ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' }));
-    assert.equal(paused.state, 'paused', 'left frozen for the caller');
+    // The read model follows the VmPaused event.
+    await eventually(
+      async () => ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).state === 'paused',
+      10_000,
+      'left paused for the caller',
+    );
+    const { state: h1 } = await c.service.hosts.load('h1');
+    assert.ok(h1.status !== 'unregistered' && !h1.reservations.has(vm.id), 'no CPU or memory held while paused');
     const resumed = ok(await c.request('POST', `/v1/vms/${vm.id}/resume`, { as: 'acme' }));
     assert.equal(resumed.host_id, 'h1');
     await advances(vm.id);
