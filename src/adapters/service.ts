@@ -289,6 +289,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       logger.child({ component: 'reconciler' }),
       onCycle,
     );
+    reconciler.idlePauser = memory;
     const lease = new PgAdvisoryLease({
       databaseUrl: opts.databaseUrl,
       name: 'reconciler',

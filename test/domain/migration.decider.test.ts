@@ -152,4 +152,23 @@ describe('migration decider', () => {
       /STORED_EVENT_INVALID|does not match/,
     );
   });
+
+  test('A live migration records its downtime on the boot step, and the event parses back', () => {
+    const events = given(migrationDecider, [started, done('snapshot', 1), done('place', 2, { host_id: 'h2' }), done('move', 3)])
+      .when({ type: 'CompleteMigrationStep', data: { vm_id: 'v1', step: 'boot', detail: {}, downtime_ms: 420 } })
+      .events();
+    assert.equal(events.length, 1);
+    const e = events[0]!;
+    const back = decodeMigrationStreamEvent({
+      id: '',
+      streamId: 'vm-v1',
+      type: e.type,
+      revision: 0n,
+      position: '',
+      data: JSON.parse(JSON.stringify(e.data)) as never,
+      metadata: {},
+      created: T0,
+    });
+    assert.equal(back?.type === 'VmMigrationStepCompleted' ? back.data.downtime_ms : undefined, 420);
+  });
 });

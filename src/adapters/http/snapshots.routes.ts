@@ -3,6 +3,7 @@ import type { ZodTypeProvider } from 'fastify-type-provider-zod';
 import type { Pool } from 'pg';
 import { z } from 'zod';
 import type { ForkMigrate } from '../../commands/migrate/fork-migrate.js';
+import { MAX_FORKS } from '../../commands/migrate/fork-live.js';
 import {
   assertLayerKey,
   createSnapshotRequestSchema,
@@ -58,6 +59,15 @@ export const snapshotSchema = z.object({
 });
 type SnapshotOut = z.infer<typeof snapshotSchema>;
 const snapshotCommandResult = snapshotSchema.extend({ position: z.string().nullable() });
+
+/** `POST /v1/vms/:id/fork {count}`: one entry per fork, in order: the VM, or why that fork alone failed. */
+const forkManySchema = z.object({
+  seed_snapshot_id: z.string(),
+  kind: z.string(),
+  forks: z.array(
+    z.union([z.object({ vm: vmSchema }), z.object({ error: z.object({ code: z.string(), status: z.number(), message: z.string() }) })]),
+  ),
+});
 
 function fromRow(r: SnapshotRow): SnapshotOut {
   return { ...r, exports: r.exports.map((e) => ({ ...e })) };
@@ -327,16 +337,33 @@ export function snapshotRoutes(deps: SnapshotRoutesDeps) {
         {
           schema: {
             tags: ['vms'],
-            summary: 'Fork a VM: snapshot it (or reuse a ready snapshot) and create a new VM from it with fresh credentials',
+            summary:
+              'Fork a VM: snapshot it (or reuse a ready snapshot) and create a new VM from it with fresh credentials. With count (1-100): one capture (live where the host has CRIU: the forks continue its processes) restored count times; one result per fork (201 all made, 207 otherwise)',
             params,
             body: z
-              .object({ comment: z.string().max(1024).optional(), reuse_snapshot_id: z.string().max(64).optional() })
+              .object({
+                comment: z.string().max(1024).optional(),
+                reuse_snapshot_id: z.string().max(64).optional(),
+                count: z.number().int().min(1).max(MAX_FORKS).optional(),
+              })
               .strict()
               .optional(),
-            response: { 201: vmSchema.extend({ position: z.string().nullable(), seed_snapshot_id: z.string() }), ...problemResponses },
+            response: {
+              201: z.union([vmSchema.extend({ position: z.string().nullable(), seed_snapshot_id: z.string() }), forkManySchema]),
+              207: forkManySchema,
+              ...problemResponses,
+            },
           },
         },
         async (req, reply) => {
+          const count = req.body?.count;
+          if (count !== undefined) {
+            const many = await fm.forkMany(req.params.id, { ...req.body, count }, actorOf(req));
+            const forks = many.forks.map((f) => (f.ok ? { vm: vmFromState(f.vm) } : { error: f.error }));
+            return reply
+              .status(many.forks.every((f) => f.ok) ? 201 : 207)
+              .send({ seed_snapshot_id: many.snapshotId, kind: many.kind, forks });
+          }
           const r = await fm.fork(req.params.id, req.body ?? {}, actorOf(req));
           return reply.status(201).send({ ...vmFromState(r.vm), position: r.position ?? null, seed_snapshot_id: r.snapshotId });
         },
@@ -347,21 +374,39 @@ export function snapshotRoutes(deps: SnapshotRoutesDeps) {
         {
           schema: {
             tags: ['vms'],
-            summary: 'Cold-migrate a VM to another host (it keeps its id); live: true is refused on backends that cannot capture memory',
+            summary:
+              'Migrate a VM to another host (it keeps its id): cold, or live (processes survive; hosts with CRIU) with the downtime in the answer; live is refused before anything freezes when no target can restore it',
             params,
             body: z
-              .object({ target_host_id: z.string().max(64).optional(), live: z.boolean().default(false), lazy: z.boolean().default(false) })
+              .object({
+                target_host_id: z.string().max(64).optional(),
+                live: z.boolean().default(false),
+                lazy: z.boolean().default(false),
+                keep_paused: z.boolean().default(false),
+              })
               .strict()
               .optional(),
             response: {
-              200: vmSchema.extend({ position: z.string().nullable(), from_host_id: z.string(), snapshot_id: z.string() }),
+              200: vmSchema.extend({
+                position: z.string().nullable(),
+                from_host_id: z.string(),
+                snapshot_id: z.string(),
+                downtime_ms: z.number().optional(),
+                readdressed: z.boolean().optional(),
+              }),
               ...problemResponses,
             },
           },
         },
         async (req) => {
-          const r = await fm.migrate(req.params.id, req.body ?? { live: false, lazy: false }, actorOf(req));
-          return { ...vmFromState(r.vm), position: r.position ?? null, from_host_id: r.fromHostId, snapshot_id: r.snapshotId };
+          const r = await fm.migrate(req.params.id, req.body ?? { live: false, lazy: false, keep_paused: false }, actorOf(req));
+          return {
+            ...vmFromState(r.vm),
+            position: r.position ?? null,
+            from_host_id: r.fromHostId,
+            snapshot_id: r.snapshotId,
+            ...(r.live ? { downtime_ms: r.live.downtimeMs, readdressed: r.live.readdressed } : {}),
+          };
         },
       );
     }

@@ -41,6 +41,27 @@ export function vmMemoryRoutes(deps: VmMemoryRoutesDeps) {
         return { ...fromState(r.vm), position: r.position ?? null };
       },
     );
+    app.get(
+      '/v1/vms/:id/memory',
+      {
+        schema: {
+          tags: ['vms'],
+          summary:
+            'Where the VM memory is: done once every page is on its host (always, for the full restores built here; a lazy restore would count chunks)',
+          params,
+          response: {
+            200: z.object({
+              resident_chunks: z.number(),
+              total_chunks: z.number(),
+              done: z.boolean(),
+              error: z.string().optional(),
+            }),
+            ...problemResponses,
+          },
+        },
+      },
+      async (req) => deps.memory.memoryStatus(req.params.id, actorOf(req)),
+    );
     app.post(
       '/v1/vms/:id/restore',
       {

@@ -6,7 +6,7 @@ import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/
 import type { Position } from '../../domain/event-store.port.js';
 import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
-import { parseVmSpec, placementRequestOf, type StoredVmSpec } from '../../domain/vm/spec.js';
+import { parseVmSpec, placementRequestOf } from '../../domain/vm/spec.js';
 import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
@@ -14,7 +14,11 @@ import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import { snapshotRequest } from '../snapshot/snapshot-request.js';
-import { sandboxName, type Actor, type GuestInputs, type VmCommands } from '../vm/vm-commands.js';
+import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
+import { LiveFork, type ForkManyResult } from './fork-live.js';
+import { forkSpec } from './fork-spec.js';
+export { forkSpec } from './fork-spec.js';
+import { LiveMigrate, type LiveMigrateResult } from './live-migrate.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -24,6 +28,8 @@ export interface ForkResult {
 
 export interface MigrateResult extends ForkResult {
   readonly fromHostId: string;
+  /** A live migration's figures. */
+  readonly live?: Pick<LiveMigrateResult, 'downtimeMs' | 'readdressed' | 'ip'> | undefined;
 }
 
 /** Backends whose agents can capture guest memory (seed: live migration needs firecracker). */
@@ -37,6 +43,8 @@ const LIVE_CAPABLE_BACKENDS: ReadonlySet<string> = new Set(['firecracker']);
 export class ForkMigrate {
   private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
+  private readonly liveFork: LiveFork;
+  private readonly liveMigrate: LiveMigrate;
 
   constructor(
     private readonly handler: CommandHandler,
@@ -48,6 +56,17 @@ export class ForkMigrate {
   ) {
     this.migrationHandler = bindAggregate(handler, migrationAggregate);
     this.vmHandler = bindAggregate(handler, vmAggregate);
+    this.liveFork = new LiveFork(hosts, placer, vms, snapshots, logger);
+    this.liveMigrate = new LiveMigrate(handler, hosts, placer, vms, logger);
+  }
+
+  /** `count` forks of one capture (fork-live.ts): live where the source's host captures memory. */
+  forkMany(
+    vmId: string,
+    opts: { count: number; comment?: string | undefined; reuse_snapshot_id?: string | undefined },
+    actor: Actor,
+  ): Promise<ForkManyResult> {
+    return this.liveFork.forkMany(vmId, opts, actor);
   }
 
   async fork(
@@ -81,7 +100,7 @@ export class ForkMigrate {
 
   async migrate(
     vmId: string,
-    opts: { target_host_id?: string | undefined; live: boolean; lazy?: boolean | undefined },
+    opts: { target_host_id?: string | undefined; live: boolean; lazy?: boolean | undefined; keep_paused?: boolean | undefined },
     actor: Actor,
   ): Promise<MigrateResult> {
     const vm = await this.vms.get(vmId, actor);
@@ -94,6 +113,35 @@ export class ForkMigrate {
     const { state: source } = await this.hosts.load(fromHostId);
     const backend = source.status === 'unregistered' ? 'unknown' : source.backend;
     if (opts.lazy && !opts.live) throw new ValidationError('lazy needs live: true', [{ path: 'lazy', message: 'needs live' }]);
+    if (opts.keep_paused && !opts.live)
+      throw new ValidationError('keep_paused needs live: true', [{ path: 'keep_paused', message: 'needs live' }]);
+    if (opts.target_host_id === fromHostId)
+      throw new ValidationError(
+        `target_host_id ${fromHostId} is the VM's own host: pick another`,
+        [{ path: 'target_host_id', message: 'same as the source host' }],
+        'MIGRATION_TARGET_IS_SOURCE',
+      );
+    // A host that checkpoints memory (CRIU) migrates live itself; a lazy move (memory paged in afterwards) is not driven from here yet.
+    const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
+    if (opts.lazy && criuSource)
+      throw new AppError(
+        'LAZY_MIGRATION_UNSUPPORTED',
+        501,
+        `lazy migration is not built yet; vm ${vmId} is still running on ${fromHostId}`,
+        {
+          vm_id: vmId,
+        },
+      );
+    if (opts.live && criuSource) {
+      const r = await this.liveMigrate.migrate(
+        vm,
+        fromHostId,
+        source,
+        { target_host_id: opts.target_host_id, keep_paused: opts.keep_paused ?? false },
+        actor,
+      );
+      return { vm: r.vm, position: r.position, snapshotId: r.checkpointId, fromHostId, live: r };
+    }
     if (opts.live && !LIVE_CAPABLE_BACKENDS.has(backend)) {
       // Never a silent cold fallback: the caller asked for processes to survive and hears, while the source still runs, that they would not.
       throw new ConflictError(
@@ -114,12 +162,6 @@ export class ForkMigrate {
         { vm_id: vmId },
       );
     if (opts.target_host_id !== undefined) {
-      if (opts.target_host_id === fromHostId)
-        throw new ValidationError(
-          `target_host_id ${fromHostId} is the VM's own host: pick another`,
-          [{ path: 'target_host_id', message: 'same as the source host' }],
-          'MIGRATION_TARGET_IS_SOURCE',
-        );
       const { state: t } = await this.hosts.load(opts.target_host_id);
       if (t.status === 'unregistered')
         throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
@@ -283,30 +325,4 @@ export class ForkMigrate {
     const r = await this.migrationHandler.handle(vmId, command, actor);
     return r.position;
   }
-}
-
-/** A fork's spec: the source's shape, seeded from the snapshot; what the disk already carries is not replayed. */
-export function forkSpec(src: StoredVmSpec, snapshotId: string, guest: GuestInputs): Record<string, unknown> {
-  const {
-    image: _i,
-    file_paths: _f,
-    startup_script: _s,
-    startup_script_encrypted: _se,
-    secrets_encrypted: _sec,
-    startup_script_timeout_s: _t,
-    host_id: _h,
-    pinned_host_id: _p,
-    seed_snapshot_id: _seed,
-    name: _n,
-    agent,
-    ...rest
-  } = src;
-  const out: Record<string, unknown> = { ...rest, seed_snapshot_id: snapshotId };
-  // The copy runs the same guest: it gets the source's secrets, sealed again under its own id.
-  if (Object.keys(guest.secrets).length > 0) out.secrets = guest.secrets;
-  if (agent) {
-    const { file_paths: _af, command_encrypted: _ce, command: _c, drain_command: _d, drain_command_encrypted: _de, ...a } = agent;
-    out.agent = { ...a, command: guest.agentCommand, ...(guest.drainCommand ? { drain_command: guest.drainCommand } : {}) };
-  }
-  return out;
 }

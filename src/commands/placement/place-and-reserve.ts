@@ -1,7 +1,7 @@
 import { AppError } from '@fleet/agent-protocol';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { hostAggregate } from '../../domain/host/host.aggregate.js';
-import type { Placement, PlacementOptions, PlacementPolicy, PlacementRequest } from '../../domain/placement/placement.js';
+import type { Placement, PlacementHost, PlacementOptions, PlacementPolicy, PlacementRequest } from '../../domain/placement/placement.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { VmReservation } from '../../domain/vm/vm.events.js';
 import type { CommandHandler, CommandMeta } from '../command-handler.js';
@@ -134,6 +134,11 @@ export class Placer {
         await this.view.refresh(hostId);
       }
     }
+  }
+
+  /** The hosts as placement sees them (for a flow that must leave out hosts lacking a capability). */
+  hosts(): Promise<PlacementHost[]> {
+    return this.view.snapshot();
   }
 
   async release(hostId: string, vmId: string, meta: CommandMeta): Promise<void> {

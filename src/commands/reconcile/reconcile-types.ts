@@ -41,6 +41,8 @@ export interface LiveVmHint {
   readonly last_activity_at: Date;
   readonly max_runtime_s: number | null;
   readonly idle_timeout_s: number | null;
+  /** The spec's on_idle: `pause` pauses an idle VM instead of destroying it. */
+  readonly on_idle?: string | null | undefined;
   /** Its deadline (boot + max_runtime_s, or a PATCHed timeout); null or absent: none recorded. */
   readonly timeout_at?: Date | null | undefined;
   /** The spec's healthcheck, when it declared one. */

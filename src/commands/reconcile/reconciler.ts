@@ -25,7 +25,7 @@ import {
   stoppedReportOf,
 } from './reconcile-types.js';
 import { Sweeps } from './sweeps.js';
-import { VmRepairs } from './vm-repairs.js';
+import { VmRepairs, type IdlePauser } from './vm-repairs.js';
 export type {
   LiveVmHint,
   ReconcileReadModel,
@@ -86,6 +86,11 @@ export class Reconciler {
     this.sweeps = new Sweeps(this.store, hosts, vms, config, logger, clock);
     this.repairs = new VmRepairs(this.store, vms, config, logger);
     this.checks = new HostChecks(config, logger);
+  }
+
+  /** Wired after construction (service.ts): idle VMs with on_idle: pause are paused through it. */
+  set idlePauser(pauser: IdlePauser | undefined) {
+    this.repairs.idlePauser = pauser;
   }
 
   get isActive(): boolean {

@@ -1,4 +1,5 @@
 import type { Logger } from 'pino';
+import { AppError } from '@fleet/agent-protocol';
 import { assertNever } from '../../domain/decider.js';
 import { classifyHostAgentError, type HostAgent } from '../../domain/host-agent.port.js';
 import { decideVm, suspect, type VmHint } from '../../domain/reconcile/reconcile.js';
@@ -6,6 +7,11 @@ import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { ReconcileStore } from './reconcile-store.js';
 import type { StoppedSandboxReport } from '../../domain/vm/vm.lifecycle.js';
 import { errInfo, type LiveVmHint, type ReconcilerConfig, type ReconcileSummary } from './reconcile-types.js';
+
+/** What pauses an idle VM whose spec says on_idle: pause (the memory commands). */
+export interface IdlePauser {
+  pause(vmId: string, actor: Actor): Promise<unknown>;
+}
 
 /**
  * One VM against its host's listing: the pure decision (domain/reconcile)
@@ -15,6 +21,8 @@ import { errInfo, type LiveVmHint, type ReconcilerConfig, type ReconcileSummary 
 export class VmRepairs {
   /** VMs seen absent from their host's listing: failed `missing` only on the second listing in a row. */
   private readonly absent = new Map<string, number>();
+  /** Pauses an idle VM whose spec says on_idle: pause (the memory commands; wired after construction). */
+  idlePauser: IdlePauser | undefined;
 
   constructor(
     private readonly store: ReconcileStore,
@@ -123,6 +131,20 @@ export class VmRepairs {
         if (await this.tryDestroy(agent, name, hint.id, hostId)) gone.add(name);
         return;
       case 'destroy_idle':
+        if (hint.on_idle === 'pause' && this.idlePauser) {
+          try {
+            await this.idlePauser.pause(hint.id, actor);
+            this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: verdict.idleMs }, 'idle vm: paused (on_idle: pause)');
+            return;
+          } catch (err) {
+            // A host that cannot checkpoint (the VM was cold-migrated onto one) ends it as before; anything else is retried.
+            if (!(err instanceof AppError && err.code === 'MEMORY_CHECKPOINT_UNSUPPORTED')) {
+              s.errors++;
+              this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'idle pause did not finish; retried next cycle');
+              return;
+            }
+          }
+        }
         this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: verdict.idleMs }, 'idle vm: destroying');
         try {
           await this.vms.destroy(hint.id, actor, 'idle');

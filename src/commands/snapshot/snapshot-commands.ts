@@ -5,6 +5,7 @@ import type { ExistingSnapshot, SnapshotAggregate } from '../../domain/snapshot/
 import type { SnapshotDeleteReason } from '../../domain/snapshot/snapshot.events.js';
 import type { CommandHandler, CommandMeta, Loaded } from '../command-handler.js';
 import { SnapshotGc } from '../gc/snapshot-gc.js';
+import { KeyedQueue } from '../keyed-queue.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Actor, SeedArtifacts, VmCommands } from '../vm/vm-commands.js';
 import { ArtifactMoves } from './artifact-moves.js';
@@ -34,6 +35,8 @@ export class SnapshotCommands implements SeedArtifacts {
   private readonly quota: SnapshotQuota;
   private readonly creator: SnapshotCreate;
   private readonly moves: ArtifactMoves;
+  /** Forks placed together on one host wait for one copy of their seed instead of pulling it twice. */
+  private readonly copies = new KeyedQueue();
 
   constructor(
     handler: CommandHandler,
@@ -159,7 +162,11 @@ export class SnapshotCommands implements SeedArtifacts {
    * target verifies the sha256 and commits atomically), bounded by
    * ARTIFACT_PULL_TIMEOUT; then the move is an event and the target a holder.
    */
-  async ensureOn(snapshotId: string, hostId: string, actor: Actor): Promise<void> {
+  ensureOn(snapshotId: string, hostId: string, actor: Actor): Promise<void> {
+    return this.copies.run(`${snapshotId}@${hostId}`, () => this.copyTo(snapshotId, hostId, actor));
+  }
+
+  private async copyTo(snapshotId: string, hostId: string, actor: Actor): Promise<void> {
     const s = await this.get(snapshotId, actor);
     if (s.status !== 'ready')
       throw new ConflictError('SNAPSHOT_NOT_READY', `snapshot ${snapshotId} is ${s.status}`, { snapshot_id: snapshotId, state: s.status });

@@ -17,6 +17,10 @@ export interface SandboxBoot {
   readonly image?: string | undefined;
   /** A disk to boot from, already on the host (a seed snapshot, or the VM's own disk when it migrates). */
   readonly checkpointId?: string | undefined;
+  /** Resume the processes of `checkpointId` (a live checkpoint) instead of booting its disk. */
+  readonly resume?: boolean | undefined;
+  /** The address to keep if it is free on the host (a live move). */
+  readonly ipHint?: string | undefined;
   /** Applied only inside the guest: to the startup script, the in-guest agent and every exec. */
   readonly env: Record<string, string>;
   /** The in-guest agent in clear; `files` empty for a disk that already carries them. */
@@ -73,7 +77,13 @@ export async function bootSandbox(
     ...(spec.net_raw ? { net_raw: true } : {}),
     egress: agentEgressOf(spec.egress),
     env: boot.env,
-    ...(boot.network ? { network: { id: boot.network.id, subnet: boot.network.subnet }, ip_hint: boot.network.ip } : {}),
+    ...(boot.resume ? { resume: true } : {}),
+    // A network member's address is its network's reservation; otherwise a hint (a live move asks for its old address).
+    ...(boot.network
+      ? { network: { id: boot.network.id, subnet: boot.network.subnet }, ip_hint: boot.network.ip }
+      : boot.ipHint
+        ? { ip_hint: boot.ipHint }
+        : {}),
   });
   hooks.onCreated?.();
   if (boot.network && info.ip !== boot.network.ip) {

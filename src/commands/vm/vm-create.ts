@@ -82,7 +82,14 @@ export class VmCreate {
       if (requested.vm.tenant_id !== actor.tenantId) throw new NotFoundError('VM_NOT_FOUND', `vm ${vmId} does not exist`);
       return this.settled(vmId, requested);
     }
-    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts: opts.excludeHosts }, network);
+    // An idle VM that is to be paused must sit where memory can be checkpointed.
+    let excludeHosts = opts.excludeHosts;
+    if (spec.on_idle === 'pause') {
+      const unfit = new Set(excludeHosts);
+      for (const h of await this.placer.hosts()) if (h.capacity.live_snapshot !== true) unfit.add(h.id);
+      excludeHosts = unfit;
+    }
+    return this.placeAndBoot(requested.vm, spec, actor, { artifactHosts, excludeHosts }, network, opts.resume === true);
   }
 
   private sealSpec(vmId: string, spec: VmSpec): SealedSpecFields {
@@ -146,6 +153,7 @@ export class VmCreate {
     actor: Actor,
     where: PlaceHints = {},
     network?: NetworkJoinPlan,
+    resume = false,
   ): Promise<VmResult> {
     const vmId = vm.vm_id;
     const started = Date.now();
@@ -188,10 +196,16 @@ export class VmCreate {
           spec,
           image: spec.image,
           checkpointId: spec.seed_snapshot_id,
+          resume,
           env: spec.secrets ?? {},
           network: member,
+          // A resumed copy already runs the in-guest agent it captured: only its ports and drain command are registered.
           agent: spec.agent
-            ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} }
+            ? {
+                command: resume ? 'true' : spec.agent.command,
+                drainCommand: spec.agent.drain_command ?? '',
+                files: resume ? {} : (spec.agent.files ?? {}),
+              }
             : undefined,
         },
         { onCreated: () => (created = true), setup: (name) => setUpGuest(agent, name, spec, token, this.config.startupScriptTimeoutMs) },

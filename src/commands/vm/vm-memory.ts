@@ -10,6 +10,7 @@ import type { ExistingVmState, VmCommand } from '../../domain/vm/vm.decider.js';
 import type { Position } from '../../domain/event-store.port.js';
 import { sandboxName, type Actor, type VmCommands } from './vm-commands.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
+import { resumeElsewhere } from './resume-elsewhere.js';
 
 export interface VmMemoryResult {
   readonly vm: ExistingVmState;
@@ -81,12 +82,14 @@ export class VmMemory {
         });
       const started = Date.now();
       // Its disk and checkpoint are on its host: it resumes there, with its CPU and memory reserved again.
-      const placed = await this.placer.placeAndReserve(
-        vmId,
-        { ...placementRequestOf(vm.spec), pinned_host_id: vm.host_id },
-        vm.spec,
-        actor,
-      );
+      const placed = await this.placer
+        .placeAndReserve(vmId, { ...placementRequestOf(vm.spec), pinned_host_id: vm.host_id }, vm.spec, actor)
+        .catch((err: unknown) => {
+          if (err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED') return undefined;
+          throw err;
+        });
+      // No room there any more: the checkpoint moves to a host that has some.
+      if (!placed) return this.resumeOnAnotherHost(vm, started, actor);
       try {
         const agent = await this.hosts.agentFor(placed.hostId);
         const info = await agent.resumeVm(sandboxName(vmId));
@@ -111,6 +114,61 @@ export class VmMemory {
         throw err;
       }
     });
+  }
+
+  /**
+   * Where the VM's memory is (the seed's MemoryStatus). Every restore this
+   * control plane drives copies the whole image before the processes run,
+   * so there is never anything left to page in: done, with no chunks
+   * outstanding. A lazy restore (memory paged in after resume) would report
+   * its progress here; it is not built.
+   */
+  async memoryStatus(
+    vmId: string,
+    actor: Actor,
+  ): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string | undefined }> {
+    const vm = await this.vms.get(vmId, actor);
+    if (vm.status !== 'running' && vm.status !== 'paused')
+      throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: it has no memory to report on`, {
+        vm_id: vmId,
+        status: vm.status,
+      });
+    return { resident_chunks: 0, total_chunks: 0, done: true };
+  }
+
+  private async resumeOnAnotherHost(
+    vm: Extract<ExistingVmState, { status: 'paused' }>,
+    started: number,
+    actor: Actor,
+  ): Promise<VmMemoryResult> {
+    const vmId = vm.vm_id;
+    const moved = await resumeElsewhere({ hosts: this.hosts, placer: this.placer, vms: this.vms, logger: this.logger }, vm, actor);
+    const shown = this.vms.ingress ? await this.vms.ingress.present(vmId, moved.endpoints) : undefined;
+    const r = await this.run(
+      vmId,
+      {
+        type: 'ResumeVm',
+        data: {
+          vm_id: vmId,
+          host_id: moved.placed.hostId,
+          decision: moved.placed.choice.decision,
+          reservation: moved.placed.reservation,
+          endpoints: shown?.endpoints ?? moved.endpoints,
+          resume_ms: Date.now() - started,
+        },
+      },
+      actor,
+    );
+    await this.vms.ingress
+      ?.adopt(vmId, moved.placed.hostId, moved.endpoints, actor)
+      .catch((err: unknown) =>
+        this.logger.error(
+          { vm_id: vmId, err: { message: (err as Error).message } },
+          'resumed elsewhere, but its ingress routes still name the origin',
+        ),
+      );
+    await moved.cleanup();
+    return r;
   }
 
   /**

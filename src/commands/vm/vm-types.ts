@@ -44,6 +44,8 @@ export interface SeedArtifacts {
 /** For flows built on create (fork, migrate): hosts to avoid. */
 export interface CreateOptions {
   readonly excludeHosts?: ReadonlySet<string> | undefined;
+  /** Resume the processes of the seed (a live snapshot) instead of booting its disk: a fork of a running VM. */
+  readonly resume?: boolean | undefined;
 }
 
 /** A caller: the tenant from its key, or an admin that may touch any tenant's VM. */

@@ -7,7 +7,7 @@ import { parseVmEvent, type VmMigrated } from '../vm/vm.events.js';
 import { isMigrationEventType, MIGRATION_STEPS, parseMigrationEvent, type MigrationEvent, type MigrationStep } from './migration.events.js';
 
 /**
- * A VM's cold migrations, decided on the VM's own stream: one attempt at a
+ * A VM's migrations (cold, or live: the same steps, `snapshot` being the freeze), decided on the VM's own stream: one attempt at a
  * time, its steps in order (`destroy_source` may be skipped: a source the
  * flow could not destroy is the reconciler's to collect), the steps after
  * `switch` only once VmMigrated moved the VM. An attempt that stopped
@@ -26,7 +26,12 @@ export type MigrationCommand =
     }
   | {
       readonly type: 'CompleteMigrationStep';
-      readonly data: { readonly vm_id: string; readonly step: MigrationStep; readonly detail: Record<string, string> };
+      readonly data: {
+        readonly vm_id: string;
+        readonly step: MigrationStep;
+        readonly detail: Record<string, string>;
+        readonly downtime_ms?: number | undefined;
+      };
     }
   | {
       readonly type: 'FailMigration';
@@ -84,7 +89,8 @@ function decide(command: MigrationCommand, state: MigrationState, ctx: { now: Da
           { vm_id, step, last_step: s.last_step },
         );
       }
-      return [{ type: 'VmMigrationStepCompleted', data: { vm_id, step, detail: { ...command.data.detail }, at } }];
+      const { downtime_ms } = command.data;
+      return [{ type: 'VmMigrationStepCompleted', data: compact({ vm_id, step, detail: { ...command.data.detail }, downtime_ms, at }) }];
     }
     case 'FailMigration': {
       inProgress(state, vm_id, 'record its failure');

@@ -20,7 +20,14 @@ export const migrationEventSchema = z.discriminatedUnion('type', [
   }),
   z.object({
     type: z.literal('VmMigrationStepCompleted'),
-    data: z.object({ vm_id: idSchema, step: migrationStepSchema, detail: z.record(z.string(), z.string()), at }),
+    data: z.object({
+      vm_id: idSchema,
+      step: migrationStepSchema,
+      detail: z.record(z.string(), z.string()),
+      /** A live migration's `boot` step: from the source's freeze to the processes running on the target. */
+      downtime_ms: z.number().int().nonnegative().optional(),
+      at,
+    }),
   }),
   z.object({
     type: z.literal('VmMigrationFailed'),

@@ -136,6 +136,8 @@ const vmSpecObject = z.object({
   labels: labelsSchema.optional(),
   max_runtime_s: z.number().int().nonnegative().optional(),
   idle_timeout_s: z.number().int().nonnegative().optional(),
+  /** What an idle timeout does: destroy (default), or pause (memory checkpoint; placed only on hosts that can take one). */
+  on_idle: z.enum(['pause', 'destroy']).optional(),
   image: z.string().min(1).max(256).optional(),
   seed_snapshot_id: idSchema.optional(),
   pinned_host_id: idSchema.optional(),

@@ -37,12 +37,13 @@ export async function listLiveVmHints(sql: Sql): Promise<LiveVmHintRow[]> {
     last_activity_at: Date;
     max_runtime_s: string | null;
     idle_timeout_s: string | null;
+    on_idle: string | null;
     timeout_at: Date | null;
     healthcheck: LiveVmHintRow['healthcheck'];
     egress_proxy: string | null;
   }>(
     `SELECT id, state, host_id, state_changed_at, last_activity_at, timeout_at,
-            (spec->>'max_runtime_s')::bigint AS max_runtime_s, (spec->>'idle_timeout_s')::bigint AS idle_timeout_s, spec->'healthcheck' AS healthcheck,
+            (spec->>'max_runtime_s')::bigint AS max_runtime_s, (spec->>'idle_timeout_s')::bigint AS idle_timeout_s, spec->>'on_idle' AS on_idle, spec->'healthcheck' AS healthcheck,
             CASE WHEN spec->'egress'->>'mode' = 'proxy' THEN spec->'egress'->>'provider' END AS egress_proxy
        FROM vms WHERE state NOT IN ('destroyed', 'failed')`,
   );

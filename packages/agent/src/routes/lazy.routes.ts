@@ -5,7 +5,11 @@ import { toWireCheckpoint } from '../artifacts.js';
 import type { LazyMemoryApi } from '../backend.js';
 import { verifyGrant } from '../grants.js';
 import { parse } from '../parse.js';
-import { idParam, nameParam, toVmInfo, type AgentRouteContext } from './context.js';
+import { nameParam, toVmInfo, type AgentRouteContext } from './context.js';
+import { checkpointId, paramOf } from './route-schema.js';
+
+const checkpointParams = { id: checkpointId } as const;
+const idParam = (req: FastifyRequest): string => paramOf(req, checkpointParams, 'id');
 
 /**
  * Lazy (post-copy) moves, agent to agent (criu-lazy-sandbox.ts):
