@@ -49,7 +49,7 @@ export type BoundOf<A> = A extends Aggregate<infer C, infer E, infer S> ? BoundH
 /** A command handler bound to one aggregate: callers name an instance by id, never a stream. */
 export interface BoundHandler<C, E, S> {
   load(id: string): Promise<Loaded<S>>;
-  handle(id: string, command: C | ((state: S) => C), meta: CommandMeta, options?: HandleOptions): Promise<Handled<S, E>>;
+  handle(id: string, command: C | readonly C[] | ((state: S) => C), meta: CommandMeta, options?: HandleOptions): Promise<Handled<S, E>>;
 }
 
 /**
@@ -115,13 +115,15 @@ export class CommandHandler {
   /**
    * Runs `command` (or a function of the loaded state returning one) against
    * the stream. `onConflict` can veto another attempt (e.g. placement wants to
-   * re-decide elsewhere instead).
+   * re-decide elsewhere instead). A list of commands is decided one after
+   * another, each on the state the previous one's events left, and appended
+   * together: one durable append where there would be one per command.
    */
   async handle<C, E extends DomainEvent, S>(
     streamId: string,
     decider: Decider<C, E, S>,
     decode: EventCodec<E>,
-    command: C | ((state: S) => C),
+    command: C | readonly C[] | ((state: S) => C),
     meta: CommandMeta,
     options: HandleOptions = {},
   ): Promise<Handled<S, E>> {
@@ -135,7 +137,17 @@ export class CommandHandler {
       const now = this.clock();
       let events: readonly E[];
       try {
-        events = decider.decide(cmd, loaded.state, { now }).map(withoutNul);
+        if (Array.isArray(cmd)) {
+          const all: E[] = [];
+          let st = loaded.state;
+          for (const c of cmd as readonly C[]) {
+            for (const e of decider.decide(c, st, { now }).map(withoutNul)) {
+              all.push(e);
+              st = decider.evolve(st, e);
+            }
+          }
+          events = all;
+        } else events = decider.decide(cmd as C, loaded.state, { now }).map(withoutNul);
       } catch (err) {
         if (!cached) throw err;
         trustCache = false;
