@@ -155,6 +155,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
     }
     const hosts = new HostCommands(handler, connector, secretBox, config.CPU_OVERCOMMIT_RATIO ?? 1);
     const view = new PlacementView(hosts, () => listSchedulableHostIds(pool));
+    hosts.onAppended((hostId, state, revision) => view.set(hostId, state, revision));
     const placer = new Placer(handler, view, { policy: config.PLACEMENT_POLICY });
     const vms = new VmCommands(
       handler,

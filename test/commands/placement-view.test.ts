@@ -75,4 +75,24 @@ describe('placement view', () => {
       ['h2'],
     );
   });
+
+  test('a reload from a directory that lags keeps a host this process just wrote, and drops one deregistered elsewhere', async () => {
+    const { hosts } = await fleet([]);
+    const lagging = new PlacementView(hosts, () => Promise.resolve([]), 0);
+    await lagging.fresh();
+    const h1 = await hosts.handle('h1', register('h1'), meta);
+    lagging.set('h1', h1.state, h1.revision);
+    await lagging.fresh();
+    assert.deepEqual(
+      lagging.current().map((h) => h.id),
+      ['h1'],
+      'the read model has not seen h1 yet, but this process registered it',
+    );
+    assert.equal(lagging.placeAndHold('vm-1', want, {}).decision.host_id, 'h1');
+    lagging.release('vm-1');
+
+    await hosts.handle('h1', { type: 'DeregisterHost', data: { host_id: 'h1', force: true } }, meta);
+    await lagging.fresh();
+    assert.deepEqual(lagging.current(), [], 'the stream, not the stale cache, decides');
+  });
 });

@@ -42,15 +42,11 @@ const BASE_ENV = {
   LOG_LEVEL: process.env.FLEET_TEST_LOG ?? 'info',
 };
 
-const KNOWN_REGRESSION = 'create through a control-plane child sometimes never reaches booting since this round; first to fix next stop';
-
 describe(
   'reconciler: crashes of the control plane and of an agent',
   {
     skip: prereq,
     timeout: 420_000,
-    // KNOWN REGRESSION (this stop, named in its closing note): since the merges of this round a create through a control-plane
-    // child process sometimes never reaches booting (2 of 3 runs here); reported as todo so it still runs and shows, to be fixed first.
   },
   () => {
     let images: { imageDir: string } | { skip: string };
@@ -115,71 +111,63 @@ describe(
       await dataDir?.remove();
     });
 
-    test(
-      'SIGKILL between reservation and boot (booting, no sandbox yet): rolled back after restart',
-      { todo: KNOWN_REGRESSION },
-      async (t) => {
-        if ('skip' in images) return t.skip(images.skip);
-        // TEST HOOK: the agent create waits 60 s, so the VM sits in `booting` with its capacity reserved and no sandbox.
-        const cp = await start({ FLEET_TEST_HOOK_AGENT_DELAY_MS: 'createVm=60000' });
-        const reg = await api(cp.url, 'POST', '/v1/hosts', { id: 'h1', url: agent!.url, token: agent!.token, backend: 'process' });
-        assert.equal(reg.status, 201, JSON.stringify(reg.body));
-        const id = createAndForget(cp, 'crash-before-boot', { cpus: 1, ram_mb: 128 });
-        await waitFor('vm booting', 60_000, async () => (await vm(cp, id)).state === 'booting');
-        const host = (await api(cp.url, 'GET', '/v1/hosts/h1')).body;
-        assert.equal(host.allocated.vm_count, 1, 'capacity reserved before the crash');
-        await kill(cp);
+    test('SIGKILL between reservation and boot (booting, no sandbox yet): rolled back after restart', async (t) => {
+      if ('skip' in images) return t.skip(images.skip);
+      // TEST HOOK: the agent create waits 60 s, so the VM sits in `booting` with its capacity reserved and no sandbox.
+      const cp = await start({ FLEET_TEST_HOOK_AGENT_DELAY_MS: 'createVm=60000' });
+      const reg = await api(cp.url, 'POST', '/v1/hosts', { id: 'h1', url: agent!.url, token: agent!.token, backend: 'process' });
+      assert.equal(reg.status, 201, JSON.stringify(reg.body));
+      const id = createAndForget(cp, 'crash-before-boot', { cpus: 1, ram_mb: 128 });
+      await waitFor('vm booting', 60_000, async () => (await vm(cp, id)).state === 'booting');
+      const host = (await api(cp.url, 'GET', '/v1/hosts/h1')).body;
+      assert.equal(host.allocated.vm_count, 1, 'capacity reserved before the crash');
+      await kill(cp);
 
-        const cp2 = await start();
-        const t0 = Date.now();
-        const states = await waitFor('converged after the crash', BOUND_MS, () => converged(cp2, [id]), 200);
-        t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
-        const v = await vm(cp2, id);
-        assert.equal(v.state, 'failed');
-        assert.equal(v.reason, 'orphaned');
-        assert.equal(v.error_code, 'INTERRUPTED');
-        assert.match(v.error, /booting/);
+      const cp2 = await start();
+      const t0 = Date.now();
+      const states = await waitFor('converged after the crash', BOUND_MS, () => converged(cp2, [id]), 200);
+      t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
+      const v = await vm(cp2, id);
+      assert.equal(v.state, 'failed');
+      assert.equal(v.reason, 'orphaned');
+      assert.equal(v.error_code, 'INTERRUPTED');
+      assert.match(v.error, /booting/);
 
-        // A healthy VM created now stays running through every later crash.
-        const ok = await api(cp2.url, 'POST', '/v1/vms', { cpus: 1, ram_mb: 128 }, { headers: { 'idempotency-key': 'healthy-1' } });
-        assert.equal(ok.status, 201, JSON.stringify(ok.body));
-        healthy.push(ok.body.id);
-        await kill(cp2);
-      },
-    );
+      // A healthy VM created now stays running through every later crash.
+      const ok = await api(cp2.url, 'POST', '/v1/vms', { cpus: 1, ram_mb: 128 }, { headers: { 'idempotency-key': 'healthy-1' } });
+      assert.equal(ok.status, 201, JSON.stringify(ok.body));
+      healthy.push(ok.body.id);
+      await kill(cp2);
+    });
 
-    test(
-      'SIGKILL between boot and the running event (sandbox created, startup script running): sandbox destroyed, capacity released',
-      { todo: KNOWN_REGRESSION },
-      async (t) => {
-        if ('skip' in images) return t.skip(images.skip);
-        const cp = await start();
-        const id = createAndForget(cp, 'crash-during-boot', {
-          cpus: 1,
-          ram_mb: 128,
-          startup_script: 'sleep 40',
-          startup_script_timeout_s: 45,
-        });
-        await waitFor(
-          'sandbox created, vm booting',
-          30_000,
-          async () => (await sandboxes()).includes(`fl-${id}`) && (await vm(cp, id)).state === 'booting',
-        );
-        await kill(cp);
+    test('SIGKILL between boot and the running event (sandbox created, startup script running): sandbox destroyed, capacity released', async (t) => {
+      if ('skip' in images) return t.skip(images.skip);
+      const cp = await start();
+      const id = createAndForget(cp, 'crash-during-boot', {
+        cpus: 1,
+        ram_mb: 128,
+        startup_script: 'sleep 40',
+        startup_script_timeout_s: 45,
+      });
+      await waitFor(
+        'sandbox created, vm booting',
+        30_000,
+        async () => (await sandboxes()).includes(`fl-${id}`) && (await vm(cp, id)).state === 'booting',
+      );
+      await kill(cp);
 
-        const cp2 = await start();
-        const t0 = Date.now();
-        const states = await waitFor('converged after the crash', BOUND_MS, () => converged(cp2, [id, ...healthy]), 200);
-        t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
-        const v = await vm(cp2, id);
-        assert.equal(v.state, 'failed');
-        assert.equal(v.error_code, 'INTERRUPTED');
-        assert.equal(states[healthy[0]!], 'running');
-        await kill(cp2);
-      },
-    );
+      const cp2 = await start();
+      const t0 = Date.now();
+      const states = await waitFor('converged after the crash', BOUND_MS, () => converged(cp2, [id, ...healthy]), 200);
+      t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
+      const v = await vm(cp2, id);
+      assert.equal(v.state, 'failed');
+      assert.equal(v.error_code, 'INTERRUPTED');
+      assert.equal(states[healthy[0]!], 'running');
+      await kill(cp2);
+    });
 
-    test('SIGKILL during a destroy: the destroy is completed after restart', { todo: KNOWN_REGRESSION }, async (t) => {
+    test('SIGKILL during a destroy: the destroy is completed after restart', async (t) => {
       if ('skip' in images) return t.skip(images.skip);
       const cp0 = await start();
       const made = await api(cp0.url, 'POST', '/v1/vms', { cpus: 1, ram_mb: 128 }, { headers: { 'idempotency-key': 'to-destroy' } });
@@ -209,80 +197,72 @@ describe(
       await kill(cp2);
     });
 
-    test(
-      'SIGKILL of the host agent while a VM runs: host unreachable, then reachable again on restart; the fleet converges',
-      { todo: KNOWN_REGRESSION },
-      async (t) => {
-        if ('skip' in images) return t.skip(images.skip);
-        const cp = await start();
-        await agent!.kill();
-        const hostState = async () => (await api(cp.url, 'GET', '/v1/hosts/h1')).body.state as string;
-        const t0 = Date.now();
-        await waitFor(
-          'host marked unreachable',
-          (UNREACHABLE_AFTER + 2) * (INTERVAL_MS + 3 * 3000) + 5000,
-          async () => (await hostState()) === 'unreachable',
-        );
-        t.diagnostic(`host unreachable ${Date.now() - t0} ms after the agent died`);
-        const refused = await api(cp.url, 'POST', '/v1/vms', { cpus: 1, ram_mb: 128 });
-        assert.notEqual(refused.status, 201, 'placement skips the unreachable host');
+    test('SIGKILL of the host agent while a VM runs: host unreachable, then reachable again on restart; the fleet converges', async (t) => {
+      if ('skip' in images) return t.skip(images.skip);
+      const cp = await start();
+      await agent!.kill();
+      const hostState = async () => (await api(cp.url, 'GET', '/v1/hosts/h1')).body.state as string;
+      const t0 = Date.now();
+      await waitFor(
+        'host marked unreachable',
+        (UNREACHABLE_AFTER + 2) * (INTERVAL_MS + 3 * 3000) + 5000,
+        async () => (await hostState()) === 'unreachable',
+      );
+      t.diagnostic(`host unreachable ${Date.now() - t0} ms after the agent died`);
+      const refused = await api(cp.url, 'POST', '/v1/vms', { cpus: 1, ram_mb: 128 });
+      assert.notEqual(refused.status, 201, 'placement skips the unreachable host');
 
-        agent = await agent!.restart();
-        const t1 = Date.now();
-        await waitFor('host reachable again', 5 * INTERVAL_MS + 10_000, async () => (await hostState()) === 'active');
-        t.diagnostic(`host active ${Date.now() - t1} ms after the agent restarted`);
-        const states = await waitFor('converged after the agent restart', BOUND_MS, () => converged(cp, healthy), 200);
-        t.diagnostic(`fleet: ${JSON.stringify(states)}`);
-        const st = states[healthy[0]!]!;
-        assert.ok(st === 'running' || st === 'failed:host_lost', st);
-        if (st === 'running') {
-          const ex = await api(cp.url, 'POST', `/v1/vms/${healthy[0]}/exec`, { argv: ['echo', 'alive'] });
-          assert.equal(ex.body.stdout?.trim(), 'alive', JSON.stringify(ex.body));
-        }
-        await kill(cp);
-      },
-    );
+      agent = await agent!.restart();
+      const t1 = Date.now();
+      await waitFor('host reachable again', 5 * INTERVAL_MS + 10_000, async () => (await hostState()) === 'active');
+      t.diagnostic(`host active ${Date.now() - t1} ms after the agent restarted`);
+      const states = await waitFor('converged after the agent restart', BOUND_MS, () => converged(cp, healthy), 200);
+      t.diagnostic(`fleet: ${JSON.stringify(states)}`);
+      const st = states[healthy[0]!]!;
+      assert.ok(st === 'running' || st === 'failed:host_lost', st);
+      if (st === 'running') {
+        const ex = await api(cp.url, 'POST', `/v1/vms/${healthy[0]}/exec`, { argv: ['echo', 'alive'] });
+        assert.equal(ex.body.stdout?.trim(), 'alive', JSON.stringify(ex.body));
+      }
+      await kill(cp);
+    });
 
-    test(
-      'two replicas: exactly one holds the reconciler lease; SIGKILL it and the other takes over within seconds',
-      { todo: KNOWN_REGRESSION },
-      async (t) => {
-        if ('skip' in images) return t.skip(images.skip);
-        const a = await start();
-        const b = await start();
-        const leaderOf = async (cp: ControlPlaneProcess) =>
-          (await api(cp.url, 'GET', '/v1/reconciler')).body as { leader: boolean; last_summary: { cycle: number } | null };
-        const [la, lb] = await waitFor('one leader', 30_000, async () => {
-          const x = await leaderOf(a);
-          const y = await leaderOf(b);
-          return x.leader !== y.leader ? [x, y] : undefined;
-        });
-        const [holder, standby] = la.leader ? [a, b] : [b, a];
-        assert.ok(!lb.leader || !la.leader);
-        await kill(holder);
-        const t0 = Date.now();
-        await waitFor(
-          'standby takes over and completes a cycle',
-          10_000,
-          async () => {
-            const s = await leaderOf(standby);
-            return s.leader && (s.last_summary?.cycle ?? 0) >= 1;
-          },
-          100,
-        );
-        const took = Date.now() - t0;
-        t.diagnostic(`lease moved in ${took} ms`);
-        assert.ok(took < 10_000);
+    test('two replicas: exactly one holds the reconciler lease; SIGKILL it and the other takes over within seconds', async (t) => {
+      if ('skip' in images) return t.skip(images.skip);
+      const a = await start();
+      const b = await start();
+      const leaderOf = async (cp: ControlPlaneProcess) =>
+        (await api(cp.url, 'GET', '/v1/reconciler')).body as { leader: boolean; last_summary: { cycle: number } | null };
+      const [la, lb] = await waitFor('one leader', 30_000, async () => {
+        const x = await leaderOf(a);
+        const y = await leaderOf(b);
+        return x.leader !== y.leader ? [x, y] : undefined;
+      });
+      const [holder, standby] = la.leader ? [a, b] : [b, a];
+      assert.ok(!lb.leader || !la.leader);
+      await kill(holder);
+      const t0 = Date.now();
+      await waitFor(
+        'standby takes over and completes a cycle',
+        10_000,
+        async () => {
+          const s = await leaderOf(standby);
+          return s.leader && (s.last_summary?.cycle ?? 0) >= 1;
+        },
+        100,
+      );
+      const took = Date.now() - t0;
+      t.diagnostic(`lease moved in ${took} ms`);
+      assert.ok(took < 10_000);
 
-        // The new holder reconciles: an orphan dropped on the host now is destroyed by it.
-        await agent!.client.createVm({ name: 'fl-stray0000000000000001', image: 'base' });
-        await waitFor(
-          'orphan destroyed by the new holder',
-          3 * INTERVAL_MS + 5000,
-          async () => !(await sandboxes()).includes('fl-stray0000000000000001'),
-        );
-        await kill(standby);
-      },
-    );
+      // The new holder reconciles: an orphan dropped on the host now is destroyed by it.
+      await agent!.client.createVm({ name: 'fl-stray0000000000000001', image: 'base' });
+      await waitFor(
+        'orphan destroyed by the new holder',
+        3 * INTERVAL_MS + 5000,
+        async () => !(await sandboxes()).includes('fl-stray0000000000000001'),
+      );
+      await kill(standby);
+    });
   },
 );

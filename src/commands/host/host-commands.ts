@@ -48,6 +48,7 @@ export interface HostResult {
 export class HostCommands {
   private readonly agents = new Map<string, { sealed: string; url: string; agent: HostAgent }>();
   private resealing: Promise<void> = Promise.resolve();
+  private readonly listeners: Array<(hostId: string, state: HostState, revision: bigint | 'no_stream') => void> = [];
 
   private readonly hostHandler: BoundOf<typeof hostAggregate>;
 
@@ -105,6 +106,15 @@ export class HostCommands {
 
   deregister(hostId: string, force: boolean, meta: CommandMeta): Promise<HostResult> {
     return this.run(hostId, { type: 'DeregisterHost', data: { host_id: hostId, force } }, meta);
+  }
+
+  /**
+   * Called with each host state this process appends, so a reader of this
+   * process (the placement view) sees its own writes before the read model
+   * does: a host registered here is placeable by the very next create.
+   */
+  onAppended(listener: (hostId: string, state: HostState, revision: bigint | 'no_stream') => void): void {
+    this.listeners.push(listener);
   }
 
   async load(hostId: string): Promise<{ state: HostState; revision: bigint | 'no_stream' }> {
@@ -165,6 +175,7 @@ export class HostCommands {
 
   private async run(hostId: string, command: HostCommand, meta: CommandMeta): Promise<HostResult> {
     const r: Handled<HostState, HostEvent> = await this.hostHandler.handle(hostId, command, meta);
+    if (r.events.length > 0) for (const listener of this.listeners) listener(hostId, r.state, r.revision);
     return { state: r.state, position: r.position };
   }
 }

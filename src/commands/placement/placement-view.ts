@@ -135,7 +135,11 @@ export class PlacementView {
             if (!cur || cur.revision === 'no_stream' || cur.revision < BigInt(revision)) await this.refresh(id);
           }),
         );
-        for (const id of this.entries.keys()) if (!seen.has(id)) this.entries.delete(id);
+        // The directory lags the streams: a host it does not list yet may have been registered a moment ago (by this
+        // process, which set it here), and one it no longer lists was deregistered. Ask the stream, never the lag.
+        const unlisted = [...this.entries].filter(([id]) => !seen.has(id));
+        for (const [id, e] of unlisted) if (e.state.status === 'deregistered' || e.revision === 'no_stream') this.entries.delete(id);
+        await Promise.all(unlisted.filter(([id]) => this.entries.has(id)).map(([id]) => this.refresh(id)));
         this.loadedAt = Date.now();
       } finally {
         this.reloading = undefined;

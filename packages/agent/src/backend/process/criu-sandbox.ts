@@ -1,0 +1,123 @@
+import { spawn } from 'node:child_process';
+import { closeSync, fchownSync } from 'node:fs';
+import { mkdir, readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { randomBytes } from 'node:crypto';
+import { dirname, join } from 'node:path';
+import { AppError } from '@fleet/agent-protocol';
+import { sandboxFailed, type Checkpoint } from '../../backend.js';
+import { resolveImage } from '../../images.js';
+import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, type CriuMeta } from './criu.js';
+import { mustRun, processStartTime, runTool, sleep } from './exec-util.js';
+import { openConsoleWriter, USERNS_SIZE } from './launch.js';
+import { deleteLink, hardenLink } from './network.js';
+import type { SandboxHost } from './sandbox-host.js';
+import type { SandboxRecord } from './sandbox-state.js';
+import { layerDirs } from './storage.js';
+
+/* CRIU on a sandbox: a dump of its process tree, a restore of one as a given sandbox. */
+
+/** CRIU dump of the sandbox's tree into a scratch directory (leaveRunning: its cgroup is frozen and stays so). */
+export async function dumpMemory(
+  host: SandboxHost,
+  record: SandboxRecord,
+  leaveRunning: boolean,
+): Promise<{ dir: string; meta: CriuMeta }> {
+  const s = record.state;
+  const entry = `.criu-${s.name}-${randomBytes(4).toString('hex')}`;
+  const dir = join(host.checkpoints.staging, entry);
+  // Until the checkpoint writer has moved the files out (it removes the directory).
+  host.scratch.add(entry);
+  setTimeout(() => host.scratch.delete(entry), 30 * 60_000).unref();
+  try {
+    const res = await dumpTree(host.requireCriu(), {
+      initPid: s.init_pid,
+      dir,
+      leaveRunning,
+      freezerDir: host.cgroups.freezerDir(s.name),
+      uidBase: s.uid_base,
+      ip: s.ip,
+      hostname: s.name,
+    });
+    host.log?.info({ sandbox: s.name, frozen_ms: res.frozenMs, pages: res.pagesWritten, leave_running: leaveRunning }, 'criu dump');
+    return { dir, meta: res.meta };
+  } catch (err) {
+    await rm(dir, { recursive: true, force: true });
+    throw err;
+  }
+}
+
+/**
+ * CRIU restore of a live checkpoint as this record (its name, address,
+ * MAC, veth, id block and cgroups, whatever the checkpoint's were): the
+ * overlay root is mounted for the restore in the agent's namespace from
+ * idmapped clones made against a throwaway user namespace with the
+ * record's id map, and detached once the restored namespace holds it.
+ */
+export async function restoreInto(host: SandboxHost, record: SandboxRecord, cp: Checkpoint): Promise<void> {
+  const criu = host.requireCriu();
+  const s = record.state;
+  if (cp.kind !== 'live' || !(CRIU_META in cp.files)) {
+    throw new AppError('CHECKPOINT_NOT_LIVE', 409, `checkpoint "${cp.id}" holds no memory: it can boot a sandbox, not resume one`, {
+      id: cp.id,
+    });
+  }
+  const cpDir = host.checkpoints.path(cp.id);
+  const meta = criuMetaSchema.parse(JSON.parse(await readFile(join(cpDir, CRIU_META), 'utf8')));
+  const dir = host.sandboxDir(s.name);
+  const root = join(dir, 'root');
+  const layer = layerDirs(dir, s.storage_gb);
+  await host.firewall.apply(() => host.firewallState());
+  await host.readyBridge(record);
+  await deleteLink(s.veth);
+  await mkdir(root, { recursive: true });
+  const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
+  let consoleFd: number | undefined;
+  let mounted = false;
+  const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
+  host.scratch.add(scratch);
+  try {
+    const hpid = holder.pid;
+    if (hpid === undefined) throw sandboxFailed('could not start a user namespace for the restore');
+    const own = await readlink('/proc/self/ns/user');
+    for (let i = 0; i < 500 && (await readlink(`/proc/${hpid}/ns/user`).catch(() => own)) === own; i++) await sleep(2);
+    const map = `0 ${s.uid_base} ${USERNS_SIZE}\n`;
+    await writeFile(`/proc/${hpid}/uid_map`, map);
+    await writeFile(`/proc/${hpid}/gid_map`, map);
+    const imagePath = await resolveImage(host.opts.imageDir, s.image);
+    await mustRun(host.tools.helper, ['mount-root', String(hpid), String(s.uid_base), imagePath, dirname(layer.upper), root]);
+    mounted = true;
+    consoleFd = await openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base);
+    // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
+    fchownSync(consoleFd, s.uid_base, s.uid_base);
+    const pid = await restoreTree(
+      criu,
+      cpDir,
+      meta,
+      {
+        root,
+        cgroupProcs: host.cgroups.procsFiles(s.name),
+        uidBase: s.uid_base,
+        veth: s.veth,
+        bridge: s.bridge,
+        mac: s.mac,
+        ip: s.ip,
+        prefixLen: host.subnet.prefixLen,
+        gateway: host.subnet.gateway,
+        hostname: s.name,
+        consoleFd,
+        hook: host.criuHook,
+      },
+      join(host.checkpoints.staging, scratch),
+    );
+    const start = await processStartTime(pid);
+    if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
+    s.init_pid = pid;
+    s.init_start = start;
+    await hardenLink(s.veth, 'veth');
+  } finally {
+    if (consoleFd !== undefined) closeSync(consoleFd);
+    if (mounted) await runTool('umount', ['-l', root]);
+    holder.kill('SIGKILL');
+    host.scratch.delete(scratch);
+  }
+}
