@@ -120,6 +120,8 @@ export const createFileSchema = z.object({
     .optional(),
 });
 
+export type CreateFile = z.input<typeof createFileSchema>;
+
 export const createVmRequestSchema = z
   .object({
     name: vmNameSchema,

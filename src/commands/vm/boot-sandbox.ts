@@ -1,4 +1,4 @@
-import type { AgentEgress, EgressSpec, VmInfo } from '@fleet/agent-protocol';
+import type { AgentEgress, CreateFile, EgressSpec, VmInfo } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';
@@ -21,6 +21,8 @@ export interface SandboxBoot {
   readonly env: Record<string, string>;
   /** The in-guest agent in clear; `files` empty for a disk that already carries them. */
   readonly agent?: { readonly command: string; readonly drainCommand: string; readonly files: Record<string, string> } | undefined;
+  /** Written by the create call itself (see `onCreated`'s `files_written`). */
+  readonly files?: readonly CreateFile[] | undefined;
 }
 
 /**
@@ -54,7 +56,7 @@ export interface BootedSandbox {
 export async function bootSandbox(
   agent: HostAgent,
   boot: SandboxBoot,
-  hooks: { readonly onCreated?: () => void; readonly setup?: (name: string) => Promise<void> } = {},
+  hooks: { readonly onCreated?: (info: VmInfo) => void; readonly setup?: (name: string) => Promise<void> } = {},
 ): Promise<BootedSandbox> {
   const { spec } = boot;
   const name = sandboxName(boot.vmId);
@@ -71,8 +73,9 @@ export async function bootSandbox(
     ...(spec.net_raw ? { net_raw: true } : {}),
     egress: agentEgressOf(spec.egress),
     env: boot.env,
+    ...(boot.files && boot.files.length > 0 ? { files: [...boot.files] } : {}),
   });
-  hooks.onCreated?.();
+  hooks.onCreated?.(info);
   if (hooks.setup) await hooks.setup(name);
   let endpoints: Endpoint[] = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
   if (boot.agent) {

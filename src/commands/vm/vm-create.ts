@@ -19,7 +19,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import type { IngressPublisher } from '../ingress/ingress-commands.js';
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
-import { scrub, setUpGuest } from './guest-setup.js';
+import { guestFiles, scrub, setUpGuest } from './guest-setup.js';
 import type { VmStream } from './vm-stream.js';
 import {
   vmTokenContext,
@@ -134,14 +134,10 @@ export class VmCreate {
     const started = Date.now();
     // Place: decide on the view, reserve on the host stream; a lost race re-decides.
     let hostId: string;
+    let placed: Awaited<ReturnType<Placer['placeAndReserve']>>;
     try {
-      const r = await this.placer.placeAndReserve(vmId, placementRequestOf(spec), spec, actor, where);
-      hostId = r.hostId;
-      await this.stream.run(
-        vmId,
-        { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: r.choice.decision, reservation: r.reservation } },
-        actor,
-      );
+      placed = await this.placer.placeAndReserve(vmId, placementRequestOf(spec), spec, actor, where);
+      hostId = placed.hostId;
     } catch (err) {
       await this.fail(vmId, 'error', err, actor, 'PLACEMENT_FAILED');
       throw err;
@@ -151,11 +147,23 @@ export class VmCreate {
     // `created` flips in the onCreated callback: read it through a call, not a narrowed local.
     const wasCreated = (): boolean => created;
     try {
-      await this.stream.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
+      // Placed and booting in one append: with VmRequested and the reservation, two durable appends before the agent.
+      await this.stream.run(
+        vmId,
+        [
+          { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: placed.choice.decision, reservation: placed.reservation } },
+          { type: 'StartBoot', data: { vm_id: vmId } },
+        ],
+        actor,
+      );
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
       const agent = await agentFor();
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
       const token = randomBytes(32).toString('base64url');
+      // The token and the caller's files ride on the create call; an agent that predates that answers
+      // without `files_written`, and the files are then uploaded as before.
+      const files = guestFiles(spec, token);
+      let filesWritten = false;
       const { info, endpoints } = await bootSandbox(
         agent,
         {
@@ -168,8 +176,15 @@ export class VmCreate {
           agent: spec.agent
             ? { command: spec.agent.command, drainCommand: spec.agent.drain_command ?? '', files: spec.agent.files ?? {} }
             : undefined,
+          files,
         },
-        { onCreated: () => (created = true), setup: (name) => setUpGuest(agent, name, spec, token, this.config.startupScriptTimeoutMs) },
+        {
+          onCreated: (made) => {
+            created = true;
+            filesWritten = made.files_written === files.length;
+          },
+          setup: (name) => setUpGuest(agent, name, spec, token, this.config.startupScriptTimeoutMs, { filesWritten }),
+        },
       );
       const shown = this.ingress
         ? await this.ingress.publish({ vm_id: vmId, tenant_id: vm.tenant_id, spec }, hostId, endpoints, actor)

@@ -21,9 +21,18 @@ export class VmStream {
     return state;
   }
 
-  async run(vmId: string, command: VmCommand, meta: CommandMeta): Promise<VmResult> {
+  /** A list of commands is decided in order and appended together (one durable append). */
+  async run(vmId: string, command: VmCommand | readonly VmCommand[], meta: CommandMeta): Promise<VmResult> {
     const r = await this.vmHandler.handle(vmId, command, meta);
-    if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} has no state after ${command.type}`);
+    if (r.state.status === 'initial')
+      throw new AppError(
+        'INTERNAL',
+        500,
+        `vm ${vmId} has no state after ${[command]
+          .flat()
+          .map((c) => c.type)
+          .join(', ')}`,
+      );
     return { vm: r.state, position: r.position };
   }
 }
