@@ -183,13 +183,15 @@ async function benchOverhead(creates: number, log: (s: string) => void): Promise
     const destroys: number[] = [];
     let createAppends = 0;
     let createAgentCalls = 0;
+    let createReads = 0;
     for (let i = 0; i < creates; i++) {
       const t = performance.now();
-      const [a0, c0] = [calls.append!, calls.agent!];
+      const [a0, c0, r0] = [calls.append!, calls.agent!, calls.readStream!];
       const r = await cp.request('POST', '/v1/vms', { as: 'acme', body });
       times.push(performance.now() - t);
       createAppends += calls.append! - a0;
       createAgentCalls += calls.agent! - c0;
+      createReads += calls.readStream! - r0;
       if (r.status !== 201) throw new Error(`create answered ${r.status}: ${JSON.stringify(r.body)}`);
       if (i % 3 === 0) {
         const d = performance.now();
@@ -208,7 +210,7 @@ async function benchOverhead(creates: number, log: (s: string) => void): Promise
     log(`create (everything but the agent's work): p50 ${ms(pct(times, 0.5))}, p99 ${ms(pct(times, 0.99))} (aim: p50 < 10 ms)`);
     log(`destroy: p50 ${ms(pct(destroys, 0.5))}, p99 ${ms(pct(destroys, 0.99))} over ${destroys.length}`);
     log(
-      `event-store appends per create: ${(createAppends / creates).toFixed(1)}, agent calls per create: ${(createAgentCalls / creates).toFixed(1)}`,
+      `per create: event-store appends ${(createAppends / creates).toFixed(1)}, stream reads ${(createReads / creates).toFixed(1)}, agent calls ${(createAgentCalls / creates).toFixed(1)}`,
     );
     log(
       `agent calls per create: ${((stub.calls.creates + stub.calls.execs + stub.calls.uploads) / (creates + 20)).toFixed(1)} (creates ${stub.calls.creates}, execs ${stub.calls.execs}, uploads ${stub.calls.uploads} over ${creates + 20} creates)`,

@@ -41,6 +41,11 @@ export type Clock = () => Date;
 
 export interface HandleOptions {
   readonly expected?: ExpectedRevision;
+  /**
+   * The caller just minted the stream's id at random: the stream cannot exist, so the decision is made on
+   * the initial state without a read, and the append expects no stream (which still catches the impossible).
+   */
+  readonly newStream?: boolean;
   readonly onConflict?: (err: ConcurrencyError, attempt: number) => boolean;
 }
 
@@ -129,10 +134,11 @@ export class CommandHandler {
   ): Promise<Handled<S, E>> {
     // A cached state is tried without a read: a stale one loses the append (expected revision) and is re-read.
     // Only a state just read may answer "nothing to do" or refuse: a stale cache must not decide those.
-    let trustCache = options.expected === undefined;
+    let trustCache = options.expected === undefined && !options.newStream;
     for (let attempt = 1; ; attempt++) {
       const cached = trustCache ? this.cached<S>(streamId, decider) : undefined;
-      const loaded = cached ?? (await this.load(streamId, decider, decode));
+      const loaded: Loaded<S> =
+        cached ?? (options.newStream ? { state: decider.initialState, revision: 'no_stream' } : await this.load(streamId, decider, decode));
       const cmd = typeof command === 'function' ? (command as (s: S) => C)(loaded.state) : command;
       const now = this.clock();
       let events: readonly E[];
@@ -168,7 +174,7 @@ export class CommandHandler {
         const result = await this.store.append(
           streamId,
           events.map((e) => ({ id: randomUUID(), type: e.type, data: e.data, metadata: metadataFor(meta, now) })),
-          options.expected ?? loaded.revision,
+          options.newStream ? 'no_stream' : (options.expected ?? loaded.revision),
         );
         let state = loaded.state;
         for (const e of events) state = decider.evolve(state, e);
@@ -181,7 +187,7 @@ export class CommandHandler {
           attempt--;
           continue;
         }
-        if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts) throw err;
+        if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts || options.newStream) throw err;
         if (options.onConflict && !options.onConflict(err, attempt)) throw err;
         await jitter(attempt);
       }

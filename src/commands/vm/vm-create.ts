@@ -69,6 +69,8 @@ export class VmCreate {
       vmId,
       { type: 'RequestVm', data: { vm_id: vmId, spec, sealed, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } },
       actor,
+      // A random id names a stream nobody has written: no read before the append. A keyed id may be a retry's.
+      { newStream: idempotencyKey === undefined },
     );
     if (requested.position === undefined) {
       // A retry (or a concurrent twin): the request that wrote VmRequested owns the work. Driving it here too would

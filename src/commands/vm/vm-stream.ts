@@ -1,7 +1,7 @@
 import { AppError, NotFoundError } from '@fleet/agent-protocol';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { ExistingVmState, VmCommand } from '../../domain/vm/vm.decider.js';
-import { bindAggregate, type BoundOf, type CommandHandler, type CommandMeta } from '../command-handler.js';
+import { bindAggregate, type BoundOf, type CommandHandler, type CommandMeta, type HandleOptions } from '../command-handler.js';
 import type { Actor, VmResult } from './vm-types.js';
 
 /** The VM stream (`vm-<id>`) through its bound handler, and the caller's view of it. */
@@ -22,8 +22,8 @@ export class VmStream {
   }
 
   /** A list of commands is decided in order and appended together (one durable append). */
-  async run(vmId: string, command: VmCommand | readonly VmCommand[], meta: CommandMeta): Promise<VmResult> {
-    const r = await this.vmHandler.handle(vmId, command, meta);
+  async run(vmId: string, command: VmCommand | readonly VmCommand[], meta: CommandMeta, options?: HandleOptions): Promise<VmResult> {
+    const r = await this.vmHandler.handle(vmId, command, meta, options);
     if (r.state.status === 'initial')
       throw new AppError(
         'INTERNAL',
