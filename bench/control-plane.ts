@@ -165,10 +165,12 @@ async function benchOverhead(creates: number, log: (s: string) => void): Promise
     for (let i = 0; i < 20; i++) await cp.request('POST', '/v1/vms', { as: 'acme', body });
     // Where the time goes: event-store calls and agent calls, timed around the calls themselves.
     const spent: Record<string, number> = { append: 0, readStream: 0, agent: 0 };
+    const calls: Record<string, number> = { append: 0, readStream: 0, agent: 0 };
     const timed = <T extends object>(obj: T, name: keyof T & string, label: string): void => {
       const f = (obj[name] as (...a: unknown[]) => Promise<unknown>).bind(obj);
       (obj as Record<string, unknown>)[name] = async (...a: unknown[]) => {
         const t = performance.now();
+        calls[label]! += 1;
         try {
           return await f(...a);
         } finally {
@@ -182,10 +184,17 @@ async function benchOverhead(creates: number, log: (s: string) => void): Promise
     for (const m of ['createVm', 'exec', 'upload'] as const) timed(agentClient, m, 'agent');
     const times: number[] = [];
     const destroys: number[] = [];
+    let createAppends = 0;
+    let createAgentCalls = 0;
+    let createReads = 0;
     for (let i = 0; i < creates; i++) {
       const t = performance.now();
+      const [a0, c0, r0] = [calls.append!, calls.agent!, calls.readStream!];
       const r = await cp.request('POST', '/v1/vms', { as: 'acme', body });
       times.push(performance.now() - t);
+      createAppends += calls.append! - a0;
+      createAgentCalls += calls.agent! - c0;
+      createReads += calls.readStream! - r0;
       if (r.status !== 201) throw new Error(`create answered ${r.status}: ${JSON.stringify(r.body)}`);
       if (i % 3 === 0) {
         const d = performance.now();
@@ -204,7 +213,10 @@ async function benchOverhead(creates: number, log: (s: string) => void): Promise
     log(`create (everything but the agent's work): p50 ${ms(pct(times, 0.5))}, p99 ${ms(pct(times, 0.99))} (aim: p50 < 10 ms)`);
     log(`destroy: p50 ${ms(pct(destroys, 0.5))}, p99 ${ms(pct(destroys, 0.99))} over ${destroys.length}`);
     log(
-      `agent calls per create: ${((stub.calls.creates + stub.calls.execs + stub.calls.uploads) / (creates + 20)).toFixed(1)} (create, mkdir exec, token upload)`,
+      `per create: event-store appends ${(createAppends / creates).toFixed(1)}, stream reads ${(createReads / creates).toFixed(1)}, agent calls ${(createAgentCalls / creates).toFixed(1)}`,
+    );
+    log(
+      `agent calls per create: ${((stub.calls.creates + stub.calls.execs + stub.calls.uploads) / (creates + 20)).toFixed(1)} (creates ${stub.calls.creates}, execs ${stub.calls.execs}, uploads ${stub.calls.uploads} over ${creates + 20} creates)`,
     );
   } finally {
     await cp.close();

@@ -6,7 +6,7 @@ import { fileURLToPath } from 'node:url';
 import { freePort } from '../src/adapters/postgres/embedded.js';
 
 /**
- * `npm run bench -- tti [--runs N] [--burst N] [--stagger-ms N] [--keep]`
+ * `npm run bench -- tti [--runs N] [--burst N] [--stagger-ms N] [--no-sdk] [--keep]`
  *
  * Time to interactive as the public ComputeSDK leaderboard measures sandbox
  * platforms: from the create call to the first command's output, through the
@@ -98,12 +98,15 @@ async function stop(s: Started, keep: boolean): Promise<void> {
 interface Sample {
   readonly ms: number;
   readonly vm: string;
+  /** Wall clock (ms) at the create call, its answer, and the exec's answer. */
+  readonly at: { readonly start: number; readonly created: number; readonly done: number };
 }
 
 /** create → first output of `echo ready`; the sandbox is destroyed afterwards (untimed). */
 async function oneTti(s: Started, tag: string): Promise<Sample> {
   const h = { authorization: `Bearer ${s.key}`, 'content-type': 'application/json' };
   const t0 = performance.now();
+  const start = Date.now();
   const created = await fetch(`${s.base}/v1/vms`, {
     method: 'POST',
     headers: h,
@@ -111,6 +114,7 @@ async function oneTti(s: Started, tag: string): Promise<Sample> {
   });
   const vm = (await created.json()) as { id?: string; code?: string; detail?: string };
   if (!created.ok || !vm.id) throw new Error(`create ${tag} failed: ${created.status} ${vm.code ?? ''} ${vm.detail ?? ''}`);
+  const createdAt = Date.now();
   const exec = await fetch(`${s.base}/v1/vms/${vm.id}/exec`, {
     method: 'POST',
     headers: h,
@@ -119,7 +123,27 @@ async function oneTti(s: Started, tag: string): Promise<Sample> {
   const res = (await exec.json()) as { stdout?: string; exit_code?: number };
   const ms = performance.now() - t0;
   if (!exec.ok || res.stdout?.trim() !== 'ready') throw new Error(`exec in ${vm.id} failed: ${exec.status} ${JSON.stringify(res)}`);
-  return { ms, vm: vm.id };
+  return { ms, vm: vm.id, at: { start, created: createdAt, done: Date.now() } };
+}
+
+/**
+ * Where one create's time went, from its own stream: each append's commit
+ * time (`recorded_at`) against the client's clock (same machine).
+ */
+async function phases(s: Started, sample: Sample): Promise<Map<string, number>> {
+  const r = await fetch(`${s.base}/v1/audit/streams/vm-${sample.vm}`, { headers: { authorization: `Bearer ${s.key}` } });
+  const body = (await r.json()) as { events?: Array<{ type: string; recorded_at: string }> };
+  const at = new Map<string, number>();
+  for (const e of body.events ?? []) if (!at.has(e.type)) at.set(e.type, Date.parse(e.recorded_at));
+  const out = new Map<string, number>();
+  let prev = { name: 'create call', t: sample.at.start };
+  for (const [type, t] of [...at].filter(([type]) => type !== 'VmDestroyRequested' && type !== 'VmDestroyed')) {
+    out.set(`${prev.name} → ${type} committed`, t - prev.t);
+    prev = { name: type, t };
+  }
+  out.set(`${prev.name} → create answered`, sample.at.created - prev.t);
+  out.set('create answered → exec output', sample.at.done - sample.at.created);
+  return out;
 }
 
 /**
@@ -186,10 +210,12 @@ export default async function ttiBench(args: string[]): Promise<void> {
 
     const seq: number[] = [];
     let seqFail = 0;
+    const split = new Map<string, number[]>();
     for (let i = 0; i < runs; i++) {
       try {
         const r = await oneTti(s, `seq${i}`);
         seq.push(r.ms);
+        for (const [k, v] of await phases(s, r)) split.set(k, [...(split.get(k) ?? []), v]);
         await destroy(s, r.vm);
       } catch (err) {
         seqFail++;
@@ -198,10 +224,18 @@ export default async function ttiBench(args: string[]): Promise<void> {
     }
     lines.push(summary('sequential', seq, seqFail));
     log(lines.at(-1)!);
+    log('  where a sequential sample went (p50 of each step; commit times from the VM stream, ±1 ms clocks):');
+    for (const [k, v] of split)
+      log(
+        `    ${k}: ${pct(
+          [...v].sort((a, b) => a - b),
+          0.5,
+        ).toFixed(0)} ms (n=${v.length})`,
+      );
 
     const sdk: number[] = [];
     let sdkFail = 0;
-    for (let i = 0; i < runs; i++) {
+    for (let i = 0; i < (args.includes('--no-sdk') ? 0 : runs); i++) {
       try {
         sdk.push(await oneSdkTti(s, `sdk${i}`));
       } catch (err) {
@@ -209,8 +243,10 @@ export default async function ttiBench(args: string[]): Promise<void> {
         log(`  ${(err as Error).message}`);
       }
     }
-    lines.push(summary('e2b SDK', sdk, sdkFail));
-    log(lines.at(-1)!);
+    if (sdk.length + sdkFail > 0) {
+      lines.push(summary('e2b SDK', sdk, sdkFail));
+      log(lines.at(-1)!);
+    }
 
     const stag: number[] = [];
     let stagFail = 0;

@@ -41,6 +41,11 @@ export type Clock = () => Date;
 
 export interface HandleOptions {
   readonly expected?: ExpectedRevision;
+  /**
+   * The caller just minted the stream's id at random: the stream cannot exist, so the decision is made on
+   * the initial state without a read, and the append expects no stream (which still catches the impossible).
+   */
+  readonly newStream?: boolean;
   readonly onConflict?: (err: ConcurrencyError, attempt: number) => boolean;
 }
 
@@ -49,7 +54,7 @@ export type BoundOf<A> = A extends Aggregate<infer C, infer E, infer S> ? BoundH
 /** A command handler bound to one aggregate: callers name an instance by id, never a stream. */
 export interface BoundHandler<C, E, S> {
   load(id: string): Promise<Loaded<S>>;
-  handle(id: string, command: C | ((state: S) => C), meta: CommandMeta, options?: HandleOptions): Promise<Handled<S, E>>;
+  handle(id: string, command: C | readonly C[] | ((state: S) => C), meta: CommandMeta, options?: HandleOptions): Promise<Handled<S, E>>;
 }
 
 /**
@@ -115,27 +120,40 @@ export class CommandHandler {
   /**
    * Runs `command` (or a function of the loaded state returning one) against
    * the stream. `onConflict` can veto another attempt (e.g. placement wants to
-   * re-decide elsewhere instead).
+   * re-decide elsewhere instead). A list of commands is decided one after
+   * another, each on the state the previous one's events left, and appended
+   * together: one durable append where there would be one per command.
    */
   async handle<C, E extends DomainEvent, S>(
     streamId: string,
     decider: Decider<C, E, S>,
     decode: EventCodec<E>,
-    command: C | ((state: S) => C),
+    command: C | readonly C[] | ((state: S) => C),
     meta: CommandMeta,
     options: HandleOptions = {},
   ): Promise<Handled<S, E>> {
     // A cached state is tried without a read: a stale one loses the append (expected revision) and is re-read.
     // Only a state just read may answer "nothing to do" or refuse: a stale cache must not decide those.
-    let trustCache = options.expected === undefined;
+    let trustCache = options.expected === undefined && !options.newStream;
     for (let attempt = 1; ; attempt++) {
       const cached = trustCache ? this.cached<S>(streamId, decider) : undefined;
-      const loaded = cached ?? (await this.load(streamId, decider, decode));
+      const loaded: Loaded<S> =
+        cached ?? (options.newStream ? { state: decider.initialState, revision: 'no_stream' } : await this.load(streamId, decider, decode));
       const cmd = typeof command === 'function' ? (command as (s: S) => C)(loaded.state) : command;
       const now = this.clock();
       let events: readonly E[];
       try {
-        events = decider.decide(cmd, loaded.state, { now }).map(withoutNul);
+        if (Array.isArray(cmd)) {
+          const all: E[] = [];
+          let st = loaded.state;
+          for (const c of cmd as readonly C[]) {
+            for (const e of decider.decide(c, st, { now }).map(withoutNul)) {
+              all.push(e);
+              st = decider.evolve(st, e);
+            }
+          }
+          events = all;
+        } else events = decider.decide(cmd as C, loaded.state, { now }).map(withoutNul);
       } catch (err) {
         if (!cached) throw err;
         trustCache = false;
@@ -156,7 +174,7 @@ export class CommandHandler {
         const result = await this.store.append(
           streamId,
           events.map((e) => ({ id: randomUUID(), type: e.type, data: e.data, metadata: metadataFor(meta, now) })),
-          options.expected ?? loaded.revision,
+          options.newStream ? 'no_stream' : (options.expected ?? loaded.revision),
         );
         let state = loaded.state;
         for (const e of events) state = decider.evolve(state, e);
@@ -169,7 +187,7 @@ export class CommandHandler {
           attempt--;
           continue;
         }
-        if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts) throw err;
+        if (!(err instanceof ConcurrencyError) || attempt >= this.maxAttempts || options.newStream) throw err;
         if (options.onConflict && !options.onConflict(err, attempt)) throw err;
         await jitter(attempt);
       }

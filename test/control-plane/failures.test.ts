@@ -112,7 +112,11 @@ describe('failed creates end failed, classified, with capacity released (real ag
   it('the agent answers 5xx after the sandbox exists (guest setup): failed, and the control plane destroys the sandbox', async (t) => {
     if (guard(t)) return;
     proxy!.rule = (method, path) => (method === 'POST' && /^\/v1\/vms\/[^/]+\/exec$/.test(path) ? 503 : undefined);
-    const r = await cp!.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base', ram_mb: 256, host_id: 'hp' } });
+    // The token and files ride on the create call: a startup script is what still calls the agent after the sandbox exists.
+    const r = await cp!.request('POST', '/v1/vms', {
+      as: 'acme',
+      body: { image: 'base', ram_mb: 256, host_id: 'hp', startup_script: 'true' },
+    });
     proxy!.rule = undefined;
     expectStatus(r, 502, 'AGENT_ERROR');
     assert.ok(proxy!.injected.some((x) => x.endsWith('/exec')));

@@ -82,6 +82,7 @@ export async function startStubAgents(): Promise<StubAgents> {
         ram_mb?: number;
         tenant?: string;
         image?: string;
+        files?: unknown[];
       };
       if (host.failCreateWith) {
         send(host.failCreateWith, { code: 'AGENT_ERROR', message: host.failCreateMessage ?? 'stub: injected failure' });
@@ -110,6 +111,8 @@ export async function startStubAgents(): Promise<StubAgents> {
           ram_mb: body.ram_mb ?? 512,
           created_at: new Date().toISOString(),
           endpoints: [],
+          // As a real agent: the files a create carries are written before it answers.
+          ...(body.files ? { files_written: body.files.length } : {}),
         });
         return;
       }

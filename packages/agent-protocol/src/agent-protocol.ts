@@ -110,6 +110,18 @@ export type CapacityResponse = z.infer<typeof capacityResponseSchema>;
 export const vmStateSchema = z.enum(['running', 'stopped', 'paused']);
 export type VmState = z.infer<typeof vmStateSchema>;
 
+export const createFileSchema = z.object({
+  path: z.string().startsWith('/', 'path must be absolute inside the sandbox').max(4096),
+  content_b64: z.base64(),
+  /** Octal, e.g. "600"; default 644. */
+  mode: z
+    .string()
+    .regex(/^[0-7]{3,4}$/, 'an octal mode such as 644 or 0755')
+    .optional(),
+});
+
+export type CreateFile = z.input<typeof createFileSchema>;
+
 export const createVmRequestSchema = z
   .object({
     name: vmNameSchema,
@@ -140,6 +152,12 @@ export const createVmRequestSchema = z
     egress: agentEgressSchema.optional(),
     /** Resume the processes of checkpoint_id (a live checkpoint) instead of booting its rootfs: a fork or a move. */
     resume: z.boolean().optional(),
+    /**
+     * Written into the sandbox (parent directories made) before the create answers, so a create with
+     * its guest files is one call; a file that cannot be written fails the create and removes the sandbox.
+     * The answer's `files_written` says they were (an agent without this field answers without it).
+     */
+    files: z.array(createFileSchema).max(1024).optional(),
   })
   .refine((r) => !(r.image && r.checkpoint_id), { error: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
 export type CreateVmRequest = z.input<typeof createVmRequestSchema>;
@@ -162,6 +180,8 @@ export const vmInfoSchema = z.object({
   init_exit: initExitSchema.optional(),
   /** Absent from agents that predate egress (their sandboxes have no outbound network). */
   egress: egressStatusSchema.optional(),
+  /** A create's answer: how many of its `files` were written (absent from agents without create files). */
+  files_written: z.number().int().nonnegative().optional(),
 });
 export type VmInfo = z.infer<typeof vmInfoSchema>;
 

@@ -1,4 +1,4 @@
-import { ConflictError, type AgentEgress, type EgressSpec, type VmInfo } from '@fleet/agent-protocol';
+import { ConflictError, type AgentEgress, type CreateFile, type EgressSpec, type VmInfo } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';
@@ -27,6 +27,8 @@ export interface SandboxBoot {
   readonly agent?: { readonly command: string; readonly drainCommand: string; readonly files: Record<string, string> } | undefined;
   /** A cluster network member: the address its network reserved for it (network-commands.ts). */
   readonly network?: { readonly id: string; readonly subnet: string; readonly ip: string } | undefined;
+  /** Written by the create call itself (see `onCreated`'s `files_written`). */
+  readonly files?: readonly CreateFile[] | undefined;
 }
 
 /**
@@ -60,7 +62,7 @@ export interface BootedSandbox {
 export async function bootSandbox(
   agent: HostAgent,
   boot: SandboxBoot,
-  hooks: { readonly onCreated?: () => void; readonly setup?: (name: string) => Promise<void> } = {},
+  hooks: { readonly onCreated?: (info: VmInfo) => void; readonly setup?: (name: string) => Promise<void> } = {},
 ): Promise<BootedSandbox> {
   const { spec } = boot;
   const name = sandboxName(boot.vmId);
@@ -84,8 +86,9 @@ export async function bootSandbox(
       : boot.ipHint
         ? { ip_hint: boot.ipHint }
         : {}),
+    ...(boot.files && boot.files.length > 0 ? { files: [...boot.files] } : {}),
   });
-  hooks.onCreated?.();
+  hooks.onCreated?.(info);
   if (boot.network && info.ip !== boot.network.ip) {
     throw new ConflictError(
       'ADDRESS_IN_USE',

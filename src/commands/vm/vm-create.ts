@@ -21,7 +21,7 @@ import type { NetworkCommands, NetworkJoinPlan } from '../network/network-comman
 import type { Placer, PlaceHints } from '../placement/place-and-reserve.js';
 import { bootSandbox, sandboxName } from './boot-sandbox.js';
 import { egressProvisionFailure } from './egress-failures.js';
-import { scrub, setUpGuest } from './guest-setup.js';
+import { guestFiles, scrub, setUpGuest } from './guest-setup.js';
 import type { VmStream } from './vm-stream.js';
 import {
   vmTokenContext,
@@ -75,6 +75,8 @@ export class VmCreate {
       vmId,
       { type: 'RequestVm', data: { vm_id: vmId, spec, sealed, tenant_id: actor.tenantId, idempotency_key: idempotencyKey } },
       actor,
+      // A random id names a stream nobody has written: no read before the append. A keyed id may be a retry's.
+      { newStream: idempotencyKey === undefined },
     );
     if (requested.position === undefined) {
       // A retry (or a concurrent twin): the request that wrote VmRequested owns the work. Driving it here too would
@@ -159,17 +161,13 @@ export class VmCreate {
     const started = Date.now();
     // Place: decide on the view, reserve on the host stream; a lost race re-decides.
     let hostId: string;
+    let placed: Awaited<ReturnType<Placer['placeAndReserve']>>;
     try {
       const request = network
         ? { ...placementRequestOf(spec), backend: 'process' as const, network_host_id: network.host }
         : placementRequestOf(spec);
-      const r = await this.placer.placeAndReserve(vmId, request, spec, actor, where);
-      hostId = r.hostId;
-      await this.stream.run(
-        vmId,
-        { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: r.choice.decision, reservation: r.reservation } },
-        actor,
-      );
+      placed = await this.placer.placeAndReserve(vmId, request, spec, actor, where);
+      hostId = placed.hostId;
     } catch (err) {
       await this.fail(vmId, 'error', err, actor, 'PLACEMENT_FAILED');
       throw err;
@@ -179,7 +177,15 @@ export class VmCreate {
     // `created` flips in the onCreated callback: read it through a call, not a narrowed local.
     const wasCreated = (): boolean => created;
     try {
-      await this.stream.run(vmId, { type: 'StartBoot', data: { vm_id: vmId } }, actor);
+      // Placed and booting in one append: with VmRequested and the reservation, two durable appends before the agent.
+      await this.stream.run(
+        vmId,
+        [
+          { type: 'PlaceVm', data: { vm_id: vmId, host_id: hostId, decision: placed.choice.decision, reservation: placed.reservation } },
+          { type: 'StartBoot', data: { vm_id: vmId } },
+        ],
+        actor,
+      );
       const member =
         network && this.networks
           ? { id: network.networkId, subnet: network.subnet, ip: await this.networks.join(network, vmId, hostId, spec.ip_hint, actor) }
@@ -188,6 +194,10 @@ export class VmCreate {
       const agent = await agentFor();
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
       const token = randomBytes(32).toString('base64url');
+      // The token and the caller's files ride on the create call; an agent that predates that answers
+      // without `files_written`, and the files are then uploaded as before.
+      const files = guestFiles(spec, token);
+      let filesWritten = false;
       const { info, endpoints } = await bootSandbox(
         agent,
         {
@@ -207,8 +217,15 @@ export class VmCreate {
                 files: resume ? {} : (spec.agent.files ?? {}),
               }
             : undefined,
+          files,
         },
-        { onCreated: () => (created = true), setup: (name) => setUpGuest(agent, name, spec, token, this.config.startupScriptTimeoutMs) },
+        {
+          onCreated: (made) => {
+            created = true;
+            filesWritten = made.files_written === files.length;
+          },
+          setup: (name) => setUpGuest(agent, name, spec, token, this.config.startupScriptTimeoutMs, { filesWritten }),
+        },
       );
       const shown = this.ingress
         ? await this.ingress.publish({ vm_id: vmId, tenant_id: vm.tenant_id, spec }, hostId, endpoints, actor)

@@ -1,7 +1,7 @@
 import { AppError, NotFoundError } from '@fleet/agent-protocol';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { ExistingVmState, VmCommand } from '../../domain/vm/vm.decider.js';
-import { bindAggregate, type BoundOf, type CommandHandler, type CommandMeta } from '../command-handler.js';
+import { bindAggregate, type BoundOf, type CommandHandler, type CommandMeta, type HandleOptions } from '../command-handler.js';
 import type { Actor, VmResult } from './vm-types.js';
 
 /** The VM stream (`vm-<id>`) through its bound handler, and the caller's view of it. */
@@ -21,9 +21,18 @@ export class VmStream {
     return state;
   }
 
-  async run(vmId: string, command: VmCommand, meta: CommandMeta): Promise<VmResult> {
-    const r = await this.vmHandler.handle(vmId, command, meta);
-    if (r.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} has no state after ${command.type}`);
+  /** A list of commands is decided in order and appended together (one durable append). */
+  async run(vmId: string, command: VmCommand | readonly VmCommand[], meta: CommandMeta, options?: HandleOptions): Promise<VmResult> {
+    const r = await this.vmHandler.handle(vmId, command, meta, options);
+    if (r.state.status === 'initial')
+      throw new AppError(
+        'INTERNAL',
+        500,
+        `vm ${vmId} has no state after ${[command]
+          .flat()
+          .map((c) => c.type)
+          .join(', ')}`,
+      );
     return { vm: r.state, position: r.position };
   }
 }

@@ -69,13 +69,16 @@ function details(e: VmEvent): Partial<EnvironmentEvent> {
 }
 
 /** Maps a stored VM event to the feed's shape; undefined for events the feed does not carry (or that do not parse). */
-export function toEnvironmentEvent(recorded: RecordedEvent): EnvironmentEvent | undefined {
+export function toEnvironmentEvent(
+  recorded: RecordedEvent,
+  parse: (r: RecordedEvent) => VmEvent = (r) => parseVmEvent(r.type, r.data, r.metadata),
+): EnvironmentEvent | undefined {
   if (!isVmEventType(recorded.type)) return undefined;
   const kind = FEED[recorded.type];
   if (!kind) return undefined;
   let e: VmEvent;
   try {
-    e = parseVmEvent(recorded.type, recorded.data, recorded.metadata);
+    e = parse(recorded);
   } catch {
     return undefined;
   }

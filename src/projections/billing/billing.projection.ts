@@ -1,5 +1,6 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
-import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
+import { isVmEventType } from '../../domain/vm/vm.events.js';
+import { parsedVmEvent } from '../parsed-events.js';
 import { isSnapshotEventType, parseSnapshotEvent, SNAPSHOT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';
 import type { Projection, Sql } from '../projection.js';
 
@@ -174,7 +175,7 @@ async function applyBillingBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
   await applySnapshotBilling(sql, events);
   const relevant = events
     .filter((e) => BILLED_TYPES.has(e.type) && e.streamId.startsWith('vm-') && isVmEventType(e.type))
-    .map((e) => parseVmEvent(e.type, e.data, e.metadata));
+    .map((e) => parsedVmEvent(e));
   if (relevant.length === 0) return;
   const rows = new Map<string, OpenRow | null>();
   const ids = [...new Set(relevant.map((e) => e.data.vm_id))];

@@ -1,5 +1,6 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
-import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
+import { isVmEventType } from '../../domain/vm/vm.events.js';
+import { parsedVmEvent } from '../parsed-events.js';
 import { VM_END_REASONS } from '../../domain/vm/vm.lifecycle.js';
 import { isSnapshotEventType, parseSnapshotEvent, SNAPSHOT_STREAM_PREFIX } from '../../domain/snapshot/snapshot.events.js';
 import type { Projection, Sql } from '../projection.js';
@@ -61,7 +62,7 @@ async function applyMetricsBatch(sql: Sql, events: readonly RecordedEvent[]): Pr
   const buckets = new Map<number, { n: number; ms: number }>();
   for (const recorded of events) {
     if (recorded.type !== 'VmBooted' || !recorded.streamId.startsWith('vm-')) continue;
-    const e = parseVmEvent(recorded.type, recorded.data);
+    const e = parsedVmEvent(recorded); // VmBooted: the metadata-dependent upgrade concerns ending reasons only
     if (e.type !== 'VmBooted') continue;
     const le = BOOT_BUCKETS_S.find((b) => e.data.boot_ms / 1000 <= b) ?? Number.POSITIVE_INFINITY;
     const b = buckets.get(le) ?? { n: 0, ms: 0 };
@@ -138,7 +139,7 @@ async function applyCounters(sql: Sql, events: readonly RecordedEvent[]): Promis
     }
   }
   for (const r of ends) {
-    const e = parseVmEvent(r.type, r.data, r.metadata);
+    const e = parsedVmEvent(r);
     if (e.type === 'VmDestroyed' || e.type === 'VmFailed') inc('fleet_vm_ends_total', { reason: e.data.reason });
     // Provider names are registry keys ([a-z0-9_-]); anything else would break the stored label text.
     if (e.type === 'VmEgressFailed')

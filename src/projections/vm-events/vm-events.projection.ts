@@ -1,5 +1,6 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
 import { FEED_TYPES, toEnvironmentEvent } from '../../domain/vm/vm.feed.js';
+import { parsedVmEvent } from '../parsed-events.js';
 import type { Projection, Sql } from '../projection.js';
 
 /**
@@ -69,24 +70,18 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
     for (const r of rows) owners.set(r.vm_id, r.tenant_id);
   }
   const rows = relevant.flatMap((r) => {
-    const env = toEnvironmentEvent(r);
+    const env = toEnvironmentEvent(r, parsedVmEvent);
     const tenant = owners.get(r.streamId.slice(3));
     // A VM whose VmRequested was never seen has no owner to show its events to.
     return env && tenant !== undefined ? [{ env, tenant }] : [];
   });
   if (rows.length === 0) return;
+  // One JSON document for the whole run: a jsonb[] parameter would escape every body into an array literal and parse it twice.
   await sql.query(
     `INSERT INTO vm_events (position, tenant_id, vm_id, event, at, body)
-     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::jsonb[])
+     SELECT x.p, x.t, x.v, x.e, x.a, x.b FROM jsonb_to_recordset($1::jsonb) AS x(p text, t text, v text, e text, a timestamptz, b jsonb)
      ON CONFLICT (position) DO NOTHING`,
-    [
-      rows.map((x) => x.env.id),
-      rows.map((x) => x.tenant),
-      rows.map((x) => x.env.vm_id),
-      rows.map((x) => x.env.event),
-      rows.map((x) => x.env.updated_at),
-      rows.map((x) => JSON.stringify(x.env)),
-    ],
+    [JSON.stringify(rows.map((x) => ({ p: x.env.id, t: x.tenant, v: x.env.vm_id, e: x.env.event, a: x.env.updated_at, b: x.env })))],
   );
   // Against the newest event kept (never pruned itself): the same rows go whatever the batching.
   await sql.query(`DELETE FROM vm_events WHERE at < (SELECT max(at) FROM vm_events) - make_interval(secs => $1)`, [RETENTION_MS / 1000]);

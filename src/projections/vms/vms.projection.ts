@@ -1,6 +1,7 @@
 import type { RecordedEvent } from '../../domain/event-store.port.js';
 import { publicSpec } from '../../domain/vm/spec.js';
-import { isVmEventType, parseVmEvent } from '../../domain/vm/vm.events.js';
+import { isVmEventType } from '../../domain/vm/vm.events.js';
+import { parsedVmEvent } from '../parsed-events.js';
 import type { Projection, Sql } from '../projection.js';
 
 /**
@@ -143,9 +144,7 @@ const COLUMNS: ReadonlyArray<[keyof VmRowState, string]> = [
  * as an UPDATE of a missing row would.
  */
 async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
-  const vmEvents = events
-    .filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type))
-    .map((r) => ({ r, e: parseVmEvent(r.type, r.data, r.metadata) }));
+  const vmEvents = events.filter((r) => r.streamId.startsWith('vm-') && isVmEventType(r.type)).map((r) => ({ r, e: parsedVmEvent(r) }));
   if (vmEvents.length === 0) return;
   const ids = [...new Set(vmEvents.map(({ e }) => e.data.vm_id))];
   const { rows } = await sql.query(`SELECT ${COLUMNS.map(([c]) => c).join(', ')} FROM vms WHERE id = ANY($1::text[])`, [ids]);

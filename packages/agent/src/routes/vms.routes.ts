@@ -16,7 +16,7 @@ import {
   vmInfoSchema,
   type Endpoint,
 } from '@fleet/agent-protocol';
-import { ConflictError } from '@fleet/agent-protocol';
+import { AppError, ConflictError } from '@fleet/agent-protocol';
 import { isCode, toVmInfo, type AgentRouteContext } from './context.js';
 import { withInitExit, withOom } from './observe.routes.js';
 import { bodyOf, paramOf, part, queryOf, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
@@ -62,7 +62,27 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
       ...(spec.egress ? { egress: spec.egress } : {}),
       ...(spec.resume ? { resume: true } : {}),
     });
-    return reply.code(201).send(toVmInfo(info) satisfies Answer<typeof schemas.create, 201>);
+    const files = spec.files ?? [];
+    if (files.length === 0) return reply.code(201).send(toVmInfo(info) satisfies Answer<typeof schemas.create, 201>);
+    try {
+      for (const f of files) {
+        const bytes = Buffer.from(f.content_b64, 'base64');
+        if (bytes.length > ctx.config.maxUploadBytes)
+          throw new AppError('FILE_TOO_LARGE', 413, `"${f.path}" is ${bytes.length} bytes, more than ${ctx.config.maxUploadBytes}`);
+      }
+      const dirs = [...new Set(files.map((f) => posix.dirname(posix.normalize(f.path))))].filter((d) => d !== '/');
+      if (dirs.length > 0) await checkedRun(spec.name, ['mkdir', '-p', ...dirs], 'create the directories of the create files');
+      for (const f of files) {
+        await backend.writeGuestFile(spec.name, f.path, Readable.from([Buffer.from(f.content_b64, 'base64')]), {
+          mode: parseInt(f.mode ?? '644', 8),
+        });
+      }
+    } catch (err) {
+      // All or nothing: a sandbox without its files (the fleet's token among them) is of no use to the caller.
+      await backend.destroy(spec.name).catch(() => undefined);
+      throw err;
+    }
+    return reply.code(201).send({ ...toVmInfo(info), files_written: files.length } satisfies Answer<typeof schemas.create, 201>);
   });
 
   app.get(`${AGENT_API_PREFIX}/vms`, async (req): Promise<Answer<typeof schemas.list, 200>> => {
