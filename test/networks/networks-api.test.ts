@@ -135,6 +135,12 @@ describe('tenant networks (real agents and sandboxes)', { timeout: 600_000 }, ()
     const listed = ok(await c.request('GET', '/v1/networks', { as: 'acme' })).networks.map((n: { id: string }) => n.id);
     assert.deepEqual(listed.sort(), [netA.id, netB.id].sort());
 
+    // A network spans one host: a member cannot be moved off it (it would land on its tenant's bridge, out of its network).
+    const moved = await c.request('POST', `/v1/vms/${a1.id}/migrate`, { as: 'acme', body: { live: false, target_host_id: 'h2' } });
+    assert.equal(moved.status, 409, JSON.stringify(moved.body));
+    assert.equal(problemOf(moved).code, 'NETWORK_MEMBER_PINNED');
+    assert.equal(ok(await c.request('GET', `/v1/vms/${a1.id}`, { as: 'acme' })).host_id, 'h1', 'still on its host');
+
     // Delete with live members: refused; once they are gone: deleted.
     const refused = await c.request('DELETE', `/v1/networks/${netA.id}`, { as: 'acme' });
     assert.equal(refused.status, 409, JSON.stringify(refused.body));

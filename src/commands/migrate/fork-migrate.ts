@@ -110,6 +110,13 @@ export class ForkMigrate {
         status: vm.status,
       });
     const fromHostId = vm.host_id;
+    // A network spans one host (docs/networking.md): booted elsewhere, the member would leave its network for its tenant's bridge.
+    if (vm.spec.network_id)
+      throw new ConflictError(
+        'NETWORK_MEMBER_PINNED',
+        `vm ${vmId} is a member of network ${vm.spec.network_id}, which spans one host: it cannot move off ${fromHostId}`,
+        { vm_id: vmId, network_id: vm.spec.network_id, host_id: fromHostId },
+      );
     const { state: source } = await this.hosts.load(fromHostId);
     const backend = source.status === 'unregistered' ? 'unknown' : source.backend;
     if (opts.lazy && !opts.live) throw new ValidationError('lazy needs live: true', [{ path: 'lazy', message: 'needs live' }]);

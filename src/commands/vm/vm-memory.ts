@@ -88,8 +88,17 @@ export class VmMemory {
           if (err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED') return undefined;
           throw err;
         });
-      // No room there any more: the checkpoint moves to a host that has some.
-      if (!placed) return this.resumeOnAnotherHost(vm, started, actor);
+      // No room there any more: the checkpoint moves to a host that has some (not a network member: its network is on this host).
+      if (!placed) {
+        if (vm.spec.network_id)
+          throw new AppError(
+            'CAPACITY_EXHAUSTED',
+            409,
+            `host ${vm.host_id} has no room to resume vm ${vmId}, and as a member of network ${vm.spec.network_id} it cannot resume elsewhere; it stays paused`,
+            { vm_id: vmId, host_id: vm.host_id, network_id: vm.spec.network_id },
+          );
+        return this.resumeOnAnotherHost(vm, started, actor);
+      }
       try {
         const agent = await this.hosts.agentFor(placed.hostId);
         const info = await agent.resumeVm(sandboxName(vmId));
