@@ -102,6 +102,19 @@ describe('egress failures are events that feed fleet_egress_failures_total (real
 
     // A direct VM on the same host never needed the proxy: it runs, and counts nothing.
     assert.equal((await c.request('GET', `/v1/vms/${direct.id}`, { as: 'acme' })).body.state, 'running');
+
+    // Switching it to the proxy that cannot start fails, is counted, and leaves the sandbox on its old policy, not half the new.
+    const put = await c.request('PUT', `/v1/vms/${direct.id}/network`, {
+      as: 'acme',
+      body: { egress: { mode: 'proxy', provider: 'corp' } },
+    });
+    assert.ok(put.status >= 500, JSON.stringify(put.body));
+    assert.equal((put.body as { code?: string }).code, 'EGRESS_PROVISION_FAILED', JSON.stringify(put.body));
+    // Health is `unhealthy` when the host applies another mode than the VM's recorded one.
+    const live = ok(await c.request('GET', `/v1/vms/${direct.id}/network`, { as: 'acme' })).egress as { mode: string; health?: string };
+    assert.equal(live.mode, 'direct');
+    assert.notEqual(live.health, 'unhealthy', `the host still applies the VM's old policy: ${JSON.stringify(live)}`);
+    assert.equal((await c.request('GET', `/v1/vms/${direct.id}`, { as: 'acme' })).body.egress.mode, 'direct');
     ok(await c.request('DELETE', `/v1/vms/${direct.id}`, { as: 'acme' }));
   });
 });

@@ -1,4 +1,11 @@
-import { egressSpecProblems, ValidationError, type EgressSpec, type EgressStatus } from '@fleet/agent-protocol';
+import {
+  AppError,
+  EGRESS_PROVISION_FAILED,
+  egressSpecProblems,
+  ValidationError,
+  type EgressSpec,
+  type EgressStatus,
+} from '@fleet/agent-protocol';
 import { assertEgressProvisionable } from '../../domain/egress/egress-registry.js';
 import type { HostCommands } from '../host/host-commands.js';
 import { agentEgressOf, sandboxName } from './boot-sandbox.js';
@@ -33,8 +40,10 @@ export class VmEgress {
     const { agent } = await this.access.running(vmId, actor);
     await agent.setEgress(sandboxName(vmId), agentEgressOf(egress)).catch(async (err: unknown) => {
       const egressFailed = egressProvisionFailure(vmId, egress, err);
-      if (egressFailed) await this.stream.run(vmId, egressFailed, actor).catch(() => undefined);
-      throw err;
+      if (!egressFailed) throw err;
+      await this.stream.run(vmId, egressFailed, actor).catch(() => undefined);
+      // The same code a create ends with; the sandbox keeps the policy it had (the agent starts the proxy before it applies).
+      throw new AppError(EGRESS_PROVISION_FAILED, 502, (err as Error).message, { vm_id: vmId, provider: egress.provider ?? null });
     });
     return this.stream.run(vmId, { type: 'ChangeEgress', data: { vm_id: vmId, egress } }, actor);
   }

@@ -24,13 +24,14 @@ export async function setEgress(host: SandboxHost, name: string, egress: Sandbox
   return host.locks.run(`sb:${name}`, async () => {
     const record = host.must(name);
     const s = record.state;
+    // The proxy first: if it cannot start, the sandbox keeps the policy it had (rules, env, record), never half of the new one.
+    if (usesAgentProxy(parsed)) await host.egress.ensureProxy();
     const old = host.egress.guestEnv(s.egress, s.ip);
     s.env = { ...Object.fromEntries(Object.entries(s.env).filter(([k]) => !(k in old))), ...host.egress.guestEnv(parsed, s.ip) };
     s.egress = parsed;
     await host.persist(s);
     await host.firewall.apply(() => host.firewallState());
     await host.syncBridgeForwarding(s.bridge);
-    if (usesAgentProxy(parsed)) await host.egress.ensureProxy();
     return host.info(record);
   });
 }
