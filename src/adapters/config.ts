@@ -194,7 +194,7 @@ export const configSchema = z.object({
     .pipe(egressRegistrySchema)
     .optional(),
   /** Where tenant network subnets come from: must lie inside every process agent's AGENT_SUBNET (docs/networking.md). */
-  NETWORK_POOL: z.cidrv4().default('10.213.192.0/18'),
+  NETWORK_POOL: z.cidrv4().default('10.88.192.0/18'),
   /** Size of a network subnet the caller did not name. */
   NETWORK_PREFIX_LEN: z.coerce.number().int().min(16).max(29).default(24),
 });
