@@ -324,6 +324,24 @@ async function dumpStats(dir: string): Promise<{ frozenMs: number; pagesWritten:
 }
 
 /**
+ * Waits (bounded) until the sandbox's init leads its own session. It starts
+ * in the session of its reaper, outside its pid namespace, and an init
+ * (busybox's among them) calls setsid() as it starts; CRIU refuses a tree
+ * whose session leader is outside its pid namespace, so a checkpoint taken
+ * the instant after a create would fail for that moment alone.
+ */
+async function ownSession(initPid: number, timeoutMs = 3000): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const stat = await readFile(`/proc/${initPid}/stat`, 'utf8').catch(() => '');
+    // Fields after the command's closing parenthesis: state, ppid, pgrp, session.
+    const session = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[3]);
+    if (!stat || session === initPid || Date.now() > deadline) return;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+/**
  * Dumps the tree of `initPid` into `dir` (created empty). leaveRunning: a
  * live snapshot (with `freezerDir`, the cgroup the caller already froze: it
  * stays frozen afterwards, so the caller's rootfs copy is of the same
@@ -343,6 +361,7 @@ export async function dumpTree(
   },
 ): Promise<DumpResult> {
   await mkdir(opts.dir, { recursive: true, mode: 0o700 });
+  await ownSession(opts.initPid);
   const mounts = await devtmpfsMounts(opts.initPid);
   const mntId = (await readFile(`/proc/${opts.initPid}/fdinfo/1`, 'utf8')).match(/^mnt_id:\s*(\d+)/m)?.[1];
   const { stat } = await import('node:fs/promises');
