@@ -7,7 +7,7 @@ import type { Position } from '../../domain/event-store.port.js';
 import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { parseVmSpec, placementRequestOf } from '../../domain/vm/spec.js';
-import { type ExistingVmState, type VmCommand } from '../../domain/vm/vm.decider.js';
+import { type ExistingVmState } from '../../domain/vm/vm.decider.js';
 import type { CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
@@ -15,6 +15,7 @@ import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import { snapshotRequest } from '../snapshot/snapshot-request.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
+import { switchToTarget } from './switch-host.js';
 import { LiveFork, type ForkManyResult } from './fork-live.js';
 import { forkSpec } from './fork-spec.js';
 export { forkSpec } from './fork-spec.js';
@@ -242,37 +243,15 @@ export class ForkMigrate {
 
       step = 'switch';
       // With an ingress the VM keeps its URLs; the routes are pointed at the target right after the switch.
-      const shown = this.vms.ingress ? await this.vms.ingress.present(vmId, endpoints) : undefined;
-      const switched = await this.vmHandler.handle(
-        vmId,
-        {
-          type: 'CompleteMigration',
-          data: {
-            vm_id: vmId,
-            from_host_id: fromHostId,
-            host_id: targetId,
-            decision: placed.choice.decision,
-            reservation: placed.reservation,
-            snapshot_id: snapshotId,
-            url: shown?.url ?? (info.ip ? `http://${info.ip}` : ''),
-            endpoints: shown?.endpoints ?? endpoints,
-          },
-        } satisfies VmCommand,
+      const switched = await switchToTarget(
+        { vmHandler: this.vmHandler, vms: this.vms, logger: this.logger },
+        { vmId, fromHostId, placed, snapshotId: snapshotId, ip: info.ip, endpoints },
         actor,
       );
-      if (switched.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} vanished`);
       let position = switched.position;
       let final = switched.state;
       booted = false;
       reserved = false;
-      await this.vms.ingress
-        ?.adopt(vmId, targetId, endpoints, actor)
-        .catch((err: unknown) =>
-          this.logger.error(
-            { vm_id: vmId, err: { message: (err as Error).message } },
-            'migrated, but its ingress routes still name the source',
-          ),
-        );
 
       // From here the VM runs on the target: a failure only leaves garbage on the source, which the reconciler collects.
       step = 'destroy_source';

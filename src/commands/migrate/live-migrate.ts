@@ -8,12 +8,13 @@ import { migrationAggregate, type MigrationCommand } from '../../domain/migratio
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import { placementRequestOf } from '../../domain/vm/spec.js';
-import type { ExistingVmState, VmCommand } from '../../domain/vm/vm.decider.js';
+import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import { bindAggregate, type BoundOf, type CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
+import { switchToTarget } from './switch-host.js';
 
 export interface LiveMigrateResult {
   readonly vm: ExistingVmState;
@@ -170,34 +171,12 @@ export class LiveMigrate {
       );
 
       step = 'switch';
-      const shown = this.vms.ingress ? await this.vms.ingress.present(vmId, endpoints) : undefined;
-      const switched = await this.vmHandler.handle(
-        vmId,
-        {
-          type: 'CompleteMigration',
-          data: {
-            vm_id: vmId,
-            from_host_id: fromHostId,
-            host_id: targetId,
-            decision: placed.choice.decision,
-            reservation: placed.reservation,
-            snapshot_id: cpId,
-            url: shown?.url ?? (info.ip ? `http://${info.ip}` : ''),
-            endpoints: shown?.endpoints ?? endpoints,
-          },
-        } satisfies VmCommand,
+      const switched = await switchToTarget(
+        { vmHandler: this.vmHandler, vms: this.vms, logger: this.logger },
+        { vmId, fromHostId, placed, snapshotId: cpId, ip: info.ip, endpoints },
         actor,
       );
-      if (switched.state.status === 'initial') throw new AppError('INTERNAL', 500, `vm ${vmId} vanished`);
       booted = false;
-      await this.vms.ingress
-        ?.adopt(vmId, targetId, endpoints, actor)
-        .catch((err: unknown) =>
-          this.logger.error(
-            { vm_id: vmId, err: { message: (err as Error).message } },
-            'migrated, but its ingress routes still name the source',
-          ),
-        );
 
       // The VM runs on the target: what follows only removes the source's leftovers (the reconciler collects what fails).
       step = 'destroy_source';
