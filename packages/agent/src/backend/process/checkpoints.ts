@@ -63,6 +63,49 @@ export const checkpointTooLarge = (limit: number): AppError =>
     { max_bytes: limit },
   );
 
+/**
+ * Runs `tar` with `args` (writing the archive to stdout) into `dest`,
+ * hashing and counting as it writes, refused past `maxBytes`
+ * (CHECKPOINT_TOO_LARGE) with tar killed; `what` names the source in an error.
+ */
+export async function tarInto(
+  args: readonly string[],
+  dest: string,
+  maxBytes: number | undefined,
+  what: string,
+): Promise<{ size: number; digest: string }> {
+  const hash = createHash('sha256');
+  let size = 0;
+  const tar = spawn('tar', [...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let stderr = '';
+  tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+  const exit = new Promise<number | null>((resolve, reject) => {
+    tar.once('error', reject);
+    tar.once('close', resolve);
+  });
+  const count = new Transform({
+    transform(chunk: Buffer, _enc, cb) {
+      size += chunk.length;
+      if (maxBytes !== undefined && size > maxBytes) {
+        cb(checkpointTooLarge(maxBytes));
+        return;
+      }
+      hash.update(chunk);
+      cb(null, chunk);
+    },
+  });
+  try {
+    await pipeline(tar.stdout, count, createWriteStream(dest));
+  } catch (err) {
+    tar.kill('SIGKILL');
+    await exit.catch(() => undefined);
+    throw err;
+  }
+  const code = await exit;
+  if (code !== 0) throw sandboxFailed(`tar of ${what} failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
+  return { size, digest: hash.digest('hex') };
+}
+
 export function validateCheckpointId(id: string): void {
   if (!checkpointIdRe.test(id)) {
     throw invalidSpec(`checkpoint id "${id}" is invalid: use 1-128 of [A-Za-z0-9_.-], starting with a letter or digit`, [
@@ -161,38 +204,12 @@ export class CheckpointStore {
     const tmp = join(this.dir, `.tmp-${id}-${randomBytes(4).toString('hex')}`);
     await mkdir(tmp);
     try {
-      const hash = createHash('sha256');
-      let size = 0;
-      const tar = spawn('tar', [...TAR_XATTRS, '--sparse', '--numeric-owner', '-C', upperDir, '-cf', '-', '.'], {
-        stdio: ['ignore', 'pipe', 'pipe'],
-      });
-      let stderr = '';
-      tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-      const exit = new Promise<number | null>((resolve, reject) => {
-        tar.once('error', reject);
-        tar.once('close', resolve);
-      });
-      const max = meta.maxBytes;
-      const count = new Transform({
-        transform(chunk: Buffer, _enc, cb) {
-          size += chunk.length;
-          if (max !== undefined && size > max) {
-            cb(checkpointTooLarge(max));
-            return;
-          }
-          hash.update(chunk);
-          cb(null, chunk);
-        },
-      });
-      try {
-        await pipeline(tar.stdout, count, createWriteStream(join(tmp, ROOTFS)));
-      } catch (err) {
-        tar.kill('SIGKILL');
-        await exit.catch(() => undefined);
-        throw err;
-      }
-      const code = await exit;
-      if (code !== 0) throw sandboxFailed(`tar of the writable layer failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
+      const { size, digest } = await tarInto(
+        [...TAR_XATTRS, '--sparse', '--numeric-owner', '-C', upperDir, '-cf', '-', '.'],
+        join(tmp, ROOTFS),
+        meta.maxBytes,
+        'the writable layer',
+      );
       // The memory half (a CRIU dump): moved in beside the rootfs, each file hashed, so it travels under the same grant.
       const files: Record<string, string> = {};
       if (meta.memory) {
@@ -215,7 +232,7 @@ export class CheckpointStore {
         comment: meta.comment,
         kind: meta.memory ? 'live' : 'disk',
         size_bytes: size,
-        digest: hash.digest('hex'),
+        digest,
         created_at: meta.now.toISOString(),
         image: meta.image,
         files,

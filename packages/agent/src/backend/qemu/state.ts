@@ -1,15 +1,11 @@
-import { spawn } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { createWriteStream } from 'node:fs';
 import { mkdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
-import { Transform } from 'node:stream';
-import { pipeline } from 'node:stream/promises';
 import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { BackendErrorCode, sandboxFailed, type Checkpoint } from '../../backend.js';
 import { mustRun, sleep } from '../process/exec-util.js';
-import { checkpointTooLarge, MANIFEST, ROOTFS, validateCheckpointId, type CheckpointStore } from '../process/checkpoints.js';
+import { MANIFEST, tarInto, ROOTFS, validateCheckpointId, type CheckpointStore } from '../process/checkpoints.js';
 import { qmp } from './qmp.js';
 
 /**
@@ -194,36 +190,12 @@ export async function writeCheckpoint(
   const tmp = join(store.dir, `.tmp-${id}-${randomBytes(4).toString('hex')}`);
   await mkdir(tmp);
   try {
-    const hash = createHash('sha256');
-    let size = 0;
-    const tar = spawn('tar', ['--sparse', '--numeric-owner', '-C', scratch, '-cf', '-', DISK_FILE], { stdio: ['ignore', 'pipe', 'pipe'] });
-    let stderr = '';
-    tar.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
-    const exit = new Promise<number | null>((resolve, reject) => {
-      tar.once('error', reject);
-      tar.once('close', resolve);
-    });
-    const max = meta.maxBytes;
-    const count = new Transform({
-      transform(chunk: Buffer, _enc, cb) {
-        size += chunk.length;
-        if (max !== undefined && size > max) {
-          cb(checkpointTooLarge(max));
-          return;
-        }
-        hash.update(chunk);
-        cb(null, chunk);
-      },
-    });
-    try {
-      await pipeline(tar.stdout, count, createWriteStream(join(tmp, ROOTFS)));
-    } catch (err) {
-      tar.kill('SIGKILL');
-      await exit.catch(() => undefined);
-      throw err;
-    }
-    const code = await exit;
-    if (code !== 0) throw sandboxFailed(`tar of the VM's disk failed (exit ${code}): ${stderr.trim().slice(0, 300)}`);
+    const { size, digest } = await tarInto(
+      ['--sparse', '--numeric-owner', '-C', scratch, '-cf', '-', DISK_FILE],
+      join(tmp, ROOTFS),
+      meta.maxBytes,
+      "the VM's disk",
+    );
     const files: Record<string, string> = {};
     if (meta.memory) {
       await rename(join(scratch, QEMU_VMSTATE), join(tmp, QEMU_VMSTATE));
@@ -236,7 +208,7 @@ export async function writeCheckpoint(
       comment: meta.comment,
       kind: meta.memory ? 'live' : 'disk',
       size_bytes: size,
-      digest: hash.digest('hex'),
+      digest,
       created_at: meta.now.toISOString(),
       image: meta.image,
       files,
