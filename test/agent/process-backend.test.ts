@@ -531,7 +531,9 @@ describe('process backend: real sandboxes', { skip: skip ? `host feature missing
     // Sandboxes cannot reach the host (firewall.ts): the drain is observed by a peer of the same tenant.
     const peer = await b.create({ name: 'drain-peer', cpus: 1, ram_mb: 64, tenant: 'acme' });
     const port = 7070;
-    const listener = await b.spawn('drain-peer', { argv: ['/bin/sh', '-c', `nc -l -p ${port}`], stdin: false });
+    // stdin stays open: busybox nc half-closes its side at stdin's EOF, and a client that sees that FIN before its
+    // own stdin has data exits without sending (the drain below is `echo … | nc`).
+    const listener = await b.spawn('drain-peer', { argv: ['/bin/sh', '-c', `nc -l -p ${port}`], stdin: true });
     const heard = collect(listener, 15_000);
     try {
       await b.create({ name: 'drain', cpus: 1, ram_mb: 64, tenant: 'acme' });

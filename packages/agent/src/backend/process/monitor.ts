@@ -251,8 +251,16 @@ export class SandboxMonitor implements SandboxObserver {
     return readInitExit(t.sandboxDir, t.initPid, t.initStart);
   }
 
+  /**
+   * The counter before an exec starts. It also starts the sandbox's watch when no poll has yet: a first poll that
+   * came between the exec's OOM kill and its report would take that kill as one from before and never name it.
+   */
   async oomKills(name: string): Promise<number> {
-    return (await this.readOomCount(name)) ?? 0;
+    const count = await this.readOomCount(name);
+    if (count === null) return 0;
+    const t = this.watches.has(name) ? undefined : this.opts.targets().find((x) => x.name === name);
+    if (t) this.watchOf(t, count);
+    return count;
   }
 
   oom(name: string): OomReport | undefined {
