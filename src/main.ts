@@ -64,6 +64,9 @@ async function main(): Promise<void> {
     const adminKey = config.ADMIN_API_KEY ?? secrets.admin_api_key;
     const ingress = ingressSettingsOf(config, embedded);
     const tenantKeys = config.API_KEYS.length > 0 || !embedded ? config.API_KEYS : [{ tenant: 'demo', key: secrets.demo_api_key }];
+    const startsLocalAgent = config.START_LOCAL_AGENT ?? embedded;
+    // Until the local host is registered a create finds no host: /readyz says so instead of a ready that answers 409.
+    let localHost: 'starting' | 'registered' = 'starting';
     const service: Service = await startService({
       config,
       logger,
@@ -71,6 +74,12 @@ async function main(): Promise<void> {
       tokenEncryptionKey: Buffer.from(config.TOKEN_ENCRYPTION_KEY ?? secrets.token_encryption_key, 'base64'),
       apiKeys: apiKeysFrom(adminKey, tenantKeys),
       ingress: ingress.settings,
+      ...(startsLocalAgent && {
+        readinessChecks: {
+          local_host: () =>
+            localHost === 'registered' ? Promise.resolve() : Promise.reject(new Error('the local host agent is starting')),
+        },
+      }),
     });
     stops.push(() => service.close());
     await service.app.listen({ host: config.HOST, port: config.PORT });
@@ -94,7 +103,7 @@ async function main(): Promise<void> {
       ingressUrl = proxy.url;
     }
 
-    if (config.START_LOCAL_AGENT ?? embedded) {
+    if (startsLocalAgent) {
       const agent: LocalAgent = await startLocalAgent({ dataDir, port: config.LOCAL_AGENT_PORT, token: secrets.local_agent_token, logger });
       stops.push(() => agent.stop());
       await service.hosts.register(
@@ -108,6 +117,7 @@ async function main(): Promise<void> {
         }),
         { correlationId: 'startup', actor: 'system', tenantId: 'admin' },
       );
+      localHost = 'registered';
       logger.info({ host: 'local', url: agent.url }, 'local host registered');
     }
     const showDemo = embedded && config.API_KEYS.length === 0;

@@ -97,6 +97,8 @@ export interface ServiceOptions {
   readonly httpLogger?: boolean;
   /** Ingress URL settings; default: from INGRESS_DOMAIN (unset: nothing is published). */
   readonly ingress?: IngressSettings | undefined;
+  /** More /readyz checks from the process (main.ts: the embedded default's local host, until it is registered). */
+  readonly readinessChecks?: Readonly<Record<string, () => Promise<void>>>;
 }
 
 export interface Service {
@@ -348,6 +350,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
                 )
               : Promise.resolve();
           },
+          ...opts.readinessChecks,
         },
       },
       routes: [

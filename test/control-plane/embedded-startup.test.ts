@@ -205,4 +205,79 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
       }
     },
   );
+  it(
+    '/readyz is 503 naming the local host until the local agent is registered; at the first 200 a create finds it',
+    { timeout: 180_000 },
+    async (t) => {
+      if (process.getuid?.() !== 0) {
+        t.skip('the host agent needs root');
+        return;
+      }
+      const images = await prepareImages();
+      if ('skip' in images) {
+        t.skip(images.skip);
+        return;
+      }
+      const dataDir = path.join(root, 'ready');
+      await fs.mkdir(path.join(dataDir, 'agent', 'images'), { recursive: true });
+      await fs.symlink(path.join(images.imageDir, 'base'), path.join(dataDir, 'agent', 'images', 'base'));
+      const prefix = uniquePrefix();
+      const port = await freePort();
+      const admin = `adm_${randomBytes(16).toString('hex')}`;
+      const child = spawn(process.execPath, ['--import', 'tsx', 'src/main.ts'], {
+        cwd: REPO_ROOT,
+        env: {
+          PATH: process.env.PATH ?? '/usr/bin:/bin',
+          DATA_DIR: dataDir,
+          PORT: String(port),
+          EMBEDDED_PG_PORT: String(await freePort()),
+          LOCAL_AGENT_PORT: String(await freePort()),
+          ADMIN_API_KEY: admin,
+          AGENT_BRIDGE_PREFIX: prefix,
+          AGENT_SUBNET: uniqueSubnet(),
+          LOG_LEVEL: 'warn',
+        },
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
+      let out = '';
+      child.stdout.on('data', (d: Buffer) => (out += d.toString()));
+      child.stderr.on('data', (d: Buffer) => (out += d.toString()));
+      const exited = new Promise<void>((r) => child.once('exit', () => r()));
+      try {
+        const seen: string[] = [];
+        const deadline = Date.now() + 150_000;
+        for (;;) {
+          assert.ok(Date.now() < deadline && child.exitCode === null, `never ready:\n${out.slice(-2000)}`);
+          const r = await fetch(`http://127.0.0.1:${port}/readyz`, { headers: { authorization: `Bearer ${admin}` } }).catch(
+            () => undefined,
+          );
+          if (r?.status === 503) {
+            const body = (await r.json()) as { checks: Record<string, string> };
+            if (body.checks.local_host !== 'ok') seen.push(body.checks.local_host ?? '');
+          } else if (r?.status === 200) break;
+          await new Promise((res) => setTimeout(res, 50));
+        }
+        const hosts = (await (
+          await fetch(`http://127.0.0.1:${port}/v1/hosts`, { headers: { authorization: `Bearer ${admin}` } })
+        ).json()) as {
+          hosts: { id: string }[];
+        };
+        assert.deepEqual(
+          hosts.hosts.map((h) => h.id),
+          ['local'],
+          'ready means the local host can take a create',
+        );
+        assert.ok(seen.length > 0 && seen.every((s) => /local host agent is starting/.test(s)), `503s seen: ${seen.join(' | ')}`);
+      } finally {
+        child.kill('SIGTERM');
+        const kill = setTimeout(() => child.kill('SIGKILL'), 30_000);
+        await exited;
+        clearTimeout(kill);
+        const cg = '/sys/fs/cgroup';
+        for (const c of await fs.readdir(cg).catch(() => [] as string[]))
+          await fs.rmdir(path.join(cg, c, `fleet-${prefix}`)).catch(() => undefined);
+        await fs.rmdir(path.join(cg, `fleet-${prefix}`)).catch(() => undefined);
+      }
+    },
+  );
 });
