@@ -39,7 +39,8 @@ async function until<T>(what: string, f: () => T | undefined | false | Promise<T
 }
 
 /** A counter the sandbox keeps in a file, detached from any envd process. */
-const COUNTER = '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 </dev/null &';
+const COUNTER =
+  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done) >/dev/null 2>&1 </dev/null &';
 
 describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout: 600_000 }, () => {
   let skip: string | undefined = noCriu;
