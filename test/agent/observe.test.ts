@@ -75,13 +75,17 @@ describe('agent observability (real agent, real sandboxes)', { timeout: 240_000 
 
   after(async () => {
     if (agent) {
-      try {
-        for (const vm of await agent.client.listVms('', { timeoutMs: 10_000 }))
-          await agent.client.destroyVm(vm.name, { force: true, timeoutMs: 20_000 });
-        await agent.client.prune({ timeoutMs: 20_000 });
-      } catch (err) {
-        process.stderr.write(`cleanup failed: ${String(err)}\n${agent.output().slice(-4000)}\n`);
-      }
+      // One failed destroy does not leave the others behind: each is tried, then prune sweeps what is left.
+      const cleanup = async (what: string, fn: () => Promise<unknown>): Promise<void> => {
+        try {
+          await fn();
+        } catch (err) {
+          process.stderr.write(`cleanup (${what}) failed: ${String(err)}\n${agent!.output().slice(-4000)}\n`);
+        }
+      };
+      for (const vm of await agent.client.listVms('', { timeoutMs: 10_000 }).catch(() => []))
+        await cleanup(vm.name, () => agent!.client.destroyVm(vm.name, { force: true, timeoutMs: 20_000 }));
+      await cleanup('prune', () => agent!.client.prune({ timeoutMs: 20_000 }));
       await agent.stop();
       await agent.cleanupHost();
     }

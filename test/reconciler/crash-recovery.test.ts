@@ -1,5 +1,5 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
+import { after, afterEach, before, describe, test } from 'node:test';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 import {
   api,
@@ -104,6 +104,11 @@ describe(
       dataDir = await tempDir('rec-cp-');
     });
 
+    // A test that fails midway must not leave its control planes running (a leftover holds the reconciler lease).
+    afterEach(async () => {
+      for (const cp of procs) await kill(cp);
+    });
+
     after(async () => {
       for (const cp of procs) await cp.kill();
       await agent?.dispose();
@@ -188,7 +193,11 @@ describe(
       t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
       assert.equal(states[id], 'destroyed:admin');
       assert.equal(states[healthy[0]!], 'running');
-      const summary = (await api(cp2.url, 'GET', '/v1/reconciler')).body;
+      // The destroy is completed inside the new leader's first cycle; its summary is written when that cycle ends.
+      const summary = await waitFor('the first cycle summary', 30_000, async () => {
+        const s = (await api(cp2.url, 'GET', '/v1/reconciler')).body;
+        return s.last_summary ? s : undefined;
+      });
       assert.equal(summary.leader, true);
       assert.ok(summary.last_summary.cycle >= 1);
       const metrics = await (await fetch(`${cp2.url}/metrics`)).text();
