@@ -125,6 +125,7 @@ export class QemuLiveMigrate {
     let step: MigrationStep = 'place';
     let prepared = false;
     let sent = false;
+    let switchedOver = false;
     try {
       const wantIp = (await src.getVm(name)).ip;
       const offer = await src.migrationOffer(name);
@@ -206,6 +207,7 @@ export class QemuLiveMigrate {
         actor,
       );
       prepared = false;
+      switchedOver = true;
 
       // The VM runs on the target: what follows only removes the stopped source (the reconciler collects what fails).
       step = 'destroy_source';
@@ -236,6 +238,8 @@ export class QemuLiveMigrate {
         ip: info.ip,
       };
     } catch (err) {
+      // Recorded on the target: nothing to undo (the reservation there is the VM's own now).
+      if (switchedOver) throw err;
       const e = err instanceof AppError ? err : undefined;
       // A send whose answer was lost (timeout, dropped connection) may still have finished: the source's own state says.
       if (step === 'move' && !sent) sent = (await src.getVm(name).catch(() => undefined))?.state === 'paused';
