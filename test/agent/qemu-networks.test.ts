@@ -142,16 +142,16 @@ describe('qemu backend: cluster networks', { skip: lack ? `missing ${lack}` : fa
     const addr = (await a.client.exec('qnw-n2', { argv: ['sh', '-c', 'ip -o -4 addr show dev eth0'] })).stdout;
     assert.match(addr, new RegExp(`inet ${ips.n2.replace(/\./g, '\\.')}/`), 'the guest took its new address');
 
-    const bridgeOf = (name: string): string =>
-      (JSON.parse(readFileSync(join(root!, 'data', 'qemu/vms', name, 'state.json'), 'utf8')) as { bridge: string }).bridge;
-    assert.equal(bridgeOf('qnw-n1'), bridgeOf('qnw-n2'), 'one bridge per network');
-    assert.equal(new Set(['qnw-n1', 'qnw-n3', 'qnw-n4'].map(bridgeOf)).size, 3, 'x, y and the tenant each on its own');
-
     assert.match(await fetchFrom('qnw-n2', ips.n1), /n1/, 'a member of x reaches another');
     assert.match(await fetchFrom('qnw-n1', ips.n2), /n1/, 'both ways (the fork serves the same files)');
     assert.doesNotMatch(await fetchFrom('qnw-n3', ips.n1), /n1/, 'a member of y does not reach x');
     assert.doesNotMatch(await fetchFrom('qnw-n4', ips.n1), /n1/, 'the tenant bridge does not reach x');
     assert.doesNotMatch(await fetchFrom('qnw-n1', ips.n3), /n1/, 'nor x reach y');
+
+    const bridgeOf = (name: string): string =>
+      (JSON.parse(readFileSync(join(root!, 'data', 'qemu/vms', name, 'state.json'), 'utf8')) as { bridge: string }).bridge;
+    assert.equal(bridgeOf('qnw-n1'), bridgeOf('qnw-n2'), 'one bridge per network');
+    assert.equal(new Set(['qnw-n1', 'qnw-n3', 'qnw-n4'].map(bridgeOf)).size, 3, 'x, y and the tenant each on its own');
   });
 
   it('destroying the members removes their bridges', async () => {
