@@ -25,6 +25,12 @@ import {
   type HostMetricsResponse,
   type LogsResponse,
   type MetricsResponse,
+  type AbortedMigration,
+  type IncomingMigration,
+  type IncomingMigrationRequest,
+  type MigrationOffer,
+  type MigrationReport,
+  type SendMigrationRequest,
 } from '@fleet/agent-protocol';
 import {
   type AgentStream,
@@ -46,6 +52,7 @@ import { HostRoutes } from './host-agent-client/host.js';
 import { ObserveRoutes } from './host-agent-client/observe.js';
 import { EgressRoutes } from './host-agent-client/egress.js';
 import { EnvdRoutes } from './host-agent-client/envd.js';
+import { MigrationRoutes } from './host-agent-client/migration.js';
 
 export type { ClientLogger, HostAgentClientOptions } from './host-agent-client/transport.js';
 export { errorFromAgent, fileTooLarge } from './host-agent-client/agent-errors.js';
@@ -62,6 +69,7 @@ export class HostAgentClient implements HostAgent {
   readonly #observe: ObserveRoutes;
   readonly #egress: EgressRoutes;
   readonly #envd: EnvdRoutes;
+  readonly #migration: MigrationRoutes;
 
   constructor(opts: HostAgentClientOptions) {
     this.#transport = new AgentTransport(opts);
@@ -74,6 +82,7 @@ export class HostAgentClient implements HostAgent {
     this.#observe = new ObserveRoutes(this.#transport);
     this.#egress = new EgressRoutes(this.#transport);
     this.#envd = new EnvdRoutes(this.#transport);
+    this.#migration = new MigrationRoutes(this.#transport);
   }
 
   capacity(opts?: CallOptions): Promise<CapacityResponse> {
@@ -197,6 +206,26 @@ export class HostAgentClient implements HostAgent {
 
   restoreVm(name: string, req: RestoreVmRequest, opts?: CallOptions): Promise<VmInfo> {
     return this.#checkpoints.restoreVm(name, req, opts);
+  }
+
+  migrationOffer(name: string, opts?: CallOptions): Promise<MigrationOffer> {
+    return this.#migration.migrationOffer(name, opts);
+  }
+
+  prepareIncoming(req: IncomingMigrationRequest, opts?: CallOptions): Promise<IncomingMigration> {
+    return this.#migration.prepareIncoming(req, opts);
+  }
+
+  abortIncoming(name: string, opts?: CallOptions): Promise<AbortedMigration> {
+    return this.#migration.abortIncoming(name, opts);
+  }
+
+  sendMigration(name: string, req: SendMigrationRequest, opts?: CallOptions): Promise<MigrationReport> {
+    return this.#migration.sendMigration(name, req, opts);
+  }
+
+  completeIncoming(name: string, req: { keep_paused: boolean }, opts?: CallOptions): Promise<VmInfo> {
+    return this.#migration.completeIncoming(name, req, opts);
   }
 
   prune(opts?: CallOptions): Promise<PruneResponse> {

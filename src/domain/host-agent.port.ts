@@ -25,6 +25,12 @@ import type {
   VmInfo,
   AgentEgress,
   EgressStatus,
+  AbortedMigration,
+  IncomingMigration,
+  IncomingMigrationRequest,
+  MigrationOffer,
+  MigrationReport,
+  SendMigrationRequest,
 } from '@fleet/agent-protocol';
 import { AppError, NotFoundError, UnavailableError } from '@fleet/agent-protocol';
 
@@ -116,6 +122,19 @@ export interface HostAgent {
   resumeVm(name: string, opts?: CallOptions): Promise<VmInfo>;
   /** Back to a checkpoint on this host (live: its processes resume; disk: a cold boot over its layer). */
   restoreVm(name: string, req: RestoreVmRequest, opts?: CallOptions): Promise<VmInfo>;
+
+  /**
+   * Native live migration (qemu agents; agent-protocol migration.ts), optional: a test double may
+   * leave them out. Offer (source), incoming (target: a listener and a fresh key), send (source:
+   * the guest streams there and stays stopped here), complete (target: the guest runs), or abort
+   * (target: what was prepared goes).
+   */
+  migrationOffer?(name: string, opts?: CallOptions): Promise<MigrationOffer>;
+  prepareIncoming?(req: IncomingMigrationRequest, opts?: CallOptions): Promise<IncomingMigration>;
+  sendMigration?(name: string, req: SendMigrationRequest, opts?: CallOptions): Promise<MigrationReport>;
+  /** The target gives up a prepared migration that has not completed (idempotent). */
+  abortIncoming?(name: string, opts?: CallOptions): Promise<AbortedMigration>;
+  completeIncoming?(name: string, req: { keep_paused: boolean }, opts?: CallOptions): Promise<VmInfo>;
 
   /** Reclaims leftovers (mounts, cgroups, links, dirs) no known sandbox owns. */
   prune(opts?: CallOptions): Promise<PruneResponse>;

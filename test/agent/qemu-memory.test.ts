@@ -8,6 +8,7 @@ import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import type { z } from 'zod';
 import {
+  abortedMigrationSchema,
   AppError,
   errorBodySchema,
   incomingMigrationSchema,
@@ -81,7 +82,7 @@ function rawExec(ip: string, token: string, marker: string): Promise<Buffer> {
   });
 }
 
-/** The migration routes (no control-plane client method calls them yet), their answers checked against the protocol's schemas. */
+/** The migration routes called raw, their answers checked against the protocol's schemas. */
 async function api<S extends z.ZodType>(
   agent: RunningAgent,
   method: string,
@@ -442,6 +443,29 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
     assert.equal(await (await fetch(`${ep!.url}/mark2`)).text(), 'migrated-disk\n');
     await b.client.destroyVm(vm);
     assert.equal((await b.client.listVms()).length, 0);
+  });
+
+  it('gives up a prepared migration at once: its QEMU and directory go, the name is free again, a second abort finds none', async () => {
+    const offer = await api(a, 'GET', `/vms/${vm}/migration/offer`, undefined, migrationOfferSchema);
+    const first = await api(b, 'POST', '/migrations/incoming', { vm: spec, machine: offer.body.machine }, incomingMigrationSchema);
+    assert.equal(first.status, 201, JSON.stringify(first.body));
+    const dir = join(dataDirOf(b), 'qemu/vms', vm);
+    const pid = Number((await readFile(join(dir, 'qemu.pid'), 'utf8')).trim());
+    assert.ok(alive(pid), 'a QEMU waits for the stream');
+    const aborted = await api(b, 'DELETE', `/migrations/incoming/${vm}`, undefined, abortedMigrationSchema);
+    assert.deepEqual(aborted.body, { name: vm, aborted: true });
+    assert.ok(!alive(pid), 'its QEMU ended');
+    assert.ok(!existsSync(dir), 'its directory is gone');
+    assert.deepEqual((await api(b, 'DELETE', `/migrations/incoming/${vm}`, undefined, abortedMigrationSchema)).body, {
+      name: vm,
+      aborted: false,
+    });
+    // The running source is no incoming migration: an abort there touches nothing.
+    assert.equal((await api(a, 'DELETE', `/migrations/incoming/${vm}`, undefined, abortedMigrationSchema)).body.aborted, false);
+    assert.equal((await a.client.getVm(vm)).state, 'running');
+    const again = await api(b, 'POST', '/migrations/incoming', { vm: spec, machine: offer.body.machine }, incomingMigrationSchema);
+    assert.equal(again.status, 201, `the name is free again: ${JSON.stringify(again.body)}`);
+    assert.equal((await api(b, 'DELETE', `/migrations/incoming/${vm}`, undefined, abortedMigrationSchema)).body.aborted, true);
   });
 
   it('migrates lazily (post-copy): the guest runs on the target before its memory has all arrived, and the source goes once it has', async () => {

@@ -262,4 +262,11 @@ describe('vm spec', () => {
     );
     assert.ok(!JSON.stringify(shown).includes('hunter2'));
   });
+
+  test('a network member may ask for a process or qemu host, never a firecracker one (no agent builds its bridge there)', () => {
+    const net = 'n'.repeat(24);
+    assert.equal(validateVmSpec({ network_id: net, backend: 'qemu' }).network_id, net);
+    assert.equal(validateVmSpec({ network_id: net, backend: 'process' }).network_id, net);
+    assert.deepEqual(paths(invalid({ network_id: net, backend: 'firecracker' })), ['network_id']);
+  });
 });

@@ -13,6 +13,7 @@ import { createVmRequestSchema, sha256HexSchema } from './agent-protocol.js';
  *   POST /v1/migrations/incoming           (target) { vm, machine, ttl_s } -> { uri, psk, expires_at }
  *   POST /v1/vms/:name/migration/send      (source) { to: { uri, psk } } -> report; the source stays stopped
  *   POST /v1/vms/:name/migration/complete  (target) { keep_paused } -> the VM, running (or frozen)
+ *   DELETE /v1/migrations/incoming/:name   (target) gives up one that has not completed -> { name, aborted }
  */
 
 /** Opaque to the control plane: the source's machine (size, accelerator, QEMU build, image build), checked by the target. */
@@ -70,3 +71,7 @@ export const completeMigrationRequestSchema = z.object({
   /** Leave the guest frozen once its state has landed; POST /vms/:name/resume runs it (the caller owns doing so). */
   keep_paused: z.boolean().default(false),
 });
+
+/** `aborted: false`: nothing was waiting (never prepared, already expired, or landed: destroy that VM instead). */
+export const abortedMigrationSchema = z.object({ name: z.string(), aborted: z.boolean() });
+export type AbortedMigration = z.infer<typeof abortedMigrationSchema>;

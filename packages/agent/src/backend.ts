@@ -387,6 +387,8 @@ export interface Backend {
   prepareIncoming?(spec: CreateSpec, machine: Record<string, unknown>, opts: { ttlMs: number; lazy?: boolean }): Promise<MigrationTarget>;
   sendMigration?(name: string, to: { uri: string; psk: string }, opts?: { lazy?: boolean }): Promise<MigrationSendReport>;
   completeIncoming?(name: string, opts: { keepPaused: boolean }): Promise<SandboxInfo>;
+  /** Gives up a prepared migration that has not completed (its listener, key, QEMU, address); false when none waits. */
+  abortIncoming?(name: string): Promise<boolean>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;
   /** Stops the endpoint proxies; sandboxes keep running. */

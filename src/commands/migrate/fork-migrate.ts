@@ -20,6 +20,7 @@ import { LiveFork, type ForkManyResult } from './fork-live.js';
 import { forkSpec } from './fork-spec.js';
 export { forkSpec } from './fork-spec.js';
 import { LiveMigrate, type LiveMigrateResult } from './live-migrate.js';
+import { QemuLiveMigrate } from './qemu-live-migrate.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -46,6 +47,7 @@ export class ForkMigrate {
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
   private readonly liveFork: LiveFork;
   private readonly liveMigrate: LiveMigrate;
+  private readonly qemuLiveMigrate: QemuLiveMigrate;
 
   constructor(
     private readonly handler: CommandHandler,
@@ -59,6 +61,7 @@ export class ForkMigrate {
     this.vmHandler = bindAggregate(handler, vmAggregate);
     this.liveFork = new LiveFork(hosts, placer, vms, snapshots, logger);
     this.liveMigrate = new LiveMigrate(handler, hosts, placer, vms, logger);
+    this.qemuLiveMigrate = new QemuLiveMigrate(handler, hosts, placer, vms, logger);
   }
 
   /** `count` forks of one capture (fork-live.ts): live where the source's host captures memory. */
@@ -141,7 +144,8 @@ export class ForkMigrate {
         },
       );
     if (opts.live && criuSource) {
-      const r = await this.liveMigrate.migrate(
+      // A qemu host streams the running guest itself (QEMU's migration); a CRIU host moves a checkpoint.
+      const r = await (source.backend === 'qemu' ? this.qemuLiveMigrate : this.liveMigrate).migrate(
         vm,
         fromHostId,
         source,

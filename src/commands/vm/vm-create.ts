@@ -163,10 +163,18 @@ export class VmCreate {
     let hostId: string;
     let placed: Awaited<ReturnType<Placer['placeAndReserve']>>;
     try {
-      const request = network
-        ? { ...placementRequestOf(spec), backend: 'process' as const, network_host_id: network.host }
-        : placementRequestOf(spec);
-      placed = await this.placer.placeAndReserve(vmId, request, spec, actor, where);
+      const request = network ? { ...placementRequestOf(spec), network_host_id: network.host } : placementRequestOf(spec);
+      // Process and qemu agents build a network's bridge; a firecracker host cannot hold a member.
+      const hints = network
+        ? {
+            ...where,
+            excludeHosts: new Set([
+              ...(where.excludeHosts ?? []),
+              ...(await this.placer.hosts()).filter((h) => h.backend === 'firecracker').map((h) => h.id),
+            ]),
+          }
+        : where;
+      placed = await this.placer.placeAndReserve(vmId, request, spec, actor, hints);
       hostId = placed.hostId;
     } catch (err) {
       await this.fail(vmId, 'error', err, actor, 'PLACEMENT_FAILED');

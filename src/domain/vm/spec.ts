@@ -175,8 +175,12 @@ export const vmSpecSchema = vmSpecObject.strict().superRefine((s, ctx) => {
   }
   if (s.ip_hint !== undefined && s.network_id === undefined)
     ctx.addIssue({ code: 'custom', path: ['ip_hint'], message: 'ip_hint needs a network_id' });
-  if (s.network_id !== undefined && s.backend !== undefined && s.backend !== 'process')
-    ctx.addIssue({ code: 'custom', path: ['network_id'], message: `cluster networks are built for process hosts only, not ${s.backend}` });
+  if (s.network_id !== undefined && s.backend === 'firecracker')
+    ctx.addIssue({
+      code: 'custom',
+      path: ['network_id'],
+      message: 'cluster networks are built for process and qemu hosts only, not firecracker',
+    });
   const seen = new Set<string>();
   const all = [
     ...(s.expose ?? []).map((e, i) => ({ e, path: ['expose', i, 'as'] })),

@@ -5,6 +5,7 @@ import {
   completeMigrationRequestSchema,
   incomingMigrationRequestSchema,
   sendMigrationRequestSchema,
+  type AbortedMigration,
   type IncomingMigration,
   type MigrationOffer,
   type MigrationReport,
@@ -52,6 +53,12 @@ export function registerMigrationRoutes(app: FastifyInstance, ctx: AgentRouteCon
     );
     const res: IncomingMigration = { name: vm.name, ...target };
     return reply.code(201).send(res);
+  });
+
+  app.delete(`${AGENT_API_PREFIX}/migrations/incoming/:name`, async (req): Promise<AbortedMigration> => {
+    const name = nameParam(req);
+    if (!backend.abortIncoming) throw unsupported(backend);
+    return { name, aborted: await backend.abortIncoming(name) };
   });
 
   app.post(`${AGENT_API_PREFIX}/vms/:name/migration/send`, async (req): Promise<MigrationReport> => {

@@ -9,7 +9,8 @@ import type { Persisted } from './sandbox-state.js';
  * its bridge" is what lets members reach each other and nothing else. A
  * network's subnet is a range inside the agent's subnet (the control plane
  * hands it out from NETWORK_POOL), so addresses stay unique host-wide and the
- * gateway, NAT and egress rules hold unchanged for members.
+ * gateway, NAT and egress rules hold unchanged for members. The qemu backend
+ * keys its bridges and addresses the same way (vm-create.ts).
  */
 
 export interface SandboxNetwork {
@@ -38,7 +39,7 @@ export function reserveAddress(
   name: string,
   network: SandboxNetwork | undefined,
   ipHint: string | undefined,
-  records: readonly Persisted[],
+  records: ReadonlyArray<Pick<Persisted, 'ip'> & { readonly network?: SandboxNetwork | undefined }>,
 ): { ip: string; mac: string } {
   const taken = new Set(records.map((r) => r.ip));
   if (!network) {

@@ -13,7 +13,8 @@ import {
   type SandboxInfo,
 } from '../../backend.js';
 import { mustRun } from '../process/exec-util.js';
-import { allocateBridge, reserve } from '../process/network.js';
+import { allocateBridge } from '../process/network.js';
+import { bridgeKeyOf, reserveAddress } from '../process/sandbox-cluster.js';
 import { type QemuImage, resolveQemuImage } from './image.js';
 import { DISK_FILE, type QemuMeta, readMeta } from './state.js';
 import { createSpecSchema, unsupportedByQemu, type VmRecord, type VmState } from './vm-state.js';
@@ -154,8 +155,14 @@ export async function allocate(
       throw capacityExhausted(`${qemu.opts.maxSandboxes} VMs already run here`, { max: qemu.opts.maxSandboxes });
     }
     const others = [...qemu.records.values()].map((r) => r.state);
-    const { ip, mac } = reserve(qemu.subnet, spec.name, spec.ipHint, new Set(others.map((s) => s.ip)));
-    const bridge = allocateBridge(qemu.bridgeStem(), spec.tenant, qemu.opts.allowCrossTenant, others);
+    const { ip, mac } = reserveAddress(qemu.subnet, spec.name, spec.network, spec.ipHint, others);
+    // A network's members get a bridge of their own (never the shared one): the firewall keeps each frame on its bridge.
+    const bridge = allocateBridge(
+      qemu.bridgeStem(),
+      bridgeKeyOf(spec),
+      qemu.opts.allowCrossTenant && !spec.network,
+      others.map((s) => ({ tenant: bridgeKeyOf(s), bridge: s.bridge })),
+    );
     let tap = '';
     for (let i = 0; ; i++) {
       tap = `${qemu.opts.bridgePrefix}vt${i}`;
@@ -185,6 +192,7 @@ export async function allocate(
       endpoints: [],
       pid: 0,
       pid_start: '',
+      ...(spec.network ? { network: spec.network } : {}),
     };
     await rm(dir, { recursive: true, force: true });
     await mkdir(dir, { recursive: true, mode: 0o700 });

@@ -125,12 +125,22 @@ export async function prepareIncoming(
 }
 
 export async function expireIncoming(qemu: QemuHost, name: string): Promise<void> {
-  await qemu.locks.run(`vm:${name}`, async () => {
-    const r = qemu.records.get(name);
-    if (!r?.incoming) return;
+  if (await abortIncoming(qemu, name))
     qemu.log?.warn({ vm: name }, 'no live migration landed in time: what was prepared for it is removed');
+}
+
+/**
+ * The caller gives up a prepared migration (its send failed, or it never
+ * came): what was prepared goes now, not at its ttl. A migration that has
+ * landed is no longer incoming: destroy that VM instead.
+ */
+export async function abortIncoming(qemu: QemuHost, name: string): Promise<boolean> {
+  return qemu.locks.run(`vm:${name}`, async () => {
+    const r = qemu.records.get(name);
+    if (!r?.incoming) return false;
     await teardown(qemu, r, { graceMs: 0 }).catch(() => undefined);
     qemu.creating.delete(name);
+    return true;
   });
 }
 

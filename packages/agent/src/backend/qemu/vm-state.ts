@@ -31,6 +31,8 @@ export interface QemuBackendOptions {
   readonly logger?: Logger;
 }
 
+const networkSchema = z.object({ id: z.string().regex(/^[a-z0-9][a-z0-9-]{0,62}$/), subnet: z.string() });
+
 export const createSpecSchema = z.object({
   name: z.string().regex(nameRe, 'a sandbox name is 1-63 of [a-z0-9-], starting with a letter or digit'),
   image: z.string().min(1).optional(),
@@ -54,8 +56,8 @@ export const createSpecSchema = z.object({
     )
     .optional(),
   net_raw: z.boolean().optional(),
-  /** Cluster networks are built for the process backend only: refused here, never joined as the tenant's bridge. */
-  network: z.undefined({ error: 'cluster networks are not supported on qemu hosts' }).optional(),
+  /** A cluster network: its members share a bridge of their own, their addresses inside its subnet (process/sandbox-cluster.ts). */
+  network: networkSchema.optional(),
 });
 
 export const stateSchema = z.object({
@@ -85,6 +87,7 @@ export const stateSchema = z.object({
   endpoints: z.array(z.object({ as: z.string(), port: z.number(), protocol: z.enum(['tcp', 'udp']), host_port: z.number() })),
   pid: z.number(),
   pid_start: z.string(),
+  network: networkSchema.optional(),
 });
 export type VmState = z.infer<typeof stateSchema>;
 
