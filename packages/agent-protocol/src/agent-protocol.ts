@@ -417,6 +417,11 @@ export const artifactMoveSchema = z.object({
   from: artifactEndpointSchema,
   /** Memory half of a live snapshot: name -> sha256, verified alongside the rootfs. */
   files: z.record(artifactFileNameSchema, sha256HexSchema).default({}),
+  /**
+   * A checkpoint already on the pulling host (a standby copy of the same VM): each wanted file whose sha256
+   * equals one of its files is copied from it locally instead of fetched. A base that is absent moves everything.
+   */
+  base_snapshot_id: checkpointIdSchema.optional(),
 });
 export type ArtifactMove = z.input<typeof artifactMoveSchema>;
 
@@ -425,6 +430,8 @@ export const artifactMovedSchema = z.object({
   size_bytes: z.number().int().nonnegative(),
   /** What the receiving host committed. */
   kind: snapshotKindSchema,
+  /** Bytes taken from base_snapshot_id's copy on the receiving host rather than fetched (0 without a base). */
+  reused_bytes: z.number().int().nonnegative().optional(),
 });
 export type ArtifactMoved = z.infer<typeof artifactMovedSchema>;
 

@@ -1,4 +1,4 @@
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { mkdir, open, readdir, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { Worker } from 'node:worker_threads';
@@ -87,6 +87,8 @@ export interface PullRequest {
   timeoutMs: number;
   /** Staging directory names of pulls under way, so prune leaves them alone. */
   active: Set<string>;
+  /** A checkpoint on this host whose files stand in for the wanted ones with the same sha256 (see reuseFromBase). */
+  baseSnapshotId?: string | undefined;
 }
 
 /**
@@ -147,8 +149,11 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   try {
     await mkdir(staging, { recursive: true, mode: 0o700 });
     let total = 0;
+    const reused = req.baseSnapshotId ? await reuseFromBase(backend, req.baseSnapshotId, wanted, staging) : new Set<string>();
+    let reusedBytes = 0;
+    for (const f of wanted) if (reused.has(f.name)) reusedBytes += f.size_bytes;
     // A live checkpoint is a few dozen CRIU image files: fetched four at a time, a move is not a row of round trips.
-    const queue = [...wanted];
+    const queue = wanted.filter((f) => !reused.has(f.name));
     const fetchOne = async (f: (typeof wanted)[number]): Promise<void> => {
       const got = await fetchFile(`${base}/files/${encodeURIComponent(f.name)}`, headers, signal, join(staging, f.name));
       if (got.size !== f.size_bytes) {
@@ -192,17 +197,70 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
       // A concurrent pull of the same bytes won the rename: same outcome, not a conflict.
       if (err instanceof AppError && err.code === 'CHECKPOINT_EXISTS') {
         const winner = await backend.getCheckpoint(req.snapshotId).catch(() => undefined);
-        if (winner?.digest === req.digest) return { snapshot_id: winner.id, size_bytes: total, kind: winner.kind };
+        if (winner?.digest === req.digest)
+          return { snapshot_id: winner.id, size_bytes: total, kind: winner.kind, reused_bytes: reusedBytes };
       }
       throw err;
     }
-    return { snapshot_id: committed.id, size_bytes: total, kind: committed.kind };
+    return { snapshot_id: committed.id, size_bytes: total, kind: committed.kind, reused_bytes: reusedBytes };
   } catch (err) {
     await rm(staging, { recursive: true, force: true }).catch(() => {});
     throw err;
   } finally {
     req.active.delete(stagingName);
   }
+}
+
+/**
+ * Copies into the staging directory every wanted file that the base
+ * checkpoint on this host holds with the same sha256 (under any name), and
+ * answers their names: those need not cross the network. Each copy is hashed
+ * again as it is read, so a base whose file changed on disk since it was
+ * verified is simply not used for it (the file is fetched instead).
+ */
+async function reuseFromBase(
+  backend: Backend,
+  baseId: string,
+  wanted: ReadonlyArray<{ name: string; sha256: string; size_bytes: number }>,
+  staging: string,
+): Promise<Set<string>> {
+  const base = await backend.getCheckpoint(baseId).catch(() => undefined);
+  const out = new Set<string>();
+  if (!base) return out;
+  const dir = await backend.checkpointDir(baseId);
+  const bySha = new Map<string, string>([[base.digest, ROOTFS_FILE]]);
+  for (const [name, sha] of Object.entries(base.files)) bySha.set(sha, name);
+  for (const f of wanted) {
+    const local = bySha.get(f.sha256);
+    if (local === undefined) continue;
+    const dest = join(staging, f.name);
+    const got = await copyHashed(join(dir, local), dest).catch(() => undefined);
+    if (got && got.size === f.size_bytes && got.sha256 === f.sha256) out.add(f.name);
+    else await rm(dest, { force: true });
+  }
+  return out;
+}
+
+async function copyHashed(from: string, to: string): Promise<{ size: number; sha256: string }> {
+  const hash = createHash('sha256');
+  let size = 0;
+  const src = await open(from, 'r');
+  const dst = await open(to, 'wx', 0o600);
+  try {
+    const buf = Buffer.allocUnsafe(1024 * 1024);
+    for (;;) {
+      const { bytesRead } = await src.read(buf, 0, buf.length, null);
+      if (bytesRead === 0) break;
+      const chunk = buf.subarray(0, bytesRead);
+      hash.update(chunk);
+      for (let off = 0; off < bytesRead;) off += (await dst.write(chunk, off, bytesRead - off)).bytesWritten;
+      size += bytesRead;
+    }
+  } finally {
+    await src.close();
+    await dst.close();
+  }
+  return { size, sha256: hash.digest('hex') };
 }
 
 async function memBytes(backend: Backend, cp: Checkpoint): Promise<number> {

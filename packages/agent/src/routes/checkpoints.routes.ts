@@ -153,6 +153,7 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
       files: move.files,
       timeoutMs: config.pullTimeoutMs,
       active: activePulls,
+      baseSnapshotId: move.base_snapshot_id,
     });
   });
 }
