@@ -385,7 +385,14 @@ export const artifactFileSchema = z.object({
   name: artifactFileNameSchema,
   size_bytes: z.number().int().nonnegative(),
   sha256: sha256HexSchema,
+  /**
+   * The file cut into content-defined chunks (boundaries where a rolling hash of the bytes says so, so an
+   * insertion shifts only the chunks around it), in order; only when asked for with ?chunks=1. A puller with an
+   * older copy fetches only the chunks it cannot find in it.
+   */
+  chunks: z.array(z.object({ size: z.number().int().positive(), sha256: sha256HexSchema })).optional(),
 });
+export const artifactManifestQuerySchema = z.object({ chunks: z.literal('1').optional() });
 export type ArtifactFile = z.infer<typeof artifactFileSchema>;
 
 /** What a peer serves under a grant: every file of the checkpoint with its size and sha256. */

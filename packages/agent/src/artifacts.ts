@@ -12,6 +12,7 @@ import {
 } from '@fleet/agent-protocol';
 import { AppError, ConflictError } from '@fleet/agent-protocol';
 import type { Backend, Checkpoint } from './backend.js';
+import { chunkFile, patchFromBase } from './artifact-chunks.js';
 
 /** The checkpoint's rootfs archive; its sha256 is the checkpoint's digest (see backend.ts). */
 export const ROOTFS_FILE = 'rootfs.tar';
@@ -39,12 +40,18 @@ export function toWireCheckpoint(cp: Checkpoint, vmName?: string): WireCheckpoin
   };
 }
 
-/** Every file a peer may fetch for this checkpoint, with size and sha256. */
-export async function buildManifest(backend: Backend, id: string): Promise<ArtifactManifest> {
+/** Every file a peer may fetch for this checkpoint, with size and sha256 (and, asked for, its chunks' sha256s). */
+export async function buildManifest(backend: Backend, id: string, withChunks = false): Promise<ArtifactManifest> {
   const cp = await backend.getCheckpoint(id);
   const dir = await backend.checkpointDir(id);
   const files = [{ name: ROOTFS_FILE, sha256: cp.digest }, ...Object.entries(cp.files).map(([name, sha256]) => ({ name, sha256 }))];
-  const sized = await Promise.all(files.map(async (f) => ({ ...f, size_bytes: (await stat(join(dir, f.name))).size })));
+  const sized = await Promise.all(
+    files.map(async (f) => ({
+      ...f,
+      size_bytes: (await stat(join(dir, f.name))).size,
+      ...(withChunks ? { chunks: await chunkFile(join(dir, f.name)) } : {}),
+    })),
+  );
   return { snapshot_id: id, digest: cp.digest, kind: cp.kind, rootfs_file: ROOTFS_FILE, files: sized, checkpoint: toWireCheckpoint(cp) };
 }
 
@@ -116,7 +123,7 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   const signal = AbortSignal.timeout(req.timeoutMs);
   const base = req.fromUrl.replace(/\/$/, '') + `${AGENT_API_PREFIX}/artifacts/${encodeURIComponent(req.sourceSnapshotId)}`;
   const headers = { authorization: `Bearer ${req.grant}` };
-  const manifest = await fetchManifest(`${base}/manifest`, headers, signal);
+  const manifest = await fetchManifest(`${base}/manifest${req.baseSnapshotId ? '?chunks=1' : ''}`, headers, signal);
 
   if (manifest.digest !== req.digest) {
     throw digestMismatch(`the peer's checkpoint "${req.sourceSnapshotId}" has digest ${manifest.digest}, not the expected ${req.digest}`, {
@@ -149,9 +156,28 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   try {
     await mkdir(staging, { recursive: true, mode: 0o700 });
     let total = 0;
-    const reused = req.baseSnapshotId ? await reuseFromBase(backend, req.baseSnapshotId, wanted, staging) : new Set<string>();
+    const local = req.baseSnapshotId ? await localCopy(backend, req.baseSnapshotId) : undefined;
+    const reused = local ? await reuseFromBase(local, wanted, staging) : new Set<string>();
     let reusedBytes = 0;
     for (const f of wanted) if (reused.has(f.name)) reusedBytes += f.size_bytes;
+    // A file of the same name in the local copy (the layer, a memory image): only its changed slices are fetched.
+    if (local) {
+      for (const f of wanted) {
+        if (reused.has(f.name) || !local.names.has(f.name)) continue;
+        const fetched = await patchFromBase(
+          join(local.dir, f.name),
+          f,
+          `${base}/files/${encodeURIComponent(f.name)}`,
+          headers,
+          signal,
+          join(staging, f.name),
+        );
+        if (fetched === undefined) continue;
+        reused.add(f.name);
+        total += fetched;
+        reusedBytes += f.size_bytes - fetched;
+      }
+    }
     // A live checkpoint is a few dozen CRIU image files: fetched four at a time, a move is not a row of round trips.
     const queue = wanted.filter((f) => !reused.has(f.name));
     const fetchOne = async (f: (typeof wanted)[number]): Promise<void> => {
@@ -218,23 +244,31 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
  * again as it is read, so a base whose file changed on disk since it was
  * verified is simply not used for it (the file is fetched instead).
  */
+interface LocalCopy {
+  readonly dir: string;
+  readonly names: ReadonlySet<string>;
+  readonly bySha: ReadonlyMap<string, string>;
+}
+
+async function localCopy(backend: Backend, id: string): Promise<LocalCopy | undefined> {
+  const base = await backend.getCheckpoint(id).catch(() => undefined);
+  if (!base) return undefined;
+  const bySha = new Map<string, string>([[base.digest, ROOTFS_FILE]]);
+  for (const [name, sha] of Object.entries(base.files)) bySha.set(sha, name);
+  return { dir: await backend.checkpointDir(id), names: new Set([ROOTFS_FILE, ...Object.keys(base.files)]), bySha };
+}
+
 async function reuseFromBase(
-  backend: Backend,
-  baseId: string,
+  base: LocalCopy,
   wanted: ReadonlyArray<{ name: string; sha256: string; size_bytes: number }>,
   staging: string,
 ): Promise<Set<string>> {
-  const base = await backend.getCheckpoint(baseId).catch(() => undefined);
   const out = new Set<string>();
-  if (!base) return out;
-  const dir = await backend.checkpointDir(baseId);
-  const bySha = new Map<string, string>([[base.digest, ROOTFS_FILE]]);
-  for (const [name, sha] of Object.entries(base.files)) bySha.set(sha, name);
   for (const f of wanted) {
-    const local = bySha.get(f.sha256);
+    const local = base.bySha.get(f.sha256);
     if (local === undefined) continue;
     const dest = join(staging, f.name);
-    const got = await copyHashed(join(dir, local), dest).catch(() => undefined);
+    const got = await copyHashed(join(base.dir, local), dest).catch(() => undefined);
     if (got && got.size === f.size_bytes && got.sha256 === f.sha256) out.add(f.name);
     else await rm(dest, { force: true });
   }
