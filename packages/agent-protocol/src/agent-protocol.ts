@@ -425,8 +425,9 @@ export const artifactMoveSchema = z.object({
   /** Memory half of a live snapshot: name -> sha256, verified alongside the rootfs. */
   files: z.record(artifactFileNameSchema, sha256HexSchema).default({}),
   /**
-   * A checkpoint already on the pulling host (a standby copy of the same VM): each wanted file whose sha256
-   * equals one of its files is copied from it locally instead of fetched. A base that is absent moves everything.
+   * A checkpoint already on the pulling host (a standby copy of the same VM): a wanted file whose sha256 equals
+   * one of its files is copied from it, and of one with the same name only the chunks it lacks are fetched
+   * (byte ranges; the manifest's `chunks`). A base that is absent moves everything.
    */
   base_snapshot_id: checkpointIdSchema.optional(),
 });

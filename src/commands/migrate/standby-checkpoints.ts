@@ -37,9 +37,10 @@ const vmOfCheckpoint = (id: string): string | undefined => /^standby-(.+)-[0-9a-
  * after a brief freeze) and the checkpoint pulled by one other CRIU host of
  * the same backend, its standby; the VM's host keeps no copy. A live migrate
  * to the standby then pulls against that copy (`base_snapshot_id`) and
- * fetches only the files whose sha256 changed. With no memory dirty tracking
- * on this kernel nothing finer than a file can be skipped: the memory pages
- * move again, the rootfs layer only when it changed. Each new copy
+ * fetches only the content-defined chunks the copy does not hold. With no
+ * memory dirty tracking on this kernel the dump itself is whole every time
+ * (the VM is frozen for all of it); what changed is found by hashing, on
+ * the hosts, not by the kernel. Each new copy
  * supersedes the last, which is removed; a sweep removes any `standby-*`
  * checkpoint on a host that is not its VM's current copy (a crash between
  * steps, a VM gone). These are agent checkpoints, not snapshots: they are
