@@ -435,6 +435,7 @@ export type ArtifactMove = z.input<typeof artifactMoveSchema>;
 
 export const artifactMovedSchema = z.object({
   snapshot_id: z.string(),
+  /** Bytes fetched from the peer: the whole checkpoint, less what a base_snapshot_id copy supplied. */
   size_bytes: z.number().int().nonnegative(),
   /** What the receiving host committed. */
   kind: snapshotKindSchema,
