@@ -81,6 +81,16 @@ export const configSchema = z.object({
   READ_YOUR_WRITES_TIMEOUT_MS: durationMs.default(5_000),
   /** Reconciler: one cycle over every host this often (seed FleetConfig.ReconcileInterval). */
   RECONCILE_INTERVAL_MS: z.coerce.number().int().min(100, 'at least 100 ms').default(30_000),
+  /**
+   * Standby checkpoints (seed CheckpointInterval): every interval each running VM on a CRIU host is checkpointed
+   * live and the copy kept on one other CRIU host, so a live migrate there moves only the files that changed.
+   * 0 (default) disables; otherwise at least 1 s (each tick freezes the VM for the dump).
+   */
+  CHECKPOINT_INTERVAL_MS: z.coerce
+    .number()
+    .int()
+    .refine((v) => v === 0 || v >= 1000, '0 (off) or at least 1000 ms')
+    .default(0),
   /** A running VM with no state change for this long is failed as stuck; a spec's max_runtime_s overrides it. 0 disables. */
   TASK_STUCK_TIMEOUT_MS: durationMs.default(2 * 60 * 60_000),
   /** Idle expiry (no exec, no attach) for VMs whose spec sets no idle_timeout_s. 0 (default) disables. */

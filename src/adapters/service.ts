@@ -13,6 +13,7 @@ import { deadLetterRoutes } from './http/dead-letters.routes.js';
 import { vmHealthRoutes } from './http/vm-health.routes.js';
 import { vmHealthProjection } from '../projections/vm-health/vm-health.projection.js';
 import { PgAdvisoryLease } from './lease.js';
+import { StandbyCheckpoints } from '../commands/migrate/standby-checkpoints.js';
 import { parseAgentDelayHook, TEST_HOOK_AGENT_DELAY, withAgentDelays } from './test-hooks.js';
 import type { EventStore } from '../domain/event-store.port.js';
 import type { HostAgentConnector } from '../domain/host-agent.port.js';
@@ -109,6 +110,8 @@ export interface Service {
   readonly vms: VmCommands;
   readonly reconciler: Reconciler;
   readonly snapshots: SnapshotCommands;
+  /** Standby checkpoints (CHECKPOINT_INTERVAL_MS); its tick runs on the lease holder. */
+  readonly standby: StandbyCheckpoints;
   /** The webhook consumer (its own runner) and dispatcher. */
   readonly webhooks: import('./webhooks/webhooks.service.js').Webhooks;
   /** Whether this replica holds the reconciler lease. */
@@ -292,6 +295,15 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       onCycle,
     );
     reconciler.idlePauser = memory;
+    const standby = new StandbyCheckpoints(
+      handler,
+      hosts,
+      async () => (await listSchedulableHostIds(pool)).map((h) => h.id),
+      () => listLiveVmHints(pool),
+      { intervalMs: config.CHECKPOINT_INTERVAL_MS, leaseMs: Math.max(2 * config.CHECKPOINT_INTERVAL_MS, 120_000) },
+      logger.child({ component: 'standby-checkpoints' }),
+    );
+    if (standby.enabled) forkMigrate.standby = standby;
     const lease = new PgAdvisoryLease({
       databaseUrl: opts.databaseUrl,
       name: 'reconciler',
@@ -300,9 +312,10 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       onAcquired: () => {
         reconciler.start();
         snapshots.start();
+        standby.start();
       },
       onLost: async () => {
-        await Promise.all([reconciler.stop(), snapshots.stop()]);
+        await Promise.all([reconciler.stop(), snapshots.stop(), standby.stop()]);
       },
     });
     metrics.gauge('fleet_reconciler_leader', '1 when this replica holds the reconciler lease', [], () => [
@@ -419,6 +432,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       });
       lease.start();
       closers.push(() => snapshots.stop());
+      closers.push(() => standby.stop());
     }
     return {
       app,
@@ -428,6 +442,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       vms,
       reconciler,
       snapshots,
+      standby,
       webhooks,
       isReconcilerLeader: () => lease.held,
       pool,

@@ -27,6 +27,13 @@ describe('control-plane config errors keep credentials out', () => {
     assert.doesNotMatch(text, /sk-live/);
     assert.match(messageOf({ API_KEYS: 'Acme:0123456789abcdef0123' }), /entry "Acme" must be tenant:key/);
   });
+
+  it('CHECKPOINT_INTERVAL_MS: 0 (off) by default; below 1 s, negative or not a number is named', () => {
+    assert.equal(loadConfig({}).CHECKPOINT_INTERVAL_MS, 0);
+    assert.equal(loadConfig({ CHECKPOINT_INTERVAL_MS: '60000' }).CHECKPOINT_INTERVAL_MS, 60_000);
+    for (const bad of ['500', '-1', 'soon', '1.5'])
+      assert.match(messageOf({ CHECKPOINT_INTERVAL_MS: bad }), /CHECKPOINT_INTERVAL_MS/, `refused: ${bad}`);
+  });
 });
 
 describe('defaults that must agree across the control plane and the agent', () => {

@@ -385,7 +385,14 @@ export const artifactFileSchema = z.object({
   name: artifactFileNameSchema,
   size_bytes: z.number().int().nonnegative(),
   sha256: sha256HexSchema,
+  /**
+   * The file cut into content-defined chunks (boundaries where a rolling hash of the bytes says so, so an
+   * insertion shifts only the chunks around it), in order; only when asked for with ?chunks=1. A puller with an
+   * older copy fetches only the chunks it cannot find in it.
+   */
+  chunks: z.array(z.object({ size: z.number().int().positive(), sha256: sha256HexSchema })).optional(),
 });
+export const artifactManifestQuerySchema = z.object({ chunks: z.literal('1').optional() });
 export type ArtifactFile = z.infer<typeof artifactFileSchema>;
 
 /** What a peer serves under a grant: every file of the checkpoint with its size and sha256. */
@@ -417,14 +424,23 @@ export const artifactMoveSchema = z.object({
   from: artifactEndpointSchema,
   /** Memory half of a live snapshot: name -> sha256, verified alongside the rootfs. */
   files: z.record(artifactFileNameSchema, sha256HexSchema).default({}),
+  /**
+   * A checkpoint already on the pulling host (a standby copy of the same VM): a wanted file whose sha256 equals
+   * one of its files is copied from it, and of one with the same name only the chunks it lacks are fetched
+   * (byte ranges; the manifest's `chunks`). A base that is absent moves everything.
+   */
+  base_snapshot_id: checkpointIdSchema.optional(),
 });
 export type ArtifactMove = z.input<typeof artifactMoveSchema>;
 
 export const artifactMovedSchema = z.object({
   snapshot_id: z.string(),
+  /** Bytes fetched from the peer: the whole checkpoint, less what a base_snapshot_id copy supplied. */
   size_bytes: z.number().int().nonnegative(),
   /** What the receiving host committed. */
   kind: snapshotKindSchema,
+  /** Bytes taken from base_snapshot_id's copy on the receiving host rather than fetched (0 without a base). */
+  reused_bytes: z.number().int().nonnegative().optional(),
 });
 export type ArtifactMoved = z.infer<typeof artifactMovedSchema>;
 

@@ -1,4 +1,4 @@
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { mkdir, open, readdir, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { Worker } from 'node:worker_threads';
@@ -12,6 +12,7 @@ import {
 } from '@fleet/agent-protocol';
 import { AppError, ConflictError } from '@fleet/agent-protocol';
 import type { Backend, Checkpoint } from './backend.js';
+import { chunkFile, patchFromBase } from './artifact-chunks.js';
 
 /** The checkpoint's rootfs archive; its sha256 is the checkpoint's digest (see backend.ts). */
 export const ROOTFS_FILE = 'rootfs.tar';
@@ -39,12 +40,18 @@ export function toWireCheckpoint(cp: Checkpoint, vmName?: string): WireCheckpoin
   };
 }
 
-/** Every file a peer may fetch for this checkpoint, with size and sha256. */
-export async function buildManifest(backend: Backend, id: string): Promise<ArtifactManifest> {
+/** Every file a peer may fetch for this checkpoint, with size and sha256 (and, asked for, its chunks' sha256s). */
+export async function buildManifest(backend: Backend, id: string, withChunks = false): Promise<ArtifactManifest> {
   const cp = await backend.getCheckpoint(id);
   const dir = await backend.checkpointDir(id);
   const files = [{ name: ROOTFS_FILE, sha256: cp.digest }, ...Object.entries(cp.files).map(([name, sha256]) => ({ name, sha256 }))];
-  const sized = await Promise.all(files.map(async (f) => ({ ...f, size_bytes: (await stat(join(dir, f.name))).size })));
+  const sized = await Promise.all(
+    files.map(async (f) => ({
+      ...f,
+      size_bytes: (await stat(join(dir, f.name))).size,
+      ...(withChunks ? { chunks: await chunkFile(join(dir, f.name)) } : {}),
+    })),
+  );
   return { snapshot_id: id, digest: cp.digest, kind: cp.kind, rootfs_file: ROOTFS_FILE, files: sized, checkpoint: toWireCheckpoint(cp) };
 }
 
@@ -87,6 +94,8 @@ export interface PullRequest {
   timeoutMs: number;
   /** Staging directory names of pulls under way, so prune leaves them alone. */
   active: Set<string>;
+  /** A checkpoint on this host whose files stand in for the wanted ones with the same sha256 (see reuseFromBase). */
+  baseSnapshotId?: string | undefined;
 }
 
 /**
@@ -114,7 +123,7 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   const signal = AbortSignal.timeout(req.timeoutMs);
   const base = req.fromUrl.replace(/\/$/, '') + `${AGENT_API_PREFIX}/artifacts/${encodeURIComponent(req.sourceSnapshotId)}`;
   const headers = { authorization: `Bearer ${req.grant}` };
-  const manifest = await fetchManifest(`${base}/manifest`, headers, signal);
+  const manifest = await fetchManifest(`${base}/manifest${req.baseSnapshotId ? '?chunks=1' : ''}`, headers, signal);
 
   if (manifest.digest !== req.digest) {
     throw digestMismatch(`the peer's checkpoint "${req.sourceSnapshotId}" has digest ${manifest.digest}, not the expected ${req.digest}`, {
@@ -147,8 +156,30 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
   try {
     await mkdir(staging, { recursive: true, mode: 0o700 });
     let total = 0;
+    const local = req.baseSnapshotId ? await localCopy(backend, req.baseSnapshotId) : undefined;
+    const reused = local ? await reuseFromBase(local, wanted, staging) : new Set<string>();
+    let reusedBytes = 0;
+    for (const f of wanted) if (reused.has(f.name)) reusedBytes += f.size_bytes;
+    // A file of the same name in the local copy (the layer, a memory image): only its changed slices are fetched.
+    if (local) {
+      for (const f of wanted) {
+        if (reused.has(f.name) || !local.names.has(f.name)) continue;
+        const fetched = await patchFromBase(
+          join(local.dir, f.name),
+          f,
+          `${base}/files/${encodeURIComponent(f.name)}`,
+          headers,
+          signal,
+          join(staging, f.name),
+        );
+        if (fetched === undefined) continue;
+        reused.add(f.name);
+        total += fetched;
+        reusedBytes += f.size_bytes - fetched;
+      }
+    }
     // A live checkpoint is a few dozen CRIU image files: fetched four at a time, a move is not a row of round trips.
-    const queue = [...wanted];
+    const queue = wanted.filter((f) => !reused.has(f.name));
     const fetchOne = async (f: (typeof wanted)[number]): Promise<void> => {
       const got = await fetchFile(`${base}/files/${encodeURIComponent(f.name)}`, headers, signal, join(staging, f.name));
       if (got.size !== f.size_bytes) {
@@ -192,17 +223,78 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
       // A concurrent pull of the same bytes won the rename: same outcome, not a conflict.
       if (err instanceof AppError && err.code === 'CHECKPOINT_EXISTS') {
         const winner = await backend.getCheckpoint(req.snapshotId).catch(() => undefined);
-        if (winner?.digest === req.digest) return { snapshot_id: winner.id, size_bytes: total, kind: winner.kind };
+        if (winner?.digest === req.digest)
+          return { snapshot_id: winner.id, size_bytes: total, kind: winner.kind, reused_bytes: reusedBytes };
       }
       throw err;
     }
-    return { snapshot_id: committed.id, size_bytes: total, kind: committed.kind };
+    return { snapshot_id: committed.id, size_bytes: total, kind: committed.kind, reused_bytes: reusedBytes };
   } catch (err) {
     await rm(staging, { recursive: true, force: true }).catch(() => {});
     throw err;
   } finally {
     req.active.delete(stagingName);
   }
+}
+
+/**
+ * Copies into the staging directory every wanted file that the base
+ * checkpoint on this host holds with the same sha256 (under any name), and
+ * answers their names: those need not cross the network. Each copy is hashed
+ * again as it is read, so a base whose file changed on disk since it was
+ * verified is simply not used for it (the file is fetched instead).
+ */
+interface LocalCopy {
+  readonly dir: string;
+  readonly names: ReadonlySet<string>;
+  readonly bySha: ReadonlyMap<string, string>;
+}
+
+async function localCopy(backend: Backend, id: string): Promise<LocalCopy | undefined> {
+  const base = await backend.getCheckpoint(id).catch(() => undefined);
+  if (!base) return undefined;
+  const bySha = new Map<string, string>([[base.digest, ROOTFS_FILE]]);
+  for (const [name, sha] of Object.entries(base.files)) bySha.set(sha, name);
+  return { dir: await backend.checkpointDir(id), names: new Set([ROOTFS_FILE, ...Object.keys(base.files)]), bySha };
+}
+
+async function reuseFromBase(
+  base: LocalCopy,
+  wanted: ReadonlyArray<{ name: string; sha256: string; size_bytes: number }>,
+  staging: string,
+): Promise<Set<string>> {
+  const out = new Set<string>();
+  for (const f of wanted) {
+    const local = base.bySha.get(f.sha256);
+    if (local === undefined) continue;
+    const dest = join(staging, f.name);
+    const got = await copyHashed(join(base.dir, local), dest).catch(() => undefined);
+    if (got && got.size === f.size_bytes && got.sha256 === f.sha256) out.add(f.name);
+    else await rm(dest, { force: true });
+  }
+  return out;
+}
+
+async function copyHashed(from: string, to: string): Promise<{ size: number; sha256: string }> {
+  const hash = createHash('sha256');
+  let size = 0;
+  const src = await open(from, 'r');
+  const dst = await open(to, 'wx', 0o600);
+  try {
+    const buf = Buffer.allocUnsafe(1024 * 1024);
+    for (;;) {
+      const { bytesRead } = await src.read(buf, 0, buf.length, null);
+      if (bytesRead === 0) break;
+      const chunk = buf.subarray(0, bytesRead);
+      hash.update(chunk);
+      for (let off = 0; off < bytesRead;) off += (await dst.write(chunk, off, bytesRead - off)).bytesWritten;
+      size += bytesRead;
+    }
+  } finally {
+    await src.close();
+    await dst.close();
+  }
+  return { size, sha256: hash.digest('hex') };
 }
 
 async function memBytes(backend: Backend, cp: Checkpoint): Promise<number> {

@@ -64,6 +64,11 @@ export class ForkMigrate {
     this.qemuLiveMigrate = new QemuLiveMigrate(handler, hosts, placer, vms, logger);
   }
 
+  /** Standby copies a live migrate defaults to and pulls against (CHECKPOINT_INTERVAL_MS; standby-checkpoints.ts). */
+  set standby(standby: LiveMigrate['standby']) {
+    this.liveMigrate.standby = standby;
+  }
+
   /** `count` forks of one capture (fork-live.ts): live where the source's host captures memory. */
   forkMany(
     vmId: string,

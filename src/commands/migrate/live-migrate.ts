@@ -1,7 +1,7 @@
 import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import { AppError, ConflictError, NotFoundError } from '@fleet/agent-protocol';
-import type { Checkpoint } from '@fleet/agent-protocol';
+import type { ArtifactMoved, Checkpoint } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import type { HostState } from '../../domain/host/host.decider.js';
 import { migrationAggregate, type MigrationCommand } from '../../domain/migration/migration.decider.js';
@@ -14,6 +14,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import type { Placer } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
+import type { StandbyCheckpoints } from './standby-checkpoints.js';
 import { switchToTarget } from './switch-host.js';
 
 export interface LiveMigrateResult {
@@ -44,6 +45,8 @@ const canRestoreMemory = (h: HostState): h is Registered => h.status !== 'unregi
 export class LiveMigrate {
   private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
+  /** Standby copies (CHECKPOINT_INTERVAL_MS): the target defaults to the VM's standby, and the move pulls against its copy. */
+  standby: Pick<StandbyCheckpoints, 'baseOn' | 'standbyHostOf'> | undefined;
 
   constructor(
     handler: CommandHandler,
@@ -85,18 +88,17 @@ export class LiveMigrate {
     // The target is reserved while the VM still runs: no fit is a refusal before anything freezes.
     const unfit = new Set([fromHostId]);
     for (const h of await this.placer.hosts()) if (h.capacity.live_snapshot !== true || h.backend !== source.backend) unfit.add(h.id);
-    const placed = await this.placer.placeAndReserve(
-      vmId,
-      {
-        ...placementRequestOf(vm.spec),
-        host_id: undefined,
-        pinned_host_id: undefined,
-        ...(opts.target_host_id ? { host_id: opts.target_host_id } : {}),
-      },
-      vm.spec,
-      actor,
-      { excludeHosts: unfit, holdKey: `${vmId}-migrate` },
-    );
+    const place = (hostId: string | undefined) =>
+      this.placer.placeAndReserve(
+        vmId,
+        { ...placementRequestOf(vm.spec), host_id: undefined, pinned_host_id: undefined, ...(hostId ? { host_id: hostId } : {}) },
+        vm.spec,
+        actor,
+        { excludeHosts: unfit, holdKey: `${vmId}-migrate` },
+      );
+    const standbyHost = opts.target_host_id === undefined ? await this.standby?.standbyHostOf(vmId) : undefined;
+    const placed =
+      standbyHost && !unfit.has(standbyHost) ? await place(standbyHost).catch(() => place(undefined)) : await place(opts.target_host_id);
     const targetId = placed.hostId;
     try {
       await this.record(
@@ -134,9 +136,21 @@ export class LiveMigrate {
 
       step = 'move';
       const moveStarted = Date.now();
-      await this.pull(source, cpId, checkpoint, targetId);
+      const base = await this.standby?.baseOn(vmId, targetId);
+      const moved = await this.pull(source, cpId, checkpoint, targetId, base);
       pulled = true;
-      await this.stepDone(vmId, 'move', { host_id: targetId, duration_ms: String(Date.now() - moveStarted) }, actor);
+      await this.stepDone(
+        vmId,
+        'move',
+        {
+          host_id: targetId,
+          duration_ms: String(Date.now() - moveStarted),
+          moved_bytes: String(moved.size_bytes),
+          reused_bytes: String(moved.reused_bytes ?? 0),
+          ...(base ? { standby_checkpoint_id: base } : {}),
+        },
+        actor,
+      );
 
       step = 'boot';
       const guest = this.vms.openGuestInputs(vm);
@@ -256,17 +270,18 @@ export class LiveMigrate {
     }
   }
 
-  private async pull(source: Registered, cpId: string, cp: Checkpoint, targetId: string): Promise<void> {
+  private async pull(source: Registered, cpId: string, cp: Checkpoint, targetId: string, base?: string): Promise<ArtifactMoved> {
     if (!cp.digest || !/^[0-9a-f]{64}$/.test(cp.digest))
       throw new ConflictError('ARTIFACT_DIGEST_UNKNOWN', `checkpoint ${cpId} has no digest: a copy could not be verified`);
     const src = this.hosts.agentForState(source);
     const dst = await this.hosts.agentFor(targetId);
     const grant = await src.grantArtifact(cpId, 600);
-    await dst.pullArtifact({
+    return dst.pullArtifact({
       snapshot_id: cpId,
       digest: cp.digest,
       from: { url: source.url, grant: grant.grant, host_id: source.host_id },
       files: { ...cp.files },
+      ...(base ? { base_snapshot_id: base } : {}),
     });
   }
 

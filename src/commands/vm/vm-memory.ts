@@ -11,6 +11,7 @@ import type { Position } from '../../domain/event-store.port.js';
 import { sandboxName, type Actor, type VmCommands } from './vm-commands.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import { resumeElsewhere } from './resume-elsewhere.js';
+import { ResumeClaims } from './resume-claim.js';
 
 export interface VmMemoryResult {
   readonly vm: ExistingVmState;
@@ -29,6 +30,7 @@ export interface VmMemoryResult {
 export class VmMemory {
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
   private readonly queue = new KeyedQueue();
+  private readonly claims: ResumeClaims;
 
   constructor(
     handler: CommandHandler,
@@ -39,6 +41,7 @@ export class VmMemory {
     private readonly logger: Logger,
   ) {
     this.vmHandler = bindAggregate(handler, vmAggregate);
+    this.claims = new ResumeClaims(handler);
   }
 
   pause(vmId: string, actor: Actor): Promise<VmMemoryResult> {
@@ -72,57 +75,69 @@ export class VmMemory {
   }
 
   resume(vmId: string, actor: Actor): Promise<VmMemoryResult> {
-    return this.queue.run(vmId, async () => {
+    // Paused: undefined. Running: answered as it is (a resume is idempotent). Anything else: refused.
+    const settled = async (): Promise<VmMemoryResult | undefined> => {
       const vm = await this.vms.get(vmId, actor);
+      if (vm.status === 'paused') return undefined;
       if (vm.status === 'running') return { vm, position: undefined };
-      if (vm.status !== 'paused')
-        throw new AppError('VM_NOT_PAUSED', 409, `vm ${vmId} is ${vm.status}: only a paused VM can be resumed`, {
-          vm_id: vmId,
-          status: vm.status,
-        });
-      const started = Date.now();
-      // Its disk and checkpoint are on its host: it resumes there, with its CPU and memory reserved again.
-      const placed = await this.placer
-        .placeAndReserve(vmId, { ...placementRequestOf(vm.spec), pinned_host_id: vm.host_id }, vm.spec, actor)
-        .catch((err: unknown) => {
-          if (err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED') return undefined;
-          throw err;
-        });
-      // No room there any more: the checkpoint moves to a host that has some (not a network member: its network is on this host).
-      if (!placed) {
-        if (vm.spec.network_id)
-          throw new AppError(
-            'CAPACITY_EXHAUSTED',
-            409,
-            `host ${vm.host_id} has no room to resume vm ${vmId}, and as a member of network ${vm.spec.network_id} it cannot resume elsewhere; it stays paused`,
-            { vm_id: vmId, host_id: vm.host_id, network_id: vm.spec.network_id },
-          );
-        return this.resumeOnAnotherHost(vm, started, actor);
-      }
-      try {
-        const agent = await this.hosts.agentFor(placed.hostId);
-        const info = await agent.resumeVm(sandboxName(vmId));
-        const endpoints = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
-        return await this.run(
-          vmId,
-          {
-            type: 'ResumeVm',
-            data: {
-              vm_id: vmId,
-              host_id: placed.hostId,
-              decision: placed.choice.decision,
-              reservation: placed.reservation,
-              endpoints,
-              resume_ms: Date.now() - started,
-            },
-          },
-          actor,
-        );
-      } catch (err) {
-        await this.vms.releaseCapacity(placed.hostId, vmId, actor).catch(() => undefined);
-        throw err;
-      }
+      throw new AppError('VM_NOT_PAUSED', 409, `vm ${vmId} is ${vm.status}: only a paused VM can be resumed`, {
+        vm_id: vmId,
+        status: vm.status,
+      });
+    };
+    return this.queue.run(vmId, async () => {
+      const done = await settled();
+      if (done) return done;
+      // Another replica may be resuming it right now: one restore, whoever asked where.
+      return this.claims.run(vmId, actor, () => this.resumePaused(vmId, actor), settled);
     });
+  }
+
+  private async resumePaused(vmId: string, actor: Actor): Promise<VmMemoryResult> {
+    const vm = await this.vms.get(vmId, actor);
+    if (vm.status !== 'paused') throw new AppError('VM_NOT_PAUSED', 409, `vm ${vmId} is ${vm.status}`, { vm_id: vmId, status: vm.status });
+    const started = Date.now();
+    // Its disk and checkpoint are on its host: it resumes there, with its CPU and memory reserved again.
+    const placed = await this.placer
+      .placeAndReserve(vmId, { ...placementRequestOf(vm.spec), pinned_host_id: vm.host_id }, vm.spec, actor)
+      .catch((err: unknown) => {
+        if (err instanceof AppError && err.code === 'CAPACITY_EXHAUSTED') return undefined;
+        throw err;
+      });
+    // No room there any more: the checkpoint moves to a host that has some (not a network member: its network is on this host).
+    if (!placed) {
+      if (vm.spec.network_id)
+        throw new AppError(
+          'CAPACITY_EXHAUSTED',
+          409,
+          `host ${vm.host_id} has no room to resume vm ${vmId}, and as a member of network ${vm.spec.network_id} it cannot resume elsewhere; it stays paused`,
+          { vm_id: vmId, host_id: vm.host_id, network_id: vm.spec.network_id },
+        );
+      return this.resumeOnAnotherHost(vm, started, actor);
+    }
+    try {
+      const agent = await this.hosts.agentFor(placed.hostId);
+      const info = await agent.resumeVm(sandboxName(vmId));
+      const endpoints = info.endpoints.map((e) => ({ as: e.as, url: e.url, port: e.port, protocol: e.protocol }));
+      return await this.run(
+        vmId,
+        {
+          type: 'ResumeVm',
+          data: {
+            vm_id: vmId,
+            host_id: placed.hostId,
+            decision: placed.choice.decision,
+            reservation: placed.reservation,
+            endpoints,
+            resume_ms: Date.now() - started,
+          },
+        },
+        actor,
+      );
+    } catch (err) {
+      await this.vms.releaseCapacity(placed.hostId, vmId, actor).catch(() => undefined);
+      throw err;
+    }
   }
 
   /**

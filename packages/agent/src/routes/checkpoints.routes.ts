@@ -6,6 +6,7 @@ import { z } from 'zod';
 import {
   AGENT_API_PREFIX,
   artifactFileNameSchema,
+  artifactManifestQuerySchema,
   artifactManifestSchema,
   artifactMovedSchema,
   artifactMoveSchema,
@@ -21,7 +22,7 @@ import { AppError } from '@fleet/agent-protocol';
 import { buildManifest, parseRange, pullArtifact, servableFile, toWireCheckpoint } from '../artifacts.js';
 import { mintGrant, verifyGrant } from '../grants.js';
 import { isCode, type AgentRouteContext } from './context.js';
-import { bodyOf, checkpointId, paramOf, part, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
+import { bodyOf, checkpointId, paramOf, part, queryOf, sandboxName, type Answer, type RouteSchema } from './route-schema.js';
 
 /** Each route's request parts and responses (route-schema.ts). */
 export const schemas = {
@@ -35,7 +36,11 @@ export const schemas = {
   get: { params: { id: checkpointId }, response: { 200: checkpointSchema } },
   delete: { params: { id: checkpointId }, response: { 200: deleteCheckpointResponseSchema } },
   grant: { body: part(createGrantRequestSchema, 'grant request'), response: { 201: grantResponseSchema } },
-  manifest: { params: { id: checkpointId }, response: { 200: artifactManifestSchema } },
+  manifest: {
+    params: { id: checkpointId },
+    querystring: part(artifactManifestQuerySchema, 'query'),
+    response: { 200: artifactManifestSchema },
+  },
   /** application/octet-stream, whole or a byte range (206); 416 with a problem body for a range past the end. */
   file: {
     params: { id: checkpointId, file: part(artifactFileNameSchema, 'file name') },
@@ -114,7 +119,7 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
     async (req): Promise<Answer<typeof schemas.manifest, 200>> => {
       const id = paramOf(req, schemas.manifest.params, 'id');
       checkGrant(req, id);
-      return buildManifest(backend, id);
+      return buildManifest(backend, id, queryOf(req, schemas.manifest.querystring).chunks === '1');
     },
   );
 
@@ -153,6 +158,7 @@ export function registerCheckpointRoutes(app: FastifyInstance, ctx: AgentRouteCo
       files: move.files,
       timeoutMs: config.pullTimeoutMs,
       active: activePulls,
+      baseSnapshotId: move.base_snapshot_id,
     });
   });
 }
