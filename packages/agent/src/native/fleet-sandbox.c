@@ -642,9 +642,11 @@ static int cmd_enter(int argc, char **argv) {
   for (size_t c = 0; c < ncg; c++) write_file(cgroups[c], self);
 
   int user = open_ns(pid, "ns/user"), root = open_ns(pid, "root");
-  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "mnt"};
-  int nss[] = {open_ns(pid, "ns/ipc"), open_ns(pid, "ns/uts"), open_ns(pid, "ns/net"), open_ns(pid, "ns/pid"),
-               open_ns(pid, "ns/cgroup"), open_ns(pid, "ns/mnt")};
+  /* time: a sandbox CRIU restored runs in a time namespace of its own (its clocks go on from the dump); a process
+     started in another could not be dumped and restored with the init's tree. */
+  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "time", "mnt"};
+  int nss[] = {open_ns(pid, "ns/ipc"),    open_ns(pid, "ns/uts"),  open_ns(pid, "ns/net"), open_ns(pid, "ns/pid"),
+               open_ns(pid, "ns/cgroup"), open_ns(pid, "ns/time"), open_ns(pid, "ns/mnt")};
   /* Only the namespaces the sandbox has of its own (it shares the host's cgroup namespace). */
   int join[sizeof nss / sizeof nss[0]];
   for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
