@@ -15,7 +15,9 @@ import type { Backend, ExitStatus, ProcessHandle, SpawnOptions } from '../backen
  * offsets it has seen; when the follower dies without the status (a pause
  * killed it), the process stays listed and `revive()` starts a new follower
  * from the same offsets once the sandbox runs again. The follower removes
- * the directory when it has delivered everything and the status.
+ * the directory when it has delivered everything and the status. Polling
+ * (every 20 ms while output flows, backing off to 250 ms after 10 s idle)
+ * because a guest image has no inotify tool to rely on.
  */
 
 /** "start": launch then follow; "attach": follow `dir` from the two offsets. Prints "<pid> <dir>" first on a start. */
@@ -36,12 +38,12 @@ fi
 idle=0
 while :; do
   f=0; [ -e "$d/status" ] && f=1
-  n=$(wc -c <"$d/out") || kill -ABRT $$; n=$((n))
+  w=$(wc -c "$d/out" "$d/err" 2>/dev/null) || kill -ABRT $$
+  set -- $w; n=$(($1)); e=$(($3))
   if [ "$n" -gt "$oo" ]; then tail -c +$((oo+1)) "$d/out" | head -c $((n-oo)); oo=$n; idle=0; fi
-  n=$(wc -c <"$d/err") || kill -ABRT $$; n=$((n))
-  if [ "$n" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" | head -c $((n-eo)) >&2; eo=$n; idle=0; fi
+  if [ "$e" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" | head -c $((e-eo)) >&2; eo=$e; idle=0; fi
   if [ "$f" = 1 ]; then r=$(cat "$d/status"); rm -rf "$d"; exit "$r"; fi
-  idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; else sleep 0.1; fi
+  idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; elif [ "$idle" -lt 125 ]; then sleep 0.1; else sleep 0.25; fi
 done`;
 
 const KILL = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" "$2"';
