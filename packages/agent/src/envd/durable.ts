@@ -7,8 +7,9 @@ import type { Backend, ExitStatus, ProcessHandle, SpawnOptions } from '../backen
  * An envd process that outlives what the agent holds of it: a pause (CRIU
  * dumps the sandbox init's tree only, and a host-side exec is not in it), a
  * killed relay, a dropped client. The command runs inside the guest as a
- * grandchild of the guest's own /bin/sh, reparented to the sandbox's init
- * (so it is part of the dumped tree), in a session of its own, with its
+ * child of the guest's own /bin/sh (SUPERVISE), itself reparented to the
+ * sandbox's init (so both are part of the dumped tree and neither goes with
+ * the exec that started them), each in a session of its own, with its
  * stdout and stderr on files in a directory of its own under
  * /run/fleet-envd and its exit status written there by that shell. The
  * agent reads the files through a follower exec (one shell loop) from the
@@ -20,16 +21,24 @@ import type { Backend, ExitStatus, ProcessHandle, SpawnOptions } from '../backen
  * because a guest image has no inotify tool to rely on.
  */
 
+/**
+ * The command's parent in the guest, in a session of its own (not the exec's, whose end kills its group): it
+ * writes the command's pid, waits for it and writes its status.
+ */
+const SUPERVISE =
+  'd=$1; shift; "$@" </dev/null >"$d/out" 2>"$d/err" & p=$!; echo "$p" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"; ' +
+  'wait "$p"; echo "$?" >"$d/status.t"; mv "$d/status.t" "$d/status"';
+
 /** "start": launch then follow; "attach": follow `dir` from the two offsets. Prints "<pid> <dir>" first on a start. */
 const SCRIPT = `
+SUPERVISE='${SUPERVISE}'
 if [ "$1" = start ]; then
   shift; c=$1; shift
   if [ "$c" = /bin/bash ] && [ ! -x /bin/bash ]; then c=/bin/sh; fi
   s=; if command -v setsid >/dev/null 2>&1; then s=setsid; fi
   mkdir -p /run/fleet-envd && d=$(mktemp -d /run/fleet-envd/p.XXXXXXXX) || exit 125
   : >"$d/out" && : >"$d/err" || exit 125
-  ( ( $s "$c" "$@" </dev/null >"$d/out" 2>"$d/err" & p=$!; echo "$p" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"
-      wait "$p"; echo "$?" >"$d/status.t"; mv "$d/status.t" "$d/status" ) </dev/null >/dev/null 2>&1 & )
+  ( $s /bin/sh -c "$SUPERVISE" envd-supervise "$d" $s "$c" "$@" </dev/null >/dev/null 2>&1 & )
   i=0; while [ ! -e "$d/pid" ]; do i=$((i+1)); [ "$i" -gt 1000 ] && exit 125; sleep 0.01; done
   echo "$(cat "$d/pid") $d"; oo=0; eo=0
 else
