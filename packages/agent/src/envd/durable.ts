@@ -49,13 +49,14 @@ while :; do
   f=0; [ -e "$d/status" ] && f=1
   w=$(wc -c "$d/out" "$d/err" 2>/dev/null) || kill -ABRT $$
   set -- $w; n=$(($1)); e=$(($3))
-  if [ "$n" -gt "$oo" ]; then tail -c +$((oo+1)) "$d/out" | head -c $((n-oo)); oo=$n; idle=0; fi
-  if [ "$e" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" | head -c $((e-eo)) >&2; eo=$e; idle=0; fi
+  if [ "$n" -gt "$oo" ]; then tail -c +$((oo+1)) "$d/out" 2>/dev/null | head -c $((n-oo)); oo=$n; idle=0; fi
+  if [ "$e" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" 2>/dev/null | head -c $((e-eo)) >&2; eo=$e; idle=0; fi
   if [ "$f" = 1 ]; then r=$(cat "$d/status"); rm -rf "$d"; exit "$r"; fi
   idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; elif [ "$idle" -lt 125 ]; then sleep 0.1; else sleep 0.25; fi
 done`;
 
-const KILL = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" "$2"';
+/** The command's group (it leads its session); busybox's kill takes no `--`, dash's needs it before a negative pid. */
+const KILL = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" "-$2" 2>/dev/null || kill -s "$1" "$2"';
 
 export interface DurableHandle extends ProcessHandle {
   /** Starts a follower again if the last one died without the exit status (the sandbox was paused, say). */
