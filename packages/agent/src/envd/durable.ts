@@ -40,7 +40,7 @@ if [ "$1" = start ]; then
   : >"$d/out" && : >"$d/err" || exit 125
   ( $s /bin/sh -c "$SUPERVISE" envd-supervise "$d" $s "$c" "$@" </dev/null >/dev/null 2>&1 & )
   i=0; while [ ! -e "$d/pid" ]; do i=$((i+1)); [ "$i" -gt 1000 ] && exit 125; sleep 0.01; done
-  echo "$(cat "$d/pid") $d"; oo=0; eo=0
+  read -r p <"$d/pid"; echo "$p $d"; oo=0; eo=0
 else
   d=$2; oo=$3; eo=$4
 fi
@@ -51,7 +51,7 @@ while :; do
   set -- $w; n=$(($1)); e=$(($3))
   if [ "$n" -gt "$oo" ]; then tail -c +$((oo+1)) "$d/out" 2>/dev/null | head -c $((n-oo)); oo=$n; idle=0; fi
   if [ "$e" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" 2>/dev/null | head -c $((e-eo)) >&2; eo=$e; idle=0; fi
-  if [ "$f" = 1 ]; then r=$(cat "$d/status"); rm -rf "$d"; exit "$r"; fi
+  if [ "$f" = 1 ]; then read -r r <"$d/status"; rm -rf "$d"; exit "$r"; fi
   idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; elif [ "$idle" -lt 125 ]; then sleep 0.1; else sleep 0.25; fi
 done`;
 
