@@ -158,51 +158,43 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     sbx = resumed;
   });
 
-  it(
-    'pause keeps an envd background process: commands.connect(pid) after the resume, output in order',
-    {
-      todo:
-        "envd processes are children of the host-side exec helper, outside the sandbox init's process tree that CRIU dumps: " +
-        'a pause ends them (a process the command detached survives, as above); see docs/e2b-compatibility.md',
-    },
-    async (t) => {
-      if (guard(t)) return;
-      // An envd background process: it must survive the pause and be re-attachable by pid after the resume, its output in order.
-      const seen: string[] = [];
-      const bg = await sbx.commands.run('i=0; while true; do i=$((i+1)); echo "tick $i"; sleep 0.1; done', {
-        background: true,
-        timeoutMs: 0,
-        onStdout: (d) => void seen.push(d),
-      });
-      await until('ticks before the pause', () => seen.join('').includes('tick 3'));
-      await bg.disconnect();
-      assert.equal(await sbx.pause(), true);
-      const resumed = await Sandbox.connect(sbx.sandboxId);
-      sbx = resumed;
-      const procs = await resumed.commands.list();
-      assert.ok(
-        procs.some((p) => p.pid === bg.pid),
-        `the envd process ${bg.pid} is still listed: ${JSON.stringify(procs)}`,
-      );
-      const after: string[] = [];
-      const again = await resumed.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
-      await until('ticks after the resume', () => after.join('').split('\n').filter(Boolean).length >= 3);
-      const ticks = after
-        .join('')
-        .split('\n')
-        .filter(Boolean)
-        .map((l) => Number(/^tick (\d+)$/.exec(l)?.[1]));
-      const lastBefore = Number(/tick (\d+)\n$/.exec(seen.join(''))?.[1] ?? '0');
-      assert.ok(
-        ticks.every((n, i) => Number.isInteger(n) && (i === 0 || n === ticks[i - 1]! + 1)),
-        `in order: ${after.join('')}`,
-      );
-      assert.ok(ticks[0]! > lastBefore, `continues after ${lastBefore}: ${ticks[0]}`);
-      assert.equal(await resumed.commands.kill(bg.pid), true);
-      const end = await again.wait().catch((e: unknown) => e);
-      assert.ok(end instanceof Error || (end as { exitCode: number }).exitCode !== 0);
-    },
-  );
+  it('pause keeps an envd background process: commands.connect(pid) after the resume, output in order', async (t) => {
+    if (guard(t)) return;
+    // An envd background process: it must survive the pause and be re-attachable by pid after the resume, its output in order.
+    const seen: string[] = [];
+    const bg = await sbx.commands.run('i=0; while true; do i=$((i+1)); echo "tick $i"; sleep 0.1; done', {
+      background: true,
+      timeoutMs: 0,
+      onStdout: (d) => void seen.push(d),
+    });
+    await until('ticks before the pause', () => seen.join('').includes('tick 3'));
+    await bg.disconnect();
+    assert.equal(await sbx.pause(), true);
+    const resumed = await Sandbox.connect(sbx.sandboxId);
+    sbx = resumed;
+    const procs = await resumed.commands.list();
+    assert.ok(
+      procs.some((p) => p.pid === bg.pid),
+      `the envd process ${bg.pid} is still listed: ${JSON.stringify(procs)}`,
+    );
+    const after: string[] = [];
+    const again = await resumed.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await until('ticks after the resume', () => after.join('').split('\n').filter(Boolean).length >= 3);
+    const ticks = after
+      .join('')
+      .split('\n')
+      .filter(Boolean)
+      .map((l) => Number(/^tick (\d+)$/.exec(l)?.[1]));
+    const lastBefore = Number(/tick (\d+)\n$/.exec(seen.join(''))?.[1] ?? '0');
+    assert.ok(
+      ticks.every((n, i) => Number.isInteger(n) && (i === 0 || n === ticks[i - 1]! + 1)),
+      `in order: ${after.join('')}`,
+    );
+    assert.ok(ticks[0]! > lastBefore, `continues after ${lastBefore}: ${ticks[0]}`);
+    assert.equal(await resumed.commands.kill(bg.pid), true);
+    const end = await again.wait().catch((e: unknown) => e);
+    assert.ok(end instanceof Error || (end as { exitCode: number }).exitCode !== 0);
+  });
 
   it('getMetrics: E2B-shaped samples of the running sandbox', async (t) => {
     if (guard(t)) return;

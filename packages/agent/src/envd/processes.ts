@@ -1,5 +1,6 @@
 import { Code, ConnectError, type HandlerContext } from '@connectrpc/connect';
 import type { Backend, ProcessHandle } from '../backend.js';
+import { isDurable, spawnDurable } from './durable.js';
 import { ENVD_HOME } from './guest-fs.js';
 
 /**
@@ -143,7 +144,10 @@ export class ProcessTable {
   constructor(private readonly backend: Backend) {}
 
   list(sandbox: string): EnvdProcess[] {
-    return [...(this.#bySandbox.get(sandbox)?.values() ?? [])].filter((p) => !p.ended);
+    const live = [...(this.#bySandbox.get(sandbox)?.values() ?? [])].filter((p) => !p.ended);
+    // A process whose follower a pause ended is followed again once the sandbox answers (this call is the sign).
+    for (const p of live) if (isDurable(p.handle)) p.handle.revive();
+    return live;
   }
 
   find(sandbox: string, selector: { case: 'pid'; value: number } | { case: 'tag'; value: string } | { case: undefined }): EnvdProcess {
@@ -163,13 +167,19 @@ export class ProcessTable {
       throw new ConnectError(`more than ${MAX_PROCESSES_PER_SANDBOX} envd processes are running in this sandbox`, Code.ResourceExhausted);
     }
     if (!req.config.cmd) throw new ConnectError('process.cmd is required', Code.InvalidArgument);
-    const handle = await this.backend.spawn(sandbox, {
-      argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
-      env: { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs },
-      cwd: req.config.cwd ?? ENVD_HOME,
-      stdin: req.stdin || req.pty !== undefined,
-      ...(req.pty ? { tty: req.pty } : {}),
-    });
+    const env = { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs };
+    const cwd = req.config.cwd ?? ENVD_HOME;
+    // Without stdin or a pty, nothing of the process needs the host: it can run in the sandbox's own tree (durable.ts).
+    const handle =
+      req.stdin || req.pty
+        ? await this.backend.spawn(sandbox, {
+            argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
+            env,
+            cwd,
+            stdin: true,
+            ...(req.pty ? { tty: req.pty } : {}),
+          })
+        : await spawnDurable(this.backend, sandbox, req.config.cmd, req.config.args, { env, cwd });
     handle.stdin.on('error', () => {});
     const pending: OutputEvent[] = [];
     // Output that comes before the pid is known waits here for the process record.

@@ -472,7 +472,8 @@ static int open_ns(int pid, const char *ns) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/%s", pid, ns);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("open", path);
+  /* A kernel without time namespaces has no ns/time: nothing to join there. */
+  if (fd < 0 && !(errno == ENOENT && strcmp(ns, "ns/time") == 0)) fail("open", path);
   return fd;
 }
 
@@ -642,15 +643,21 @@ static int cmd_enter(int argc, char **argv) {
   for (size_t c = 0; c < ncg; c++) write_file(cgroups[c], self);
 
   int user = open_ns(pid, "ns/user"), root = open_ns(pid, "root");
-  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "mnt"};
-  int nss[] = {open_ns(pid, "ns/ipc"), open_ns(pid, "ns/uts"), open_ns(pid, "ns/net"), open_ns(pid, "ns/pid"),
-               open_ns(pid, "ns/cgroup"), open_ns(pid, "ns/mnt")};
+  /* time: a sandbox CRIU restored runs in a time namespace of its own (its clocks go on from the dump); a process
+     started in another could not be dumped and restored with the init's tree. */
+  static const char *names[] = {"ipc", "uts", "net", "pid", "cgroup", "time", "mnt"};
+  int nss[] = {open_ns(pid, "ns/ipc"),    open_ns(pid, "ns/uts"),  open_ns(pid, "ns/net"), open_ns(pid, "ns/pid"),
+               open_ns(pid, "ns/cgroup"), open_ns(pid, "ns/time"), open_ns(pid, "ns/mnt")};
   /* Only the namespaces the sandbox has of its own (it shares the host's cgroup namespace). */
   int join[sizeof nss / sizeof nss[0]];
   for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
     char mine_path[64];
     struct stat a, b;
     snprintf(mine_path, sizeof mine_path, "/proc/self/ns/%s", names[n]);
+    if (nss[n] < 0) {
+      join[n] = 0;
+      continue;
+    }
     if (fstat(nss[n], &a) < 0 || stat(mine_path, &b) < 0) fail("stat namespace", names[n]);
     join[n] = a.st_ino != b.st_ino || a.st_dev != b.st_dev;
   }
@@ -670,7 +677,7 @@ static int cmd_enter(int argc, char **argv) {
   }
   for (size_t n = 0; n < sizeof nss / sizeof nss[0]; n++) {
     if (join[n] && setns(nss[n], 0) < 0) fail("setns", names[n]);
-    close(nss[n]);
+    if (nss[n] >= 0) close(nss[n]);
   }
   if (fchdir(root) < 0 || chroot(".") < 0) fail("enter the sandbox root", NULL);
   close(root);

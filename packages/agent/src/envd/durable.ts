@@ -1,0 +1,205 @@
+import { constants as osConstants } from 'node:os';
+import { PassThrough, Writable } from 'node:stream';
+import { AppError } from '@fleet/agent-protocol';
+import type { Backend, ExitStatus, ProcessHandle, SpawnOptions } from '../backend.js';
+
+/**
+ * An envd process that outlives what the agent holds of it: a pause (CRIU
+ * dumps the sandbox init's tree only, and a host-side exec is not in it), a
+ * killed relay, a dropped client. The command runs inside the guest as a
+ * child of the guest's own /bin/sh (SUPERVISE), itself reparented to the
+ * sandbox's init (so both are part of the dumped tree and neither goes with
+ * the exec that started them), each in a session of its own, with its
+ * stdout and stderr on files in a directory of its own under
+ * /run/fleet-envd and its exit status written there by that shell. The
+ * agent reads the files through a follower exec (one shell loop) from the
+ * offsets it has seen; when the follower dies without the status (a pause
+ * killed it), the process stays listed and `revive()` starts a new follower
+ * from the same offsets once the sandbox runs again. The follower removes
+ * the directory when it has delivered everything and the status. Polling
+ * (every 20 ms while output flows, backing off to 250 ms after 10 s idle)
+ * because a guest image has no inotify tool to rely on.
+ */
+
+/**
+ * The command's parent in the guest, in a session of its own (not the exec's, whose end kills its group): it
+ * writes the command's pid, waits for it and writes its status.
+ */
+const SUPERVISE =
+  'd=$1; shift; "$@" </dev/null >"$d/out" 2>"$d/err" & p=$!; echo "$p" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"; ' +
+  'wait "$p"; echo "$?" >"$d/status.t"; mv "$d/status.t" "$d/status"';
+
+/** "start": launch then follow; "attach": follow `dir` from the two offsets. Prints "<pid> <dir>" first on a start. */
+const SCRIPT = `
+SUPERVISE='${SUPERVISE}'
+if [ "$1" = start ]; then
+  shift; c=$1; shift
+  if [ "$c" = /bin/bash ] && [ ! -x /bin/bash ]; then c=/bin/sh; fi
+  s=; if command -v setsid >/dev/null 2>&1; then s=setsid; fi
+  mkdir -p /run/fleet-envd && d=$(mktemp -d /run/fleet-envd/p.XXXXXXXX) || exit 125
+  : >"$d/out" && : >"$d/err" || exit 125
+  ( $s /bin/sh -c "$SUPERVISE" envd-supervise "$d" $s "$c" "$@" </dev/null >/dev/null 2>&1 & )
+  i=0; while [ ! -e "$d/pid" ]; do i=$((i+1)); [ "$i" -gt 1000 ] && exit 125; sleep 0.01; done
+  read -r p <"$d/pid"; echo "$p $d"; oo=0; eo=0
+else
+  d=$2; oo=$3; eo=$4
+fi
+idle=0
+while :; do
+  f=0; [ -e "$d/status" ] && f=1
+  w=$(wc -c "$d/out" "$d/err" 2>/dev/null) || kill -ABRT $$
+  set -- $w; n=$(($1)); e=$(($3))
+  if [ "$n" -gt "$oo" ]; then tail -c +$((oo+1)) "$d/out" 2>/dev/null | head -c $((n-oo)); oo=$n; idle=0; fi
+  if [ "$e" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" 2>/dev/null | head -c $((e-eo)) >&2; eo=$e; idle=0; fi
+  if [ "$f" = 1 ]; then read -r r <"$d/status"; rm -rf "$d"; exit "$r"; fi
+  idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; elif [ "$idle" -lt 125 ]; then sleep 0.1; else sleep 0.25; fi
+done`;
+
+/** The command's group (it leads its session); busybox's kill takes no `--`, dash's needs it before a negative pid. */
+const KILL = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" "-$2" 2>/dev/null || kill -s "$1" "$2"';
+
+export interface DurableHandle extends ProcessHandle {
+  /** Starts a follower again if the last one died without the exit status (the sandbox was paused, say). */
+  revive(): void;
+}
+
+export function isDurable(h: ProcessHandle): h is DurableHandle {
+  return typeof (h as Partial<DurableHandle>).revive === 'function';
+}
+
+/** Its first stdout line is the guest pid (as the host-held path's wrapper prints it), then the command's output. */
+export async function spawnDurable(
+  backend: Backend,
+  sandbox: string,
+  cmd: string,
+  args: readonly string[],
+  opts: Omit<SpawnOptions, 'argv' | 'stdin' | 'tty'>,
+): Promise<DurableHandle> {
+  const stdout = new PassThrough();
+  const stderr = new PassThrough();
+  const stdin = new Writable({ write: (_c, _e, cb) => cb() });
+  stdin.end();
+  let pid: number | undefined;
+  let dir = '';
+  const offset = { out: 0, err: 0 };
+  const sent = new Set<number>();
+  let pendingKill: NodeJS.Signals | undefined;
+  let ended = false;
+  let following: ProcessHandle | undefined;
+  let reviving = false;
+  let settle!: (st: ExitStatus) => void;
+  const exited = new Promise<ExitStatus>((resolve) => (settle = resolve));
+
+  const finish = (st: ExitStatus): void => {
+    if (ended) return;
+    ended = true;
+    stdout.end();
+    stderr.end();
+    settle(st);
+  };
+  const signalGuest = (signal: NodeJS.Signals): void => {
+    const num = osConstants.signals[signal];
+    if (pid === undefined) {
+      pendingKill = signal;
+      return;
+    }
+    sent.add(num);
+    void backend
+      .spawn(sandbox, { argv: ['/bin/sh', '-c', KILL, 'kill', String(num), String(pid)], stdin: false })
+      .then((h) => h.wait())
+      .catch(() => undefined);
+  };
+
+  const attach = (h: ProcessHandle, start: boolean): void => {
+    following = h;
+    let head = start ? Buffer.alloc(0) : null;
+    const onDrain = (): void => {
+      if (following === h) {
+        h.stdout.resume();
+        h.stderr.resume();
+      }
+    };
+    stdout.on('drain', onDrain);
+    stderr.on('drain', onDrain);
+    h.stdout.on('data', (chunk: Buffer) => {
+      let data = chunk;
+      if (head) {
+        head = Buffer.concat([head, chunk]);
+        const nl = head.indexOf(10);
+        if (nl < 0) {
+          if (head.length > 4200) h.kill('SIGKILL');
+          return;
+        }
+        const m = /^(\d+) (\/run\/fleet-envd\/p\.[A-Za-z0-9]+)$/.exec(head.subarray(0, nl).toString('latin1'));
+        data = head.subarray(nl + 1);
+        head = null;
+        if (!m) {
+          h.kill('SIGKILL');
+          return;
+        }
+        pid = Number(m[1]);
+        dir = m[2] ?? '';
+        stdout.write(`${String(pid)}\n`);
+        if (pendingKill) signalGuest(pendingKill);
+      }
+      if (data.length === 0) return;
+      offset.out += data.length;
+      if (!stdout.write(data)) h.stdout.pause();
+    });
+    h.stderr.on('data', (chunk: Buffer) => {
+      if (pid !== undefined) offset.err += chunk.length;
+      if (!stderr.write(chunk)) h.stderr.pause();
+    });
+    void h.wait().then(
+      (st) => {
+        stdout.off('drain', onDrain);
+        stderr.off('drain', onDrain);
+        if (following === h) following = undefined;
+        if (pid === undefined || st.exitCode !== null || st.signal === 'SIGABRT') {
+          // The status (or a start that failed, or the directory gone from the guest): the end.
+          const code = st.exitCode;
+          if (code !== null && code > 128 && sent.has(code - 128)) {
+            const name = Object.entries(osConstants.signals).find(([, n]) => n === code - 128)?.[0] as NodeJS.Signals | undefined;
+            finish({ exitCode: null, signal: name ?? 'SIGKILL' });
+          } else finish(st);
+        }
+        // Else the follower was killed with the command still running: revive() follows on.
+      },
+      () => undefined,
+    );
+  };
+
+  attach(await backend.spawn(sandbox, { ...opts, argv: ['/bin/sh', '-c', SCRIPT, 'envd', 'start', cmd, ...args], stdin: false }), true);
+
+  return {
+    stdout,
+    stderr,
+    stdin,
+    resize: () => undefined,
+    kill: (signal = 'SIGKILL') => {
+      signalGuest(signal);
+    },
+    wait: () => exited,
+    revive: () => {
+      if (ended || following || reviving || pid === undefined) return;
+      reviving = true;
+      backend
+        .spawn(sandbox, {
+          argv: ['/bin/sh', '-c', SCRIPT, 'envd', 'attach', dir, String(offset.out), String(offset.err)],
+          stdin: false,
+        })
+        .then(
+          (h) => {
+            reviving = false;
+            if (ended) h.kill('SIGKILL');
+            else attach(h, false);
+          },
+          (err: unknown) => {
+            reviving = false;
+            // The sandbox is gone: so is the process. Not running (paused): a later call tries again.
+            if (err instanceof AppError && err.code === 'SANDBOX_NOT_FOUND') finish({ exitCode: null, signal: 'SIGKILL' });
+          },
+        );
+    },
+  };
+}
