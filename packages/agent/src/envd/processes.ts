@@ -141,7 +141,27 @@ export interface StartRequest {
 export class ProcessTable {
   readonly #bySandbox = new Map<string, Map<number, EnvdProcess>>();
 
+  /** Whether a sandbox here can be paused with its processes (CRIU): only then is the durable path worth its cost. */
+  #pausable: Promise<boolean> | undefined;
+
   constructor(private readonly backend: Backend) {}
+
+  private pausable(): Promise<boolean> {
+    // A QEMU pause keeps the whole guest, host-attached processes too; a process sandbox without CRIU never pauses.
+    const known =
+      this.#pausable ??
+      (this.backend.kind === 'process'
+        ? this.backend.capacity().then(
+            (c) => c.live_snapshot === true,
+            () => {
+              this.#pausable = undefined;
+              return false;
+            },
+          )
+        : Promise.resolve(false));
+    this.#pausable = known;
+    return known;
+  }
 
   list(sandbox: string): EnvdProcess[] {
     const live = [...(this.#bySandbox.get(sandbox)?.values() ?? [])].filter((p) => !p.ended);
@@ -169,14 +189,16 @@ export class ProcessTable {
     if (!req.config.cmd) throw new ConnectError('process.cmd is required', Code.InvalidArgument);
     const env = { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs };
     const cwd = req.config.cwd ?? ENVD_HOME;
-    // Without stdin or a pty, nothing of the process needs the host: it can run in the sandbox's own tree (durable.ts).
+    // Without stdin or a pty, nothing of the process needs the host: where a pause would otherwise end it, it runs in
+    // the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
+    const attached = req.stdin || req.pty !== undefined;
     const handle =
-      req.stdin || req.pty
+      attached || !(await this.pausable())
         ? await this.backend.spawn(sandbox, {
             argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
             env,
             cwd,
-            stdin: true,
+            stdin: attached,
             ...(req.pty ? { tty: req.pty } : {}),
           })
         : await spawnDurable(this.backend, sandbox, req.config.cmd, req.config.args, { env, cwd });
