@@ -1,10 +1,12 @@
 /**
  * `npm test`: one embedded Postgres for the whole run (unless
  * TEST_DATABASE_URL names a server), then Node's test runner over every
- * test/**\/*.test.ts, one file at a time. Node 20's `--test` does not expand
+ * test/**\/*.test.ts: the files that share nothing two at a time, then the
+ * rest one at a time (SOLO below). Node 20's `--test` does not expand
  * globs, so we find the files. Optional arguments keep only the files whose
- * path contains one of them. Output is the runner's own, so the run ends with
- * its summary lines; the exit code is the runner's.
+ * path contains one of them. Output is the runner's own, each phase ending
+ * with its summary lines, then one line for both; the exit code is the first
+ * failed phase's.
  */
 import { spawn } from 'node:child_process';
 import { promises as fs } from 'node:fs';
@@ -47,6 +49,33 @@ const UNIT = [
 ];
 const E2E = [/^test\/control-plane\//, /^test\/consumers\//, /^test\/snapshots\//];
 
+/**
+ * Files that run alone, after the others: timing-sensitive (reconciler
+ * intervals and leases, racing replicas, OOM polls, timeouts, CRIU freezes
+ * and moves, idle expiry), CPU-bound (QEMU under TCG), or holding something
+ * of the whole host (the test internet's routes, ip_forward, the host's free
+ * space). Every other file shares nothing but the one Postgres server (a
+ * database of its own each, names, prefixes and subnets random): those run
+ * two at a time first, which on two cores mostly overlaps one file's start-up
+ * and waits with another's work.
+ */
+const SOLO = [
+  /^test\/reconciler\//,
+  /^test\/security\//,
+  /qemu/,
+  /criu/,
+  /lazy/,
+  /^test\/agent\/(egress|host-agent|network-isolation|observe|process-backend|sandbox-security|storage)\.test\.ts$/,
+  /^test\/control-plane\/(bounded-streams|e2b-sdk|e2b-sdk-memory|egress-api|embedded-startup|failures|lifecycle|observe|races|standby-checkpoints|vm-[a-z-]+)\.test\.ts$/,
+  /^test\/ingress\/ingress-wake\.test\.ts$/,
+  /^test\/snapshots\/snapshot-quota\.test\.ts$/,
+];
+
+function isSolo(file: string): boolean {
+  const f = file.split(path.sep).join('/');
+  return SOLO.some((re) => re.test(f));
+}
+
 function kindOf(file: string): Kind {
   const f = file.split(path.sep).join('/');
   if (UNIT.some((re) => re.test(f))) return 'unit';
@@ -88,16 +117,35 @@ async function main(): Promise<number> {
     process.stderr.write('using the Postgres server in TEST_DATABASE_URL\n');
   }
 
-  const child = spawn(process.execPath, ['--import', 'tsx', '--test', '--test-concurrency=1', ...files], { stdio: 'inherit', env });
+  const shared = files.filter((f) => !isSolo(f));
+  const solo = files.filter(isSolo);
+  let child: ReturnType<typeof spawn> | undefined;
   const forward = (signal: NodeJS.Signals): void => {
-    child.kill(signal);
+    child?.kill(signal);
   };
   process.on('SIGINT', forward);
   process.on('SIGTERM', forward);
-  const code = await new Promise<number>((resolve) => {
-    child.on('exit', (c, signal) => resolve(c ?? (signal ? 128 + os.constants.signals[signal] : 1)));
-    child.on('error', () => resolve(1));
-  });
+  const phase = async (list: string[], concurrency: number): Promise<number> => {
+    if (list.length === 0) return 0;
+    process.stderr.write(`running ${list.length} test file(s), ${concurrency === 1 ? 'one at a time' : `${concurrency} at a time`}\n`);
+    const started = spawn(process.execPath, ['--import', 'tsx', '--test', `--test-concurrency=${concurrency}`, ...list], {
+      stdio: 'inherit',
+      env,
+    });
+    child = started;
+    return new Promise<number>((resolve) => {
+      started.on('exit', (c, signal) => resolve(c ?? (signal ? 128 + os.constants.signals[signal] : 1)));
+      started.on('error', () => resolve(1));
+    });
+  };
+  const sharedCode = await phase(shared, 2);
+  const soloCode = await phase(solo, 1);
+  const code = sharedCode !== 0 ? sharedCode : soloCode;
+  if (shared.length > 0 && solo.length > 0)
+    process.stderr.write(
+      `npm test: ${shared.length} file(s) two at a time ${sharedCode === 0 ? 'passed' : `FAILED (exit ${sharedCode})`}; ` +
+        `${solo.length} file(s) one at a time ${soloCode === 0 ? 'passed' : `FAILED (exit ${soloCode})`}\n`,
+    );
   process.removeListener('SIGINT', forward);
   process.removeListener('SIGTERM', forward);
   if (server) {
