@@ -20,6 +20,7 @@ import { LiveFork, type ForkManyResult } from './fork-live.js';
 import { forkSpec } from './fork-spec.js';
 export { forkSpec } from './fork-spec.js';
 import { LiveMigrate, type LiveMigrateResult } from './live-migrate.js';
+import { LazyMigrate } from './lazy-migrate.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -46,6 +47,7 @@ export class ForkMigrate {
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
   private readonly liveFork: LiveFork;
   private readonly liveMigrate: LiveMigrate;
+  readonly lazyMigrate: LazyMigrate;
 
   constructor(
     private readonly handler: CommandHandler,
@@ -59,6 +61,7 @@ export class ForkMigrate {
     this.vmHandler = bindAggregate(handler, vmAggregate);
     this.liveFork = new LiveFork(hosts, placer, vms, snapshots, logger);
     this.liveMigrate = new LiveMigrate(handler, hosts, placer, vms, logger);
+    this.lazyMigrate = new LazyMigrate(handler, hosts, vms, this.liveMigrate, logger);
   }
 
   /** `count` forks of one capture (fork-live.ts): live where the source's host captures memory. */
@@ -129,17 +132,17 @@ export class ForkMigrate {
         [{ path: 'target_host_id', message: 'same as the source host' }],
         'MIGRATION_TARGET_IS_SOURCE',
       );
-    // A host that checkpoints memory (CRIU) migrates live itself; a lazy move (memory paged in afterwards) is not driven from here yet.
-    const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
-    if (opts.lazy && criuSource)
-      throw new AppError(
-        'LAZY_MIGRATION_UNSUPPORTED',
-        501,
-        `lazy migration is not built yet; vm ${vmId} is still running on ${fromHostId}`,
-        {
-          vm_id: vmId,
-        },
+    if (opts.lazy && opts.keep_paused)
+      throw new ValidationError(
+        'keep_paused cannot be combined with lazy: a lazy move runs the VM on the target before its memory is there',
+        [{ path: 'keep_paused', message: 'not with lazy' }],
       );
+    // A host that checkpoints memory (CRIU) migrates live itself; lazily (memory paged in afterwards) in lazy-migrate.ts.
+    const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
+    if (opts.lazy && criuSource) {
+      const r = await this.lazyMigrate.migrate(vm, fromHostId, source, { target_host_id: opts.target_host_id }, actor);
+      return { vm: r.vm, position: r.position, snapshotId: r.checkpointId, fromHostId, live: r };
+    }
     if (opts.live && criuSource) {
       const r = await this.liveMigrate.migrate(
         vm,

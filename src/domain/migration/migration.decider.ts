@@ -22,6 +22,7 @@ export type MigrationCommand =
         readonly from_host_id: string;
         readonly target_host_id?: string | undefined;
         readonly live: boolean;
+        readonly lazy?: boolean | undefined;
       };
     }
   | {
