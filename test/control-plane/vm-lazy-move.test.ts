@@ -218,7 +218,18 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, lazy: true, target_host_id: 'h2' } }),
     );
     assert.equal(m.host_id, 'h2');
+    // The reconciler, meanwhile, leaves the source's paused sandbox and reservation alone: they hold the pages.
+    await c.service.reconciler.reconcileOnce();
     const streaming = await memory(vm.id);
+    if (!streaming.done) {
+      assert.equal((await agents[0]!.client.lazyPages(m.snapshot_id as string)).pinned, true, 'the capture is still pinned');
+      assert.ok(
+        (await agents[0]!.client.listVms()).some((v) => v.name.endsWith(vm.id)),
+        'the source sandbox is still there',
+      );
+      const { state: h1 } = await c.service.hosts.load('h1');
+      assert.ok(h1.status !== 'unregistered' && h1.reservations.has(vm.id), 'the source reservation is held');
+    }
     await agents[0]!.kill();
     t.diagnostic(`killed h1's agent at ${JSON.stringify(streaming)}`);
     // The agent's page server outlives a SIGKILLed agent: end the ones it left (by pid).
