@@ -219,7 +219,14 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
     );
     assert.equal(m.host_id, 'h2');
     // The reconciler, meanwhile, leaves the source's paused sandbox and reservation alone: they hold the pages.
-    await c.service.reconciler.reconcileOnce();
+    // (Once the read model has the VM on h2: before that the reconciler still counts the source sandbox as the VM's own.)
+    await eventually(
+      async () => ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).host_id === 'h2',
+      10_000,
+      'read model on h2',
+    );
+    const swept = await c.service.reconciler.reconcileOnce();
+    t.diagnostic(`reconcile during the page-in: ${JSON.stringify({ orphans_destroyed: swept.orphans_destroyed })}`);
     const streaming = await memory(vm.id);
     if (!streaming.done) {
       assert.equal((await agents[0]!.client.lazyPages(m.snapshot_id as string)).pinned, true, 'the capture is still pinned');
