@@ -236,6 +236,11 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       );
       const { state: h1 } = await c.service.hosts.load('h1');
       assert.ok(h1.status !== 'unregistered' && h1.reservations.has(vm.id), 'the source reservation is held');
+      // A memory capture now would miss the pages not yet in: refused, and the VM runs on.
+      const paused = await c.request('POST', `/v1/vms/${vm.id}/pause`, { as: 'acme' });
+      assert.equal(paused.status, 409, JSON.stringify(paused.body));
+      assert.equal(problemOf(paused).code, 'MEMORY_NOT_RESIDENT');
+      assert.equal(ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).state, 'running');
     }
     await agents[0]!.kill();
     t.diagnostic(`killed h1's agent at ${JSON.stringify(streaming)}`);
