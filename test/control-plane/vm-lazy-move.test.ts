@@ -1,7 +1,9 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync } from 'node:fs';
-import { readdir, readFile } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
 import {
@@ -63,6 +65,7 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
   let fleet: AgentFleet | undefined;
   let cp: ControlPlane | undefined;
   const agents: RunningAgent[] = [];
+  let wrapperDir: string | undefined;
   const guard = (t: TestContext): boolean => {
     if (skip) t.skip(skip);
     return !!skip;
@@ -76,7 +79,11 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       return;
     }
     fleet = f;
-    const envs: Array<Record<string, string>> = [{}, {}, { CRIU_PATH: '/nonexistent/criu' }];
+    // h4: the same CRIU through a wrapper, which lacks the /dev/userfaultfd patch's marker: live snapshots, no lazy pages.
+    wrapperDir = await mkdtemp(join(tmpdir(), 'lazy-cp-criu-'));
+    const wrapper = join(wrapperDir, 'criu');
+    await writeFile(wrapper, `#!/bin/sh\nexec ${criu!} "$@"\n`, { mode: 0o755 });
+    const envs: Array<Record<string, string>> = [{}, {}, { CRIU_PATH: '/nonexistent/criu' }, { CRIU_PATH: wrapper }];
     for (const env of envs) {
       const a = await startCheckedAgent(f, { env });
       if ('skip' in a) {
@@ -85,6 +92,8 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       }
       agents.push(a);
     }
+    const h4 = await agents[3]!.client.capacity();
+    assert.ok(h4.live_snapshot === true && h4.lazy_pages !== true, 'h4 captures memory but cannot restore lazily');
     if ((await agents[0]!.client.capacity()).lazy_pages !== true) {
       skip = 'CRIU with lazy pages (the scripts/criu build)';
       return;
@@ -96,6 +105,7 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
   after(async () => {
     await cp?.close();
     await fleet?.close();
+    if (wrapperDir) await rm(wrapperDir, { recursive: true, force: true });
   });
 
   const count = async (vm: string): Promise<number> => {
@@ -140,6 +150,24 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
     });
     assert.equal(refused.status, 409, JSON.stringify(refused.body));
     assert.equal(problemOf(refused).code, 'LAZY_MIGRATION_TARGET_UNSUPPORTED');
+    const noLazy = await c.request('POST', `/v1/vms/${vm.id}/migrate`, {
+      as: 'acme',
+      body: { live: true, lazy: true, target_host_id: 'h4' },
+    });
+    assert.equal(noLazy.status, 409, JSON.stringify(noLazy.body));
+    assert.equal(problemOf(noLazy).code, 'LAZY_MIGRATION_TARGET_UNSUPPORTED');
+    // h2 full: placement has no lazy target left (h4 restores memory, but not lazily) and refuses before the freeze.
+    const { state: h2 } = await c.service.hosts.load('h2');
+    assert.ok(h2.status !== 'unregistered');
+    let used = 0;
+    for (const r of h2.reservations.values()) used += r.cpus;
+    const free = Math.floor(h2.capacity.cpus * h2.cpu_overcommit_ratio) - used;
+    const filler = ok(await c.request('POST', '/v1/vms', { as: 'acme', body: { host_id: 'h2', cpus: free, ram_mb: 128 } }), 201);
+    const placedNowhere = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, lazy: true } });
+    t.diagnostic(`with h2 full: ${placedNowhere.status} ${JSON.stringify(placedNowhere.body)}`);
+    assert.ok(placedNowhere.status >= 400, JSON.stringify(placedNowhere.body));
+    assert.notEqual(problemOf(placedNowhere).code, 'MIGRATION_FAILED', 'refused by placement, not failed after a freeze');
+    ok(await c.request('DELETE', `/v1/vms/${filler.id}`, { as: 'acme' }));
     const kept = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, lazy: true, keep_paused: true } });
     assert.equal(kept.status, 400, JSON.stringify(kept.body));
     const notLive = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { lazy: true } });
