@@ -269,6 +269,12 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       assert.equal(paused.status, 409, JSON.stringify(paused.body));
       assert.equal(problemOf(paused).code, 'MEMORY_NOT_RESIDENT');
       assert.equal(ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).state, 'running');
+      // So is another migrate, back to the source, before it could touch the reservation the source still holds.
+      const again = await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h1' } });
+      assert.equal(again.status, 409, JSON.stringify(again.body));
+      assert.equal(problemOf(again).code, 'MIGRATION_IN_PROGRESS');
+      const { state: h1again } = await c.service.hosts.load('h1');
+      assert.ok(h1again.status !== 'unregistered' && h1again.reservations.has(vm.id), 'the source reservation is still held');
     }
     await agents[0]!.kill();
     t.diagnostic(`killed h1's agent at ${JSON.stringify(streaming)}`);
