@@ -237,6 +237,38 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
     ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
   });
 
+  it('destroyed while its pages stream: the source capture, sandbox and reservation go too', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = await start(400);
+    const m = ok(
+      await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, lazy: true, target_host_id: 'h2' } }),
+    );
+    const streaming = await memory(vm.id);
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
+    t.diagnostic(`destroyed at ${JSON.stringify(streaming)}`);
+    await eventually(
+      async () =>
+        (await steps(vm.id)).some(
+          (e) => e.type === 'VmMigrationFailed' || (e.type === 'VmMigrationStepCompleted' && e.data.step === 'cleanup'),
+        ),
+      30_000,
+      'the migration ended',
+    );
+    if (!streaming.done) {
+      const failed = (await steps(vm.id)).find((e) => e.type === 'VmMigrationFailed');
+      assert.equal(failed?.data.error_code, 'VM_ENDED');
+    }
+    assert.equal((await agents[0]!.client.lazyPages(m.snapshot_id as string)).pinned, false);
+    assert.ok(!(await agents[0]!.client.listVms()).some((v) => v.name.endsWith(vm.id)), 'nothing of it left on the source');
+    assert.ok(!(await agents[1]!.client.listVms()).some((v) => v.name.endsWith(vm.id)), 'nothing of it left on the target');
+    for (const h of ['h1', 'h2']) {
+      const { state } = await c.service.hosts.load(h);
+      assert.ok(state.status !== 'unregistered' && !state.reservations.has(vm.id), `no reservation left on ${h}`);
+    }
+    assert.deepEqual(await lazyDumps(agents[0]!), [], 'no page server left on the source');
+  });
+
   // Last: it kills h1's agent.
   it('the source agent SIGKILLed while pages stream: the VM is lost and recorded failed (host_lost, LAZY_SOURCE_LOST)', async (t) => {
     if (guard(t)) return;
