@@ -1,6 +1,6 @@
 import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
-import { AppError, ConflictError, NotFoundError } from '@fleet/agent-protocol';
+import { AppError, ConflictError, NotFoundError, type Checkpoint } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
 import type { HostAgent, MemoryStatus } from '../../domain/host-agent.port.js';
 import type { HostState } from '../../domain/host/host.decider.js';
@@ -20,8 +20,9 @@ export type LazyMigrateResult = LiveMigrateResult;
 type LazyAgent = HostAgent & Required<Pick<HostAgent, 'lazyPauseVm' | 'createLazyVm' | 'memoryStatus' | 'releaseLazyPages'>>;
 const lazyAgent = (a: HostAgent): LazyAgent | undefined =>
   a.lazyPauseVm && a.createLazyVm && a.memoryStatus && a.releaseLazyPages ? (a as LazyAgent) : undefined;
+// The process backend's CRIU lazy pages; a qemu host's `lazy_pages` is QEMU's own post-copy, which this flow does not drive.
 const canServeLazily = (h: HostState): h is Registered =>
-  h.status !== 'unregistered' && h.capacity.live_snapshot === true && h.capacity.lazy_pages === true;
+  h.status !== 'unregistered' && h.backend === 'process' && h.capacity.live_snapshot === true && h.capacity.lazy_pages === true;
 
 /** How often the target's memory status is read while pages stream, and how long an unreachable target is waited for. */
 const POLL_MS = 200;
@@ -78,7 +79,7 @@ export class LazyMigrate {
     if (!src || !canServeLazily(source))
       throw new ConflictError(
         'LAZY_MIGRATION_UNSUPPORTED',
-        `a lazy migration needs a source host that serves memory pages (capacity lazy_pages); host ${fromHostId} cannot. The VM is still running on ${fromHostId}; migrate with lazy: false`,
+        `a lazy migration needs a process-backend source host that serves memory pages (capacity lazy_pages); host ${fromHostId} cannot. The VM is still running on ${fromHostId}; migrate with lazy: false`,
         { vm_id: vmId, host_id: fromHostId },
       );
     if (opts.target_host_id !== undefined) {
@@ -88,7 +89,7 @@ export class LazyMigrate {
       if (!canServeLazily(t))
         throw new ConflictError(
           'LAZY_MIGRATION_TARGET_UNSUPPORTED',
-          `host ${opts.target_host_id} cannot restore lazily (capacity lazy_pages); nothing was frozen: vm ${vmId} still runs on ${fromHostId}`,
+          `host ${opts.target_host_id} cannot restore lazily (a process-backend host with capacity lazy_pages); nothing was frozen: vm ${vmId} still runs on ${fromHostId}`,
           { vm_id: vmId, host_id: opts.target_host_id },
         );
     }
@@ -103,15 +104,27 @@ export class LazyMigrate {
     const cpId = `lazy-${vmId}-${randomBytes(4).toString('hex')}`;
     let step: MigrationStep = 'snapshot';
     let frozenAt: number | undefined;
+    let sourceUnknown = false;
+    const isSourceUnknown = (): boolean => sourceUnknown;
     let pulled = false;
     let booted = false;
     const isBooted = (): boolean => booted;
     try {
       if (!dst) throw new ConflictError('LAZY_MIGRATION_TARGET_UNSUPPORTED', `the agent of host ${targetId} has no lazy restore`);
       const wantIp = (await src.getVm(name)).ip;
-      frozenAt = Date.now();
+      const freezing = Date.now();
+      let checkpoint: Checkpoint;
+      try {
+        ({ checkpoint } = await src.lazyPauseVm(name, { id: cpId, comment: `lazy migrate ${vmId} to ${targetId}` }));
+      } catch (err) {
+        // The agent puts a sandbox whose lazy dump failed back to running; only a pause that went through (its answer lost) froze it.
+        const now = await src.getVm(name).catch(() => undefined);
+        if (now === undefined) sourceUnknown = true;
+        else if (now.state !== 'running') frozenAt = freezing;
+        throw err;
+      }
       // From here the processes exist only in the source's pinned capture: a failure below loses the VM.
-      const { checkpoint } = await src.lazyPauseVm(name, { id: cpId, comment: `lazy migrate ${vmId} to ${targetId}` });
+      frozenAt = freezing;
       await this.stepDone(
         vmId,
         'snapshot',
@@ -195,6 +208,14 @@ export class LazyMigrate {
         { type: 'FailMigration', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } },
         actor,
       ).catch(() => undefined);
+      if (isSourceUnknown())
+        throw new AppError(
+          'MIGRATION_FAILED',
+          e?.status ?? 502,
+          `lazy migration of vm ${vmId} stopped at the freeze: ${(err as Error).message}, and host ${fromHostId} could not say whether the VM still runs; the reconciler will look at it`,
+          { vm_id: vmId, step, from_host_id: fromHostId, target_host_id: targetId, source: 'unknown', cause_code: e?.code },
+          { cause: err },
+        );
       if (frozenAt === undefined) {
         throw new AppError(
           'MIGRATION_FAILED',
