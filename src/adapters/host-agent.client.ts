@@ -42,6 +42,8 @@ import {
   type StreamOptions,
   type EnvdRequest,
   type EnvdResponse,
+  type LazyCreateVmRequest,
+  type MemoryStatus,
 } from '../domain/host-agent.port.js';
 import { AgentTransport, type HostAgentClientOptions } from './host-agent-client/transport.js';
 import { VmRoutes } from './host-agent-client/vms.js';
@@ -53,6 +55,7 @@ import { ObserveRoutes } from './host-agent-client/observe.js';
 import { EgressRoutes } from './host-agent-client/egress.js';
 import { EnvdRoutes } from './host-agent-client/envd.js';
 import { MigrationRoutes } from './host-agent-client/migration.js';
+import { LazyRoutes } from './host-agent-client/lazy.js';
 
 export type { ClientLogger, HostAgentClientOptions } from './host-agent-client/transport.js';
 export { errorFromAgent, fileTooLarge } from './host-agent-client/agent-errors.js';
@@ -70,6 +73,7 @@ export class HostAgentClient implements HostAgent {
   readonly #egress: EgressRoutes;
   readonly #envd: EnvdRoutes;
   readonly #migration: MigrationRoutes;
+  readonly #lazy: LazyRoutes;
 
   constructor(opts: HostAgentClientOptions) {
     this.#transport = new AgentTransport(opts);
@@ -83,6 +87,7 @@ export class HostAgentClient implements HostAgent {
     this.#egress = new EgressRoutes(this.#transport);
     this.#envd = new EnvdRoutes(this.#transport);
     this.#migration = new MigrationRoutes(this.#transport);
+    this.#lazy = new LazyRoutes(this.#transport);
   }
 
   capacity(opts?: CallOptions): Promise<CapacityResponse> {
@@ -226,6 +231,26 @@ export class HostAgentClient implements HostAgent {
 
   completeIncoming(name: string, req: { keep_paused: boolean }, opts?: CallOptions): Promise<VmInfo> {
     return this.#migration.completeIncoming(name, req, opts);
+  }
+
+  lazyPauseVm(name: string, req: PauseVmRequest = {}, opts?: CallOptions): Promise<{ vm: VmInfo; checkpoint: Checkpoint }> {
+    return this.#lazy.lazyPauseVm(name, req, opts);
+  }
+
+  createLazyVm(req: LazyCreateVmRequest, opts?: CallOptions): Promise<VmInfo> {
+    return this.#lazy.createLazyVm(req, opts);
+  }
+
+  memoryStatus(name: string, opts?: CallOptions): Promise<MemoryStatus> {
+    return this.#lazy.memoryStatus(name, opts);
+  }
+
+  lazyPages(checkpointId: string, opts?: CallOptions): Promise<{ pinned: boolean; streaming: boolean }> {
+    return this.#lazy.lazyPages(checkpointId, opts);
+  }
+
+  releaseLazyPages(checkpointId: string, opts?: CallOptions): Promise<{ released: boolean }> {
+    return this.#lazy.releaseLazyPages(checkpointId, opts);
   }
 
   prune(opts?: CallOptions): Promise<PruneResponse> {

@@ -136,6 +136,18 @@ export interface HostAgent {
   abortIncoming?(name: string, opts?: CallOptions): Promise<AbortedMigration>;
   completeIncoming?(name: string, req: { keep_paused: boolean }, opts?: CallOptions): Promise<VmInfo>;
 
+  /**
+   * Lazy (post-copy) moves between two agents (optional: a test double may leave them out; an agent whose host cannot
+   * answers LAZY_PAGES_UNSUPPORTED). Source: a pause whose memory pages stay pinned in a page server until the target
+   * has them all (`lazyPages`, `releaseLazyPages` ends them: the target then loses the VM). Target: a restore that runs
+   * before its memory is there (`createLazyVm`), paging it in from the source under the artifact grant (`memoryStatus`).
+   */
+  lazyPauseVm?(name: string, req?: PauseVmRequest, opts?: CallOptions): Promise<{ vm: VmInfo; checkpoint: Checkpoint }>;
+  createLazyVm?(req: LazyCreateVmRequest, opts?: CallOptions): Promise<VmInfo>;
+  memoryStatus?(name: string, opts?: CallOptions): Promise<MemoryStatus>;
+  lazyPages?(checkpointId: string, opts?: CallOptions): Promise<{ pinned: boolean; streaming: boolean }>;
+  releaseLazyPages?(checkpointId: string, opts?: CallOptions): Promise<{ released: boolean }>;
+
   /** Reclaims leftovers (mounts, cgroups, links, dirs) no known sandbox owns. */
   prune(opts?: CallOptions): Promise<PruneResponse>;
 
@@ -147,6 +159,20 @@ export interface HostAgent {
   /** The resolved outbound policy, with a probe of its proxy endpoint from the host. */
   egressStatus(name: string, opts?: CallOptions): Promise<EgressStatus>;
 }
+
+/** The seed's MemoryStatus of a sandbox on its host (chunks are pages); a sandbox not restored lazily is all resident. */
+export interface MemoryStatus {
+  readonly resident_chunks: number;
+  readonly total_chunks: number;
+  readonly done: boolean;
+  readonly error?: string | undefined;
+}
+
+/** A lazy restore: the VM's create request, the pulled checkpoint, and where its pages are served (the source agent, a grant). */
+export type LazyCreateVmRequest = CreateVmRequest & {
+  readonly checkpoint_id: string;
+  readonly from: { readonly url: string; readonly grant: string };
+};
 
 export interface EnvdRequest {
   readonly method: string;

@@ -171,4 +171,26 @@ describe('migration decider', () => {
     });
     assert.equal(back?.type === 'VmMigrationStepCompleted' ? back.data.downtime_ms : undefined, 420);
   });
+
+  test('A lazy migration says so on its start, which parses back; its state keeps it', () => {
+    const events = given(migrationDecider)
+      .when({ type: 'StartMigration', data: { vm_id: 'v1', from_host_id: 'h1', target_host_id: 'h2', live: true, lazy: true } })
+      .events();
+    const e = events[0]!;
+    const back = decodeMigrationStreamEvent({
+      id: '',
+      streamId: 'vm-v1',
+      type: e.type,
+      revision: 0n,
+      position: '',
+      data: JSON.parse(JSON.stringify(e.data)) as never,
+      metadata: {},
+      created: T0,
+    });
+    assert.equal(back?.type === 'VmMigrationStarted' ? back.data.lazy : undefined, true);
+    const state = given(migrationDecider, [back!, done('snapshot', 1), done('place', 2, { host_id: 'h2' })]).state;
+    assert.equal(state.status === 'in_progress' ? state.lazy : undefined, true);
+    const plain = given(migrationDecider, [started]).state;
+    assert.equal(plain.status === 'in_progress' ? plain.lazy : undefined, false, 'a start from before the field reads as not lazy');
+  });
 });

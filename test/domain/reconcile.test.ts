@@ -165,6 +165,9 @@ describe('reconcile decisions', () => {
       true,
       'abandoned past the grace',
     );
+    const pinned = { target: 'h2', pinnedSource: 'h1', lastStepAt: t0 };
+    assert.equal(isOrphan(vm('running', { host_id: 'h2' }), pinned, 'h1', now, policy), false, 'a lazy source still serving pages');
+    assert.equal(isOrphan(vm('running', { host_id: 'h2' }), pinned, 'h3', now, policy), true);
   });
 
   test('stale reservations: released for a VM gone, ended, or live elsewhere and not migrating here', () => {
@@ -175,5 +178,11 @@ describe('reconcile decisions', () => {
     assert.equal(isStaleReservation(vm('requested', { host_id: undefined }), undefined, 'h1', now, policy), false);
     assert.equal(isStaleReservation(vm('running', { host_id: 'h2' }), undefined, 'h1', now, policy), true);
     assert.equal(isStaleReservation(vm('running', { host_id: 'h2' }), { target: 'h1', lastStepAt: t0 }, 'h1', now, policy), false);
+    const pinned = { target: 'h2', pinnedSource: 'h1', lastStepAt: t0 };
+    assert.equal(
+      isStaleReservation(vm('running', { host_id: 'h2' }), pinned, 'h1', now, policy),
+      false,
+      'a lazy source still serving pages',
+    );
   });
 });

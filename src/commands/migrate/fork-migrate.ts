@@ -4,7 +4,7 @@ import { migrationAggregate } from '../../domain/migration/migration.decider.js'
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
-import { type MigrationCommand } from '../../domain/migration/migration.decider.js';
+import { ABANDONED_AFTER_MS, type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { parseVmSpec, placementRequestOf } from '../../domain/vm/spec.js';
 import { type ExistingVmState } from '../../domain/vm/vm.decider.js';
@@ -21,6 +21,7 @@ import { forkSpec } from './fork-spec.js';
 export { forkSpec } from './fork-spec.js';
 import { LiveMigrate, type LiveMigrateResult } from './live-migrate.js';
 import { QemuLiveMigrate } from './qemu-live-migrate.js';
+import { LazyMigrate } from './lazy-migrate.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -48,6 +49,7 @@ export class ForkMigrate {
   private readonly liveFork: LiveFork;
   private readonly liveMigrate: LiveMigrate;
   private readonly qemuLiveMigrate: QemuLiveMigrate;
+  readonly lazyMigrate: LazyMigrate;
 
   constructor(
     private readonly handler: CommandHandler,
@@ -62,6 +64,7 @@ export class ForkMigrate {
     this.liveFork = new LiveFork(hosts, placer, vms, snapshots, logger);
     this.liveMigrate = new LiveMigrate(handler, hosts, placer, vms, logger);
     this.qemuLiveMigrate = new QemuLiveMigrate(handler, hosts, placer, vms, logger);
+    this.lazyMigrate = new LazyMigrate(handler, hosts, vms, this.liveMigrate, logger);
   }
 
   /** Standby copies a live migrate defaults to and pulls against (CHECKPOINT_INTERVAL_MS; standby-checkpoints.ts). */
@@ -119,6 +122,16 @@ export class ForkMigrate {
         status: vm.status,
       });
     const fromHostId = vm.host_id;
+    // Before any reservation: a lazy migration still paging in holds one on its source under this VM's id.
+    const { state: inFlight } = await this.migrationHandler.load(vmId);
+    if (inFlight.status === 'in_progress' && Date.now() - Date.parse(inFlight.last_at) < ABANDONED_AFTER_MS)
+      throw new ConflictError(
+        'MIGRATION_IN_PROGRESS',
+        `vm ${vmId} is already being migrated (last step: ${inFlight.last_step ?? 'started'}); wait for it to finish`,
+        {
+          vm_id: vmId,
+        },
+      );
     // A network spans one host (docs/networking.md): booted elsewhere, the member would leave its network for its tenant's bridge.
     if (vm.spec.network_id)
       throw new ConflictError(
@@ -137,17 +150,17 @@ export class ForkMigrate {
         [{ path: 'target_host_id', message: 'same as the source host' }],
         'MIGRATION_TARGET_IS_SOURCE',
       );
-    // A host that checkpoints memory (CRIU) migrates live itself; a lazy move (memory paged in afterwards) is not driven from here yet.
-    const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
-    if (opts.lazy && criuSource)
-      throw new AppError(
-        'LAZY_MIGRATION_UNSUPPORTED',
-        501,
-        `lazy migration is not built yet; vm ${vmId} is still running on ${fromHostId}`,
-        {
-          vm_id: vmId,
-        },
+    if (opts.lazy && opts.keep_paused)
+      throw new ValidationError(
+        'keep_paused cannot be combined with lazy: a lazy move runs the VM on the target before its memory is there',
+        [{ path: 'keep_paused', message: 'not with lazy' }],
       );
+    // A host that checkpoints memory (CRIU) migrates live itself; lazily (memory paged in afterwards) in lazy-migrate.ts.
+    const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
+    if (opts.lazy && criuSource) {
+      const r = await this.lazyMigrate.migrate(vm, fromHostId, source, { target_host_id: opts.target_host_id }, actor);
+      return { vm: r.vm, position: r.position, snapshotId: r.checkpointId, fromHostId, live: r };
+    }
     if (opts.live && criuSource) {
       // A qemu host streams the running guest itself (QEMU's migration); a CRIU host moves a checkpoint.
       const r = await (source.backend === 'qemu' ? this.qemuLiveMigrate : this.liveMigrate).migrate(

@@ -11,7 +11,7 @@ import { placementRequestOf } from '../../domain/vm/spec.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import { bindAggregate, type BoundOf, type CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
-import type { Placer } from '../placement/place-and-reserve.js';
+import type { Placer, Reserved } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { StandbyCheckpoints } from './standby-checkpoints.js';
@@ -29,7 +29,7 @@ export interface LiveMigrateResult {
   readonly ip: string | undefined;
 }
 
-type Registered = Exclude<HostState, { status: 'unregistered' }>;
+export type Registered = Exclude<HostState, { status: 'unregistered' }>;
 const canRestoreMemory = (h: HostState): h is Registered => h.status !== 'unregistered' && h.capacity.live_snapshot === true;
 
 /**
@@ -74,42 +74,7 @@ export class LiveMigrate {
         { vm_id: vmId, host_id: fromHostId },
       );
     }
-    if (opts.target_host_id !== undefined) {
-      const { state: t } = await this.hosts.load(opts.target_host_id);
-      if (t.status === 'unregistered')
-        throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
-      if (!canRestoreMemory(t) || t.backend !== source.backend)
-        throw new ConflictError(
-          'LIVE_MIGRATION_TARGET_UNSUPPORTED',
-          `host ${opts.target_host_id} cannot restore a ${source.backend} memory checkpoint (no CRIU, or another backend); nothing was frozen: vm ${vmId} still runs on ${fromHostId}`,
-          { vm_id: vmId, host_id: opts.target_host_id },
-        );
-    }
-    // The target is reserved while the VM still runs: no fit is a refusal before anything freezes.
-    const unfit = new Set([fromHostId]);
-    for (const h of await this.placer.hosts()) if (h.capacity.live_snapshot !== true || h.backend !== source.backend) unfit.add(h.id);
-    const place = (hostId: string | undefined) =>
-      this.placer.placeAndReserve(
-        vmId,
-        { ...placementRequestOf(vm.spec), host_id: undefined, pinned_host_id: undefined, ...(hostId ? { host_id: hostId } : {}) },
-        vm.spec,
-        actor,
-        { excludeHosts: unfit, holdKey: `${vmId}-migrate` },
-      );
-    const standbyHost = opts.target_host_id === undefined ? await this.standby?.standbyHostOf(vmId) : undefined;
-    const placed =
-      standbyHost && !unfit.has(standbyHost) ? await place(standbyHost).catch(() => place(undefined)) : await place(opts.target_host_id);
-    const targetId = placed.hostId;
-    try {
-      await this.record(
-        vmId,
-        { type: 'StartMigration', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: targetId, live: true } },
-        actor,
-      );
-    } catch (err) {
-      await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
-      throw err;
-    }
+    const { placed, targetId } = await this.reserveTarget(vm, fromHostId, source, opts, actor);
 
     const name = sandboxName(vmId);
     const src = this.hosts.agentForState(source);
@@ -244,6 +209,64 @@ export class LiveMigrate {
         { cause: err },
       );
     }
+  }
+
+  /**
+   * The refusals before anything freezes, then the target chosen and
+   * reserved and the migration started; shared with the lazy migrate, whose
+   * `also` narrows the targets and marks the start.
+   */
+  async reserveTarget(
+    vm: ExistingVmState,
+    fromHostId: string,
+    source: Registered,
+    opts: { target_host_id?: string | undefined },
+    actor: Actor,
+    also: { unfit?: (capacity: Registered['capacity']) => boolean; lazy?: boolean } = {},
+  ): Promise<{ placed: Reserved; targetId: string }> {
+    const vmId = vm.vm_id;
+    if (opts.target_host_id !== undefined) {
+      const { state: t } = await this.hosts.load(opts.target_host_id);
+      if (t.status === 'unregistered')
+        throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
+      if (!canRestoreMemory(t) || t.backend !== source.backend)
+        throw new ConflictError(
+          'LIVE_MIGRATION_TARGET_UNSUPPORTED',
+          `host ${opts.target_host_id} cannot restore a ${source.backend} memory checkpoint (no CRIU, or another backend); nothing was frozen: vm ${vmId} still runs on ${fromHostId}`,
+          { vm_id: vmId, host_id: opts.target_host_id },
+        );
+    }
+    // The target is reserved while the VM still runs: no fit is a refusal before anything freezes.
+    const unfit = new Set([fromHostId]);
+    for (const h of await this.placer.hosts())
+      if (h.capacity.live_snapshot !== true || h.backend !== source.backend || also.unfit?.(h.capacity) === true) unfit.add(h.id);
+    const place = (hostId: string | undefined) =>
+      this.placer.placeAndReserve(
+        vmId,
+        { ...placementRequestOf(vm.spec), host_id: undefined, pinned_host_id: undefined, ...(hostId ? { host_id: hostId } : {}) },
+        vm.spec,
+        actor,
+        { excludeHosts: unfit, holdKey: `${vmId}-migrate` },
+      );
+    // No target named: the VM's standby first, where a copy waits (a lazy move pages memory in and pulls no base).
+    const standbyHost = opts.target_host_id === undefined && !also.lazy ? await this.standby?.standbyHostOf(vmId) : undefined;
+    const placed =
+      standbyHost && !unfit.has(standbyHost) ? await place(standbyHost).catch(() => place(undefined)) : await place(opts.target_host_id);
+    const targetId = placed.hostId;
+    try {
+      await this.record(
+        vmId,
+        {
+          type: 'StartMigration',
+          data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: targetId, live: true, ...(also.lazy ? { lazy: true } : {}) },
+        },
+        actor,
+      );
+    } catch (err) {
+      await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
+      throw err;
+    }
+    return { placed, targetId };
   }
 
   /** The frozen source, after a failed move: resumed where it stopped, or kept paused (recorded so) for its caller. */

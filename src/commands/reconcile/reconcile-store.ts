@@ -23,10 +23,15 @@ export class ReconcileStore {
     return (await this.vmHandler.load(vmId)).state;
   }
 
-  /** A migration of the VM in flight before its switch (its steps are on the VM stream, ignored by the VM decider). */
+  /**
+   * A migration of the VM in flight before its switch (its steps are on the VM stream, ignored by the VM decider), or a
+   * lazy one after it, whose source still serves the VM's memory pages.
+   */
   async loadMigration(vmId: string): Promise<MigrationInFlight | undefined> {
     const { state: m } = await this.migrationHandler.load(vmId);
-    return m.status === 'in_progress' && !m.switched ? { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) } : undefined;
+    if (m.status !== 'in_progress') return undefined;
+    if (!m.switched) return { target: m.target_host_id, lastStepAt: Date.parse(m.last_at) };
+    return m.lazy ? { target: m.target_host_id, pinnedSource: m.from_host_id, lastStepAt: Date.parse(m.last_at) } : undefined;
   }
 
   async runVm(vmId: string, command: VmCommand, meta: CommandMeta): Promise<ExistingVmState | undefined> {

@@ -1,4 +1,11 @@
-import { ConflictError, type AgentEgress, type CreateFile, type EgressSpec, type VmInfo } from '@fleet/agent-protocol';
+import {
+  ConflictError,
+  type AgentEgress,
+  type CreateFile,
+  type CreateVmRequest,
+  type EgressSpec,
+  type VmInfo,
+} from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';
@@ -62,12 +69,17 @@ export interface BootedSandbox {
 export async function bootSandbox(
   agent: HostAgent,
   boot: SandboxBoot,
-  hooks: { readonly onCreated?: (info: VmInfo) => void; readonly setup?: (name: string) => Promise<void> } = {},
+  hooks: {
+    readonly onCreated?: (info: VmInfo) => void;
+    readonly setup?: (name: string) => Promise<void>;
+    /** Makes the sandbox instead of the agent's createVm (a lazy restore, lazy-migrate.ts). */
+    readonly create?: (req: CreateVmRequest) => Promise<VmInfo>;
+  } = {},
 ): Promise<BootedSandbox> {
   const { spec } = boot;
   const name = sandboxName(boot.vmId);
   const expose = [...(spec.agent?.expose ?? []), ...(spec.expose ?? [])];
-  const info = await agent.createVm({
+  const info = await (hooks.create ?? ((r: CreateVmRequest) => agent.createVm(r)))({
     name,
     image: boot.image,
     checkpoint_id: boot.checkpointId,

@@ -8,6 +8,7 @@ import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import { placementRequestOf } from '../../domain/vm/spec.js';
 import type { ExistingVmState, VmCommand } from '../../domain/vm/vm.decider.js';
 import type { Position } from '../../domain/event-store.port.js';
+import type { MemoryStatus } from '../../domain/host-agent.port.js';
 import { sandboxName, type Actor, type VmCommands } from './vm-commands.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import { resumeElsewhere } from './resume-elsewhere.js';
@@ -141,22 +142,27 @@ export class VmMemory {
   }
 
   /**
-   * Where the VM's memory is (the seed's MemoryStatus). Every restore this
-   * control plane drives copies the whole image before the processes run,
-   * so there is never anything left to page in: done, with no chunks
-   * outstanding. A lazy restore (memory paged in after resume) would report
-   * its progress here; it is not built.
+   * Where the VM's memory is (the seed's MemoryStatus). A full restore
+   * copies the whole image before the processes run: done, nothing
+   * outstanding. After a lazy migration (lazy-migrate.ts) the VM runs on its
+   * host before its memory is there, and that host's agent counts the pages
+   * in (`resident_chunks` of `total_chunks`; `error` when the stream from
+   * the source broke, which loses the VM).
    */
-  async memoryStatus(
-    vmId: string,
-    actor: Actor,
-  ): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string | undefined }> {
+  async memoryStatus(vmId: string, actor: Actor): Promise<MemoryStatus> {
     const vm = await this.vms.get(vmId, actor);
     if (vm.status !== 'running' && vm.status !== 'paused')
       throw new AppError('VM_NOT_RUNNING', 409, `vm ${vmId} is ${vm.status}: it has no memory to report on`, {
         vm_id: vmId,
         status: vm.status,
       });
+    if (vm.status === 'running') {
+      const { state: host } = await this.hosts.load(vm.host_id);
+      if (host.status !== 'unregistered' && host.capacity.lazy_pages === true) {
+        const agent = this.hosts.agentForState(host);
+        if (agent.memoryStatus) return agent.memoryStatus(sandboxName(vmId));
+      }
+    }
     return { resident_chunks: 0, total_chunks: 0, done: true };
   }
 

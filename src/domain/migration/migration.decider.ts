@@ -22,6 +22,7 @@ export type MigrationCommand =
         readonly from_host_id: string;
         readonly target_host_id?: string | undefined;
         readonly live: boolean;
+        readonly lazy?: boolean | undefined;
       };
     }
   | {
@@ -53,6 +54,8 @@ export type MigrationState =
       readonly last_step: MigrationStep | undefined;
       readonly switched: boolean;
       readonly last_at: string;
+      /** Post-copy: after the switch its source still holds the VM's memory pages, until `destroy_source`. */
+      readonly lazy: boolean;
     }
   | { readonly status: 'ended' };
 
@@ -117,6 +120,7 @@ function evolve(state: MigrationState, event: MigrationStreamEvent): MigrationSt
         last_step: undefined,
         switched: false,
         last_at: event.data.at,
+        lazy: event.data.lazy === true,
       };
     case 'VmMigrationStepCompleted':
       if (state.status !== 'in_progress') return state;

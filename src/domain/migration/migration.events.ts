@@ -16,7 +16,15 @@ const at = z.iso.datetime({ offset: true });
 export const migrationEventSchema = z.discriminatedUnion('type', [
   z.object({
     type: z.literal('VmMigrationStarted'),
-    data: z.object({ vm_id: idSchema, from_host_id: idSchema, target_host_id: idSchema.optional(), live: z.boolean(), at }),
+    data: z.object({
+      vm_id: idSchema,
+      from_host_id: idSchema,
+      target_host_id: idSchema.optional(),
+      live: z.boolean(),
+      /** Post-copy: the VM switches to the target before its memory is there; `destroy_source` waits until every page is. */
+      lazy: z.boolean().optional(),
+      at,
+    }),
   }),
   z.object({
     type: z.literal('VmMigrationStepCompleted'),

@@ -35,6 +35,8 @@ export interface VmHint {
 export interface MigrationInFlight {
   readonly target: string | undefined;
   readonly lastStepAt: number;
+  /** A lazy migration past its switch: its source's paused sandbox and reservation hold the pages the VM still pages in. */
+  readonly pinnedSource?: string | undefined;
 }
 
 export type Suspicion = 'missing' | 'exited' | 'stuck' | 'idle' | 'half_done';
@@ -174,7 +176,7 @@ export function isMigratingTo(
   // Before its `place` step names the target, a migration may already hold a reservation anywhere.
   return (
     !!migration &&
-    (migration.target === undefined || migration.target === hostId) &&
+    (migration.target === undefined || migration.target === hostId || migration.pinnedSource === hostId) &&
     vm.status === 'running' &&
     now - migration.lastStepAt < p.halfDoneGraceMs
   );

@@ -232,6 +232,19 @@ export class LazyMemory {
     return st;
   }
 
+  /** A memory capture of a sandbox still paging in would miss the pages not yet there: refused until done. */
+  async assertResident(name: string): Promise<void> {
+    const daemon = this.targets.get(name)?.daemon;
+    if (!daemon) return;
+    const st = await daemon.status();
+    if (st.done) return;
+    throw new AppError(
+      'MEMORY_NOT_RESIDENT',
+      409,
+      `sandbox "${name}" is still paging its memory in (${String(st.resident_chunks)} of ${String(st.total_chunks)} pages): its memory cannot be captured until every page is resident`,
+    );
+  }
+
   /** Forget a destroyed sandbox; end a pinned capture that nobody will pull. */
   forget(name: string): void {
     const state = this.targets.get(name);

@@ -207,7 +207,8 @@ export class ProcessBackend implements Backend {
     return readGuestFile(this.host, name, guestPath);
   }
 
-  checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
+  async checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
+    if (opts.live) await this.lazy.assertResident(name);
     return checkpointSandbox(this.host, name, opts);
   }
 
@@ -217,7 +218,8 @@ export class ProcessBackend implements Backend {
    * resume() or destroy(). The checkpoint is an ordinary live one: it can be
    * moved, and restored under another name elsewhere (create with resume).
    */
-  pause(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
+  async pause(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
+    await this.lazy.assertResident(name);
     return pauseSandbox(this.host, name, opts);
   }
 
