@@ -27,7 +27,7 @@ const skip =
 if (skip && process.env.CI === 'true') test('CRIU is available in CI', () => assert.fail(`missing: ${skip}`));
 
 const STARTUP =
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
+  'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 & echo started';
 
 async function answer(url: string): Promise<string> {

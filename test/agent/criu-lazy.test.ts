@@ -28,7 +28,7 @@ if (skip && process.env.CI === 'true') test('CRIU is available in CI', () => ass
 
 /** A counter, and 48 MiB of resident memory for the pages to move. */
 const STARTUP =
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
+  'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
   '(awk \'BEGIN{s=sprintf("%50000000s","x"); while(1) system("sleep 1")}\') >/dev/null 2>&1 & echo started';
 
 interface MemoryStatus {

@@ -47,7 +47,7 @@ async function count(b: ProcessBackend, name: string): Promise<number> {
 
 /** The startup script of the issue: a counter, and a server on 8080 that answers with the count. */
 const STARTUP =
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
+  'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 & echo started';
 
 async function answer(url: string): Promise<string> {

@@ -41,7 +41,7 @@ const INTERVAL_MS = 1500;
 // A 16 MiB file in the VM's layer that never changes after boot; the counter lives in /dev (a tmpfs: memory, not the layer).
 const STARTUP =
   'dd if=/dev/urandom of=/blob bs=1M count=16 2>/dev/null\n' +
-  '(i=0; while true; do i=$((i+1)); echo $i > /dev/count; sleep 0.05; done) >/dev/null 2>&1 &\n';
+  'echo 0 > /dev/count; (i=0; while true; do i=$((i+1)); echo $i > /dev/count.new; mv /dev/count.new /dev/count; sleep 0.05; done) >/dev/null 2>&1 &\n';
 
 describe('standby checkpoints and a live migrate to the standby (real agents with CRIU)', { timeout: 400_000 }, () => {
   let skip: string | undefined = noCriu;

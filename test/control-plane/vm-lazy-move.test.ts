@@ -38,7 +38,7 @@ function ok(r: Reply, status = 200): any {
 
 /** A counter, a server answering its value on 8080, and `mb` MiB of resident memory for the pages to move. */
 const startup = (mb: number): string =>
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
+  'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n' +
   `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); while(1) system("sleep 1")}') >/dev/null 2>&1 &\n`;
 

@@ -28,7 +28,7 @@ function ok(r: Reply, status = 200): any {
 }
 
 const STARTUP =
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
+  'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n';
 
 describe('pause and resume through the API (a real agent with CRIU)', { timeout: 300_000 }, () => {

@@ -35,7 +35,7 @@ function ok(r: Reply, status = 200): any {
 }
 
 const STARTUP =
-  '(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n';
+  'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n';
 
 describe('exactly one resume across two control-plane processes (real agents with CRIU)', { timeout: 400_000 }, () => {
   let skip: string | undefined = noCriu;
