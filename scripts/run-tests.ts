@@ -1,15 +1,15 @@
 /**
- * `npm test`: one embedded Postgres for the whole run (unless
- * TEST_DATABASE_URL names a server), then Node's test runner over every
- * test/**\/*.test.ts: the files that share nothing two at a time, then the
- * rest one at a time (SOLO below). Node 20's `--test` does not expand
- * globs, so we find the files. Optional arguments keep only the files whose
+ * `npm test`: embedded Postgres for the run (unless TEST_DATABASE_URL names a
+ * server), then Node's test runner over every test/**\/*.test.ts: the files
+ * that share nothing in two lanes at once (each lane with a Postgres of its
+ * own), then the rest one at a time (SOLO below). Node 20's `--test` does not
+ * expand globs, so we find the files. Optional arguments keep only the files whose
  * path contains one of them. Output is the runner's own, each phase ending
  * with its summary lines, then one line for both; the exit code is the first
  * failed phase's.
  */
 import { spawn } from 'node:child_process';
-import { promises as fs } from 'node:fs';
+import { promises as fs, statSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { createLogger } from '../src/adapters/logger.js';
@@ -54,10 +54,9 @@ const E2E = [/^test\/control-plane\//, /^test\/consumers\//, /^test\/snapshots\/
  * intervals and leases, racing replicas, OOM polls, timeouts, CRIU freezes
  * and moves, idle expiry), CPU-bound (QEMU under TCG), or holding something
  * of the whole host (the test internet's routes, ip_forward, the host's free
- * space). Every other file shares nothing but the one Postgres server (a
- * database of its own each, names, prefixes and subnets random): those run
- * two at a time first, which on two cores mostly overlaps one file's start-up
- * and waits with another's work.
+ * space). Every other file shares nothing (a database of its own each, names,
+ * prefixes and subnets random): those run first in two lanes, which on two
+ * cores mostly overlaps one file's start-up and waits with another's work.
  */
 const SOLO = [
   /^test\/reconciler\//,
@@ -97,69 +96,100 @@ async function main(): Promise<number> {
     return 1;
   }
 
-  let server: EmbeddedPostgres | undefined;
   const env = { ...process.env };
-  if (kindArg === 'unit') {
-    delete env.TEST_DATABASE_URL;
-  } else if (!env.TEST_DATABASE_URL) {
-    // One directory per run: two runs at once (a developer's and an editor's) must not wipe each other's server.
-    const dataDir = path.resolve('.tmp', `test-pg-${process.pid}`);
-    await fs.rm(dataDir, { recursive: true, force: true });
-    await fs.rm(`${dataDir}.log`, { force: true });
-    await fs.rm(`${dataDir}.password`, { force: true });
-    const port = await freePort();
-    process.stderr.write(
-      `starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`,
-    );
-    server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres', logger: createLogger('warn', 'test-runner') });
-    env.TEST_DATABASE_URL = server.adminUrl;
-  } else {
-    process.stderr.write('using the Postgres server in TEST_DATABASE_URL\n');
-  }
-
   const shared = files.filter((f) => !isSolo(f));
   const solo = files.filter(isSolo);
-  let child: ReturnType<typeof spawn> | undefined;
+  // Two lanes for the shared files, each with a Postgres server of its own: readers of the event store see rows below
+  // the server's oldest open transaction, so one file's open transactions would hold back what the other reads.
+  const lanes = balance(shared, 2);
+  const servers: Array<{ server: EmbeddedPostgres; dataDir: string }> = [];
+  const urls: Array<string | undefined> = [];
+  if (kindArg === 'unit') {
+    delete env.TEST_DATABASE_URL;
+  } else if (env.TEST_DATABASE_URL) {
+    process.stderr.write('using the Postgres server in TEST_DATABASE_URL (for both lanes)\n');
+    urls.push(env.TEST_DATABASE_URL, env.TEST_DATABASE_URL);
+  } else {
+    for (let i = 0; i < Math.max(1, lanes.filter((l) => l.length > 0).length); i++) {
+      // One directory per run and lane: two runs at once (a developer's and an editor's) must not wipe each other's server.
+      const dataDir = path.resolve('.tmp', `test-pg-${process.pid}${i === 0 ? '' : `-${i}`}`);
+      await fs.rm(dataDir, { recursive: true, force: true });
+      await fs.rm(`${dataDir}.log`, { force: true });
+      await fs.rm(`${dataDir}.password`, { force: true });
+      const port = await freePort();
+      process.stderr.write(
+        `starting embedded Postgres for the tests on 127.0.0.1:${port} (data ${path.relative('.', dataDir)}, log ${path.relative('.', dataDir)}.log)\n`,
+      );
+      const server = await startEmbeddedPostgres({ dataDir, port, database: 'postgres', logger: createLogger('warn', 'test-runner') });
+      servers.push({ server, dataDir });
+      urls.push(server.adminUrl);
+    }
+  }
+
+  const children = new Set<ReturnType<typeof spawn>>();
   const forward = (signal: NodeJS.Signals): void => {
-    child?.kill(signal);
+    for (const c of children) c.kill(signal);
   };
   process.on('SIGINT', forward);
   process.on('SIGTERM', forward);
-  const phase = async (list: string[], concurrency: number): Promise<number> => {
+  /** One `node --test` over `list`, one file at a time; output to ours, or kept and printed when it ends. */
+  const run = async (list: string[], url: string | undefined, buffered: boolean): Promise<number> => {
     if (list.length === 0) return 0;
-    process.stderr.write(`running ${list.length} test file(s), ${concurrency === 1 ? 'one at a time' : `${concurrency} at a time`}\n`);
-    const started = spawn(process.execPath, ['--import', 'tsx', '--test', `--test-concurrency=${concurrency}`, ...list], {
-      stdio: 'inherit',
-      env,
+    const started = spawn(process.execPath, ['--import', 'tsx', '--test', '--test-concurrency=1', ...list], {
+      stdio: buffered ? ['ignore', 'pipe', 'pipe'] : 'inherit',
+      env: url === undefined ? env : { ...env, TEST_DATABASE_URL: url },
     });
-    child = started;
-    return new Promise<number>((resolve) => {
-      started.on('exit', (c, signal) => resolve(c ?? (signal ? 128 + os.constants.signals[signal] : 1)));
+    children.add(started);
+    const kept: Buffer[] = [];
+    started.stdout?.on('data', (d: Buffer) => kept.push(d));
+    started.stderr?.on('data', (d: Buffer) => kept.push(d));
+    const code = await new Promise<number>((resolve) => {
+      started.on('close', (c, signal) => resolve(c ?? (signal ? 128 + os.constants.signals[signal] : 1)));
       started.on('error', () => resolve(1));
     });
+    children.delete(started);
+    if (buffered) process.stdout.write(Buffer.concat(kept));
+    return code;
   };
-  const sharedCode = await phase(shared, 2);
-  const soloCode = await phase(solo, 1);
+  if (shared.length > 0)
+    process.stderr.write(`running ${shared.length} test file(s) in two lanes (the second lane's output follows the first's)\n`);
+  const [laneA, laneB] = await Promise.all([run(lanes[0] ?? [], urls[0], false), run(lanes[1] ?? [], urls[1] ?? urls[0], true)]);
+  const sharedCode = laneA !== 0 ? laneA : laneB;
+  if (solo.length > 0) process.stderr.write(`running ${solo.length} test file(s) one at a time\n`);
+  const soloCode = await run(solo, urls[0], false);
   const code = sharedCode !== 0 ? sharedCode : soloCode;
   if (shared.length > 0 && solo.length > 0)
     process.stderr.write(
-      `npm test: ${shared.length} file(s) two at a time ${sharedCode === 0 ? 'passed' : `FAILED (exit ${sharedCode})`}; ` +
+      `npm test: ${shared.length} file(s) in two lanes ${sharedCode === 0 ? 'passed' : `FAILED (exit ${sharedCode})`}; ` +
         `${solo.length} file(s) one at a time ${soloCode === 0 ? 'passed' : `FAILED (exit ${soloCode})`}\n`,
     );
   process.removeListener('SIGINT', forward);
   process.removeListener('SIGTERM', forward);
-  if (server) {
+  let stopFailed = false;
+  for (const { server, dataDir } of servers) {
     try {
       await server.stop();
       // The log stays for a post-mortem; the data directory goes.
-      await fs.rm(path.resolve('.tmp', `test-pg-${process.pid}`), { recursive: true, force: true });
-      await fs.rm(path.resolve('.tmp', `test-pg-${process.pid}.password`), { force: true });
+      await fs.rm(dataDir, { recursive: true, force: true });
+      await fs.rm(`${dataDir}.password`, { force: true });
     } catch (err) {
       process.stderr.write(`could not stop the test Postgres: ${(err as Error).message}\n`);
-      return code === 0 ? 1 : code;
+      stopFailed = true;
     }
   }
-  return code;
+  return stopFailed && code === 0 ? 1 : code;
+}
+
+/** `n` lanes of about equal work, the file's size standing in for its running time (largest first, to the lightest lane). */
+function balance(files: string[], n: number): string[][] {
+  const lanes = Array.from({ length: n }, () => ({ files: [] as string[], weight: 0 }));
+  const sized = files.map((f) => ({ f, size: statSync(f).size })).sort((a, b) => b.size - a.size);
+  for (const { f, size } of sized) {
+    const lane = lanes.reduce((min, l) => (l.weight < min.weight ? l : min));
+    lane.files.push(f);
+    lane.weight += size;
+  }
+  return lanes.map((l) => l.files.sort());
 }
 
 main().then(
