@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
-import { open, mkdir, mkdtemp, readdir, readFile as readFileText, rm, writeFile } from 'node:fs/promises';
+import { appendFile, open, mkdir, mkdtemp, readdir, readFile as readFileText, rm, stat, writeFile } from 'node:fs/promises';
 import { createServer, connect, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -507,6 +507,24 @@ describe('host agent (real processes, process backend)', { timeout: 300_000 }, (
     const ids = (await b!.client.listCheckpoints()).map((x) => x.id);
     for (const id of ['exp1', 'wrong1', 'dig1']) assert.ok(!ids.includes(id), `${id} must not exist on B`);
     await assertNoStaging(b!);
+  });
+
+  it('refuses a small file (fetched without a receiver thread) that changed at the source, and leaves nothing behind', async (t) => {
+    if (guard(t)) return;
+    const c = a!.client;
+    const cp = await c.checkpoint('a2', { comment: 'grown' });
+    const archive = join(aOpts.dataDir, 'checkpoints', cp.id, 'rootfs.tar');
+    assert.ok((await stat(archive)).size < 1 << 20, 'a file the pull fetches on its own thread');
+    await appendFile(archive, Buffer.alloc(64 * 1024, 1));
+    const grant = await c.grantArtifact(cp.id, 60);
+    const err = await expectCode(
+      b!.client.pullArtifact({ snapshot_id: cp.id, digest: cp.digest, from: { url: a!.url, grant: grant.grant } }),
+      'ARTIFACT_DIGEST_MISMATCH',
+    );
+    assert.match(err.message, /rootfs\.tar/);
+    assert.ok(!(await b!.client.listCheckpoints()).some((x) => x.id === cp.id));
+    await assertNoStaging(b!);
+    await c.deleteCheckpoint(cp.id);
   });
 
   it('refuses a tampered file (digest mismatch) and leaves nothing behind', async (t) => {
