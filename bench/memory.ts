@@ -111,7 +111,10 @@ export default async function memoryBench(args: string[]): Promise<void> {
     log(
       '\nPublished: E2B pause ~4 s per GiB, resume ~1 s; Morph branch "under 250 ms"; CodeSandbox clone of a running VM ~2 s; Fly resume "a few hundred ms".',
     );
-    log('Lazy migration: not measured (lazy_pages is off on a host with vm.unprivileged_userfaultfd=0).');
+    // A lazy move needs two agent processes (the pages stream through the source agent's websocket), not two backends.
+    log(
+      'Lazy migration between two agents: time to running and to all pages are printed by test/control-plane/vm-lazy-move.test.ts and test/agent/criu-lazy.test.ts.',
+    );
   } finally {
     for (const backend of [a, b]) {
       for (const s of await backend.list().catch(() => [])) await backend.destroy(s.name).catch(() => undefined);
