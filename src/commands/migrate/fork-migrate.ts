@@ -15,7 +15,7 @@ import { bootSandbox } from '../vm/boot-sandbox.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import { snapshotRequest } from '../snapshot/snapshot-request.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
-import { switchToTarget } from './switch-host.js';
+import { destroySource, switchToTarget } from './switch-host.js';
 import { LiveFork, type ForkManyResult } from './fork-live.js';
 import { forkSpec } from './fork-spec.js';
 export { forkSpec } from './fork-spec.js';
@@ -277,17 +277,13 @@ export class ForkMigrate {
 
       // From here the VM runs on the target: a failure only leaves garbage on the source, which the reconciler collects.
       step = 'destroy_source';
-      try {
-        const src = await this.hosts.agentFor(fromHostId);
-        await src.destroyVm(name, { force: true });
-        await this.vms.releaseCapacity(fromHostId, vmId, actor);
-        await this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor);
-      } catch (err) {
-        this.logger.warn(
-          { vm_id: vmId, host_id: fromHostId, err: { message: (err as Error).message } },
-          'migrated, but the source sandbox was not destroyed; the reconciler will',
-        );
-      }
+      await destroySource(
+        { vms: this.vms, logger: this.logger },
+        { vmId, name, fromHostId, source: () => this.hosts.agentFor(fromHostId) },
+        () => this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor),
+        actor,
+        'migrated, but the source sandbox was not destroyed',
+      );
       step = 'cleanup';
       await this.snapshots
         .delete(snapshotId, actor, { force: true, reason: 'migrate' })

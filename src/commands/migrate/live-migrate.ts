@@ -15,7 +15,7 @@ import type { Placer, Reserved } from '../placement/place-and-reserve.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { StandbyCheckpoints } from './standby-checkpoints.js';
-import { switchToTarget } from './switch-host.js';
+import { destroySource, switchToTarget } from './switch-host.js';
 
 export interface LiveMigrateResult {
   readonly vm: ExistingVmState;
@@ -159,16 +159,13 @@ export class LiveMigrate {
 
       // The VM runs on the target: what follows only removes the source's leftovers (the reconciler collects what fails).
       step = 'destroy_source';
-      try {
-        await src.destroyVm(name, { force: true });
-        await this.vms.releaseCapacity(fromHostId, vmId, actor);
-        await this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor);
-      } catch (err) {
-        this.logger.warn(
-          { vm_id: vmId, host_id: fromHostId, err: { message: (err as Error).message } },
-          'live-migrated, but the paused source was not destroyed; the reconciler will',
-        );
-      }
+      await destroySource(
+        { vms: this.vms, logger: this.logger },
+        { vmId, name, fromHostId, source: () => src },
+        () => this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor),
+        actor,
+        'live-migrated, but the paused source was not destroyed',
+      );
       step = 'cleanup';
       await Promise.all(
         [src, dst].map((a) =>

@@ -16,7 +16,7 @@ import type { Placer } from '../placement/place-and-reserve.js';
 import { agentEgressOf } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { LiveMigrateResult } from './live-migrate.js';
-import { switchToTarget } from './switch-host.js';
+import { destroySource, switchToTarget } from './switch-host.js';
 
 type Registered = Exclude<HostState, { status: 'unregistered' }>;
 type NativeAgent = HostAgent &
@@ -211,16 +211,13 @@ export class QemuLiveMigrate {
 
       // The VM runs on the target: what follows only removes the stopped source (the reconciler collects what fails).
       step = 'destroy_source';
-      try {
-        await src.destroyVm(name, { force: true });
-        await this.vms.releaseCapacity(fromHostId, vmId, actor);
-        await this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor);
-      } catch (err) {
-        this.logger.warn(
-          { vm_id: vmId, host_id: fromHostId, err: { message: (err as Error).message } },
-          'live-migrated, but the stopped source was not destroyed; the reconciler will',
-        );
-      }
+      await destroySource(
+        { vms: this.vms, logger: this.logger },
+        { vmId, name, fromHostId, source: () => src },
+        () => this.stepDone(vmId, 'destroy_source', { host_id: fromHostId }, actor),
+        actor,
+        'live-migrated, but the stopped source was not destroyed',
+      );
       step = 'cleanup';
       const done = await this.stepDone(vmId, 'cleanup', { migration_id: migrationId }, actor);
       const final = await this.vms.get(vmId, actor);

@@ -4,6 +4,7 @@ import type { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import type { VmCommand } from '../../domain/vm/vm.decider.js';
 import type { Endpoint } from '../../domain/vm/vm.events.js';
 import type { BoundOf } from '../command-handler.js';
+import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { Reserved } from '../placement/place-and-reserve.js';
 import type { Actor, VmCommands } from '../vm/vm-commands.js';
 
@@ -54,4 +55,26 @@ export async function switchToTarget(
       ),
     );
   return switched;
+}
+
+/**
+ * The step after the switch, for every kind of move: the source's sandbox is destroyed, its reservation released and
+ * the `destroy_source` step recorded. The VM already runs on the target, so a failure is logged, not thrown: what it
+ * leaves on the source the reconciler collects.
+ */
+export async function destroySource(
+  deps: { readonly vms: VmCommands; readonly logger: Logger },
+  m: { readonly vmId: string; readonly name: string; readonly fromHostId: string; readonly source: () => Promise<HostAgent> | HostAgent },
+  recordStep: () => Promise<unknown>,
+  actor: Actor,
+  left: string,
+): Promise<void> {
+  try {
+    const src = await m.source();
+    await src.destroyVm(m.name, { force: true });
+    await deps.vms.releaseCapacity(m.fromHostId, m.vmId, actor);
+    await recordStep();
+  } catch (err) {
+    deps.logger.warn({ vm_id: m.vmId, host_id: m.fromHostId, err: { message: (err as Error).message } }, `${left}; the reconciler will`);
+  }
 }
