@@ -269,6 +269,48 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
     assert.deepEqual(await lazyDumps(agents[0]!), [], 'no page server left on the source');
   });
 
+  it('a control plane restarted mid page-in: the next one adopts the watch, keeps the source while pages stream (not only for the grace) and ends the move', async (t) => {
+    if (guard(t)) return;
+    const c = cp!;
+    const vm = await start(400);
+    const before = await count(vm.id);
+    const m = ok(
+      await c.request('POST', `/v1/vms/${vm.id}/migrate`, { as: 'acme', body: { live: true, lazy: true, target_host_id: 'h2' } }),
+    );
+    // A shutdown stops the watch where it is; the next control plane's grace is 1 ms, so only an adopted watch keeps the source.
+    await c.restart({ RECONCILE_GRACE_MS: '1' });
+    await eventually(
+      async () => ok(await c.request('GET', `/v1/vms/${vm.id}`, { as: 'acme' })).host_id === 'h2',
+      10_000,
+      'read model on h2',
+    );
+    const streaming = await memory(vm.id);
+    const swept = await c.service.reconciler.reconcileOnce();
+    t.diagnostic(`after the restart, at ${JSON.stringify(streaming)}: ${JSON.stringify({ orphans: swept.orphans_destroyed })}`);
+    if (!streaming.done) {
+      assert.ok(
+        (await agents[0]!.client.listVms()).some((v) => v.name.endsWith(vm.id)),
+        'the source sandbox is kept while its pages stream',
+      );
+      const { state: h1 } = await c.service.hosts.load('h1');
+      assert.ok(h1.status !== 'unregistered' && h1.reservations.has(vm.id), 'the source reservation is held');
+    } else t.diagnostic('every page was in before the first cycle: only the end of the move is checked');
+    await eventually(
+      async () => (await steps(vm.id)).some((e) => e.type === 'VmMigrationStepCompleted' && e.data.step === 'cleanup'),
+      120_000,
+      'the adopted watch ended the move',
+    );
+    const destroyed = (await steps(vm.id)).find((e) => e.type === 'VmMigrationStepCompleted' && e.data.step === 'destroy_source');
+    assert.equal(destroyed?.data.detail.host_id, 'h1');
+    assert.equal((await agents[0]!.client.lazyPages(m.snapshot_id as string)).pinned, false);
+    assert.ok(!(await agents[0]!.client.listVms()).some((v) => v.name.endsWith(vm.id)), 'nothing of it left on the source');
+    const { state: h1 } = await c.service.hosts.load('h1');
+    assert.ok(h1.status !== 'unregistered' && !h1.reservations.has(vm.id), 'the source reservation released');
+    const from = await advances(vm.id);
+    assert.ok(from >= before, `counter continued across the move and the restart: ${before} -> ${from}`);
+    ok(await c.request('DELETE', `/v1/vms/${vm.id}`, { as: 'acme' }));
+  });
+
   // Last: it kills h1's agent.
   it('the source agent SIGKILLed while pages stream: the VM is lost and recorded failed (host_lost, LAZY_SOURCE_LOST)', async (t) => {
     if (guard(t)) return;

@@ -71,24 +71,21 @@ export interface ControlPlane {
   request(method: string, url: string, opts?: RequestOptions): Promise<Reply>;
   /** Listens on 127.0.0.1:<free port>; returns the base URL. */
   listen(): Promise<string>;
+  /** Stops the service as a shutdown does and starts another on the same database and keys (`env` over the first's). */
+  restart(env?: Record<string, string>): Promise<void>;
   close(): Promise<void>;
 }
 
 export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise<ControlPlane> {
   const db = await createTestDatabase('cp');
   // The reconciler acts on its own schedule; API tests that assert the event log must ask for it explicitly.
-  const config = configSchema.parse({
-    READ_YOUR_WRITES_TIMEOUT_MS: '10000',
-    AGENT_CALL_TIMEOUT_MS: '20000',
-    RECONCILER_ENABLED: 'false',
-    ...opts.env,
-  });
+  const env = { READ_YOUR_WRITES_TIMEOUT_MS: '10000', AGENT_CALL_TIMEOUT_MS: '20000', RECONCILER_ENABLED: 'false', ...opts.env };
+  const config = configSchema.parse(env);
   const logger = opts.logger ?? pino({ level: opts.logLevel ?? process.env.FLEET_TEST_LOG ?? 'silent' });
   const tokenKey = randomBytes(32);
-  let service: Service;
-  try {
-    service = await startService({
-      config,
+  const start = (cfg: Config): Promise<Service> =>
+    startService({
+      config: cfg,
       logger,
       databaseUrl: db.url,
       tokenEncryptionKey: tokenKey,
@@ -100,13 +97,18 @@ export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise
       defaultMetrics: false,
       httpLogger: opts.logger !== undefined,
     });
+  let service: Service;
+  try {
+    service = await start(config);
   } catch (err) {
     await db.drop();
     throw err;
   }
   let closed = false;
   return {
-    service,
+    get service() {
+      return service;
+    },
     db,
     config,
     tokenKey,
@@ -137,6 +139,10 @@ export async function startControlPlane(opts: ControlPlaneOptions = {}): Promise
     async listen() {
       const address = await service.app.listen({ host: '127.0.0.1', port: 0 });
       return address;
+    },
+    async restart(more = {}) {
+      await service.close();
+      service = await start(configSchema.parse({ ...env, ...more }));
     },
     async close() {
       if (closed) return;

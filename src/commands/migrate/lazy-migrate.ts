@@ -193,10 +193,7 @@ export class LazyMigrate {
       booted = false;
       const final = await this.vms.get(vmId, actor);
       this.logger.info({ vm_id: vmId, from: fromHostId, to: targetId, downtime_ms: downtimeMs }, 'vm lazily migrated; memory pages in');
-      const watch = this.watch({ vmId, fromHostId, targetId, cpId, src, dst, startedAt: Date.now() }, actor).finally(() =>
-        this.watching.delete(vmId),
-      );
-      this.watching.set(vmId, watch);
+      this.follow({ vmId, fromHostId, targetId, cpId, src, dst, startedAt: Date.now() }, actor);
       return { vm: final, position: switched.position, fromHostId, checkpointId: cpId, downtimeMs, readdressed, ip: info.ip };
     } catch (err) {
       const e = err instanceof AppError ? err : undefined;
@@ -244,11 +241,51 @@ export class LazyMigrate {
   }
 
   /**
+   * Picks up the page-in watch of a lazy migration past its switch that no
+   * watch of this process follows (its control plane stopped or died mid
+   * page-in; the reconciler asks, on each cycle that lists the source).
+   * True while a watch of this process follows it. Two replicas may both
+   * watch one page-in: each outcome is recorded at most once (the
+   * migration decider refuses a second) and the source's teardown is
+   * idempotent.
+   */
+  async adopt(vmId: string): Promise<boolean> {
+    if (this.stopped) return false;
+    if (this.watching.has(vmId)) return true;
+    const { state: m } = await this.migrationHandler.load(vmId);
+    if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined || m.checkpoint_id === undefined)
+      return false;
+    const [{ state: source }, { state: target }] = await Promise.all([this.hosts.load(m.from_host_id), this.hosts.load(m.target_host_id)]);
+    if (!canServeLazily(source) || !canServeLazily(target)) return false;
+    const src = lazyAgent(this.hosts.agentForState(source));
+    const dst = lazyAgent(this.hosts.agentForState(target));
+    if (!src || !dst) return false;
+    // Checked again after the awaits: a watch may have started meanwhile.
+    if (this.watching.has(vmId)) return true;
+    const actor: Actor = { correlationId: `lazy-adopt-${vmId}`, actor: 'reconciler', tenantId: 'system', admin: true };
+    this.logger.info({ vm_id: vmId, from: m.from_host_id, to: m.target_host_id }, 'lazy migration: page-in watch adopted');
+    this.follow(
+      { vmId, fromHostId: m.from_host_id, targetId: m.target_host_id, cpId: m.checkpoint_id, src, dst, startedAt: Date.parse(m.last_at) },
+      actor,
+    );
+    return true;
+  }
+
+  private follow(m: Parameters<LazyMigrate['watch']>[0], actor: Actor): void {
+    const watch = this.watch(m, actor)
+      .catch((err: unknown) =>
+        this.logger.error({ vm_id: m.vmId, err: { message: (err as Error).message } }, 'lazy migration watch failed'),
+      )
+      .finally(() => this.watching.delete(m.vmId));
+    this.watching.set(m.vmId, watch);
+  }
+
+  /**
    * Shutdown: the watches stop where they are. The target keeps paging in
    * on its own and the source's capture ends once served; what the watch
    * would have done after (destroy the source, release its reservation,
-   * record the end) is left to the reconciler, which collects the source
-   * sandbox and reservation as another host's leftovers.
+   * record the end) is picked up by the next control plane's reconciler
+   * (`adopt`).
    */
   async stop(): Promise<void> {
     this.stopped = true;

@@ -14,7 +14,7 @@ import { HealthProbes } from './health-probes.js';
 import type { StoppedSandboxReport } from '../../domain/vm/vm.lifecycle.js';
 import { HostChecks } from './host-checks.js';
 import { OomRecorder } from './oom-recorder.js';
-import { ReconcileStore } from './reconcile-store.js';
+import { ReconcileStore, type LazyWatcher } from './reconcile-store.js';
 import {
   emptySummary,
   errInfo,
@@ -91,6 +91,11 @@ export class Reconciler {
   /** Wired after construction (service.ts): idle VMs with on_idle: pause are paused through it. */
   set idlePauser(pauser: IdlePauser | undefined) {
     this.repairs.idlePauser = pauser;
+  }
+
+  /** Wired after construction (service.ts): a lazy migration's page-in left unwatched (a restart) is adopted through it. */
+  set lazyWatcher(watcher: LazyWatcher | undefined) {
+    this.store.lazyWatcher = watcher;
   }
 
   get isActive(): boolean {

@@ -37,6 +37,11 @@ export interface MigrationInFlight {
   readonly lastStepAt: number;
   /** A lazy migration past its switch: its source's paused sandbox and reservation hold the pages the VM still pages in. */
   readonly pinnedSource?: string | undefined;
+  /**
+   * A lazy migration past its switch whose page-in a watch of this process follows: that watch, not the grace,
+   * decides when its source goes (a page-in may take longer than the grace; a restarted control plane adopts it).
+   */
+  readonly watched?: boolean | undefined;
 }
 
 export type Suspicion = 'missing' | 'exited' | 'stuck' | 'idle' | 'half_done';
@@ -178,7 +183,7 @@ export function isMigratingTo(
     !!migration &&
     (migration.target === undefined || migration.target === hostId || migration.pinnedSource === hostId) &&
     vm.status === 'running' &&
-    now - migration.lastStepAt < p.halfDoneGraceMs
+    (migration.watched === true || now - migration.lastStepAt < p.halfDoneGraceMs)
   );
 }
 
