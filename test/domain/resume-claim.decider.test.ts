@@ -44,6 +44,19 @@ describe('resume claim decider', () => {
       .then([ended('a', 'resumed', 5)]);
   });
 
+  test('its holder renews a claim once half its lease has passed; nobody else can, and a renewal before that is a no-op', () => {
+    const renewed = (id: string, seconds: number): ResumeClaimEvent => claimed(id, seconds);
+    given(resumeClaimDecider, [claimed('a', 0)])
+      .when(claim('a'), at(151))
+      .then([renewed('a', 151)]);
+    given(resumeClaimDecider, [claimed('a', 0)])
+      .when(claim('a'), at(149))
+      .then([]);
+    given(resumeClaimDecider, [claimed('a', 0), claimed('b', 301)])
+      .when(claim('a'), at(302))
+      .then([]);
+  });
+
   test('events parse back from their stored form', () => {
     for (const e of [claimed('a', 0), ended('a', 'not_needed', 1)]) {
       const stored = { type: e.type, data: JSON.parse(JSON.stringify(e.data)) as unknown } as unknown as RecordedEvent;

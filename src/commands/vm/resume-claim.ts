@@ -4,10 +4,11 @@ import { bindAggregate, type BoundOf, type CommandHandler } from '../command-han
 import type { Actor } from './vm-commands.js';
 
 /**
- * Long enough for a resume that moves its checkpoint to another host; a
- * replica that dies mid-resume holds the VM's resumes this long at most.
+ * A replica that dies mid-resume holds the VM's resumes this long at most;
+ * a live one renews its claim every third of it, however long its resume
+ * takes (a checkpoint moved to another host).
  */
-export const RESUME_CLAIM_LEASE_MS = 5 * 60_000;
+export const RESUME_CLAIM_LEASE_MS = 60_000;
 
 /**
  * One resume of a paused VM across control-plane replicas (resume-claim.events.ts).
@@ -50,10 +51,17 @@ export class ResumeClaims {
         await new Promise((r) => setTimeout(r, this.pollMs));
       }
     }
-    const end = (outcome: 'resumed' | 'failed' | 'not_needed'): Promise<unknown> =>
+    const renew = setInterval(() => {
       this.handler
+        .handle(vmId, { type: 'ClaimResume', data: { vm_id: vmId, claim_id: claimId, lease_ms: this.leaseMs } }, actor)
+        .catch(() => undefined); // the next tick tries again; a lease lost meanwhile is what the lease is for
+    }, this.leaseMs / 3);
+    const end = (outcome: 'resumed' | 'failed' | 'not_needed'): Promise<unknown> => {
+      clearInterval(renew);
+      return this.handler
         .handle(vmId, { type: 'EndResumeClaim', data: { vm_id: vmId, claim_id: claimId, outcome } }, actor)
         .catch(() => undefined);
+    };
     let out: T | undefined;
     try {
       out = await settled();

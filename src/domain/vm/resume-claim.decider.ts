@@ -15,13 +15,18 @@ export type ResumeClaimCommand =
       readonly data: { readonly vm_id: string; readonly claim_id: string; readonly outcome: 'resumed' | 'failed' | 'not_needed' };
     };
 
-/** A claim is granted when none is open or the open one is past its lease; the caller reads the state to know whether it holds it. */
+/**
+ * A claim is granted when none is open or the open one is past its lease; the caller reads the state to know whether it holds it.
+ * Its holder renews it by claiming again: once half its lease has passed, the lease starts anew (before that, a retry is a no-op).
+ */
 export function decideResumeClaim(command: ResumeClaimCommand, state: ResumeClaimState, ctx: DecideContext): ResumeClaimEvent[] {
   const at = ctx.now.toISOString();
   switch (command.type) {
     case 'ClaimResume': {
       const d = command.data;
-      if (state.claim && (state.claim.claim_id === d.claim_id || Date.parse(state.claim.until) > ctx.now.getTime())) return [];
+      if (state.claim?.claim_id === d.claim_id) {
+        if (Date.parse(state.claim.until) - ctx.now.getTime() > d.lease_ms / 2) return [];
+      } else if (state.claim && Date.parse(state.claim.until) > ctx.now.getTime()) return [];
       const until = new Date(ctx.now.getTime() + d.lease_ms).toISOString();
       return [{ type: 'VmResumeClaimed', data: { vm_id: d.vm_id, claim_id: d.claim_id, until, at } }];
     }
