@@ -1,6 +1,8 @@
 import { cp, mkdtemp, readdir, rm, stat } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { Writable } from 'node:stream';
+import { pino } from 'pino';
 import { ProcessBackend } from '../packages/agent/src/backend/process/process-backend.js';
 import { buildImage } from '../packages/agent/src/images.js';
 import { collect } from '../test/support/process.js';
@@ -29,8 +31,26 @@ export default async function memoryBench(args: string[]): Promise<void> {
   const root = await mkdtemp(join(tmpdir(), 'bench-memory-'));
   const imageDir = join(root, 'images');
   await buildImage(imageDir, 'base');
+  // The agent's own 'criu restore' records: where a resume's time goes, step by step.
+  const restores: Array<Record<string, number>> = [];
+  const logger = pino(
+    { level: 'info' },
+    new Writable({
+      write(chunk: Buffer, _enc, done) {
+        for (const line of chunk.toString().split('\n')) {
+          if (!line.includes('"criu restore"')) continue;
+          const r = JSON.parse(line) as Record<string, unknown>;
+          restores.push(
+            Object.fromEntries(Object.entries(r).filter((e): e is [string, number] => e[0].endsWith('_ms') && typeof e[1] === 'number')),
+          );
+        }
+        done();
+      },
+    }),
+  );
   const open = async (): Promise<ProcessBackend> =>
     ProcessBackend.open({
+      logger,
       dataDir: await mkdtemp(join(root, 'data-')),
       imageDir,
       subnet: uniqueSubnet(),
@@ -67,6 +87,7 @@ export default async function memoryBench(args: string[]): Promise<void> {
 
       const pauses: number[] = [];
       const resumes: number[] = [];
+      restores.length = 0;
       for (let i = 0; i < runs; i++) {
         t0 = performance.now();
         await a.pause(name);
@@ -77,6 +98,18 @@ export default async function memoryBench(args: string[]): Promise<void> {
       }
       log(`pause:  p50 ${pct(pauses, 50)} ms, p99 ${pct(pauses, 99)} ms over ${runs}`);
       log(`resume: p50 ${pct(resumes, 50)} ms, p99 ${pct(resumes, 99)} ms over ${runs} (aim at 64 MiB: p50 < 150 ms)`);
+      const stepNames = [...new Set(restores.flatMap((r) => Object.keys(r)))];
+      log(
+        `  of which, p50 per step of the agent's restore: ${stepNames
+          .map(
+            (k) =>
+              `${k.replace(/_ms$/, '')} ${pct(
+                restores.map((r) => r[k] ?? 0),
+                50,
+              )}`,
+          )
+          .join(', ')} ms`,
+      );
 
       t0 = performance.now();
       await Promise.all(

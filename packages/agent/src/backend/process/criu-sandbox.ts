@@ -63,6 +63,13 @@ export async function restoreInto(
 ): Promise<void> {
   const criu = host.requireCriu();
   const s = record.state;
+  const steps: Record<string, number> = {};
+  let t = performance.now();
+  const lap = (step: string): void => {
+    const now = performance.now();
+    steps[step] = Math.round(now - t);
+    t = now;
+  };
   if (cp.kind !== 'live' || !(CRIU_META in cp.files)) {
     throw new AppError('CHECKPOINT_NOT_LIVE', 409, `checkpoint "${cp.id}" holds no memory: it can boot a sandbox, not resume one`, {
       id: cp.id,
@@ -77,6 +84,7 @@ export async function restoreInto(
   await host.readyBridge(record);
   await deleteLink(s.veth);
   await mkdir(root, { recursive: true });
+  lap('network_ms');
   const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
   let consoleFd: number | undefined;
   let mounted = false;
@@ -90,9 +98,11 @@ export async function restoreInto(
     const map = `0 ${s.uid_base} ${USERNS_SIZE}\n`;
     await writeFile(`/proc/${hpid}/uid_map`, map);
     await writeFile(`/proc/${hpid}/gid_map`, map);
+    lap('userns_ms');
     const imagePath = await resolveImage(host.opts.imageDir, s.image);
     await mustRun(host.tools.helper, ['mount-root', String(hpid), String(s.uid_base), imagePath, dirname(layer.upper), root]);
     mounted = true;
+    lap('mount_root_ms');
     consoleFd = await openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base);
     // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
     fchownSync(consoleFd, s.uid_base, s.uid_base);
@@ -117,15 +127,19 @@ export async function restoreInto(
       join(host.checkpoints.staging, scratch),
       lazy,
     );
+    lap('criu_restore_ms');
     const start = await processStartTime(pid);
     if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
     s.init_pid = pid;
     s.init_start = start;
     await hardenLink(s.veth, 'veth');
+    lap('harden_ms');
   } finally {
     if (consoleFd !== undefined) closeSync(consoleFd);
     if (mounted) await runTool('umount', ['-l', root]);
     holder.kill('SIGKILL');
     host.scratch.delete(scratch);
   }
+  lap('unmount_ms');
+  host.log?.info({ sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, ...steps }, 'criu restore');
 }
