@@ -122,6 +122,9 @@ export const createFileSchema = z.object({
 
 export type CreateFile = z.input<typeof createFileSchema>;
 
+/** A device or MIG instance uuid as capacity reported it: opaque to the protocol, never a path. */
+const gpuBindingUuidSchema = z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$/, 'a device uuid as the host reported it');
+
 export const createVmRequestSchema = z
   .object({
     name: vmNameSchema,
@@ -158,6 +161,13 @@ export const createVmRequestSchema = z
      * The answer's `files_written` says they were (an agent without this field answers without it).
      */
     files: z.array(createFileSchema).max(1024).optional(),
+    /**
+     * Whole GPUs the control plane's reservation bound to this VM, by the uuids the host's capacity
+     * reported (`gpu_devices[].uuid`); passed through to the VM (qemu only: any other backend refuses).
+     */
+    gpu_uuids: z.array(gpuBindingUuidSchema).max(16).optional(),
+    /** MIG instances the reservation bound, by `mig_instances[].uuid` (qemu only, as mediated devices). */
+    mig_instance_uuids: z.array(gpuBindingUuidSchema).max(16).optional(),
   })
   .refine((r) => !(r.image && r.checkpoint_id), { error: 'give image or checkpoint_id, not both', path: ['checkpoint_id'] });
 export type CreateVmRequest = z.input<typeof createVmRequestSchema>;

@@ -81,6 +81,12 @@ export const BackendErrorCode = {
   SandboxFailed: 'SANDBOX_FAILED',
   ExposePortUnavailable: 'EXPOSE_PORT_UNAVAILABLE',
   FeatureMissing: 'HOST_FEATURE_MISSING',
+  /** A create names a GPU or MIG instance uuid this host does not offer (not probed here, or not usable). */
+  GpuNotOnHost: 'GPU_NOT_ON_HOST',
+  /** A create names a device another sandbox on this host is bound to. */
+  GpuInUse: 'GPU_IN_USE',
+  /** A create carries GPUs for a backend that cannot pass a device through (process). */
+  GpuPassthroughUnsupported: 'GPU_PASSTHROUGH_UNSUPPORTED',
 } as const;
 export type BackendErrorCode = (typeof BackendErrorCode)[keyof typeof BackendErrorCode];
 
@@ -119,6 +125,18 @@ export const invalidSpec = (message: string, fields: { path: string; message: st
   new ValidationError(message, fields, BackendErrorCode.InvalidSpec);
 export const sandboxFailed = (message: string, details?: Record<string, unknown>, cause?: unknown): AppError =>
   new AppError(BackendErrorCode.SandboxFailed, 500, message, details, { cause });
+/** What a backend without device passthrough answers a create that carries GPUs: refused, never booted without them. */
+export function gpuBindingRefusal(spec: Pick<CreateSpec, 'gpuUuids' | 'migInstanceUuids'>, backend: string): AppError | undefined {
+  const n = (spec.gpuUuids?.length ?? 0) + (spec.migInstanceUuids?.length ?? 0);
+  return n === 0
+    ? undefined
+    : new AppError(
+        BackendErrorCode.GpuPassthroughUnsupported,
+        409,
+        `the ${backend} backend cannot pass a GPU or MIG instance through to a sandbox (${n} bound): only a qemu host can`,
+        { backend },
+      );
+}
 export const featureMissing = (feature: string, hint: string): AppError =>
   new AppError(BackendErrorCode.FeatureMissing, 500, `host feature missing: ${feature}; ${hint}`, { feature });
 
@@ -172,6 +190,10 @@ export interface CreateSpec {
   readonly net_raw?: boolean;
   /** Outbound policy; absent: none (what sandboxes had before egress; the control plane always sends one). */
   readonly egress?: AgentEgress;
+  /** Whole GPUs bound by the control plane (capacity's `gpu_devices[].uuid`): only a backend that passes devices through takes them. */
+  readonly gpuUuids?: readonly string[];
+  /** MIG instances bound by the control plane (capacity's `mig_instances[].uuid`). */
+  readonly migInstanceUuids?: readonly string[];
 }
 
 export type SandboxState = 'running' | 'stopped' | 'paused';

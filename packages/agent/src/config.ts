@@ -54,6 +54,9 @@ export const agentConfigSchema = z
     AGENT_QEMU_ACCEL: z.enum(['auto', 'kvm', 'tcg'], { error: 'must be one of: auto, kvm, tcg' }).default('auto'),
     /** qemu backend: bound on a boot until the in-guest agent answers. */
     AGENT_QEMU_BOOT_TIMEOUT_MS: positiveInt('a positive number of milliseconds').default(180_000),
+    /** qemu backend: where the GPU probe reads sysfs (VFIO-bound PCI devices, mdevs) and the /dev holding vfio/<group>; tests point them at fixtures. */
+    AGENT_SYSFS_ROOT: z.string().startsWith('/', 'must be an absolute path').default('/sys'),
+    AGENT_DEV_ROOT: z.string().startsWith('/', 'must be an absolute path').default('/dev'),
     AGENT_SUBNET: z
       .string()
       .regex(/^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})\/(\d{1,2})$/, 'must be an IPv4 CIDR such as 10.88.0.0/16')
@@ -131,6 +134,8 @@ export interface AgentConfig {
   backend: 'process' | 'qemu';
   qemuAccel: 'auto' | 'kvm' | 'tcg';
   qemuBootTimeoutMs: number;
+  sysfsRoot: string;
+  devRoot: string;
   subnet: string;
   bridgePrefix: string;
   publishHost: string;
@@ -195,6 +200,8 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     backend: raw.AGENT_BACKEND,
     qemuAccel: raw.AGENT_QEMU_ACCEL,
     qemuBootTimeoutMs: raw.AGENT_QEMU_BOOT_TIMEOUT_MS,
+    sysfsRoot: raw.AGENT_SYSFS_ROOT,
+    devRoot: raw.AGENT_DEV_ROOT,
     subnet: raw.AGENT_SUBNET,
     bridgePrefix: raw.AGENT_BRIDGE_PREFIX,
     publishHost: raw.AGENT_PUBLISH_HOST,

@@ -38,6 +38,8 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
       defaultImage: config.defaultImage,
       accel: config.qemuAccel,
       bootTimeoutMs: config.qemuBootTimeoutMs,
+      sysfsRoot: config.sysfsRoot,
+      devRoot: config.devRoot,
       consoleLogMaxBytes: config.consoleLogMaxBytes,
       logger: logger.child({ component: 'backend' }),
     });

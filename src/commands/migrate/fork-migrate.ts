@@ -258,6 +258,7 @@ export class ForkMigrate {
           checkpointId: snapshotId,
           env: guest.secrets,
           agent: spec.agent ? { command: guest.agentCommand ?? 'true', drainCommand: guest.drainCommand ?? '', files: {} } : undefined,
+          reservation: placed.reservation,
         },
         { onCreated: () => (booted = true) },
       );

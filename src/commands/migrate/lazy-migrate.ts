@@ -162,6 +162,7 @@ export class LazyMigrate {
           ipHint: wantIp,
           env: guest.secrets,
           agent: vm.spec.agent ? { command: 'true', drainCommand: guest.drainCommand ?? '', files: {} } : undefined,
+          reservation: placed.reservation,
         },
         {
           onCreated: () => (booted = true),

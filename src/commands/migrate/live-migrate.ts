@@ -131,6 +131,7 @@ export class LiveMigrate {
           env: guest.secrets,
           // The in-guest agent travelled with the processes: only its ports and drain command are registered on the target.
           agent: vm.spec.agent ? { command: 'true', drainCommand: guest.drainCommand ?? '', files: {} } : undefined,
+          reservation: placed.reservation,
         },
         { onCreated: () => (booted = true) },
       );

@@ -8,7 +8,7 @@ import {
 } from '@fleet/agent-protocol';
 import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
-import type { Endpoint } from '../../domain/vm/vm.events.js';
+import type { Endpoint, VmReservation } from '../../domain/vm/vm.events.js';
 
 /** Sandboxes the fleet owns carry this prefix on their host, so the reconciler can tell ours from anything else. */
 export const SANDBOX_PREFIX = 'fl-';
@@ -36,6 +36,8 @@ export interface SandboxBoot {
   readonly network?: { readonly id: string; readonly subnet: string; readonly ip: string } | undefined;
   /** Written by the create call itself (see `onCreated`'s `files_written`). */
   readonly files?: readonly CreateFile[] | undefined;
+  /** The host reservation: the GPU and MIG instance uuids it bound go to the agent, which passes those devices through. */
+  readonly reservation?: Pick<VmReservation, 'gpu_uuids' | 'mig_instance_uuids'> | undefined;
 }
 
 /**
@@ -99,6 +101,8 @@ export async function bootSandbox(
         ? { ip_hint: boot.ipHint }
         : {}),
     ...(boot.files && boot.files.length > 0 ? { files: [...boot.files] } : {}),
+    ...(boot.reservation?.gpu_uuids.length ? { gpu_uuids: [...boot.reservation.gpu_uuids] } : {}),
+    ...(boot.reservation?.mig_instance_uuids.length ? { mig_instance_uuids: [...boot.reservation.mig_instance_uuids] } : {}),
   });
   hooks.onCreated?.(info);
   if (boot.network && info.ip !== boot.network.ip) {

@@ -77,6 +77,7 @@ export async function resumeElsewhere(
         ipHint: ip,
         env: guest.secrets,
         agent: vm.spec.agent ? { command: 'true', drainCommand: guest.drainCommand ?? '', files: {} } : undefined,
+        reservation: placed.reservation,
       },
       { onCreated: () => (booted = true) },
     );

@@ -226,6 +226,7 @@ export class VmCreate {
               }
             : undefined,
           files,
+          reservation: placed.reservation,
         },
         {
           onCreated: (made) => {

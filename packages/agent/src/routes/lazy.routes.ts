@@ -2,7 +2,7 @@ import type { FastifyInstance, FastifyRequest } from 'fastify';
 import { z } from 'zod';
 import { AGENT_API_PREFIX, AppError, checkpointIdSchema, createVmRequestSchema, pauseVmRequestSchema } from '@fleet/agent-protocol';
 import { toWireCheckpoint } from '../artifacts.js';
-import type { LazyMemoryApi } from '../backend.js';
+import { gpuBindingRefusal, type LazyMemoryApi } from '../backend.js';
 import { verifyGrant } from '../grants.js';
 import { parse } from '../parse.js';
 import { nameParam, toVmInfo, type AgentRouteContext } from './context.js';
@@ -109,6 +109,8 @@ export function registerLazyRoutes(app: FastifyInstance, ctx: AgentRouteContext)
 
   app.post(`${AGENT_API_PREFIX}/vms/lazy`, async (req, reply) => {
     const spec = parse(lazyCreateRequestSchema, req.body, 'lazy create request');
+    const refused = gpuBindingRefusal({ gpuUuids: spec.gpu_uuids, migInstanceUuids: spec.mig_instance_uuids }, 'lazy restore (CRIU)');
+    if (refused) throw refused;
     const info = await lazy().createLazy(
       {
         name: spec.name,

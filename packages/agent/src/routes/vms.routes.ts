@@ -61,6 +61,8 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
       ...(spec.net_raw ? { net_raw: true } : {}),
       ...(spec.egress ? { egress: spec.egress } : {}),
       ...(spec.resume ? { resume: true } : {}),
+      ...(spec.gpu_uuids?.length ? { gpuUuids: spec.gpu_uuids } : {}),
+      ...(spec.mig_instance_uuids?.length ? { migInstanceUuids: spec.mig_instance_uuids } : {}),
     });
     const files = spec.files ?? [];
     if (files.length === 0) return reply.code(201).send(toVmInfo(info) satisfies Answer<typeof schemas.create, 201>);

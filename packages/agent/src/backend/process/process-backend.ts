@@ -4,6 +4,7 @@ import type { Readable } from 'node:stream';
 import { describeFields, fieldsFromZod } from '@fleet/agent-protocol';
 import type { HostCapacity } from '@fleet/agent-protocol';
 import {
+  gpuBindingRefusal,
   invalidSpec,
   type Backend,
   type Checkpoint,
@@ -154,6 +155,9 @@ export class ProcessBackend implements Backend {
   }
 
   create(input: CreateSpec): Promise<SandboxInfo> {
+    // A namespace sandbox cannot take a PCI device: refused, never created without the GPUs it was bound to.
+    const refused = gpuBindingRefusal(input, 'process');
+    if (refused) return Promise.reject(refused);
     return createSandbox(this.host, input);
   }
 

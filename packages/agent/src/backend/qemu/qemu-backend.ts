@@ -33,6 +33,7 @@ import { checkpointVm, pauseVm, restoreVmCheckpoint, resumeVm, vmLayerUsage } fr
 import { abortIncoming, completeIncoming, migrationOffer, prepareIncoming, sendMigration } from './vm-migration.js';
 import { pruneVms, recoverVms } from './vm-recovery.js';
 import { QemuHost } from './vm-host.js';
+import { gpuCapacity, probeHostGpus } from './gpu-probe.js';
 
 /**
  * `AGENT_BACKEND=qemu`: every sandbox is a QEMU VM (q35, virtio disk and
@@ -55,6 +56,8 @@ export { unsupportedByQemu, type QemuBackendOptions } from './vm-state.js';
 export class QemuBackend implements Backend {
   readonly kind = 'qemu' as const;
   readonly accel: AccelReport;
+  /** The GPU probe's last reasons for leaving devices out, logged when they change. */
+  private saidSkipped = '[]';
 
   private constructor(private readonly host: QemuHost) {
     this.accel = host.accel;
@@ -105,12 +108,19 @@ export class QemuBackend implements Backend {
   // ---- capacity ----
 
   async capacity(): Promise<HostCapacity & { accel: Accel; nested_virt_supported: boolean }> {
-    // GPUs are left out until create can bind them (the command line is ready: command.ts).
+    // What nvidia-smi sees is on the host's driver, not passable: the offer is what sysfs says is bound to VFIO (gpu-probe.ts).
     const { capacity } = withoutDevices(
       await probeCapacity({ dataDir: this.host.opts.dataDir, maxSandboxes: this.host.opts.maxSandboxes }),
     );
+    const gpus = await probeHostGpus(this.host.opts);
+    const said = JSON.stringify(gpus.skipped);
+    if (gpus.skipped.length > 0 && said !== this.saidSkipped) {
+      this.host.log?.warn({ not_offered: gpus.skipped }, 'devices on VFIO or mdev that this host does not offer');
+    }
+    this.saidSkipped = said;
     return {
       ...capacity,
+      ...gpuCapacity(gpus),
       accel: this.host.accel.accel,
       nested_virt_supported: this.host.accel.nestedVirtSupported,
       // QEMU writes and loads its own state: no host tool needed. No dirty-page diffs, no postcopy (yet).

@@ -5,7 +5,7 @@ import { AppError } from '@fleet/agent-protocol';
 import { type Checkpoint, sandboxFailed, type SandboxInfo, sandboxNotRunning } from '../../backend.js';
 import { mustRun, processStartTime, runTool, sleep } from '../process/exec-util.js';
 import { type Proxy, startProxy } from '../process/proxy.js';
-import { buildQemuArgs } from './command.js';
+import { buildQemuArgs, type QemuVmConfig } from './command.js';
 import { guestRun } from './guest-client.js';
 import type { QemuImage } from './image.js';
 import { qmp } from './qmp.js';
@@ -20,7 +20,21 @@ export async function launchQemu(qemu: QemuHost, s: VmState, image: QemuImage, o
   const dir = qemu.vmDir(s.name);
   // An old state file (before memory restores) has none; a VM's generation id is fixed at its launch.
   if (!s.vmgenid) s.vmgenid = randomUUID();
-  const args = buildQemuArgs({
+  const args = buildQemuArgs(vmMachineConfig(qemu, s, image, opts));
+  // -daemonize: the parent exits once the VM is set up (errors come back on stderr first).
+  const res = await runTool(qemu.opts.qemuBinary, args, { timeoutMs: 60_000 });
+  if (res.code !== 0) throw sandboxFailed(`qemu did not start (exit ${res.code}): ${res.stderr.trim().slice(0, 500)}`, { vm: s.name });
+  const pid = Number((await readFile(join(dir, 'qemu.pid'), 'utf8')).trim());
+  const startTime = await processStartTime(pid);
+  if (!startTime) throw sandboxFailed(`qemu exited right after start: ${await qemu.serialTail(s.name)}`, { vm: s.name });
+  s.pid = pid;
+  s.pid_start = startTime;
+}
+
+/** The machine a VM's state describes (its devices included), as command.ts takes it: every launch of the VM builds it here. */
+export function vmMachineConfig(qemu: QemuHost, s: VmState, image: QemuImage, opts: { incoming?: boolean } = {}): QemuVmConfig {
+  const dir = qemu.vmDir(s.name);
+  return {
     processName: qemu.processName(s.name),
     accel: s.accel,
     cpus: Math.max(1, Math.ceil(s.cpus)),
@@ -37,15 +51,8 @@ export async function launchQemu(qemu: QemuHost, s: VmState, image: QemuImage, o
     vmGenId: s.vmgenid,
     incoming: opts.incoming === true,
     pidFile: join(dir, 'qemu.pid'),
-  });
-  // -daemonize: the parent exits once the VM is set up (errors come back on stderr first).
-  const res = await runTool(qemu.opts.qemuBinary, args, { timeoutMs: 60_000 });
-  if (res.code !== 0) throw sandboxFailed(`qemu did not start (exit ${res.code}): ${res.stderr.trim().slice(0, 500)}`, { vm: s.name });
-  const pid = Number((await readFile(join(dir, 'qemu.pid'), 'utf8')).trim());
-  const startTime = await processStartTime(pid);
-  if (!startTime) throw sandboxFailed(`qemu exited right after start: ${await qemu.serialTail(s.name)}`, { vm: s.name });
-  s.pid = pid;
-  s.pid_start = startTime;
+    ...(s.gpu ? { gpu: { pciAddresses: s.gpu.pci_addresses, mdevUuids: s.gpu.mdev_uuids } } : {}),
+  };
 }
 
 /** backend.go.txt WaitForIP: the address is static; wait until the guest answers on it (the in-guest agent runs a command). */

@@ -21,6 +21,7 @@ import { createSpecSchema, unsupportedByQemu, type VmRecord, type VmState } from
 import { checkMachine, checkSize, virtualSize } from './vm-machine.js';
 import { diskFromCheckpoint, launchQemu, loadInto, publish, waitForGuest } from './vm-boot.js';
 import { plugNetwork } from './vm-network.js';
+import { bindGpus, probeHostGpus } from './gpu-probe.js';
 import { teardown } from './vm-teardown.js';
 import type { QemuHost } from './vm-host.js';
 
@@ -41,6 +42,10 @@ export async function createVm(qemu: QemuHost, input: CreateSpec): Promise<Sandb
   const spec = parsed.data;
   if (spec.resume && !spec.checkpointId) {
     throw invalidSpec('resume needs a checkpointId (a live checkpoint)', [{ path: 'resume', message: 'needs checkpointId' }]);
+  }
+  if (spec.resume && (spec.gpuUuids?.length || spec.migInstanceUuids?.length)) {
+    // No memory state of a GPU VM exists to resume: QEMU refuses to save a VM holding a VFIO device (a migration blocker).
+    throw unsupportedByQemu('resuming a memory state with GPUs or MIG instances bound (create it cold from the checkpoint)');
   }
   if (spec.pids_max !== undefined) {
     throw invalidSpec('pids_max does not apply to a VM (the guest runs its own kernel)', [{ path: 'pids_max', message: 'not supported' }]);
@@ -155,6 +160,8 @@ export async function allocate(
       throw capacityExhausted(`${qemu.opts.maxSandboxes} VMs already run here`, { max: qemu.opts.maxSandboxes });
     }
     const others = [...qemu.records.values()].map((r) => r.state);
+    // Under this lock: two creates naming one device cannot both get it.
+    const gpu = spec.gpuUuids?.length || spec.migInstanceUuids?.length ? bindGpus(await probeHostGpus(qemu.opts), spec, others) : undefined;
     const { ip, mac } = reserveAddress(qemu.subnet, spec.name, spec.network, spec.ipHint, others);
     // A network's members get a bridge of their own (never the shared one): the firewall keeps each frame on its bridge.
     const bridge = allocateBridge(
@@ -193,6 +200,7 @@ export async function allocate(
       pid: 0,
       pid_start: '',
       ...(spec.network ? { network: spec.network } : {}),
+      ...(gpu ? { gpu } : {}),
     };
     await rm(dir, { recursive: true, force: true });
     await mkdir(dir, { recursive: true, mode: 0o700 });

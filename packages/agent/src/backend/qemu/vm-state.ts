@@ -29,6 +29,9 @@ export interface QemuBackendOptions {
   /** serial.log is cut to its newer half past this. */
   readonly consoleLogMaxBytes?: number;
   readonly logger?: Logger;
+  /** Where the GPU probe reads sysfs and the VFIO group nodes (default /sys and /dev; fixtures in tests). */
+  readonly sysfsRoot?: string;
+  readonly devRoot?: string;
 }
 
 const networkSchema = z.object({ id: z.string().regex(/^[a-z0-9][a-z0-9-]{0,62}$/), subnet: z.string() });
@@ -58,6 +61,9 @@ export const createSpecSchema = z.object({
   net_raw: z.boolean().optional(),
   /** A cluster network: its members share a bridge of their own, their addresses inside its subnet (process/sandbox-cluster.ts). */
   network: networkSchema.optional(),
+  /** Bound by the control plane: uuids from this host's capacity (gpu-probe.ts maps them to devices). */
+  gpuUuids: z.array(z.string().min(1)).max(16).optional(),
+  migInstanceUuids: z.array(z.string().min(1)).max(16).optional(),
 });
 
 export const stateSchema = z.object({
@@ -88,6 +94,8 @@ export const stateSchema = z.object({
   pid: z.number(),
   pid_start: z.string(),
   network: networkSchema.optional(),
+  /** Devices passed through (gpu-probe.ts GpuBinding): every launch of this VM gets them. */
+  gpu: z.object({ uuids: z.array(z.string()), pci_addresses: z.array(z.string()), mdev_uuids: z.array(z.string()) }).optional(),
 });
 export type VmState = z.infer<typeof stateSchema>;
 
