@@ -9,6 +9,7 @@ import { bindGpus, deviceUuid, gpuCapacity, migProfileOf, probeGpus } from '../.
 import { resolveQemuImage, qemuImageRoot } from '../../packages/agent/src/backend/qemu/image.js';
 import { vmMachineConfig } from '../../packages/agent/src/backend/qemu/vm-boot.js';
 import { allocate, createVm } from '../../packages/agent/src/backend/qemu/vm-create.js';
+import { checkpointVm, pauseVm } from '../../packages/agent/src/backend/qemu/vm-memory.js';
 import { QemuHost } from '../../packages/agent/src/backend/qemu/vm-host.js';
 import { createSpecSchema } from '../../packages/agent/src/backend/qemu/vm-state.js';
 import { CheckpointStore } from '../../packages/agent/src/backend/process/checkpoints.js';
@@ -231,6 +232,21 @@ describe('create → QEMU command line (QEMU not started)', () => {
       createVm(host, { ...specOf('gpu-h', { gpu_uuids: [gpuUuid], resume: true }), egress: { mode: 'none', allow_out: [], deny_out: [] } }),
       (err) => codeOf(err) === 'BACKEND_UNSUPPORTED',
     );
+  });
+
+  it('a running VM holding a GPU: pause and a live checkpoint are refused (409 GPU_MEMORY_STATE_UNSUPPORTED) before QEMU is asked', async () => {
+    const record = host.records.get('gpu-a');
+    assert.ok(record?.state.gpu);
+    // What the launch (which cannot run here) would have left: a running VM. No QMP socket exists, so a capture would fail otherwise.
+    record.state.status = 'running';
+    for (const attempt of [() => pauseVm(host, 'gpu-a'), () => checkpointVm(host, 'gpu-a', { live: true })]) {
+      await assert.rejects(attempt(), (err) => {
+        assert.equal(codeOf(err), 'GPU_MEMORY_STATE_UNSUPPORTED', String(err));
+        assert.equal((err as AppError).status, 409);
+        return true;
+      });
+    }
+    assert.equal(record.state.status, 'running', 'nothing changed');
   });
 
   it('refuses one uuid bound twice in one request (400)', () => {

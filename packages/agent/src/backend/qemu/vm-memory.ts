@@ -24,6 +24,17 @@ import type { QemuHost } from './vm-host.js';
 
 /** Memory state (state.ts): checkpoints, pause and resume, restores to a checkpoint, layer usage. */
 
+/** QEMU cannot save the state of a VFIO device: a VM holding one has no memory state to take (its disk can still be). */
+function refuseGpuMemoryState(s: { readonly name: string; readonly gpu?: { readonly uuids: readonly string[] } | undefined }): void {
+  if (s.gpu && s.gpu.uuids.length > 0)
+    throw new AppError(
+      'GPU_MEMORY_STATE_UNSUPPORTED',
+      409,
+      `VM "${s.name}" holds passed-through GPUs (${s.gpu.uuids.join(', ')}): QEMU cannot save a VFIO device's state, so its memory cannot be captured; take a disk snapshot (live: false)`,
+      { name: s.name, gpu_uuids: [...s.gpu.uuids] },
+    );
+}
+
 /**
  * Disk (`live` false, or a VM that is not running) or disk plus memory:
  * the guest is stopped for the copy of its overlay and the write of its
@@ -32,6 +43,7 @@ import type { QemuHost } from './vm-host.js';
 export async function checkpointVm(qemu: QemuHost, name: string, opts: CheckpointOptions): Promise<Checkpoint> {
   const r = qemu.records.get(name);
   if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+  if (opts.live === true && r.state.status === 'running') refuseGpuMemoryState(r.state);
   return qemu.locks.run(`vm:${name}`, async () => {
     const s = r.state;
     const running = s.status === 'running' && (await qemu.alive(s));
@@ -82,6 +94,7 @@ export async function checkpointVm(qemu: QemuHost, name: string, opts: Checkpoin
 export async function pauseVm(qemu: QemuHost, name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
   const r = qemu.records.get(name);
   if (!r || r.state.status === 'creating') throw sandboxNotFound(name);
+  if (r.state.status === 'running') refuseGpuMemoryState(r.state);
   return qemu.locks.run(`vm:${name}`, async () => {
     const s = r.state;
     if (s.status === 'paused' && !s.paused_checkpoint) {
