@@ -392,7 +392,7 @@ export class QemuLiveMigrate {
       if (status.error !== undefined) {
         await this.lost(
           m,
-          `its memory was still coming from host ${fromHostId} by post-copy when that stream broke (${status.error}): the VM is lost with its source`,
+          `its memory was still coming from host ${fromHostId} by post-copy: ${status.error}. The VM is lost with its source`,
           actor,
         );
         return;

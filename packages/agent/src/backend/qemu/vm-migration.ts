@@ -282,7 +282,7 @@ export async function memoryStatus(
       resident_chunks: 0,
       total_chunks: 1,
       done: false,
-      error: `the post-copy stream from the source broke (QEMU ${st.status}${st['error-desc'] ? `: ${st['error-desc']}` : ''}): the rest of the guest's memory is not coming`,
+      error: `the post-copy stream from the source broke (QEMU ${st.status}${st['error-desc'] ? `: ${st['error-desc']}` : ''}); the rest of the guest's memory is not coming`,
     };
   return { resident_chunks: 0, total_chunks: 1, done: false };
 }
