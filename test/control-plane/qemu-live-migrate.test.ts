@@ -35,7 +35,7 @@ import { startFaultProxy, type FaultProxy } from './fault-proxy.js';
  * refusals before anything moves, a lazy move h2 -> h1 whose counter runs
  * on, and a lazy move h1 -> h2 whose source QEMU is SIGKILLed while the
  * post-copy stream is still running (made long by the source's
- * max-postcopy-bandwidth and a guest with 32 MB of random memory): the VM
+ * max-postcopy-bandwidth and a guest with 64 MB of random memory): the VM
  * ends failed and nothing of it is left on either host.
  */
 
@@ -416,14 +416,14 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
     if (guard(t)) return;
     if (!lazyOk) return t.skip('no userfaultfd on this kernel');
     const c = cp!;
-    // 32 MB of random memory in the guest (tmpfs), and a source that sends the rest at 512 KiB/s once switched: seconds of post-copy.
+    // 64 MB of random memory in the guest (tmpfs), and a source that sends the rest at 1 MiB/s once switched: a minute of post-copy.
     const t0 = Date.now();
-    const filled = await exec(['sh', '-c', 'head -c 33554432 /dev/urandom > /tmp/ballast && echo filled']);
+    const filled = await exec(['sh', '-c', 'head -c 67108864 /dev/urandom > /tmp/ballast && echo filled']);
     const filledAt = Date.now();
     assert.equal(filled.stdout.trim(), 'filled');
     const sourcePid = qemuPid('data-1');
     await qmp(join(root!, 'data-1/qemu/run', `${nameHash(`fl-${vmId}`)}.qmp`), 'migrate-set-parameters', {
-      'max-postcopy-bandwidth': 512 * 1024,
+      'max-postcopy-bandwidth': 1024 * 1024,
     });
     const m = ok(
       await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true, lazy: true, target_host_id: 'h2' } }),
@@ -450,7 +450,10 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
       `guest memory filled in ${filledAt - t0} ms; lazy migrate answered after ${killedAt - filledAt} ms (downtime ${m.downtime_ms} ms); ` +
         `the VM recorded failed ${Date.now() - killedAt} ms after the SIGKILL: ${failed.error}`,
     );
-    const ended = (await events()).findLast((e) => e.type === 'VmFailed');
+    const all = await events();
+    for (const e of all.slice(all.findLastIndex((x) => x.type === 'VmMigrationStarted')).filter((x) => x.type.startsWith('VmMigration')))
+      t.diagnostic(`${e.type} ${JSON.stringify(e.data)}`);
+    const ended = all.findLast((e) => e.type === 'VmFailed');
     assert.equal(ended?.data.reason, 'host_lost');
     assert.equal(ended?.data.error_code, 'LAZY_SOURCE_LOST');
     assert.match(ended?.data.error, /post-copy/);
