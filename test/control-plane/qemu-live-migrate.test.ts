@@ -418,7 +418,13 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
     const c = cp!;
     // 64 MB of random memory in the guest (tmpfs), and a source that sends the rest at 1 MiB/s once switched: a minute of post-copy.
     const t0 = Date.now();
-    const filled = await exec(['sh', '-c', 'head -c 67108864 /dev/urandom > /tmp/ballast && echo filled']);
+    // TCG writes it in 10-30 s here: past the control plane's default exec timeout under load.
+    const filled = ok(
+      await c.request('POST', `/v1/vms/${vmId}/exec`, {
+        as: 'acme',
+        body: { argv: ['sh', '-c', 'head -c 67108864 /dev/urandom > /tmp/ballast && echo filled'], timeout_ms: 180_000 },
+      }),
+    );
     const filledAt = Date.now();
     assert.equal(filled.stdout.trim(), 'filled');
     const sourcePid = qemuPid('data-1');
