@@ -262,7 +262,11 @@ export class QemuLiveMigrate {
           'qemu vm lazily migrated; memory pages in',
         );
         const w = { vmId, fromHostId, targetId, src, dst };
-        const watch = this.watch(w, migrationId, Date.now(), actor).finally(() => this.watching.delete(vmId));
+        const watch = this.watch(w, migrationId, Date.now(), actor)
+          .catch((err: unknown) =>
+            this.logger.error({ vm_id: vmId, err: { message: (err as Error).message } }, 'qemu post-copy watch failed'),
+          )
+          .finally(() => this.watching.delete(vmId));
         this.watching.set(vmId, watch);
         return { vm: final, position: switched.position, fromHostId, checkpointId: migrationId, downtimeMs, readdressed, ip: info.ip };
       }
