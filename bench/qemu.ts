@@ -15,7 +15,9 @@ import { missingPrerequisite, prepareImages, startAgent, uniquePrefix, uniqueSub
  * working KVM. Then memory state on the first VM, where the backend has it
  * (qemu always; process with CRIU): live snapshot (guest stopped for
  * pause_ms), pause, resume, fork of the snapshot; and for qemu a live
- * migration to a second qemu agent (QEMU's downtime and the whole send).
+ * migration to a second qemu agent (QEMU's downtime and the whole send)
+ * and a lazy (post-copy) one back: time to running on the first agent,
+ * and to all of its memory there.
  */
 export default async function qemuBench(args: string[]): Promise<void> {
   const opt = (name: string, dflt: number) => {
@@ -143,6 +145,29 @@ async function memoryFigures(agent: RunningAgent, name: string, qemuImageDir?: s
         return report;
       });
       line += `; live migration to another agent ${totalMs} ms (QEMU downtime ${String(sent.downtime_ms)} ms, ${String(sent.transferred_bytes)} B)`;
+      if ((await agent.client.capacity()).lazy_pages) {
+        // Back lazily (post-copy): running on the first agent at the switch, the rest of its memory after.
+        await agent.client.destroyVm(name, { force: true, timeoutMs: 60_000 });
+        const back = await call(target, 'GET', `/vms/${name}/migration/offer`);
+        const t1 = Date.now();
+        const incoming = await call(agent, 'POST', '/migrations/incoming', { vm: { name, ...spec }, machine: back.machine, lazy: true });
+        const report = await call(target, 'POST', `/vms/${name}/migration/send`, {
+          to: { uri: incoming.uri, psk: incoming.psk },
+          lazy: true,
+        });
+        const switchedMs = Date.now() - t1;
+        await call(agent, 'POST', `/vms/${name}/migration/complete`, {});
+        const runningMs = Date.now() - t1;
+        for (;;) {
+          const st = await call(agent, 'GET', `/vms/${name}/memory`);
+          if (st.done === true) break;
+          if (typeof st.error === 'string') throw new Error(`lazy migration broke: ${st.error}`);
+          await new Promise((r) => setTimeout(r, 20));
+        }
+        line +=
+          `; lazy (post-copy) migration back: running after ${runningMs} ms (switch after ${switchedMs} ms, guest stopped ` +
+          `${String(report.downtime_ms)} ms at the source, ${String(report.transferred_bytes)} B before it), all memory in at ${Date.now() - t1} ms`;
+      } else line += '; no lazy migration (no userfaultfd)';
       await target.client.destroyVm(name, { force: true, timeoutMs: 60_000 });
     } finally {
       await target.client.prune().catch(() => undefined);

@@ -426,7 +426,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       ],
     });
     closers.push(() => app.close());
-    closers.push(() => forkMigrate.lazyMigrate.stop());
+    closers.push(() => forkMigrate.stop());
     if (config.RECONCILER_ENABLED) {
       closers.push(async () => {
         await lease.stop();

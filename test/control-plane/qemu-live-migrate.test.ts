@@ -5,7 +5,11 @@ import { mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
+import { createServer, request as httpRequest, type Server } from 'node:http';
+import type { AddressInfo } from 'node:net';
 import { buildQemuImage } from '../../packages/agent/src/backend/qemu/image.js';
+import { qmp } from '../../packages/agent/src/backend/qemu/qmp.js';
+import { nameHash } from '../../packages/agent/src/backend/qemu/vm-state.js';
 import { startAgent, type RunningAgent } from '../agent/harness.js';
 import {
   eventually,
@@ -26,6 +30,13 @@ import { startFaultProxy, type FaultProxy } from './fault-proxy.js';
  * h1 and h2 are qemu agents (h2 behind a fault proxy, to fail one step after
  * the guest was sent), h3 a process agent. Under CI=true a missing
  * prerequisite fails the file instead of skipping it.
+ *
+ * Then `{"live": true, "lazy": true}` (QEMU post-copy) on the same VM:
+ * refusals before anything moves, a lazy move h2 -> h1 whose counter runs
+ * on, and a lazy move h1 -> h2 whose source QEMU is SIGKILLed while the
+ * post-copy stream is still running (made long by the source's
+ * max-postcopy-bandwidth and a guest with 64 MB of random memory): the VM
+ * ends failed and nothing of it is left on either host.
  */
 
 const Q1 = { prefix: 'qcpa', subnet: '10.251.17.0/24' };
@@ -43,6 +54,31 @@ function missing(): string | undefined {
 }
 const lack = missing();
 if (lack && process.env.CI === 'true') throw new Error(`qemu control-plane tests need ${lack} under CI`);
+
+/** The host's agent seen through a proxy that reports no post-copy (capacity lazy_pages false): a qemu host without userfaultfd. */
+async function withoutLazyPages(target: string): Promise<{ url: string; server: Server }> {
+  const up = new URL(target);
+  const server = createServer((req, res) => {
+    const out = httpRequest({ host: up.hostname, port: up.port, method: req.method, path: req.url, headers: req.headers }, (r) => {
+      if (!(req.url ?? '').split('?')[0]!.endsWith('/capacity') || r.statusCode !== 200) {
+        res.writeHead(r.statusCode ?? 502, r.headers);
+        r.pipe(res);
+        return;
+      }
+      const chunks: Buffer[] = [];
+      r.on('data', (c: Buffer) => chunks.push(c));
+      r.on('end', () => {
+        const body = JSON.stringify({ ...(JSON.parse(Buffer.concat(chunks).toString()) as object), lazy_pages: false });
+        res.writeHead(200, { 'content-type': 'application/json' });
+        res.end(body);
+      });
+    });
+    out.on('error', () => res.destroy());
+    req.pipe(out);
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  return { url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`, server };
+}
 
 const alive = (pid: number): boolean => {
   try {
@@ -68,6 +104,7 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
   let q1: RunningAgent | undefined;
   let q2: RunningAgent | undefined;
   let proxy: FaultProxy | undefined;
+  let noLazy: { url: string; server: Server } | undefined;
   let fleet: AgentFleet | undefined;
   let cp: ControlPlane | undefined;
   let vmId = '';
@@ -119,6 +156,10 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
       await agent.stop();
     }
     await proxy?.close();
+    if (noLazy) {
+      noLazy.server.closeAllConnections();
+      await new Promise((r) => noLazy!.server.close(r));
+    }
     await fleet?.close();
     // A failed run still leaves no QEMU, tap, bridge or table of ours behind.
     for (const dir of ['data-1', 'data-2']) {
@@ -271,6 +312,161 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
     assert.deepEqual(await onAgent(q1!), [], 'the source agent has no VM left');
     const { state: h1 } = await c.service.hosts.load('h1');
     assert.ok(h1.status !== 'unregistered' && !h1.reservations.has(vmId), 'the source reservation released');
+  });
+
+  const lazyOk = existsSync('/proc/sys/vm/unprivileged_userfaultfd');
+  const reserved = async (hostId: string): Promise<boolean> => {
+    const { state } = await cp!.service.hosts.load(hostId);
+    return state.status !== 'unregistered' && state.reservations.has(vmId);
+  };
+  const qemuPid = (dir: string): number => Number(readFileSync(join(root!, dir, 'qemu/vms', `fl-${vmId}`, 'qemu.pid'), 'utf8').trim());
+
+  it('lazy: refused before anything moves without a qemu target with lazy_pages; keep_paused with lazy is a 400', async (t) => {
+    if (guard(t)) return;
+    if (!lazyOk) return t.skip('no userfaultfd on this kernel');
+    const c = cp!;
+    noLazy = await withoutLazyPages(q1!.url);
+    ok(await registerHost(c, 'h4', { url: noLazy.url, token: q1!.token }, { backend: 'qemu' }), 201);
+    const { state: h4 } = await c.service.hosts.load('h4');
+    assert.ok(h4.status !== 'unregistered' && h4.capacity.live_snapshot === true && h4.capacity.lazy_pages === false);
+    const n = (await events()).length;
+    const other = await c.request('POST', `/v1/vms/${vmId}/migrate`, {
+      as: 'acme',
+      body: { live: true, lazy: true, target_host_id: 'h3' },
+    });
+    assert.equal(other.status, 409, JSON.stringify(other.body));
+    assert.equal(problemOf(other).code, 'LAZY_MIGRATION_TARGET_UNSUPPORTED');
+    const noUffd = await c.request('POST', `/v1/vms/${vmId}/migrate`, {
+      as: 'acme',
+      body: { live: true, lazy: true, target_host_id: 'h4' },
+    });
+    assert.equal(noUffd.status, 409, JSON.stringify(noUffd.body));
+    assert.equal(problemOf(noUffd).code, 'LAZY_MIGRATION_TARGET_UNSUPPORTED');
+    assert.match(problemOf(noUffd).detail, /lazy_pages/);
+    const paused = await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true, lazy: true, keep_paused: true } });
+    assert.equal(paused.status, 400, JSON.stringify(paused.body));
+    assert.equal((await events()).length, n, 'nothing recorded: no migration started');
+    assert.deepEqual(await onAgent(q1!), [], 'nothing prepared on h1 (h4 is its agent)');
+    const still = ok(await c.request('GET', `/v1/vms/${vmId}`, { as: 'acme' }));
+    assert.equal(still.host_id, 'h2');
+    assert.equal(still.state, 'running');
+    assert.deepEqual(ok(await c.request('GET', `/v1/vms/${vmId}/memory`, { as: 'acme' })), {
+      resident_chunks: 0,
+      total_chunks: 0,
+      done: true,
+    });
+  });
+
+  it('lazy h2 -> h1 (QEMU post-copy): the VM runs on h1 at the switch, its counter goes on, the source goes once the stream completed', async (t) => {
+    if (guard(t)) return;
+    if (!lazyOk) return t.skip('no userfaultfd on this kernel');
+    const c = cp!;
+    const before = await count();
+    const t0 = Date.now();
+    const m = ok(
+      await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true, lazy: true, target_host_id: 'h1' } }),
+    );
+    const answeredAt = Date.now();
+    assert.equal(m.id, vmId);
+    assert.equal(m.host_id, 'h1');
+    assert.equal(m.from_host_id, 'h2');
+    assert.equal(m.state, 'running');
+    assert.match(m.snapshot_id, /^qemu-lazy-/, 'the answer says the move was lazy');
+    const done = await eventually(
+      async () => {
+        const s = ok(await c.request('GET', `/v1/vms/${vmId}/memory`, { as: 'acme' }));
+        return s.done === true ? s : undefined;
+      },
+      120_000,
+      'the post-copy stream completed',
+    );
+    assert.deepEqual(done, { resident_chunks: 1, total_chunks: 1, done: true });
+    t.diagnostic(
+      `lazy migrate under TCG: answered (running on h1) after ${answeredAt - t0} ms, downtime ${m.downtime_ms} ms, memory all on h1 ${Date.now() - t0} ms after the request`,
+    );
+    const from = await advances();
+    assert.ok(from >= before, `the counter went on across the lazy move: ${before} -> ${from}`);
+    assert.equal((await exec(['cat', '/root/mark'])).stdout, 'before-move\n', 'the disk came with it');
+    assert.match(await served(m), /^\d+/);
+
+    await eventually(async () => (await onAgent(q2!)).length === 0, 60_000, 'the source destroyed');
+    await eventually(async () => !(await reserved('h2')), 10_000, 'the source reservation released');
+    const evs = await events();
+    const tail = evs.slice(evs.findLastIndex((e) => e.type === 'VmMigrationStarted'));
+    for (const e of tail.filter((x) => x.type.startsWith('VmMigration') || x.type === 'VmMigrated'))
+      t.diagnostic(`${e.type} ${JSON.stringify(e.data)}`);
+    assert.equal(tail[0]!.data.live, true);
+    assert.equal(tail[0]!.data.lazy, true);
+    await eventually(async () => (await events()).at(-1)?.data.step === 'cleanup', 10_000, 'the migration recorded its end');
+    const steps = (await events())
+      .slice(evs.findLastIndex((e) => e.type === 'VmMigrationStarted'))
+      .filter((e) => e.type === 'VmMigrationStepCompleted');
+    assert.deepEqual(
+      steps.map((e) => e.data.step),
+      ['place', 'move', 'boot', 'destroy_source', 'cleanup'],
+    );
+    const boot = steps.find((e) => e.data.step === 'boot')!;
+    assert.equal(boot.data.detail.lazy, 'true');
+    assert.equal(boot.data.downtime_ms, m.downtime_ms, 'downtime on the boot step');
+    assert.match(steps.find((e) => e.data.step === 'destroy_source')!.data.detail.paged_ms, /^\d+$/);
+    assert.doesNotMatch(JSON.stringify(tail.map((e) => e.data)), /[0-9a-f]{64}/, 'the key is in no event');
+  });
+
+  it('lazy h1 -> h2 with the source QEMU SIGKILLed mid-stream: the VM ends failed (LAZY_SOURCE_LOST), nothing left on either host', async (t) => {
+    if (guard(t)) return;
+    if (!lazyOk) return t.skip('no userfaultfd on this kernel');
+    const c = cp!;
+    // 64 MB of random memory in the guest (tmpfs), and a source that sends the rest at 1 MiB/s once switched: a minute of post-copy.
+    const t0 = Date.now();
+    // TCG writes it in 10-30 s here: past the control plane's default exec timeout under load.
+    const filled = ok(
+      await c.request('POST', `/v1/vms/${vmId}/exec`, {
+        as: 'acme',
+        body: { argv: ['sh', '-c', 'head -c 67108864 /dev/urandom > /tmp/ballast && echo filled'], timeout_ms: 180_000 },
+      }),
+    );
+    const filledAt = Date.now();
+    assert.equal(filled.stdout.trim(), 'filled');
+    const sourcePid = qemuPid('data-1');
+    await qmp(join(root!, 'data-1/qemu/run', `${nameHash(`fl-${vmId}`)}.qmp`), 'migrate-set-parameters', {
+      'max-postcopy-bandwidth': 1024 * 1024,
+    });
+    const m = ok(
+      await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true, lazy: true, target_host_id: 'h2' } }),
+    );
+    assert.equal(m.host_id, 'h2');
+    const targetPid = qemuPid('data-2');
+    const mem = ok(await c.request('GET', `/v1/vms/${vmId}/memory`, { as: 'acme' }));
+    assert.deepEqual(mem, { resident_chunks: 0, total_chunks: 1, done: false }, 'the rest of its memory is still coming');
+    const again = await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h1' } });
+    assert.equal(problemOf(again).code, 'MIGRATION_IN_PROGRESS', JSON.stringify(again.body));
+    assert.ok(await reserved('h1'), 'the source keeps its reservation while it serves pages');
+
+    const killedAt = Date.now();
+    process.kill(sourcePid, 'SIGKILL');
+    const failed = await eventually(
+      async () => {
+        const v = ok(await c.request('GET', `/v1/vms/${vmId}`, { as: 'acme' }));
+        return v.state === 'failed' ? v : undefined;
+      },
+      90_000,
+      'the VM recorded lost',
+    );
+    t.diagnostic(
+      `guest memory filled in ${filledAt - t0} ms; lazy migrate answered after ${killedAt - filledAt} ms (downtime ${m.downtime_ms} ms); ` +
+        `the VM recorded failed ${Date.now() - killedAt} ms after the SIGKILL: ${failed.error}`,
+    );
+    const all = await events();
+    for (const e of all.slice(all.findLastIndex((x) => x.type === 'VmMigrationStarted')).filter((x) => x.type.startsWith('VmMigration')))
+      t.diagnostic(`${e.type} ${JSON.stringify(e.data)}`);
+    const ended = all.findLast((e) => e.type === 'VmFailed');
+    assert.equal(ended?.data.reason, 'host_lost');
+    assert.equal(ended?.data.error_code, 'LAZY_SOURCE_LOST');
+    assert.match(ended?.data.error, /post-copy/);
+    assert.equal((await events()).findLast((e) => e.type === 'VmMigrationFailed')?.data.error_code, 'LAZY_SOURCE_LOST');
+    await eventually(() => Promise.resolve(!alive(targetPid)), 30_000, 'the target QEMU ended');
+    await eventually(async () => (await onAgent(q2!)).length === 0 && (await onAgent(q1!)).length === 0, 30_000, 'no sandbox left');
+    await eventually(async () => !(await reserved('h1')) && !(await reserved('h2')), 10_000, 'both reservations released');
     ok(await c.request('DELETE', `/v1/vms/${vmId}`, { as: 'acme' }));
     assert.deepEqual(await onAgent(q2!), []);
   });

@@ -411,6 +411,11 @@ export interface Backend {
   completeIncoming?(name: string, opts: { keepPaused: boolean }): Promise<SandboxInfo>;
   /** Gives up a prepared migration that has not completed (its listener, key, QEMU, address); false when none waits. */
   abortIncoming?(name: string): Promise<boolean>;
+  /**
+   * Where a VM's memory is when the backend pages it in by itself (qemu post-copy), for the memory route where `lazy`
+   * (CRIU) is absent.
+   */
+  memoryStatus?(name: string): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string }>;
   /** Rediscover sandboxes and recreate their endpoint proxies (called by open()). */
   recover(): Promise<SandboxInfo[]>;
   /** Stops the endpoint proxies; sandboxes keep running. */

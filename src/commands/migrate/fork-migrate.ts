@@ -67,6 +67,11 @@ export class ForkMigrate {
     this.lazyMigrate = new LazyMigrate(handler, hosts, vms, this.liveMigrate, logger);
   }
 
+  /** Shutdown: the background watches of lazy moves (CRIU page-in, QEMU post-copy) stop where they are. */
+  async stop(): Promise<void> {
+    await Promise.all([this.lazyMigrate.stop(), this.qemuLiveMigrate.stop()]);
+  }
+
   /** Standby copies a live migrate defaults to and pulls against (CHECKPOINT_INTERVAL_MS; standby-checkpoints.ts). */
   set standby(standby: LiveMigrate['standby']) {
     this.liveMigrate.standby = standby;
@@ -157,13 +162,23 @@ export class ForkMigrate {
       );
     // A host that checkpoints memory (CRIU) migrates live itself; lazily (memory paged in afterwards) in lazy-migrate.ts.
     const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
+    if (opts.live && criuSource && source.backend === 'qemu') {
+      // A qemu host streams the running guest itself (QEMU's migration; lazy: its post-copy); a CRIU host moves a checkpoint.
+      const r = await this.qemuLiveMigrate.migrate(
+        vm,
+        fromHostId,
+        source,
+        { target_host_id: opts.target_host_id, keep_paused: opts.keep_paused ?? false, lazy: opts.lazy ?? false },
+        actor,
+      );
+      return { vm: r.vm, position: r.position, snapshotId: r.checkpointId, fromHostId, live: r };
+    }
     if (opts.lazy && criuSource) {
       const r = await this.lazyMigrate.migrate(vm, fromHostId, source, { target_host_id: opts.target_host_id }, actor);
       return { vm: r.vm, position: r.position, snapshotId: r.checkpointId, fromHostId, live: r };
     }
     if (opts.live && criuSource) {
-      // A qemu host streams the running guest itself (QEMU's migration); a CRIU host moves a checkpoint.
-      const r = await (source.backend === 'qemu' ? this.qemuLiveMigrate : this.liveMigrate).migrate(
+      const r = await this.liveMigrate.migrate(
         vm,
         fromHostId,
         source,

@@ -2,7 +2,7 @@ import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import { AppError, ConflictError, NotFoundError, type VmInfo } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
-import type { HostAgent } from '../../domain/host-agent.port.js';
+import type { HostAgent, MemoryStatus } from '../../domain/host-agent.port.js';
 import type { HostState } from '../../domain/host/host.decider.js';
 import { migrationAggregate, type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
@@ -21,6 +21,13 @@ import { destroySource, switchToTarget } from './switch-host.js';
 type Registered = Exclude<HostState, { status: 'unregistered' }>;
 type NativeAgent = HostAgent &
   Required<Pick<HostAgent, 'migrationOffer' | 'prepareIncoming' | 'sendMigration' | 'completeIncoming' | 'abortIncoming'>>;
+type Watched = {
+  readonly vmId: string;
+  readonly fromHostId: string;
+  readonly targetId: string;
+  readonly src: HostAgent;
+  readonly dst: HostAgent;
+};
 
 /** A qemu host that can take a running guest's stream. */
 export const receivesQemuMigration = (h: Registered): boolean => h.backend === 'qemu' && h.capacity.live_snapshot === true;
@@ -35,6 +42,13 @@ const native = (a: HostAgent): a is NativeAgent =>
 /** The target gives up its listener (and what it prepared) if no stream landed by then. */
 const INCOMING_TTL_S = 600;
 
+/** Post-copy: how often the target's QEMU is asked whether the rest of the memory arrived, and how long a silent target is waited for. */
+const POLL_MS = 200;
+const TARGET_SILENCE_MS = 60_000;
+
+/** The error code a VM lost with its post-copy source ends with (VmFailed, reason host_lost); the CRIU lazy path's code. */
+const LAZY_SOURCE_LOST = 'LAZY_SOURCE_LOST';
+
 /**
  * Live migration of a VM on a qemu host through QEMU's own migration, the
  * agents doing the streaming (docs/qemu-backend.md): the target is reserved
@@ -46,10 +60,25 @@ const INCOMING_TTL_S = 600;
  * same VM (same id; its address when free there). A failed send leaves the
  * source running (QEMU resumes it itself); a failure after the send thaws
  * the stopped source, or with `keep_paused` leaves it stopped and paused.
+ *
+ * `lazy` (QEMU post-copy): the same steps, but the source switches the
+ * stream to post-copy at once, so the guest runs on the target before its
+ * memory is all there and the answer comes then; the target's QEMU pulls
+ * each page it faults on while the source pushes the rest. The source's
+ * QEMU holds the only copy of what has not arrived, so it stays (paused,
+ * its reservation kept: the reconciler leaves a lazy move's source alone)
+ * until the target's QEMU reports the stream completed; then it goes
+ * (destroy_source). After the switch nothing can bring the guest back on
+ * the source: a failure then, or a stream that breaks before it completed
+ * (the source host or its QEMU lost), loses the VM, recorded failed
+ * (host_lost, LAZY_SOURCE_LOST), with both sides removed.
  */
 export class QemuLiveMigrate {
   private readonly migrationHandler: BoundOf<typeof migrationAggregate>;
   private readonly vmHandler: BoundOf<typeof vmAggregate>;
+  /** Post-copy watches of this process, by VM. */
+  private readonly watching = new Map<string, Promise<void>>();
+  private stopped = false;
 
   constructor(
     handler: CommandHandler,
@@ -66,15 +95,22 @@ export class QemuLiveMigrate {
     vm: ExistingVmState,
     fromHostId: string,
     source: Registered,
-    opts: { target_host_id?: string | undefined; keep_paused: boolean },
+    opts: { target_host_id?: string | undefined; keep_paused: boolean; lazy?: boolean | undefined },
     actor: Actor,
   ): Promise<LiveMigrateResult> {
     const vmId = vm.vm_id;
+    const lazy = opts.lazy === true;
     const refuse = (hostId: string, why: string): ConflictError =>
       new ConflictError(
-        'LIVE_MIGRATION_TARGET_UNSUPPORTED',
-        `host ${hostId} cannot receive a running qemu VM (${why}); nothing moved: vm ${vmId} still runs on ${fromHostId}`,
-        { vm_id: vmId, host_id: hostId },
+        lazy ? 'LAZY_MIGRATION_TARGET_UNSUPPORTED' : 'LIVE_MIGRATION_TARGET_UNSUPPORTED',
+        `host ${hostId} cannot receive a running qemu VM${lazy ? ' lazily' : ''} (${why}); nothing moved: vm ${vmId} still runs on ${fromHostId}`,
+        { vm_id: vmId, host_id: hostId, reason: why },
+      );
+    if (lazy && source.capacity.lazy_pages !== true)
+      throw new ConflictError(
+        'LAZY_MIGRATION_UNSUPPORTED',
+        `a lazy migration needs post-copy on the source (capacity lazy_pages: userfaultfd); host ${fromHostId} has none. The VM is still running on ${fromHostId}; migrate with lazy: false`,
+        { vm_id: vmId, host_id: fromHostId },
       );
     if (opts.target_host_id !== undefined) {
       const { state: t } = await this.hosts.load(opts.target_host_id);
@@ -82,11 +118,14 @@ export class QemuLiveMigrate {
         throw new NotFoundError('HOST_NOT_FOUND', `host ${opts.target_host_id} is not registered`, { host_id: opts.target_host_id });
       if (!receivesQemuMigration(t))
         throw refuse(opts.target_host_id, t.backend === 'qemu' ? 'no live snapshots' : `it runs the ${t.backend} backend`);
+      // The receiving QEMU registers the guest's memory with userfaultfd before the stream starts: without it post-copy cannot begin.
+      if (lazy && t.capacity.lazy_pages !== true) throw refuse(opts.target_host_id, 'no lazy_pages: post-copy needs userfaultfd');
     }
     const src = this.hosts.agentForState(source);
     if (!native(src)) throw refuse(fromHostId, 'its agent client has no native migration');
     const unfit = new Set([fromHostId]);
-    for (const h of await this.placer.hosts()) if (h.backend !== 'qemu' || h.capacity.live_snapshot !== true) unfit.add(h.id);
+    for (const h of await this.placer.hosts())
+      if (h.backend !== 'qemu' || h.capacity.live_snapshot !== true || (lazy && h.capacity.lazy_pages !== true)) unfit.add(h.id);
     const placed = await this.placer.placeAndReserve(
       vmId,
       {
@@ -112,7 +151,10 @@ export class QemuLiveMigrate {
     try {
       await this.record(
         vmId,
-        { type: 'StartMigration', data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: targetId, live: true } },
+        {
+          type: 'StartMigration',
+          data: { vm_id: vmId, from_host_id: fromHostId, target_host_id: targetId, live: true, ...(lazy ? { lazy: true } : {}) },
+        },
         actor,
       );
     } catch (err) {
@@ -121,7 +163,7 @@ export class QemuLiveMigrate {
     }
 
     const name = sandboxName(vmId);
-    const migrationId = `qemu-migrate-${vmId}-${randomBytes(4).toString('hex')}`;
+    const migrationId = `qemu-${lazy ? 'lazy' : 'migrate'}-${vmId}-${randomBytes(4).toString('hex')}`;
     let step: MigrationStep = 'place';
     let prepared = false;
     let sent = false;
@@ -149,6 +191,7 @@ export class QemuLiveMigrate {
           },
           machine: offer.machine,
           ttl_s: INCOMING_TTL_S,
+          lazy,
         })
         .catch((err: unknown) => {
           // The target's own answer that it cannot build this machine (another QEMU or image build, a size it lacks): a refusal.
@@ -161,7 +204,8 @@ export class QemuLiveMigrate {
       step = 'move';
       const sendStarted = Date.now();
       // The key goes to the source and nowhere else: it is in no event, log or answer.
-      const report = await src.sendMigration(name, { to: { uri: incoming.uri, psk: incoming.psk }, lazy: false });
+      // Lazy: answered at the switch to post-copy, the guest stopped on the source and its memory still mostly there.
+      const report = await src.sendMigration(name, { to: { uri: incoming.uri, psk: incoming.psk }, lazy });
       const sentAt = Date.now();
       sent = true;
 
@@ -183,6 +227,7 @@ export class QemuLiveMigrate {
           duration_ms: String(sentAt - sendStarted),
           transferred_bytes: String(report.transferred_bytes),
           qemu_downtime_ms: String(Math.round(report.downtime_ms)),
+          ...(lazy ? { lazy: 'true' } : {}),
         },
         actor,
       );
@@ -194,6 +239,7 @@ export class QemuLiveMigrate {
           host_id: targetId,
           ip: info.ip ?? '',
           readdressed: String(readdressed),
+          ...(lazy ? { lazy: 'true' } : {}),
           ...(readdressed && wantIp ? { previous_ip: wantIp } : {}),
         },
         actor,
@@ -208,6 +254,22 @@ export class QemuLiveMigrate {
       );
       prepared = false;
       switchedOver = true;
+
+      if (lazy) {
+        const final = await this.vms.get(vmId, actor);
+        this.logger.info(
+          { vm_id: vmId, from: fromHostId, to: targetId, downtime_ms: downtimeMs },
+          'qemu vm lazily migrated; memory pages in',
+        );
+        const w = { vmId, fromHostId, targetId, src, dst };
+        const watch = this.watch(w, migrationId, Date.now(), actor)
+          .catch((err: unknown) =>
+            this.logger.error({ vm_id: vmId, err: { message: (err as Error).message } }, 'qemu post-copy watch failed'),
+          )
+          .finally(() => this.watching.delete(vmId));
+        this.watching.set(vmId, watch);
+        return { vm: final, position: switched.position, fromHostId, checkpointId: migrationId, downtimeMs, readdressed, ip: info.ip };
+      }
 
       // The VM runs on the target: what follows only removes the stopped source (the reconciler collects what fails).
       step = 'destroy_source';
@@ -247,7 +309,13 @@ export class QemuLiveMigrate {
       }
       await release();
       // Before the send finished QEMU kept (or put back) the guest running on the source; after it, the source is stopped.
-      const where = sent ? await this.afterSendFailed(vm, fromHostId, src, opts.keep_paused, actor) : 'running';
+      // After a switch to post-copy the source's QEMU is no longer the guest's: it only serves pages, and nothing resumes it.
+      const where =
+        sent && lazy
+          ? await this.lostAfterSwitch(vmId, fromHostId, src, `at step "${step}": ${(err as Error).message}`, actor)
+          : sent
+            ? await this.afterSendFailed(vm, fromHostId, src, opts.keep_paused, actor)
+            : 'running';
       await this.record(
         vmId,
         { type: 'FailMigration', data: { vm_id: vmId, step, error: (err as Error).message, error_code: e?.code } },
@@ -259,15 +327,135 @@ export class QemuLiveMigrate {
           ? `The VM runs on ${fromHostId}`
           : where === 'paused'
             ? `The VM is paused on ${fromHostId} (keep_paused): POST /v1/vms/${vmId}/resume runs it`
-            : `The VM could not be resumed on ${fromHostId}; the reconciler will look at it`;
+            : where === 'lost'
+              ? `It had switched to post-copy, so its memory was split between the hosts: the VM is lost (state failed)`
+              : `The VM could not be resumed on ${fromHostId}; the reconciler will look at it`;
       throw new AppError(
         'MIGRATION_FAILED',
         e?.status ?? 502,
-        `live migration of vm ${vmId} stopped at step "${step}": ${(err as Error).message}. ${said}`,
+        `${lazy ? 'lazy' : 'live'} migration of vm ${vmId} stopped at step "${step}": ${(err as Error).message}. ${said}`,
         { vm_id: vmId, step, from_host_id: fromHostId, target_host_id: targetId, source: where, cause_code: e?.code },
         { cause: err },
       );
     }
+  }
+
+  /**
+   * Shutdown: the watches stop where they are. The two QEMUs finish the
+   * post-copy stream on their own; the source's removal (which its agent
+   * holds until the stream completed) is left to the reconciler.
+   */
+  async stop(): Promise<void> {
+    this.stopped = true;
+    await Promise.all(this.watching.values());
+  }
+
+  /**
+   * After a lazy switch: asks the target's QEMU (the agent's memory status)
+   * until the post-copy stream completed (then the source goes), broke (the
+   * VM is lost with its source), or the VM ended some other way.
+   */
+  private async watch(m: Watched, migrationId: string, startedAt: number, actor: Actor): Promise<void> {
+    const { vmId, fromHostId, targetId, src, dst } = m;
+    const name = sandboxName(vmId);
+    let heardAt = Date.now();
+    for (;;) {
+      await new Promise((r) => setTimeout(r, POLL_MS));
+      if (this.stopped) return;
+      let vm: ExistingVmState;
+      try {
+        vm = await this.vms.get(vmId, actor);
+      } catch {
+        continue;
+      }
+      if (vm.status !== 'running' || vm.host_id !== targetId) {
+        // Destroyed (or failed) on the target: the source's pages have nobody left to serve.
+        await this.dropSource(src, fromHostId, vmId, actor);
+        await this.failMigration(vmId, `vm ${vmId} ended (${vm.status}) before its memory was all on ${targetId}`, 'VM_ENDED', actor);
+        return;
+      }
+      let status: MemoryStatus;
+      try {
+        if (!dst.memoryStatus) throw new AppError('LAZY_PAGES_UNSUPPORTED', 409, `the agent client of ${targetId} reads no memory status`);
+        status = await dst.memoryStatus(name, { timeoutMs: 10_000 });
+        heardAt = Date.now();
+      } catch (err) {
+        if (Date.now() - heardAt < TARGET_SILENCE_MS) continue;
+        // The target is gone: its VM is the host-loss path's; the source's pages have nobody left to serve.
+        this.logger.error({ vm_id: vmId, host_id: targetId, err: { message: (err as Error).message } }, 'qemu post-copy: target silent');
+        await this.dropSource(src, fromHostId, vmId, actor);
+        await this.failMigration(
+          vmId,
+          `target ${targetId} silent while memory paged in: ${(err as Error).message}`,
+          'HOST_UNREACHABLE',
+          actor,
+        );
+        return;
+      }
+      if (status.done) break;
+      if (status.error !== undefined) {
+        await this.lost(
+          m,
+          `its memory was still coming from host ${fromHostId} by post-copy: ${status.error}. The VM is lost with its source`,
+          actor,
+        );
+        return;
+      }
+    }
+
+    // Every page is on the target: the source's QEMU has nothing left to serve.
+    const pagedMs = Date.now() - startedAt;
+    await destroySource(
+      { vms: this.vms, logger: this.logger },
+      { vmId, name, fromHostId, source: () => src },
+      () => this.stepDone(vmId, 'destroy_source', { host_id: fromHostId, lazy: 'true', paged_ms: String(pagedMs) }, actor),
+      actor,
+      'lazily migrated, but the source was not destroyed',
+    );
+    const position = await this.stepDone(vmId, 'cleanup', { migration_id: migrationId }, actor).catch(() => undefined);
+    this.logger.info({ vm_id: vmId, from: fromHostId, to: targetId, paged_ms: pagedMs, position }, 'qemu lazy migration done');
+  }
+
+  /** The post-copy stream broke before it completed: the target's guest waits for pages that will not come. */
+  private async lost(m: Watched, error: string, actor: Actor): Promise<void> {
+    const { vmId, fromHostId, targetId, src, dst } = m;
+    this.logger.error({ vm_id: vmId, from: fromHostId, to: targetId, error }, 'qemu post-copy: source lost before done');
+    await this.failMigration(vmId, error, LAZY_SOURCE_LOST, actor);
+    await dst.destroyVm(sandboxName(vmId), { force: true }).catch(() => undefined);
+    await this.vms.releaseCapacity(targetId, vmId, actor).catch(() => undefined);
+    await this.failVm(vmId, 'host_lost', error, LAZY_SOURCE_LOST, actor);
+    await this.dropSource(src, fromHostId, vmId, actor);
+  }
+
+  /** A failure after the switch to post-copy but before the switch to the target was recorded: the VM is lost. */
+  private async lostAfterSwitch(vmId: string, fromHostId: string, src: HostAgent, why: string, actor: Actor): Promise<'lost'> {
+    await this.dropSource(src, fromHostId, vmId, actor);
+    await this.failVm(
+      vmId,
+      'error',
+      `a lazy migration failed after its switch to post-copy, ${why}: the guest's memory was split between the hosts`,
+      'LAZY_MIGRATION_FAILED',
+      actor,
+    );
+    return 'lost';
+  }
+
+  /** The source's QEMU and sandbox go and its reservation is freed (best effort: the host may be gone). */
+  private async dropSource(src: HostAgent, hostId: string, vmId: string, actor: Actor): Promise<void> {
+    await src.destroyVm(sandboxName(vmId), { force: true, timeoutMs: 30_000 }).catch(() => undefined);
+    await this.vms.releaseCapacity(hostId, vmId, actor).catch(() => undefined);
+  }
+
+  private async failMigration(vmId: string, error: string, code: string, actor: Actor): Promise<void> {
+    await this.record(vmId, { type: 'FailMigration', data: { vm_id: vmId, step: 'destroy_source', error, error_code: code } }, actor).catch(
+      () => undefined,
+    );
+  }
+
+  private async failVm(vmId: string, reason: 'host_lost' | 'error', error: string, code: string, actor: Actor): Promise<void> {
+    await this.vmHandler
+      .handle(vmId, { type: 'FailVm', data: { vm_id: vmId, reason, error, error_code: code } }, actor)
+      .catch((err: unknown) => this.logger.error({ vm_id: vmId, err: { message: (err as Error).message } }, 'lost vm not recorded failed'));
   }
 
   /**

@@ -131,5 +131,8 @@ export function registerLazyRoutes(app: FastifyInstance, ctx: AgentRouteContext)
     return reply.code(201).send(toVmInfo(info));
   });
 
-  app.get(`${AGENT_API_PREFIX}/vms/:name/memory`, async (req) => lazy().memoryStatus(nameParam(req)));
+  // A qemu VM's post-copy is QEMU's own: its backend answers without the CRIU lazy API.
+  app.get(`${AGENT_API_PREFIX}/vms/:name/memory`, async (req) =>
+    backend.memoryStatus && !backend.lazy ? backend.memoryStatus(nameParam(req)) : lazy().memoryStatus(nameParam(req)),
+  );
 }

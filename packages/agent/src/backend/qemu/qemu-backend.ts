@@ -30,7 +30,7 @@ import { reassertNetwork } from './vm-network.js';
 import { destroyVm, stopVm } from './vm-teardown.js';
 import { readGuestFile, spawnInVm, writeGuestFile } from './guest-io.js';
 import { checkpointVm, pauseVm, restoreVmCheckpoint, resumeVm, vmLayerUsage } from './vm-memory.js';
-import { abortIncoming, completeIncoming, migrationOffer, prepareIncoming, sendMigration } from './vm-migration.js';
+import { abortIncoming, completeIncoming, memoryStatus, migrationOffer, prepareIncoming, sendMigration } from './vm-migration.js';
 import { pruneVms, recoverVms } from './vm-recovery.js';
 import { QemuHost } from './vm-host.js';
 import { gpuCapacity, probeHostGpus } from './gpu-probe.js';
@@ -266,6 +266,7 @@ export class QemuBackend implements Backend {
   abortIncoming(name: string): Promise<boolean> {
     return abortIncoming(this.host, name);
   }
+  readonly memoryStatus = (name: string): ReturnType<typeof memoryStatus> => memoryStatus(this.host, name);
 
   // ---- checkpoints on disk ----
 

@@ -82,20 +82,22 @@ export async function waitMigration(qmpPath: string, timeoutMs: number, alive?: 
  */
 export async function switchToPostcopy(qmpPath: string, timeoutMs: number, alive: () => Promise<boolean>): Promise<MigrateStatus> {
   const until = Date.now() + timeoutMs;
-  let asked = false;
+  let askedAt: number | undefined;
   for (;;) {
     const st = (await qmp(qmpPath, 'query-migrate').catch(async (err: unknown) => {
       if (!(await alive())) throw sandboxFailed('QEMU exited during the migration');
       throw err;
     })) as MigrateStatus;
-    if (st.status === 'postcopy-active' || st.status === 'completed') return st;
+    // The guest stopped at the ask (QEMU reports no downtime until the whole stream completed): from it to running on the target.
+    if (st.status === 'postcopy-active') return { ...st, downtime: st.downtime ?? Date.now() - (askedAt ?? Date.now()) };
+    if (st.status === 'completed') return st;
     if (st.status === 'failed' || st.status === 'cancelled' || st.status === 'postcopy-paused') {
       throw sandboxFailed(`QEMU migration ${st.status}: ${st['error-desc'] ?? 'no reason given'}`);
     }
     // Only once the stream is up: before that QEMU refuses the switch.
-    if (!asked && st.status === 'active') {
+    if (askedAt === undefined && st.status === 'active') {
+      askedAt = Date.now();
       await qmp(qmpPath, 'migrate-start-postcopy');
-      asked = true;
     }
     if (Date.now() > until) throw sandboxFailed(`QEMU did not switch to post-copy within ${timeoutMs} ms (status ${st.status ?? 'none'})`);
     await sleep(50);

@@ -10,6 +10,7 @@ import {
   sandboxExists,
   sandboxFailed,
   type SandboxInfo,
+  sandboxNotFound,
   sandboxNotRunning,
 } from '../../backend.js';
 import { mustRun, runTool } from '../process/exec-util.js';
@@ -105,7 +106,10 @@ export async function prepareIncoming(
       const q = qemu.qmpPath(s.name);
       await qmp(q, 'object-add', { 'qom-type': 'tls-creds-psk', id: MIG_TLS, endpoint: 'server', dir: pskDir });
       await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS });
-      if (opts.lazy) await qmp(q, 'migrate-set-capabilities', { capabilities: [{ capability: 'postcopy-ram', state: true }] });
+      if (opts.lazy) {
+        await qmp(q, 'migrate-set-capabilities', { capabilities: [{ capability: 'postcopy-ram', state: true }] });
+        postcopyIncoming.add(record);
+      }
       await qmp(q, 'migrate-incoming', { uri: `tcp:${qemu.opts.publishHost}:0` });
       const st = (await qmp(q, 'query-migrate')) as { 'socket-address'?: Array<{ port?: string | number }> };
       const port = Number(st['socket-address']?.[0]?.port ?? 0);
@@ -250,6 +254,37 @@ export async function completeIncoming(qemu: QemuHost, name: string, opts: { kee
       qemu.creating.delete(name);
     }
   });
+}
+
+/** VMs that came (or are coming) by post-copy: only their QEMU's incoming state says where their memory is. */
+const postcopyIncoming = new WeakSet<VmRecord>();
+
+/**
+ * The seed's MemoryStatus of a VM on this host. One that came by post-copy
+ * runs before its memory is all here; its QEMU knows whether the rest has
+ * arrived (query-migrate on the receiving side: completed) or its stream
+ * broke (postcopy-paused, failed: the guest waits for pages that will not
+ * come). QEMU does not count the pages it receives, so the memory is one
+ * chunk: resident once the stream completed. Any other VM has its memory.
+ */
+export async function memoryStatus(
+  qemu: QemuHost,
+  name: string,
+): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string }> {
+  const r = qemu.records.get(name);
+  if (!r) throw sandboxNotFound(name);
+  if (!postcopyIncoming.has(r)) return { resident_chunks: 0, total_chunks: 0, done: true };
+  if (!(await qemu.alive(r.state))) return { resident_chunks: 0, total_chunks: 1, done: false, error: 'its QEMU has exited' };
+  const st = (await qmp(qemu.qmpPath(name), 'query-migrate')) as { status?: string; 'error-desc'?: string };
+  if (st.status === 'completed') return { resident_chunks: 1, total_chunks: 1, done: true };
+  if (st.status === 'failed' || st.status === 'cancelled' || st.status === 'postcopy-paused' || st.status === 'postcopy-recover')
+    return {
+      resident_chunks: 0,
+      total_chunks: 1,
+      done: false,
+      error: `the post-copy stream from the source broke (QEMU ${st.status}${st['error-desc'] ? `: ${st['error-desc']}` : ''}); the rest of the guest's memory is not coming`,
+    };
+  return { resident_chunks: 0, total_chunks: 1, done: false };
 }
 
 export const MIG_TLS = 'fleet-migration-tls';
