@@ -295,7 +295,7 @@ export async function startService(opts: ServiceOptions): Promise<Service> {
       onCycle,
     );
     reconciler.idlePauser = memory;
-    reconciler.lazyWatcher = forkMigrate.lazyMigrate;
+    reconciler.lazyWatcher = forkMigrate;
     const standby = new StandbyCheckpoints(
       handler,
       hosts,

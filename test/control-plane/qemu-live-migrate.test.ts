@@ -412,7 +412,7 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
     assert.doesNotMatch(JSON.stringify(tail.map((e) => e.data)), /[0-9a-f]{64}/, 'the key is in no event');
   });
 
-  it('lazy h1 -> h2 with the source QEMU SIGKILLed mid-stream: the VM ends failed (LAZY_SOURCE_LOST), nothing left on either host', async (t) => {
+  it('lazy h1 -> h2, the control plane restarted mid-stream (its successor adopts the watch), then the source QEMU SIGKILLed: the VM ends failed (LAZY_SOURCE_LOST), nothing left on either host', async (t) => {
     if (guard(t)) return;
     if (!lazyOk) return t.skip('no userfaultfd on this kernel');
     const c = cp!;
@@ -441,6 +441,13 @@ describe('qemu live migration driven by the control plane', { skip: lack ? `miss
     const again = await c.request('POST', `/v1/vms/${vmId}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h1' } });
     assert.equal(problemOf(again).code, 'MIGRATION_IN_PROGRESS', JSON.stringify(again.body));
     assert.ok(await reserved('h1'), 'the source keeps its reservation while it serves pages');
+    // A control plane restarted mid-stream (its watch stopped) with a 1 ms grace: only an adopted watch keeps the source.
+    await c.restart({ RECONCILE_GRACE_MS: '1' });
+    await eventually(async () => ok(await c.request('GET', `/v1/vms/${vmId}`, { as: 'acme' })).host_id === 'h2', 10_000, 'read model');
+    const swept = await c.service.reconciler.reconcileOnce();
+    t.diagnostic(`reconcile after the restart: ${JSON.stringify({ orphans: swept.orphans_destroyed, errors: swept.errors })}`);
+    assert.ok(await reserved('h1'), 'the source keeps its reservation after the restart: the next control plane watches the stream');
+    assert.ok(alive(sourcePid), 'the source QEMU still serves pages');
 
     const killedAt = Date.now();
     process.kill(sourcePid, 'SIGKILL');

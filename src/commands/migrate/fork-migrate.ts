@@ -68,6 +68,11 @@ export class ForkMigrate {
   }
 
   /** Shutdown: the background watches of lazy moves (CRIU page-in, QEMU post-copy) stop where they are. */
+  /** The reconciler's LazyWatcher: a lazy move past its switch, CRIU's or QEMU's, whose watch this process has or takes up. */
+  async adopt(vmId: string): Promise<boolean> {
+    return (await this.qemuLiveMigrate.adopt(vmId)) || this.lazyMigrate.adopt(vmId);
+  }
+
   async stop(): Promise<void> {
     await Promise.all([this.lazyMigrate.stop(), this.qemuLiveMigrate.stop()]);
   }

@@ -199,7 +199,7 @@ export class QemuLiveMigrate {
           throw err;
         });
       prepared = true;
-      await this.stepDone(vmId, 'place', { host_id: targetId, listener: incoming.uri }, actor);
+      await this.stepDone(vmId, 'place', { host_id: targetId, listener: incoming.uri, migration_id: migrationId }, actor);
 
       step = 'move';
       const sendStarted = Date.now();
@@ -261,13 +261,7 @@ export class QemuLiveMigrate {
           { vm_id: vmId, from: fromHostId, to: targetId, downtime_ms: downtimeMs },
           'qemu vm lazily migrated; memory pages in',
         );
-        const w = { vmId, fromHostId, targetId, src, dst };
-        const watch = this.watch(w, migrationId, Date.now(), actor)
-          .catch((err: unknown) =>
-            this.logger.error({ vm_id: vmId, err: { message: (err as Error).message } }, 'qemu post-copy watch failed'),
-          )
-          .finally(() => this.watching.delete(vmId));
-        this.watching.set(vmId, watch);
+        this.follow({ vmId, fromHostId, targetId, src, dst }, migrationId, Date.now(), actor);
         return { vm: final, position: switched.position, fromHostId, checkpointId: migrationId, downtimeMs, readdressed, ip: info.ip };
       }
 
@@ -340,10 +334,52 @@ export class QemuLiveMigrate {
     }
   }
 
+  private follow(w: Watched, migrationId: string, startedAt: number, actor: Actor): void {
+    const watch = this.watch(w, migrationId, startedAt, actor)
+      .catch((err: unknown) =>
+        this.logger.error({ vm_id: w.vmId, err: { message: (err as Error).message } }, 'qemu post-copy watch failed'),
+      )
+      .finally(() => this.watching.delete(w.vmId));
+    this.watching.set(w.vmId, watch);
+  }
+
+  /**
+   * Picks up the watch of a qemu post-copy move past its switch that no
+   * watch of this process follows (its control plane stopped mid-stream;
+   * the reconciler asks). True while a watch of this process follows it;
+   * as with LazyMigrate.adopt, two replicas watching one move record its
+   * end once.
+   */
+  async adopt(vmId: string): Promise<boolean> {
+    if (this.stopped) return false;
+    if (this.watching.has(vmId)) return true;
+    const { state: m } = await this.migrationHandler.load(vmId);
+    if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined) return false;
+    const [{ state: source }, { state: target }] = await Promise.all([this.hosts.load(m.from_host_id), this.hosts.load(m.target_host_id)]);
+    if (source.status === 'unregistered' || target.status === 'unregistered' || source.backend !== 'qemu' || target.backend !== 'qemu')
+      return false;
+    if (this.watching.has(vmId)) return true;
+    const actor: Actor = { correlationId: `lazy-adopt-${vmId}`, actor: 'reconciler', tenantId: 'system', admin: true };
+    this.logger.info({ vm_id: vmId, from: m.from_host_id, to: m.target_host_id }, 'qemu post-copy: watch adopted');
+    this.follow(
+      {
+        vmId,
+        fromHostId: m.from_host_id,
+        targetId: m.target_host_id,
+        src: this.hosts.agentForState(source),
+        dst: this.hosts.agentForState(target),
+      },
+      m.checkpoint_id ?? '',
+      Date.parse(m.last_at),
+      actor,
+    );
+    return true;
+  }
+
   /**
    * Shutdown: the watches stop where they are. The two QEMUs finish the
-   * post-copy stream on their own; the source's removal (which its agent
-   * holds until the stream completed) is left to the reconciler.
+   * post-copy stream on their own; the next control plane's reconciler
+   * adopts the watch (`adopt`), which ends the move.
    */
   async stop(): Promise<void> {
     this.stopped = true;

@@ -56,7 +56,7 @@ export type MigrationState =
       readonly last_at: string;
       /** Post-copy: after the switch its source still holds the VM's memory pages, until `destroy_source`. */
       readonly lazy: boolean;
-      /** The capture the `snapshot` step took (a lazy move's pages are served from it until done). */
+      /** The capture the `snapshot` step took (a lazy move's pages are served from it until done), or a qemu move's stream id (`place`). */
       readonly checkpoint_id: string | undefined;
     }
   | { readonly status: 'ended' };
@@ -133,7 +133,10 @@ function evolve(state: MigrationState, event: MigrationStreamEvent): MigrationSt
         last_step: event.data.step,
         last_at: event.data.at,
         target_host_id: event.data.step === 'place' ? (event.data.detail.host_id ?? state.target_host_id) : state.target_host_id,
-        checkpoint_id: event.data.step === 'snapshot' ? (event.data.detail.checkpoint_id ?? state.checkpoint_id) : state.checkpoint_id,
+        checkpoint_id:
+          event.data.step === 'snapshot' || event.data.step === 'place'
+            ? (event.data.detail.checkpoint_id ?? event.data.detail.migration_id ?? state.checkpoint_id)
+            : state.checkpoint_id,
       };
     case 'VmMigrated':
       return state.status === 'in_progress' ? { ...state, last_step: 'switch', switched: true, last_at: event.data.at } : state;
