@@ -2,10 +2,10 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import { Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
+import { CommandExitError, Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
 import { pino } from 'pino';
 import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
-import type { RunningAgent } from '../agent/harness.js';
+import { startAgent, type RunningAgent } from '../agent/harness.js';
 import {
   registerHost,
   startCheckedFleet,
@@ -37,6 +37,22 @@ async function until<T>(what: string, f: () => T | undefined | false | Promise<T
     await new Promise((r) => setTimeout(r, 100));
   }
 }
+
+/** The numbers of "tick N" lines, checked to follow each other. */
+function ticksOf(chunks: readonly string[]): number[] {
+  const ticks = chunks
+    .join('')
+    .split('\n')
+    .filter(Boolean)
+    .map((l) => Number(/^tick (\d+)$/.exec(l)?.[1]));
+  assert.ok(
+    ticks.every((n, i) => Number.isInteger(n) && (i === 0 || n === ticks[i - 1]! + 1)),
+    `in order: ${chunks.join('')}`,
+  );
+  return ticks;
+}
+
+const TICKER = 'i=0; while true; do i=$((i+1)); echo "tick $i"; sleep 0.1; done';
 
 /** A counter the sandbox keeps in a file, detached from any envd process. */
 const COUNTER =
@@ -283,6 +299,38 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.equal(await Sandbox.deleteSnapshot('no-such-snapshot'), false);
   });
 
+  it('fork: the child lists the durable process under its pid; its output from the fork point on is its own; kill in one', async (t) => {
+    if (guard(t)) return;
+    const seen: string[] = [];
+    const bg = await sbx.commands.run(TICKER, { background: true, timeoutMs: 0, onStdout: (d) => void seen.push(d) });
+    await until('ticks before the fork', () => seen.join('').includes('tick 3'));
+    const [child] = await sbx.fork({ count: 1, timeoutMs: 120_000, requestTimeoutMs: 240_000 });
+    assert.ok(child instanceof Sandbox, child instanceof Error ? child.message : 'not a sandbox');
+    made.push(child);
+    const atFork = ticksOf(seen).at(-1)!;
+    const listed = await child.commands.list();
+    assert.ok(
+      listed.some((p) => p.pid === bg.pid && p.cmd === '/bin/bash' && p.args.join(' ').includes('tick')),
+      `the fork lists ${bg.pid} with its command: ${JSON.stringify(listed)}`,
+    );
+    const mine: string[] = [];
+    const inChild = await child.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void mine.push(d) });
+    await until('ticks in the fork', () => mine.join('').split('\n').filter(Boolean).length >= 3);
+    const ticks = ticksOf(mine);
+    // The child's follower starts where the source's had delivered at the checkpoint, which came before the fork's answer.
+    assert.ok(ticks[0]! >= 4 && ticks[0]! <= atFork + 5, `the fork goes on from the fork point (${atFork}): ${ticks[0]}`);
+    assert.equal(await child.commands.kill(bg.pid), true);
+    await assert.rejects(inChild.wait());
+    assert.ok(!(await child.commands.list()).some((p) => p.pid === bg.pid), 'gone from the fork');
+    // The source's process is its own: still listed, still ticking.
+    assert.ok((await sbx.commands.list()).some((p) => p.pid === bg.pid));
+    const n = seen.length;
+    await until('the source ticks on', () => seen.length > n + 2);
+    ticksOf(seen);
+    assert.equal(await sbx.commands.kill(bg.pid), true);
+    await assert.rejects(bg.wait());
+  });
+
   it('fork of a running sandbox: count forks with the source files, each its own sandbox', async (t) => {
     if (guard(t)) return;
     await sbx.files.write('/root/fork.txt', 'before the fork\n');
@@ -302,5 +350,40 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.equal(ids.size, 3);
     assert.equal(await sbx.files.exists('/root/mine.txt'), false);
     await assert.rejects(Sandbox.fork('no-such-sandbox'), SandboxNotFoundError);
+  });
+
+  it('agent restart: durable processes re-listed, connect and kill work, an exit nobody watched keeps its code', async (t) => {
+    if (guard(t)) return;
+    const seen: string[] = [];
+    const ticker = await sbx.commands.run(TICKER, { background: true, timeoutMs: 0, onStdout: (d) => void seen.push(d) });
+    const quitter = await sbx.commands.run('sleep 2; echo bye; exit 7', { background: true, timeoutMs: 0 });
+    await until('ticks before the restart', () => seen.join('').includes('tick 3'));
+    await ticker.disconnect();
+    await quitter.disconnect();
+    // SIGKILL, as a crash; the quitter ends while no agent runs. Back on the same port: the host's URL is unchanged.
+    const old = agent;
+    await old.kill();
+    await new Promise((r) => setTimeout(r, 3_000));
+    agent = await startAgent({ ...old.opts, token: old.token, env: { ...old.opts.env, AGENT_PORT: String(old.port) } }, 60_000);
+    fleet!.agents[fleet!.agents.indexOf(old)] = agent;
+    const procs = await until('the envd answers again', () => sbx.commands.list().catch(() => undefined), 30_000);
+    assert.ok(
+      procs.some((p) => p.pid === ticker.pid),
+      `the ticker ${ticker.pid} is listed again: ${JSON.stringify(procs)}`,
+    );
+    assert.ok(!procs.some((p) => p.pid === quitter.pid), 'an ended process is not listed as running');
+    const ended = await sbx.commands.connect(quitter.pid);
+    const err = await ended.wait().catch((e: unknown) => e);
+    assert.ok(err instanceof CommandExitError, String(err));
+    assert.equal(err.exitCode, 7);
+    await assert.rejects(sbx.commands.connect(quitter.pid), 'told once, then gone');
+
+    const after: string[] = [];
+    const again = await sbx.commands.connect(ticker.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await until('ticks after the restart', () => after.join('').split('\n').filter(Boolean).length >= 3);
+    assert.ok(ticksOf(after)[0]! > ticksOf(seen).at(-1)!, 'goes on after what was delivered');
+    assert.equal(await sbx.commands.kill(ticker.pid), true);
+    await assert.rejects(again.wait());
+    assert.ok(!(await sbx.commands.list()).some((p) => p.pid === ticker.pid));
   });
 });
