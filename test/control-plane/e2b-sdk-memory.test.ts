@@ -8,6 +8,7 @@ import { startIngress, type RunningIngress } from '../../src/adapters/ingress/in
 import { startAgent, type RunningAgent } from '../agent/harness.js';
 import {
   registerHost,
+  startCheckedAgent,
   startCheckedFleet,
   startControlPlane,
   TENANT_KEYS,
@@ -385,5 +386,30 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.equal(await sbx.commands.kill(ticker.pid), true);
     await assert.rejects(again.wait());
     assert.ok(!(await sbx.commands.list()).some((p) => p.pid === ticker.pid));
+  });
+  it('move (live migrate): the target lists the durable process under the same pid; connect and kill work there', async (t) => {
+    if (guard(t)) return;
+    const seen: string[] = [];
+    const bg = await sbx.commands.run(TICKER, { background: true, timeoutMs: 0, onStdout: (d) => void seen.push(d) });
+    await until('ticks before the move', () => seen.join('').includes('tick 3'));
+    await bg.disconnect();
+    const target = await startCheckedAgent(fleet!);
+    if ('skip' in target) return t.skip(target.skip);
+    assert.equal((await registerHost(cp!, 'h2', target, { capacity_overrides: { cpus: 16 } })).status, 201);
+    const moved = await cp!.request('POST', `/v1/vms/${sbx.sandboxId}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h2' } });
+    assert.ok(moved.status < 300, JSON.stringify(moved.body));
+    await settles(sbx.sandboxId, (v) => assert.equal((v as unknown as { host_id: string }).host_id, 'h2'));
+    assert.ok((await target.client.listVms('')).length > 0, 'the sandbox runs on the target');
+    const procs = await until('the envd answers on the target', () => sbx.commands.list().catch(() => undefined), 30_000);
+    assert.ok(
+      procs.some((p) => p.pid === bg.pid),
+      `the ticker ${bg.pid} is listed on the target: ${JSON.stringify(procs)}`,
+    );
+    const after: string[] = [];
+    const again = await sbx.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await until('ticks after the move', () => after.join('').split('\n').filter(Boolean).length >= 3);
+    assert.ok(ticksOf(after)[0]! > ticksOf(seen).at(-1)!, 'goes on after what was delivered');
+    assert.equal(await sbx.commands.kill(bg.pid), true);
+    await assert.rejects(again.wait());
   });
 });
