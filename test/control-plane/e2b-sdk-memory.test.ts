@@ -213,6 +213,38 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.ok(end instanceof Error || (end as { exitCode: number }).exitCode !== 0);
   });
 
+  it('stdin across a pause: sendStdin and closeStdin after Sandbox.connect reach the same process', async (t) => {
+    if (guard(t)) return;
+    const out: string[] = [];
+    const h = await sbx.commands.run('while read -r l; do echo "got $l"; done; echo eof', {
+      background: true,
+      stdin: true,
+      timeoutMs: 0,
+      onStdout: (d) => void out.push(d),
+    });
+    await sbx.commands.sendStdin(h.pid, 'one\n');
+    await until('the first line back', () => out.join('').includes('got one'));
+    // Sent while no client follows: it waits in the FIFO the pause keeps.
+    await h.disconnect();
+    await sbx.commands.sendStdin(h.pid, 'two\n');
+    assert.equal(await sbx.pause(), true);
+    const resumed = await Sandbox.connect(sbx.sandboxId);
+    sbx = resumed;
+    assert.ok(
+      (await resumed.commands.list()).some((p) => p.pid === h.pid),
+      'the stdin process is still listed',
+    );
+    const after: string[] = [];
+    const again = await resumed.commands.connect(h.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await resumed.commands.sendStdin(h.pid, 'three\n');
+    await until('the line sent after the resume', () => after.join('').includes('got three'));
+    await resumed.commands.closeStdin(h.pid);
+    const r = await again.wait();
+    assert.equal(r.exitCode, 0);
+    assert.ok(after.join('').endsWith('eof\n'), `EOF after the close: ${after.join('')}`);
+    assert.ok((out.join('') + after.join('')).includes('got two'), `the line sent before the pause: ${out.join('')}|${after.join('')}`);
+  });
+
   it('getMetrics: E2B-shaped samples of the running sandbox', async (t) => {
     if (guard(t)) return;
     const m = await until(

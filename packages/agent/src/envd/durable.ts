@@ -29,20 +29,30 @@ import type { Backend, ExitStatus, ProcessHandle, SpawnOptions } from '../backen
 /**
  * The command's parent in the guest, in a session of its own (not the exec's, whose end kills its group): it
  * writes the command's pid and its own (whose liveness says the status is still to come), waits and writes the status.
+ * With stdin, the command reads a FIFO in its directory that a holder (a sleep with the FIFO open for writing, so
+ * the command sees no EOF while no agent writes) keeps open until stdin is closed: the agent writes through an exec
+ * (`cat`), and the whole of it is the sandbox's own tree, which CRIU takes with the FIFO's unread bytes.
  */
 const SUPERVISE =
-  'd=$1; shift; "$@" </dev/null >"$d/out" 2>"$d/err" & p=$!; echo "$p $$" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"; ' +
-  'wait "$p"; echo "$?" >"$d/status.t"; mv "$d/status.t" "$d/status"';
+  'd=$1; shift; i=/dev/null; if [ -p "$d/in" ]; then ' +
+  '(exec 3<>"$d/in"; exec sleep 2147483647) </dev/null >/dev/null 2>&1 & echo "$!" >"$d/hold"; i="$d/in"; fi; ' +
+  '"$@" <"$i" >"$d/out" 2>"$d/err" & p=$!; echo "$p $$" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"; ' +
+  'wait "$p"; echo "$?" >"$d/status.t"; [ -f "$d/hold" ] && read -r h <"$d/hold" && kill "$h" 2>/dev/null; ' +
+  'mv "$d/status.t" "$d/status"';
+
+/** Closes a durable command's stdin: the holder goes; the agent's writer, if any, has ended first. */
+const CLOSE_STDIN = 'read -r h <"$1/hold" && kill "$h" 2>/dev/null; rm -f "$1/hold"';
 
 /** "start": launch then follow; "attach": follow `dir` from the two offsets. Prints "<pid> <dir>" first on a start. */
 const SCRIPT = `
 SUPERVISE='${SUPERVISE}'
 if [ "$1" = start ]; then
-  shift; m=$1; shift; c=$1; shift
+  shift; m=$1; shift; in=$1; shift; c=$1; shift
   if [ "$c" = /bin/bash ] && [ ! -x /bin/bash ]; then c=/bin/sh; fi
   s=; if command -v setsid >/dev/null 2>&1; then s=setsid; fi
   mkdir -p /run/fleet-envd && d=$(mktemp -d /run/fleet-envd/p.XXXXXXXX) || exit 125
   : >"$d/out" && : >"$d/err" && printf '%s' "$m" >"$d/meta" || exit 125
+  if [ "$in" = 1 ]; then mkfifo -m 600 "$d/in" || exit 125; fi
   ( $s /bin/sh -c "$SUPERVISE" envd-supervise "$d" $s "$c" "$@" </dev/null >/dev/null 2>&1 & )
   i=0; while [ ! -e "$d/pid" ]; do i=$((i+1)); [ "$i" -gt 1000 ] && exit 125; sleep 0.01; done
   read -r p _ <"$d/pid"; echo "$p $d"; oo=0; eo=0
@@ -63,7 +73,7 @@ done`;
 
 /**
  * One line per directory: dir, command pid, whether its supervisor lives, the status or "-", the offsets the last
- * follower printed, then the meta JSON. The supervisor is asked before the status: dead without one, it never comes.
+ * follower printed, whether its stdin is open (its holder lives), then the meta JSON. The supervisor is asked before the status: dead without one, it never comes.
  */
 const SCAN = `
 for d in /run/fleet-envd/p.*; do
@@ -71,7 +81,8 @@ for d in /run/fleet-envd/p.*; do
   read -r p s <"$d/pid"; a=0; [ -n "$s" ] && kill -0 "$s" 2>/dev/null && a=1
   st=-; [ -f "$d/status" ] && read -r st <"$d/status"
   o=0; e=0; [ -f "$d/at" ] && read -r o e <"$d/at"
-  printf '%s %s %s %s %s %s ' "$d" "$p" "$a" "\${st:--}" "\${o:-0}" "\${e:-0}"; head -c 300000 "$d/meta" | tr '\\n' ' '; echo
+  i=0; h=; [ -f "$d/hold" ] && read -r h <"$d/hold"; [ -n "$h" ] && kill -0 "$h" 2>/dev/null && i=1
+  printf '%s %s %s %s %s %s %s ' "$d" "$p" "$a" "\${st:--}" "\${o:-0}" "\${e:-0}" "$i"; head -c 300000 "$d/meta" | tr '\\n' ' '; echo
 done`;
 
 const DIR = /^\/run\/fleet-envd\/p\.[A-Za-z0-9]+$/;
@@ -102,13 +113,14 @@ export async function spawnDurable(
   backend: Backend,
   sandbox: string,
   meta: DurableMeta,
+  withStdin: boolean,
   opts: Omit<SpawnOptions, 'argv' | 'stdin' | 'tty'>,
 ): Promise<DurableHandle> {
-  const d = durable(backend, sandbox, undefined);
+  const d = durable(backend, sandbox, withStdin, undefined);
   d.attach(
     await backend.spawn(sandbox, {
       ...opts,
-      argv: ['/bin/sh', '-c', SCRIPT, 'envd', 'start', JSON.stringify(meta), meta.cmd, ...meta.args],
+      argv: ['/bin/sh', '-c', SCRIPT, 'envd', 'start', JSON.stringify(meta), withStdin ? '1' : '0', meta.cmd, ...meta.args],
       stdin: false,
     }),
     true,
@@ -139,14 +151,14 @@ export async function recoverDurable(backend: Backend, sandbox: string, max: num
   await h.wait();
   const out: Recovered[] = [];
   for (const line of Buffer.concat(chunks).toString('utf8').split('\n')) {
-    const m = /^(\S+) (\d+) ([01]) (-|\d+) (\d+) (\d+) (.*)$/.exec(line);
+    const m = /^(\S+) (\d+) ([01]) (-|\d+) (\d+) (\d+) ([01]) (.*)$/.exec(line);
     if (!m || out.length >= max) continue;
-    const [, dir = '', pidText = '', alive, status = '-', o = '0', e = '0', json = ''] = m;
+    const [, dir = '', pidText = '', alive, status = '-', o = '0', e = '0', stdinOpen, json = ''] = m;
     const pid = Number(pidText);
     const meta = parseMeta(json);
     if (!DIR.test(dir) || !meta || !(pid > 0)) continue;
     if (alive === '1') {
-      const d = durable(backend, sandbox, { pid, dir, out: Number(o), err: Number(e) });
+      const d = durable(backend, sandbox, stdinOpen === '1', { pid, dir, out: Number(o), err: Number(e) });
       d.handle.revive();
       out.push({ pid, meta, handle: d.handle });
     } else if (status !== '-') {
@@ -187,14 +199,15 @@ function removeDir(backend: Backend, sandbox: string, dir: string): Promise<void
 function durable(
   backend: Backend,
   sandbox: string,
+  withStdin: boolean,
   known: { pid: number; dir: string; out: number; err: number } | undefined,
 ): { handle: DurableHandle; attach: (h: ProcessHandle, start: boolean) => void } {
   const stdout = new PassThrough();
   const stderr = new PassThrough();
-  const stdin = new Writable({ write: (_c, _e, cb) => cb() });
-  stdin.end();
   let pid: number | undefined = known?.pid;
   let dir = known?.dir ?? '';
+  const fifo = withStdin ? fifoWriter(backend, sandbox, () => (pid === undefined ? undefined : dir)) : undefined;
+  const stdin = fifo?.stream ?? closedWriter();
   const offset = { out: known?.out ?? 0, err: known?.err ?? 0 };
   const sent = new Set<number>();
   let pendingKill: NodeJS.Signals | undefined;
@@ -207,6 +220,7 @@ function durable(
   const finish = (st: ExitStatus): void => {
     if (ended) return;
     ended = true;
+    fifo?.stop();
     stdout.end();
     stderr.end();
     settle(st);
@@ -294,6 +308,7 @@ function durable(
     },
     wait: () => exited,
     revive: () => {
+      fifo?.kick();
       if (ended || following || reviving || pid === undefined) return;
       reviving = true;
       backend
@@ -316,4 +331,90 @@ function durable(
     },
   };
   return { handle, attach };
+}
+
+function closedWriter(): Writable {
+  const w = new Writable({ write: (_c, _e, cb) => cb() });
+  w.end();
+  return w;
+}
+
+/**
+ * The agent's side of a durable command's stdin FIFO: bytes queue here and go to the guest through a `cat` exec,
+ * started on demand and again after a pause ended the last one (bytes the killed `cat` had not yet written into the
+ * FIFO are lost with it; those in the FIFO are the sandbox's). end(): the queue drains, `cat` ends, the holder goes.
+ */
+function fifoWriter(
+  backend: Backend,
+  sandbox: string,
+  dirOf: () => string | undefined,
+): { stream: Writable; kick: () => void; stop: () => void } {
+  const queue: Buffer[] = [];
+  let relay: ProcessHandle | undefined;
+  let starting = false;
+  let closing: (() => void) | undefined;
+  const pump = (): void => {
+    const dir = dirOf();
+    if (dir === undefined || starting) return;
+    if (!relay) {
+      if (queue.length === 0) {
+        closing?.();
+        return;
+      }
+      starting = true;
+      backend.spawn(sandbox, { argv: ['/bin/sh', '-c', 'exec cat >"$1"', 'envd-in', `${dir}/in`], stdin: true }).then(
+        (h) => {
+          starting = false;
+          relay = h;
+          h.stdin.on('error', () => undefined);
+          h.stdout.resume();
+          h.stderr.resume();
+          void h.wait().then(
+            () => {
+              if (relay === h) relay = undefined;
+              if (closing) closing();
+            },
+            () => undefined,
+          );
+          pump();
+        },
+        () => {
+          // Not running (paused): the bytes wait for the next write or close.
+          starting = false;
+        },
+      );
+      return;
+    }
+    for (const b of queue.splice(0)) relay.stdin.write(b);
+    if (closing) relay.stdin.end();
+  };
+  const stream = new Writable({
+    write(chunk: Buffer, _enc, cb) {
+      queue.push(chunk);
+      pump();
+      cb();
+    },
+    final(cb) {
+      let done = false;
+      closing = () => {
+        const dir = dirOf();
+        if (done || relay || dir === undefined) return;
+        done = true;
+        void backend
+          .spawn(sandbox, { argv: ['/bin/sh', '-c', CLOSE_STDIN, 'envd-close', dir], stdin: false })
+          .then((h) => h.wait())
+          .catch(() => undefined);
+      };
+      pump();
+      cb();
+    },
+  });
+  return {
+    stream,
+    kick: pump,
+    stop: () => {
+      queue.length = 0;
+      relay?.kill('SIGKILL');
+    },
+  };
 }

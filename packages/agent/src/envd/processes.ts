@@ -268,24 +268,24 @@ export class ProcessTable {
     if (!req.config.cmd) throw new ConnectError('process.cmd is required', Code.InvalidArgument);
     const env = { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs };
     const cwd = req.config.cwd ?? ENVD_HOME;
-    // Without stdin or a pty, nothing of the process needs the host: where a pause would otherwise end it, it runs in
-    // the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
-    const attached = req.stdin || req.pty !== undefined;
-    const handle =
-      attached || !(await this.pausable())
-        ? await this.backend.spawn(sandbox, {
-            argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
-            env,
-            cwd,
-            stdin: attached,
-            ...(req.pty ? { tty: req.pty } : {}),
-          })
-        : await spawnDurable(
-            this.backend,
-            sandbox,
-            { cmd: req.config.cmd, args: req.config.args, envs: req.config.envs, cwd: req.config.cwd, tag: req.tag },
-            { env, cwd },
-          );
+    // Without a pty, nothing of the process needs the host (stdin is a FIFO in the guest): where a pause would
+    // otherwise end it, it runs in the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
+    const attached = req.pty !== undefined || !(await this.pausable());
+    const handle = attached
+      ? await this.backend.spawn(sandbox, {
+          argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
+          env,
+          cwd,
+          stdin: req.stdin || req.pty !== undefined,
+          ...(req.pty ? { tty: req.pty } : {}),
+        })
+      : await spawnDurable(
+          this.backend,
+          sandbox,
+          { cmd: req.config.cmd, args: req.config.args, envs: req.config.envs, cwd: req.config.cwd, tag: req.tag },
+          req.stdin,
+          { env, cwd },
+        );
     handle.stdin.on('error', () => {});
     const pending: OutputEvent[] = [];
     // Output that comes before the pid is known waits here for the process record.
