@@ -36,14 +36,23 @@ import type { Backend, ExitStatus, ProcessHandle, SpawnOptions } from '../backen
 const SUPERVISE =
   'd=$1; shift; i=/dev/null; if [ -p "$d/in" ]; then ' +
   '(exec 3<>"$d/in"; exec sleep 2147483647) </dev/null >/dev/null 2>&1 & echo "$!" >"$d/hold"; i="$d/in"; fi; ' +
-  '"$@" <"$i" >"$d/out" 2>"$d/err" & p=$!; echo "$p $$" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"; ' +
-  'wait "$p"; echo "$?" >"$d/status.t"; [ -f "$d/hold" ] && read -r h <"$d/hold" && kill "$h" 2>/dev/null; ' +
-  'mv "$d/status.t" "$d/status"';
+  'pump() { o=0; while :; do dd bs=16384 count=32 of="$1.$o" 2>/dev/null; n=$(wc -c <"$1.$o"); n=$((n)); ' +
+  '[ "$n" -gt 0 ] || break; o=$((o+n)); done; }; ' +
+  'pump "$d/out" <"$d/o.p" & po=$!; pump "$d/err" <"$d/e.p" & pe=$!; ' +
+  '"$@" <"$i" >"$d/o.p" 2>"$d/e.p" & p=$!; echo "$p $$" >"$d/pid.t"; mv "$d/pid.t" "$d/pid"; ' +
+  'wait "$p"; r=$?; [ -f "$d/hold" ] && read -r h <"$d/hold" && kill "$h" 2>/dev/null; ' +
+  '(sleep 2; kill "$po" "$pe") 2>/dev/null & k=$!; wait "$po" "$pe"; kill "$k" 2>/dev/null; ' +
+  'echo "$r" >"$d/status.t"; mv "$d/status.t" "$d/status"';
 
 /** Closes a durable command's stdin: the holder goes; the agent's writer, if any, has ended first. */
 const CLOSE_STDIN = 'read -r h <"$1/hold" && kill "$h" 2>/dev/null; rm -f "$1/hold"';
 
-/** "start": launch then follow; "attach": follow `dir` from the two offsets. Prints "<pid> <dir>" first on a start. */
+/**
+ * "start": launch then follow; "attach": follow `dir` from the two offsets. Prints "<pid> <dir>" first on a start.
+ * A stream is chunks named by their first byte's offset (out.0, out.524288 …, each at most 512 KiB; the next one
+ * exists only once its predecessor is complete); `rd` reads on from offset O in chunk S and, entering a chunk,
+ * removes the one before the last: what stays of delivered output is at most the two last chunks (1 MiB) a stream.
+ */
 const SCRIPT = `
 SUPERVISE='${SUPERVISE}'
 if [ "$1" = start ]; then
@@ -51,7 +60,7 @@ if [ "$1" = start ]; then
   if [ "$c" = /bin/bash ] && [ ! -x /bin/bash ]; then c=/bin/sh; fi
   s=; if command -v setsid >/dev/null 2>&1; then s=setsid; fi
   mkdir -p /run/fleet-envd && d=$(mktemp -d /run/fleet-envd/p.XXXXXXXX) || exit 125
-  : >"$d/out" && : >"$d/err" && printf '%s' "$m" >"$d/meta" || exit 125
+  mkfifo -m 600 "$d/o.p" "$d/e.p" && printf '%s' "$m" >"$d/meta" || exit 125
   if [ "$in" = 1 ]; then mkfifo -m 600 "$d/in" || exit 125; fi
   ( $s /bin/sh -c "$SUPERVISE" envd-supervise "$d" $s "$c" "$@" </dev/null >/dev/null 2>&1 & )
   i=0; while [ ! -e "$d/pid" ]; do i=$((i+1)); [ "$i" -gt 1000 ] && exit 125; sleep 0.01; done
@@ -59,14 +68,26 @@ if [ "$1" = start ]; then
 else
   d=$2; oo=$3; eo=$4
 fi
-idle=0
+rd() {
+  if [ "$S" -lt 0 ]; then
+    S=0; for f in "$1".*; do x=\${f##*.}; case $x in ''|*[!0-9]*) continue;; esac; [ "$x" -le "$O" ] && [ "$x" -gt "$S" ] && S=$x; done
+    for f in "$1".*; do x=\${f##*.}; case $x in ''|*[!0-9]*) continue;; esac; [ "$x" -lt "$S" ] && rm -f "$f"; done
+  fi
+  while [ -e "$1.$S" ]; do
+    n=$(wc -c <"$1.$S" 2>/dev/null); n=$((n)); w=$((O-S))
+    if [ "$n" -gt "$w" ]; then tail -c +$((w+1)) "$1.$S" 2>/dev/null | head -c $((n-w)); O=$((S+n)); M=1; fi
+    [ "$n" -gt 0 ] && [ -e "$1.$((S+n))" ] || break
+    [ "$P" -ge 0 ] && rm -f "$1.$P"; P=$S; S=$((S+n))
+  done
+}
+so=-1; po=-1; se=-1; pe=-1; idle=0
 while :; do
   f=0; [ -e "$d/status" ] && f=1
-  w=$(wc -c "$d/out" "$d/err" 2>/dev/null) || kill -ABRT $$
-  set -- $w; n=$(($1)); e=$(($3)); m=0
-  if [ "$n" -gt "$oo" ]; then tail -c +$((oo+1)) "$d/out" 2>/dev/null | head -c $((n-oo)); oo=$n; m=1; fi
-  if [ "$e" -gt "$eo" ]; then tail -c +$((eo+1)) "$d/err" 2>/dev/null | head -c $((e-eo)) >&2; eo=$e; m=1; fi
-  if [ "$m" = 1 ]; then idle=0; echo "$oo $eo" >"$d/at"; fi
+  [ -d "$d" ] || kill -ABRT $$
+  M=0
+  O=$oo; S=$so; P=$po; rd "$d/out"; oo=$O; so=$S; po=$P
+  O=$eo; S=$se; P=$pe; rd "$d/err" >&2; eo=$O; se=$S; pe=$P
+  if [ "$M" = 1 ]; then idle=0; echo "$oo $eo" >"$d/at"; fi
   if [ "$f" = 1 ]; then read -r r <"$d/status"; exit "$r"; fi
   idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; elif [ "$idle" -lt 125 ]; then sleep 0.1; else sleep 0.25; fi
 done`;
