@@ -2,12 +2,13 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import { Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
+import { CommandExitError, Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
 import { pino } from 'pino';
 import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
-import type { RunningAgent } from '../agent/harness.js';
+import { startAgent, type RunningAgent } from '../agent/harness.js';
 import {
   registerHost,
+  startCheckedAgent,
   startCheckedFleet,
   startControlPlane,
   TENANT_KEYS,
@@ -37,6 +38,22 @@ async function until<T>(what: string, f: () => T | undefined | false | Promise<T
     await new Promise((r) => setTimeout(r, 100));
   }
 }
+
+/** The numbers of "tick N" lines, checked to follow each other. */
+function ticksOf(chunks: readonly string[]): number[] {
+  const ticks = chunks
+    .join('')
+    .split('\n')
+    .filter(Boolean)
+    .map((l) => Number(/^tick (\d+)$/.exec(l)?.[1]));
+  assert.ok(
+    ticks.every((n, i) => Number.isInteger(n) && (i === 0 || n === ticks[i - 1]! + 1)),
+    `in order: ${chunks.join('')}`,
+  );
+  return ticks;
+}
+
+const TICKER = 'i=0; while true; do i=$((i+1)); echo "tick $i"; sleep 0.1; done';
 
 /** A counter the sandbox keeps in a file, detached from any envd process. */
 const COUNTER =
@@ -196,6 +213,79 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.ok(end instanceof Error || (end as { exitCode: number }).exitCode !== 0);
   });
 
+  it('stdin across a pause: sendStdin and closeStdin after Sandbox.connect reach the same process', async (t) => {
+    if (guard(t)) return;
+    const out: string[] = [];
+    const h = await sbx.commands.run('n=0; while read -r l; do n=$((n+1)); echo "got $l"; done; echo "eof after $n lines"', {
+      background: true,
+      stdin: true,
+      timeoutMs: 0,
+      onStdout: (d) => void out.push(d),
+    });
+    await sbx.commands.sendStdin(h.pid, 'one\n');
+    await until('the first line back', () => out.join('').includes('got one'));
+    // Sent while no client follows: it waits in the FIFO the pause keeps.
+    await h.disconnect();
+    await sbx.commands.sendStdin(h.pid, 'two\n');
+    assert.equal(await sbx.pause(), true);
+    const resumed = await Sandbox.connect(sbx.sandboxId);
+    sbx = resumed;
+    assert.ok(
+      (await resumed.commands.list()).some((p) => p.pid === h.pid),
+      'the stdin process is still listed',
+    );
+    const after: string[] = [];
+    const again = await resumed.commands.connect(h.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await resumed.commands.sendStdin(h.pid, 'three\n');
+    await until('the line sent after the resume', () => after.join('').includes('got three'));
+    await resumed.commands.closeStdin(h.pid);
+    const r = await again.wait();
+    assert.equal(r.exitCode, 0);
+    // The line sent before the pause was read too (its echo went to no client: nothing is replayed).
+    assert.ok(after.join('').endsWith('eof after 3 lines\n'), `EOF after the close: ${after.join('')}`);
+  });
+
+  it('a chatty durable process: what it wrote stays bounded on the sandbox disk while all of it arrives in order', async (t) => {
+    if (guard(t)) return;
+    let got = 0;
+    let partial = '';
+    let last = 0;
+    let disorder = '';
+    const h = await sbx.commands.run('i=1; while :; do seq $i $((i+9999)); i=$((i+10000)); sleep 0.05; done', {
+      background: true,
+      timeoutMs: 0,
+      onStdout: (d) => {
+        got += Buffer.byteLength(d);
+        const lines = (partial + d).split('\n');
+        partial = lines.pop() ?? '';
+        for (const l of lines) {
+          if (Number(l) !== last + 1 && !disorder) disorder = `${l} after ${last}`;
+          last = Number(l);
+        }
+      },
+    });
+    const usage = async (): Promise<number> => {
+      const r = await sbx.commands.run(
+        `for d in /run/fleet-envd/p.*; do read -r p _ <"$d/pid"; [ "$p" = ${h.pid} ] && du -sk "$d" | cut -f1; done; true`,
+      );
+      return Number(r.stdout.trim());
+    };
+    const sizes: number[] = [];
+    for (const mib of [4, 8, 12]) {
+      await until(`${mib} MiB of output`, () => got >= mib * 1024 * 1024, 120_000);
+      sizes.push(await usage());
+    }
+    // Two chunks of at most 512 KiB a stream stay once delivered; the rest is what the follower has not read yet.
+    assert.ok(
+      sizes.every((k) => k > 0 && k <= 2560),
+      `KiB on disk at 4, 8 and 12 MiB of output: ${sizes.join(', ')}`,
+    );
+    assert.equal(disorder, '', 'every line in order');
+    assert.equal(await sbx.commands.kill(h.pid), true);
+    await assert.rejects(h.wait());
+    assert.equal(disorder, '');
+  });
+
   it('getMetrics: E2B-shaped samples of the running sandbox', async (t) => {
     if (guard(t)) return;
     const m = await until(
@@ -283,6 +373,38 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.equal(await Sandbox.deleteSnapshot('no-such-snapshot'), false);
   });
 
+  it('fork: the child lists the durable process under its pid; its output from the fork point on is its own; kill in one', async (t) => {
+    if (guard(t)) return;
+    const seen: string[] = [];
+    const bg = await sbx.commands.run(TICKER, { background: true, timeoutMs: 0, onStdout: (d) => void seen.push(d) });
+    await until('ticks before the fork', () => seen.join('').includes('tick 3'));
+    const [child] = await sbx.fork({ count: 1, timeoutMs: 120_000, requestTimeoutMs: 240_000 });
+    assert.ok(child instanceof Sandbox, child instanceof Error ? child.message : 'not a sandbox');
+    made.push(child);
+    const atFork = ticksOf(seen).at(-1)!;
+    const listed = await child.commands.list();
+    assert.ok(
+      listed.some((p) => p.pid === bg.pid && p.cmd === '/bin/bash' && p.args.join(' ').includes('tick')),
+      `the fork lists ${bg.pid} with its command: ${JSON.stringify(listed)}`,
+    );
+    const mine: string[] = [];
+    const inChild = await child.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void mine.push(d) });
+    await until('ticks in the fork', () => mine.join('').split('\n').filter(Boolean).length >= 3);
+    const ticks = ticksOf(mine);
+    // The child's follower starts where the source's had delivered at the checkpoint, which came before the fork's answer.
+    assert.ok(ticks[0]! >= 4 && ticks[0]! <= atFork + 5, `the fork goes on from the fork point (${atFork}): ${ticks[0]}`);
+    assert.equal(await child.commands.kill(bg.pid), true);
+    await assert.rejects(inChild.wait());
+    assert.ok(!(await child.commands.list()).some((p) => p.pid === bg.pid), 'gone from the fork');
+    // The source's process is its own: still listed, still ticking.
+    assert.ok((await sbx.commands.list()).some((p) => p.pid === bg.pid));
+    const n = seen.length;
+    await until('the source ticks on', () => seen.length > n + 2);
+    ticksOf(seen);
+    assert.equal(await sbx.commands.kill(bg.pid), true);
+    await assert.rejects(bg.wait());
+  });
+
   it('fork of a running sandbox: count forks with the source files, each its own sandbox', async (t) => {
     if (guard(t)) return;
     await sbx.files.write('/root/fork.txt', 'before the fork\n');
@@ -302,5 +424,65 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.equal(ids.size, 3);
     assert.equal(await sbx.files.exists('/root/mine.txt'), false);
     await assert.rejects(Sandbox.fork('no-such-sandbox'), SandboxNotFoundError);
+  });
+
+  it('agent restart: durable processes re-listed, connect and kill work, an exit nobody watched keeps its code', async (t) => {
+    if (guard(t)) return;
+    const seen: string[] = [];
+    const ticker = await sbx.commands.run(TICKER, { background: true, timeoutMs: 0, onStdout: (d) => void seen.push(d) });
+    const quitter = await sbx.commands.run('sleep 2; echo bye; exit 7', { background: true, timeoutMs: 0 });
+    await until('ticks before the restart', () => seen.join('').includes('tick 3'));
+    await ticker.disconnect();
+    await quitter.disconnect();
+    // SIGKILL, as a crash; the quitter ends while no agent runs. Back on the same port: the host's URL is unchanged.
+    const old = agent;
+    await old.kill();
+    await new Promise((r) => setTimeout(r, 3_000));
+    agent = await startAgent({ ...old.opts, token: old.token, env: { ...old.opts.env, AGENT_PORT: String(old.port) } }, 60_000);
+    fleet!.agents[fleet!.agents.indexOf(old)] = agent;
+    const procs = await until('the envd answers again', () => sbx.commands.list().catch(() => undefined), 30_000);
+    assert.ok(
+      procs.some((p) => p.pid === ticker.pid),
+      `the ticker ${ticker.pid} is listed again: ${JSON.stringify(procs)}`,
+    );
+    assert.ok(!procs.some((p) => p.pid === quitter.pid), 'an ended process is not listed as running');
+    const ended = await sbx.commands.connect(quitter.pid);
+    const err = await ended.wait().catch((e: unknown) => e);
+    assert.ok(err instanceof CommandExitError, String(err));
+    assert.equal(err.exitCode, 7);
+    await assert.rejects(sbx.commands.connect(quitter.pid), 'told once, then gone');
+
+    const after: string[] = [];
+    const again = await sbx.commands.connect(ticker.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await until('ticks after the restart', () => after.join('').split('\n').filter(Boolean).length >= 3);
+    assert.ok(ticksOf(after)[0]! > ticksOf(seen).at(-1)!, 'goes on after what was delivered');
+    assert.equal(await sbx.commands.kill(ticker.pid), true);
+    await assert.rejects(again.wait());
+    assert.ok(!(await sbx.commands.list()).some((p) => p.pid === ticker.pid));
+  });
+  it('move (live migrate): the target lists the durable process under the same pid; connect and kill work there', async (t) => {
+    if (guard(t)) return;
+    const seen: string[] = [];
+    const bg = await sbx.commands.run(TICKER, { background: true, timeoutMs: 0, onStdout: (d) => void seen.push(d) });
+    await until('ticks before the move', () => seen.join('').includes('tick 3'));
+    await bg.disconnect();
+    const target = await startCheckedAgent(fleet!);
+    if ('skip' in target) return t.skip(target.skip);
+    assert.equal((await registerHost(cp!, 'h2', target, { capacity_overrides: { cpus: 16 } })).status, 201);
+    const moved = await cp!.request('POST', `/v1/vms/${sbx.sandboxId}/migrate`, { as: 'acme', body: { live: true, target_host_id: 'h2' } });
+    assert.ok(moved.status < 300, JSON.stringify(moved.body));
+    await settles(sbx.sandboxId, (v) => assert.equal((v as unknown as { host_id: string }).host_id, 'h2'));
+    assert.ok((await target.client.listVms('')).length > 0, 'the sandbox runs on the target');
+    const procs = await until('the envd answers on the target', () => sbx.commands.list().catch(() => undefined), 30_000);
+    assert.ok(
+      procs.some((p) => p.pid === bg.pid),
+      `the ticker ${bg.pid} is listed on the target: ${JSON.stringify(procs)}`,
+    );
+    const after: string[] = [];
+    const again = await sbx.commands.connect(bg.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await until('ticks after the move', () => after.join('').split('\n').filter(Boolean).length >= 3);
+    assert.ok(ticksOf(after)[0]! > ticksOf(seen).at(-1)!, 'goes on after what was delivered');
+    assert.equal(await sbx.commands.kill(bg.pid), true);
+    await assert.rejects(again.wait());
   });
 });

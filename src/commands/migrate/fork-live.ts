@@ -1,5 +1,6 @@
 import type { Logger } from 'pino';
 import { AppError, ConflictError } from '@fleet/agent-protocol';
+import type { Position } from '../../domain/event-store.port.js';
 import type { SnapshotKind } from '../../domain/snapshot/snapshot.events.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import type { HostCommands } from '../host/host-commands.js';
@@ -15,7 +16,7 @@ export const MAX_FORKS = 100;
 const FORK_CONCURRENCY = 8;
 
 export type ForkOutcome =
-  | { readonly ok: true; readonly vm: ExistingVmState }
+  | { readonly ok: true; readonly vm: ExistingVmState; readonly position?: Position | undefined }
   | { readonly ok: false; readonly error: { readonly code: string; readonly status: number; readonly message: string } };
 
 export interface ForkManyResult {
@@ -84,7 +85,7 @@ export class LiveFork {
       for (let i = next++; i < opts.count; i = next++) {
         try {
           const r = await this.vms.create(spec, actor, undefined, { resume, excludeHosts });
-          forks[i] = { ok: true, vm: r.vm };
+          forks[i] = { ok: true, vm: r.vm, position: r.position };
         } catch (err) {
           const e = err instanceof AppError ? err : undefined;
           this.logger.warn({ vm_id: vmId, fork: i, code: e?.code, err: { message: (err as Error).message } }, 'a fork failed');

@@ -1,6 +1,8 @@
 import { Code, ConnectError, type HandlerContext } from '@connectrpc/connect';
-import type { Backend, ProcessHandle } from '../backend.js';
-import { isDurable, spawnDurable } from './durable.js';
+import { PassThrough, Writable } from 'node:stream';
+import { AppError } from '@fleet/agent-protocol';
+import { BackendErrorCode, type Backend, type ProcessHandle } from '../backend.js';
+import { isDurable, recoverDurable, spawnDurable } from './durable.js';
 import { ENVD_HOME } from './guest-fs.js';
 
 /**
@@ -8,7 +10,9 @@ import { ENVD_HOME } from './guest-fs.js';
  * not to the RPC that started it: a client that goes away leaves it
  * running, and Connect re-attaches to its output from then on (like envd,
  * nothing is replayed). Only the deadline the start request carried
- * (Connect-Timeout-Ms) kills it.
+ * (Connect-Timeout-Ms) kills it. Where processes are durable (durable.ts),
+ * the table of a sandbox this agent did not start them in is rebuilt from
+ * the guest on its first use (the deadline is not kept across that).
  */
 
 /**
@@ -95,6 +99,8 @@ export class EnvdProcess {
     readonly config: ProcessConfigInit,
     readonly pty: boolean,
     readonly handle: ProcessHandle,
+    /** A recovered durable process that ended while no agent followed it: its end, told to the first client that connects. */
+    readonly unseenEnd?: { readonly event: OutputEvent & { kind: 'end' }; readonly forget: () => void },
   ) {}
 
   subscribe(): Subscriber {
@@ -140,6 +146,8 @@ export interface StartRequest {
 
 export class ProcessTable {
   readonly #bySandbox = new Map<string, Map<number, EnvdProcess>>();
+  /** Sandboxes whose durable processes this agent has looked for (or is looking for) in the guest. */
+  readonly #recovered = new Map<string, Promise<void>>();
 
   /** Whether a sandbox here can be paused with its processes (CRIU): only then is the durable path worth its cost. */
   #pausable: Promise<boolean> | undefined;
@@ -163,18 +171,90 @@ export class ProcessTable {
     return known;
   }
 
-  list(sandbox: string): EnvdProcess[] {
+  /**
+   * The first use of a sandbox by this agent: durable processes already in it (this agent restarted, or the sandbox
+   * is a CRIU restore: a fork, a move) are taken into the table. A sandbox without /run/fleet-envd costs no exec.
+   */
+  private async recover(sandbox: string): Promise<void> {
+    if (!(await this.pausable())) return;
+    let pending = this.#recovered.get(sandbox);
+    if (!pending) {
+      pending = this.backend
+        .resolveGuestPath(sandbox, '/run/fleet-envd', { forWrite: false })
+        .then(
+          () => true,
+          (err: unknown) => {
+            if (err instanceof AppError && err.code === BackendErrorCode.GuestPathNotFound) return false;
+            throw err;
+          },
+        )
+        .then(async (any) => {
+          if (!any) return;
+          const table = this.#bySandbox.get(sandbox) ?? new Map<number, EnvdProcess>();
+          for (const r of await recoverDurable(this.backend, sandbox, MAX_PROCESSES_PER_SANDBOX)) {
+            if (table.has(r.pid)) continue;
+            const config = { cmd: r.meta.cmd, args: r.meta.args, envs: r.meta.envs, cwd: r.meta.cwd };
+            if ('handle' in r) {
+              const proc = new EnvdProcess(r.pid, r.meta.tag, config, false, r.handle);
+              r.handle.stdout.on('data', (chunk: Buffer) => {
+                proc.publish({ kind: 'data', stream: 'stdout', data: chunk });
+              });
+              r.handle.stderr.on('data', (chunk: Buffer) => {
+                proc.publish({ kind: 'data', stream: 'stderr', data: chunk });
+              });
+              this.track(sandbox, table, proc, () => false, undefined);
+            } else {
+              const status = `exit status ${r.exitCode}`;
+              const end = {
+                kind: 'end' as const,
+                exitCode: r.exitCode,
+                exited: true,
+                status,
+                ...(r.exitCode !== 0 ? { error: status } : {}),
+              };
+              const ended = new Promise<never>(() => undefined);
+              const proc = new EnvdProcess(r.pid, r.meta.tag, config, false, endedHandle(ended), { event: end, forget: r.forget });
+              proc.ended = true;
+              table.set(r.pid, proc);
+            }
+          }
+          if (table.size > 0) this.#bySandbox.set(sandbox, table);
+        });
+      this.#recovered.set(sandbox, pending);
+      // Not running (paused) or gone: the next use looks again.
+      pending.catch(() => this.#recovered.delete(sandbox));
+    }
+    await pending.catch(() => undefined);
+  }
+
+  async list(sandbox: string): Promise<EnvdProcess[]> {
+    await this.recover(sandbox);
     const live = [...(this.#bySandbox.get(sandbox)?.values() ?? [])].filter((p) => !p.ended);
     // A process whose follower a pause ended is followed again once the sandbox answers (this call is the sign).
     for (const p of live) if (isDurable(p.handle)) p.handle.revive();
     return live;
   }
 
-  find(sandbox: string, selector: { case: 'pid'; value: number } | { case: 'tag'; value: string } | { case: undefined }): EnvdProcess {
+  async find(
+    sandbox: string,
+    selector: { case: 'pid'; value: number } | { case: 'tag'; value: string } | { case: undefined },
+  ): Promise<EnvdProcess> {
     if (selector.case === undefined) throw new ConnectError('process selector needs a pid or a tag', Code.InvalidArgument);
-    const found = this.list(sandbox).find((p) => (selector.case === 'pid' ? p.pid === selector.value : p.tag === selector.value));
+    const match = (p: EnvdProcess): boolean => (selector.case === 'pid' ? p.pid === selector.value : p.tag === selector.value);
+    const found =
+      (await this.list(sandbox)).find(match) ??
+      [...(this.#bySandbox.get(sandbox)?.values() ?? [])].find((p) => p.unseenEnd !== undefined && match(p));
     if (!found) throw new ConnectError(`process with ${selector.case} ${String(selector.value)} not found`, Code.NotFound);
     return found;
+  }
+
+  /** A recovered process's end has been told: it leaves the table and its directory the guest. */
+  forget(sandbox: string, proc: EnvdProcess): void {
+    const table = this.#bySandbox.get(sandbox);
+    if (table?.get(proc.pid) !== proc) return;
+    table.delete(proc.pid);
+    if (table.size === 0) this.#bySandbox.delete(sandbox);
+    proc.unseenEnd?.forget();
   }
 
   /**
@@ -182,26 +262,30 @@ export class ProcessTable {
    * the starting client misses nothing; resolves once the guest pid is known.
    */
   async start(sandbox: string, req: StartRequest, timeoutMs: number | undefined): Promise<{ proc: EnvdProcess; first: Subscriber }> {
-    const table = this.#bySandbox.get(sandbox) ?? new Map<number, EnvdProcess>();
-    if (this.list(sandbox).length >= MAX_PROCESSES_PER_SANDBOX) {
+    if ((await this.list(sandbox)).length >= MAX_PROCESSES_PER_SANDBOX) {
       throw new ConnectError(`more than ${MAX_PROCESSES_PER_SANDBOX} envd processes are running in this sandbox`, Code.ResourceExhausted);
     }
     if (!req.config.cmd) throw new ConnectError('process.cmd is required', Code.InvalidArgument);
     const env = { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs };
     const cwd = req.config.cwd ?? ENVD_HOME;
-    // Without stdin or a pty, nothing of the process needs the host: where a pause would otherwise end it, it runs in
-    // the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
-    const attached = req.stdin || req.pty !== undefined;
-    const handle =
-      attached || !(await this.pausable())
-        ? await this.backend.spawn(sandbox, {
-            argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
-            env,
-            cwd,
-            stdin: attached,
-            ...(req.pty ? { tty: req.pty } : {}),
-          })
-        : await spawnDurable(this.backend, sandbox, req.config.cmd, req.config.args, { env, cwd });
+    // Without a pty, nothing of the process needs the host (stdin is a FIFO in the guest): where a pause would
+    // otherwise end it, it runs in the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
+    const attached = req.pty !== undefined || !(await this.pausable());
+    const handle = attached
+      ? await this.backend.spawn(sandbox, {
+          argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
+          env,
+          cwd,
+          stdin: req.stdin || req.pty !== undefined,
+          ...(req.pty ? { tty: req.pty } : {}),
+        })
+      : await spawnDurable(
+          this.backend,
+          sandbox,
+          { cmd: req.config.cmd, args: req.config.args, envs: req.config.envs, cwd: req.config.cwd, tag: req.tag },
+          req.stdin,
+          { env, cwd },
+        );
     handle.stdin.on('error', () => {});
     const pending: OutputEvent[] = [];
     // Output that comes before the pid is known waits here for the process record.
@@ -279,11 +363,22 @@ export class ProcessTable {
     live.proc = proc;
     const first = proc.subscribe();
     for (const e of pending.splice(0)) proc.publish(e);
-    table.set(guestPid, proc);
-    this.#bySandbox.set(sandbox, table);
+    const table = this.#bySandbox.get(sandbox) ?? new Map<number, EnvdProcess>();
+    this.track(sandbox, table, proc, () => timedOut, timer);
+    return { proc, first };
+  }
 
-    const started = proc;
-    void handle.wait().then(
+  /** Into the table until it ends; its end goes to every client then. */
+  private track(
+    sandbox: string,
+    table: Map<number, EnvdProcess>,
+    started: EnvdProcess,
+    timedOut: () => boolean,
+    timer: NodeJS.Timeout | undefined,
+  ): void {
+    table.set(started.pid, started);
+    this.#bySandbox.set(sandbox, table);
+    void started.handle.wait().then(
       (st) => {
         if (timer) clearTimeout(timer);
         started.ended = true;
@@ -294,16 +389,26 @@ export class ProcessTable {
           exitCode,
           exited: st.signal === null,
           status,
-          ...(exitCode !== 0 || st.signal ? { error: timedOut ? `${status} (deadline exceeded)` : status } : {}),
+          ...(exitCode !== 0 || st.signal ? { error: timedOut() ? `${status} (deadline exceeded)` : status } : {}),
         });
         for (const s of started.subscribers) s.close();
-        table.delete(started.pid);
+        if (table.get(started.pid) === started) table.delete(started.pid);
         if (table.size === 0 && this.#bySandbox.get(sandbox) === table) this.#bySandbox.delete(sandbox);
       },
       () => undefined,
     );
-    return { proc: started, first };
   }
+}
+
+/** The handle of a process that ended before this agent knew it: nothing to read, write or signal. */
+function endedHandle(never: Promise<never>): ProcessHandle {
+  const stdin = new Writable({ write: (_c, _e, cb) => cb() });
+  stdin.end();
+  const stdout = new PassThrough();
+  const stderr = new PassThrough();
+  stdout.end();
+  stderr.end();
+  return { stdin, stdout, stderr, resize: () => undefined, kill: () => undefined, wait: () => never };
 }
 
 function signalName(signal: NodeJS.Signals): string {

@@ -76,10 +76,10 @@ export function registerEnvdServices(router: ConnectRouter, deps: EnvdDeps): voi
   const { processes, fs, watchers } = deps;
 
   router.service(Process, {
-    list(_req, ctx) {
+    async list(_req, ctx) {
       requireRootUser(ctx.requestHeader);
       return {
-        processes: processes.list(sandboxOf(ctx)).map((p) => ({
+        processes: (await processes.list(sandboxOf(ctx))).map((p) => ({
           pid: p.pid,
           ...(p.tag !== undefined ? { tag: p.tag } : {}),
           config: {
@@ -113,14 +113,21 @@ export function registerEnvdServices(router: ConnectRouter, deps: EnvdDeps): voi
     },
 
     async *connect(req, ctx) {
-      const proc = processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
+      const sandbox = sandboxOf(ctx);
+      const proc = await processes.find(sandbox, req.process?.selector ?? { case: undefined });
+      if (proc.unseenEnd) {
+        yield { event: { event: { case: 'start', value: { pid: proc.pid } } } };
+        yield { event: toEvent(proc.unseenEnd.event) };
+        processes.forget(sandbox, proc);
+        return;
+      }
       const sub = proc.subscribe();
       yield { event: { event: { case: 'start', value: { pid: proc.pid } } } };
       for await (const e of follow(proc, sub, ctx)) yield { event: toEvent(e) };
     },
 
-    update(req, ctx) {
-      const proc = processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
+    async update(req, ctx) {
+      const proc = await processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
       if (req.pty?.size) {
         if (!proc.pty) throw new ConnectError(`process ${proc.pid} has no pty to resize`, Code.InvalidArgument);
         proc.handle.resize(req.pty.size.rows, req.pty.size.cols);
@@ -130,11 +137,11 @@ export function registerEnvdServices(router: ConnectRouter, deps: EnvdDeps): voi
 
     async streamInput(reqs, ctx) {
       const sandbox = sandboxOf(ctx);
-      let proc: ReturnType<ProcessTable['find']> | undefined;
+      let proc: Awaited<ReturnType<ProcessTable['find']>> | undefined;
       for await (const r of reqs) {
         switch (r.event.case) {
           case 'start':
-            proc = processes.find(sandbox, r.event.value.process?.selector ?? { case: undefined });
+            proc = await processes.find(sandbox, r.event.value.process?.selector ?? { case: undefined });
             break;
           case 'data':
             if (!proc) throw new ConnectError('send a start event naming the process first', Code.FailedPrecondition);
@@ -147,22 +154,22 @@ export function registerEnvdServices(router: ConnectRouter, deps: EnvdDeps): voi
       return {};
     },
 
-    sendInput(req, ctx) {
-      const proc = processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
+    async sendInput(req, ctx) {
+      const proc = await processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
       writeInput(proc, req.input?.input);
       return {};
     },
 
-    sendSignal(req, ctx) {
-      const proc = processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
+    async sendSignal(req, ctx) {
+      const proc = await processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
       if (req.signal !== Signal.SIGKILL && req.signal !== Signal.SIGTERM)
         throw new ConnectError('signal must be SIGTERM or SIGKILL', Code.InvalidArgument);
       proc.handle.kill(req.signal === Signal.SIGKILL ? 'SIGKILL' : 'SIGTERM');
       return {};
     },
 
-    closeStdin(req, ctx) {
-      const proc = processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
+    async closeStdin(req, ctx) {
+      const proc = await processes.find(sandboxOf(ctx), req.process?.selector ?? { case: undefined });
       if (proc.pty) throw new ConnectError('a pty has no stdin to close; send EOT (0x04) as input', Code.InvalidArgument);
       proc.handle.stdin.end();
       return {};
@@ -250,7 +257,7 @@ export function registerEnvdServices(router: ConnectRouter, deps: EnvdDeps): voi
 }
 
 function writeInput(
-  proc: ReturnType<ProcessTable['find']>,
+  proc: Awaited<ReturnType<ProcessTable['find']>>,
   input: { case: 'stdin' | 'pty'; value: Uint8Array } | { case: undefined; value?: undefined } | undefined,
 ): void {
   if (!input || input.case === undefined) throw new ConnectError('input needs stdin or pty bytes', Code.InvalidArgument);

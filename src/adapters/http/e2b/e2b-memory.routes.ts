@@ -130,9 +130,16 @@ export function registerE2bMemoryRoutes(app: E2bApp, deps: E2bMemoryDeps, scope:
       let snapshotId: string | undefined;
       for (let i = 0; i < count; i++) {
         try {
-          // The first fork takes the snapshot, the others start from that same one.
-          const r = await deps.forkMigrate.fork(src.vm_id, snapshotId ? { reuse_snapshot_id: snapshotId } : {}, actor);
-          snapshotId = r.snapshotId;
+          // The first fork takes the capture (with memory where the host has CRIU, as E2B's fork keeps the running
+          // processes), the others start from that same one.
+          const many = await deps.forkMigrate.forkMany(
+            src.vm_id,
+            { count: 1, ...(snapshotId ? { reuse_snapshot_id: snapshotId } : {}) },
+            actor,
+          );
+          snapshotId = many.snapshotId;
+          const r = many.forks[0];
+          if (!r?.ok) throw new AppError(r?.error.code ?? 'INTERNAL', r?.error.status ?? 500, r?.error.message ?? 'fork failed');
           scope.remember(actor, r.position);
           let vm = r.vm;
           if (timeout !== undefined) {
