@@ -44,16 +44,23 @@ describe('resume claim decider', () => {
       .then([ended('a', 'resumed', 5)]);
   });
 
-  test('its holder renews a claim once half its lease has passed; nobody else can, and a renewal before that is a no-op', () => {
-    const renewed = (id: string, seconds: number): ResumeClaimEvent => claimed(id, seconds);
+  test('its holder renews a claim once half its lease has passed; a renewal never grants (ended, or held by another)', () => {
+    const renew = (id: string): ResumeClaimCommand => ({ type: 'RenewResumeClaim', data: { vm_id: 'v1', claim_id: id, lease_ms: LEASE } });
     given(resumeClaimDecider, [claimed('a', 0)])
-      .when(claim('a'), at(151))
-      .then([renewed('a', 151)]);
+      .when(renew('a'), at(151))
+      .then([claimed('a', 151)]);
     given(resumeClaimDecider, [claimed('a', 0)])
-      .when(claim('a'), at(149))
+      .when(renew('a'), at(149))
       .then([]);
     given(resumeClaimDecider, [claimed('a', 0), claimed('b', 301)])
-      .when(claim('a'), at(302))
+      .when(renew('a'), at(302))
+      .then([]);
+    // A renewal that lands after its claim ended (it was in flight) leaves the VM free.
+    given(resumeClaimDecider, [claimed('a', 0), ended('a', 'resumed', 200)])
+      .when(renew('a'), at(201))
+      .then([]);
+    given(resumeClaimDecider, [claimed('a', 0)])
+      .when(renew('b'), at(400))
       .then([]);
   });
 

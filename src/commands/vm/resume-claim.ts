@@ -1,4 +1,5 @@
 import { randomBytes } from 'node:crypto';
+import type { Logger } from 'pino';
 import { resumeClaimAggregate } from '../../domain/vm/resume-claim.decider.js';
 import { bindAggregate, type BoundOf, type CommandHandler } from '../command-handler.js';
 import type { Actor } from './vm-commands.js';
@@ -22,6 +23,7 @@ export class ResumeClaims {
     handler: CommandHandler,
     private readonly leaseMs = RESUME_CLAIM_LEASE_MS,
     private readonly pollMs = 100,
+    private readonly logger?: Logger,
   ) {
     this.handler = bindAggregate(handler, resumeClaimAggregate);
   }
@@ -51,14 +53,28 @@ export class ResumeClaims {
         await new Promise((r) => setTimeout(r, this.pollMs));
       }
     }
+    // One renewal at a time; `end` waits for the one in flight, so none lands after the claim ended.
+    let renewing: Promise<void> = Promise.resolve();
     const renew = setInterval(() => {
-      this.handler
-        .handle(vmId, { type: 'ClaimResume', data: { vm_id: vmId, claim_id: claimId, lease_ms: this.leaseMs } }, actor)
-        .catch(() => undefined); // the next tick tries again; a lease lost meanwhile is what the lease is for
+      renewing = renewing.then(async () => {
+        try {
+          const r = await this.handler.handle(
+            vmId,
+            { type: 'RenewResumeClaim', data: { vm_id: vmId, claim_id: claimId, lease_ms: this.leaseMs } },
+            actor,
+          );
+          if (r.state.claim?.claim_id !== claimId)
+            this.logger?.warn({ vm_id: vmId }, 'resume claim lost (not renewed within its lease): another replica may resume too');
+        } catch (err) {
+          // The next tick tries again; a lease that runs out meanwhile is what the lease is for.
+          this.logger?.warn({ vm_id: vmId, err: { message: (err as Error).message } }, 'resume claim not renewed');
+        }
+      });
     }, this.leaseMs / 3);
-    const end = (outcome: 'resumed' | 'failed' | 'not_needed'): Promise<unknown> => {
+    const end = async (outcome: 'resumed' | 'failed' | 'not_needed'): Promise<void> => {
       clearInterval(renew);
-      return this.handler
+      await renewing;
+      await this.handler
         .handle(vmId, { type: 'EndResumeClaim', data: { vm_id: vmId, claim_id: claimId, outcome } }, actor)
         .catch(() => undefined);
     };

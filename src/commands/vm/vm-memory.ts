@@ -12,7 +12,7 @@ import type { MemoryStatus } from '../../domain/host-agent.port.js';
 import { sandboxName, type Actor, type VmCommands } from './vm-commands.js';
 import type { SnapshotCommands } from '../snapshot/snapshot-commands.js';
 import { resumeElsewhere } from './resume-elsewhere.js';
-import { ResumeClaims } from './resume-claim.js';
+import { RESUME_CLAIM_LEASE_MS, ResumeClaims } from './resume-claim.js';
 
 export interface VmMemoryResult {
   readonly vm: ExistingVmState;
@@ -42,7 +42,7 @@ export class VmMemory {
     private readonly logger: Logger,
   ) {
     this.vmHandler = bindAggregate(handler, vmAggregate);
-    this.claims = new ResumeClaims(handler);
+    this.claims = new ResumeClaims(handler, RESUME_CLAIM_LEASE_MS, 100, logger);
   }
 
   pause(vmId: string, actor: Actor): Promise<VmMemoryResult> {

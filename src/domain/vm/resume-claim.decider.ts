@@ -10,23 +10,30 @@ export interface ResumeClaimState {
 
 export type ResumeClaimCommand =
   | { readonly type: 'ClaimResume'; readonly data: { readonly vm_id: string; readonly claim_id: string; readonly lease_ms: number } }
+  | { readonly type: 'RenewResumeClaim'; readonly data: { readonly vm_id: string; readonly claim_id: string; readonly lease_ms: number } }
   | {
       readonly type: 'EndResumeClaim';
       readonly data: { readonly vm_id: string; readonly claim_id: string; readonly outcome: 'resumed' | 'failed' | 'not_needed' };
     };
 
 /**
- * A claim is granted when none is open or the open one is past its lease; the caller reads the state to know whether it holds it.
- * Its holder renews it by claiming again: once half its lease has passed, the lease starts anew (before that, a retry is a no-op).
+ * A claim is granted when none is open or the open one is past its lease; the caller reads the state to know whether it holds it
+ * (claiming again while holding it is a no-op). Its holder renews it (RenewResumeClaim): once half its lease has passed, the
+ * lease starts anew. A renewal never grants: of a claim that ended, or that another holds, it is a no-op (the caller reads that
+ * it lost its claim).
  */
 export function decideResumeClaim(command: ResumeClaimCommand, state: ResumeClaimState, ctx: DecideContext): ResumeClaimEvent[] {
   const at = ctx.now.toISOString();
   switch (command.type) {
     case 'ClaimResume': {
       const d = command.data;
-      if (state.claim?.claim_id === d.claim_id) {
-        if (Date.parse(state.claim.until) - ctx.now.getTime() > d.lease_ms / 2) return [];
-      } else if (state.claim && Date.parse(state.claim.until) > ctx.now.getTime()) return [];
+      if (state.claim && (state.claim.claim_id === d.claim_id || Date.parse(state.claim.until) > ctx.now.getTime())) return [];
+      const until = new Date(ctx.now.getTime() + d.lease_ms).toISOString();
+      return [{ type: 'VmResumeClaimed', data: { vm_id: d.vm_id, claim_id: d.claim_id, until, at } }];
+    }
+    case 'RenewResumeClaim': {
+      const d = command.data;
+      if (state.claim?.claim_id !== d.claim_id || Date.parse(state.claim.until) - ctx.now.getTime() > d.lease_ms / 2) return [];
       const until = new Date(ctx.now.getTime() + d.lease_ms).toISOString();
       return [{ type: 'VmResumeClaimed', data: { vm_id: d.vm_id, claim_id: d.claim_id, until, at } }];
     }
