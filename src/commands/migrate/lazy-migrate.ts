@@ -13,6 +13,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { LiveMigrate, LiveMigrateResult, Registered } from './live-migrate.js';
+import { followPageIn } from './page-in-watch.js';
 import { switchToTarget } from './switch-host.js';
 
 export type LazyMigrateResult = LiveMigrateResult;
@@ -23,10 +24,6 @@ const lazyAgent = (a: HostAgent): LazyAgent | undefined =>
 // The process backend's CRIU lazy pages; a qemu host's `lazy_pages` is QEMU's own post-copy, which this flow does not drive.
 const canServeLazily = (h: HostState): h is Registered =>
   h.status !== 'unregistered' && h.backend === 'process' && h.capacity.live_snapshot === true && h.capacity.lazy_pages === true;
-
-/** How often the target's memory status is read while pages stream, and how long an unreachable target is waited for. */
-const POLL_MS = 200;
-const TARGET_SILENCE_MS = 60_000;
 
 /** The error code a VM lost with its source ends with (VmFailed, reason host_lost). */
 export const LAZY_SOURCE_LOST = 'LAZY_SOURCE_LOST';
@@ -312,66 +309,43 @@ export class LazyMigrate {
   ): Promise<void> {
     const { vmId, fromHostId, targetId, cpId, src, dst } = m;
     const name = sandboxName(vmId);
-    let last: MemoryStatus | undefined;
-    let heardAt = Date.now();
-    for (;;) {
-      await new Promise((r) => setTimeout(r, POLL_MS));
-      if (this.stopped) return;
-      let vm: ExistingVmState;
-      try {
-        vm = await this.vms.get(vmId, actor);
-      } catch {
-        continue;
-      }
-      if (vm.status !== 'running' || vm.host_id !== targetId) {
-        await this.dropSource(src, fromHostId, vmId, cpId, actor);
-        await dst.deleteCheckpoint(cpId).catch(() => undefined);
-        await this.record(
-          vmId,
-          {
-            type: 'FailMigration',
-            data: {
-              vm_id: vmId,
-              step: 'destroy_source',
-              error: `vm ${vmId} ended (${vm.status}) before its memory was all on ${targetId}`,
-              error_code: 'VM_ENDED',
-            },
+    const outcome = await followPageIn(
+      {
+        vmId,
+        targetId,
+        moveId: cpId,
+        migrations: this.migrationHandler,
+        vms: this.vms,
+        logger: this.logger,
+        isStopped: () => this.stopped,
+        status: () => dst.memoryStatus(name, { timeoutMs: 10_000 }),
+      },
+      actor,
+    );
+    if (outcome.kind === 'stopped' || outcome.kind === 'not_ours') return;
+    if (outcome.kind === 'vm_ended') {
+      await this.dropSource(src, fromHostId, vmId, cpId, actor);
+      await dst.deleteCheckpoint(cpId).catch(() => undefined);
+      await this.record(
+        vmId,
+        {
+          type: 'FailMigration',
+          data: {
+            vm_id: vmId,
+            step: 'destroy_source',
+            error: `vm ${vmId} ended (${outcome.vm.status}) before its memory was all on ${targetId}`,
+            error_code: 'VM_ENDED',
           },
-          actor,
-        ).catch(() => undefined);
-        return;
-      }
-      let status: MemoryStatus;
-      try {
-        status = await dst.memoryStatus(name, { timeoutMs: 10_000 });
-        heardAt = Date.now();
-      } catch (err) {
-        if (Date.now() - heardAt < TARGET_SILENCE_MS) continue;
-        // The target is gone: its VM is the host-loss path's; the pinned pages have nobody left to serve.
-        this.logger.error({ vm_id: vmId, host_id: targetId, err: { message: (err as Error).message } }, 'lazy migration: target silent');
-        await this.dropSource(src, fromHostId, vmId, cpId, actor);
-        await this.record(
-          vmId,
-          {
-            type: 'FailMigration',
-            data: {
-              vm_id: vmId,
-              step: 'destroy_source',
-              error: `target ${targetId} silent while memory paged in: ${(err as Error).message}`,
-              error_code: 'HOST_UNREACHABLE',
-            },
-          },
-          actor,
-        ).catch(() => undefined);
-        return;
-      }
-      last = status;
-      if (status.done) break;
-      if (status.error !== undefined) {
-        await this.lost(m, status, actor);
-        return;
-      }
+        },
+        actor,
+      ).catch(() => undefined);
+      return;
     }
+    if (outcome.kind === 'broken') {
+      await this.lost(m, outcome.status, actor);
+      return;
+    }
+    const last = outcome.status;
 
     // Every page is on the target: the source's capture has ended (criu exits once served); its sandbox and reservation go.
     const pagedMs = Date.now() - m.startedAt;

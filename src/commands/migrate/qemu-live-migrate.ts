@@ -2,7 +2,7 @@ import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import { AppError, ConflictError, NotFoundError, type VmInfo } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
-import type { HostAgent, MemoryStatus } from '../../domain/host-agent.port.js';
+import type { HostAgent } from '../../domain/host-agent.port.js';
 import type { HostState } from '../../domain/host/host.decider.js';
 import { migrationAggregate, type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
@@ -16,6 +16,7 @@ import type { Placer } from '../placement/place-and-reserve.js';
 import { agentEgressOf } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { LiveMigrateResult } from './live-migrate.js';
+import { followPageIn } from './page-in-watch.js';
 import { destroySource, switchToTarget } from './switch-host.js';
 
 type Registered = Exclude<HostState, { status: 'unregistered' }>;
@@ -41,10 +42,6 @@ const native = (a: HostAgent): a is NativeAgent =>
 
 /** The target gives up its listener (and what it prepared) if no stream landed by then. */
 const INCOMING_TTL_S = 600;
-
-/** Post-copy: how often the target's QEMU is asked whether the rest of the memory arrived, and how long a silent target is waited for. */
-const POLL_MS = 200;
-const TARGET_SILENCE_MS = 60_000;
 
 /** The error code a VM lost with its post-copy source ends with (VmFailed, reason host_lost); the CRIU lazy path's code. */
 const LAZY_SOURCE_LOST = 'LAZY_SOURCE_LOST';
@@ -334,12 +331,16 @@ export class QemuLiveMigrate {
     }
   }
 
+  /** One watch per VM in this process; a finished watch removes its own entry only. */
   private follow(w: Watched, migrationId: string, startedAt: number, actor: Actor): void {
-    const watch = this.watch(w, migrationId, startedAt, actor)
+    if (this.watching.has(w.vmId)) return;
+    const watch: Promise<void> = this.watch(w, migrationId, startedAt, actor)
       .catch((err: unknown) =>
         this.logger.error({ vm_id: w.vmId, err: { message: (err as Error).message } }, 'qemu post-copy watch failed'),
       )
-      .finally(() => this.watching.delete(w.vmId));
+      .finally(() => {
+        if (this.watching.get(w.vmId) === watch) this.watching.delete(w.vmId);
+      });
     this.watching.set(w.vmId, watch);
   }
 
@@ -354,7 +355,8 @@ export class QemuLiveMigrate {
     if (this.stopped) return false;
     if (this.watching.has(vmId)) return true;
     const { state: m } = await this.migrationHandler.load(vmId);
-    if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined) return false;
+    if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined || m.checkpoint_id === undefined)
+      return false;
     const [{ state: source }, { state: target }] = await Promise.all([this.hosts.load(m.from_host_id), this.hosts.load(m.target_host_id)]);
     if (source.status === 'unregistered' || target.status === 'unregistered' || source.backend !== 'qemu' || target.backend !== 'qemu')
       return false;
@@ -369,7 +371,7 @@ export class QemuLiveMigrate {
         src: this.hosts.agentForState(source),
         dst: this.hosts.agentForState(target),
       },
-      m.checkpoint_id ?? '',
+      m.checkpoint_id,
       Date.parse(m.last_at),
       actor,
     );
@@ -394,49 +396,37 @@ export class QemuLiveMigrate {
   private async watch(m: Watched, migrationId: string, startedAt: number, actor: Actor): Promise<void> {
     const { vmId, fromHostId, targetId, src, dst } = m;
     const name = sandboxName(vmId);
-    let heardAt = Date.now();
-    for (;;) {
-      await new Promise((r) => setTimeout(r, POLL_MS));
-      if (this.stopped) return;
-      let vm: ExistingVmState;
-      try {
-        vm = await this.vms.get(vmId, actor);
-      } catch {
-        continue;
-      }
-      if (vm.status !== 'running' || vm.host_id !== targetId) {
-        // Destroyed (or failed) on the target: the source's pages have nobody left to serve.
-        await this.dropSource(src, fromHostId, vmId, actor);
-        await this.failMigration(vmId, `vm ${vmId} ended (${vm.status}) before its memory was all on ${targetId}`, 'VM_ENDED', actor);
-        return;
-      }
-      let status: MemoryStatus;
-      try {
-        if (!dst.memoryStatus) throw new AppError('LAZY_PAGES_UNSUPPORTED', 409, `the agent client of ${targetId} reads no memory status`);
-        status = await dst.memoryStatus(name, { timeoutMs: 10_000 });
-        heardAt = Date.now();
-      } catch (err) {
-        if (Date.now() - heardAt < TARGET_SILENCE_MS) continue;
-        // The target is gone: its VM is the host-loss path's; the source's pages have nobody left to serve.
-        this.logger.error({ vm_id: vmId, host_id: targetId, err: { message: (err as Error).message } }, 'qemu post-copy: target silent');
-        await this.dropSource(src, fromHostId, vmId, actor);
-        await this.failMigration(
-          vmId,
-          `target ${targetId} silent while memory paged in: ${(err as Error).message}`,
-          'HOST_UNREACHABLE',
-          actor,
-        );
-        return;
-      }
-      if (status.done) break;
-      if (status.error !== undefined) {
-        await this.lost(
-          m,
-          `its memory was still coming from host ${fromHostId} by post-copy: ${status.error}. The VM is lost with its source`,
-          actor,
-        );
-        return;
-      }
+    const outcome = await followPageIn(
+      {
+        vmId,
+        targetId,
+        moveId: migrationId,
+        migrations: this.migrationHandler,
+        vms: this.vms,
+        logger: this.logger,
+        isStopped: () => this.stopped,
+        status: () => {
+          if (!dst.memoryStatus)
+            throw new AppError('LAZY_PAGES_UNSUPPORTED', 409, `the agent client of ${targetId} reads no memory status`);
+          return dst.memoryStatus(name, { timeoutMs: 10_000 });
+        },
+      },
+      actor,
+    );
+    if (outcome.kind === 'stopped' || outcome.kind === 'not_ours') return;
+    if (outcome.kind === 'vm_ended') {
+      // Destroyed (or failed) on the target: the source's pages have nobody left to serve.
+      await this.dropSource(src, fromHostId, vmId, actor);
+      await this.failMigration(vmId, `vm ${vmId} ended (${outcome.vm.status}) before its memory was all on ${targetId}`, 'VM_ENDED', actor);
+      return;
+    }
+    if (outcome.kind === 'broken') {
+      await this.lost(
+        m,
+        `its memory was still coming from host ${fromHostId} by post-copy: ${outcome.status.error ?? 'no reason'}. The VM is lost with its source`,
+        actor,
+      );
+      return;
     }
 
     // Every page is on the target: the source's QEMU has nothing left to serve.
