@@ -9,7 +9,7 @@ import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 import { restoreInto } from './criu-sandbox.js';
 import { usesAgentProxy } from './egress-host.js';
 import { NO_EGRESS, sandboxEgressSchema } from './egress.js';
-import { allocateBridge, allocateVeth } from './network.js';
+import { allocateBridge, allocateVeth, prepareVeth } from './network.js';
 import { bridgeKeyOf, reserveAddress } from './sandbox-cluster.js';
 import type { SandboxHost } from './sandbox-host.js';
 import type { Persisted, SandboxRecord } from './sandbox-state.js';
@@ -142,6 +142,9 @@ export async function createSandbox(
     // Started now, awaited before the bridge and veth exist: nft runs while the directories and cgroup are made.
     const firewallReady = host.firewall.apply(() => host.firewallState());
     firewallReady.catch(() => undefined);
+    // The veth pair, after its rules and while the disk, cgroup and bridge are made: one ip(8) run fewer on the path.
+    const parked = spec.resume ? undefined : firewallReady.then(() => prepareVeth(state.veth, state.mac));
+    parked?.catch(() => undefined);
     try {
       const dir = host.sandboxDir(spec.name);
       // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -149,10 +152,11 @@ export async function createSandbox(
       await rm(dir, { recursive: true, force: true });
       await mkdir(join(dir, 'root'), { recursive: true });
       await host.persist(state);
-      const layer = layerDirs(dir, state.storage_gb);
-      if (state.storage_gb > 0) await createDisk(dir, state.storage_gb);
-      else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
       mark('dirs');
+      const layer = layerDirs(dir, state.storage_gb);
+      if (state.storage_gb > 0 && !(await host.disks.provide(dir, state.storage_gb))) await createDisk(dir, state.storage_gb);
+      else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
+      mark('disk');
       if (checkpointId) await host.checkpoints.extract(checkpointId, layer.upper);
       await host.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
       mark('cgroup');
@@ -165,7 +169,7 @@ export async function createSandbox(
       if (usesAgentProxy(state.egress)) await host.egress.ensureProxy();
       mark('bridge');
       if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), lazy);
-      else await host.launch(record, imagePath);
+      else await host.launch(record, imagePath, mark, parked);
       mark('init');
       await host.persist(state);
       mark('network');
@@ -174,6 +178,8 @@ export async function createSandbox(
       await host.persist(state);
       mark('done');
     } catch (err) {
+      // Settled first, so teardown's delete of the veth cannot run before its add.
+      await parked?.catch(() => undefined);
       await teardownSandbox(host, record, {}).catch((e: unknown) =>
         host.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'),
       );
