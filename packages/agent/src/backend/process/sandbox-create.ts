@@ -142,9 +142,7 @@ export async function createSandbox(
     // Started now, awaited before the bridge and veth exist: nft runs while the directories and cgroup are made.
     const firewallReady = host.firewall.apply(() => host.firewallState());
     firewallReady.catch(() => undefined);
-    // The veth pair, after its rules and while the disk, cgroup and bridge are made: one ip(8) run fewer on the path.
-    const parked = spec.resume ? undefined : firewallReady.then(() => prepareVeth(state.veth, state.mac));
-    parked?.catch(() => undefined);
+    let parked: Promise<string> | undefined;
     try {
       const dir = host.sandboxDir(spec.name);
       // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -153,6 +151,12 @@ export async function createSandbox(
       await mkdir(join(dir, 'root'), { recursive: true });
       await host.persist(state);
       mark('dirs');
+      // The veth pair, once state.json names it (recovery undoes it) and its rules exist, while the disk, cgroup and
+      // bridge are made: one ip(8) run fewer on the create's path.
+      if (!spec.resume) {
+        parked = firewallReady.then(() => prepareVeth(state.veth, state.mac));
+        parked.catch(() => undefined);
+      }
       const layer = layerDirs(dir, state.storage_gb);
       if (state.storage_gb > 0 && !(await host.disks.provide(dir, state.storage_gb))) await createDisk(dir, state.storage_gb);
       else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
