@@ -194,7 +194,7 @@ describe('process backend: the disk pool', { skip: skip ?? false, timeout: 600_0
     assert.ok(await fileContains(firstDisk, marker), "the marker is on the first sandbox's disk");
     await b.destroy('first');
 
-    await until('the pool refilled', () => (b.diskPool().ready === 1 ? true : undefined));
+    await until('the pool refilled', () => (b.diskPool().ready >= 1 ? true : undefined));
     for (const f of await poolFiles(dataDir)) assert.ok(!(await fileContains(join(dataDir, DISK_POOL_DIR, f), marker)), `${f} is clean`);
     const second = await b.create({ name: 'second', cpus: 1, ram_mb: 64, tenant: 'two', storage_gb: 1 });
     assert.equal(b.diskPool().taken, 2, 'both sandboxes took their disk from the pool');
