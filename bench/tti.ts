@@ -7,7 +7,7 @@ import { freePort } from '../src/adapters/postgres/embedded.js';
 
 /**
  * `npm run bench -- tti [--runs N] [--burst N] [--stagger-ms N] [--no-sdk] [--keep]
- *    [--disk-pool N | --compare-pool N] [--agent-timings]`
+ *    [--disk-pool N | --compare-pool N | --compare-root DIR] [--agent-timings]`
  *
  * Time to interactive as the public ComputeSDK leaderboard measures sandbox
  * platforms: from the create call to the first command's output, through the
@@ -23,6 +23,8 @@ import { freePort } from '../src/adapters/postgres/embedded.js';
  * two stacks at once, pool 0 and pool N, and alternates their sequential samples
  * and burst rounds, so both see the same load. --agent-timings prints the p50 of
  * each step of the agent's own create (its `create timings` debug line).
+ * --compare-root DIR does the same with another checkout (e.g. main's) as the
+ * first stack and this tree as the second.
  * Every sample is a fresh sandbox; destroys are not timed. The leaderboard's
  * published medians (Daytona 0.11 s, E2B 0.44 s) cross a network from the
  * measuring client to the provider; these do not, which is said beside them.
@@ -37,7 +39,7 @@ interface Started {
   output(): string;
 }
 
-async function startEmbeddedDefault(extraEnv: Record<string, string>): Promise<Started> {
+async function startEmbeddedDefault(extraEnv: Record<string, string>, root = ROOT): Promise<Started> {
   const dataDir = await mkdtemp(join(tmpdir(), 'fleet-tti-'));
   const [port, pgPort, agentPort] = [await freePort(), await freePort(), await freePort()];
   const env: NodeJS.ProcessEnv = {
@@ -53,8 +55,8 @@ async function startEmbeddedDefault(extraEnv: Record<string, string>): Promise<S
     AGENT_LOG_LEVEL: 'warn',
     ...extraEnv,
   };
-  const child = spawn(process.execPath, ['--import', 'tsx', join(ROOT, 'src/main.ts')], {
-    cwd: ROOT,
+  const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'src/main.ts')], {
+    cwd: root,
     env,
     stdio: ['ignore', 'pipe', 'pipe'],
   });
@@ -189,6 +191,8 @@ function summary(name: string, samples: readonly number[], failures: number): st
 
 interface Shapes {
   readonly lines: string[];
+  /** The stack's output during its sequential samples (the agent's `create timings` lines of those creates). */
+  seqOutput: string;
 }
 
 /** Per-phase p50 of the agent's own create (its `create timings` debug lines: cumulative ms since the create began). */
@@ -238,6 +242,8 @@ export default async function ttiBench(args: string[]): Promise<void> {
   const comparePool = args.includes('--compare-pool') ? opt('compare-pool', 2) : undefined;
   const diskPool = args.includes('--disk-pool') ? opt('disk-pool', 2) : undefined;
   const agentTimings = args.includes('--agent-timings');
+  // --compare-root DIR: a second checkout (e.g. main) as the first stack, this tree as the second, samples alternated.
+  const compareRoot = args.includes('--compare-root') ? resolve(args[args.indexOf('--compare-root') + 1] ?? '.') : undefined;
   const log = (s: string): void => void process.stdout.write(`${s}\n`);
   log(
     `machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg()
@@ -255,23 +261,30 @@ export default async function ttiBench(args: string[]): Promise<void> {
     ...(pool !== undefined ? { AGENT_DISK_POOL: String(pool) } : {}),
     ...(agentTimings ? { AGENT_LOG_LEVEL: 'debug' } : {}),
   });
-  const configs: Array<{ label: string; env: Record<string, string> }> =
-    comparePool !== undefined
+  const configs: Array<{ label: string; env: Record<string, string>; root?: string }> =
+    compareRoot !== undefined
       ? [
-          { label: 'disk pool 0', env: stackEnv(0, 0) },
-          { label: `disk pool ${comparePool}`, env: stackEnv(1, comparePool) },
+          { label: `baseline ${compareRoot}`, env: stackEnv(0, diskPool), root: compareRoot },
+          { label: `this tree${diskPool !== undefined ? `, disk pool ${diskPool}` : ''}`, env: stackEnv(1, diskPool) },
         ]
-      : [{ label: diskPool !== undefined ? `disk pool ${diskPool}` : 'default', env: stackEnv(0, diskPool) }];
+      : comparePool !== undefined
+        ? [
+            { label: 'disk pool 0', env: stackEnv(0, 0) },
+            { label: `disk pool ${comparePool}`, env: stackEnv(1, comparePool) },
+          ]
+        : [{ label: diskPool !== undefined ? `disk pool ${diskPool}` : 'default', env: stackEnv(0, diskPool) }];
   const stacks: Started[] = [];
   try {
-    for (const c of configs) stacks.push(await startEmbeddedDefault(c.env));
+    for (const c of configs) stacks.push(await startEmbeddedDefault(c.env, c.root));
     const results = await measure(stacks, { runs, burst, staggerMs, noSdk }, log);
     for (const [i, c] of configs.entries()) {
       log(`\n== ${c.label} ==`);
       for (const l of results[i]!.lines) log(l);
       if (agentTimings) {
-        log("  the agent's create, p50 of each step (its `create timings` debug line; cumulative, step's own in parentheses):");
-        for (const l of agentPhases(stacks[i]!.output())) log(l);
+        log(
+          "  the agent's create in the sequential samples, p50 of each step (its `create timings` debug line; cumulative, step's own in parentheses):",
+        );
+        for (const l of agentPhases(results[i]!.seqOutput)) log(l);
       }
     }
     log('\npublished medians on the ComputeSDK leaderboard (measured across the internet to each provider): Daytona 110 ms, E2B 440 ms;');
@@ -292,11 +305,12 @@ async function measure(
   o: { runs: number; burst: number; staggerMs: number; noSdk: boolean },
   log: (s: string) => void,
 ): Promise<Shapes[]> {
-  const out: Shapes[] = stacks.map(() => ({ lines: [] }));
+  const out: Shapes[] = stacks.map(() => ({ lines: [], seqOutput: '' }));
   // Warm-up: the first create after start pays for cold caches (image pages, JIT).
   for (const s of stacks) for (let i = 0; i < 3; i++) await destroy(s, (await oneTti(s, `warm${i}`)).vm);
 
   const seq = stacks.map(() => ({ ms: [] as number[], fail: 0, split: new Map<string, number[]>() }));
+  const seqFrom = stacks.map((s) => s.output().length);
   for (let i = 0; i < o.runs; i++) {
     for (const [k, s] of stacks.entries()) {
       const acc = seq[k]!;
@@ -312,6 +326,7 @@ async function measure(
     }
   }
   for (const [k, acc] of seq.entries()) {
+    out[k]!.seqOutput = stacks[k]!.output().slice(seqFrom[k]);
     const lines = out[k]!.lines;
     lines.push(summary('sequential', acc.ms, acc.fail));
     lines.push('  where a sequential sample went (p50 of each step; commit times from the VM stream, ±1 ms clocks):');
