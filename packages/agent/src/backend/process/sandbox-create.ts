@@ -143,6 +143,7 @@ export async function createSandbox(
     const firewallReady = host.firewall.apply(() => host.firewallState());
     firewallReady.catch(() => undefined);
     let parked: Promise<string> | undefined;
+    let bridged: Promise<void> | undefined;
     try {
       const dir = host.sandboxDir(spec.name);
       // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -157,6 +158,13 @@ export async function createSandbox(
         parked = firewallReady.then(() => prepareVeth(state.veth, state.mac));
         parked.catch(() => undefined);
       }
+      // The bridge too, after the rules, while the disk and cgroup are made (readyBridge skips its ip(8) runs for a
+      // bridge this process set up).
+      bridged = firewallReady.then(async () => {
+        await host.readyBridge(record);
+        await host.syncBridgeForwarding(state.bridge);
+      });
+      bridged.catch(() => undefined);
       const layer = layerDirs(dir, state.storage_gb);
       if (state.storage_gb > 0 && !(await host.disks.provide(dir, state.storage_gb))) await createDisk(dir, state.storage_gb);
       else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
@@ -167,9 +175,7 @@ export async function createSandbox(
       // The rules for this sandbox's bridge and port exist before either does.
       await firewallReady;
       mark('firewall');
-      // Three ip(8) runs cost tens of ms on a busy host: readyBridge skips them for a bridge this process set up.
-      await host.readyBridge(record);
-      await host.syncBridgeForwarding(state.bridge);
+      await bridged;
       if (usesAgentProxy(state.egress)) await host.egress.ensureProxy();
       mark('bridge');
       if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), lazy);
@@ -183,7 +189,7 @@ export async function createSandbox(
       mark('done');
     } catch (err) {
       // Settled first, so teardown's delete of the veth cannot run before its add.
-      await parked?.catch(() => undefined);
+      await Promise.allSettled([parked, bridged]);
       await teardownSandbox(host, record, {}).catch((e: unknown) =>
         host.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'),
       );
