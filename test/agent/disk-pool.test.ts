@@ -6,6 +6,7 @@ import { mkdtemp, readdir, rm, stat, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
+import { AgentConfigError, parseAgentEnv } from '../../packages/agent/src/config.js';
 import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
 import { DISK_POOL_DIR } from '../../packages/agent/src/backend/process/disk-pool.js';
 import { listLinks } from '../../packages/agent/src/backend/process/network.js';
@@ -59,6 +60,25 @@ async function fileContains(path: string, needle: string): Promise<boolean> {
   }
   return false;
 }
+
+describe('disk pool settings', () => {
+  test('AGENT_DISK_POOL defaults to 2 images of AGENT_DISK_POOL_GB 1; bad values are named', () => {
+    const token = 'a-token-of-enough-length';
+    const ok = parseAgentEnv({ AGENT_TOKEN: token });
+    assert.deepEqual([ok.AGENT_DISK_POOL, ok.AGENT_DISK_POOL_GB], [2, 1]);
+    assert.equal(parseAgentEnv({ AGENT_TOKEN: token, AGENT_DISK_POOL: '0' }).AGENT_DISK_POOL, 0);
+    assert.throws(
+      () => parseAgentEnv({ AGENT_TOKEN: token, AGENT_DISK_POOL: '-1', AGENT_DISK_POOL_GB: '0' }),
+      (err: unknown) => {
+        assert.ok(err instanceof AgentConfigError);
+        assert.match(err.message, /AGENT_DISK_POOL: must be 0 or more/);
+        assert.match(err.message, /AGENT_DISK_POOL_GB: at least 1/);
+        return true;
+      },
+    );
+    assert.throws(() => parseAgentEnv({ AGENT_TOKEN: token, AGENT_DISK_POOL: 'many' }), /AGENT_DISK_POOL:/);
+  });
+});
 
 describe('process backend: the disk pool', { skip: skip ?? false, timeout: 600_000 }, () => {
   let root: string;
