@@ -134,6 +134,11 @@ describe('process backend: the disk pool', { skip: skip ?? false, timeout: 600_0
     for (const f of await poolFiles(dataDir)) pooled.set((await stat(join(dataDir, DISK_POOL_DIR, f))).ino, f);
     assert.equal(pooled.size, 2);
     assert.ok([...pooled.values()].every((f) => /^ready-[0-9a-f]{16}\.img$/.test(f)));
+    // Prune takes nothing of the pool for an orphan.
+    const report = await b.prune();
+    assert.ok(!JSON.stringify(report).includes(DISK_POOL_DIR), JSON.stringify(report));
+    assert.equal(b.diskPool().ready, 2);
+    assert.deepEqual((await poolFiles(dataDir)).sort(), [...pooled.values()].sort());
 
     await b.create({ name: 'taker', cpus: 1, ram_mb: 64, tenant: 'acme', storage_gb: 1 });
     const img = await stat(join(dataDir, 'sandboxes', 'taker', 'disk.img'));
