@@ -198,10 +198,12 @@ interface Shapes {
 /** Per-phase p50 of the agent's own create (its `create timings` debug lines: cumulative ms since the create began). */
 function agentPhases(output: string): string[] {
   const rows = new Map<string, number[]>();
+  const disks = new Map<string, number>();
   for (const line of output.split('\n')) {
     if (!line.includes('"phases_ms"')) continue;
     try {
-      const o = JSON.parse(line) as { phases_ms?: Record<string, number> };
+      const o = JSON.parse(line) as { phases_ms?: Record<string, number>; disk?: string };
+      if (o.disk) disks.set(o.disk, (disks.get(o.disk) ?? 0) + 1);
       for (const [k, v] of Object.entries(o.phases_ms ?? {})) rows.set(k, [...(rows.get(k) ?? []), v]);
     } catch {
       /* not a JSON log line */
@@ -221,11 +223,13 @@ function agentPhases(output: string): string[] {
     )
     .sort((a, b) => a[1] - b[1]);
   let prev = 0;
-  return med.map(([k, v, n]) => {
+  const lines = med.map(([k, v, n]) => {
     const line = `    ${k.padEnd(16)} at ${v.toFixed(1)} ms  (+${(v - prev).toFixed(1)}, n=${n})`;
     prev = v;
     return line;
   });
+  if (disks.size > 0) lines.push(`    disks: ${[...disks].map(([k, n]) => `${n} ${k}`).join(', ')}`);
+  return lines;
 }
 
 export default async function ttiBench(args: string[]): Promise<void> {

@@ -144,6 +144,7 @@ export async function createSandbox(
     firewallReady.catch(() => undefined);
     let parked: Promise<string> | undefined;
     let bridged: Promise<void> | undefined;
+    let diskSource: 'pool' | 'formatted' | 'none' = 'none';
     try {
       const dir = host.sandboxDir(spec.name);
       // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -166,8 +167,10 @@ export async function createSandbox(
       });
       bridged.catch(() => undefined);
       const layer = layerDirs(dir, state.storage_gb);
-      if (state.storage_gb > 0 && !(await host.disks.provide(dir, state.storage_gb))) await createDisk(dir, state.storage_gb);
-      else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
+      if (state.storage_gb > 0) {
+        diskSource = (await host.disks.provide(dir, state.storage_gb)) ? 'pool' : 'formatted';
+        if (diskSource === 'formatted') await createDisk(dir, state.storage_gb);
+      } else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
       mark('disk');
       if (checkpointId) await host.checkpoints.extract(checkpointId, layer.upper);
       await host.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
@@ -198,7 +201,7 @@ export async function createSandbox(
         : sandboxFailed(`creating sandbox "${spec.name}" failed: ${(err as Error).message}`, { name: spec.name }, err);
     }
     host.log?.info({ sandbox: spec.name, ip, image, checkpoint: checkpointId || undefined }, 'sandbox created');
-    host.log?.debug({ sandbox: spec.name, phases_ms: phases }, 'create timings');
+    host.log?.debug({ sandbox: spec.name, phases_ms: phases, disk: diskSource }, 'create timings');
     return host.info(record);
   });
 }
