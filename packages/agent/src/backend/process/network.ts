@@ -198,44 +198,13 @@ export async function attachSandbox(opts: {
   ip: string;
   mac: string;
   subnet: Subnet;
-  /** The guest end made ahead by prepareVeth, parked in the host's namespace under this name. */
-  parked?: string | undefined;
 }): Promise<void> {
-  const { bridge, veth, nsPid, ip, mac, subnet, parked } = opts;
-  const rest = [`link set ${veth} master ${bridge} up`, `route replace ${ip}/32 dev ${bridge} src ${subnet.gateway}`];
-  if (parked) {
-    // One ip(8) run on the create's path: the guest end moves in and becomes eth0 in one netlink request.
-    await mustRun('ip', ['-batch', '-'], { input: [`link set dev ${parked} netns ${nsPid} name eth0`, ...rest].join('\n') + '\n' });
-    return;
-  }
+  const { bridge, veth, nsPid, ip, mac, subnet } = opts;
   await mustRun('ip', ['link', 'add', veth, 'type', 'veth', 'peer', 'name', 'eth0', 'netns', String(nsPid), 'address', mac]);
   await hardenLink(veth, 'veth');
-  await mustRun('ip', ['-batch', '-'], { input: rest.join('\n') + '\n' });
-}
-
-/**
- * The guest end's name while it waits in the host's namespace: `<prefix>g<n>`
- * for `<prefix>v<n>`. No other agent's names take that form (after its
- * prefix comes b… or v<n>), and it dies with its host side, so whatever
- * deletes a leftover veth deletes it too.
- */
-export function parkedPeerOf(veth: string): string | null {
-  const m = /^([a-z][a-z0-9]{0,4})v(\d+)$/.exec(veth);
-  return m ? `${m[1]}g${m[2]}` : null;
-}
-
-/**
- * Makes a sandbox's veth pair before its namespaces exist (off the create's
- * critical path): the host side under its own name with IPv6 off, down and
- * in no bridge; the guest side parked, down, with the sandbox's MAC.
- * Returns the parked name for attachSandbox.
- */
-export async function prepareVeth(veth: string, mac: string): Promise<string> {
-  const parked = parkedPeerOf(veth);
-  if (!parked) throw new Error(`veth name ${veth} has no parked form`);
-  await mustRun('ip', ['link', 'add', veth, 'type', 'veth', 'peer', 'name', parked, 'address', mac]);
-  await hardenLink(veth, 'veth');
-  return parked;
+  await mustRun('ip', ['-batch', '-'], {
+    input: [`link set ${veth} master ${bridge} up`, `route replace ${ip}/32 dev ${bridge} src ${subnet.gateway}`].join('\n') + '\n',
+  });
 }
 
 export async function detachSandbox(opts: { bridge: string; veth: string; ip: string }): Promise<void> {

@@ -9,7 +9,7 @@ import { envKeyRe, exposeSchema, nameRe, tenantRe } from '../spec-rules.js';
 import { restoreInto } from './criu-sandbox.js';
 import { usesAgentProxy } from './egress-host.js';
 import { NO_EGRESS, sandboxEgressSchema } from './egress.js';
-import { allocateBridge, allocateVeth, prepareVeth } from './network.js';
+import { allocateBridge, allocateVeth } from './network.js';
 import { bridgeKeyOf, reserveAddress } from './sandbox-cluster.js';
 import type { SandboxHost } from './sandbox-host.js';
 import type { Persisted, SandboxRecord } from './sandbox-state.js';
@@ -142,7 +142,6 @@ export async function createSandbox(
     // Started now, awaited before the bridge and veth exist: nft runs while the directories and cgroup are made.
     const firewallReady = host.firewall.apply(() => host.firewallState());
     firewallReady.catch(() => undefined);
-    let parked: Promise<string> | undefined;
     let bridged: Promise<void> | undefined;
     let diskSource: 'pool' | 'formatted' | 'none' = 'none';
     try {
@@ -153,12 +152,6 @@ export async function createSandbox(
       await mkdir(join(dir, 'root'), { recursive: true });
       await host.persist(state);
       mark('dirs');
-      // The veth pair, once state.json names it (recovery undoes it) and its rules exist, while the disk, cgroup and
-      // bridge are made: one ip(8) run fewer on the create's path.
-      if (!spec.resume) {
-        parked = firewallReady.then(() => prepareVeth(state.veth, state.mac));
-        parked.catch(() => undefined);
-      }
       // The bridge too, after the rules, while the disk and cgroup are made (readyBridge skips its ip(8) runs for a
       // bridge this process set up).
       bridged = firewallReady.then(async () => {
@@ -182,7 +175,7 @@ export async function createSandbox(
       if (usesAgentProxy(state.egress)) await host.egress.ensureProxy();
       mark('bridge');
       if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), lazy);
-      else await host.launch(record, imagePath, mark, parked);
+      else await host.launch(record, imagePath, mark);
       mark('init');
       await host.persist(state);
       mark('network');
@@ -191,8 +184,8 @@ export async function createSandbox(
       await host.persist(state);
       mark('done');
     } catch (err) {
-      // Settled first, so teardown's delete of the veth cannot run before its add.
-      await Promise.allSettled([parked, bridged]);
+      // Settled first, so teardown's delete of the bridge cannot run before its add.
+      await bridged?.catch(() => undefined);
       await teardownSandbox(host, record, {}).catch((e: unknown) =>
         host.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'),
       );

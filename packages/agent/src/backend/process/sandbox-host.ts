@@ -132,13 +132,7 @@ export class SandboxHost {
   }
 
   /** A cold start of the record's sandbox from its image over its layer. */
-  async launch(
-    record: SandboxRecord,
-    imagePath: string,
-    mark?: (phase: string) => void,
-    /** The guest end prepareVeth made (awaited once the namespaces exist). */
-    parked?: Promise<string>,
-  ): Promise<void> {
+  async launch(record: SandboxRecord, imagePath: string, mark?: (phase: string) => void): Promise<void> {
     const state = record.state;
     const dir = this.sandboxDir(state.name);
     const layer = layerDirs(dir, state.storage_gb);
@@ -157,16 +151,8 @@ export class SandboxHost {
       tools: this.tools,
       netRaw: state.net_raw,
       ...(mark ? { mark } : {}),
-      attachNetwork: async (nsPid) =>
-        attachSandbox({
-          bridge: state.bridge,
-          veth: state.veth,
-          nsPid,
-          ip: state.ip,
-          mac: state.mac,
-          subnet: this.subnet,
-          parked: await parked,
-        }),
+      attachNetwork: (nsPid) =>
+        attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip: state.ip, mac: state.mac, subnet: this.subnet }),
     });
     state.init_pid = launched.initPid;
     state.init_start = launched.initStart;
