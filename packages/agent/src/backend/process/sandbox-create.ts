@@ -152,8 +152,8 @@ export async function createSandbox(
       await mkdir(join(dir, 'root'), { recursive: true });
       await host.persist(state);
       mark('dirs');
-      // The bridge too, after the rules, while the disk and cgroup are made (readyBridge skips its ip(8) runs for a
-      // bridge this process set up).
+      // The tenant's bridge, once its rules exist, while the disk and cgroup are made (readyBridge skips its ip(8)
+      // runs for a bridge this process set up).
       bridged = firewallReady.then(async () => {
         await host.readyBridge(record);
         await host.syncBridgeForwarding(state.bridge);
