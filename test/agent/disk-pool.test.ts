@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { createReadStream, existsSync } from 'node:fs';
-import { mkdtemp, readdir, rm, stat, writeFile } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -104,7 +104,23 @@ describe('process backend: the disk pool', { skip: skip ?? false, timeout: 600_0
   });
 
   after(async () => {
-    for (const a of agents) await a.kill();
+    // A test that failed midway leaves its agent's sandboxes running: destroy them through the agent still up.
+    for (const a of agents) {
+      if (a.proc.exitCode !== null || a.proc.signalCode !== null) continue;
+      for (const v of await a.client.listVms().catch(() => [])) await a.client.destroyVm(v.name, { force: true }).catch(() => undefined);
+      await a.stop();
+    }
+    // And whatever still runs in our cgroups (a sandbox of a killed agent).
+    for (const p of prefixes) {
+      for (const c of ['pids', 'unified', '']) {
+        const parent = join('/sys/fs/cgroup', c, `fleet-${p}`);
+        for (const child of await readdir(parent, { withFileTypes: true }).catch(() => [])) {
+          if (!child.isDirectory()) continue;
+          const procs = await readFile(join(parent, child.name, 'cgroup.procs'), 'utf8').catch(() => '');
+          for (const pid of procs.split('\n').filter(Boolean)) spawnSync('kill', ['-9', pid]);
+        }
+      }
+    }
     for (const b of backends) {
       for (const s of await b.list().catch(() => [])) await b.destroy(s.name).catch(() => undefined);
       await b.prune().catch(() => undefined);
@@ -120,7 +136,11 @@ describe('process backend: the disk pool', { skip: skip ?? false, timeout: 600_0
     for (const p of prefixes) {
       for (const family of ['inet', 'bridge']) spawnSync('nft', ['delete', 'table', family, `fleet_${p}`], { stdio: 'ignore' });
       for (const c of await readdir('/sys/fs/cgroup').catch(() => [] as string[])) {
-        spawnSync('rmdir', [join('/sys/fs/cgroup', c, `fleet-${p}`)], { stdio: 'ignore' });
+        const parent = join('/sys/fs/cgroup', c, `fleet-${p}`);
+        for (const child of await readdir(parent, { withFileTypes: true }).catch(() => [])) {
+          if (child.isDirectory()) spawnSync('rmdir', [join(parent, child.name)], { stdio: 'ignore' });
+        }
+        spawnSync('rmdir', [parent], { stdio: 'ignore' });
       }
       spawnSync('rmdir', [join('/sys/fs/cgroup', `fleet-${p}`)], { stdio: 'ignore' });
     }
