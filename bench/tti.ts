@@ -6,7 +6,8 @@ import { fileURLToPath } from 'node:url';
 import { freePort } from '../src/adapters/postgres/embedded.js';
 
 /**
- * `npm run bench -- tti [--runs N] [--burst N] [--stagger-ms N] [--no-sdk] [--keep]`
+ * `npm run bench -- tti [--runs N] [--burst N] [--stagger-ms N] [--no-sdk] [--keep]
+ *    [--disk-pool N | --compare-pool N | --compare-root DIR] [--agent-timings]`
  *
  * Time to interactive as the public ComputeSDK leaderboard measures sandbox
  * platforms: from the create call to the first command's output, through the
@@ -18,6 +19,12 @@ import { freePort } from '../src/adapters/postgres/embedded.js';
  *   burst:      --burst (20) creates at once, repeated until --runs samples;
  *   e2b SDK:    sequential, through the stock `e2b` SDK (Sandbox.create() to the
  *               first stdout chunk of commands.run), configured as npm start prints.
+ * --disk-pool N sets the local agent's AGENT_DISK_POOL; --compare-pool N starts
+ * two stacks at once, pool 0 and pool N, and alternates their sequential samples
+ * and burst rounds, so both see the same load. --agent-timings prints the p50 of
+ * each step of the agent's own create (its `create timings` debug line).
+ * --compare-root DIR does the same with another checkout (e.g. main's) as the
+ * first stack and this tree as the second.
  * Every sample is a fresh sandbox; destroys are not timed. The leaderboard's
  * published medians (Daytona 0.11 s, E2B 0.44 s) cross a network from the
  * measuring client to the provider; these do not, which is said beside them.
@@ -32,7 +39,7 @@ interface Started {
   output(): string;
 }
 
-async function startEmbeddedDefault(extraEnv: Record<string, string>): Promise<Started> {
+async function startEmbeddedDefault(extraEnv: Record<string, string>, root = ROOT): Promise<Started> {
   const dataDir = await mkdtemp(join(tmpdir(), 'fleet-tti-'));
   const [port, pgPort, agentPort] = [await freePort(), await freePort(), await freePort()];
   const env: NodeJS.ProcessEnv = {
@@ -48,8 +55,8 @@ async function startEmbeddedDefault(extraEnv: Record<string, string>): Promise<S
     AGENT_LOG_LEVEL: 'warn',
     ...extraEnv,
   };
-  const child = spawn(process.execPath, ['--import', 'tsx', join(ROOT, 'src/main.ts')], {
-    cwd: ROOT,
+  const child = spawn(process.execPath, ['--import', 'tsx', join(root, 'src/main.ts')], {
+    cwd: root,
     env,
     stdio: ['ignore', 'pipe', 'pipe'],
   });
@@ -182,6 +189,49 @@ function summary(name: string, samples: readonly number[], failures: number): st
   return `${name.padEnd(11)} n=${s.length}${failures ? ` (${failures} failed)` : ''}  p50 ${f(pct(s, 0.5))}  p95 ${f(pct(s, 0.95))}  p99 ${f(pct(s, 0.99))}  max ${f(s.at(-1) ?? NaN)}`;
 }
 
+interface Shapes {
+  readonly lines: string[];
+  /** The stack's output during its sequential samples (the agent's `create timings` lines of those creates). */
+  seqOutput: string;
+}
+
+/** Per-phase p50 of the agent's own create (its `create timings` debug lines: cumulative ms since the create began). */
+function agentPhases(output: string): string[] {
+  const rows = new Map<string, number[]>();
+  const disks = new Map<string, number>();
+  for (const line of output.split('\n')) {
+    if (!line.includes('"phases_ms"')) continue;
+    try {
+      const o = JSON.parse(line) as { phases_ms?: Record<string, number>; disk?: string };
+      if (o.disk) disks.set(o.disk, (disks.get(o.disk) ?? 0) + 1);
+      for (const [k, v] of Object.entries(o.phases_ms ?? {})) rows.set(k, [...(rows.get(k) ?? []), v]);
+    } catch {
+      /* not a JSON log line */
+    }
+  }
+  const med = [...rows]
+    .map(
+      ([k, v]) =>
+        [
+          k,
+          pct(
+            [...v].sort((a, b) => a - b),
+            0.5,
+          ),
+          v.length,
+        ] as const,
+    )
+    .sort((a, b) => a[1] - b[1]);
+  let prev = 0;
+  const lines = med.map(([k, v, n]) => {
+    const line = `    ${k.padEnd(16)} at ${v.toFixed(1)} ms  (+${(v - prev).toFixed(1)}, n=${n})`;
+    prev = v;
+    return line;
+  });
+  if (disks.size > 0) lines.push(`    disks: ${[...disks].map(([k, n]) => `${n} ${k}`).join(', ')}`);
+  return lines;
+}
+
 export default async function ttiBench(args: string[]): Promise<void> {
   const opt = (name: string, dflt: number): number => {
     const i = args.indexOf(`--${name}`);
@@ -191,6 +241,13 @@ export default async function ttiBench(args: string[]): Promise<void> {
   const burst = opt('burst', 20);
   const staggerMs = opt('stagger-ms', 200);
   const keep = args.includes('--keep');
+  const noSdk = args.includes('--no-sdk');
+  // --disk-pool N: AGENT_DISK_POOL for the local agent; --compare-pool N: two stacks, pool 0 and pool N, samples alternated.
+  const comparePool = args.includes('--compare-pool') ? opt('compare-pool', 2) : undefined;
+  const diskPool = args.includes('--disk-pool') ? opt('disk-pool', 2) : undefined;
+  const agentTimings = args.includes('--agent-timings');
+  // --compare-root DIR: a second checkout (e.g. main) as the first stack, this tree as the second, samples alternated.
+  const compareRoot = args.includes('--compare-root') ? resolve(args[args.indexOf('--compare-root') + 1] ?? '.') : undefined;
   const log = (s: string): void => void process.stdout.write(`${s}\n`);
   log(
     `machine: ${cpus().length} × ${cpus()[0]?.model ?? '?'}, node ${process.version}, load ${loadavg()
@@ -202,40 +259,94 @@ export default async function ttiBench(args: string[]): Promise<void> {
   // (they are idle apart from one echo); never below the embedded default's own 4:1.
   const ratio = Math.max(4, Math.ceil(burst / cpus().length));
   log(`CPU_OVERCOMMIT_RATIO=${ratio} for the local host (room for a burst of ${burst} 1-CPU sandboxes)`);
-  const s = await startEmbeddedDefault({ CPU_OVERCOMMIT_RATIO: String(ratio) });
-  const lines: string[] = [];
+  const stackEnv = (i: number, pool: number | undefined): Record<string, string> => ({
+    CPU_OVERCOMMIT_RATIO: String(ratio),
+    ...(i > 0 ? { AGENT_BRIDGE_PREFIX: `tt${i}`, AGENT_SUBNET: `10.${252 - i}.0.0/16` } : {}),
+    ...(pool !== undefined ? { AGENT_DISK_POOL: String(pool) } : {}),
+    ...(agentTimings ? { AGENT_LOG_LEVEL: 'debug' } : {}),
+  });
+  const configs: Array<{ label: string; env: Record<string, string>; root?: string }> =
+    compareRoot !== undefined
+      ? [
+          { label: `baseline ${compareRoot}`, env: stackEnv(0, diskPool), root: compareRoot },
+          { label: `this tree${diskPool !== undefined ? `, disk pool ${diskPool}` : ''}`, env: stackEnv(1, diskPool) },
+        ]
+      : comparePool !== undefined
+        ? [
+            { label: 'disk pool 0', env: stackEnv(0, 0) },
+            { label: `disk pool ${comparePool}`, env: stackEnv(1, comparePool) },
+          ]
+        : [{ label: diskPool !== undefined ? `disk pool ${diskPool}` : 'default', env: stackEnv(0, diskPool) }];
+  const stacks: Started[] = [];
   try {
-    // Warm-up: the first create after start pays for cold caches (image pages, JIT).
-    for (let i = 0; i < 3; i++) await destroy(s, (await oneTti(s, `warm${i}`)).vm);
+    for (const c of configs) stacks.push(await startEmbeddedDefault(c.env, c.root));
+    const results = await measure(stacks, { runs, burst, staggerMs, noSdk }, log);
+    for (const [i, c] of configs.entries()) {
+      log(`\n== ${c.label} ==`);
+      for (const l of results[i]!.lines) log(l);
+      if (agentTimings) {
+        log(
+          "  the agent's create in the sequential samples, p50 of each step (its `create timings` debug line; cumulative, step's own in parentheses):",
+        );
+        for (const l of agentPhases(results[i]!.seqOutput)) log(l);
+      }
+    }
+    log('\npublished medians on the ComputeSDK leaderboard (measured across the internet to each provider): Daytona 110 ms, E2B 440 ms;');
+    log('the figures above are on one machine over loopback, no network crossed.');
+    log(
+      `load at the end: ${loadavg()
+        .map((l) => l.toFixed(1))
+        .join(' ')}`,
+    );
+  } finally {
+    for (const s of stacks) await stop(s, keep);
+  }
+}
 
-    const seq: number[] = [];
-    let seqFail = 0;
-    const split = new Map<string, number[]>();
-    for (let i = 0; i < runs; i++) {
+/** Every shape on each stack; with two stacks, sequential samples and burst rounds alternate between them (same load). */
+async function measure(
+  stacks: readonly Started[],
+  o: { runs: number; burst: number; staggerMs: number; noSdk: boolean },
+  log: (s: string) => void,
+): Promise<Shapes[]> {
+  const out: Shapes[] = stacks.map(() => ({ lines: [], seqOutput: '' }));
+  // Warm-up: the first create after start pays for cold caches (image pages, JIT).
+  for (const s of stacks) for (let i = 0; i < 3; i++) await destroy(s, (await oneTti(s, `warm${i}`)).vm);
+
+  const seq = stacks.map(() => ({ ms: [] as number[], fail: 0, split: new Map<string, number[]>() }));
+  const seqFrom = stacks.map((s) => s.output().length);
+  for (let i = 0; i < o.runs; i++) {
+    for (const [k, s] of stacks.entries()) {
+      const acc = seq[k]!;
       try {
         const r = await oneTti(s, `seq${i}`);
-        seq.push(r.ms);
-        for (const [k, v] of await phases(s, r)) split.set(k, [...(split.get(k) ?? []), v]);
+        acc.ms.push(r.ms);
+        for (const [name, v] of await phases(s, r)) acc.split.set(name, [...(acc.split.get(name) ?? []), v]);
         await destroy(s, r.vm);
       } catch (err) {
-        seqFail++;
+        acc.fail++;
         log(`  ${(err as Error).message}`);
       }
     }
-    lines.push(summary('sequential', seq, seqFail));
-    log(lines.at(-1)!);
-    log('  where a sequential sample went (p50 of each step; commit times from the VM stream, ±1 ms clocks):');
-    for (const [k, v] of split)
-      log(
-        `    ${k}: ${pct(
+  }
+  for (const [k, acc] of seq.entries()) {
+    out[k]!.seqOutput = stacks[k]!.output().slice(seqFrom[k]);
+    const lines = out[k]!.lines;
+    lines.push(summary('sequential', acc.ms, acc.fail));
+    lines.push('  where a sequential sample went (p50 of each step; commit times from the VM stream, ±1 ms clocks):');
+    for (const [name, v] of acc.split)
+      lines.push(
+        `    ${name}: ${pct(
           [...v].sort((a, b) => a - b),
           0.5,
         ).toFixed(0)} ms (n=${v.length})`,
       );
+  }
 
+  for (const [k, s] of stacks.entries()) {
     const sdk: number[] = [];
     let sdkFail = 0;
-    for (let i = 0; i < (args.includes('--no-sdk') ? 0 : runs); i++) {
+    for (let i = 0; i < (o.noSdk ? 0 : o.runs); i++) {
       try {
         sdk.push(await oneSdkTti(s, `sdk${i}`));
       } catch (err) {
@@ -243,15 +354,14 @@ export default async function ttiBench(args: string[]): Promise<void> {
         log(`  ${(err as Error).message}`);
       }
     }
-    if (sdk.length + sdkFail > 0) {
-      lines.push(summary('e2b SDK', sdk, sdkFail));
-      log(lines.at(-1)!);
-    }
+    if (sdk.length + sdkFail > 0) out[k]!.lines.push(summary('e2b SDK', sdk, sdkFail));
+  }
 
+  for (const [k, s] of stacks.entries()) {
     const stag: number[] = [];
     let stagFail = 0;
     const pending: Array<Promise<void>> = [];
-    for (let i = 0; i < runs; i++) {
+    for (let i = 0; i < o.runs; i++) {
       pending.push(
         oneTti(s, `stag${i}`).then(
           async (r) => {
@@ -264,37 +374,31 @@ export default async function ttiBench(args: string[]): Promise<void> {
           },
         ),
       );
-      await new Promise((r) => setTimeout(r, staggerMs));
+      await new Promise((r) => setTimeout(r, o.staggerMs));
     }
     await Promise.all(pending);
-    lines.push(summary(`staggered ${staggerMs}ms`, stag, stagFail));
-    log(lines.at(-1)!);
+    out[k]!.lines.push(summary(`staggered ${o.staggerMs}ms`, stag, stagFail));
+  }
 
-    const bursts: number[] = [];
-    let burstFail = 0;
-    for (let round = 0; bursts.length + burstFail < runs; round++) {
-      const results = await Promise.allSettled(
-        Array.from({ length: Math.min(burst, runs - bursts.length - burstFail) }, (_, i) => oneTti(s, `burst${round}.${i}`)),
-      );
+  const bursts = stacks.map(() => ({ ms: [] as number[], fail: 0 }));
+  for (let round = 0; bursts.some((b) => b.ms.length + b.fail < o.runs); round++) {
+    for (const [k, s] of stacks.entries()) {
+      const acc = bursts[k]!;
+      const n = Math.min(o.burst, o.runs - acc.ms.length - acc.fail);
+      if (n <= 0) continue;
+      const results = await Promise.allSettled(Array.from({ length: n }, (_, i) => oneTti(s, `burst${round}.${i}`)));
       for (const r of results) {
-        if (r.status === 'fulfilled') bursts.push(r.value.ms);
+        if (r.status === 'fulfilled') acc.ms.push(r.value.ms);
         else {
-          burstFail++;
+          acc.fail++;
           log(`  ${(r.reason as Error).message}`);
         }
       }
       await Promise.all(results.flatMap((r) => (r.status === 'fulfilled' ? [destroy(s, r.value.vm)] : [])));
+      // The pool refills while nothing is created: as between a user's bursts, not in the middle of the next one.
+      await new Promise((r) => setTimeout(r, 1000));
     }
-    lines.push(summary(`burst of ${burst}`, bursts, burstFail));
-    log(lines.at(-1)!);
-    log('\npublished medians on the ComputeSDK leaderboard (measured across the internet to each provider): Daytona 110 ms, E2B 440 ms;');
-    log('the figures above are on one machine over loopback, no network crossed.');
-    log(
-      `load at the end: ${loadavg()
-        .map((l) => l.toFixed(1))
-        .join(' ')}`,
-    );
-  } finally {
-    await stop(s, keep);
   }
+  for (const [k, acc] of bursts.entries()) out[k]!.lines.push(summary(`burst of ${o.burst}`, acc.ms, acc.fail));
+  return out;
 }

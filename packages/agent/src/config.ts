@@ -117,6 +117,9 @@ export const agentConfigSchema = z
     AGENT_EGRESS_ALLOW_PRIVATE: cidrList.default([]),
     /** DNS servers (IPv4, comma-separated) the egress proxy resolves with; unset: the host's resolver. */
     AGENT_EGRESS_DNS: ipList.default([]),
+    /** Sandbox disks kept formatted ahead of creates (process backend); 0: none. Each takes AGENT_DISK_POOL_GB of disk. */
+    AGENT_DISK_POOL: z.coerce.number().int().min(0, 'must be 0 or more').max(64, 'at most 64').default(2),
+    AGENT_DISK_POOL_GB: z.coerce.number().int().min(1, 'at least 1').max(64, 'at most 64').default(1),
   })
   .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
     error: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
@@ -158,6 +161,8 @@ export interface AgentConfig {
   egressProxyPort: number;
   egressAllowPrivate: string[];
   egressDnsServers: string[];
+  diskPool: number;
+  diskPoolGb: number;
 }
 
 export class AgentConfigError extends Error {
@@ -224,6 +229,8 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     egressProxyPort: raw.AGENT_EGRESS_PROXY_PORT,
     egressAllowPrivate: raw.AGENT_EGRESS_ALLOW_PRIVATE,
     egressDnsServers: raw.AGENT_EGRESS_DNS,
+    diskPool: raw.AGENT_DISK_POOL,
+    diskPoolGb: raw.AGENT_DISK_POOL_GB,
   };
 }
 

@@ -64,6 +64,8 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     egressProxyPort: config.egressProxyPort,
     egressAllowPrivate: config.egressAllowPrivate,
     egressDnsServers: config.egressDnsServers,
+    diskPool: config.diskPool,
+    diskPoolGb: config.diskPoolGb,
     logger: logger.child({ component: 'backend' }),
   });
 }

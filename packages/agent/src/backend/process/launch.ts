@@ -141,6 +141,8 @@ export interface LaunchOptions {
   /** Called once the namespaces exist (with a pid inside them), to move eth0 in; runs while stage 2 mounts. */
   readonly attachNetwork: (nsPid: number) => Promise<void>;
   readonly timeoutMs?: number;
+  /** Timings (create's phases_ms debug line): called as each step ends. */
+  readonly mark?: (phase: string) => void;
 }
 
 export interface Launched {
@@ -223,7 +225,9 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   if (basename(opts.upper) !== 'upper' || basename(opts.work) !== 'work' || dirname(opts.upper) !== dirname(opts.work)) {
     throw sandboxFailed(`the writable layer must be <dir>/upper and <dir>/work, got ${opts.upper} and ${opts.work}`);
   }
+  const mark = opts.mark ?? ((): void => undefined);
   const log = await openConsoleWriter(opts.consoleLog, opts.consoleLogMaxBytes, opts.tools.busybox, opts.uidBase);
+  mark('init.console');
   let child;
   try {
     child = spawn(
@@ -283,6 +287,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   try {
     const setUp = async (): Promise<void> => {
       await waitForNetns(unsharePid);
+      mark('init.unshare');
       const map = `0 ${opts.uidBase} ${USERNS_SIZE}\n`;
       await writeFile(`/proc/${unsharePid}/uid_map`, map);
       await writeFile(`/proc/${unsharePid}/gid_map`, map);
@@ -294,9 +299,11 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
         dirname(opts.upper),
         opts.rootMount,
       ]);
+      mark('init.mount-root');
       await opts.attachNetwork(unsharePid);
+      mark('init.network');
     };
-    await Promise.all([ready, setUp()]);
+    await Promise.all([ready.then(() => mark('init.ready')), setUp()]);
   } catch (err) {
     try {
       process.kill(-unsharePid, 'SIGKILL');

@@ -50,6 +50,10 @@ export const optionsSchema = z.object({
   egressAllowPrivate: z.array(z.string()).default([]),
   /** DNS servers the egress proxy resolves names with; empty: the host's resolver. */
   egressDnsServers: z.array(z.string()).default([]),
+  /** Sandbox disks kept formatted ahead of creates (disk-pool.ts); 0: none (the library default; the agent's is AGENT_DISK_POOL). */
+  diskPool: z.number().int().min(0).max(64).default(0),
+  /** storage_gb of the pooled disks: creates asking for another size format their own. */
+  diskPoolGb: z.number().int().min(1).max(64).default(1),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 export type ProcessOptions = z.output<typeof optionsSchema>;

@@ -39,6 +39,7 @@ import { egressStatus, reassertNetwork, setEgress } from './sandbox-network.js';
 import { pruneHost, recoverSandboxes } from './sandbox-recovery.js';
 import type { SandboxRecord } from './sandbox-state.js';
 import { teardownSandbox } from './sandbox-teardown.js';
+import type { DiskPoolStatus } from './disk-pool.js';
 import { layerUsage, requireDiskTools, type LayerUsage } from './storage.js';
 
 export { optionsSchema, type ProcessBackendOptions } from './options.js';
@@ -106,6 +107,7 @@ export class ProcessBackend implements Backend {
       );
     } else logger?.info({ reason: found.reason }, 'no usable criu: checkpoints are disk only');
     await backend.recover();
+    await host.disks.start();
     host.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) => logger?.warn({ err }, 'exec spawner')).catch(
       (err: unknown) => {
         logger?.warn({ err }, 'the exec spawner did not start: every exec spawns the helper');
@@ -147,7 +149,8 @@ export class ProcessBackend implements Backend {
     const held = [...this.host.records.values()].filter((r) => r.state.status !== 'paused').reduce((n, r) => n + r.state.storage_gb, 0);
     return {
       ...cap,
-      storage_gb: cap.storage_gb + held,
+      // The pool's ready disks are preallocated too, and the next creates get them.
+      storage_gb: cap.storage_gb + held + this.host.disks.heldGb(),
       live_snapshot: this.host.criu?.liveSnapshot ?? false,
       lazy_pages: this.host.criu?.lazyPages ?? false,
       memory_diff: this.host.criu?.memoryDiff ?? false,
@@ -309,6 +312,12 @@ export class ProcessBackend implements Backend {
     this.host.spawner?.close();
     for (const r of this.host.records.values()) await this.host.unpublish(r);
     await this.host.egress.close();
+    await this.host.disks.close();
+  }
+
+  /** The disk pool's size and fill (diagnostics, tests, the tti bench). */
+  diskPool(): DiskPoolStatus {
+    return this.host.disks.status();
   }
 
   // Diagnostics and tests reach these (exec spawner, egress proxy, the helper's argv).

@@ -142,6 +142,8 @@ export async function createSandbox(
     // Started now, awaited before the bridge and veth exist: nft runs while the directories and cgroup are made.
     const firewallReady = host.firewall.apply(() => host.firewallState());
     firewallReady.catch(() => undefined);
+    let bridged: Promise<void> | undefined;
+    let diskSource: 'pool' | 'formatted' | 'none' = 'none';
     try {
       const dir = host.sandboxDir(spec.name);
       // A directory nobody owns (a crash between mkdir and state.json) is garbage.
@@ -149,23 +151,31 @@ export async function createSandbox(
       await rm(dir, { recursive: true, force: true });
       await mkdir(join(dir, 'root'), { recursive: true });
       await host.persist(state);
-      const layer = layerDirs(dir, state.storage_gb);
-      if (state.storage_gb > 0) await createDisk(dir, state.storage_gb);
-      else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
       mark('dirs');
+      // The tenant's bridge, once its rules exist, while the disk and cgroup are made (readyBridge skips its ip(8)
+      // runs for a bridge this process set up).
+      bridged = firewallReady.then(async () => {
+        await host.readyBridge(record);
+        await host.syncBridgeForwarding(state.bridge);
+      });
+      bridged.catch(() => undefined);
+      const layer = layerDirs(dir, state.storage_gb);
+      if (state.storage_gb > 0) {
+        diskSource = (await host.disks.provide(dir, state.storage_gb)) ? 'pool' : 'formatted';
+        if (diskSource === 'formatted') await createDisk(dir, state.storage_gb);
+      } else for (const d of [layer.upper, layer.work]) await mkdir(d, { recursive: true });
+      mark('disk');
       if (checkpointId) await host.checkpoints.extract(checkpointId, layer.upper);
       await host.cgroups.create(spec.name, { cpus: state.cpus, ramMb: state.ram_mb, pidsMax: state.pids_max });
       mark('cgroup');
       // The rules for this sandbox's bridge and port exist before either does.
       await firewallReady;
       mark('firewall');
-      // Three ip(8) runs cost tens of ms on a busy host: readyBridge skips them for a bridge this process set up.
-      await host.readyBridge(record);
-      await host.syncBridgeForwarding(state.bridge);
+      await bridged;
       if (usesAgentProxy(state.egress)) await host.egress.ensureProxy();
       mark('bridge');
       if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), lazy);
-      else await host.launch(record, imagePath);
+      else await host.launch(record, imagePath, mark);
       mark('init');
       await host.persist(state);
       mark('network');
@@ -174,6 +184,8 @@ export async function createSandbox(
       await host.persist(state);
       mark('done');
     } catch (err) {
+      // Settled first, so teardown's delete of the bridge cannot run before its add.
+      await bridged?.catch(() => undefined);
       await teardownSandbox(host, record, {}).catch((e: unknown) =>
         host.log?.warn({ err: e, sandbox: spec.name }, 'cleanup after a failed create failed'),
       );
@@ -182,7 +194,7 @@ export async function createSandbox(
         : sandboxFailed(`creating sandbox "${spec.name}" failed: ${(err as Error).message}`, { name: spec.name }, err);
     }
     host.log?.info({ sandbox: spec.name, ip, image, checkpoint: checkpointId || undefined }, 'sandbox created');
-    host.log?.debug({ sandbox: spec.name, phases_ms: phases }, 'create timings');
+    host.log?.debug({ sandbox: spec.name, phases_ms: phases, disk: diskSource }, 'create timings');
     return host.info(record);
   });
 }

@@ -7,6 +7,7 @@ import { sandboxNotFound, sandboxNotRunning, type Endpoint, type SandboxInfo } f
 import type { Cgroups } from './cgroups.js';
 import { CheckpointStore } from './checkpoints.js';
 import type { CriuFeatures } from './criu.js';
+import { DiskPool } from './disk-pool.js';
 import { EgressHost, forwards, usesAgentProxy } from './egress-host.js';
 import type { SandboxEgress } from './egress.js';
 import { KeyedMutex, processStartTime } from './exec-util.js';
@@ -41,6 +42,8 @@ export class SandboxHost {
   criuHook = '';
   /** Staging entries a dump or restore is using now: prune leaves them. */
   readonly scratch = new Set<string>();
+  /** Disks formatted ahead of creates (disk-pool.ts). */
+  readonly disks: DiskPool;
 
   constructor(
     readonly opts: ProcessOptions,
@@ -52,6 +55,13 @@ export class SandboxHost {
   ) {
     this.sandboxesDir = join(opts.dataDir, 'sandboxes');
     this.checkpoints = new CheckpointStore(join(opts.dataDir, 'checkpoints'), join(opts.dataDir, 'staging'));
+    this.disks = new DiskPool(
+      opts.dataDir,
+      opts.diskPool,
+      opts.diskPoolGb,
+      () => [...this.records.values()].some((r) => r.state.status === 'creating'),
+      log,
+    );
     this.observer = new SandboxMonitor({
       cgroups,
       intervalMs: opts.metricsIntervalMs,
@@ -122,7 +132,7 @@ export class SandboxHost {
   }
 
   /** A cold start of the record's sandbox from its image over its layer. */
-  async launch(record: SandboxRecord, imagePath: string): Promise<void> {
+  async launch(record: SandboxRecord, imagePath: string, mark?: (phase: string) => void): Promise<void> {
     const state = record.state;
     const dir = this.sandboxDir(state.name);
     const layer = layerDirs(dir, state.storage_gb);
@@ -140,6 +150,7 @@ export class SandboxHost {
       gateway: this.subnet.gateway,
       tools: this.tools,
       netRaw: state.net_raw,
+      ...(mark ? { mark } : {}),
       attachNetwork: (nsPid) =>
         attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip: state.ip, mac: state.mac, subnet: this.subnet }),
     });

@@ -65,9 +65,18 @@ export function requireDiskTools(): void {
 
 /** Makes, formats and mounts the sandbox's disk, with an empty upper and work inside. */
 export async function createDisk(sandboxDir: string, storageGb: number): Promise<void> {
-  const img = join(sandboxDir, DISK_IMAGE);
-  const mnt = join(sandboxDir, DISK_MOUNT);
-  await mkdir(mnt, { recursive: true, mode: 0o755 });
+  await formatImage(join(sandboxDir, DISK_IMAGE), storageGb);
+  await mountNewDisk(sandboxDir);
+}
+
+/** Mounts a just-formatted `<sandbox>/disk.img` (createDisk's, or one from the disk pool) and makes its empty upper and work. */
+export async function mountNewDisk(sandboxDir: string): Promise<void> {
+  await mountDisk(sandboxDir);
+  for (const d of ['upper', 'work']) await mkdir(join(sandboxDir, DISK_MOUNT, d), { mode: 0o755 });
+}
+
+/** A preallocated image of storageGb GiB holding an empty ext4 filesystem (CAPACITY_EXHAUSTED when the filesystem is full). */
+export async function formatImage(img: string, storageGb: number): Promise<void> {
   const bytes = storageGb * GIB;
   const mkfs = tool('mkfs.ext4', 'e2fsprogs');
   const fa = await runTool(tool('fallocate', 'util-linux'), ['-l', String(bytes), img]);
@@ -82,8 +91,6 @@ export async function createDisk(sandboxDir: string, storageGb: number): Promise
   }
   // -m 0: no blocks reserved for root (the guest is root); nodiscard: keep the preallocation; lazy init: no zeroing.
   await mustRun(mkfs, ['-q', '-F', '-m', '0', '-E', 'lazy_itable_init=1,lazy_journal_init=1,nodiscard', img], { timeoutMs: 60_000 });
-  await mountDisk(sandboxDir);
-  for (const d of ['upper', 'work']) await mkdir(join(mnt, d), { mode: 0o755 });
 }
 
 /**
