@@ -15,7 +15,7 @@ import {
   type GpuInventory,
   probeGpus,
 } from '../../packages/agent/src/backend/qemu/gpu-probe.js';
-import { startControlPlane, type ControlPlane } from '../support/control-plane.js';
+import { startControlPlane, TENANT_KEYS, type ControlPlane } from '../support/control-plane.js';
 import { MDEV_A, MDEV_B, makeGpuFixture, OFFERED_PCI } from '../agent/gpu-fixtures.js';
 
 /**
@@ -49,6 +49,7 @@ async function startRecordingQemuAgentDouble(inv: GpuInventory): Promise<{
   creates: Recorded[];
   live: Map<string, GpuBinding | undefined>;
   requests: string[];
+  checkpoints: Array<{ name: string; live: boolean | undefined }>;
   close(): Promise<void>;
 }> {
   const token = `gpu-double-${'x'.repeat(20)}`;
@@ -57,6 +58,7 @@ async function startRecordingQemuAgentDouble(inv: GpuInventory): Promise<{
   const infos = new Map<string, Record<string, unknown>>();
   /** Every authorized request but the capacity probes, as `METHOD /path`. */
   const requests: string[] = [];
+  const checkpoints: Array<{ name: string; live: boolean | undefined }> = [];
   const handle = async (req: IncomingMessage, res: ServerResponse): Promise<void> => {
     const send = (status: number, body: unknown): void => {
       res.writeHead(status, { 'content-type': 'application/json' });
@@ -137,6 +139,33 @@ async function startRecordingQemuAgentDouble(inv: GpuInventory): Promise<{
       send(200, { vms: [...infos.values()] });
       return;
     }
+    const capture = /^\/v1\/vms\/([^/]+)\/checkpoints$/.exec(path);
+    if (req.method === 'POST' && capture?.[1]) {
+      const name = decodeURIComponent(capture[1]);
+      const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as { id: string; comment?: string; live?: boolean };
+      checkpoints.push({ name, live: body.live });
+      if (!live.has(name)) {
+        send(404, { code: 'SANDBOX_NOT_FOUND', message: `no sandbox ${name}` });
+        return;
+      }
+      // As the qemu backend (vm-memory.ts): no live capture of a VM holding GPUs; a disk capture is its overlay.
+      if (body.live && live.get(name)) {
+        send(409, { code: 'GPU_MEMORY_STATE_UNSUPPORTED', message: 'QEMU cannot save the state of a passed-through GPU' });
+        return;
+      }
+      send(201, {
+        id: body.id,
+        vm_name: name,
+        comment: body.comment ?? '',
+        size_bytes: 4096,
+        created_at: new Date().toISOString(),
+        digest: 'a'.repeat(64),
+        kind: 'disk',
+        image: 'base',
+        files: {},
+      });
+      return;
+    }
     const pause = /^\/v1\/vms\/([^/]+)\/pause$/.exec(path);
     if (req.method === 'POST' && pause?.[1] && live.get(decodeURIComponent(pause[1]))) {
       // What the qemu backend answers (vm-memory.ts) for a VM holding GPUs.
@@ -166,6 +195,7 @@ async function startRecordingQemuAgentDouble(inv: GpuInventory): Promise<{
     creates,
     live,
     requests,
+    checkpoints,
     async close() {
       server.closeAllConnections();
       await new Promise<void>((resolve) => server.close(() => resolve()));
@@ -315,5 +345,20 @@ describe('GPU lane: placement binds a device, the create carries it to the agent
     const vm = await vmOf(id);
     assert.ok(['destroyed', 'destroying'].includes(vm.status), `status ${vm.status}`);
     assert.equal(agent!.live.has(`fl-${id}`), false, 'its GPU is free again');
+  });
+
+  it('the E2B fork of a VM holding a GPU captures its disk, never asks its host for a live capture', async (t) => {
+    const r = await cp!.request('POST', '/v1/vms', { as: 'acme', body: { image: 'base', cpus: 1, ram_mb: 512, gpus: 1 } });
+    assert.equal(r.status, 201, JSON.stringify(r.body));
+    const id = r.body.id as string;
+    agent!.checkpoints.length = 0;
+    const fork = await cp!.request('POST', `/e2b/sandboxes/${id}/fork`, {
+      headers: { 'x-api-key': TENANT_KEYS.acme },
+      body: { count: 1 },
+    });
+    // The fork itself needs the other host's GPU and the capture moved there, which this double does not serve.
+    t.diagnostic(`fork answered ${fork.status}: ${JSON.stringify(fork.body)}`);
+    assert.notEqual((fork.body as { code?: string } | undefined)?.code, 'GPU_MEMORY_STATE_UNSUPPORTED', JSON.stringify(fork.body));
+    assert.deepEqual(agent!.checkpoints, [{ name: `fl-${id}`, live: false }], 'one disk capture of the source');
   });
 });
