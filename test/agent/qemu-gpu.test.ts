@@ -3,6 +3,7 @@ import { mkdir, mkdtemp, readdir, rm, writeFile } from 'node:fs/promises';
 import { hostname, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { pino } from 'pino';
 import { AppError, createVmRequestSchema, hostCapacitySchema } from '@fleet/agent-protocol';
 import { buildQemuArgs } from '../../packages/agent/src/backend/qemu/command.js';
 import { bindGpus, deviceUuid, gpuCapacity, migProfileOf, probeGpus } from '../../packages/agent/src/backend/qemu/gpu-probe.js';
@@ -105,6 +106,8 @@ describe('GPU probe on a fixture sysfs', () => {
 
 describe('create → QEMU command line (QEMU not started)', () => {
   let host: QemuHost;
+  /** The agent's log lines (warn and up): where a refused create's holder goes, and only there. */
+  const logged: string[] = [];
   let gpuUuid: string;
   const unusedFirewall = new Proxy(Object.create(null) as Firewall, {
     get: (_t, p) => {
@@ -138,7 +141,7 @@ describe('create → QEMU command line (QEMU not started)', () => {
       parseSubnet('10.231.0.0/24'),
       unusedFirewall,
       { accel: 'tcg', nestedVirtSupported: false, reason: 'test' },
-      undefined,
+      pino({ level: 'warn' }, { write: (line: string) => void logged.push(line) }),
       store,
       'test',
     );
@@ -187,13 +190,21 @@ describe('create → QEMU command line (QEMU not started)', () => {
     assert.deepEqual(devices(await argvOf(specOf('gpu-none', {}))), []);
   });
 
-  it('refuses a device another VM of this agent holds (409 GPU_IN_USE), and makes nothing', async () => {
+  it('refuses a device another VM of this agent holds (409 GPU_IN_USE) without naming it, and makes nothing', async () => {
+    logged.length = 0;
     await assert.rejects(argvOf(specOf('gpu-b', { gpu_uuids: [gpuUuid] })), (err) => {
       assert.equal(codeOf(err), 'GPU_IN_USE');
       assert.equal((err as AppError).status, 409);
-      assert.match((err as Error).message, /gpu-a/);
+      // The holder may be another tenant's sandbox: the answer says the device is taken, not by whom.
+      assert.doesNotMatch((err as Error).message, /gpu-a/);
+      assert.doesNotMatch(JSON.stringify((err as AppError).details ?? {}), /gpu-a/);
+      assert.match((err as Error).message, /bound to another sandbox/);
       return true;
     });
+    assert.ok(
+      logged.some((l) => (JSON.parse(l) as { holder?: string }).holder === 'gpu-a'),
+      `the agent's log names the holder: ${logged.join('')}`,
+    );
     await assert.rejects(argvOf(specOf('gpu-c', { mig_instance_uuids: [MDEV_A] })), (err) => codeOf(err) === 'GPU_IN_USE');
     assert.ok(!host.records.has('gpu-b') && !host.records.has('gpu-c'));
     assert.deepEqual((await readdir(host.vmsDir)).sort(), ['gpu-a', 'gpu-none']);

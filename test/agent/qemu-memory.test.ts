@@ -6,7 +6,7 @@ import { createConnection, createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import type { z } from 'zod';
+import { z } from 'zod';
 import {
   abortedMigrationSchema,
   AppError,
@@ -17,6 +17,8 @@ import {
   vmInfoSchema,
 } from '@fleet/agent-protocol';
 import { buildQemuImage } from '../../packages/agent/src/backend/qemu/image.js';
+import { qmp } from '../../packages/agent/src/backend/qemu/qmp.js';
+import { nameHash } from '../../packages/agent/src/backend/qemu/vm-state.js';
 import { generateMac } from '../../packages/agent/src/backend/process/network.js';
 import { startAgent, type RunningAgent } from './harness.js';
 
@@ -82,6 +84,8 @@ function rawExec(ip: string, token: string, marker: string): Promise<Buffer> {
   });
 }
 
+const memorySchema = z.object({ resident_chunks: z.number(), total_chunks: z.number(), done: z.boolean(), error: z.string().optional() });
+
 /** The migration routes called raw, their answers checked against the protocol's schemas. */
 async function api<S extends z.ZodType>(
   agent: RunningAgent,
@@ -114,22 +118,22 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
   const count = async (agent: RunningAgent, name: string): Promise<number> =>
     Number((await agent.client.exec(name, { argv: ['cat', '/root/count'] })).stdout.trim());
   const dataDirOf = (agent: RunningAgent): string => (agent === a ? join(root, 'data-a') : join(root, 'data-b'));
+  const start = (dataDir: string, net: typeof A): Promise<RunningAgent> =>
+    startAgent(
+      {
+        dataDir,
+        imageDir,
+        subnet: net.subnet,
+        bridgePrefix: net.prefix,
+        env: { AGENT_BACKEND: 'qemu', AGENT_QEMU_ACCEL: 'tcg', AGENT_LOG_LEVEL: 'warn' },
+      },
+      60_000,
+    );
 
   before(async () => {
     root = await mkdtemp(join(tmpdir(), 'fleet-qemu-mem-'));
     imageDir = join(root, 'images');
     await buildQemuImage(imageDir, 'base');
-    const start = (dataDir: string, net: typeof A): Promise<RunningAgent> =>
-      startAgent(
-        {
-          dataDir,
-          imageDir,
-          subnet: net.subnet,
-          bridgePrefix: net.prefix,
-          env: { AGENT_BACKEND: 'qemu', AGENT_QEMU_ACCEL: 'tcg', AGENT_LOG_LEVEL: 'warn' },
-        },
-        60_000,
-      );
     [a, b] = await Promise.all([start(join(root, 'data-a'), A), start(join(root, 'data-b'), B)]);
     agents.push(a, b);
   });
@@ -501,5 +505,64 @@ describe('qemu backend: memory state through QEMU', { skip: lack ? `missing ${la
     await new Promise((r) => setTimeout(r, 1000));
     assert.ok((await count(b, vm)) > c, 'the guest runs on without the source');
     assert.equal((await b.client.exec(vm, { argv: ['cat', '/root/mark2'] })).stdout, 'migrated-disk\n');
+  });
+  it('keeps saying "not done" after the target agent restarts mid post-copy, until QEMU says the stream completed', async () => {
+    if (!existsSync('/proc/sys/vm/unprivileged_userfaultfd')) return;
+    // 32 MB of random memory on the source (b, since the last move) and 1 MiB/s once switched: half a minute of post-copy.
+    const filled = await b.client.exec(vm, {
+      argv: ['sh', '-c', 'head -c 33554432 /dev/urandom > /tmp/ballast && echo filled'],
+      timeout_ms: 180_000,
+    });
+    assert.equal(filled.stdout.trim(), 'filled');
+    const sourceQmp = join(dataDirOf(b), 'qemu/run', `${nameHash(vm)}.qmp`);
+    await qmp(sourceQmp, 'migrate-set-parameters', { 'max-postcopy-bandwidth': 1024 * 1024 });
+    const offer = await api(b, 'GET', `/vms/${vm}/migration/offer`, undefined, migrationOfferSchema);
+    const incoming = await api(
+      a,
+      'POST',
+      '/migrations/incoming',
+      { vm: spec, machine: offer.body.machine, lazy: true },
+      incomingMigrationSchema,
+    );
+    assert.equal(incoming.status, 201, JSON.stringify(incoming.body));
+    const sent = await api(
+      b,
+      'POST',
+      `/vms/${vm}/migration/send`,
+      { to: { uri: incoming.body.uri, psk: incoming.body.psk }, lazy: true },
+      migrationReportSchema,
+    );
+    assert.equal(sent.status, 200, JSON.stringify(sent.body));
+    const done = await api(a, 'POST', `/vms/${vm}/migration/complete`, {}, vmInfoSchema);
+    assert.equal(done.status, 200, JSON.stringify(done.body));
+    const memory = async (): Promise<z.infer<typeof memorySchema>> => {
+      const res = await api(a, 'GET', `/vms/${vm}/memory`, undefined, memorySchema);
+      assert.equal(res.status, 200, JSON.stringify(res.body));
+      return res.body;
+    };
+    assert.deepEqual(await memory(), { resident_chunks: 0, total_chunks: 1, done: false });
+
+    const statePath = join(dataDirOf(a), 'qemu/vms', vm, 'state.json');
+    const targetPid = Number((await readFile(join(dataDirOf(a), 'qemu/vms', vm, 'qemu.pid'), 'utf8')).trim());
+    await a.kill();
+    assert.ok(alive(targetPid), 'the target QEMU outlives its agent');
+    const restarted = await start(join(root, 'data-a'), A);
+    agents.splice(agents.indexOf(a), 1, restarted);
+    a = restarted;
+    assert.deepEqual(await memory(), { resident_chunks: 0, total_chunks: 1, done: false }, 'a restarted agent still asks QEMU');
+    assert.equal((JSON.parse(await readFile(statePath, 'utf8')) as { postcopy_incoming?: boolean }).postcopy_incoming, true);
+
+    await qmp(sourceQmp, 'migrate-set-parameters', { 'max-postcopy-bandwidth': 0 });
+    let last = await memory();
+    for (let i = 0; i < 600 && !last.done && !last.error; i++) {
+      await new Promise((r) => setTimeout(r, 500));
+      last = await memory();
+    }
+    assert.deepEqual(last, { resident_chunks: 1, total_chunks: 1, done: true });
+    assert.equal((JSON.parse(await readFile(statePath, 'utf8')) as { postcopy_incoming?: boolean }).postcopy_incoming, undefined);
+    await b.client.destroyVm(vm, { timeoutMs: 600_000 });
+    const c = await count(a, vm);
+    await new Promise((r) => setTimeout(r, 1000));
+    assert.ok((await count(a, vm)) > c, 'the guest runs on without the source');
   });
 });

@@ -22,6 +22,7 @@ export { forkSpec } from './fork-spec.js';
 import { LiveMigrate, type LiveMigrateResult } from './live-migrate.js';
 import { QemuLiveMigrate } from './qemu-live-migrate.js';
 import { LazyMigrate } from './lazy-migrate.js';
+import { gpuMemoryStateUnsupported, holdsGpus } from './gpu-memory.js';
 
 export interface ForkResult {
   readonly vm: ExistingVmState;
@@ -165,6 +166,9 @@ export class ForkMigrate {
         'keep_paused cannot be combined with lazy: a lazy move runs the VM on the target before its memory is there',
         [{ path: 'keep_paused', message: 'not with lazy' }],
       );
+    // Before any reservation on a target: QEMU's VFIO migration blocker would only fail the send after placement.
+    if (opts.live && holdsGpus(source, vmId, vm.spec.gpus))
+      throw gpuMemoryStateUnsupported(vmId, opts.lazy ? 'a lazy migration' : 'a live migration');
     // A host that checkpoints memory (CRIU) migrates live itself; lazily (memory paged in afterwards) in lazy-migrate.ts.
     const criuSource = source.status !== 'unregistered' && source.capacity.live_snapshot === true;
     if (opts.live && criuSource && source.backend === 'qemu') {

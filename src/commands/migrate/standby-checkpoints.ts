@@ -7,6 +7,7 @@ import type { StandbyCommand, StandbyState } from '../../domain/standby/standby.
 import { bindAggregate, type BoundOf, type CommandHandler } from '../command-handler.js';
 import type { HostCommands } from '../host/host-commands.js';
 import { sandboxName, type Actor } from '../vm/vm-commands.js';
+import { holdsGpus } from './gpu-memory.js';
 
 const SYSTEM: Actor = { correlationId: 'standby-checkpoints', actor: 'standby-checkpoints', tenantId: 'system', admin: true };
 const PREFIX = 'standby-';
@@ -110,7 +111,8 @@ export class StandbyCheckpoints {
     for (const vm of await this.liveVms()) {
       if (vm.state !== 'running' || !vm.host_id) continue;
       const host = hosts.get(vm.host_id);
-      if (!host) continue;
+      // A VM holding GPUs has no memory state to copy (gpu-memory.ts): its host would refuse every tick.
+      if (!host || holdsGpus(host, vm.id)) continue;
       try {
         if (await this.checkpointOne(vm.id, host, hosts)) done.push(vm.id);
       } catch (err) {

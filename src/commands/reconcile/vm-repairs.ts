@@ -8,6 +8,9 @@ import type { ReconcileStore } from './reconcile-store.js';
 import type { StoppedSandboxReport } from '../../domain/vm/vm.lifecycle.js';
 import { errInfo, type LiveVmHint, type ReconcilerConfig, type ReconcileSummary } from './reconcile-types.js';
 
+/** Refusals of an idle pause that no later cycle will lift: the VM is destroyed instead (on_idle's fallback). */
+const IDLE_PAUSE_IMPOSSIBLE: ReadonlySet<string> = new Set(['MEMORY_CHECKPOINT_UNSUPPORTED', 'GPU_MEMORY_STATE_UNSUPPORTED']);
+
 /** What pauses an idle VM whose spec says on_idle: pause (the memory commands). */
 export interface IdlePauser {
   pause(vmId: string, actor: Actor): Promise<unknown>;
@@ -137,8 +140,9 @@ export class VmRepairs {
             this.logger.info({ vm_id: hint.id, host_id: hostId, idle_ms: verdict.idleMs }, 'idle vm: paused (on_idle: pause)');
             return;
           } catch (err) {
-            // A host that cannot checkpoint (the VM was cold-migrated onto one) ends it as before; anything else is retried.
-            if (!(err instanceof AppError && err.code === 'MEMORY_CHECKPOINT_UNSUPPORTED')) {
+            // A host that cannot checkpoint (the VM was cold-migrated onto one), or a VM holding GPUs (their state cannot be
+            // saved), ends as before: idle, it would otherwise hold its devices forever; anything else is retried.
+            if (!(err instanceof AppError && IDLE_PAUSE_IMPOSSIBLE.has(err.code))) {
               s.errors++;
               this.logger.warn({ vm_id: hint.id, err: errInfo(err) }, 'idle pause did not finish; retried next cycle');
               return;

@@ -12,6 +12,7 @@ import { z } from 'zod';
 import { AppError, type EgressSpec, type MetricSample } from '@fleet/agent-protocol';
 import type { HostCommands } from '../../../commands/host/host-commands.js';
 import type { ForkMigrate } from '../../../commands/migrate/fork-migrate.js';
+import { holdsGpus } from '../../../commands/migrate/gpu-memory.js';
 import type { SnapshotCommands } from '../../../commands/snapshot/snapshot-commands.js';
 import { snapshotRequest } from '../../../commands/snapshot/snapshot-request.js';
 import { sandboxName, type Actor, type VmCommands } from '../../../commands/vm/vm-commands.js';
@@ -128,6 +129,17 @@ export function registerE2bMemoryRoutes(app: E2bApp, deps: E2bMemoryDeps, scope:
       const timeout = req.body?.timeout;
       const results: Array<{ sandbox: Record<string, unknown> } | { error: { code: number; message: string } }> = [];
       let snapshotId: string | undefined;
+      const host = src.host_id ? (await deps.hosts.load(src.host_id)).state : undefined;
+      if (src.spec.gpus > 0 || (host && holdsGpus(host, src.vm_id))) {
+        // A GPU's device state cannot be captured (gpu-memory.ts): the forks boot from a disk capture instead.
+        const disk = await deps.snapshots.create(
+          src.vm_id,
+          snapshotRequest({ mode: 'manual', live: false, comment: `fork of ${src.vm_id}`, metadata: { fork_of: src.vm_id } }),
+          actor,
+        );
+        scope.remember(actor, disk.position);
+        snapshotId = disk.snapshot.snapshot_id;
+      }
       for (let i = 0; i < count; i++) {
         try {
           // The first fork takes the capture (with memory where the host has CRIU, as E2B's fork keeps the running

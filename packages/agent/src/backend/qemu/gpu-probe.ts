@@ -3,6 +3,7 @@ import { readdir, readFile, readlink, realpath, stat } from 'node:fs/promises';
 import { hostname } from 'node:os';
 import { basename, dirname, join } from 'node:path';
 import { AppError, type GpuDevice, type HostCapacity, type MigInstance } from '@fleet/agent-protocol';
+import type { Logger } from 'pino';
 import { BackendErrorCode, invalidSpec } from '../../backend.js';
 
 /**
@@ -246,12 +247,15 @@ export interface GpuBinding {
  * The create's bound uuids mapped back through the probe. Every uuid must
  * be one this host offers now (GPU_NOT_ON_HOST) and held by no other VM of
  * this agent (GPU_IN_USE): the control plane's reservation is its own
- * bookkeeping, this host's devices are the truth.
+ * bookkeeping, this host's devices are the truth. Which sandbox holds a
+ * device goes to `log` only: the answer reaches a caller who may be
+ * another tenant.
  */
 export function bindGpus(
   inv: GpuInventory,
   want: { readonly gpuUuids?: readonly string[] | undefined; readonly migInstanceUuids?: readonly string[] | undefined },
   others: readonly { readonly name: string; readonly gpu?: GpuBinding | undefined }[],
+  log?: Pick<Logger, 'warn'>,
 ): GpuBinding | undefined {
   const gpuUuids = want.gpuUuids ?? [];
   const migUuids = want.migInstanceUuids ?? [];
@@ -275,15 +279,10 @@ export function bindGpus(
     const held = all.find((u) => o.gpu?.uuids.includes(u));
     const heldAddr = pci.find((a) => o.gpu?.pci_addresses.includes(a)) ?? mdev.find((m) => o.gpu?.mdev_uuids.includes(m));
     if (held !== undefined || heldAddr !== undefined) {
-      throw new AppError(
-        BackendErrorCode.GpuInUse,
-        409,
-        `device "${held ?? heldAddr ?? ''}" is bound to sandbox "${o.name}" on this host`,
-        {
-          uuid: held ?? heldAddr,
-          sandbox: o.name,
-        },
-      );
+      log?.warn({ uuid: held ?? heldAddr, holder: o.name }, 'a create asked for a device another sandbox holds');
+      throw new AppError(BackendErrorCode.GpuInUse, 409, `device "${held ?? heldAddr ?? ''}" is bound to another sandbox on this host`, {
+        uuid: held ?? heldAddr,
+      });
     }
   }
   return { uuids: all, pci_addresses: pci, mdev_uuids: mdev };

@@ -123,7 +123,7 @@ export class QemuBackend implements Backend {
       ...gpuCapacity(gpus),
       accel: this.host.accel.accel,
       nested_virt_supported: this.host.accel.nestedVirtSupported,
-      // QEMU writes and loads its own state: no host tool needed. No dirty-page diffs, no postcopy (yet).
+      // QEMU writes and loads its own state: no host tool needed. No dirty-page diffs; post-copy (lazy) where userfaultfd exists.
       live_snapshot: true,
       lazy_pages: this.host.lazyPages,
       memory_diff: false,

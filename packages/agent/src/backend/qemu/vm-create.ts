@@ -161,7 +161,8 @@ export async function allocate(
     }
     const others = [...qemu.records.values()].map((r) => r.state);
     // Under this lock: two creates naming one device cannot both get it.
-    const gpu = spec.gpuUuids?.length || spec.migInstanceUuids?.length ? bindGpus(await probeHostGpus(qemu.opts), spec, others) : undefined;
+    const gpu =
+      spec.gpuUuids?.length || spec.migInstanceUuids?.length ? bindGpus(await probeHostGpus(qemu.opts), spec, others, qemu.log) : undefined;
     const { ip, mac } = reserveAddress(qemu.subnet, spec.name, spec.network, spec.ipHint, others);
     // A network's members get a bridge of their own (never the shared one): the firewall keeps each frame on its bridge.
     const bridge = allocateBridge(

@@ -79,6 +79,8 @@ export async function prepareIncoming(
     try {
       record = await allocate(qemu, spec, image, meta.disk_bytes, '');
       const s = record.state;
+      // Persisted before QEMU starts: an agent restarted mid-stream must still ask QEMU (memoryStatus), not answer done.
+      if (opts.lazy) s.postcopy_incoming = true;
       const dir = qemu.vmDir(s.name);
       await plugNetwork(qemu, s);
       await qemu.firewall.apply(() => qemu.firewallState());
@@ -108,7 +110,6 @@ export async function prepareIncoming(
       await qmp(q, 'migrate-set-parameters', { 'tls-creds': MIG_TLS });
       if (opts.lazy) {
         await qmp(q, 'migrate-set-capabilities', { capabilities: [{ capability: 'postcopy-ram', state: true }] });
-        postcopyIncoming.add(record);
       }
       await qmp(q, 'migrate-incoming', { uri: `tcp:${qemu.opts.publishHost}:0` });
       const st = (await qmp(q, 'query-migrate')) as { 'socket-address'?: Array<{ port?: string | number }> };
@@ -256,9 +257,6 @@ export async function completeIncoming(qemu: QemuHost, name: string, opts: { kee
   });
 }
 
-/** VMs that came (or are coming) by post-copy: only their QEMU's incoming state says where their memory is. */
-const postcopyIncoming = new WeakSet<VmRecord>();
-
 /**
  * The seed's MemoryStatus of a VM on this host. One that came by post-copy
  * runs before its memory is all here; its QEMU knows whether the rest has
@@ -266,6 +264,8 @@ const postcopyIncoming = new WeakSet<VmRecord>();
  * broke (postcopy-paused, failed: the guest waits for pages that will not
  * come). QEMU does not count the pages it receives, so the memory is one
  * chunk: resident once the stream completed. Any other VM has its memory.
+ * Which VMs came by post-copy is in their state.json (postcopy_incoming),
+ * never only in this process: a restarted agent asks QEMU just the same.
  */
 export async function memoryStatus(
   qemu: QemuHost,
@@ -273,10 +273,18 @@ export async function memoryStatus(
 ): Promise<{ resident_chunks: number; total_chunks: number; done: boolean; error?: string }> {
   const r = qemu.records.get(name);
   if (!r) throw sandboxNotFound(name);
-  if (!postcopyIncoming.has(r)) return { resident_chunks: 0, total_chunks: 0, done: true };
+  if (!r.state.postcopy_incoming) return { resident_chunks: 0, total_chunks: 0, done: true };
   if (!(await qemu.alive(r.state))) return { resident_chunks: 0, total_chunks: 1, done: false, error: 'its QEMU has exited' };
   const st = (await qmp(qemu.qmpPath(name), 'query-migrate')) as { status?: string; 'error-desc'?: string };
-  if (st.status === 'completed') return { resident_chunks: 1, total_chunks: 1, done: true };
+  // No status: this QEMU was launched afresh (a resume, a restore), not by the stream; its memory is all its own.
+  if (st.status === 'completed' || st.status === undefined || st.status === 'none') {
+    await qemu.locks.run(`vm:${name}`, async () => {
+      if (qemu.records.get(name) !== r || !r.state.postcopy_incoming) return;
+      delete r.state.postcopy_incoming;
+      await qemu.writeState(r.state);
+    });
+    return { resident_chunks: 1, total_chunks: 1, done: true };
+  }
   if (st.status === 'failed' || st.status === 'cancelled' || st.status === 'postcopy-paused' || st.status === 'postcopy-recover')
     return {
       resident_chunks: 0,

@@ -96,6 +96,8 @@ export const stateSchema = z.object({
   network: networkSchema.optional(),
   /** Devices passed through (gpu-probe.ts GpuBinding): every launch of this VM gets them. */
   gpu: z.object({ uuids: z.array(z.string()), pci_addresses: z.array(z.string()), mdev_uuids: z.array(z.string()) }).optional(),
+  /** Came by post-copy and its QEMU has not yet said the stream completed: the memory status asks QEMU, across agent restarts. */
+  postcopy_incoming: z.boolean().optional(),
 });
 export type VmState = z.infer<typeof stateSchema>;
 
