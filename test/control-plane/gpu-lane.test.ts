@@ -360,5 +360,10 @@ describe('GPU lane: placement binds a device, the create carries it to the agent
     t.diagnostic(`fork answered ${fork.status}: ${JSON.stringify(fork.body)}`);
     assert.notEqual((fork.body as { code?: string } | undefined)?.code, 'GPU_MEMORY_STATE_UNSUPPORTED', JSON.stringify(fork.body));
     assert.deepEqual(agent!.checkpoints, [{ name: `fl-${id}`, live: false }], 'one disk capture of the source');
+    // E2B's createSnapshot likewise takes its disk.
+    agent!.checkpoints.length = 0;
+    const snap = await cp!.request('POST', `/e2b/sandboxes/${id}/snapshots`, { headers: { 'x-api-key': TENANT_KEYS.acme }, body: {} });
+    assert.equal(snap.status, 201, JSON.stringify(snap.body));
+    assert.deepEqual(agent!.checkpoints, [{ name: `fl-${id}`, live: false }], 'createSnapshot: a disk capture');
   });
 });

@@ -189,8 +189,8 @@ export function registerE2bMemoryRoutes(app: E2bApp, deps: E2bMemoryDeps, scope:
       if (vm.status !== 'running')
         throw new AppError('VM_NOT_RUNNING', 409, `sandbox ${vm.vm_id} is ${vm.status}: resume it (Sandbox.connect) to snapshot it`);
       const { state: host } = await deps.hosts.load(vm.host_id);
-      // With memory where the host can (CRIU), else its disk: a sandbox made from it boots from the snapshot's layer either way.
-      const live = host.status !== 'unregistered' && host.capacity.live_snapshot === true;
+      // With memory where the host can (CRIU, QEMU) and the VM holds no GPU (gpu-memory.ts), else its disk: a sandbox made from it boots from the snapshot's layer either way.
+      const live = host.status !== 'unregistered' && host.capacity.live_snapshot === true && !holdsGpus(host, vm.vm_id, vm.spec.gpus);
       const name = req.body?.name;
       const r = await deps.snapshots.create(
         vm.vm_id,
