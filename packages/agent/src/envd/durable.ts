@@ -49,7 +49,7 @@ const SUPERVISE =
  * outlives a stop, a disk restore or a disk snapshot, and in the fresh pid namespace after those its supervisor's pid
  * is likely some other process's. The supervisor's argv names its directory (and survives a CRIU restore).
  */
-const ALIVE = `alive() { [ -n "$1" ] && [ -e "/proc/$1" ] || return 1; case $(tr '\\000' ' ' <"/proc/$1/cmdline" 2>/dev/null) in *" envd-supervise $2 "*) return 0;; esac; return 1; }`;
+const ALIVE = `alive() { [ -n "$1" ] || return 1; [ -e /proc/self ] || { kill -0 "$1" 2>/dev/null; return; }; [ -e "/proc/$1" ] || return 1; case $(tr '\\000' ' ' <"/proc/$1/cmdline" 2>/dev/null) in *" envd-supervise $2 "*) return 0;; esac; return 1; }`;
 
 /** Closes a durable command's stdin: the holder goes; the agent's writer, if any, has ended first. */
 const CLOSE_STDIN = 'read -r h <"$1/hold" && kill "$h" 2>/dev/null; rm -f "$1/hold"';
@@ -96,7 +96,7 @@ rd() {
 }
 so=-1; po=-1; se=-1; pe=-1; idle=0
 while :; do
-  l=0; [ "$idle" -ge 25 ] && ! alive "$sp" "$d" && l=1
+  l=0; [ "$idle" -ge 25 ] && [ $((idle % 8)) = 1 ] && ! alive "$sp" "$d" && l=1
   f=0; [ -e "$d/status" ] && f=1
   [ -d "$d" ] || kill -ABRT $$
   M=0
@@ -326,9 +326,11 @@ function durable(
         stdout.off('drain', onDrain);
         stderr.off('drain', onDrain);
         if (following === h) following = undefined;
-        if (pid === undefined || st.exitCode !== null || st.signal === 'SIGABRT') {
+        // By number: the exec reports signal 6 as SIGIOT, its other name.
+        const lost = st.signal !== null && osConstants.signals[st.signal] === osConstants.signals.SIGABRT;
+        if (pid === undefined || st.exitCode !== null || lost) {
           // The status (or a start that failed), or the end is lost (the directory or the supervisor gone, no status).
-          if (pid !== undefined && st.signal === 'SIGABRT') {
+          if (pid !== undefined && lost) {
             finish({ exitCode: -1, signal: null });
             return;
           }

@@ -27,8 +27,10 @@ const HIGH_WATER = 4 * 1024 * 1024;
 const MAX_PROCESSES_PER_SANDBOX = 256;
 /** Stdin taken for a process and not yet in the guest (it is not reading, or it is paused) past which writes are refused. */
 export const MAX_STDIN_PENDING = 4 * 1024 * 1024;
-/** The kernel's bound on one argv or environment string (MAX_ARG_STRLEN), less its NUL. */
+/** The kernel's bound on one argv string (MAX_ARG_STRLEN), less its NUL. */
 const MAX_ARG_BYTES = 128 * 1024 - 1;
+/** One `KEY=VALUE`: the process backend hands the guest's env to its helper hex-encoded, twice the size, in one string. */
+const MAX_ENV_BYTES = Math.floor((128 * 1024 - 16) / 2);
 /** cmd, args, envs, cwd and tag as JSON: what a durable process keeps in the guest and a recovery reads back. */
 const MAX_CONFIG_BYTES = 256 * 1024;
 
@@ -338,21 +340,26 @@ export class ProcessTable {
     // Without a pty, nothing of the process needs the host (stdin is a FIFO in the guest): where a pause would
     // otherwise end it, it runs in the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
     const attached = req.pty !== undefined || !(await this.pausable());
-    const handle = attached
-      ? await this.backend.spawn(sandbox, {
+    const spawned = attached
+      ? this.backend.spawn(sandbox, {
           argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
           env,
           cwd,
           stdin: req.stdin || req.pty !== undefined,
           ...(req.pty ? { tty: req.pty } : {}),
         })
-      : await spawnDurable(
+      : spawnDurable(
           this.backend,
           sandbox,
           { cmd: req.config.cmd, args: req.config.args, envs: req.config.envs, cwd: req.config.cwd, tag: req.tag },
           req.stdin,
           { env, cwd },
         );
+    const handle = await spawned.catch((err: unknown) => {
+      // The backend's own exec bounds (checkSize should have caught them first) are the client's input too.
+      if (err instanceof AppError && err.code === BackendErrorCode.InvalidSpec) throw new ConnectError(err.message, Code.InvalidArgument);
+      throw err;
+    });
     handle.stdin.on('error', () => {});
     const pending: OutputEvent[] = [];
     // Output that comes before the pid is known waits here for the process record.
@@ -476,10 +483,15 @@ export class ProcessTable {
 
 /** Oversized input fails here with a clear error, not at the guest's exec (E2BIG) nor in a recovery that cannot read it back. */
 function checkSize(req: StartRequest): void {
-  const strings = [req.config.cmd, ...req.config.args, ...Object.entries(req.config.envs).map(([k, v]) => `${k}=${v}`)];
-  const long = strings.find((a) => Buffer.byteLength(a) > MAX_ARG_BYTES);
-  if (long !== undefined)
-    throw new ConnectError(`an argument or env var is ${Buffer.byteLength(long)} bytes; at most ${MAX_ARG_BYTES}`, Code.InvalidArgument);
+  const arg = [req.config.cmd, ...req.config.args].find((a) => Buffer.byteLength(a) > MAX_ARG_BYTES);
+  if (arg !== undefined)
+    throw new ConnectError(`an argument is ${Buffer.byteLength(arg)} bytes; at most ${MAX_ARG_BYTES}`, Code.InvalidArgument);
+  const env = Object.entries(req.config.envs).find(([k, v]) => Buffer.byteLength(`${k}=${v}`) > MAX_ENV_BYTES);
+  if (env !== undefined)
+    throw new ConnectError(
+      `env var ${env[0].slice(0, 64)} is ${Buffer.byteLength(`${env[0]}=${env[1]}`)} bytes; at most ${MAX_ENV_BYTES}`,
+      Code.InvalidArgument,
+    );
   const { cmd, args, envs, cwd } = req.config;
   const total = Buffer.byteLength(JSON.stringify({ cmd, args, envs, cwd, tag: req.tag }));
   if (total > MAX_CONFIG_BYTES)
