@@ -291,7 +291,11 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     const h = await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 });
     // As after a stop→start with /run on the sandbox's disk: the directory stays, its supervisor and command do not.
     await sbx.commands.run(`for d in /run/fleet-envd/p.*; do read -r p s <"$d/pid"; [ "$p" = ${h.pid} ] && kill -9 "$s" "$p"; done; true`);
-    const err = await h.wait().catch((e: unknown) => e);
+    // Bounded: without the check, the follower polls the directory forever.
+    const err = await Promise.race([
+      h.wait().catch((e: unknown) => e),
+      new Promise((r) => setTimeout(() => r(new Error('no end within 30 s')), 30_000)),
+    ]);
     assert.ok(err instanceof CommandExitError, String(err));
     assert.equal(err.exitCode, -1);
     assert.ok(!(await sbx.commands.list()).some((p) => p.pid === h.pid), 'not listed');
