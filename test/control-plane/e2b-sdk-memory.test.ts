@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync } from 'node:fs';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import { CommandExitError, Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
+import { CommandExitError, InvalidArgumentError, RateLimitError, Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
 import { pino } from 'pino';
 import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
 import { startAgent, type RunningAgent } from '../agent/harness.js';
@@ -286,6 +286,59 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.equal(disorder, '');
   });
 
+  it('a durable process whose supervisor is gone without a status ends as lost (-1), its directory removed', async (t) => {
+    if (guard(t)) return;
+    const h = await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 });
+    // As after a stop→start with /run on the sandbox's disk: the directory stays, its supervisor and command do not.
+    await sbx.commands.run(`for d in /run/fleet-envd/p.*; do read -r p s <"$d/pid"; [ "$p" = ${h.pid} ] && kill -9 "$s" "$p"; done; true`);
+    // Bounded: without the check, the follower polls the directory forever.
+    const err = await Promise.race([
+      h.wait().catch((e: unknown) => e),
+      new Promise((r) => setTimeout(() => r(new Error('no end within 30 s')), 30_000)),
+    ]);
+    assert.ok(err instanceof CommandExitError, String(err));
+    assert.equal(err.exitCode, -1);
+    assert.ok(!(await sbx.commands.list()).some((p) => p.pid === h.pid), 'not listed');
+    const left = await sbx.commands.run(
+      `for d in /run/fleet-envd/p.*; do read -r p _ <"$d/pid" && [ "$p" = ${h.pid} ] && echo "$d"; done; true`,
+    );
+    assert.equal(left.stdout.trim(), '', 'its directory is removed');
+  });
+
+  it('envs stay off every argv in the guest; oversized args and envs are refused with a 400', async (t) => {
+    if (guard(t)) return;
+    const secret = `S3CRETMARK${'x'.repeat(60_000)}`;
+    const h = await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0, envs: { FLEET_TEST_SECRET: secret } });
+    // The bracket keeps grep's own argv from matching.
+    const found = await sbx.commands.run("grep -l 'S[3]CRETMARK' /proc/[0-9]*/cmdline 2>/dev/null; true");
+    assert.equal(found.stdout.trim(), '', 'no process has the env on its command line');
+    const listed = (await sbx.commands.list()).find((p) => p.pid === h.pid);
+    assert.equal(listed?.envs.FLEET_TEST_SECRET, secret, 'the envs are still what the process was started with');
+    assert.equal(await sbx.commands.kill(h.pid), true);
+    const tooBig: Record<string, string>[] = [
+      { BIG: 'y'.repeat(200_000) },
+      Object.fromEntries(['A', 'B', 'C', 'D', 'E'].map((k) => [k, k.repeat(60_000)])),
+    ];
+    for (const envs of tooBig) await assert.rejects(sbx.commands.run('true', { envs }), InvalidArgumentError);
+    await assert.rejects(sbx.commands.run(`echo ${'z'.repeat(200_000)}`), InvalidArgumentError);
+  });
+
+  it('stdin the process does not read: sendStdin is refused past 4 MiB pending (resource exhausted)', async (t) => {
+    if (guard(t)) return;
+    const h = await sbx.commands.run('sleep 1000', { background: true, stdin: true, timeoutMs: 0 });
+    const chunk = 'x'.repeat(512 * 1024);
+    let refused: unknown;
+    for (let i = 0; i < 32 && !refused; i++)
+      refused = await sbx.commands.sendStdin(h.pid, chunk).then(
+        () => undefined,
+        (e: unknown) => e,
+      );
+    assert.ok(refused instanceof RateLimitError, String(refused));
+    assert.match(refused.message, /not yet read/);
+    assert.equal(await sbx.commands.kill(h.pid), true);
+    await assert.rejects(h.wait());
+  });
+
   it('getMetrics: E2B-shaped samples of the running sandbox', async (t) => {
     if (guard(t)) return;
     const m = await until(
@@ -434,6 +487,11 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     await until('ticks before the restart', () => seen.join('').includes('tick 3'));
     await ticker.disconnect();
     await quitter.disconnect();
+    // A directory left from an earlier boot whose supervisor's pid is now another process's (here the init's).
+    await sbx.commands.run(
+      'mkdir -p /run/fleet-envd/p.phantom1 && cd /run/fleet-envd/p.phantom1 && echo "4242 1" >pid && ' +
+        `printf '%s' '{"cmd":"/bin/bash","args":["-c","phantom"],"envs":{}}' >meta`,
+    );
     // SIGKILL, as a crash; the quitter ends while no agent runs. Back on the same port: the host's URL is unchanged.
     const old = agent;
     await old.kill();
@@ -446,6 +504,8 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
       `the ticker ${ticker.pid} is listed again: ${JSON.stringify(procs)}`,
     );
     assert.ok(!procs.some((p) => p.pid === quitter.pid), 'an ended process is not listed as running');
+    assert.ok(!procs.some((p) => p.pid === 4242), `no phantom from a stale directory: ${JSON.stringify(procs)}`);
+    await until('the stale directory removed', async () => !(await sbx.files.exists('/run/fleet-envd/p.phantom1')));
     const ended = await sbx.commands.connect(quitter.pid);
     const err = await ended.wait().catch((e: unknown) => e);
     assert.ok(err instanceof CommandExitError, String(err));

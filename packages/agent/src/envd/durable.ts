@@ -44,6 +44,13 @@ const SUPERVISE =
   '(sleep 2; kill "$po" "$pe") 2>/dev/null & k=$!; wait "$po" "$pe"; kill "$k" 2>/dev/null; ' +
   'echo "$r" >"$d/status.t"; mv "$d/status.t" "$d/status"';
 
+/**
+ * Whether pid $1 is the supervisor of directory $2. Not `kill -0`: /run is on the sandbox's disk, so a directory
+ * outlives a stop, a disk restore or a disk snapshot, and in the fresh pid namespace after those its supervisor's pid
+ * is likely some other process's. The supervisor's argv names its directory (and survives a CRIU restore).
+ */
+const ALIVE = `alive() { [ -n "$1" ] || return 1; [ -e /proc/self ] || { kill -0 "$1" 2>/dev/null; return; }; [ -e "/proc/$1" ] || return 1; case $(tr '\\000' ' ' <"/proc/$1/cmdline" 2>/dev/null) in *" envd-supervise $2 "*) return 0;; esac; return 1; }`;
+
 /** Closes a durable command's stdin: the holder goes; the agent's writer, if any, has ended first. */
 const CLOSE_STDIN = 'read -r h <"$1/hold" && kill "$h" 2>/dev/null; rm -f "$1/hold"';
 
@@ -55,19 +62,26 @@ const CLOSE_STDIN = 'read -r h <"$1/hold" && kill "$h" 2>/dev/null; rm -f "$1/ho
  */
 const SCRIPT = `
 SUPERVISE='${SUPERVISE}'
+${ALIVE}
 if [ "$1" = start ]; then
-  shift; m=$1; shift; in=$1; shift; c=$1; shift
+  shift; in=$1; shift; c=$1; shift
+  for t in dd mkfifo mktemp wc tail head tr; do
+    command -v "$t" >/dev/null 2>&1 || { echo "this image has no $t, which envd processes need" >&2; exit 125; }
+  done
   if [ "$c" = /bin/bash ] && [ ! -x /bin/bash ]; then c=/bin/sh; fi
   s=; if command -v setsid >/dev/null 2>&1; then s=setsid; fi
   mkdir -p /run/fleet-envd && d=$(mktemp -d /run/fleet-envd/p.XXXXXXXX) || exit 125
-  mkfifo -m 600 "$d/o.p" "$d/e.p" && printf '%s' "$m" >"$d/meta" || exit 125
+  umask 077
+  mkfifo -m 600 "$d/o.p" "$d/e.p" && cat >"$d/meta" || exit 125
   if [ "$in" = 1 ]; then mkfifo -m 600 "$d/in" || exit 125; fi
+  umask 022
   ( $s /bin/sh -c "$SUPERVISE" envd-supervise "$d" $s "$c" "$@" </dev/null >/dev/null 2>&1 & )
   i=0; while [ ! -e "$d/pid" ]; do i=$((i+1)); [ "$i" -gt 1000 ] && exit 125; sleep 0.01; done
   read -r p _ <"$d/pid"; echo "$p $d"; oo=0; eo=0
 else
   d=$2; oo=$3; eo=$4
 fi
+sp=; [ -f "$d/pid" ] && read -r _ sp <"$d/pid"
 rd() {
   if [ "$S" -lt 0 ]; then
     S=0; for f in "$1".*; do x=\${f##*.}; case $x in ''|*[!0-9]*) continue;; esac; [ "$x" -le "$O" ] && [ "$x" -gt "$S" ] && S=$x; done
@@ -82,6 +96,7 @@ rd() {
 }
 so=-1; po=-1; se=-1; pe=-1; idle=0
 while :; do
+  l=0; [ "$idle" -ge 25 ] && [ $((idle % 8)) = 1 ] && ! alive "$sp" "$d" && l=1
   f=0; [ -e "$d/status" ] && f=1
   [ -d "$d" ] || kill -ABRT $$
   M=0
@@ -89,6 +104,7 @@ while :; do
   O=$eo; S=$se; P=$pe; rd "$d/err" >&2; eo=$O; se=$S; pe=$P
   if [ "$M" = 1 ]; then idle=0; echo "$oo $eo" >"$d/at"; fi
   if [ "$f" = 1 ]; then read -r r <"$d/status"; exit "$r"; fi
+  if [ "$l" = 1 ]; then rm -rf "$d"; kill -ABRT $$; fi
   idle=$((idle+1)); if [ "$idle" -lt 25 ]; then sleep 0.02; elif [ "$idle" -lt 125 ]; then sleep 0.1; else sleep 0.25; fi
 done`;
 
@@ -97,12 +113,13 @@ done`;
  * follower printed, whether its stdin is open (its holder lives), then the meta JSON. The supervisor is asked before the status: dead without one, it never comes.
  */
 const SCAN = `
+${ALIVE}
 for d in /run/fleet-envd/p.*; do
   [ -f "$d/meta" ] && [ -f "$d/pid" ] || continue
-  read -r p s <"$d/pid"; a=0; [ -n "$s" ] && kill -0 "$s" 2>/dev/null && a=1
+  read -r p s <"$d/pid"; a=0; alive "$s" "$d" && a=1
   st=-; [ -f "$d/status" ] && read -r st <"$d/status"
   o=0; e=0; [ -f "$d/at" ] && read -r o e <"$d/at"
-  i=0; h=; [ -f "$d/hold" ] && read -r h <"$d/hold"; [ -n "$h" ] && kill -0 "$h" 2>/dev/null && i=1
+  i=0; h=; [ -f "$d/hold" ] && read -r h <"$d/hold"; [ -n "$h" ] && [ -e "/proc/$h" ] && case $(tr '\\000' ' ' <"/proc/$h/cmdline" 2>/dev/null) in "sleep 2147483647 "*) i=1;; esac
   printf '%s %s %s %s %s %s %s ' "$d" "$p" "$a" "\${st:--}" "\${o:-0}" "\${e:-0}" "$i"; head -c 300000 "$d/meta" | tr '\\n' ' '; echo
 done`;
 
@@ -114,6 +131,10 @@ const KILL = 'kill -s "$1" -- "-$2" 2>/dev/null || kill -s "$1" "-$2" 2>/dev/nul
 export interface DurableHandle extends ProcessHandle {
   /** Starts a follower again if the last one died without the exit status (the sandbox was paused, say). */
   revive(): void;
+  /** Stdin bytes taken but not yet handed to the guest. */
+  stdinPending(): number;
+  /** Stops following without touching the guest's process (another handle follows it); wait() never settles then. */
+  release(): void;
 }
 
 export function isDurable(h: ProcessHandle): h is DurableHandle {
@@ -138,14 +159,15 @@ export async function spawnDurable(
   opts: Omit<SpawnOptions, 'argv' | 'stdin' | 'tty'>,
 ): Promise<DurableHandle> {
   const d = durable(backend, sandbox, withStdin, undefined);
-  d.attach(
-    await backend.spawn(sandbox, {
-      ...opts,
-      argv: ['/bin/sh', '-c', SCRIPT, 'envd', 'start', JSON.stringify(meta), withStdin ? '1' : '0', meta.cmd, ...meta.args],
-      stdin: false,
-    }),
-    true,
-  );
+  // The meta (envs: often secrets) goes through stdin into a file of the 0700 directory, never on an argv.
+  const h = await backend.spawn(sandbox, {
+    ...opts,
+    argv: ['/bin/sh', '-c', SCRIPT, 'envd', 'start', withStdin ? '1' : '0', meta.cmd, ...meta.args],
+    stdin: true,
+  });
+  h.stdin.on('error', () => undefined);
+  h.stdin.end(JSON.stringify(meta));
+  d.attach(h, true);
   return d.handle;
 }
 
@@ -166,7 +188,7 @@ export async function recoverDurable(backend: Backend, sandbox: string, max: num
   let size = 0;
   h.stdout.on('data', (c: Buffer) => {
     size += c.length;
-    if (size > 64 * 1024 * 1024) h.kill('SIGKILL');
+    if (size > 80 * 1024 * 1024) h.kill('SIGKILL');
     else chunks.push(c);
   });
   await h.wait();
@@ -304,8 +326,14 @@ function durable(
         stdout.off('drain', onDrain);
         stderr.off('drain', onDrain);
         if (following === h) following = undefined;
-        if (pid === undefined || st.exitCode !== null || st.signal === 'SIGABRT') {
-          // The status (or a start that failed, or the directory gone from the guest): the end.
+        // By number: the exec reports signal 6 as SIGIOT, its other name.
+        const lost = st.signal !== null && osConstants.signals[st.signal] === osConstants.signals.SIGABRT;
+        if (pid === undefined || st.exitCode !== null || lost) {
+          // The status (or a start that failed), or the end is lost (the directory or the supervisor gone, no status).
+          if (pid !== undefined && lost) {
+            finish({ exitCode: -1, signal: null });
+            return;
+          }
           const code = st.exitCode;
           if (pid !== undefined && code !== null) void removeDir(backend, sandbox, dir);
           if (code !== null && code > 128 && sent.has(code - 128)) {
@@ -328,6 +356,15 @@ function durable(
       signalGuest(signal);
     },
     wait: () => exited,
+    stdinPending: () => fifo?.pending() ?? 0,
+    release: () => {
+      if (ended) return;
+      ended = true;
+      fifo?.stop();
+      following?.kill('SIGKILL');
+      stdout.end();
+      stderr.end();
+    },
     revive: () => {
       fifo?.kick();
       if (ended || following || reviving || pid === undefined) return;
@@ -369,14 +406,16 @@ function fifoWriter(
   backend: Backend,
   sandbox: string,
   dirOf: () => string | undefined,
-): { stream: Writable; kick: () => void; stop: () => void } {
+): { stream: Writable; kick: () => void; stop: () => void; pending: () => number } {
   const queue: Buffer[] = [];
+  let queued = 0;
   let relay: ProcessHandle | undefined;
   let starting = false;
+  let stopped = false;
   let closing: (() => void) | undefined;
   const pump = (): void => {
     const dir = dirOf();
-    if (dir === undefined || starting) return;
+    if (dir === undefined || starting || stopped) return;
     if (!relay) {
       if (queue.length === 0) {
         closing?.();
@@ -386,6 +425,10 @@ function fifoWriter(
       backend.spawn(sandbox, { argv: ['/bin/sh', '-c', 'exec cat >"$1"', 'envd-in', `${dir}/in`], stdin: true }).then(
         (h) => {
           starting = false;
+          if (stopped) {
+            h.kill('SIGKILL');
+            return;
+          }
           relay = h;
           h.stdin.on('error', () => undefined);
           h.stdout.resume();
@@ -407,11 +450,13 @@ function fifoWriter(
       return;
     }
     for (const b of queue.splice(0)) relay.stdin.write(b);
+    queued = 0;
     if (closing) relay.stdin.end();
   };
   const stream = new Writable({
     write(chunk: Buffer, _enc, cb) {
       queue.push(chunk);
+      queued += chunk.length;
       pump();
       cb();
     },
@@ -433,8 +478,11 @@ function fifoWriter(
   return {
     stream,
     kick: pump,
+    pending: () => queued + (relay?.stdin.writableLength ?? 0),
     stop: () => {
+      stopped = true;
       queue.length = 0;
+      queued = 0;
       relay?.kill('SIGKILL');
     },
   };

@@ -25,6 +25,14 @@ const WRAPPER = 'echo $$; c=$1; shift; if [ "$c" = /bin/bash ] && [ ! -x /bin/ba
 /** Output waiting for one slow client past which the guest's pipes are paused. */
 const HIGH_WATER = 4 * 1024 * 1024;
 const MAX_PROCESSES_PER_SANDBOX = 256;
+/** Stdin taken for a process and not yet in the guest (it is not reading, or it is paused) past which writes are refused. */
+export const MAX_STDIN_PENDING = 4 * 1024 * 1024;
+/** The kernel's bound on one argv string (MAX_ARG_STRLEN), less its NUL. */
+const MAX_ARG_BYTES = 128 * 1024 - 1;
+/** One `KEY=VALUE`: the process backend hands the guest's env to its helper hex-encoded, twice the size, in one string. */
+const MAX_ENV_BYTES = Math.floor((128 * 1024 - 16) / 2);
+/** cmd, args, envs, cwd and tag as JSON: what a durable process keeps in the guest and a recovery reads back. */
+const MAX_CONFIG_BYTES = 256 * 1024;
 
 export interface ProcessConfigInit {
   readonly cmd: string;
@@ -135,6 +143,10 @@ export class EnvdProcess {
   get stdinWritable(): boolean {
     return !this.handle.stdin.destroyed && !this.handle.stdin.writableEnded;
   }
+
+  get stdinPending(): number {
+    return this.handle.stdin.writableLength + (isDurable(this.handle) ? this.handle.stdinPending() : 0);
+  }
 }
 
 export interface StartRequest {
@@ -146,8 +158,11 @@ export interface StartRequest {
 
 export class ProcessTable {
   readonly #bySandbox = new Map<string, Map<number, EnvdProcess>>();
-  /** Sandboxes whose durable processes this agent has looked for (or is looking for) in the guest. */
-  readonly #recovered = new Map<string, Promise<void>>();
+  /**
+   * Sandboxes whose durable processes this agent has looked for (or is looking for) in the guest, per incarnation:
+   * a sandbox that comes back under the same name (a move there and back, a restore) is another one.
+   */
+  readonly #recovered = new Map<string, { readonly incarnation: string; readonly pending: Promise<void> }>();
 
   /** Whether a sandbox here can be paused with its processes (CRIU): only then is the durable path worth its cost. */
   #pausable: Promise<boolean> | undefined;
@@ -177,8 +192,13 @@ export class ProcessTable {
    */
   private async recover(sandbox: string): Promise<void> {
     if (!(await this.pausable())) return;
-    let pending = this.#recovered.get(sandbox);
+    const incarnation = await this.incarnation(sandbox);
+    if (incarnation === undefined) return;
+    const seen = this.#recovered.get(sandbox);
+    if (seen && seen.incarnation !== incarnation) this.forgetSandbox(sandbox);
+    let pending = seen?.incarnation === incarnation ? seen.pending : undefined;
     if (!pending) {
+      if (!seen) await this.pruneGone();
       pending = this.backend
         .resolveGuestPath(sandbox, '/run/fleet-envd', { forWrite: false })
         .then(
@@ -190,9 +210,19 @@ export class ProcessTable {
         )
         .then(async (any) => {
           if (!any) return;
+          const found = await recoverDurable(this.backend, sandbox, MAX_PROCESSES_PER_SANDBOX);
+          if (this.#recovered.get(sandbox)?.pending !== pending) {
+            // Another incarnation took over meanwhile: these followers are not its.
+            for (const r of found) if ('handle' in r) r.handle.release();
+            return;
+          }
           const table = this.#bySandbox.get(sandbox) ?? new Map<number, EnvdProcess>();
-          for (const r of await recoverDurable(this.backend, sandbox, MAX_PROCESSES_PER_SANDBOX)) {
-            if (table.has(r.pid)) continue;
+          for (const r of found) {
+            if (table.has(r.pid)) {
+              // A start in flight got there first: one follower is enough.
+              if ('handle' in r) r.handle.release();
+              continue;
+            }
             const config = { cmd: r.meta.cmd, args: r.meta.args, envs: r.meta.envs, cwd: r.meta.cwd };
             if ('handle' in r) {
               const proc = new EnvdProcess(r.pid, r.meta.tag, config, false, r.handle);
@@ -220,11 +250,49 @@ export class ProcessTable {
           }
           if (table.size > 0) this.#bySandbox.set(sandbox, table);
         });
-      this.#recovered.set(sandbox, pending);
+      const entry = { incarnation, pending };
+      this.#recovered.set(sandbox, entry);
       // Not running (paused) or gone: the next use looks again.
-      pending.catch(() => this.#recovered.delete(sandbox));
+      pending.catch(() => {
+        if (this.#recovered.get(sandbox) === entry) this.#recovered.delete(sandbox);
+      });
     }
     await pending.catch(() => undefined);
+  }
+
+  /**
+   * When the sandbox was made on this host and what it was last restored from: new for a sandbox that comes back
+   * (a move there and back) or is restored, unchanged by a pause and resume (whose processes this table keeps).
+   */
+  private async incarnation(sandbox: string): Promise<string | undefined> {
+    try {
+      const info = await this.backend.get(sandbox);
+      return `${info.created_at} ${info.checkpoint_id}`;
+    } catch (err) {
+      if (err instanceof AppError && err.code === BackendErrorCode.SandboxNotFound) this.forgetSandbox(sandbox);
+      return undefined;
+    }
+  }
+
+  /** What this agent held of a sandbox's earlier incarnation: its followers stop, its clients are let go. */
+  private forgetSandbox(sandbox: string): void {
+    this.#recovered.delete(sandbox);
+    const table = this.#bySandbox.get(sandbox);
+    if (!table) return;
+    this.#bySandbox.delete(sandbox);
+    for (const p of table.values()) {
+      if (!isDurable(p.handle)) continue;
+      p.handle.release();
+      p.ended = true;
+      for (const s of p.subscribers) s.close();
+    }
+  }
+
+  /** Entries of sandboxes no longer on this host go, so the table does not grow with every sandbox it ever served. */
+  private async pruneGone(): Promise<void> {
+    const here = new Set((await this.backend.list().catch(() => undefined))?.map((s) => s.name));
+    if (here.size === 0) return;
+    for (const name of [...this.#recovered.keys(), ...this.#bySandbox.keys()]) if (!here.has(name)) this.forgetSandbox(name);
   }
 
   async list(sandbox: string): Promise<EnvdProcess[]> {
@@ -266,26 +334,32 @@ export class ProcessTable {
       throw new ConnectError(`more than ${MAX_PROCESSES_PER_SANDBOX} envd processes are running in this sandbox`, Code.ResourceExhausted);
     }
     if (!req.config.cmd) throw new ConnectError('process.cmd is required', Code.InvalidArgument);
+    checkSize(req);
     const env = { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs };
     const cwd = req.config.cwd ?? ENVD_HOME;
     // Without a pty, nothing of the process needs the host (stdin is a FIFO in the guest): where a pause would
     // otherwise end it, it runs in the sandbox's own tree (durable.ts; slower to start and to relay, so only there).
     const attached = req.pty !== undefined || !(await this.pausable());
-    const handle = attached
-      ? await this.backend.spawn(sandbox, {
+    const spawned = attached
+      ? this.backend.spawn(sandbox, {
           argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
           env,
           cwd,
           stdin: req.stdin || req.pty !== undefined,
           ...(req.pty ? { tty: req.pty } : {}),
         })
-      : await spawnDurable(
+      : spawnDurable(
           this.backend,
           sandbox,
           { cmd: req.config.cmd, args: req.config.args, envs: req.config.envs, cwd: req.config.cwd, tag: req.tag },
           req.stdin,
           { env, cwd },
         );
+    const handle = await spawned.catch((err: unknown) => {
+      // The backend's own exec bounds (checkSize should have caught them first) are the client's input too.
+      if (err instanceof AppError && err.code === BackendErrorCode.InvalidSpec) throw new ConnectError(err.message, Code.InvalidArgument);
+      throw err;
+    });
     handle.stdin.on('error', () => {});
     const pending: OutputEvent[] = [];
     // Output that comes before the pid is known waits here for the process record.
@@ -376,6 +450,13 @@ export class ProcessTable {
     timedOut: () => boolean,
     timer: NodeJS.Timeout | undefined,
   ): void {
+    const before = table.get(started.pid);
+    if (before && before !== started && isDurable(before.handle)) {
+      // A recovery that ran while this start was in flight follows the same process: this one is enough.
+      before.handle.release();
+      before.ended = true;
+      for (const s of before.subscribers) s.close();
+    }
     table.set(started.pid, started);
     this.#bySandbox.set(sandbox, table);
     void started.handle.wait().then(
@@ -398,6 +479,23 @@ export class ProcessTable {
       () => undefined,
     );
   }
+}
+
+/** Oversized input fails here with a clear error, not at the guest's exec (E2BIG) nor in a recovery that cannot read it back. */
+function checkSize(req: StartRequest): void {
+  const arg = [req.config.cmd, ...req.config.args].find((a) => Buffer.byteLength(a) > MAX_ARG_BYTES);
+  if (arg !== undefined)
+    throw new ConnectError(`an argument is ${Buffer.byteLength(arg)} bytes; at most ${MAX_ARG_BYTES}`, Code.InvalidArgument);
+  const env = Object.entries(req.config.envs).find(([k, v]) => Buffer.byteLength(`${k}=${v}`) > MAX_ENV_BYTES);
+  if (env !== undefined)
+    throw new ConnectError(
+      `env var ${env[0].slice(0, 64)} is ${Buffer.byteLength(`${env[0]}=${env[1]}`)} bytes; at most ${MAX_ENV_BYTES}`,
+      Code.InvalidArgument,
+    );
+  const { cmd, args, envs, cwd } = req.config;
+  const total = Buffer.byteLength(JSON.stringify({ cmd, args, envs, cwd, tag: req.tag }));
+  if (total > MAX_CONFIG_BYTES)
+    throw new ConnectError(`cmd, args and envs take ${total} bytes as JSON; at most ${MAX_CONFIG_BYTES}`, Code.InvalidArgument);
 }
 
 /** The handle of a process that ended before this agent knew it: nothing to read, write or signal. */

@@ -3,7 +3,7 @@ import { Code, ConnectError, createContextKey, type ConnectRouter, type HandlerC
 import { EntryInfoSchema, FileType, Filesystem, WatchDirResponseSchema } from './gen/filesystem_pb.js';
 import { Process, ProcessEventSchema, Signal } from './gen/process_pb.js';
 import { absoluteGuestPath, type GuestEntry, type GuestFs } from './guest-fs.js';
-import { follow, type OutputEvent, type ProcessTable } from './processes.js';
+import { follow, MAX_STDIN_PENDING, type OutputEvent, type ProcessTable } from './processes.js';
 import { requireRootUser } from './user.js';
 import type { WatcherTable } from './watch.js';
 import { diffSnapshots, snapshotOf } from './watch.js';
@@ -264,6 +264,11 @@ function writeInput(
   if (input.case === 'pty' && !proc.pty) throw new ConnectError(`process ${proc.pid} has no pty: send stdin`, Code.InvalidArgument);
   if (!proc.stdinWritable)
     throw new ConnectError(`stdin of process ${proc.pid} is closed (start it with stdin: true to keep it open)`, Code.FailedPrecondition);
+  if (proc.stdinPending + input.value.length > MAX_STDIN_PENDING)
+    throw new ConnectError(
+      `stdin of process ${proc.pid} has ${proc.stdinPending} bytes not yet read (at most ${MAX_STDIN_PENDING}): it is not reading them`,
+      Code.ResourceExhausted,
+    );
   proc.handle.stdin.write(Buffer.from(input.value));
 }
 
