@@ -81,6 +81,9 @@ export class Placer {
         reloaded = true;
         this.view.invalidate();
         await this.view.fresh();
+        // The directory is a read model, which may lag the host's stream (another process released capacity there just
+        // now: a resume after a pause answered by another replica); a pinned host is read from its stream itself.
+        if (request.pinned_host_id !== undefined) await this.view.refresh(request.pinned_host_id);
         choice = this.view.placeAndHold(holdKey, request, placeOpts);
       }
       const hostId = choice.decision.host_id;
