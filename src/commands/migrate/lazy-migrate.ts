@@ -13,7 +13,7 @@ import type { HostCommands } from '../host/host-commands.js';
 import { bootSandbox } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { LiveMigrate, LiveMigrateResult, Registered } from './live-migrate.js';
-import { followPageIn } from './page-in-watch.js';
+import { adoptableMove, followPageIn } from './page-in-watch.js';
 import { switchToTarget } from './switch-host.js';
 
 export type LazyMigrateResult = LiveMigrateResult;
@@ -250,22 +250,15 @@ export class LazyMigrate {
   async adopt(vmId: string): Promise<boolean> {
     if (this.stopped) return false;
     if (this.watching.has(vmId)) return true;
-    const { state: m } = await this.migrationHandler.load(vmId);
-    if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined || m.checkpoint_id === undefined)
-      return false;
-    const [{ state: source }, { state: target }] = await Promise.all([this.hosts.load(m.from_host_id), this.hosts.load(m.target_host_id)]);
-    if (!canServeLazily(source) || !canServeLazily(target)) return false;
-    const src = lazyAgent(this.hosts.agentForState(source));
-    const dst = lazyAgent(this.hosts.agentForState(target));
+    const m = await adoptableMove(this.migrationHandler, this.hosts, vmId);
+    if (!m || !canServeLazily(m.source) || !canServeLazily(m.target)) return false;
+    const src = lazyAgent(this.hosts.agentForState(m.source));
+    const dst = lazyAgent(this.hosts.agentForState(m.target));
     if (!src || !dst) return false;
     // Checked again after the awaits: a watch may have started meanwhile.
     if (this.watching.has(vmId)) return true;
-    const actor: Actor = { correlationId: `lazy-adopt-${vmId}`, actor: 'reconciler', tenantId: 'system', admin: true };
-    this.logger.info({ vm_id: vmId, from: m.from_host_id, to: m.target_host_id }, 'lazy migration: page-in watch adopted');
-    this.follow(
-      { vmId, fromHostId: m.from_host_id, targetId: m.target_host_id, cpId: m.checkpoint_id, src, dst, startedAt: Date.parse(m.last_at) },
-      actor,
-    );
+    this.logger.info({ vm_id: vmId, from: m.fromHostId, to: m.targetId }, 'lazy migration: page-in watch adopted');
+    this.follow({ vmId, fromHostId: m.fromHostId, targetId: m.targetId, cpId: m.moveId, src, dst, startedAt: m.lastAt }, m.actor);
     return true;
   }
 

@@ -1,8 +1,10 @@
 import type { Logger } from 'pino';
 import type { MemoryStatus } from '../../domain/host-agent.port.js';
+import type { HostState } from '../../domain/host/host.decider.js';
 import type { migrationAggregate } from '../../domain/migration/migration.decider.js';
 import type { ExistingVmState } from '../../domain/vm/vm.decider.js';
 import type { BoundOf } from '../command-handler.js';
+import type { HostCommands } from '../host/host-commands.js';
 import type { Actor, VmCommands } from '../vm/vm-commands.js';
 
 /** How often the target's memory status is read while pages stream. */
@@ -84,4 +86,38 @@ export async function followPageIn(w: PageInWatch, actor: Actor): Promise<PageIn
 export async function isCurrentMove(w: Pick<PageInWatch, 'vmId' | 'moveId' | 'migrations'>): Promise<boolean> {
   const { state: m } = await w.migrations.load(w.vmId);
   return m.status === 'in_progress' && m.lazy && m.switched && m.checkpoint_id === w.moveId;
+}
+
+/** A lazy move past its switch that a restarted control plane can take up: its hosts as they stand now. */
+export interface AdoptableMove {
+  readonly fromHostId: string;
+  readonly targetId: string;
+  readonly moveId: string;
+  /** When its last step was recorded (the switch): where an adopted watch counts its page-in time from. */
+  readonly lastAt: number;
+  readonly source: HostState;
+  readonly target: HostState;
+  /** Who an adopted watch records as. */
+  readonly actor: Actor;
+}
+
+/** The VM's lazy move past its switch, if it has one (LazyMigrate.adopt and QemuLiveMigrate.adopt decide whether it is theirs). */
+export async function adoptableMove(
+  migrations: BoundOf<typeof migrationAggregate>,
+  hosts: Pick<HostCommands, 'load'>,
+  vmId: string,
+): Promise<AdoptableMove | undefined> {
+  const { state: m } = await migrations.load(vmId);
+  if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined || m.checkpoint_id === undefined)
+    return undefined;
+  const [{ state: source }, { state: target }] = await Promise.all([hosts.load(m.from_host_id), hosts.load(m.target_host_id)]);
+  return {
+    fromHostId: m.from_host_id,
+    targetId: m.target_host_id,
+    moveId: m.checkpoint_id,
+    lastAt: Date.parse(m.last_at),
+    source,
+    target,
+    actor: { correlationId: `lazy-adopt-${vmId}`, actor: 'reconciler', tenantId: 'system', admin: true },
+  };
 }

@@ -16,7 +16,7 @@ import type { Placer } from '../placement/place-and-reserve.js';
 import { agentEgressOf } from '../vm/boot-sandbox.js';
 import { sandboxName, type Actor, type VmCommands } from '../vm/vm-commands.js';
 import type { LiveMigrateResult } from './live-migrate.js';
-import { followPageIn } from './page-in-watch.js';
+import { adoptableMove, followPageIn } from './page-in-watch.js';
 import { destroySource, switchToTarget } from './switch-host.js';
 
 type Registered = Exclude<HostState, { status: 'unregistered' }>;
@@ -354,26 +354,22 @@ export class QemuLiveMigrate {
   async adopt(vmId: string): Promise<boolean> {
     if (this.stopped) return false;
     if (this.watching.has(vmId)) return true;
-    const { state: m } = await this.migrationHandler.load(vmId);
-    if (m.status !== 'in_progress' || !m.lazy || !m.switched || m.target_host_id === undefined || m.checkpoint_id === undefined)
-      return false;
-    const [{ state: source }, { state: target }] = await Promise.all([this.hosts.load(m.from_host_id), this.hosts.load(m.target_host_id)]);
-    if (source.status === 'unregistered' || target.status === 'unregistered' || source.backend !== 'qemu' || target.backend !== 'qemu')
-      return false;
+    const m = await adoptableMove(this.migrationHandler, this.hosts, vmId);
+    if (!m || m.source.status === 'unregistered' || m.target.status === 'unregistered') return false;
+    if (m.source.backend !== 'qemu' || m.target.backend !== 'qemu') return false;
     if (this.watching.has(vmId)) return true;
-    const actor: Actor = { correlationId: `lazy-adopt-${vmId}`, actor: 'reconciler', tenantId: 'system', admin: true };
-    this.logger.info({ vm_id: vmId, from: m.from_host_id, to: m.target_host_id }, 'qemu post-copy: watch adopted');
+    this.logger.info({ vm_id: vmId, from: m.fromHostId, to: m.targetId }, 'qemu post-copy: watch adopted');
     this.follow(
       {
         vmId,
-        fromHostId: m.from_host_id,
-        targetId: m.target_host_id,
-        src: this.hosts.agentForState(source),
-        dst: this.hosts.agentForState(target),
+        fromHostId: m.fromHostId,
+        targetId: m.targetId,
+        src: this.hosts.agentForState(m.source),
+        dst: this.hosts.agentForState(m.target),
       },
-      m.checkpoint_id,
-      Date.parse(m.last_at),
-      actor,
+      m.moveId,
+      m.lastAt,
+      m.actor,
     );
     return true;
   }
