@@ -6,7 +6,7 @@ import { delimiter, join } from 'node:path';
 import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
-import { spawnUntilReady } from './criu-lazy.js';
+import { CRIU_ENV, spawnUntilReady } from './criu-lazy.js';
 import { runTool } from './exec-util.js';
 
 /**
@@ -296,7 +296,7 @@ function runCriu(
   return new Promise((resolve, reject) => {
     const child = spawn('/bin/sh', ['-c', script, 'criu', String(cg.length), ...cg, ...argv], {
       stdio: ['ignore', 'ignore', 'ignore', ...(opts.fd3 !== undefined ? [opts.fd3] : [])],
-      env: { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin', ...(opts.env ?? {}) },
+      env: { ...CRIU_ENV, ...(opts.env ?? {}) },
     });
     child.once('error', reject);
     child.once('close', (code) => resolve(code));
