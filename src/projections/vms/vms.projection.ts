@@ -277,6 +277,7 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
   const cols = COLUMNS.map(([c]) => c);
   // Plain json, the jsonb fields taken as text and cast (a JSON null is SQL NULL, as NULLIF made it before): a
   // replay's upserts cost the server ~22 % less CPU than jsonb_to_recordset with jsonb fields (docs/benchmarks.md).
+  // Every jsonb field here is an object, an array or null: a bare JSON string would arrive unquoted and not cast.
   const select = COLUMNS.map(([c, t]) => (t === 'jsonb' ? `r.${c}::jsonb` : `r.${c}`)).join(', ');
   await sql.query(
     `INSERT INTO vms (${cols.join(', ')})
