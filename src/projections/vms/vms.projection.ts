@@ -275,13 +275,11 @@ async function applyVmEvents(sql: Sql, events: readonly RecordedEvent[]): Promis
   // Every touched id was set in `byId` above.
   const out = [...touched].flatMap((id) => byId.get(id) ?? []);
   const cols = COLUMNS.map(([c]) => c);
-  // Plain json, the jsonb fields taken as text and cast (a JSON null is SQL NULL, as NULLIF made it before): a
-  // replay's upserts cost the server ~22 % less CPU than jsonb_to_recordset with jsonb fields (docs/benchmarks.md).
-  // Every jsonb field here is an object, an array or null: a bare JSON string would arrive unquoted and not cast.
-  const select = COLUMNS.map(([c, t]) => (t === 'jsonb' ? `r.${c}::jsonb` : `r.${c}`)).join(', ');
+  // JSON null in a jsonb field of the record set is the jsonb value null, not SQL NULL: map it back.
+  const select = COLUMNS.map(([c, t]) => (t === 'jsonb' ? `NULLIF(r.${c}, 'null'::jsonb)` : `r.${c}`)).join(', ');
   await sql.query(
     `INSERT INTO vms (${cols.join(', ')})
-     SELECT ${select} FROM json_to_recordset($1::json) AS r(${COLUMNS.map(([c, t]) => `${c} ${t === 'jsonb' ? 'text' : t}`).join(', ')})
+     SELECT ${select} FROM jsonb_to_recordset($1::jsonb) AS r(${COLUMNS.map(([c, t]) => `${c} ${t}`).join(', ')})
      ON CONFLICT (id) DO UPDATE SET ${cols
        .filter((c) => c !== 'id')
        .map((c) => `${c} = EXCLUDED.${c}`)
