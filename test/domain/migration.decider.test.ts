@@ -69,7 +69,7 @@ describe('migration decider', () => {
   });
 
   test('Given a switched lazy move still paging in, When another starts long after its last step, Then MIGRATION_IN_PROGRESS', () => {
-    const lazyStarted: MigrationStreamEvent = { ...started, data: { ...started.data, live: true, lazy: true } } as MigrationStreamEvent;
+    const lazyStarted: MigrationStreamEvent = { ...started, data: { ...started.data, live: true, lazy: true } };
     const paging = [lazyStarted, ...beforeSwitch.slice(1), migrated];
     const muchLater = new Date(at(5).getTime() + 3 * ABANDONED_AFTER_MS);
     given(migrationDecider, paging).when(start, muchLater).thenThrows('MIGRATION_IN_PROGRESS', 409);
