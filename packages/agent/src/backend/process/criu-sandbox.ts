@@ -80,11 +80,15 @@ export async function restoreInto(
   const dir = host.sandboxDir(s.name);
   const root = join(dir, 'root');
   const layer = layerDirs(dir, s.storage_gb);
-  await host.firewall.apply(() => host.firewallState());
-  await host.readyBridge(record);
-  await deleteLink(s.veth);
   await mkdir(root, { recursive: true });
-  lap('network_ms');
+  // The host's side of the network (rules, bridge, no stale veth) is made while the user namespace and the root
+  // mount are: neither needs it; only CRIU's setup-namespaces hook does.
+  const network = (async () => {
+    await host.firewall.apply(() => host.firewallState());
+    await host.readyBridge(record);
+    await deleteLink(s.veth);
+  })();
+  network.catch(() => undefined);
   const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
   let consoleFd: number | undefined;
   let mounted = false;
@@ -106,6 +110,9 @@ export async function restoreInto(
     consoleFd = await openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base);
     // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
     fchownSync(consoleFd, s.uid_base, s.uid_base);
+    lap('console_ms');
+    await network;
+    lap('network_wait_ms');
     const pid = await restoreTree(
       criu,
       cpDir,
@@ -135,6 +142,8 @@ export async function restoreInto(
     await hardenLink(s.veth, 'veth');
     lap('harden_ms');
   } finally {
+    // Settled before the caller cleans up (an early failure leaves it in flight).
+    await network.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
     if (mounted) await runTool('umount', ['-l', root]);
     holder.kill('SIGKILL');
