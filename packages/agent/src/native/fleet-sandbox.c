@@ -12,11 +12,14 @@
  *       agent's ready pipe): mask /proc and /sys paths, pivot_root, detach
  *       the old root, confine, exec /sbin/init.
  *   fleet-sandbox wait-root ROOT ARGV...
+ *   fleet-sandbox wait-root ROOT --stage2 HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1)
  *       First program in a new user namespace (started by unshare --user
  *       --keep-caps, ids not yet mapped): wait until the agent has mapped
  *       the ids and mounted ROOT (mount-root), become root of the
  *       namespace, exec ARGV (stage 2) in ROOT as its working directory,
- *       with this binary open as fd 4.
+ *       with this binary open as fd 4; or, with --stage2, do stage 2 here:
+ *       proc, sysfs, /dev, devpts, hostname, lo, wait for eth0 and
+ *       configure it (rtnetlink), then boot.
  *   fleet-sandbox reap FD ARGV...
  *       Run by `unshare --pid` (no --fork) in the sandbox's new namespaces,
  *       still in the host's pid namespace: its child, ARGV, is the sandbox's
@@ -45,16 +48,25 @@
  *         unlink PATH
  *       The host-side parent waits and exits with the child's status (a
  *       fatal signal is re-raised), so a caller sees the guest's status.
- *   fleet-sandbox serve SOCKET
+ *   fleet-sandbox serve SOCKET [--allow TOOL]...
  *       The agent's long-lived spawner, so an exec costs a fork of this small
  *       process instead of a fork of Node plus an execve: listens on SOCKET
  *       (a path in the agent's 0700 data directory, made 0600), accepts only
  *       connections from uid 0, and per connection forks a relay that runs
- *       exactly `enter` (and nothing else) with the request's arguments and
- *       FLEET_E<n> environment, over pipes it relays as frames. The protocol
- *       (all integers little-endian):
+ *       one of three things with the request's arguments, over pipes it
+ *       relays as frames:
+ *         enter ARGS...        the helper's `enter`, with the FLEET_E<n>
+ *                              environment of the request (a guest exec);
+ *         mount-root ARGS...   the helper's `mount-root` (a sandbox start);
+ *         run TOOL ARGS...     execve of TOOL, an absolute path given by an
+ *                              --allow at the serve's start (the agent's
+ *                              host tools: ip, nft, mount…), with only
+ *                              PATH=/usr/sbin:/usr/bin:/sbin:/bin;
+ *       nothing else (no boot, wait-root, serve, no other program). The
+ *       protocol (all integers little-endian):
  *         agent -> relay: u32 length, then u32 nargs, u32 nenv and that many
- *           NUL-terminated strings (args after "enter", then FLEET_E<n>=hex);
+ *           NUL-terminated strings (the verb and its args, then FLEET_E<n>=hex,
+ *           enter only);
  *           then the guest's raw stdin; a half-close is its end of input.
  *         relay -> agent: frames of u8 type, u32 length, payload: 'P' u32
  *           the relay's pid (its process group: the agent signals it as it
@@ -273,8 +285,7 @@ static void mask_paths(void) {
   }
 }
 
-static int cmd_boot(int argc, char **argv) {
-  int net_raw = argc > 2 && strcmp(argv[2], "--net-raw") == 0;
+static int boot(int net_raw) {
   clearenv();
   close(4); /* this binary, opened by wait-root: not for the guest */
   mask_paths();
@@ -290,6 +301,175 @@ static int cmd_boot(int argc, char **argv) {
   execve("/sbin/init", init_argv, init_env);
   fail("exec", "/sbin/init");
   return 125;
+}
+
+static int cmd_boot(int argc, char **argv) { return boot(argc > 2 && strcmp(argv[2], "--net-raw") == 0); }
+
+/* ---- stage 2 ---- */
+
+#include <arpa/inet.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <net/if.h>
+#include <sys/socket.h>
+
+/* One rtnetlink request, acknowledged; 0 or -errno. */
+static int rtnl(int fd, struct nlmsghdr *req) {
+  static unsigned seq;
+  req->nlmsg_flags |= NLM_F_REQUEST | NLM_F_ACK;
+  req->nlmsg_seq = ++seq;
+  if (send(fd, req, req->nlmsg_len, 0) < 0) return -errno;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (size_t)n); h = NLMSG_NEXT(h, n)) {
+      if (h->nlmsg_seq != req->nlmsg_seq || h->nlmsg_type != NLMSG_ERROR) continue;
+      return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+    }
+  }
+}
+
+static void rta_add(struct nlmsghdr *h, unsigned short type, const void *data, unsigned short len) {
+  struct rtattr *a = (struct rtattr *)((char *)h + NLMSG_ALIGN(h->nlmsg_len));
+  a->rta_type = type;
+  a->rta_len = (unsigned short)RTA_LENGTH(len);
+  memcpy(RTA_DATA(a), data, len);
+  h->nlmsg_len = NLMSG_ALIGN(h->nlmsg_len) + RTA_ALIGN(a->rta_len);
+}
+
+static void link_up(int ioc, const char *name) {
+  struct ifreq ifr;
+  memset(&ifr, 0, sizeof ifr);
+  strncpy(ifr.ifr_name, name, IFNAMSIZ - 1);
+  if (ioctl(ioc, SIOCGIFFLAGS, &ifr) < 0) fail("read the flags of", name);
+  ifr.ifr_flags |= IFF_UP;
+  if (ioctl(ioc, SIOCSIFFLAGS, &ifr) < 0) fail("set up", name);
+}
+
+/*
+ * What `ip addr add ADDR/LEN dev eth0; ip link set eth0 up; ip route add default via GW dev eth0` did:
+ * the address (no broadcast), the link up, the default route (proto boot, as ip(8) adds it).
+ */
+static void configure_eth0(const char *cidr, const char *gw) {
+  char addr[32];
+  const char *slash = strchr(cidr, '/');
+  if (!slash || (size_t)(slash - cidr) >= sizeof addr) usage();
+  memcpy(addr, cidr, (size_t)(slash - cidr));
+  addr[slash - cidr] = 0;
+  int len = atoi(slash + 1);
+  struct in_addr a, g;
+  if (len < 1 || len > 32 || inet_pton(AF_INET, addr, &a) != 1 || inet_pton(AF_INET, gw, &g) != 1) usage();
+  int ioc = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  int nl = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+  if (ioc < 0 || nl < 0) fail("socket", NULL);
+  unsigned idx = if_nametoindex("eth0");
+  if (!idx) fail("find", "eth0");
+  struct {
+    struct nlmsghdr h;
+    union {
+      struct ifaddrmsg ifa;
+      struct rtmsg rt;
+    } u;
+    char attrs[256];
+  } req;
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifa);
+  req.h.nlmsg_type = RTM_NEWADDR;
+  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  req.u.ifa.ifa_family = AF_INET;
+  req.u.ifa.ifa_prefixlen = (unsigned char)len;
+  req.u.ifa.ifa_index = idx;
+  rta_add(&req.h, IFA_LOCAL, &a, 4);
+  rta_add(&req.h, IFA_ADDRESS, &a, 4);
+  int e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("add the address of", "eth0");
+  link_up(ioc, "eth0");
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.rt);
+  req.h.nlmsg_type = RTM_NEWROUTE;
+  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  req.u.rt.rtm_family = AF_INET;
+  req.u.rt.rtm_table = RT_TABLE_MAIN;
+  req.u.rt.rtm_protocol = RTPROT_BOOT;
+  req.u.rt.rtm_scope = RT_SCOPE_UNIVERSE;
+  req.u.rt.rtm_type = RTN_UNICAST;
+  rta_add(&req.h, RTA_GATEWAY, &g, 4);
+  rta_add(&req.h, RTA_OIF, &idx, 4);
+  e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("add the default route via", gw);
+  close(nl);
+  close(ioc);
+}
+
+static void must_mount(const char *src, const char *target, const char *type, unsigned long flags, const char *data) {
+  if (mount(src, target, type, flags, data) < 0) fail("mount", target);
+}
+
+static int is_dir(const char *path) {
+  struct stat st;
+  return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/*
+ * Stage 2 of a start, as root of the new namespaces with the new root as the working directory (the
+ * shell script it replaces ran about twenty busybox applets): proc, sysfs (the netns belongs to the
+ * user namespace), a tmpfs /dev with the host's harmless nodes bind-mounted (mknod is refused in a
+ * user namespace), devpts, the hostname; then it waits for the agent to move eth0 in, configures it,
+ * and boots (masks, pivot_root, confinement, the ready signal, /sbin/init).
+ */
+static int stage2(const char *host, const char *cidr, const char *gw, int net_raw) {
+  struct stat st;
+  if (lstat("sbin/init", &st) < 0) {
+    dprintf(2, "fleet: the image has no /sbin/init\n");
+    _exit(65);
+  }
+  static const char *DIRS[] = {"proc", "dev", "tmp"};
+  for (size_t i = 0; i < 3; i++)
+    if (!is_dir(DIRS[i]) && mkdir(DIRS[i], 0777) < 0) fail("mkdir", DIRS[i]);
+  must_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+  /* As Docker does: ping through ICMP datagram sockets, so it needs no CAP_NET_RAW (this netns only). */
+  int fd = open("proc/sys/net/ipv4/ping_group_range", O_WRONLY | O_CLOEXEC);
+  if (fd < 0 || write(fd, "0 65535\n", 8) != 8) fail("write", "ping_group_range");
+  close(fd);
+  if (is_dir("sys")) must_mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+  must_mount("tmpfs", "dev", "tmpfs", MS_NOSUID, "mode=755,size=64m,uid=0,gid=0");
+  if (mkdir("dev/pts", 0777) < 0 || mkdir("dev/shm", 0777) < 0 || chmod("dev/shm", 01777) < 0) fail("populate", "/dev");
+  static const char *NODES[] = {"null", "zero", "full", "random", "urandom", "tty"};
+  for (size_t i = 0; i < sizeof NODES / sizeof NODES[0]; i++) {
+    char host_node[32], node[32];
+    snprintf(host_node, sizeof host_node, "/dev/%s", NODES[i]);
+    snprintf(node, sizeof node, "dev/%s", NODES[i]);
+    int n = open(node, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (n < 0) fail("create", node);
+    close(n);
+    must_mount(host_node, node, NULL, MS_BIND, NULL);
+  }
+  static const char *LINKS[][2] = {{"/proc/self/fd", "dev/fd"},         {"/proc/self/fd/0", "dev/stdin"},
+                                   {"/proc/self/fd/1", "dev/stdout"},   {"/proc/self/fd/2", "dev/stderr"},
+                                   {"pts/ptmx", "dev/ptmx"}};
+  for (size_t i = 0; i < sizeof LINKS / sizeof LINKS[0]; i++)
+    if (symlink(LINKS[i][0], LINKS[i][1]) < 0) fail("symlink", LINKS[i][1]);
+  /* Best effort, as before (a kernel without devpts newinstance still boots). */
+  mount("devpts", "dev/pts", "devpts", 0, "newinstance,ptmxmode=0666,mode=620");
+  if (sethostname(host, strlen(host)) < 0) fail("sethostname", host);
+  int ioc = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (ioc < 0) fail("socket", NULL);
+  link_up(ioc, "lo");
+  close(ioc);
+  /* The agent creates eth0 in this network namespace (network.ts attachSandbox) while the above runs. */
+  for (int i = 0; !if_nametoindex("eth0"); i++) {
+    if (i > 8000) {
+      dprintf(2, "fleet: eth0 never arrived\n");
+      _exit(66);
+    }
+    usleep(500);
+  }
+  configure_eth0(cidr, gw);
+  return boot(net_raw);
 }
 
 /* ---- wait-root ---- */
@@ -313,6 +493,10 @@ static int cmd_wait_root(int argc, char **argv) {
   int self = open("/proc/self/exe", O_RDONLY);
   if (self < 0 || (self != 4 && (dup2(self, 4) < 0 || close(self) < 0))) fail("open /proc/self/exe", NULL);
   if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+  if (strcmp(argv[3], "--stage2") == 0) {
+    if (argc != 8) usage();
+    return stage2(argv[4], argv[5], argv[6], strcmp(argv[7], "1") == 0);
+  }
   execv(argv[3], argv + 3);
   fail("exec", argv[3]);
   return 125;
@@ -741,6 +925,11 @@ static int cmd_enter(int argc, char **argv) {
 #include <sys/un.h>
 
 #define MAX_REQUEST (4u << 20)
+#define MAX_ALLOWED 16
+
+/* The host tools `run` may exec: fixed by the serve's argv (--allow), never by a request. */
+static const char *allowed_tools[MAX_ALLOWED];
+static int n_allowed;
 
 static int read_full(int fd, void *buf, size_t n) {
   for (size_t off = 0; off < n;) {
@@ -805,8 +994,15 @@ static void relay(int conn) {
     else envv[i - nargs] = p;
     p = z + 1;
   }
-  /* Only `enter`: the socket is never a way to mount, boot or anything else the helper can do. */
-  if (strcmp(argv[1], "enter") != 0 || strcmp(req + 8, "enter") != 0) _exit(125);
+  /* Only these three: the socket is never a way to boot, serve, or run a program the agent did not allow at start. */
+  int is_enter = strcmp(argv[1], "enter") == 0, is_mount = strcmp(argv[1], "mount-root") == 0, is_run = strcmp(argv[1], "run") == 0;
+  if (!is_enter && !is_mount && !is_run) _exit(125);
+  if (!is_enter && nenv != 0) _exit(125);
+  if (is_run) {
+    int ok = 0;
+    for (int i = 0; nargs >= 2 && i < n_allowed; i++) ok |= strcmp(argv[2], allowed_tools[i]) == 0;
+    if (!ok) _exit(125);
+  }
   for (uint32_t i = 0; i < nenv; i++)
     if (strncmp(envv[i], "FLEET_E", 7) != 0 || !strchr(envv[i], '=')) _exit(125);
 
@@ -825,7 +1021,12 @@ static void relay(int conn) {
     clearenv();
     for (uint32_t i = 0; i < nenv; i++)
       if (putenv(envv[i]) != 0) _exit(125);
-    _exit(cmd_enter((int)nargs + 1, argv));
+    if (is_enter) _exit(cmd_enter((int)nargs + 1, argv));
+    if (is_mount) _exit(cmd_mount_root((int)nargs + 1, argv));
+    char *tool_env[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+    execve(argv[2], argv + 2, tool_env);
+    dprintf(2, "fleet-sandbox: exec %s: %s\n", argv[2], strerror(errno));
+    _exit(127);
   }
   close(in[0]);
   close(out[1]);
@@ -895,7 +1096,11 @@ static void relay(int conn) {
 }
 
 static int cmd_serve(int argc, char **argv) {
-  if (argc != 3) usage();
+  if (argc < 3) usage();
+  for (int i = 3; i < argc; i += 2) {
+    if (strcmp(argv[i], "--allow") != 0 || i + 1 >= argc || argv[i + 1][0] != '/' || n_allowed >= MAX_ALLOWED) usage();
+    allowed_tools[n_allowed++] = argv[i + 1];
+  }
   clearenv();
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   struct sockaddr_un addr;

@@ -74,7 +74,7 @@ exec 5>"$INIT_STATUS"
 unset INIT_STATUS
 # Kept out of the OOM killer's choice where the host allows it (CAP_SYS_RESOURCE); its few pages rarely are the pick anyway.
 echo -1000 2>/dev/null > /proc/self/oom_score_adj || true
-exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --propagation private -- "$HELPER" reap 5 "$HELPER" wait-root "$4" "$BB" sh -c "$STAGE2" stage2 "$@"
+exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --propagation private -- "$HELPER" reap 5 "$HELPER" wait-root "$4" --stage2 "$5" "$6" "$7" "$9"
 `;
 
 /** Ids per sandbox user namespace: 0-65535 inside. */
@@ -82,41 +82,14 @@ export const USERNS_SIZE = 65536;
 
 /**
  * Stage 2: pid 1 of the new namespaces, still on the host's root, in a
- * private mount namespace. It waits for the agent to move eth0 into its
- * network namespace and configures it, so the guest is reachable the
- * moment it reports ready.
+ * private mount namespace, is the helper's `wait-root … --stage2`
+ * (fleet-sandbox.c): in C, one process, where a busybox script ran about
+ * twenty applets (each a fork and exec) and polled for eth0 with `ip link
+ * show`. It mounts proc, sysfs, a tmpfs /dev (host nodes bind-mounted),
+ * devpts, sets the hostname and lo up, then waits for the agent to create
+ * eth0 in its network namespace and configures it (rtnetlink), so the guest
+ * is reachable the moment it reports ready; then it boots.
  */
-const STAGE2 = `set -eu
-unset STAGE2 UNSHARE BB HELPER
-host=$5 addr=$6 gw=$7 netraw=$9
-helper=/proc/self/fd/4
-# The working directory is the new root (wait-root): its host path is not reachable from this user namespace.
-root=.
-if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
-for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
-mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
-# As Docker does: ping through ICMP datagram sockets, so it needs no CAP_NET_RAW (this netns only).
-echo "0 65535" > "$root/proc/sys/net/ipv4/ping_group_range"
-if [ -d "$root/sys" ]; then mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"; fi
-mount -t tmpfs -o mode=755,size=64m,nosuid,uid=0,gid=0 tmpfs "$root/dev"
-mkdir "$root/dev/pts" "$root/dev/shm"
-chmod 1777 "$root/dev/shm"
-# No mknod in a user namespace: the host's harmless nodes are bind-mounted.
-for n in null zero full random urandom tty; do touch "$root/dev/$n"; mount -o bind "/dev/$n" "$root/dev/$n"; done
-ln -s /proc/self/fd "$root/dev/fd"; ln -s /proc/self/fd/0 "$root/dev/stdin"; ln -s /proc/self/fd/1 "$root/dev/stdout"; ln -s /proc/self/fd/2 "$root/dev/stderr"; ln -s pts/ptmx "$root/dev/ptmx"
-mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" || true
-hostname "$host"
-ip link set lo up
-i=0
-until ip link show eth0 >/dev/null 2>&1; do
-  i=$((i+1)); if [ "$i" -gt 2000 ]; then echo "fleet: eth0 never arrived" >&2; exit 66; fi
-  usleep 2000
-done
-ip addr add "$addr" dev eth0
-ip link set eth0 up
-ip route add default via "$gw" dev eth0
-if [ "$netraw" = 1 ]; then exec "$helper" boot --net-raw; else exec "$helper" boot; fi
-`;
 
 export interface LaunchOptions {
   readonly imageDir: string;
@@ -254,9 +227,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
         stdio: ['ignore', log, log, 'pipe'],
         env: {
           PATH: '/usr/sbin:/usr/bin:/sbin:/bin',
-          STAGE2,
           UNSHARE: opts.tools.unshare,
-          BB: opts.tools.busybox,
           HELPER: opts.tools.helper,
           INIT_STATUS: opts.initStatus ?? join(dirname(opts.consoleLog), INIT_STATUS_FILE),
         },
