@@ -20,6 +20,12 @@
  *       with this binary open as fd 4; or, with --stage2, do stage 2 here:
  *       proc, sysfs, /dev, devpts, hostname, lo, wait for eth0 and
  *       configure it (rtnetlink), then boot.
+ *   fleet-sandbox start N CGROUP_PROCS_FILE×N STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1)
+ *       A sandbox's start from the host side, in one process (cmd_start):
+ *       joins the cgroups, opens STATUS, unshares the namespaces, forks the
+ *       init, which does wait-root and stage 2 in place, and stays as its
+ *       reaper (`reap` below). The agent writes the id maps and mounts ROOT
+ *       (mount-root) once this process's network namespace is new.
  *   fleet-sandbox reap FD ARGV...
  *       Run by `unshare --pid` (no --fork) in the sandbox's new namespaces,
  *       still in the host's pid namespace: its child, ARGV, is the sandbox's
@@ -43,7 +49,9 @@
  *       Join the cgroup(s), enter the namespaces (user first) and root of
  *       the init PID, fork into its pid namespace, confine, then OP:
  *         exec ARGV...         execvp with the guest's PATH, inside the root
- *         put PATH MODE TMP    stdin -> TMP, chmod, rename to PATH (exit 21: PATH is a directory)
+ *         put PATH MODE TMP [parents]
+ *                              stdin -> TMP, chmod, rename to PATH (exit 21: PATH is a directory);
+ *                              `parents`: PATH's missing directories are made first (mkdir -p)
  *         get PATH             "<size>\n" then the bytes (exit 21: not a regular file)
  *         unlink PATH
  *       The host-side parent waits and exits with the child's status (a
@@ -62,7 +70,10 @@
  *                              --allow at the serve's start (the agent's
  *                              host tools: ip, nft, mount…), with only
  *                              PATH=/usr/sbin:/usr/bin:/sbin:/bin;
- *       nothing else (no boot, wait-root, serve, no other program). The
+ *       nothing else (no boot, wait-root, serve, no other program). Only
+ *       host root can connect, and host root could run these tools anyway:
+ *       the list keeps a request (a bug in the agent) from naming another
+ *       program; it is not a boundary against root. The
  *       protocol (all integers little-endian):
  *         agent -> relay: u32 length, then u32 nargs, u32 nenv and that many
  *           NUL-terminated strings (the verb and its args, then FLEET_E<n>=hex,
@@ -474,25 +485,30 @@ static int stage2(const char *host, const char *cidr, const char *gw, int net_ra
 
 /* ---- wait-root ---- */
 
-static int cmd_wait_root(int argc, char **argv) {
-  if (argc < 4) usage();
+/* Waits until the agent has mapped the ids and mounted ROOT, enters it and becomes root of the user namespace. */
+static void wait_root(const char *root) {
   char parent[4096];
-  if (snprintf(parent, sizeof parent, "%s/..", argv[2]) >= (int)sizeof parent) usage();
+  if (snprintf(parent, sizeof parent, "%s/..", root) >= (int)sizeof parent) usage();
   for (int i = 0;; i++) {
     struct stat a, b;
-    if (stat(argv[2], &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
-    if (i > 3000) {
+    if (stat(root, &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
+    if (i > 12000) {
       dprintf(2, "fleet: the sandbox root was never mounted\n");
       _exit(67);
     }
-    usleep(2000);
+    usleep(500);
   }
   /* As the namespace's root the data directory (0700, host root's) is closed: stage 2 works from here. */
-  if (chdir(argv[2]) < 0) fail("chdir", argv[2]);
-  /* Nor is this binary: stage 2 runs it again (boot) from this descriptor, /proc/self/fd/4. */
+  if (chdir(root) < 0) fail("chdir", root);
+  if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+}
+
+static int cmd_wait_root(int argc, char **argv) {
+  if (argc < 4) usage();
+  /* Not this binary either, once root of the namespace: a stage 2 script runs it again (boot) from /proc/self/fd/4. */
   int self = open("/proc/self/exe", O_RDONLY);
   if (self < 0 || (self != 4 && (dup2(self, 4) < 0 || close(self) < 0))) fail("open /proc/self/exe", NULL);
-  if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
+  wait_root(argv[2]);
   if (strcmp(argv[3], "--stage2") == 0) {
     if (argc != 8) usage();
     return stage2(argv[4], argv[5], argv[6], strcmp(argv[7], "1") == 0);
@@ -537,6 +553,17 @@ static int start_of(int pid, char *out, size_t size) {
   return 1;
 }
 
+/* The outer side may have kept the reaper out of the OOM killer's choice; the sandbox is not. */
+static void reset_oom_score_adj(void) {
+  char adj[16] = "";
+  int fd = open("/proc/self/oom_score_adj", O_RDWR | O_CLOEXEC);
+  if (fd >= 0 && read(fd, adj, sizeof adj - 1) > 0 && strncmp(adj, "-1000", 5) == 0 && pwrite(fd, "0", 1, 0) != 1)
+    fail("reset oom_score_adj", NULL);
+  if (fd >= 0) close(fd);
+}
+
+static int reap(int sfd, pid_t init);
+
 static int cmd_reap(int argc, char **argv) {
   if (argc < 4) usage();
   int sfd = atoi(argv[2]);
@@ -545,15 +572,15 @@ static int cmd_reap(int argc, char **argv) {
   if (init < 0) fail("fork", NULL);
   if (init == 0) {
     close(sfd);
-    /* The outer shell may have kept this process out of the OOM killer's choice; the sandbox is not. */
-    char adj[16] = "";
-    int fd = open("/proc/self/oom_score_adj", O_RDWR | O_CLOEXEC);
-    if (fd >= 0 && read(fd, adj, sizeof adj - 1) > 0 && strncmp(adj, "-1000", 5) == 0 && pwrite(fd, "0", 1, 0) != 1)
-      fail("reset oom_score_adj", NULL);
-    if (fd >= 0) close(fd);
+    reset_oom_score_adj();
     execv(argv[3], argv + 3);
     fail("exec", argv[3]);
   }
+  return reap(sfd, init);
+}
+
+/* The init's parent from here on: records how it ends (see the header), nothing else. */
+static int reap(int sfd, pid_t init) {
   /* The console FIFO and the ready pipe are the sandbox's: held here, they would outlive its last process. */
   int null = open("/dev/null", O_RDWR);
   if (null >= 0) dup2(null, 0), dup2(null, 1), dup2(null, 2);
@@ -691,9 +718,30 @@ static int copy_fd(int in, int out, long long limit) {
   }
 }
 
-static int op_put(char **a) {
+/* mkdir -p of PATH's parent, inside the sandbox (as the guest's root would: mode 0777 less the umask). */
+static int make_parents(const char *path) {
+  char dir[4096];
+  if (snprintf(dir, sizeof dir, "%s", path) >= (int)sizeof dir) return -1;
+  char *last = strrchr(dir, '/');
+  if (!last || last == dir) return 0;
+  *last = 0;
+  for (char *p = dir + 1;; p++) {
+    if (*p != '/' && *p != 0) continue;
+    char c = *p;
+    *p = 0;
+    if (mkdir(dir, 0777) < 0 && errno != EEXIST) return -1;
+    *p = c;
+    if (c == 0) return 0;
+  }
+}
+
+static int op_put(char **a, int parents) {
   const char *path = a[0], *mode = a[1], *tmp = a[2];
   struct stat st;
+  if (parents && make_parents(path) < 0) {
+    dprintf(2, "the directories of %s: %s\n", path, strerror(errno));
+    return 1;
+  }
   if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
     dprintf(2, "is a directory\n");
     return 21;
@@ -811,7 +859,7 @@ static int cmd_enter(int argc, char **argv) {
   char *op = argv[i + 1];
   char **rest = argv + i + 2;
   int nrest = argc - i - 2;
-  if (!((strcmp(op, "exec") == 0 && nrest >= 1) || (strcmp(op, "put") == 0 && nrest == 3) ||
+  if (!((strcmp(op, "exec") == 0 && nrest >= 1) || (strcmp(op, "put") == 0 && (nrest == 3 || (nrest == 4 && strcmp(rest[3], "parents") == 0))) ||
         (strcmp(op, "get") == 0 && nrest == 1) || (strcmp(op, "unlink") == 0 && nrest == 1)))
     usage();
   char **envp = guest_env();
@@ -886,7 +934,7 @@ static int cmd_enter(int argc, char **argv) {
     /* Only stdio: exec (libuv's too) passes on whatever the host side inherited without O_CLOEXEC. */
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
     confine(net_raw);
-    if (strcmp(op, "put") == 0) _exit(op_put(rest));
+    if (strcmp(op, "put") == 0) _exit(op_put(rest, nrest == 4));
     if (strcmp(op, "get") == 0) _exit(op_get(rest));
     if (strcmp(op, "unlink") == 0) _exit(unlink(rest[0]) < 0 && errno != ENOENT ? 1 : 0);
     /* With a session of its own, a supervisor keeps the group killable; with a terminal, the group kill still reaches it. */
@@ -1140,6 +1188,46 @@ static int cmd_serve(int argc, char **argv) {
   return 125;
 }
 
+/* ---- start ---- */
+
+/*
+ * What the outer shell, unshare(1), `reap` and `wait-root --stage2` did, in one process and no exec
+ * until /sbin/init: join the cgroup(s), open the status file (as host root), leave the OOM killer's
+ * choice, then one unshare(2) of user, pid, mount, uts, ipc and net namespaces (the user namespace
+ * first, so this process holds every capability in it and keeps them, never exec'ing), mounts
+ * private; fork pid 1, which waits for the agent's id maps and root mount and runs stage 2; stay
+ * as its reaper.
+ */
+static int cmd_start(int argc, char **argv) {
+  if (argc < 3) usage();
+  int n = atoi(argv[2]);
+  if (n < 0 || argc != 3 + n + 6) usage();
+  char **a = argv + 3 + n; /* STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW */
+  clearenv();
+  char me[16];
+  snprintf(me, sizeof me, "%d\n", (int)getpid());
+  for (int i = 0; i < n; i++) write_file(argv[3 + i], me);
+  int sfd = open(a[0], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (sfd < 0) fail("open", a[0]);
+  /* Kept out of the OOM killer's choice where the host allows it (CAP_SYS_RESOURCE); its few pages rarely are the pick anyway. */
+  int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+  if (adj >= 0) {
+    if (write(adj, "-1000", 5) != 5) { /* not allowed here: as before, not fatal */ }
+    close(adj);
+  }
+  if (unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0) fail("unshare", NULL);
+  if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make the mounts private", NULL);
+  pid_t init = fork();
+  if (init < 0) fail("fork", NULL);
+  if (init == 0) {
+    close(sfd);
+    reset_oom_score_adj();
+    wait_root(a[1]);
+    return stage2(a[2], a[3], a[4], strcmp(a[5], "1") == 0);
+  }
+  return reap(sfd, init);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) usage();
   if (strcmp(argv[1], "boot") == 0) return cmd_boot(argc, argv);
@@ -1148,6 +1236,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
   if (strcmp(argv[1], "reap") == 0) return cmd_reap(argc, argv);
   if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
+  if (strcmp(argv[1], "start") == 0) return cmd_start(argc, argv);
   usage();
   return 125;
 }

@@ -79,12 +79,11 @@ export function registerVmRoutes(app: FastifyInstance, ctx: AgentRouteContext): 
         if (bytes.length > ctx.config.maxUploadBytes)
           throw new AppError('FILE_TOO_LARGE', 413, `"${f.path}" is ${bytes.length} bytes, more than ${ctx.config.maxUploadBytes}`);
       }
-      const dirs = [...new Set(files.map((f) => posix.dirname(posix.normalize(f.path))))].filter((d) => d !== '/');
-      if (dirs.length > 0) await checkedRun(spec.name, ['mkdir', '-p', ...dirs], 'create the directories of the create files');
-      mark('route.mkdir');
+      // Each file's directories are made by the same helper that writes it (parents): no `mkdir -p` exec first.
       for (const f of files) {
         await backend.writeGuestFile(spec.name, f.path, Readable.from([Buffer.from(f.content_b64, 'base64')]), {
           mode: parseInt(f.mode ?? '644', 8),
+          parents: true,
         });
       }
       mark('route.files');

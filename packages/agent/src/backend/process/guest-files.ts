@@ -25,17 +25,20 @@ export async function writeGuestFile(
   name: string,
   guestPath: string,
   data: Readable,
-  opts: { mode?: number; maxBytes?: number } = {},
+  opts: { mode?: number; maxBytes?: number; parents?: boolean } = {},
 ): Promise<{ path: string; bytes: number }> {
   const record = host.must(name);
   await host.assertRunning(record);
-  const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: true });
+  const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, {
+    forWrite: true,
+    ...(opts.parents ? { parents: true } : {}),
+  });
   const mode = (opts.mode ?? 0o644).toString(8);
   if (!/^[0-7]{1,4}$/.test(mode))
     throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
   // Done by the helper inside the sandbox, as its root: the rename happens in the guest's view of its root.
   const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
-  const h = spawnHelper(host, await enterSandbox(host, record, { op: 'put', path: resolved.guestPath, mode, tmp }), true);
+  const h = spawnHelper(host, await enterSandbox(host, record, { op: 'put', path: resolved.guestPath, mode, tmp, ...(opts.parents ? { parents: true } : {}) }), true);
   let bytes = 0;
   // Set inside the transform below, read after the pipeline: a field, so the compiler does not narrow it to false.
   const over = { tooLarge: false };

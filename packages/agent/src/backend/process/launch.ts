@@ -55,40 +55,20 @@ export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper
   return { unshare: find('unshare', 'util-linux'), busybox };
 }
 
-/**
- * Outer: runs on the host, joins the cgroup (so everything after is limited),
- * then creates the namespaces. The scripts run under the host's static
- * busybox sh: its applets (mount, mkdir, ip…) start without an exec of a
- * dynamic binary, which is most of a create's latency on a busy host.
- */
-const OUTER = `set -eu
-n=$1; shift
-i=0
-for f in "$@"; do
-  i=$((i+1)); [ "$i" -gt "$n" ] && break
-  echo $$ > "$f"
-done
-shift "$n"
-# How the init ends is recorded by its parent, the helper's reap (fd 5: the status file, opened while still host root).
-exec 5>"$INIT_STATUS"
-unset INIT_STATUS
-# Kept out of the OOM killer's choice where the host allows it (CAP_SYS_RESOURCE); its few pages rarely are the pick anyway.
-echo -1000 2>/dev/null > /proc/self/oom_score_adj || true
-exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --propagation private -- "$HELPER" reap 5 "$HELPER" wait-root "$4" --stage2 "$5" "$6" "$7" "$9"
-`;
-
 /** Ids per sandbox user namespace: 0-65535 inside. */
 export const USERNS_SIZE = 65536;
 
 /**
- * Stage 2: pid 1 of the new namespaces, still on the host's root, in a
- * private mount namespace, is the helper's `wait-root … --stage2`
- * (fleet-sandbox.c): in C, one process, where a busybox script ran about
- * twenty applets (each a fork and exec) and polled for eth0 with `ip link
- * show`. It mounts proc, sysfs, a tmpfs /dev (host nodes bind-mounted),
- * devpts, sets the hostname and lo up, then waits for the agent to create
- * eth0 in its network namespace and configures it (rtnetlink), so the guest
- * is reachable the moment it reports ready; then it boots.
+ * A start, host side and stage 2, is one process until /sbin/init: the
+ * helper's `start` (fleet-sandbox.c), where a busybox outer script,
+ * unshare(1), the helper's `reap` and `wait-root` (three execs) and a stage-2
+ * script of about twenty busybox applets (each a fork and exec, and `ip link
+ * show` polled for eth0) ran before. Its pid 1, still on the host's root in
+ * a private mount namespace, mounts proc, sysfs, a tmpfs /dev (host nodes
+ * bind-mounted), devpts, sets the hostname and lo up, then waits for the
+ * agent to create eth0 in its network namespace and configures it
+ * (rtnetlink), so the guest is reachable the moment it reports ready; then
+ * it boots.
  */
 
 export interface LaunchOptions {
@@ -203,35 +183,22 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   mark('init.console');
   let child;
   try {
+    // The helper's `start` (fleet-sandbox.c): joins the cgroup (so everything after is limited), creates the
+    // namespaces with one unshare(2) and forks the init, which runs stage 2 in C; it stays as the init's reaper.
     child = spawn(
-      opts.tools.busybox,
+      opts.tools.helper,
       [
-        'sh',
-        '-c',
-        OUTER,
-        'outer',
+        'start',
         String(opts.cgroupProcs.length),
         ...opts.cgroupProcs,
-        opts.imageDir,
-        opts.upper,
-        opts.work,
+        opts.initStatus ?? join(dirname(opts.consoleLog), INIT_STATUS_FILE),
         opts.rootMount,
         opts.hostname,
         opts.address,
         opts.gateway,
-        opts.tools.helper,
         opts.netRaw ? '1' : '0',
       ],
-      {
-        detached: true,
-        stdio: ['ignore', log, log, 'pipe'],
-        env: {
-          PATH: '/usr/sbin:/usr/bin:/sbin:/bin',
-          UNSHARE: opts.tools.unshare,
-          HELPER: opts.tools.helper,
-          INIT_STATUS: opts.initStatus ?? join(dirname(opts.consoleLog), INIT_STATUS_FILE),
-        },
-      },
+      { detached: true, stdio: ['ignore', log, log, 'pipe'], env: {} },
     );
   } finally {
     closeSync(log);
@@ -317,7 +284,7 @@ async function childOf(pid: number): Promise<number> {
 
 export type EnterOp =
   | { readonly op: 'exec'; readonly argv: readonly string[] }
-  | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string }
+  | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string; readonly parents?: boolean }
   | { readonly op: 'get' | 'unlink'; readonly path: string };
 
 /**
@@ -336,7 +303,7 @@ export function enterArgv(opts: {
   tools: HostTools;
 }): string[] {
   const op = opts.op;
-  const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp] : [op.op, op.path];
+  const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp, ...(op.parents ? ['parents'] : [])] : [op.op, op.path];
   return [
     opts.tools.helper,
     'enter',
