@@ -1,6 +1,6 @@
 import { spawn } from 'node:child_process';
 import { closeSync, constants, existsSync, open as fsOpen } from 'node:fs';
-import { chown, readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { readFile, readlink, rm, writeFile } from 'node:fs/promises';
 import { basename, dirname, join } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
@@ -121,12 +121,13 @@ export interface Launched {
 export async function openConsoleWriter(logPath: string, max: number, busybox: string, owner: number): Promise<number> {
   const fifo = `${logPath}.fifo`;
   await rm(fifo, { force: true });
-  await mustRun(busybox, ['mkfifo', '-m', '600', fifo]);
-  // Owned by the sandbox's root: a process outside the init's tree (an exec, the startup script) may then write
-  // the console through /proc/1/fd/1, within the same bound as the init.
-  await chown(fifo, owner, owner);
+  // The writer makes its FIFO itself (busybox applets, no Node spawn of mkfifo first), owned by the sandbox's root:
+  // a process outside the init's tree (an exec, the startup script) may then write the console through
+  // /proc/1/fd/1, within the same bound as the init. It opens the read end only after the chown, and the agent's
+  // open of the write end below completes only then.
   // dd, not head: head buffers its output, holding back the first lines ("fleet sandbox up") until 4 KiB came.
-  const script = `exec < "$1"
+  const script = `mkfifo -m 600 "$1.new" && chown "$4:$4" "$1.new" && mv "$1.new" "$1" || exit 1
+exec < "$1"
 rm -f "$1"
 dd bs=65536 count="$2" iflag=count_bytes 2>/dev/null >> "$3"
 # Full: kept as $3.1 (one previous file) and a new file takes the next $2 bytes; after that the rest is discarded.
@@ -138,20 +139,30 @@ if [ -s "$3.next" ]; then
 [fleet: console log cut at $2 bytes; the rest is discarded]" >> "$3"; fi
 else rm -f "$3.next"; fi
 exec cat > /dev/null`;
-  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath], {
+  await rm(`${fifo}.new`, { force: true });
+  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath, String(owner)], {
     detached: true,
     stdio: 'ignore',
     env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' },
   });
   writer.unref();
-  // Opening the write end waits (in the thread pool) for the writer to open the read end. Should the writer
-  // die first, or not come, a read end opened here releases that wait, and the create fails.
-  const opened = new Promise<number>((resolve, reject) =>
-    fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => (err ? reject(err) : resolve(fd))),
-  );
+  let stopped = false;
+  // Opening the write end waits (in the thread pool) for the writer to open the read end; until the writer has
+  // made the FIFO (renamed into place whole, already owned) the open finds nothing and is tried again. Should the
+  // writer die first, or not come, a read end opened here releases that wait, and the create fails.
+  const opened = new Promise<number>((resolve, reject) => {
+    const attempt = (): void =>
+      fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => {
+        if (!err) resolve(fd);
+        else if (err.code === 'ENOENT' && !stopped) setTimeout(attempt, 1);
+        else reject(err);
+      });
+    attempt();
+  });
   let timer: NodeJS.Timeout | undefined;
   const failed = new Promise<never>((_, reject) => {
     const fail = (why: string): void => {
+      stopped = true;
       fsOpen(fifo, constants.O_RDONLY | constants.O_NONBLOCK, (err, fd) => {
         if (!err) closeSync(fd);
       });
@@ -164,6 +175,7 @@ exec cat > /dev/null`;
   try {
     return await Promise.race([opened, failed]);
   } catch (err) {
+    stopped = true;
     void opened.then(closeSync, () => undefined);
     throw err;
   } finally {
