@@ -57,7 +57,11 @@ export async function runTool(
   return spawnTool(cmd, args, opts);
 }
 
-function spawnTool(cmd: string, args: readonly string[], opts: { input?: string; timeoutMs?: number; env?: NodeJS.ProcessEnv }): Promise<RunResult> {
+function spawnTool(
+  cmd: string,
+  args: readonly string[],
+  opts: { input?: string; timeoutMs?: number; env?: NodeJS.ProcessEnv },
+): Promise<RunResult> {
   return new Promise((resolve, reject) => {
     const child = spawn(cmd, args, {
       stdio: ['pipe', 'pipe', 'pipe'],

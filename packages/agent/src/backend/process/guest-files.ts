@@ -38,7 +38,11 @@ export async function writeGuestFile(
     throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
   // Done by the helper inside the sandbox, as its root: the rename happens in the guest's view of its root.
   const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
-  const h = spawnHelper(host, await enterSandbox(host, record, { op: 'put', path: resolved.guestPath, mode, tmp, ...(opts.parents ? { parents: true } : {}) }), true);
+  const h = spawnHelper(
+    host,
+    await enterSandbox(host, record, { op: 'put', path: resolved.guestPath, mode, tmp, ...(opts.parents ? { parents: true } : {}) }),
+    true,
+  );
   let bytes = 0;
   // Set inside the transform below, read after the pipeline: a field, so the compiler does not narrow it to false.
   const over = { tooLarge: false };

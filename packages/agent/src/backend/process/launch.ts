@@ -315,7 +315,12 @@ export function enterArgv(opts: {
   tools: HostTools;
 }): string[] {
   const op = opts.op;
-  const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp, ...(op.parents ? ['parents'] : [])] : [op.op, op.path];
+  const tail =
+    op.op === 'exec'
+      ? ['exec', ...op.argv]
+      : op.op === 'put'
+        ? ['put', op.path, op.mode, op.tmp, ...(op.parents ? ['parents'] : [])]
+        : [op.op, op.path];
   return [
     opts.tools.helper,
     'enter',
