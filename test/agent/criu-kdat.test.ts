@@ -1,14 +1,14 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync } from 'node:fs';
-import { mkdtemp, readFile, rm, stat, utimes, writeFile } from 'node:fs/promises';
+import { chmod, copyFile, mkdtemp, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { after, test } from 'node:test';
 import { installKdatCache } from '../../packages/agent/src/backend/process/criu.js';
 
 /*
  * CRIU's kernel-probe cache where the directory is no tmpfs (CRIU would not write it there):
- * made by a real criu in a private mount namespace, kept while it is from this boot, made again otherwise.
+ * made by a real criu in a private mount namespace, kept while its sidecar names this boot, kernel and criu, made again otherwise.
  * Written under a scratch directory on the disk, never /run.
  */
 
@@ -27,7 +27,7 @@ if (skip && process.env.CI === 'true') test('CRIU is available in CI', () => ass
 const dir = await mkdtemp(join(process.cwd(), '.criu-kdat-test-'));
 after(() => rm(dir, { recursive: true, force: true }));
 
-test('a kernel-probe cache is made off tmpfs, kept within this boot, made again when older than the boot', { skip }, async () => {
+test('a kernel-probe cache is made off tmpfs, kept for this boot, kernel and criu, made again for any other', { skip }, async () => {
   const criu = process.env.CRIU_PATH!;
   const target = join(dir, 'criu.kdat');
   const made = await installKdatCache(criu, target);
@@ -35,13 +35,31 @@ test('a kernel-probe cache is made off tmpfs, kept within this boot, made again 
   const first = await stat(target);
   // CRIU's struct kerndat, with its two magic numbers: far more than a few bytes.
   assert.ok(first.size > 64, `kdat of ${first.size} bytes`);
-  assert.match((await installKdatCache(criu, target)) ?? '', /made since boot/);
+  const id = JSON.parse(await readFile(`${target}.id`, 'utf8'));
+  assert.equal(id.boot_id, (await readFile('/proc/sys/kernel/random/boot_id', 'utf8')).trim());
+  assert.match((await installKdatCache(criu, target)) ?? '', /made in this boot by this criu/);
   assert.equal((await stat(target)).mtimeMs, first.mtimeMs, 'kept, not made again');
-  // A file from before this boot (another kernel, perhaps) is replaced by a fresh probe.
+
+  const remade = async (why: string): Promise<void> => {
+    await writeFile(target, 'stale');
+    assert.match((await installKdatCache(criu, target)) ?? '', /\(\/run is not a tmpfs/, why);
+    assert.equal((await stat(target)).size, first.size, why);
+    assert.notEqual((await readFile(target)).toString(), 'stale', why);
+  };
+  // Another boot (perhaps another kernel), though the file looks newer than this boot (a clock that was ahead).
+  await writeFile(`${target}.id`, JSON.stringify({ ...id, boot_id: '00000000-0000-0000-0000-000000000000' }));
+  await remade('another boot');
+  // No sidecar (a crash between the file and its sidecar).
+  await rm(`${target}.id`);
+  await remade('no sidecar');
+  // Another criu binary (rebuilt or upgraded): its own copy made in the same boot.
+  const other = join(dir, 'criu-copy');
+  await copyFile(criu, other);
+  await chmod(other, 0o755);
+  const before = await readFile(`${target}.id`, 'utf8');
   await writeFile(target, 'stale');
-  await utimes(target, new Date(0), new Date(0));
-  await installKdatCache(criu, target);
-  assert.equal((await stat(target)).size, first.size);
+  assert.match((await installKdatCache(other, target)) ?? '', /\(\/run is not a tmpfs/);
+  assert.notEqual(await readFile(`${target}.id`, 'utf8'), before);
   assert.notEqual((await readFile(target)).toString(), 'stale');
 });
 

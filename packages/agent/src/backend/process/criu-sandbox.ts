@@ -90,6 +90,8 @@ export async function restoreInto(
   })();
   network.catch(() => undefined);
   const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
+  // A spawn that fails leaves no pid (refused below); its 'error' must not take the agent down.
+  holder.on('error', () => undefined);
   let consoleFd: number | undefined;
   let mounted = false;
   const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;

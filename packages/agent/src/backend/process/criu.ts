@@ -139,22 +139,36 @@ export const KDAT_CACHE = '/run/criu.kdat';
  * container) every run probed afresh: 0.1-0.25 s of each resume under load.
  * The agent then has a criu of its own, in a private mount namespace over a
  * fresh tmpfs on /run, probe this kernel once as it starts, and installs the
- * file: CRIU reads it from any filesystem. A file made since this boot is
- * kept; one from an earlier boot (perhaps another kernel) is made again.
+ * file: CRIU reads it from any filesystem. CRIU checks only the file's size
+ * and two magic numbers, yet it holds values of this boot (the zero page's
+ * pfn, shmem device numbers): a stale one can make a dump take a real page
+ * for the zero page. So the file is kept only while its sidecar (`.id`: the
+ * boot id, the kernel release, and the criu binary's path, inode, size and
+ * mtime) matches exactly; anything else (another boot, kernel or criu; a
+ * clock that was wrong when it was made) makes it again.
  * Answers a note for the log, or null when /run is a tmpfs (CRIU does it itself).
  */
 export async function installKdatCache(criuPath: string, target = KDAT_CACHE): Promise<string | null> {
   const { statfs, mkdtemp, copyFile, rename, stat } = await import('node:fs/promises');
-  const { tmpdir } = await import('node:os');
+  const { tmpdir, release } = await import('node:os');
   const fsType = await statfs(dirname(target)).then(
     (st) => st.type,
     () => null,
   );
   if (fsType === null || fsType === TMPFS_MAGIC) return null;
-  // Made since this boot: this kernel's.
-  const bootMs = Number((await readFile('/proc/stat', 'utf8')).match(/^btime (\d+)$/m)?.[1] ?? Number.NaN) * 1000;
+  const bin = await stat(criuPath).catch(() => null);
+  if (!bin) return `no kernel-probe cache for criu: ${criuPath} is gone`;
+  const identity = JSON.stringify({
+    boot_id: (await readFile('/proc/sys/kernel/random/boot_id', 'utf8')).trim(),
+    kernel: release(),
+    criu: { path: criuPath, ino: bin.ino, size: bin.size, mtime_ms: bin.mtimeMs },
+  });
+  const sidecar = `${target}.id`;
   const have = await stat(target).catch(() => null);
-  if (have && have.size > 0 && have.mtimeMs > bootMs) return `criu's kernel probes cached in ${target}, made since boot`;
+  const made = await readFile(sidecar, 'utf8').catch(() => null);
+  if (have && have.size > 0 && made === identity) return `criu's kernel probes cached in ${target}, made in this boot by this criu`;
+  // The sidecar goes first and comes back last: a crash in between leaves a file that is made again.
+  await rm(sidecar, { force: true });
   const work = await mkdtemp(join(tmpdir(), 'criu-kdat-'));
   try {
     const out = join(work, 'criu.kdat');
@@ -178,6 +192,8 @@ export async function installKdatCache(criuPath: string, target = KDAT_CACHE): P
     const tmp = `${target}.fleet-${process.pid}`;
     await copyFile(out, tmp);
     await rename(tmp, target);
+    await writeFile(`${sidecar}.fleet-${process.pid}`, identity);
+    await rename(`${sidecar}.fleet-${process.pid}`, sidecar);
     return `criu's kernel probes cached in ${target} (/run is not a tmpfs, where criu would keep them itself)`;
   } catch (err) {
     return `no kernel-probe cache for criu: ${(err as Error).message}`;
