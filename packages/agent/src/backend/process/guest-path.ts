@@ -29,15 +29,18 @@ export async function resolveInRoot(
   // Work list of components still to walk, front first.
   let pending = guestPath.split('/').filter((c) => c !== '' && c !== '.');
   let links = 0;
-  // Set once a component is missing (parents only): nothing under it exists, so the rest is taken literally.
-  let missing = false;
+  // Depth of the first missing component (parents only), -1 while every component so far exists: nothing under a
+  // missing one exists, so what follows it is taken literally, until a ".." climbs back above it: from there on
+  // the components exist again and are checked (a symlink among them followed) as before.
+  let missingAt = -1;
   for (let comp = pending.shift(); comp !== undefined; comp = pending.shift()) {
     if (comp === '..') {
       if (resolved.length === 0) throw pathEscapes(guestPath);
       resolved.pop();
+      if (resolved.length <= missingAt) missingAt = -1;
       continue;
     }
-    if (missing) {
+    if (missingAt >= 0) {
       resolved.push(comp);
       continue;
     }
@@ -55,7 +58,7 @@ export async function resolveInRoot(
           break;
         }
         if (opts.forWrite && opts.parents && code === 'ENOENT') {
-          missing = true;
+          missingAt = resolved.length;
           resolved.push(comp);
           continue;
         }
