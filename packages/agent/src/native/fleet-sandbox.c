@@ -7,34 +7,24 @@
  * variables that nothing on the host interprets; it becomes `environ` only
  * after the process is inside the sandbox, confined, right before execve.
  *
- *   fleet-sandbox boot [--net-raw]
- *       Last step of a sandbox's stage 2 (cwd = the new root, fd 3 = the
- *       agent's ready pipe): mask /proc and /sys paths, pivot_root, detach
- *       the old root, confine, exec /sbin/init.
- *   fleet-sandbox wait-root ROOT ARGV...
- *   fleet-sandbox wait-root ROOT --stage2 HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1)
- *       First program in a new user namespace (started by unshare --user
- *       --keep-caps, ids not yet mapped): wait until the agent has mapped
- *       the ids and mounted ROOT (mount-root), become root of the
- *       namespace, exec ARGV (stage 2) in ROOT as its working directory,
- *       with this binary open as fd 4; or, with --stage2, do stage 2 here:
- *       proc, sysfs, /dev, devpts, hostname, lo, wait for eth0 and
- *       configure it (rtnetlink), then boot.
  *   fleet-sandbox start N CGROUP_PROCS_FILE×N STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1)
  *       A sandbox's start from the host side, in one process (cmd_start):
  *       joins the cgroups, opens STATUS, unshares the namespaces, forks the
- *       init, which does wait-root and stage 2 in place, and stays as its
- *       reaper (`reap` below). The agent writes the id maps and mounts ROOT
- *       (mount-root) once this process's network namespace is new.
- *   fleet-sandbox reap FD ARGV...
- *       Run by `unshare --pid` (no --fork) in the sandbox's new namespaces,
- *       still in the host's pid namespace: its child, ARGV, is the sandbox's
- *       pid 1, so this is the one process that learns how the init ended.
- *       FD is the status file, opened by the host side before the user
- *       namespace (its directory is closed from inside): one record,
- *       rewritten in place, "<init host pid> <start ticks> running", then
- *       "... exited <code>" or "... signaled <signo>". Detached like the
- *       init, it outlives the agent, which reads the record after a restart.
+ *       init and stays as its reaper. The agent writes the id maps and
+ *       mounts ROOT (mount-root) once this process's network namespace is
+ *       new. The init waits until the ids are mapped and ROOT is mounted,
+ *       becomes root of the namespace and does stage 2 in ROOT: proc,
+ *       sysfs, /dev, devpts, hostname, lo, waits for eth0 and configures it
+ *       (rtnetlink), then boots: masks /proc and /sys paths, pivot_root,
+ *       detaches the old root, confines itself, writes "ready" on fd 3 (the
+ *       agent's pipe) and execs /sbin/init.
+ *       The reaper, in the sandbox's namespaces but the host's pid one, is
+ *       the one process that learns how the init ended. STATUS is opened by
+ *       the host side before the user namespace (its directory is closed
+ *       from inside): one record, rewritten in place, "<init host pid>
+ *       <start ticks> running", then "... exited <code>" or "... signaled
+ *       <signo>". Detached like the init, it outlives the agent, which reads
+ *       the record after a restart.
  *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
  *       Host side of a start, once PID (in the sandbox's new user and mount
  *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
@@ -70,7 +60,7 @@
  *                              --allow at the serve's start (the agent's
  *                              host tools: ip, nft, mount…), with only
  *                              PATH=/usr/sbin:/usr/bin:/sbin:/bin;
- *       nothing else (no boot, wait-root, serve, no other program). Only
+ *       nothing else (no start, serve, no other program). Only
  *       host root can connect, and host root could run these tools anyway:
  *       the list keeps a request (a bug in the agent) from naming another
  *       program; it is not a boundary against root. The
@@ -298,7 +288,6 @@ static void mask_paths(void) {
 
 static int boot(int net_raw) {
   clearenv();
-  close(4); /* this binary, opened by wait-root: not for the guest */
   mask_paths();
   if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", NULL);
   if (umount2(".", MNT_DETACH) < 0) fail("detach the old root", NULL);
@@ -313,8 +302,6 @@ static int boot(int net_raw) {
   fail("exec", "/sbin/init");
   return 125;
 }
-
-static int cmd_boot(int argc, char **argv) { return boot(argc > 2 && strcmp(argv[2], "--net-raw") == 0); }
 
 /* ---- stage 2 ---- */
 
@@ -503,22 +490,7 @@ static void wait_root(const char *root) {
   if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
 }
 
-static int cmd_wait_root(int argc, char **argv) {
-  if (argc < 4) usage();
-  /* Not this binary either, once root of the namespace: a stage 2 script runs it again (boot) from /proc/self/fd/4. */
-  int self = open("/proc/self/exe", O_RDONLY);
-  if (self < 0 || (self != 4 && (dup2(self, 4) < 0 || close(self) < 0))) fail("open /proc/self/exe", NULL);
-  wait_root(argv[2]);
-  if (strcmp(argv[3], "--stage2") == 0) {
-    if (argc != 8) usage();
-    return stage2(argv[4], argv[5], argv[6], strcmp(argv[7], "1") == 0);
-  }
-  execv(argv[3], argv + 3);
-  fail("exec", argv[3]);
-  return 125;
-}
-
-/* ---- reap ---- */
+/* ---- the reaper ---- */
 
 /* One fixed-width record rewritten in place: the directory is not writable from the new user namespace. */
 static void write_status(int fd, const char *text) {
@@ -560,23 +532,6 @@ static void reset_oom_score_adj(void) {
   if (fd >= 0 && read(fd, adj, sizeof adj - 1) > 0 && strncmp(adj, "-1000", 5) == 0 && pwrite(fd, "0", 1, 0) != 1)
     fail("reset oom_score_adj", NULL);
   if (fd >= 0) close(fd);
-}
-
-static int reap(int sfd, pid_t init);
-
-static int cmd_reap(int argc, char **argv) {
-  if (argc < 4) usage();
-  int sfd = atoi(argv[2]);
-  if (sfd < 3 || fcntl(sfd, F_GETFD) < 0) usage();
-  pid_t init = fork();
-  if (init < 0) fail("fork", NULL);
-  if (init == 0) {
-    close(sfd);
-    reset_oom_score_adj();
-    execv(argv[3], argv + 3);
-    fail("exec", argv[3]);
-  }
-  return reap(sfd, init);
 }
 
 /* The init's parent from here on: records how it ends (see the header), nothing else. */
@@ -1191,7 +1146,7 @@ static int cmd_serve(int argc, char **argv) {
 /* ---- start ---- */
 
 /*
- * What the outer shell, unshare(1), `reap` and `wait-root --stage2` did, in one process and no exec
+ * What the outer shell, unshare(1) and the helper's former `reap` and `wait-root` verbs did, in one process and no exec
  * until /sbin/init: join the cgroup(s), open the status file (as host root), leave the OOM killer's
  * choice, then one unshare(2) of user, pid, mount, uts, ipc and net namespaces (the user namespace
  * first, so this process holds every capability in it and keeps them, never exec'ing), mounts
@@ -1201,7 +1156,7 @@ static int cmd_serve(int argc, char **argv) {
 static int cmd_start(int argc, char **argv) {
   if (argc < 3) usage();
   int n = atoi(argv[2]);
-  if (n < 0 || argc != 3 + n + 6) usage();
+  if (n < 0 || n > argc || argc != 3 + n + 6) usage();
   char **a = argv + 3 + n; /* STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW */
   clearenv();
   char me[16];
@@ -1230,11 +1185,8 @@ static int cmd_start(int argc, char **argv) {
 
 int main(int argc, char **argv) {
   if (argc < 2) usage();
-  if (strcmp(argv[1], "boot") == 0) return cmd_boot(argc, argv);
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
-  if (strcmp(argv[1], "wait-root") == 0) return cmd_wait_root(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
-  if (strcmp(argv[1], "reap") == 0) return cmd_reap(argc, argv);
   if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
   if (strcmp(argv[1], "start") == 0) return cmd_start(argc, argv);
   usage();

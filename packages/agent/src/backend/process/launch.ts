@@ -102,7 +102,7 @@ export interface Launched {
   /** Host pid of the sandbox's pid 1. */
   readonly initPid: number;
   readonly initStart: string;
-  /** Host pid of unshare, then (same pid, exec'd) the helper's reap: the init's parent, in its namespaces but the pid one. */
+  /** Host pid of the helper's start, the reaper: the init's parent, in its namespaces but the pid one. */
   readonly unsharePid: number;
 }
 
@@ -272,7 +272,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   return { initPid, initStart, unsharePid };
 }
 
-/** unshare(1) moves itself into the new namespaces (one call) before it execs the reaper that forks pid 1: wait until its netns is not ours. */
+/** The helper's start moves itself into the new namespaces (one unshare(2)) before it forks pid 1: wait until its netns is not ours. */
 async function waitForNetns(pid: number): Promise<void> {
   const own = await readlink('/proc/self/ns/net');
   for (let i = 0; i < 2000; i++) {
