@@ -525,13 +525,26 @@ static int start_of(int pid, char *out, size_t size) {
   return 1;
 }
 
-/* The outer side may have kept the reaper out of the OOM killer's choice; the sandbox is not. */
-static void reset_oom_score_adj(void) {
+/*
+ * Called as host root, before the user namespace (start) or before joining it (enter). A process may lower its
+ * oom_score_adj down to its floor, oom_score_adj_min, which only a writer with CAP_SYS_RESOURCE on the host sets
+ * (to the value it writes), and which every fork inherits; a write from inside the sandbox never changes it. So
+ * the floor this process has now is the guest's for good: an agent (or its unit) at -1000 would hand every guest
+ * process the right to exempt itself from the OOM killer. Written here: the current value, or 0 if it is
+ * negative, which with CAP_SYS_RESOURCE makes it the floor as well. Without that capability the floor stays what
+ * it was and cannot be below what the host side could set anyway.
+ */
+static void guest_oom_floor(void) {
   char adj[16] = "";
   int fd = open("/proc/self/oom_score_adj", O_RDWR | O_CLOEXEC);
-  if (fd >= 0 && read(fd, adj, sizeof adj - 1) > 0 && strncmp(adj, "-1000", 5) == 0 && pwrite(fd, "0", 1, 0) != 1)
-    fail("reset oom_score_adj", NULL);
-  if (fd >= 0) close(fd);
+  ssize_t n = fd < 0 ? -1 : read(fd, adj, sizeof adj - 1);
+  if (n <= 0) fail("read /proc/self/oom_score_adj", NULL);
+  adj[n] = 0;
+  long v = strtol(adj, NULL, 10);
+  char out[16];
+  int len = snprintf(out, sizeof out, "%ld", v < 0 ? 0 : v);
+  if (pwrite(fd, out, (size_t)len, 0) != len) fail("write /proc/self/oom_score_adj", NULL);
+  close(fd);
 }
 
 /* The init's parent from here on: records how it ends (see the header), nothing else. */
@@ -828,6 +841,8 @@ static int cmd_enter(int argc, char **argv) {
   char self[32];
   snprintf(self, sizeof self, "%d", getpid());
   for (size_t c = 0; c < ncg; c++) write_file(cgroups[c], self);
+  /* The exec inherits this process's OOM floor, the agent's (or the spawner's) until now. */
+  guest_oom_floor();
 
   int user = open_ns(pid, "ns/user"), root = open_ns(pid, "root");
   /* time: a sandbox CRIU restored runs in a time namespace of its own (its clocks go on from the dump); a process
@@ -1147,8 +1162,8 @@ static int cmd_serve(int argc, char **argv) {
 
 /*
  * What the outer shell, unshare(1) and the helper's former `reap` and `wait-root` verbs did, in one process and no exec
- * until /sbin/init: join the cgroup(s), open the status file (as host root), leave the OOM killer's
- * choice, then one unshare(2) of user, pid, mount, uts, ipc and net namespaces (the user namespace
+ * until /sbin/init: join the cgroup(s), open the status file (as host root), set the guest's OOM
+ * floor (guest_oom_floor), then one unshare(2) of user, pid, mount, uts, ipc and net namespaces (the user namespace
  * first, so this process holds every capability in it and keeps them, never exec'ing), mounts
  * private; fork pid 1, which waits for the agent's id maps and root mount and runs stage 2; stay
  * as its reaper.
@@ -1164,19 +1179,15 @@ static int cmd_start(int argc, char **argv) {
   for (int i = 0; i < n; i++) write_file(argv[3 + i], me);
   int sfd = open(a[0], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (sfd < 0) fail("open", a[0]);
-  /* Kept out of the OOM killer's choice where the host allows it (CAP_SYS_RESOURCE); its few pages rarely are the pick anyway. */
-  int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-  if (adj >= 0) {
-    if (write(adj, "-1000", 5) != 5) { /* not allowed here: as before, not fatal */ }
-    close(adj);
-  }
+  /* The init inherits this process's OOM floor. The reaper itself is kept out of the OOM killer's choice by the
+     agent, once the init is forked (launch.ts): a -1000 written here would be the floor of every guest process. */
+  guest_oom_floor();
   if (unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0) fail("unshare", NULL);
   if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make the mounts private", NULL);
   pid_t init = fork();
   if (init < 0) fail("fork", NULL);
   if (init == 0) {
     close(sfd);
-    reset_oom_score_adj();
     wait_root(a[1]);
     return stage2(a[2], a[3], a[4], strcmp(a[5], "1") == 0);
   }

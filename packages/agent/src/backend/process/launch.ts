@@ -267,6 +267,11 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
     child.unref();
   }
   const initPid = await childOf(unsharePid);
+  // The reaper (never forking again) is kept out of the OOM killer's choice where the host allows it
+  // (CAP_SYS_RESOURCE), as before; its few pages are rarely the pick anyway. Only now that the init is forked: the
+  // helper must not do it itself before the fork, since the -1000 would become the floor of every guest process
+  // (see guest_oom_floor in fleet-sandbox.c), nor can it after, from inside the user namespace.
+  await writeFile(`/proc/${unsharePid}/oom_score_adj`, '-1000').catch(() => undefined);
   const initStart = await processStartTime(initPid);
   if (initStart === null) throw sandboxFailed('sandbox init exited right after start; see its console log');
   return { initPid, initStart, unsharePid };
