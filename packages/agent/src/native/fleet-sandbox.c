@@ -305,6 +305,33 @@ static int boot(int net_raw) {
 
 /* ---- stage 2 ---- */
 
+#include <time.h>
+
+/*
+ * The start's waits (the root mount, eth0) for the agent's steps end where the agent gives up on the ready signal
+ * (launch.ts, 15 s from the spawn): counts of 500 µs sleeps gave up after ~4 s (eth0) and ~6 s (root), which a
+ * loaded host's agent can overrun. Between checks the sleep grows from 200 µs to 2 ms: at most ~500 wake-ups a
+ * second instead of ~2000, for ~1 ms more on average between the agent's step and this process seeing it.
+ */
+#define START_TIMEOUT_MS 15000
+
+static long long monotonic_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Set by cmd_start before it forks the init. */
+static long long start_deadline_ns;
+
+/* One sleep between two checks: 0 once the start's deadline has passed. */
+static int backoff(unsigned *delay_us) {
+  if (monotonic_ns() >= start_deadline_ns) return 0;
+  usleep(*delay_us);
+  *delay_us = *delay_us * 3 / 2 > 2000 ? 2000 : *delay_us * 3 / 2;
+  return 1;
+}
+
 #include <arpa/inet.h>
 #include <linux/netlink.h>
 #include <linux/rtnetlink.h>
@@ -459,12 +486,11 @@ static int stage2(const char *host, const char *cidr, const char *gw, int net_ra
   link_up(ioc, "lo");
   close(ioc);
   /* The agent creates eth0 in this network namespace (network.ts attachSandbox) while the above runs. */
-  for (int i = 0; !if_nametoindex("eth0"); i++) {
-    if (i > 8000) {
+  for (unsigned delay = 200; !if_nametoindex("eth0");) {
+    if (!backoff(&delay)) {
       dprintf(2, "fleet: eth0 never arrived\n");
       _exit(66);
     }
-    usleep(500);
   }
   configure_eth0(cidr, gw);
   return boot(net_raw);
@@ -476,14 +502,13 @@ static int stage2(const char *host, const char *cidr, const char *gw, int net_ra
 static void wait_root(const char *root) {
   char parent[4096];
   if (snprintf(parent, sizeof parent, "%s/..", root) >= (int)sizeof parent) usage();
-  for (int i = 0;; i++) {
+  for (unsigned delay = 200;;) {
     struct stat a, b;
     if (stat(root, &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
-    if (i > 12000) {
+    if (!backoff(&delay)) {
       dprintf(2, "fleet: the sandbox root was never mounted\n");
       _exit(67);
     }
-    usleep(500);
   }
   /* As the namespace's root the data directory (0700, host root's) is closed: stage 2 works from here. */
   if (chdir(root) < 0) fail("chdir", root);
@@ -1173,6 +1198,7 @@ static int cmd_start(int argc, char **argv) {
   int n = atoi(argv[2]);
   if (n < 0 || n > argc || argc != 3 + n + 6) usage();
   char **a = argv + 3 + n; /* STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW */
+  start_deadline_ns = monotonic_ns() + START_TIMEOUT_MS * 1000000LL;
   clearenv();
   char me[16];
   snprintf(me, sizeof me, "%d\n", (int)getpid());

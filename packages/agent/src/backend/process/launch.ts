@@ -217,6 +217,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   }
   const unsharePid = child.pid;
   if (unsharePid === undefined) throw sandboxFailed('could not start the sandbox init (spawn failed)');
+  // The helper's own waits in a start (the root mount, eth0) end at the same 15 s (START_TIMEOUT_MS in fleet-sandbox.c).
   const ready = new Promise<void>((resolve, reject) => {
     let got = '';
     const timer = setTimeout(() => reject(new Error(`no ready signal within ${opts.timeoutMs ?? 15_000} ms`)), opts.timeoutMs ?? 15_000);
