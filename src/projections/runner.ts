@@ -209,6 +209,8 @@ export class ProjectionRunner {
       this.failTogether(group.filter(ours), err);
       return;
     }
+    // All failed or stopped (and perhaps restarted) while the checkpoints were read: their own attempts go on.
+    if (behind.length === 0) return;
     const positions = behind.map((s) => s.position);
     const from = positions.includes(undefined)
       ? undefined
@@ -406,8 +408,15 @@ export class ProjectionRunner {
       // Only the members not failed (or stopped) again since: they have a timer of their own.
       const again = group.filter((s) => gens.get(s) === s.gen);
       const [only] = again;
-      if (again.length === 1 && only) void this.run(only);
-      else void this.catchUpTogether(again);
+      // Never an unhandled rejection from a timer (it would end the process): a throw outside the attempts' own
+      // handling fails those still current, which schedules the next retry.
+      const attempt = again.length === 1 && only ? this.run(only) : this.catchUpTogether(again);
+      attempt.catch((err: unknown) =>
+        this.failTogether(
+          again.filter((s) => gens.get(s) === s.gen),
+          err,
+        ),
+      );
     }, delay);
     timer.unref();
     // An earlier timer is not cleared (it may restart other read models too): it skips this one by its generation.

@@ -450,3 +450,46 @@ describe('projection runner: a locked checkpoint row does not stall the live gro
     }
   });
 });
+
+/**
+ * stop() and start() while an earlier attempt still waits for its checkpoints: that attempt finds every read
+ * model taken over by the new one and ends quietly (before, it went on with none and threw from an empty
+ * reduce, an unhandled rejection when the attempt was a retry timer's).
+ */
+describe('projection runner: an attempt overtaken by stop() and start() ends quietly', { timeout: 60_000 }, () => {
+  const a = txRecorder('overtaken_a');
+  const b = txRecorder('overtaken_b');
+  const setup = databaseFor('runnerovertaken', [a, b]);
+
+  it('the first start resolves, and the second one follows', async () => {
+    const [db, store] = [setup.db(), setup.store()];
+    const pool = db.pool as unknown as { query: (...args: unknown[]) => Promise<unknown> };
+    const query = pool.query.bind(db.pool);
+    let release: (() => void) | undefined;
+    const held = new Promise<void>((resolve) => (release = resolve));
+    let gated = false;
+    pool.query = async (...args: unknown[]) => {
+      if (!gated && typeof args[0] === 'string' && args[0].startsWith('SELECT name, position FROM projection_checkpoints')) {
+        gated = true;
+        await held;
+      }
+      return query(...args);
+    };
+    const runner = new ProjectionRunner(store, db.pool, [a, b], pino({ level: 'silent' }));
+    try {
+      const first = runner.start();
+      await until('the first attempt to wait for its checkpoints', () => gated, 10_000);
+      await runner.stop();
+      await runner.start();
+      release!();
+      await first;
+      const appended = await store.append(`test-${randomUUID()}`, [{ id: randomUUID(), type: 'Noted', data: {} }], 'no_stream');
+      await runner.waitFor(appended.position, 10_000);
+      assert.equal(await rowCount(db, 'overtaken_a'), 1);
+      assert.equal(await rowCount(db, 'overtaken_b'), 1);
+    } finally {
+      pool.query = query;
+      await runner.stop();
+    }
+  });
+});
