@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -187,6 +187,40 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       'one restore, one init',
     );
     await count(b, 'cc');
+  });
+
+  test('a restore that hangs is killed at its deadline and tried again: the resume succeeds, nothing of the hung try is left', async () => {
+    // Fault injection: the backend's CRIU action script is wrapped so that its first setup-namespaces (the restored
+    // tree waits on it) hangs; every other call runs the real hook.
+    const host = (b as unknown as { host: { criuHook: string; restoreDeadlineMs: number } }).host;
+    const real = host.criuHook;
+    const marker = join(root, 'hook-hung-once');
+    const wrapper = join(root, 'hang-once-hook.sh');
+    await writeFile(
+      wrapper,
+      `#!/bin/sh\nif [ "$CRTOOLS_SCRIPT_ACTION" = setup-namespaces ] && mkdir ${marker} 2>/dev/null; then exec sleep 600; fi\nexec ${real} "$@"\n`,
+      { mode: 0o700 },
+    );
+    const saved = host.restoreDeadlineMs;
+    await counterSandbox('hang');
+    const before = await count(b, 'hang');
+    await b.pause('hang');
+    host.criuHook = wrapper;
+    host.restoreDeadlineMs = 3_000;
+    try {
+      const info = await b.resume('hang');
+      assert.equal(info.state, 'running');
+      assert.ok(existsSync(marker), 'the first try did hang');
+    } finally {
+      host.criuHook = real;
+      host.restoreDeadlineMs = saved;
+    }
+    const now = await count(b, 'hang');
+    assert.ok(now >= before && now < before + 200, `the counter went on from ${before}: ${now}`);
+    // The hung try's criu and its hook's sleep are gone; one init runs in the sandbox.
+    const ps = spawnSync('ps', ['-eo', 'args'], { encoding: 'utf8' }).stdout;
+    assert.ok(!ps.includes(`sleep 600`), 'the hung hook is gone');
+    assert.equal((await sh(b, 'hang', 'ps -o comm | grep -c "^init$"')).stdout.trim(), '1', 'one init in the sandbox');
   });
 
   test('live snapshot: the sandbox keeps running, memory files carry their sha256; fork ×3 continue from it; restore in place', async () => {

@@ -467,7 +467,12 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
   it('fork of a running sandbox: count forks with the source files, each its own sandbox', async (t) => {
     if (guard(t)) return;
     await sbx.files.write('/root/fork.txt', 'before the fork\n');
-    const forks = await sbx.fork({ count: 2, timeoutMs: 120_000, requestTimeoutMs: 240_000 });
+    const forks = await sbx.fork({ count: 2, timeoutMs: 120_000, requestTimeoutMs: 240_000 }).catch((err: unknown) => {
+      // What the agent did meanwhile (a restore that never ends shows its last step here).
+      const log = agent.output().split('\n');
+      t.diagnostic(`agent log, last 80 of ${log.length} lines:\n${log.slice(-80).join('\n')}`);
+      throw err;
+    });
     assert.equal(forks.length, 2);
     const ids = new Set<string>([sbx.sandboxId]);
     for (const f of forks) {

@@ -6,7 +6,7 @@ import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed, type Checkpoint } from '../../backend.js';
 import { resolveImage } from '../../images.js';
-import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, type CriuMeta, type DumpResult } from './criu.js';
+import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, RestoreTimedOut, type CriuMeta, type DumpResult } from './criu.js';
 import { mustRun, processStartTime, runTool, sleep } from './exec-util.js';
 import { openConsoleWriter, USERNS_SIZE } from './launch.js';
 import { deleteLink, hardenLink } from './network.js';
@@ -115,27 +115,39 @@ export async function restoreInto(
     lap('console_ms');
     await network;
     lap('network_wait_ms');
-    const pid = await restoreTree(
-      criu,
-      cpDir,
-      meta,
-      {
-        root,
-        cgroupProcs: host.cgroups.procsFiles(s.name),
-        uidBase: s.uid_base,
-        veth: s.veth,
-        bridge: s.bridge,
-        mac: s.mac,
-        ip: s.ip,
-        prefixLen: host.subnet.prefixLen,
-        gateway: host.subnet.gateway,
-        hostname: s.name,
-        consoleFd,
-        hook: host.criuHook,
-      },
-      join(host.checkpoints.staging, scratch),
-      lazy,
-    );
+    const target = {
+      root,
+      cgroupProcs: host.cgroups.procsFiles(s.name),
+      uidBase: s.uid_base,
+      veth: s.veth,
+      bridge: s.bridge,
+      mac: s.mac,
+      ip: s.ip,
+      prefixLen: host.subnet.prefixLen,
+      gateway: host.subnet.gateway,
+      hostname: s.name,
+      consoleFd,
+      hook: host.criuHook,
+    };
+    let pid: number;
+    for (let attempt = 1; ; attempt++) {
+      try {
+        pid = await restoreTree(criu, cpDir, meta, target, join(host.checkpoints.staging, scratch), lazy, host.restoreDeadlineMs);
+        break;
+      } catch (err) {
+        if (!(err instanceof RestoreTimedOut)) throw err;
+        host.log?.warn(
+          { sandbox: s.name, checkpoint: cp.id, attempt, deadline_ms: err.deadlineMs, criu_log: err.logTail },
+          'criu restore hung: killed',
+        );
+        // What the killed restore left: its half-restored tasks (in the sandbox's cgroups) and the veth its hook made.
+        await killCgroup(host, s.name);
+        await deleteLink(s.veth);
+        // A lazy restore is not tried again: its pages come from a source page server that served the first try.
+        if (attempt >= (lazy ? 1 : RESTORE_ATTEMPTS))
+          throw sandboxFailed(`${err.message}, ${attempt} times (the criu log ends: ${err.logTail})`);
+      }
+    }
     lap('criu_restore_ms');
     const start = await processStartTime(pid);
     if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
@@ -153,4 +165,24 @@ export async function restoreInto(
   }
   lap('unmount_ms');
   host.log?.info({ sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, ...steps }, 'criu restore');
+}
+
+/** A restore that hangs is tried this many times in all (each within SandboxHost.restoreDeadlineMs). */
+const RESTORE_ATTEMPTS = 2;
+
+/** SIGKILLs every task in the sandbox's cgroups until none is left (at most ~2 s). */
+async function killCgroup(host: SandboxHost, name: string): Promise<void> {
+  for (let i = 0; i < 200; i++) {
+    const pids = await host.cgroups.pids(name);
+    if (pids.length === 0) return;
+    for (const pid of pids) {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* gone already */
+      }
+    }
+    await sleep(10);
+  }
+  throw sandboxFailed(`tasks of a killed restore are still in the cgroups of ${name}`);
 }

@@ -359,6 +359,16 @@ export interface DumpResult {
   readonly pagesWritten: number;
 }
 
+/** `criu restore` did not finish by its deadline and was killed; `logTail`: the last lines of its log. */
+export class RestoreTimedOut extends Error {
+  constructor(
+    readonly deadlineMs: number,
+    readonly logTail: string,
+  ) {
+    super(`criu restore did not finish within ${deadlineMs} ms`);
+  }
+}
+
 function criuError(what: string, log: string): AppError {
   const lines = log
     .split('\n')
@@ -536,6 +546,7 @@ export async function restoreTree(
   target: RestoreTarget,
   scratch: string,
   lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void }>,
+  deadlineMs?: number,
 ): Promise<number> {
   let keepScratch = false;
   await rm(scratch, { recursive: true, force: true });
@@ -586,6 +597,16 @@ export async function restoreTree(
       `fd[3]:${meta.console_id}`,
       ...(daemon ? ['--lazy-pages'] : []),
     ];
+    // A restore that never ends (seen now and then on this VM: criu asleep on a futex, waiting for a restored task)
+    // is killed at the deadline; the caller removes what it left in the sandbox's cgroups and may try again.
+    const deadline = { passed: false };
+    const timer =
+      deadlineMs === undefined
+        ? undefined
+        : setTimeout(() => {
+            deadline.passed = true;
+            abort.abort();
+          }, deadlineMs);
     const code = await runCriu(argv, {
       cgroupProcs: target.cgroupProcs,
       fd3: target.consoleFd,
@@ -598,10 +619,12 @@ export async function restoreTree(
         FLEET_PREFIX: String(target.prefixLen),
         FLEET_GW: target.gateway,
       },
-    });
+    }).finally(() => clearTimeout(timer));
     if (code !== 0) {
       daemon?.kill();
-      throw criuError('criu restore failed', await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => ''));
+      const log = await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => '');
+      if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log.split('\n').filter(Boolean).slice(-8).join(' | '));
+      throw criuError('criu restore failed', log);
     }
     const pid = Number((await readFile(pidfile, 'utf8')).trim());
     if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');

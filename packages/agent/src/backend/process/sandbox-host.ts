@@ -40,6 +40,11 @@ export class SandboxHost {
   readonly egress: EgressHost;
   criu: CriuFeatures | null = null;
   criuHook = '';
+  /**
+   * How long one `criu restore` may take before it is killed and tried once more (criu-sandbox.ts): a restore takes
+   * 0.3-2.5 s here, loaded or not; two tries and the set-up fit in the control plane's 20 s agent call.
+   */
+  restoreDeadlineMs = 7_000;
   /** Staging entries a dump or restore is using now: prune leaves them. */
   readonly scratch = new Set<string>();
   /** Disks formatted ahead of creates (disk-pool.ts). */
