@@ -459,10 +459,14 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
       const e2b = (await (await fetch(`${base}/e2b/sandboxes/${id}`, { headers: { 'x-api-key': TENANT_KEYS.acme } })).json()) as {
         allowInternetAccess: boolean;
       };
-      const ours = (await (await fetch(`${base}/v1/vms/${id}`, { headers: { authorization: `Bearer ${TENANT_KEYS.acme}` } })).json()) as {
-        spec: { egress?: unknown };
-      };
-      return { allow: e2b.allowInternetAccess, egress: ours.spec.egress };
+      // The /v1 read model follows the VM's stream a moment behind (read-your-writes is opt-in, `?after=`): wait for it.
+      for (let i = 0; ; i++) {
+        const r = await fetch(`${base}/v1/vms/${id}`, { headers: { authorization: `Bearer ${TENANT_KEYS.acme}` } });
+        if (r.status === 200)
+          return { allow: e2b.allowInternetAccess, egress: ((await r.json()) as { spec: { egress?: unknown } }).spec.egress };
+        assert.ok(r.status === 404 && i < 100, `GET /v1/vms/${id}: ${r.status}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
     };
     const offline = await Sandbox.create({ allowInternetAccess: false });
     const listed = await Sandbox.create({ network: { allowOut: ['198.51.100.1'], denyOut: ['0.0.0.0/0'] } });
