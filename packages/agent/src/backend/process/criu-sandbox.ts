@@ -141,7 +141,9 @@ export async function restoreInto(
           'criu restore hung: killed',
         );
         // What the killed restore left: its half-restored tasks (in the sandbox's cgroups) and the veth its hook made.
-        await killCgroup(host, s.name);
+        await host.cgroups.killAll(s.name);
+        if ((await host.cgroups.pids(s.name)).length > 0)
+          throw sandboxFailed(`tasks of a killed restore are still in the cgroups of ${s.name}`);
         await deleteLink(s.veth);
         // A lazy restore is not tried again: its pages come from a source page server that served the first try.
         if (attempt >= (lazy ? 1 : RESTORE_ATTEMPTS))
@@ -169,20 +171,3 @@ export async function restoreInto(
 
 /** A restore that hangs is tried this many times in all (each within SandboxHost.restoreDeadlineMs). */
 const RESTORE_ATTEMPTS = 2;
-
-/** SIGKILLs every task in the sandbox's cgroups until none is left (at most ~2 s). */
-async function killCgroup(host: SandboxHost, name: string): Promise<void> {
-  for (let i = 0; i < 200; i++) {
-    const pids = await host.cgroups.pids(name);
-    if (pids.length === 0) return;
-    for (const pid of pids) {
-      try {
-        process.kill(pid, 'SIGKILL');
-      } catch {
-        /* gone already */
-      }
-    }
-    await sleep(10);
-  }
-  throw sandboxFailed(`tasks of a killed restore are still in the cgroups of ${name}`);
-}
