@@ -205,10 +205,49 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
     }
   });
 
+  it('a live client that falls behind a burst catches up from the store again instead of being cut off', async () => {
+    const stats = new FeedStats();
+    const app = await feedApp({ maxBufferBytes: 64 * 1024, maxQueuedEvents: 50, stats });
+    try {
+      const reader = await openSse(`${app.url}/v1/events`, auth(KEYS.acme), { paused: true });
+      open.push(reader);
+      reader.res.resume();
+      await reader.waitFor('caught up', () => caughtUp(reader), 30_000);
+      // Not reading while the burst arrives live: the socket fills, the live queue passes its bound.
+      reader.res.pause();
+      await appendLifecycle(h.service.store, 'burst', lifecycle('burst', 'acme', 'h1', { requested: at(9500) }));
+      const big = 'y'.repeat(8 * 1024);
+      for (let batch = 0; batch < 4; batch++)
+        await h.service.store.append(
+          'vm-burst',
+          Array.from({ length: 100 }, (_, i) =>
+            vmEvent('VmFailed', {
+              vm_id: 'burst',
+              reason: 'host_lost',
+              error: `${batch}-${i} ${big}`,
+              phase: 'booting',
+              at: at(9501).toISOString(),
+            }),
+          ),
+          'any',
+        );
+      await new Promise((r) => setTimeout(r, 1_000));
+      reader.res.resume();
+      const expected = await expectedFor(h, 'acme');
+      await reader.waitFor('every event', () => ids(reader).length >= expected.length, 20_000).catch(() => undefined);
+      assert.deepEqual(ids(reader), expected);
+      assert.equal(stats.disconnects.size, 0, `cut off: ${JSON.stringify([...stats.disconnects])}`);
+      assert.ok(stats.fallbacks >= 1, 'the burst went past the live queue bound: the feed fell back to the store');
+    } finally {
+      await app.close();
+    }
+  });
+
   /** A second API on the same store with tighter feed limits. */
   async function feedApp(opts: {
     heartbeatMs?: number;
     maxBufferBytes?: number;
+    maxQueuedEvents?: number;
     closeGraceMs?: number;
     stallTimeoutMs?: number;
     stats?: FeedStats;
