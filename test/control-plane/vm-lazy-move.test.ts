@@ -6,6 +6,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import type { RunningAgent } from '../agent/harness.js';
+import { sandboxName } from '../../src/commands/vm/boot-sandbox.js';
 import {
   eventually,
   prepareAgents,
@@ -365,7 +366,14 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       },
       60_000,
       'the VM recorded failed',
-    );
+    ).catch(async (err: unknown) => {
+      // What each side says, for a failure seen only in CI: the target's own memory status, the move's steps, the target agent's log.
+      const target = await agents[1]!.client.memoryStatus(sandboxName(vm.id)).catch((e: unknown) => String(e));
+      t.diagnostic(`target memory status: ${JSON.stringify(target)}; left page servers: ${JSON.stringify(await lazyDumps(agents[0]!))}`);
+      t.diagnostic(`steps: ${JSON.stringify(await steps(vm.id))}`);
+      t.diagnostic(`target agent log: ${agents[1]!.output().slice(-3000)}`);
+      throw err;
+    });
     t.diagnostic(JSON.stringify(failed));
     assert.equal(failed.reason, 'host_lost');
     assert.equal(failed.error_code, 'LAZY_SOURCE_LOST');
