@@ -41,7 +41,7 @@ function ok(r: Reply, status = 200): any {
 const startup = (mb: number): string =>
   'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n' +
-  `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); while(1) system("sleep 1")}') >/dev/null 2>&1 &\n`;
+  `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); system("touch /tmp/ballast"); while(1) system("sleep 1")}') >/dev/null 2>&1 &\n`;
 
 interface Memory {
   resident_chunks: number;
@@ -131,7 +131,14 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       }),
       201,
     );
-    await new Promise((r) => setTimeout(r, 1000));
+    // The ballast all written (sprintf takes a while on a loaded machine), so the move has the memory it is meant to.
+    await eventually(
+      async () =>
+        ok(await cp!.request('POST', `/v1/vms/${vm.id}/exec`, { as: 'acme', body: { argv: ['test', '-e', '/tmp/ballast'] } })).exit_code ===
+        0,
+      30_000,
+      'the ballast',
+    );
     return { id: vm.id, url: (vm.endpoints as Array<{ url: string }>)[0]!.url };
   };
   const memory = async (vm: string): Promise<Memory> => ok(await cp!.request('GET', `/v1/vms/${vm}/memory`, { as: 'acme' }));
