@@ -123,9 +123,15 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
   // Keep draining the pipes so a chatty agent never blocks on a full pipe.
   const url = `http://127.0.0.1:${port}`;
   const client = new HostAgentClient({ hostId: `test-${opts.bridgePrefix}`, url, token, timeoutMs: 60_000, attempts: 2, backoffMs: 50 });
+  // The timer goes with the exit: one left armed holds the test process open for its whole length after the last test.
   const waitExit = async (ms: number) => {
     if (proc.exitCode !== null || proc.signalCode !== null) return true;
-    return Promise.race([exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), ms))]);
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      return await Promise.race([exited.then(() => true), new Promise<boolean>((r) => (timer = setTimeout(() => r(false), ms)))]);
+    } finally {
+      clearTimeout(timer);
+    }
   };
   return {
     url,

@@ -128,7 +128,15 @@ export async function spawnControlPlane(opts: {
     }
     await sleep(200);
   }
-  const waitExit = (ms: number) => Promise.race([exited.then(() => true), sleep(ms).then(() => false)]);
+  // The timer goes with the exit: one left armed holds the test process open for its whole length after the last test.
+  const waitExit = async (ms: number): Promise<boolean> => {
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      return await Promise.race([exited.then(() => true), new Promise<boolean>((r) => (timer = setTimeout(() => r(false), ms)))]);
+    } finally {
+      clearTimeout(timer);
+    }
+  };
   return {
     url,
     port,
