@@ -157,8 +157,7 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
 
         const queue: RecordedEvent[] = [];
         let closed = false;
-        // Read (by `cleanup`) before it is assigned: as a const that read would throw.
-        // eslint-disable-next-line prefer-const -- see above
+        // The live tail's subscription while there is one (ended by `cleanup` too).
         let sub: Subscription | undefined;
         const client = {
           queued: () => queue.length,
@@ -243,72 +242,63 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
           }
         };
         /**
-         * Pushed events from a subscription after `position`, written as the socket takes them. Resolves true when the
-         * client falls more than `maxQueued` events behind (the subscription is dropped and the caller catches up from
-         * the store again, at the client's pace, instead of holding the backlog), false when the feed has ended.
+         * Pushed events from a subscription after `position`, written as the socket takes them. True when the client
+         * falls more than `maxQueued` events behind (the caller catches up from the store again, at the client's pace,
+         * instead of holding the backlog), false when the feed has ended.
          */
-        const live = (): Promise<boolean> =>
-          new Promise<boolean>((resolve) => {
-            let wake: (() => void) | undefined;
-            let behind = false;
-            const poke = (): void => {
-              wake?.();
-              wake = undefined;
-            };
-            sub = deps.store.subscribeToAll({ after: position, filter }).subscribe({
-              next: (item) => {
-                if (closed || behind || item.kind !== 'event') return;
-                queue.push(item.event);
-                if (queue.length > maxQueued) behind = true;
-                poke();
-              },
-              error: (err: unknown) => {
-                deps.logger?.warn({ err }, 'event feed subscription failed');
-                fail('EVENT_STORE_UNAVAILABLE', 'the event store subscription failed; reconnect with Last-Event-ID to resume');
-                poke();
-              },
-              complete: () => {
-                fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume');
-                poke();
-              },
-            });
-            const pump = async (): Promise<boolean> => {
-              for (;;) {
-                if (isClosed()) return false;
-                if (behind) {
-                  sub?.unsubscribe();
-                  sub = undefined;
-                  queue.length = 0;
-                  return true;
-                }
-                const recorded = queue.shift();
-                if (recorded === undefined) {
-                  await new Promise<void>((r) => {
-                    wake = r;
-                    if (isClosed() || behind || queue.length > 0) poke();
-                  });
-                  continue;
-                }
-                await send(recorded);
-                position = recorded.position;
-                if (!(await paced())) return false;
-              }
-            };
-            // Closing the response must end the wait for the next event.
-            res.once('close', poke);
-            pump().then(
-              (r) => {
-                res.off('close', poke);
-                resolve(r);
-              },
-              (err: unknown) => {
-                res.off('close', poke);
-                deps.logger?.warn({ err }, 'event feed failed');
-                fail('FEED_FAILED', 'the event feed failed; reconnect with Last-Event-ID to resume');
-                resolve(false);
-              },
-            );
+        const live = async (): Promise<boolean> => {
+          let wake: (() => void) | undefined;
+          // Set in the subscription's callback: read through a call, not a narrowed local.
+          let behind = false;
+          const isBehind = (): boolean => behind;
+          const poke = (): void => {
+            wake?.();
+            wake = undefined;
+          };
+          const subscription = deps.store.subscribeToAll({ after: position, filter }).subscribe({
+            next: (item) => {
+              if (closed || behind || item.kind !== 'event') return;
+              queue.push(item.event);
+              if (queue.length > maxQueued) behind = true;
+              poke();
+            },
+            error: (err: unknown) => {
+              deps.logger?.warn({ err }, 'event feed subscription failed');
+              fail('EVENT_STORE_UNAVAILABLE', 'the event store subscription failed; reconnect with Last-Event-ID to resume');
+              poke();
+            },
+            complete: () => {
+              fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume');
+              poke();
+            },
           });
+          sub = subscription;
+          // Closing the response must end the wait for the next event.
+          res.once('close', poke);
+          try {
+            for (;;) {
+              if (isClosed()) return false;
+              if (isBehind()) return true;
+              const recorded = queue.shift();
+              if (recorded === undefined) {
+                await new Promise<void>((r) => {
+                  wake = r;
+                  if (isClosed() || isBehind() || queue.length > 0) poke();
+                });
+                continue;
+              }
+              await send(recorded);
+              position = recorded.position;
+              if (!(await paced())) return false;
+            }
+          } finally {
+            // Also when the client left before the subscription was made (cleanup had none to end then).
+            res.off('close', poke);
+            subscription.unsubscribe();
+            sub = undefined;
+            queue.length = 0;
+          }
+        };
 
         try {
           for (;;) {
