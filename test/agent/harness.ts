@@ -123,16 +123,7 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
   // Keep draining the pipes so a chatty agent never blocks on a full pipe.
   const url = `http://127.0.0.1:${port}`;
   const client = new HostAgentClient({ hostId: `test-${opts.bridgePrefix}`, url, token, timeoutMs: 60_000, attempts: 2, backoffMs: 50 });
-  // The timer goes with the exit: one left armed holds the test process open for its whole length after the last test.
-  const waitExit = async (ms: number) => {
-    if (proc.exitCode !== null || proc.signalCode !== null) return true;
-    let timer: NodeJS.Timeout | undefined;
-    try {
-      return await Promise.race([exited.then(() => true), new Promise<boolean>((r) => (timer = setTimeout(() => r(false), ms)))]);
-    } finally {
-      clearTimeout(timer);
-    }
-  };
+  const waitExit = (ms: number): Promise<boolean> => exitWithin(proc, exited, ms);
   return {
     url,
     port,
@@ -227,6 +218,18 @@ export function uniquePrefix(): string {
 export function uniqueSubnet(): string {
   const b = randomBytes(2);
   return `10.${200 + ((b[0] ?? 0) % 50)}.${b[1] ?? 0}.0/24`;
+}
+
+/**
+ * True once `proc` has exited (`exited` settles on its exit), false after `ms`. The timer goes with the exit: one left
+ * armed would hold the test process open for its whole length after the last test.
+ */
+export async function exitWithin(proc: ChildProcess, exited: Promise<void>, ms: number): Promise<boolean> {
+  if (proc.exitCode !== null || proc.signalCode !== null) return true;
+  return withTimeout(exited, ms, 'exit').then(
+    () => true,
+    () => false,
+  );
 }
 
 export async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {

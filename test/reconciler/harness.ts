@@ -7,6 +7,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { freePort } from '../../src/adapters/postgres/embedded.js';
 import {
+  exitWithin,
   missingPrerequisite,
   prepareImages,
   REPO_ROOT,
@@ -128,15 +129,7 @@ export async function spawnControlPlane(opts: {
     }
     await sleep(200);
   }
-  // The timer goes with the exit: one left armed holds the test process open for its whole length after the last test.
-  const waitExit = async (ms: number): Promise<boolean> => {
-    let timer: NodeJS.Timeout | undefined;
-    try {
-      return await Promise.race([exited.then(() => true), new Promise<boolean>((r) => (timer = setTimeout(() => r(false), ms)))]);
-    } finally {
-      clearTimeout(timer);
-    }
-  };
+  const waitExit = (ms: number): Promise<boolean> => exitWithin(proc, exited, ms);
   return {
     url,
     port,
