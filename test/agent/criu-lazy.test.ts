@@ -6,7 +6,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import WebSocket from 'ws';
-import { prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
+import { ballastScript, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
 
 /**
  * Lazy (post-copy) moves between two real agents: the target runs the
@@ -29,8 +29,7 @@ if (skip && process.env.CI === 'true') test('CRIU is available in CI', () => ass
 /** A counter, and 48 MiB of resident memory for the pages to move. */
 const STARTUP =
   'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
-  // 50 MB of ballast; /tmp/ballast once it is all written (sprintf takes a while on a loaded machine).
-  '(awk \'BEGIN{s=sprintf("%50000000s","x"); system("touch /tmp/ballast"); while(1) system("sleep 1")}\') >/dev/null 2>&1 & echo started';
+  `${ballastScript(50)} echo started`;
 
 interface MemoryStatus {
   resident_chunks: number;

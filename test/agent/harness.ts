@@ -221,6 +221,13 @@ export function uniqueSubnet(): string {
 }
 
 /**
+ * Shell for a sandbox: `mb` MB of resident memory held by an awk in the background, and /tmp/ballast once it is all
+ * written (the sprintf takes seconds on a loaded machine): a move or pause started before that carries less.
+ */
+export const ballastScript = (mb: number): string =>
+  `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); system("touch /tmp/ballast"); while(1) system("sleep 1")}') >/dev/null 2>&1 &`;
+
+/**
  * True once `proc` has exited (`exited` settles on its exit), false after `ms`. The timer goes with the exit: one left
  * armed would hold the test process open for its whole length after the last test.
  */

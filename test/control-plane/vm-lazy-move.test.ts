@@ -5,7 +5,7 @@ import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import type { RunningAgent } from '../agent/harness.js';
+import { ballastScript, type RunningAgent } from '../agent/harness.js';
 import { sandboxName } from '../../src/commands/vm/boot-sandbox.js';
 import {
   eventually,
@@ -41,7 +41,7 @@ function ok(r: Reply, status = 200): any {
 const startup = (mb: number): string =>
   'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n' +
-  `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); system("touch /tmp/ballast"); while(1) system("sleep 1")}') >/dev/null 2>&1 &\n`;
+  `${ballastScript(mb)}\n`;
 
 interface Memory {
   resident_chunks: number;
