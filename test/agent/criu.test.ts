@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { mkdtemp, readFile, rm, writeFile } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -154,6 +154,12 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       await rejectsWithCode(b.spawn('pr', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_FOUND');
       const again = await b.pause('pr');
       assert.equal(again.id, cp.id, 'a second pause answers the first');
+      if (i === 0) {
+        // The masked directories are binds of the agent's empty directory, which CRIU leaves out: /dev is the one
+        // tmpfs it archives (a tmpfs mask would add a tar and a gzip to every dump and restore).
+        const tmpfs = (await readdir(await b.checkpointDir(cp.id))).filter((f) => /tmpfs/.test(f));
+        assert.equal(tmpfs.length, 1, `tmpfs images: ${tmpfs.join(', ')}`);
+      }
       const info = await b.resume('pr');
       assert.equal(info.state, 'running');
       assert.equal(info.endpoints[0]!.url, url, 'the endpoint is republished on its port');
@@ -166,6 +172,14 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
         const masks = await sh(b, 'pr', "grep -E ' /proc/(keys|timer_list) ' /proc/self/mountinfo");
         assert.match(masks.stdout, /\/proc\/keys .* - devtmpfs /);
         assert.doesNotMatch(masks.stdout, / - proc /);
+        // And the masked directories as the same empty, read-only directory.
+        const dirs = await sh(
+          b,
+          'pr',
+          'for d in /proc/acpi /sys/firmware; do [ -d $d ] || continue; echo "$d $(ls -A $d | wc -l)"; mkdir $d/x 2>/dev/null && echo "$d WRITABLE"; done',
+        );
+        if (existsSync('/sys/firmware')) assert.match(dirs.stdout, /^\/sys\/firmware 0$/m, dirs.stdout);
+        assert.doesNotMatch(dirs.stdout, /WRITABLE| [1-9]/, dirs.stdout);
       }
       last = now;
       await new Promise((r) => setTimeout(r, 100));

@@ -39,7 +39,7 @@ describe(
     before(async () => {
       root = await mkdtemp(join(tmpdir(), 'start-waits-'));
       await buildImage(join(root, 'images'), 'base');
-      tools = { ...findHostTools(), helper: await ensureSandboxHelper(join(root, 'data')) };
+      tools = { ...findHostTools(), ...(await ensureSandboxHelper(join(root, 'data'))) };
     });
 
     after(async () => {

@@ -7,7 +7,7 @@
  * variables that nothing on the host interprets; it becomes `environ` only
  * after the process is inside the sandbox, confined, right before execve.
  *
- *   fleet-sandbox start N CGROUP_PROCS_FILE×N STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1)
+ *   fleet-sandbox start N CGROUP_PROCS_FILE×N STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1) EMPTYDIR
  *       A sandbox's start from the host side, in one process (cmd_start):
  *       joins the cgroups, opens STATUS, unshares the namespaces, forks the
  *       init and stays as its reaper. The agent writes the id maps and
@@ -15,7 +15,9 @@
  *       new. The init waits until the ids are mapped and ROOT is mounted,
  *       becomes root of the namespace and does stage 2 in ROOT: proc,
  *       sysfs, /dev, devpts, hostname, lo, waits for eth0 and configures it
- *       (rtnetlink), then boots: masks /proc and /sys paths, pivot_root,
+ *       (rtnetlink), then boots: masks /proc and /sys paths (a directory
+ *       with a read-only bind of EMPTYDIR, an empty directory of host
+ *       root's), pivot_root,
  *       detaches the old root, confines itself, writes "ready" on fd 3 (the
  *       agent's pipe) and execs /sbin/init.
  *       The reaper, in the sandbox's namespaces but the host's pid one, is
@@ -270,12 +272,25 @@ static const char *MASKED[] = {"proc/kcore", "proc/keys", "proc/timer_list", "pr
                                "sys/devices/virtual/powercap"};
 static const char *READONLY[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"};
 
+/* EMPTYDIR of the start (helper.ts SANDBOX_EMPTY_DIR). */
+static const char *empty_dir;
+
+/*
+ * A masked directory is a read-only bind of the agent's empty directory, not a tmpfs of its own: CRIU dumps a
+ * tmpfs by running tar and gzip over it (while the guest is frozen) and restores it by running them again, at every
+ * pause, resume, fork and move; a bind of a host directory is an external mount (criu.ts), which costs neither.
+ * The guest cannot write there either way: the directory belongs to host root, which has no id in the sandbox.
+ */
 static void mask_paths(void) {
   struct stat st;
   for (size_t i = 0; i < sizeof MASKED / sizeof MASKED[0]; i++) {
     if (lstat(MASKED[i], &st) < 0) continue;
-    int r = S_ISDIR(st.st_mode) ? mount("tmpfs", MASKED[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0")
-                                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
+    int r = S_ISDIR(st.st_mode)
+                ? mount(empty_dir, MASKED[i], NULL, MS_BIND, NULL) < 0 ||
+                          mount(NULL, MASKED[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)
+                      ? -1
+                      : 0
+                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
     if (r < 0) fail("mask", MASKED[i]);
   }
   for (size_t i = 0; i < sizeof READONLY / sizeof READONLY[0]; i++) {
@@ -1196,8 +1211,8 @@ static int cmd_serve(int argc, char **argv) {
 static int cmd_start(int argc, char **argv) {
   if (argc < 3) usage();
   int n = atoi(argv[2]);
-  if (n < 0 || n > argc || argc != 3 + n + 6) usage();
-  char **a = argv + 3 + n; /* STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW */
+  if (n < 0 || n > argc || argc != 3 + n + 7) usage();
+  char **a = argv + 3 + n; /* STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW EMPTYDIR */
   start_deadline_ns = monotonic_ns() + START_TIMEOUT_MS * 1000000LL;
   clearenv();
   char me[16];
@@ -1210,6 +1225,7 @@ static int cmd_start(int argc, char **argv) {
   guest_oom_floor();
   if (unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0) fail("unshare", NULL);
   if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make the mounts private", NULL);
+  empty_dir = a[6];
   pid_t init = fork();
   if (init < 0) fail("fork", NULL);
   if (init == 0) {

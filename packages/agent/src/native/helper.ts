@@ -1,6 +1,6 @@
 import { createHash } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { chmod, chown, lstat, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { featureMissing } from '../backend.js';
@@ -27,13 +27,46 @@ function sourcePath(): string {
 
 const GCC_ENV = { PATH: '/usr/local/bin:/usr/bin:/bin', LANG: 'C' };
 
-export async function ensureSandboxHelper(dataDir: string): Promise<string> {
+/** The helper's binary, and the empty directory its `start` binds over the masked /proc and /sys directories. */
+export interface SandboxHelper {
+  readonly helper: string;
+  readonly emptyDir: string;
+}
+
+/**
+ * What a sandbox sees in a masked directory: bound read-only by fleet-sandbox.c at a start, and by CRIU at a restore
+ * (criu.ts). Host-wide and outside the 0700 data directory because CRIU binds it from inside the sandbox's user
+ * namespace, as the sandbox's root, which must be able to reach it; host root's and 0555, so nothing in a sandbox
+ * can write it. Every agent of the host shares it (it holds nothing).
+ */
+export const SANDBOX_EMPTY_DIR = '/run/fleet-sandbox/empty';
+
+export async function ensureSandboxHelper(dataDir: string, emptyDir = SANDBOX_EMPTY_DIR): Promise<SandboxHelper> {
+  const dir = join(dataDir, 'runtime-helper');
+  await mkdir(dir, { recursive: true, mode: 0o755 });
+  return { helper: await buildHelper(dir), emptyDir: await ensureEmptyDir(emptyDir) };
+}
+
+async function ensureEmptyDir(path: string): Promise<string> {
+  await mkdir(dirname(path), { recursive: true, mode: 0o755 });
+  // Agents starting together: one makes it, the others find it.
+  await mkdir(path, { mode: 0o555 }).catch((err: unknown) => {
+    if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err;
+  });
+  const st = await lstat(path);
+  if (!st.isDirectory() || (await readdir(path)).length > 0) {
+    throw featureMissing('an empty directory at ' + path, 'something else is there: remove it, the agent makes it again');
+  }
+  await chown(path, 0, 0);
+  await chmod(path, 0o555);
+  return path;
+}
+
+async function buildHelper(dir: string): Promise<string> {
   const src = await readFile(sourcePath());
   const hash = createHash('sha256').update(src).digest('hex').slice(0, 16);
-  const dir = join(dataDir, 'runtime-helper');
   const bin = join(dir, `fleet-sandbox-${hash}`);
   if (existsSync(bin)) return bin;
-  await mkdir(dir, { recursive: true, mode: 0o755 });
   const tmp = `${bin}.tmp-${process.pid}`;
   const srcCopy = `${tmp}.c`;
   try {

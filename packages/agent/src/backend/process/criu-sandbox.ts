@@ -38,6 +38,7 @@ export async function dumpMemory(
       uidBase: s.uid_base,
       ip: s.ip,
       hostname: s.name,
+      emptyDir: host.tools.emptyDir,
       lazy,
     });
     host.log?.info({ sandbox: s.name, frozen_ms: res.frozenMs, pages: res.pagesWritten, leave_running: leaveRunning }, 'criu dump');
@@ -89,10 +90,18 @@ export async function restoreInto(
     await deleteLink(s.veth);
   })();
   network.catch(() => undefined);
+  // So is the console's writer (a shell that makes the FIFO and opens its read end).
+  const consoleWriter = openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base).then(
+    (fd) => {
+      // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
+      fchownSync(fd, s.uid_base, s.uid_base);
+      return fd;
+    },
+  );
+  consoleWriter.catch(() => undefined);
   const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
   // A spawn that fails leaves no pid (refused below); its 'error' must not take the agent down.
   holder.on('error', () => undefined);
-  let consoleFd: number | undefined;
   let mounted = false;
   const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
   host.scratch.add(scratch);
@@ -109,10 +118,8 @@ export async function restoreInto(
     await mustRun(host.tools.helper, ['mount-root', String(hpid), String(s.uid_base), imagePath, dirname(layer.upper), root]);
     mounted = true;
     lap('mount_root_ms');
-    consoleFd = await openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base);
-    // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
-    fchownSync(consoleFd, s.uid_base, s.uid_base);
-    lap('console_ms');
+    const consoleFd = await consoleWriter;
+    lap('console_wait_ms');
     await network;
     lap('network_wait_ms');
     const target = {
@@ -128,6 +135,7 @@ export async function restoreInto(
       hostname: s.name,
       consoleFd,
       hook: host.criuHook,
+      emptyDir: host.tools.emptyDir,
     };
     let pid: number;
     for (let attempt = 1; ; attempt++) {
@@ -160,6 +168,7 @@ export async function restoreInto(
   } finally {
     // Settled before the caller cleans up (an early failure leaves it in flight).
     await network.catch(() => undefined);
+    const consoleFd = await consoleWriter.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
     if (mounted) await runTool('umount', ['-l', root]);
     holder.kill('SIGKILL');

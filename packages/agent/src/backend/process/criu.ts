@@ -1,6 +1,6 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { accessSync, constants as fsConstants, existsSync } from 'node:fs';
-import { chmod, link, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { chmod, link, lstat, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { createServer } from 'node:net';
 import { delimiter, dirname, join } from 'node:path';
 import { z } from 'zod';
@@ -26,7 +26,10 @@ import { runTool } from './exec-util.js';
  * - `--external mnt[...]`: /dev/null & co. (and the /proc masks) are binds of
  *   the host's devtmpfs; each is restored from `/dev` + its root in the
  *   source's mountinfo, never from its own mount point (that would bind the
- *   host's /proc/keys into the guest).
+ *   host's /proc/keys into the guest). The masked directories (/proc/acpi,
+ *   /sys/firmware, ...) are binds of the agent's empty directory, restored
+ *   from the restoring agent's own: as a tmpfs each would cost a tar and a
+ *   gzip at every dump (guest frozen) and every restore.
  * - `--external file[mnt:ino]` + `--inherit-fd`: the init's stdout/stderr are
  *   the console FIFO, whose reader lives on the host; a restore hands CRIU a
  *   new FIFO with a new reader, owned by the sandbox's root (CRIU reopens it
@@ -71,6 +74,8 @@ export const criuMetaSchema = z.object({
       .regex(/^\/dev\/[A-Za-z0-9._-]+$/)
       .refine((p) => !p.includes('..')),
   ),
+  /** External mounts that bind the agent's empty directory (masked directories): CRIU keys. */
+  empty_mounts: z.array(z.string().regex(/^[A-Za-z0-9_]+$/)).default([]),
   uid_base: z.number().int().positive(),
   ip: z.string(),
   hostname: z.string(),
@@ -322,19 +327,36 @@ export async function installNetnsHook(dir: string): Promise<string> {
 }
 
 /** Mount points of `pid`'s namespace that bind the host's devtmpfs, with the host path each binds. */
-async function devtmpfsMounts(pid: number): Promise<Array<{ mountpoint: string; source: string }>> {
+/**
+ * The sandbox's mounts CRIU must not dump: binds of the host's devtmpfs (restored from `/dev` + their root), and
+ * binds of the agent's empty directory (found by device and inode, seen through the init's root).
+ */
+async function externalMounts(
+  pid: number,
+  emptyDir: string,
+): Promise<{ devices: Array<{ mountpoint: string; source: string }>; empty: string[] }> {
   const text = await readFile(`/proc/${pid}/mountinfo`, 'utf8');
-  const out: Array<{ mountpoint: string; source: string }> = [];
+  const unescape = (f: string | undefined): string =>
+    (f ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+  const devices: Array<{ mountpoint: string; source: string }> = [];
+  const candidates: string[] = [];
   for (const line of text.split('\n')) {
     const [pre, post] = line.split(' - ');
     if (!pre || !post) continue;
     const f = pre.split(' ');
-    if (post.split(' ')[0] !== 'devtmpfs') continue;
-    const root = (f[3] ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
-    const mountpoint = (f[4] ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
-    out.push({ mountpoint, source: `/dev${root}` });
+    const fstype = post.split(' ')[0];
+    const root = unescape(f[3]);
+    const mountpoint = unescape(f[4]);
+    if (fstype === 'devtmpfs') devices.push({ mountpoint, source: `/dev${root}` });
+    else if (root !== '/' && fstype !== 'proc' && fstype !== 'sysfs') candidates.push(mountpoint);
   }
-  return out;
+  const want = await lstat(emptyDir);
+  const empty: string[] = [];
+  for (const mountpoint of candidates) {
+    const st = await lstat(`/proc/${pid}/root${mountpoint}`).catch(() => null);
+    if (st?.isDirectory() && st.dev === want.dev && st.ino === want.ino) empty.push(mountpoint);
+  }
+  return { devices, empty };
 }
 
 const mountKey = (mountpoint: string): string => `m${mountpoint.replace(/[^A-Za-z0-9]/g, '_')}`;
@@ -449,12 +471,14 @@ export async function dumpTree(
     uidBase: number;
     ip: string;
     hostname: string;
+    /** The agent's empty directory (HostTools.emptyDir): binds of it are the masked directories. */
+    emptyDir: string;
     lazy?: boolean;
   },
 ): Promise<DumpResult> {
   await mkdir(opts.dir, { recursive: true, mode: 0o700 });
   await ownSession(opts.initPid);
-  const mounts = await devtmpfsMounts(opts.initPid);
+  const { devices: mounts, empty } = await externalMounts(opts.initPid, opts.emptyDir);
   const mntId = (await readFile(`/proc/${opts.initPid}/fdinfo/1`, 'utf8')).match(/^mnt_id:\s*(\d+)/m)?.[1];
   const { stat } = await import('node:fs/promises');
   const ino = (await stat(`/proc/${opts.initPid}/fd/1`)).ino;
@@ -464,6 +488,7 @@ export async function dumpTree(
     version: 1,
     console_id: consoleId,
     mounts: Object.fromEntries(mounts.map((m) => [mountKey(m.mountpoint), m.source])),
+    empty_mounts: empty.map(mountKey),
     uid_base: opts.uidBase,
     ip: opts.ip,
     hostname: opts.hostname,
@@ -485,7 +510,7 @@ export async function dumpTree(
     'net',
     '--network-lock',
     'nftables',
-    ...mounts.flatMap((m) => ['--external', `mnt[${m.mountpoint}]:${mountKey(m.mountpoint)}`]),
+    ...[...mounts.map((m) => m.mountpoint), ...empty].flatMap((mp) => ['--external', `mnt[${mp}]:${mountKey(mp)}`]),
     '--external',
     consoleId,
     ...(opts.leaveRunning ? ['--leave-running'] : []),
@@ -531,6 +556,8 @@ export interface RestoreTarget {
   /** Write end of the new console FIFO (launch.ts openConsoleWriter). */
   readonly consoleFd: number;
   readonly hook: string;
+  /** The restoring agent's empty directory (HostTools.emptyDir), bound over the masked directories. */
+  readonly emptyDir: string;
 }
 
 /**
@@ -593,6 +620,7 @@ export async function restoreTree(
       '--action-script',
       target.hook,
       ...Object.entries(meta.mounts).flatMap(([key, source]) => ['--external', `mnt[${key}]:${source}`]),
+      ...meta.empty_mounts.flatMap((key) => ['--external', `mnt[${key}]:${target.emptyDir}`]),
       '--inherit-fd',
       `fd[3]:${meta.console_id}`,
       ...(daemon ? ['--lazy-pages'] : []),

@@ -39,10 +39,12 @@ export interface HostTools {
   readonly busybox: string;
   /** The compiled fleet-sandbox helper (ensureSandboxHelper). */
   readonly helper: string;
+  /** Its empty directory, bound read-only over the masked /proc and /sys directories. */
+  readonly emptyDir: string;
 }
 
 /** Absolute paths of the host tools the backend needs, or HOST_FEATURE_MISSING naming the package. */
-export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper'> {
+export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper' | 'emptyDir'> {
   const find = (name: string, pkg: string): string => {
     for (const dir of ['/usr/bin', '/usr/sbin', '/bin', '/sbin']) {
       if (existsSync(`${dir}/${name}`)) return `${dir}/${name}`;
@@ -209,6 +211,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
         opts.address,
         opts.gateway,
         opts.netRaw ? '1' : '0',
+        opts.tools.emptyDir,
       ],
       { detached: true, stdio: ['ignore', log, log, 'pipe'], env: {} },
     );
