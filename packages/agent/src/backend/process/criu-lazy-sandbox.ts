@@ -282,8 +282,13 @@ function openTunnel(from: LazyFrom, checkpointId: string, onError: (err: Error) 
         onError(err);
         sock.destroy();
       });
+      // The daemon hangs up once it has every page: the stream then closes from this side, with no status (1005).
+      let daemonDone = false;
+      sock.once('end', () => {
+        daemonDone = true;
+      });
       ws.once('close', (code) => {
-        if (code !== 1000) onError(new Error(`the page stream closed (${String(code)})`));
+        if (code !== 1000 && !(daemonDone && code === 1005)) onError(new Error(`the page stream closed (${String(code)})`));
         sock.destroy();
       });
       ws.once('open', () => {
