@@ -176,10 +176,13 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
         const dirs = await sh(
           b,
           'pr',
-          'for d in /proc/acpi /sys/firmware; do [ -d $d ] || continue; echo "$d $(ls -A $d | wc -l)"; mkdir $d/x 2>/dev/null && echo "$d WRITABLE"; done',
+          'for d in /proc/acpi /sys/firmware; do [ -d $d ] || continue; echo "$d $(ls -A $d | wc -l)"; mkdir $d/x 2>/dev/null && echo "$d WRITABLE"; done; grep " /sys/firmware " /proc/self/mountinfo',
         );
-        if (existsSync('/sys/firmware')) assert.match(dirs.stdout, /^\/sys\/firmware 0$/m, dirs.stdout);
-        assert.doesNotMatch(dirs.stdout, /WRITABLE| [1-9]/, dirs.stdout);
+        if (existsSync('/sys/firmware')) {
+          assert.match(dirs.stdout, /^\/sys\/firmware 0$/m, dirs.stdout);
+          assert.match(dirs.stdout, / \/sys\/firmware ro,nosuid,nodev,noexec/, dirs.stdout);
+        }
+        assert.doesNotMatch(dirs.stdout, /WRITABLE|^\/\S+ [1-9]/m, dirs.stdout);
       }
       last = now;
       await new Promise((r) => setTimeout(r, 100));

@@ -286,6 +286,19 @@ true`,
     for (const p of ['/proc/bus', '/proc/fs', '/proc/irq', '/proc/sys', '/proc/sysrq-trigger']) {
       if (existsSync(p)) assert.match(r.stdout, new RegExp(`${p} ro`), `${p} is not mounted read-only`);
     }
+    if (existsSync('/sys/firmware')) {
+      // A masked directory is a read-only, nosuid, nodev, noexec bind of an empty directory of this sandbox's own:
+      // one shared by two sandboxes would let one watch (inotify) the other list it.
+      await b.create({ name: 'masks2', cpus: 1, ram_mb: 64, tenant: 'other' });
+      const seen = await Promise.all(
+        ['masks', 'masks2'].map(
+          async (n) => (await sh(b, n, "stat -c %d:%i /sys/firmware; grep ' /sys/firmware ' /proc/self/mountinfo")).stdout,
+        ),
+      );
+      for (const s of seen) assert.match(s, / \/sys\/firmware ro,nosuid,nodev,noexec/, s);
+      assert.notEqual(seen[0]!.split('\n')[0], seen[1]!.split('\n')[0], 'two sandboxes share the inode of a masked directory');
+      await b.destroy('masks2');
+    }
     await b.destroy('masks');
   });
 

@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { findHostTools, launchInit, type HostTools } from '../../packages/agent/src/backend/process/launch.js';
 import { buildImage } from '../../packages/agent/src/images.js';
-import { ensureSandboxHelper } from '../../packages/agent/src/native/helper.js';
+import { emptyDirOf, ensureEmptyDir, ensureSandboxHelper } from '../../packages/agent/src/native/helper.js';
 
 /**
  * The helper's start waits for two of the agent's steps (the root mount,
@@ -44,6 +44,7 @@ describe(
 
     after(async () => {
       for (const link of links) spawnSync('ip', ['link', 'del', link]);
+      await rm(emptyDirOf(tools.emptyRoot, root), { recursive: true, force: true });
       await rm(root, { recursive: true, force: true });
     });
 
@@ -72,6 +73,7 @@ describe(
         gateway: `${net}.1`,
         tools,
         netRaw: false,
+        emptyDir: await ensureEmptyDir(emptyDirOf(tools.emptyRoot, root)),
         attachNetwork: async (nsPid) => {
           await new Promise((r) => setTimeout(r, 7000));
           const made = spawnSync('ip', ['link', 'add', host, 'type', 'veth', 'peer', 'name', 'eth0', 'netns', String(nsPid)], {

@@ -27,6 +27,11 @@
  *       <start ticks> running", then "... exited <code>" or "... signaled
  *       <signo>". Detached like the init, it outlives the agent, which reads
  *       the record after a restart.
+ *   fleet-sandbox mask-ro PID MOUNTPOINT...
+ *       Host side of a restore: CRIU binds the masked directories (external
+ *       mounts) without their flags; this makes each MOUNTPOINT, a path in
+ *       PID's root resolved with no symlink followed, read-only, nosuid,
+ *       nodev and noexec again, in PID's mount namespace.
  *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
  *       Host side of a start, once PID (in the sandbox's new user and mount
  *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
@@ -608,6 +613,38 @@ static int reap(int sfd, pid_t init) {
   else if (WIFSIGNALED(st)) snprintf(line, sizeof line, "%d %s signaled %d", init, start, WTERMSIG(st));
   else return 0;
   write_status(3, line);
+  return 0;
+}
+
+/* ---- mask-ro ---- */
+
+#include <linux/openat2.h>
+
+static int cmd_mask_ro(int argc, char **argv) {
+  if (argc < 4) usage();
+  clearenv();
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/root", atoi(argv[2]));
+  int root = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (root < 0) fail("open", path);
+  snprintf(path, sizeof path, "/proc/%d/ns/mnt", atoi(argv[2]));
+  int ns = open(path, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) fail("open", path);
+  /* mount_setattr changes only mounts of the caller's own mount namespace. */
+  if (setns(ns, CLONE_NEWNS) < 0) fail("setns", path);
+  for (int i = 3; i < argc; i++) {
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_PATH | O_DIRECTORY | O_CLOEXEC;
+    how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    int fd = (int)syscall(SYS_openat2, root, argv[i], &how, sizeof how);
+    if (fd < 0) fail("open", argv[i]);
+    struct mount_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", argv[i]);
+    close(fd);
+  }
   return 0;
 }
 
@@ -1240,6 +1277,7 @@ int main(int argc, char **argv) {
   if (argc < 2) usage();
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
+  if (strcmp(argv[1], "mask-ro") == 0) return cmd_mask_ro(argc, argv);
   if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
   if (strcmp(argv[1], "start") == 0) return cmd_start(argc, argv);
   usage();

@@ -282,13 +282,14 @@ function openTunnel(from: LazyFrom, checkpointId: string, onError: (err: Error) 
         onError(err);
         sock.destroy();
       });
-      // The daemon hangs up once it has every page: the stream then closes from this side, with no status (1005).
+      // The daemon hangs up once it has every page (or when it fails): the stream then closes from this side, and
+      // whether the restore succeeded is the daemon's exit code (settle), whatever the close code.
       let daemonDone = false;
       sock.once('end', () => {
         daemonDone = true;
       });
       ws.once('close', (code) => {
-        if (code !== 1000 && !(daemonDone && code === 1005)) onError(new Error(`the page stream closed (${String(code)})`));
+        if (code !== 1000 && !daemonDone) onError(new Error(`the page stream closed (${String(code)})`));
         sock.destroy();
       });
       ws.once('open', () => {

@@ -1,12 +1,22 @@
 import { spawn } from 'node:child_process';
 import { closeSync, fchownSync } from 'node:fs';
 import { mkdir, readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { ensureEmptyDir } from '../../native/helper.js';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed, type Checkpoint } from '../../backend.js';
 import { resolveImage } from '../../images.js';
-import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, RestoreTimedOut, type CriuMeta, type DumpResult } from './criu.js';
+import {
+  CRIU_META,
+  criuMetaSchema,
+  dumpTree,
+  externalMounts,
+  restoreTree,
+  RestoreTimedOut,
+  type CriuMeta,
+  type DumpResult,
+} from './criu.js';
 import { mustRun, processStartTime, runTool, sleep } from './exec-util.js';
 import { openConsoleWriter, USERNS_SIZE } from './launch.js';
 import { deleteLink, hardenLink } from './network.js';
@@ -38,7 +48,7 @@ export async function dumpMemory(
       uidBase: s.uid_base,
       ip: s.ip,
       hostname: s.name,
-      emptyDir: host.tools.emptyDir,
+      emptyDir: host.emptyDir(s.name),
       lazy,
     });
     host.log?.info({ sandbox: s.name, frozen_ms: res.frozenMs, pages: res.pagesWritten, leave_running: leaveRunning }, 'criu dump');
@@ -93,9 +103,14 @@ export async function restoreInto(
   // So is the console's writer (a shell that makes the FIFO and opens its read end).
   const consoleWriter = openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base).then(
     (fd) => {
-      // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
-      fchownSync(fd, s.uid_base, s.uid_base);
-      return fd;
+      try {
+        // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
+        fchownSync(fd, s.uid_base, s.uid_base);
+        return fd;
+      } catch (err) {
+        closeSync(fd);
+        throw err;
+      }
     },
   );
   consoleWriter.catch(() => undefined);
@@ -135,7 +150,7 @@ export async function restoreInto(
       hostname: s.name,
       consoleFd,
       hook: host.criuHook,
-      emptyDir: host.tools.emptyDir,
+      emptyDir: await ensureEmptyDir(host.emptyDir(s.name)),
     };
     let pid: number;
     for (let attempt = 1; ; attempt++) {
@@ -163,6 +178,9 @@ export async function restoreInto(
     if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
     s.init_pid = pid;
     s.init_start = start;
+    // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
+    const masks = (await externalMounts(pid, target.emptyDir)).empty;
+    if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
     await hardenLink(s.veth, 'veth');
     lap('harden_ms');
   } finally {

@@ -2,7 +2,7 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { accessSync, constants as fsConstants, existsSync } from 'node:fs';
 import { chmod, link, lstat, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { createServer } from 'node:net';
-import { delimiter, dirname, join } from 'node:path';
+import { basename, delimiter, dirname, join } from 'node:path';
 import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
@@ -63,7 +63,8 @@ export const CRIU_META = `${MEMORY_FILE_PREFIX}fleet.json`;
 
 /** What a restore needs to know about the dump besides CRIU's own images (criu-fleet.json, hashed like the rest). */
 export const criuMetaSchema = z.object({
-  version: z.literal(1),
+  /** 2: with empty_mounts (an agent that knows only 1 refuses it rather than restore without them). */
+  version: z.union([z.literal(1), z.literal(2)]),
   /** The init's console FIFO as CRIU names it: file[<mnt_id hex>:<inode hex>]. */
   console_id: z.string().regex(/^file\[[0-9a-f]+:[0-9a-f]+\]$/),
   /** External mounts: CRIU key -> the host path they bind (always under /dev). */
@@ -127,12 +128,24 @@ export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ fea
     notes.push('lazy pages off: vm.unprivileged_userfaultfd is 0 and this criu lacks the /dev/userfaultfd patch (scripts/criu)');
   const dirty = await feature('mem_dirty_track');
   if (!dirty) notes.push('memory diff off: the kernel has no soft-dirty bits');
+  // A restore reads the sandbox's memory into fresh pages: with huge pages only where a program asked for them
+  // (`madvise`, the default of many kernels), one page fault per 4 KiB, which on some hosts (virtual machines above
+  // all) is most of a resume: docs/host-agent.md, "Transparent huge pages".
+  const thp = await transparentHugepages();
+  if (thp !== null && thp !== 'always')
+    notes.push(`transparent_hugepage is "${thp}": restores fault memory in 4 KiB pages; "always" makes resumes and forks faster`);
   const kdat = await installKdatCache(path);
   if (kdat) notes.push(kdat);
   return { features: { path, version, liveSnapshot: true, lazyPages: uffd && (unpriv || viaDev), memoryDiff: dirty, notes }, reason: '' };
 }
 
 const TMPFS_MAGIC = 0x01021994;
+/** The host's transparent huge page mode (`always`, `madvise`, `never`), or null when the kernel has none. */
+export async function transparentHugepages(): Promise<string | null> {
+  const text = await readFile('/sys/kernel/mm/transparent_hugepage/enabled', 'utf8').catch(() => null);
+  return text?.match(/\[(\w+)\]/)?.[1] ?? null;
+}
+
 export const KDAT_CACHE = '/run/criu.kdat';
 
 /**
@@ -329,32 +342,28 @@ export async function installNetnsHook(dir: string): Promise<string> {
 /** Mount points of `pid`'s namespace that bind the host's devtmpfs, with the host path each binds. */
 /**
  * The sandbox's mounts CRIU must not dump: binds of the host's devtmpfs (restored from `/dev` + their root), and
- * binds of the agent's empty directory (found by device and inode, seen through the init's root).
+ * binds of the sandbox's empty directory (the masked directories), known from mountinfo alone (its device, and a root
+ * ending in its name: nothing is looked up through the guest's tree).
  */
-async function externalMounts(
+export async function externalMounts(
   pid: number,
   emptyDir: string,
 ): Promise<{ devices: Array<{ mountpoint: string; source: string }>; empty: string[] }> {
   const text = await readFile(`/proc/${pid}/mountinfo`, 'utf8');
   const unescape = (f: string | undefined): string =>
     (f ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+  const want = await lstat(emptyDir).catch(() => null);
+  const wantDev = want ? `${Math.floor(want.dev / 256) & 0xfff}:${(want.dev & 0xff) | ((want.dev >> 12) & 0xfff00)}` : '';
   const devices: Array<{ mountpoint: string; source: string }> = [];
-  const candidates: string[] = [];
+  const empty: string[] = [];
   for (const line of text.split('\n')) {
     const [pre, post] = line.split(' - ');
     if (!pre || !post) continue;
     const f = pre.split(' ');
-    const fstype = post.split(' ')[0];
     const root = unescape(f[3]);
     const mountpoint = unescape(f[4]);
-    if (fstype === 'devtmpfs') devices.push({ mountpoint, source: `/dev${root}` });
-    else if (root !== '/' && fstype !== 'proc' && fstype !== 'sysfs') candidates.push(mountpoint);
-  }
-  const want = await lstat(emptyDir);
-  const empty: string[] = [];
-  for (const mountpoint of candidates) {
-    const st = await lstat(`/proc/${pid}/root${mountpoint}`).catch(() => null);
-    if (st?.isDirectory() && st.dev === want.dev && st.ino === want.ino) empty.push(mountpoint);
+    if (post.split(' ')[0] === 'devtmpfs') devices.push({ mountpoint, source: `/dev${root}` });
+    else if (want && f[2] === wantDev && root.endsWith(`/${basename(emptyDir)}`)) empty.push(mountpoint);
   }
   return { devices, empty };
 }
@@ -471,7 +480,7 @@ export async function dumpTree(
     uidBase: number;
     ip: string;
     hostname: string;
-    /** The agent's empty directory (HostTools.emptyDir): binds of it are the masked directories. */
+    /** The sandbox's empty directory (SandboxHost.emptyDir): binds of it are the masked directories. */
     emptyDir: string;
     lazy?: boolean;
   },
@@ -485,7 +494,7 @@ export async function dumpTree(
   if (!mntId) throw sandboxFailed('could not read the console descriptor of the sandbox init');
   const consoleId = `file[${Number(mntId).toString(16)}:${ino.toString(16)}]`;
   const meta: CriuMeta = {
-    version: 1,
+    version: 2,
     console_id: consoleId,
     mounts: Object.fromEntries(mounts.map((m) => [mountKey(m.mountpoint), m.source])),
     empty_mounts: empty.map(mountKey),
@@ -556,7 +565,7 @@ export interface RestoreTarget {
   /** Write end of the new console FIFO (launch.ts openConsoleWriter). */
   readonly consoleFd: number;
   readonly hook: string;
-  /** The restoring agent's empty directory (HostTools.emptyDir), bound over the masked directories. */
+  /** The sandbox's empty directory on this host (SandboxHost.emptyDir), bound over the masked directories. */
   readonly emptyDir: string;
 }
 

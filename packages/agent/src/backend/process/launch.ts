@@ -39,12 +39,12 @@ export interface HostTools {
   readonly busybox: string;
   /** The compiled fleet-sandbox helper (ensureSandboxHelper). */
   readonly helper: string;
-  /** Its empty directory, bound read-only over the masked /proc and /sys directories. */
-  readonly emptyDir: string;
+  /** Where each sandbox's empty directory is (helper.ts emptyDirOf). */
+  readonly emptyRoot: string;
 }
 
 /** Absolute paths of the host tools the backend needs, or HOST_FEATURE_MISSING naming the package. */
-export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper' | 'emptyDir'> {
+export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper' | 'emptyRoot'> {
   const find = (name: string, pkg: string): string => {
     for (const dir of ['/usr/bin', '/usr/sbin', '/bin', '/sbin']) {
       if (existsSync(`${dir}/${name}`)) return `${dir}/${name}`;
@@ -93,6 +93,8 @@ export interface LaunchOptions {
   readonly tools: HostTools;
   /** Keep CAP_NET_RAW (the spec's net_raw). */
   readonly netRaw: boolean;
+  /** The sandbox's empty directory (helper.ts ensureEmptyDir), bound read-only over its masked directories. */
+  readonly emptyDir: string;
   /** Called once the namespaces exist (with a pid inside them), to move eth0 in; runs while stage 2 mounts. */
   readonly attachNetwork: (nsPid: number) => Promise<void>;
   readonly timeoutMs?: number;
@@ -211,7 +213,7 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
         opts.address,
         opts.gateway,
         opts.netRaw ? '1' : '0',
-        opts.tools.emptyDir,
+        opts.emptyDir,
       ],
       { detached: true, stdio: ['ignore', log, log, 'pipe'], env: {} },
     );

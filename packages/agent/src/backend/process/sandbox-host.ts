@@ -13,6 +13,7 @@ import type { SandboxEgress } from './egress.js';
 import { KeyedMutex, processStartTime } from './exec-util.js';
 import type { Firewall, FirewallState } from './firewall.js';
 import type { Spawner } from './guest-process.js';
+import { emptyDirOf, ensureEmptyDir } from '../../native/helper.js';
 import { launchInit, USERNS_SIZE, type HostTools } from './launch.js';
 import { SandboxMonitor } from './monitor.js';
 import { attachSandbox, bridgeForwarding, ensureBridge, hardenLink, type Subnet } from './network.js';
@@ -101,6 +102,11 @@ export class SandboxHost {
     return join(this.sandboxesDir, name);
   }
 
+  /** The sandbox's own empty directory, bound over its masked /proc and /sys directories (helper.ts). */
+  emptyDir(name: string): string {
+    return emptyDirOf(this.tools.emptyRoot, this.sandboxDir(name));
+  }
+
   async list(prefix = ''): Promise<SandboxInfo[]> {
     const out: SandboxInfo[] = [];
     for (const r of this.records.values()) {
@@ -155,6 +161,7 @@ export class SandboxHost {
       gateway: this.subnet.gateway,
       tools: this.tools,
       netRaw: state.net_raw,
+      emptyDir: await ensureEmptyDir(this.emptyDir(state.name)),
       ...(mark ? { mark } : {}),
       attachNetwork: (nsPid) =>
         attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip: state.ip, mac: state.mac, subnet: this.subnet }),
