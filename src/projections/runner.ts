@@ -1,4 +1,4 @@
-import type { Pool } from 'pg';
+import type { Pool, PoolClient } from 'pg';
 import { Subscription } from 'rxjs';
 import type { Logger } from 'pino';
 import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
@@ -218,47 +218,77 @@ export class ProjectionRunner {
       if (failed.size > 0) behind = behind.filter((s) => !failed.has(s));
     }
     if (this.isStopped()) return;
-    for (const s of behind) this.caughtUpNowFollow(s);
+    this.caughtUpNowFollowTogether(behind);
   }
 
   private caughtUpNowFollow(s: RunnerState): void {
-    s.caughtUp = true;
-    s.oldestPendingAt = undefined;
-    this.logger.info({ projection: s.projection.name, position: s.position, eventsApplied: s.eventsApplied }, 'projection caught up');
-    this.follow(s);
+    this.caughtUpNowFollowTogether([s]);
   }
 
-  /** Live: the subscription's events are applied in order, a batch per microtask burst. */
-  private follow(s: RunnerState): void {
+  private caughtUpNowFollowTogether(group: readonly RunnerState[]): void {
+    for (const s of group) {
+      s.caughtUp = true;
+      s.oldestPendingAt = undefined;
+      this.logger.info({ projection: s.projection.name, position: s.position, eventsApplied: s.eventsApplied }, 'projection caught up');
+    }
+    this.follow(group);
+  }
+
+  /**
+   * Live: one subscription for the read models caught up together, its events
+   * applied in order, a batch per microtask burst, every member's share of a
+   * batch in ONE transaction (`applyTogether`). A member that fails leaves the
+   * group (its `sub`), retries alone from its checkpoint, and then follows alone.
+   * One reader and one transaction per batch, where there was one of each per
+   * read model: with ten read models every append cost ~20 reads and ~30
+   * statements of bookkeeping, on the same cores and server as the command
+   * that appended (docs/benchmarks.md, "Control plane").
+   */
+  private follow(group: readonly RunnerState[]): void {
+    if (group.length === 0) return;
+    const members = new Set(group);
     const queue: RecordedEvent[] = [];
     let draining: Promise<void> | undefined;
     const drain = async (): Promise<void> => {
-      while (queue.length > 0 && !this.stopped) {
+      // The subscription hands over a page's events one by one in one synchronous run: take them all as one batch.
+      await Promise.resolve();
+      while (queue.length > 0 && !this.stopped && members.size > 0) {
         // Live batches stay small: on the Postgres store every open write transaction holds back what
         // readers may see (xmin), so a long read-model transaction would delay every subscriber.
         const batch = queue.splice(0, LIVE_BATCH);
-        await this.applyBatch(s, batch);
+        await this.applyTogether([...members], batch);
       }
-      s.oldestPendingAt = undefined;
+      for (const s of members) s.oldestPendingAt = undefined;
     };
-    s.sub = new Subscription();
-    s.sub.add(
-      this.store.subscribeToAll({ after: s.position }).subscribe({
-        next: (item) => {
-          if (item.kind !== 'event') return;
-          queue.push(item.event);
-          s.oldestPendingAt ??= item.event.created.getTime();
-          if (!draining) {
-            draining = drain()
-              .catch((err: unknown) => this.fail(s, err))
-              .finally(() => {
-                draining = undefined;
-              });
-          }
-        },
-        error: (err: unknown) => this.fail(s, err),
-      }),
-    );
+    const positions = group.map((s) => s.position);
+    const from = positions.includes(undefined)
+      ? undefined
+      : positions.reduce((min, p) => (p !== undefined && min !== undefined && p < min ? p : min));
+    const shared = this.store.subscribeToAll({ after: from }).subscribe({
+      next: (item) => {
+        if (item.kind !== 'event') return;
+        queue.push(item.event);
+        for (const s of members) s.oldestPendingAt ??= item.event.created.getTime();
+        if (!draining) {
+          draining = drain()
+            .catch((err: unknown) => {
+              for (const s of [...members]) this.fail(s, err);
+            })
+            .finally(() => {
+              draining = undefined;
+            });
+        }
+      },
+      error: (err: unknown) => {
+        for (const s of [...members]) this.fail(s, err);
+      },
+    });
+    for (const s of group) {
+      s.sub = new Subscription(() => {
+        members.delete(s);
+        if (members.size === 0) shared.unsubscribe();
+      });
+    }
   }
 
   private fail(s: RunnerState, err: unknown): void {
@@ -280,6 +310,121 @@ export class ProjectionRunner {
     s.retryTimer.unref();
   }
 
+  /**
+   * A live batch for every member in one transaction: the checkpoint rows are
+   * locked together (in name order, so two runners on one database wait for
+   * each other rather than deadlock), each member applies the events after its
+   * own stored checkpoint, and the new checkpoints commit with them. If any of
+   * it fails, nothing is kept and each member retries the batch in its own
+   * transaction (`applyBatch`), so only the one that cannot apply it fails.
+   */
+  private async applyTogether(members: readonly RunnerState[], events: readonly RecordedEvent[]): Promise<void> {
+    const [only] = members;
+    if (members.length === 1 && only) {
+      try {
+        await this.applyBatch(only, events);
+      } catch (err) {
+        this.fail(only, err);
+      }
+      return;
+    }
+    let applied: Map<RunnerState, { stored: Position | undefined; fresh: readonly RecordedEvent[] }> | undefined;
+    try {
+      applied = await this.applyInOneTransaction(members, events);
+    } catch (err) {
+      this.logger.debug({ err: { message: (err as Error).message } }, 'a shared read-model batch failed; applying it per read model');
+    }
+    if (!applied) {
+      for (const s of members) {
+        try {
+          await this.applyBatch(s, events);
+        } catch (err) {
+          this.fail(s, err);
+        }
+      }
+      return;
+    }
+    for (const [s, { stored, fresh }] of applied) this.advanced(s, fresh.at(-1)?.position ?? stored, fresh.length);
+  }
+
+  private async applyInOneTransaction(
+    members: readonly RunnerState[],
+    events: readonly RecordedEvent[],
+  ): Promise<Map<RunnerState, { stored: Position | undefined; fresh: readonly RecordedEvent[] }>> {
+    const client = await this.pool.connect();
+    try {
+      const byName = [...members].sort((a, b) => (a.projection.name < b.projection.name ? -1 : 1));
+      const opened = (await client.query(
+        `BEGIN; SET LOCAL synchronous_commit = off;
+         INSERT INTO projection_checkpoints (name) VALUES ${byName.map((s) => `(${client.escapeLiteral(s.projection.name)})`).join(', ')}
+         ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
+         RETURNING name, position`,
+      )) as unknown as Array<{ rows: Array<{ name: string; position: string | null }> }>;
+      const stored = new Map((opened.at(-1)?.rows ?? []).map((r) => [r.name, r.position ?? undefined]));
+      const applied = new Map<RunnerState, { stored: Position | undefined; fresh: readonly RecordedEvent[] }>();
+      for (const s of byName) {
+        const at = stored.get(s.projection.name);
+        const fresh = at === undefined ? events : events.filter((e) => e.position > at); // older ones: applied by someone else already
+        await this.applyEvents(s, client, fresh);
+        applied.set(s, { stored: at, fresh });
+      }
+      const rows = [...applied]
+        .filter(([, { fresh }]) => fresh.length > 0)
+        .map(([s, { fresh }]) => {
+          const last = fresh.at(-1) as RecordedEvent;
+          return `(${client.escapeLiteral(s.projection.name)}, ${client.escapeLiteral(last.position)}, ${fresh.length}, ${client.escapeLiteral(last.created.toISOString())}::timestamptz)`;
+        });
+      await client.query(
+        rows.length > 0
+          ? `UPDATE projection_checkpoints c
+                SET position = v.position, events_applied = c.events_applied + v.applied, last_event_at = v.at, updated_at = now()
+               FROM (VALUES ${rows.join(', ')}) AS v(name, position, applied, at)
+              WHERE c.name = v.name;
+             COMMIT`
+          : 'COMMIT',
+      );
+      return applied;
+    } catch (err) {
+      await client.query('ROLLBACK').catch(() => undefined);
+      throw err;
+    } finally {
+      client.release();
+    }
+  }
+
+  /** Applies `fresh` (already past the stored checkpoint) to one read model inside the caller's transaction. */
+  private async applyEvents(s: RunnerState, client: PoolClient, fresh: readonly RecordedEvent[]): Promise<void> {
+    if (s.projection.applyBatch) {
+      if (fresh.length > 0) await s.projection.applyBatch(client, fresh);
+      return;
+    }
+    for (const event of fresh) {
+      try {
+        await s.projection.apply(client, event);
+      } catch (err) {
+        // Name the event: an operator must be able to find the one the read model stopped at.
+        throw new Error(
+          `${s.projection.name}: applying ${event.type} at ${event.position} (${event.streamId}@${event.revision}) failed: ${(err as Error).message}`,
+          { cause: err },
+        );
+      }
+    }
+  }
+
+  /** After a commit: the member's position, counters and read-your-writes waiters. */
+  private advanced(s: RunnerState, newest: Position | undefined, applied: number): void {
+    if (newest !== undefined && (s.position === undefined || newest > s.position)) s.position = newest;
+    s.eventsApplied += applied;
+    s.lastError = undefined;
+    s.failures = 0;
+    for (const w of s.waiters) {
+      if (s.position !== undefined && s.position >= w.position) {
+        s.waiters.delete(w);
+        w.resolve();
+      }
+    }
+  }
+
   private async applyBatch(s: RunnerState, events: readonly RecordedEvent[]): Promise<void> {
     const client = await this.pool.connect();
     try {
@@ -296,43 +441,18 @@ export class ProjectionRunner {
       )) as unknown as Array<{ rows: Array<{ position: string | null }> }>;
       const stored = opened.at(-1)?.rows[0]?.position ?? undefined;
       const fresh = stored === undefined ? events : events.filter((e) => e.position > stored); // older ones: applied by someone else already
-      if (s.projection.applyBatch) {
-        if (fresh.length > 0) await s.projection.applyBatch(client, fresh);
-      } else {
-        for (const event of fresh) {
-          try {
-            await s.projection.apply(client, event);
-          } catch (err) {
-            // Name the event: an operator must be able to find the one the read model stopped at.
-            throw new Error(
-              `${s.projection.name}: applying ${event.type} at ${event.position} (${event.streamId}@${event.revision}) failed: ${(err as Error).message}`,
-              { cause: err },
-            );
-          }
-        }
-      }
+      await this.applyEvents(s, client, fresh);
       const last: RecordedEvent | undefined = fresh.at(-1);
-      const applied = fresh.length;
       await client.query(
         last
           ? `UPDATE projection_checkpoints
-                SET position = ${client.escapeLiteral(last.position)}, events_applied = events_applied + ${applied},
+                SET position = ${client.escapeLiteral(last.position)}, events_applied = events_applied + ${fresh.length},
                     last_event_at = ${client.escapeLiteral(last.created.toISOString())}, updated_at = now()
               WHERE name = ${name};
              COMMIT`
           : 'COMMIT',
       );
-      const newest = last?.position ?? stored;
-      if (newest !== undefined && (s.position === undefined || newest > s.position)) s.position = newest;
-      s.eventsApplied += applied;
-      s.lastError = undefined;
-      s.failures = 0;
-      for (const w of s.waiters) {
-        if (s.position !== undefined && s.position >= w.position) {
-          s.waiters.delete(w);
-          w.resolve();
-        }
-      }
+      this.advanced(s, last?.position ?? stored, fresh.length);
     } catch (err) {
       await client.query('ROLLBACK').catch(() => undefined);
       throw err;

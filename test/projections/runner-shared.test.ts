@@ -75,3 +75,86 @@ describe('projection runner: one reader for every read model', { timeout: 60_000
     }
   });
 });
+
+/**
+ * Live, the read models caught up together follow one subscription and
+ * apply each batch in one transaction; one that cannot apply a batch fails
+ * alone (the batch is retried per read model), and resumes exactly once.
+ */
+describe('projection runner: one subscription and one transaction for the live read models', { timeout: 60_000 }, () => {
+  let db: TestDatabase;
+  let store: PostgresEventStore;
+  let poisoned = true;
+  const recorder = (name: string, poison: boolean): Projection => ({
+    name,
+    migrations: [
+      {
+        id: `${name}_0001`,
+        sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)`,
+      },
+    ],
+    tables: [{ name, key: ['event_id'] }],
+    async apply(sql, e) {
+      if (poison && poisoned && e.type === 'Poison') throw new Error('cannot apply a Poison event');
+      await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
+    },
+  });
+  const a = recorder('live_a', false);
+  const b = recorder('live_b', false);
+  const bad = recorder('live_bad', true);
+
+  before(async () => {
+    db = await createTestDatabase('runnerlive');
+    await PostgresEventStore.migrate(db.pool);
+    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...a.migrations, ...b.migrations, ...bad.migrations]);
+    store = new PostgresEventStore({ pool: db.pool });
+  });
+  after(async () => {
+    await store?.close();
+    await db?.drop();
+  });
+
+  it('follows with one subscription, applies a batch in one transaction, and isolates a read model that fails', async () => {
+    const stream = `test-${randomUUID()}`;
+    let subscriptions = 0;
+    const subscribe = store.subscribeToAll.bind(store);
+    store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
+      subscriptions++;
+      return subscribe(...args);
+    };
+    const runner = new ProjectionRunner(store, db.pool, [a, b, bad], pino({ level: 'silent' }));
+    try {
+      await runner.start();
+      assert.equal(subscriptions, 1, 'one live subscription for the three read models');
+      const first = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+      await runner.waitFor(first.position, 10_000);
+      const txOf = async (table: string) => (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table}`)).rows.map((r) => r.tx);
+      const [txA, txB, txBad] = [await txOf('live_a'), await txOf('live_b'), await txOf('live_bad')];
+      assert.equal(txA.length, 1);
+      assert.deepEqual(txB, txA, 'both read models applied the event in the same transaction');
+      assert.deepEqual(txBad, txA);
+
+      const poison = await store.append(
+        stream,
+        ['Counted', 'Poison', 'Counted'].map((type) => ({ id: randomUUID(), type, data: {} })),
+        first.nextExpectedRevision,
+      );
+      const status = (name: string) => runner.status().find((s) => s.name === name)!;
+      await until('the failing one to report', () => status('live_bad').lastError !== undefined, 10_000);
+      const count = async (table: string) => Number((await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM ${table}`)).rows[0]!.n);
+      // The others went on: their share of the batch committed without the failing one's.
+      await until('the others to apply the batch', async () => (await count('live_a')) === 4 && (await count('live_b')) === 4, 10_000);
+      assert.equal(await count('live_bad'), 1, 'the failing read model kept nothing of the batch');
+      poisoned = false;
+      await runner.waitFor(poison.position, 20_000);
+      assert.equal(await count('live_bad'), 4, 'every event applied exactly once after the retry');
+      const third = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], poison.nextExpectedRevision);
+      await runner.waitFor(third.position, 10_000);
+      assert.deepEqual([await count('live_a'), await count('live_b'), await count('live_bad')], [5, 5, 5]);
+      assert.equal(status('live_a').eventsApplied, 5);
+      assert.equal(status('live_bad').eventsApplied, 5);
+    } finally {
+      await runner.stop();
+    }
+  });
+});
