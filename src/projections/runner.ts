@@ -3,6 +3,7 @@ import { Subscription } from 'rxjs';
 import type { Logger } from 'pino';
 import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
 import { AppError } from '@fleet/agent-protocol';
+import { LiveFeed } from './live-feed.js';
 import type { Projection } from './projection.js';
 
 export const CHECKPOINTS_MIGRATION = {
@@ -264,11 +265,10 @@ export class ProjectionRunner {
     const from = positions.includes(undefined)
       ? undefined
       : positions.reduce((min, p) => (p !== undefined && min !== undefined && p < min ? p : min));
-    const shared = this.store.subscribeToAll({ after: from }).subscribe({
-      next: (item) => {
-        if (item.kind !== 'event') return;
-        queue.push(item.event);
-        for (const s of members) s.oldestPendingAt ??= item.event.created.getTime();
+    const shared = LiveFeed.of(this.store).subscribe(from, {
+      next: (event) => {
+        queue.push(event);
+        for (const s of members) s.oldestPendingAt ??= event.created.getTime();
         if (!draining) {
           draining = drain()
             .catch((err: unknown) => {

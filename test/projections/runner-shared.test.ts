@@ -158,3 +158,77 @@ describe('projection runner: one subscription and one transaction for the live r
     }
   });
 });
+
+/**
+ * Runners of one process on one store (the read models' and the webhook
+ * outbox's) share one live subscription; a runner whose position the shared
+ * one has already passed gets one of its own and still misses nothing.
+ */
+describe('projection runners of one store: one live subscription between them', { timeout: 60_000 }, () => {
+  let db: TestDatabase;
+  let store: PostgresEventStore;
+  const counter = (name: string): Projection => ({
+    name,
+    migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY)` }],
+    tables: [{ name, key: ['event_id'] }],
+    async apply(sql, e) {
+      await sql.query(`INSERT INTO ${name} (event_id) VALUES ($1)`, [e.id]);
+    },
+  });
+  const one = counter('feed_one');
+  const two = counter('feed_two');
+  const late = counter('feed_late');
+
+  before(async () => {
+    db = await createTestDatabase('runnerfeed');
+    await PostgresEventStore.migrate(db.pool);
+    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...one.migrations, ...two.migrations, ...late.migrations]);
+    store = new PostgresEventStore({ pool: db.pool });
+  });
+  after(async () => {
+    await store?.close();
+    await db?.drop();
+  });
+
+  it('shares the subscription, and a runner behind it follows on its own', async () => {
+    const stream = `test-${randomUUID()}`;
+    let subscriptions = 0;
+    const subscribe = store.subscribeToAll.bind(store);
+    store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
+      subscriptions++;
+      return subscribe(...args);
+    };
+    const silent = pino({ level: 'silent' });
+    const first = new ProjectionRunner(store, db.pool, [one], silent);
+    const second = new ProjectionRunner(store, db.pool, [two], silent);
+    const count = async (table: string) => Number((await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM ${table}`)).rows[0]!.n);
+    let third: ProjectionRunner | undefined;
+    try {
+      await first.start();
+      await second.start();
+      assert.equal(subscriptions, 1, 'the second runner joined the first one’s subscription');
+      let rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+      await first.waitFor(rev.position, 10_000);
+      await second.waitFor(rev.position, 10_000);
+      rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], rev.nextExpectedRevision);
+      await first.waitFor(rev.position, 10_000);
+      // A runner whose checkpoint is at the very start: the shared subscription has passed it.
+      third = new ProjectionRunner(store, db.pool, [late], silent);
+      await db.pool.query(`INSERT INTO projection_checkpoints (name, position) VALUES ('feed_late', NULL) ON CONFLICT DO NOTHING`);
+      const catchUp = store.readAll.bind(store);
+      let held = true;
+      // Its catch-up sees nothing (as if it read before the events), so it follows from the start, behind the feed.
+      store.readAll = async (...a: Parameters<typeof store.readAll>) => (held ? [] : catchUp(...a));
+      await third.start();
+      held = false;
+      assert.equal(subscriptions, 2, 'the runner behind subscribed on its own');
+      rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], rev.nextExpectedRevision);
+      for (const r of [first, second, third]) await r.waitFor(rev.position, 10_000);
+      assert.deepEqual([await count('feed_one'), await count('feed_two'), await count('feed_late')], [3, 3, 3]);
+    } finally {
+      await first.stop();
+      await second.stop();
+      await third?.stop();
+    }
+  });
+});
