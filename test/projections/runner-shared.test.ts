@@ -9,6 +9,37 @@ import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../../src/projections/r
 import { until } from '../event-store/postgres-helpers.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
 
+/** A fresh database with the event store and these read models' tables, for the tests of one describe. */
+function databaseFor(prefix: string, projections: readonly Projection[]): { db: () => TestDatabase; store: () => PostgresEventStore } {
+  let db: TestDatabase | undefined;
+  let store: PostgresEventStore | undefined;
+  before(async () => {
+    db = await createTestDatabase(prefix);
+    await PostgresEventStore.migrate(db.pool);
+    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...projections.flatMap((p) => p.migrations)]);
+    store = new PostgresEventStore({ pool: db.pool });
+  });
+  after(async () => {
+    await store?.close();
+    await db?.drop();
+  });
+  return { db: () => db!, store: () => store! };
+}
+
+/** Counts the store's `subscribeToAll` calls from now on. */
+function countSubscriptions(store: PostgresEventStore): () => number {
+  let n = 0;
+  const subscribe = store.subscribeToAll.bind(store);
+  store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
+    n++;
+    return subscribe(...args);
+  };
+  return () => n;
+}
+
+const rowCount = async (db: TestDatabase, table: string): Promise<number> =>
+  Number((await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM ${table}`)).rows[0]!.n);
+
 /**
  * The first catch-up reads each page once for every read model; one that
  * fails leaves the group and retries alone, while the others finish, each
@@ -82,8 +113,6 @@ describe('projection runner: one reader for every read model', { timeout: 60_000
  * alone (the batch is retried per read model), and resumes exactly once.
  */
 describe('projection runner: one subscription and one transaction for the live read models', { timeout: 60_000 }, () => {
-  let db: TestDatabase;
-  let store: PostgresEventStore;
   let poisoned = true;
   const recorder = (name: string, poison: boolean): Projection => ({
     name,
@@ -102,30 +131,16 @@ describe('projection runner: one subscription and one transaction for the live r
   const a = recorder('live_a', false);
   const b = recorder('live_b', false);
   const bad = recorder('live_bad', true);
-
-  before(async () => {
-    db = await createTestDatabase('runnerlive');
-    await PostgresEventStore.migrate(db.pool);
-    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...a.migrations, ...b.migrations, ...bad.migrations]);
-    store = new PostgresEventStore({ pool: db.pool });
-  });
-  after(async () => {
-    await store?.close();
-    await db?.drop();
-  });
+  const setup = databaseFor('runnerlive', [a, b, bad]);
 
   it('follows with one subscription, applies a batch in one transaction, and isolates a read model that fails', async () => {
+    const [db, store] = [setup.db(), setup.store()];
     const stream = `test-${randomUUID()}`;
-    let subscriptions = 0;
-    const subscribe = store.subscribeToAll.bind(store);
-    store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
-      subscriptions++;
-      return subscribe(...args);
-    };
+    const subscriptions = countSubscriptions(store);
     const runner = new ProjectionRunner(store, db.pool, [a, b, bad], pino({ level: 'silent' }));
     try {
       await runner.start();
-      assert.equal(subscriptions, 1, 'one live subscription for the three read models');
+      assert.equal(subscriptions(), 1, 'one live subscription for the three read models');
       const first = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
       await runner.waitFor(first.position, 10_000);
       const txOf = async (table: string) => (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table}`)).rows.map((r) => r.tx);
@@ -141,7 +156,7 @@ describe('projection runner: one subscription and one transaction for the live r
       );
       const status = (name: string) => runner.status().find((s) => s.name === name)!;
       await until('the failing one to report', () => status('live_bad').lastError !== undefined, 10_000);
-      const count = async (table: string) => Number((await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM ${table}`)).rows[0]!.n);
+      const count = (table: string) => rowCount(db, table);
       // The others went on: their share of the batch committed without the failing one's.
       await until('the others to apply the batch', async () => (await count('live_a')) === 4 && (await count('live_b')) === 4, 10_000);
       assert.equal(await count('live_bad'), 1, 'the failing read model kept nothing of the batch');
@@ -165,8 +180,6 @@ describe('projection runner: one subscription and one transaction for the live r
  * one has already passed gets one of its own and still misses nothing.
  */
 describe('projection runners of one store: one live subscription between them', { timeout: 60_000 }, () => {
-  let db: TestDatabase;
-  let store: PostgresEventStore;
   const counter = (name: string): Projection => ({
     name,
     migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY)` }],
@@ -178,35 +191,21 @@ describe('projection runners of one store: one live subscription between them', 
   const one = counter('feed_one');
   const two = counter('feed_two');
   const late = counter('feed_late');
-
-  before(async () => {
-    db = await createTestDatabase('runnerfeed');
-    await PostgresEventStore.migrate(db.pool);
-    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...one.migrations, ...two.migrations, ...late.migrations]);
-    store = new PostgresEventStore({ pool: db.pool });
-  });
-  after(async () => {
-    await store?.close();
-    await db?.drop();
-  });
+  const setup = databaseFor('runnerfeed', [one, two, late]);
 
   it('shares the subscription, and a runner behind it follows on its own', async () => {
+    const [db, store] = [setup.db(), setup.store()];
     const stream = `test-${randomUUID()}`;
-    let subscriptions = 0;
-    const subscribe = store.subscribeToAll.bind(store);
-    store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
-      subscriptions++;
-      return subscribe(...args);
-    };
+    const subscriptions = countSubscriptions(store);
     const silent = pino({ level: 'silent' });
     const first = new ProjectionRunner(store, db.pool, [one], silent);
     const second = new ProjectionRunner(store, db.pool, [two], silent);
-    const count = async (table: string) => Number((await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM ${table}`)).rows[0]!.n);
+    const count = (table: string) => rowCount(db, table);
     let third: ProjectionRunner | undefined;
     try {
       await first.start();
       await second.start();
-      assert.equal(subscriptions, 1, 'the second runner joined the first one’s subscription');
+      assert.equal(subscriptions(), 1, 'the second runner joined the first one’s subscription');
       let rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
       await first.waitFor(rev.position, 10_000);
       await second.waitFor(rev.position, 10_000);
@@ -221,7 +220,7 @@ describe('projection runners of one store: one live subscription between them', 
       store.readAll = async (...a: Parameters<typeof store.readAll>) => (held ? [] : catchUp(...a));
       await third.start();
       held = false;
-      assert.equal(subscriptions, 2, 'the runner behind subscribed on its own');
+      assert.equal(subscriptions(), 2, 'the runner behind subscribed on its own');
       rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], rev.nextExpectedRevision);
       for (const r of [first, second, third]) await r.waitFor(rev.position, 10_000);
       assert.deepEqual([await count('feed_one'), await count('feed_two'), await count('feed_late')], [3, 3, 3]);
