@@ -177,7 +177,7 @@ export class ProjectionRunner {
       for (const s of group) s.position = stored.get(s.projection.name);
       behind = [...group];
     } catch (err) {
-      for (const s of group) this.fail(s, err);
+      this.failTogether(group, err);
       return;
     }
     const positions = behind.map((s) => s.position);
@@ -191,7 +191,7 @@ export class ProjectionRunner {
       try {
         page = await next;
       } catch (err) {
-        for (const s of behind) this.fail(s, err);
+        this.failTogether(behind, err);
         return;
       }
       if (this.isStopped()) return;
@@ -272,7 +272,7 @@ export class ProjectionRunner {
         if (!draining) {
           draining = drain()
             .catch((err: unknown) => {
-              for (const s of [...members]) this.fail(s, err);
+              this.failTogether([...members], err);
             })
             .finally(() => {
               draining = undefined;
@@ -280,7 +280,7 @@ export class ProjectionRunner {
         }
       },
       error: (err: unknown) => {
-        for (const s of [...members]) this.fail(s, err);
+        this.failTogether([...members], err);
       },
     });
     for (const s of group) {
@@ -292,22 +292,39 @@ export class ProjectionRunner {
   }
 
   private fail(s: RunnerState, err: unknown): void {
-    s.sub?.unsubscribe();
-    s.sub = undefined;
-    s.running = false;
-    s.caughtUp = false;
-    s.lastError = err instanceof Error ? err.message : String(err);
+    this.failTogether([s], err);
+  }
+
+  /**
+   * Stops `group` and restarts it from its checkpoints after a backoff. A
+   * group that failed together (its reads of the log: the database went
+   * away) restarts together, so it goes on sharing one subscription and one
+   * transaction per batch; a read model that could not apply a batch fails
+   * alone and then follows alone.
+   */
+  private failTogether(group: readonly RunnerState[], err: unknown): void {
+    if (group.length === 0) return;
+    for (const s of group) {
+      s.sub?.unsubscribe();
+      s.sub = undefined;
+      s.running = false;
+      s.caughtUp = false;
+      s.lastError = err instanceof Error ? err.message : String(err);
+    }
     if (this.stopped) return;
     // Backs off to 30 s: an event this code cannot apply fails the same way each time, and the log
     // (and /readyz, which reports the projection down with this error) should say so, not flood.
-    s.failures++;
-    const delay = Math.min(30_000, 1000 * 2 ** Math.min(s.failures - 1, 5));
+    let failures = 0;
+    for (const s of group) failures = Math.max(failures, ++s.failures);
+    const delay = Math.min(30_000, 1000 * 2 ** Math.min(failures - 1, 5));
     this.logger.error(
-      { projection: s.projection.name, failures: s.failures, err },
+      { projection: group.map((s) => s.projection.name).join(','), failures, err },
       `projection failed; restarting from its checkpoint in ${delay / 1000}s`,
     );
-    s.retryTimer = setTimeout(() => void this.run(s), delay);
-    s.retryTimer.unref();
+    const [only] = group;
+    const timer = setTimeout(() => void (group.length === 1 && only ? this.run(only) : this.catchUpTogether([...group])), delay);
+    timer.unref();
+    for (const s of group) s.retryTimer = timer;
   }
 
   /**

@@ -2,8 +2,10 @@ import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
 import { pino } from 'pino';
+import { Observable } from 'rxjs';
 import { runMigrations } from '../../src/adapters/postgres/migrations.js';
 import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
+import { EventStoreUnavailableError, type SubscriptionItem } from '../../src/domain/event-store.port.js';
 import type { Projection } from '../../src/projections/projection.js';
 import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../../src/projections/runner.js';
 import { until } from '../event-store/postgres-helpers.js';
@@ -228,6 +230,49 @@ describe('projection runners of one store: one live subscription between them', 
       await first.stop();
       await second.stop();
       await third?.stop();
+    }
+  });
+});
+
+/** A live group whose subscription fails (the database went away) restarts as a group: one transaction per batch again. */
+describe('projection runner: a live group that fails together restarts together', { timeout: 60_000 }, () => {
+  const recorder = (name: string): Projection => ({
+    name,
+    migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)` }],
+    tables: [{ name, key: ['event_id'] }],
+    async apply(sql, e) {
+      await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
+    },
+  });
+  const setup = databaseFor('runnerregroup', [recorder('regroup_x'), recorder('regroup_y')]);
+
+  it('fails both, resumes both from one subscription, and applies the next batch in one transaction', async () => {
+    const [db, store] = [setup.db(), setup.store()];
+    let calls = 0;
+    const subscribe = store.subscribeToAll.bind(store);
+    store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
+      calls++;
+      if (calls > 1) return subscribe(...args);
+      return new Observable<SubscriptionItem>((sub) => {
+        const t = setTimeout(() => sub.error(new EventStoreUnavailableError('injected: the database went away')), 50);
+        return () => clearTimeout(t);
+      });
+    };
+    const runner = new ProjectionRunner(store, db.pool, [recorder('regroup_x'), recorder('regroup_y')], pino({ level: 'silent' }));
+    try {
+      await runner.start();
+      await until('both to report the failure', () => runner.status().every((s) => s.lastError !== undefined), 5_000);
+      await until('both to resume', () => runner.status().every((s) => s.running && s.caughtUp), 10_000);
+      assert.equal(calls, 2, 'one subscription before the failure, one after');
+      const appended = await store.append(`test-${randomUUID()}`, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+      await runner.waitFor(appended.position, 10_000);
+      const tx = async (table: string) => (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table}`)).rows.map((r) => r.tx);
+      const x = await tx('regroup_x');
+      assert.equal(x.length, 1);
+      assert.deepEqual(await tx('regroup_y'), x, 'one transaction for both after the restart');
+      assert.ok(runner.status().every((s) => s.lastError === undefined));
+    } finally {
+      await runner.stop();
     }
   });
 });

@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { webhookOutboxMigrations, webhookOutboxProjection } from '../../src/projections/webhooks/webhook-outbox.projection.js';
+import { until } from '../event-store/postgres-helpers.js';
 import { readAllEvents } from '../control-plane/host-streams.js';
 import { startStubAgents, type StubAgents } from '../control-plane/stub-agent.js';
 import { startControlPlane, type ControlPlane } from '../support/control-plane.js';
@@ -47,6 +48,10 @@ describe('webhook outbox: a run at once equals one event at a time', { timeout: 
     assert.equal((await cp.request('DELETE', `/v1/webhooks/${gone}`, { as: 'globex' })).status, 200);
     await vm('globex');
     assert.equal((await cp.request('DELETE', `/v1/vms/${first}`, { as: 'acme' })).status, 200);
+    // The destroy answers before its VmDestroyed is written: wait for it, so the log compared below is complete.
+    await until('the destroy to finish', async () =>
+      (await readAllEvents(cp.service.store)).some((e) => e.streamId === `vm-${first}` && e.type === 'VmDestroyed'),
+    );
     const head = await cp.service.store.headPosition();
     await cp.service.webhooks.runner.waitFor(head!, 20_000);
 
