@@ -17,8 +17,9 @@ export interface FeedSink {
  * A sink joins the running subscription when it asks for events after a
  * position the feed has not delivered past yet (it then gets only the events
  * after its own position); one further behind gets a subscription of its own,
- * as before. The upstream ends when its last sink leaves, and an error ends it
- * for every sink (each runner restarts from its checkpoint).
+ * as before. The upstream ends when its last sink leaves, and an error (or an
+ * unexpected end) ends it for every sink (each runner restarts from its
+ * checkpoint).
  */
 export class LiveFeed {
   private upstream: Subscription | undefined;
@@ -54,6 +55,13 @@ export class LiveFeed {
   private start(after: Position | undefined): void {
     this.delivered = after;
     const ended = { failed: false };
+    const end = (err: unknown): void => {
+      ended.failed = true;
+      const sinks = [...this.sinks.keys()];
+      this.sinks.clear();
+      this.stop();
+      for (const s of sinks) s.error(err);
+    };
     const upstream = this.store.subscribeToAll({ after }).subscribe({
       next: (item) => {
         if (item.kind !== 'event') return;
@@ -61,13 +69,9 @@ export class LiveFeed {
         this.delivered = e.position;
         for (const [sink, from] of this.sinks) if (from === undefined || e.position > from) sink.next(e);
       },
-      error: (err: unknown) => {
-        ended.failed = true;
-        const sinks = [...this.sinks.keys()];
-        this.sinks.clear();
-        this.stop();
-        for (const s of sinks) s.error(err);
-      },
+      error: (err: unknown) => end(err),
+      // The store's subscriptions do not complete; if one did, its sinks would wait forever: they restart instead.
+      complete: () => end(new Error('the live subscription to the log ended')),
     });
     // An error delivered before subscribe() returned has already ended it.
     if (!ended.failed) this.upstream = upstream;
@@ -85,6 +89,7 @@ export class LiveFeed {
         if (item.kind === 'event') sink.next(item.event);
       },
       error: (err: unknown) => sink.error(err),
+      complete: () => sink.error(new Error('the live subscription to the log ended')),
     });
   }
 }

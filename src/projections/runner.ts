@@ -1,8 +1,9 @@
 import type { Pool, PoolClient } from 'pg';
 import { Subscription } from 'rxjs';
 import type { Logger } from 'pino';
-import type { EventStore, Position, RecordedEvent } from '../domain/event-store.port.js';
+import { EventStoreUnavailableError, type EventStore, type Position, type RecordedEvent } from '../domain/event-store.port.js';
 import { AppError } from '@fleet/agent-protocol';
+import { isConnectionError } from '../adapters/postgres/pg-rows.js';
 import { LiveFeed } from './live-feed.js';
 import type { Projection } from './projection.js';
 
@@ -31,6 +32,14 @@ export interface ProjectionStatus {
 // Catch-up pages: each is one transaction per read model, so its fixed cost (round trips, commit) is paid once per PAGE events.
 const PAGE = 4000;
 const LIVE_BATCH = 100;
+/**
+ * The events a live group keeps after applying them, so a read model that
+ * caught up on its own (after a failure) can join the group although the
+ * group delivered a few events past its position meanwhile.
+ */
+const RECENT = 1000;
+/** The shared live transaction waits this long for a checkpoint row (a rebuild's swap holds one), then falls back to one per read model. */
+const SHARED_LOCK_TIMEOUT = '2s';
 
 /**
  * Runs projections: each catches up by paging through `readAll` from its
@@ -43,6 +52,8 @@ const LIVE_BATCH = 100;
 export class ProjectionRunner {
   private readonly states = new Map<string, RunnerState>();
   private stopped = false;
+  /** The live group a read model that caught up joins (the one all start in). */
+  private live: LiveGroup | undefined;
 
   constructor(
     private readonly store: EventStore,
@@ -63,6 +74,7 @@ export class ProjectionRunner {
         waiters: new Set(),
         retryTimer: undefined,
         failures: 0,
+        gen: 0,
       });
     }
   }
@@ -79,6 +91,7 @@ export class ProjectionRunner {
   stop(): Promise<void> {
     this.stopped = true;
     for (const s of this.states.values()) {
+      s.gen++;
       s.sub?.unsubscribe();
       s.sub = undefined;
       if (s.retryTimer) clearTimeout(s.retryTimer);
@@ -86,6 +99,7 @@ export class ProjectionRunner {
       for (const w of s.waiters) w.reject(new Error('projection runner stopped'));
       s.waiters.clear();
     }
+    this.live = undefined;
     return Promise.resolve();
   }
 
@@ -138,22 +152,28 @@ export class ProjectionRunner {
 
   private async run(s: RunnerState): Promise<void> {
     if (this.stopped) return;
+    // A failure or stop() since this attempt began makes it stale: it then neither follows nor fails.
+    const gen = s.gen;
+    const current = (): boolean => !this.isStopped() && s.gen === gen;
     s.running = true;
     try {
-      s.position = await this.loadCheckpoint(s.projection.name);
+      const position = await this.loadCheckpoint(s.projection.name);
+      if (!current()) return;
+      s.position = position;
       // Catch up by pages: each page is one transaction.
       for (;;) {
-        if (this.isStopped()) return;
         const page = await this.store.readAll({ after: s.position, maxCount: PAGE });
+        if (!current()) return;
         const [first] = page;
         if (!first) break;
         s.oldestPendingAt = first.created.getTime();
         await this.applyBatch(s, page);
         if (page.length < PAGE) break;
       }
+      if (!current()) return;
       this.caughtUpNowFollow(s);
     } catch (err) {
-      this.fail(s, err);
+      if (current()) this.fail(s, err);
     }
   }
 
@@ -166,6 +186,9 @@ export class ProjectionRunner {
    */
   private async catchUpTogether(group: RunnerState[]): Promise<void> {
     if (this.stopped || group.length === 0) return;
+    // Members failed or stopped since this attempt began are no longer its own (see `run`).
+    const gens = new Map(group.map((s) => [s, s.gen]));
+    const ours = (s: RunnerState): boolean => gens.get(s) === s.gen;
     let behind: RunnerState[] = [];
     for (const s of group) s.running = true;
     try {
@@ -173,11 +196,12 @@ export class ProjectionRunner {
         'SELECT name, position FROM projection_checkpoints WHERE name = ANY($1::text[])',
         [group.map((s) => s.projection.name)],
       );
+      if (this.isStopped()) return;
       const stored = new Map(rows.map((r) => [r.name, r.position ?? undefined]));
-      for (const s of group) s.position = stored.get(s.projection.name);
-      behind = [...group];
+      behind = group.filter(ours);
+      for (const s of behind) s.position = stored.get(s.projection.name);
     } catch (err) {
-      this.failTogether(group, err);
+      this.failTogether(group.filter(ours), err);
       return;
     }
     const positions = behind.map((s) => s.position);
@@ -191,35 +215,40 @@ export class ProjectionRunner {
       try {
         page = await next;
       } catch (err) {
-        this.failTogether(behind, err);
+        this.failTogether(behind.filter(ours), err);
         return;
       }
       if (this.isStopped()) return;
+      behind = behind.filter(ours);
       const last = page.at(-1);
       // Prefetch: Postgres and the wire produce the next page while this one is applied.
       next = page.length === PAGE && last ? read(last.position) : undefined;
       next?.catch(() => undefined);
       if (!last) break;
-      const failed = new Set<RunnerState>();
+      const failed = new Map<RunnerState, unknown>();
+      let tried = 0;
       await Promise.all(
         behind.map(async (s) => {
           const at = s.position;
           const fresh = at === undefined ? page : page.filter((e) => e.position > at);
           const [first] = fresh;
           if (!first) return;
+          tried++;
           s.oldestPendingAt = first.created.getTime();
           try {
             await this.applyBatch(s, fresh);
           } catch (err) {
-            failed.add(s);
-            this.fail(s, err);
+            if (ours(s)) failed.set(s, err);
           }
         }),
       );
-      if (failed.size > 0) behind = behind.filter((s) => !failed.has(s));
+      if (failed.size > 0) {
+        behind = behind.filter((s) => !failed.has(s));
+        this.failMembers(failed, failed.size === tried);
+      }
     }
     if (this.isStopped()) return;
-    this.caughtUpNowFollowTogether(behind);
+    this.caughtUpNowFollowTogether(behind.filter(ours));
   }
 
   private caughtUpNowFollow(s: RunnerState): void {
@@ -230,6 +259,8 @@ export class ProjectionRunner {
     for (const s of group) {
       s.caughtUp = true;
       s.oldestPendingAt = undefined;
+      // The checkpoint may already cover a waiter (a batch committed as its read model was failed).
+      this.settleWaiters(s);
       this.logger.info({ projection: s.projection.name, position: s.position, eventsApplied: s.eventsApplied }, 'projection caught up');
     }
     this.follow(group);
@@ -239,17 +270,34 @@ export class ProjectionRunner {
    * Live: one subscription for the read models caught up together, its events
    * applied in order, a batch per microtask burst, every member's share of a
    * batch in ONE transaction (`applyTogether`). A member that fails leaves the
-   * group (its `sub`), retries alone from its checkpoint, and then follows alone.
-   * One reader and one transaction per batch, where there was one of each per
-   * read model: with ten read models every append cost ~20 reads and ~30
+   * group (its `sub`) and retries from its checkpoint; once caught up it joins
+   * the runner's live group again (`admit`), so after a failure the read
+   * models still share one reader and one transaction per batch. One reader
+   * and one transaction per batch, where there was one of each per read
+   * model: with ten read models every append cost ~20 reads and ~30
    * statements of bookkeeping, on the same cores and server as the command
    * that appended (docs/benchmarks.md, "Control plane").
    */
   private follow(group: readonly RunnerState[]): void {
     if (group.length === 0) return;
-    const members = new Set(group);
+    const live = this.live?.alive() ? this.live : undefined;
+    const rest = live ? group.filter((s) => !live.admit(s)) : group;
+    if (rest.length === 0) return;
+    const opened = this.openGroup(rest);
+    if (!live) this.live = opened;
+  }
+
+  private openGroup(group: readonly RunnerState[]): LiveGroup {
+    const members = new Set<RunnerState>();
     const queue: RecordedEvent[] = [];
-    let draining: Promise<void> | undefined;
+    // Every event the group was handed after `covered` is in `recent` (oldest first).
+    const recent: RecordedEvent[] = [];
+    const positions = group.map((s) => s.position);
+    let covered = positions.includes(undefined)
+      ? undefined
+      : positions.reduce((min, p) => (p !== undefined && min !== undefined && p < min ? p : min));
+    let shared: Subscription | undefined;
+    let draining = false;
     const drain = async (): Promise<void> => {
       // The subscription hands over a page's events one by one in one synchronous run: take them all as one batch.
       await Promise.resolve();
@@ -257,38 +305,63 @@ export class ProjectionRunner {
         // Live batches stay small: on the Postgres store every open write transaction holds back what
         // readers may see (xmin), so a long read-model transaction would delay every subscriber.
         const batch = queue.splice(0, LIVE_BATCH);
-        await this.applyTogether([...members], batch);
+        await this.applyTogether(members, batch);
       }
-      for (const s of members) s.oldestPendingAt = undefined;
+      if (queue.length === 0) for (const s of members) s.oldestPendingAt = undefined;
     };
-    const positions = group.map((s) => s.position);
-    const from = positions.includes(undefined)
-      ? undefined
-      : positions.reduce((min, p) => (p !== undefined && min !== undefined && p < min ? p : min));
-    const shared = LiveFeed.of(this.store).subscribe(from, {
+    const kick = (): void => {
+      if (draining || queue.length === 0 || members.size === 0 || this.stopped) return;
+      draining = true;
+      drain()
+        .catch((err: unknown) => this.failTogether([...members], err))
+        // An event queued after the loop saw an empty queue, and before this, is drained now.
+        .finally(() => {
+          draining = false;
+          kick();
+        })
+        .catch(() => undefined);
+    };
+    const join = (s: RunnerState): void => {
+      s.sub?.unsubscribe();
+      members.add(s);
+      s.sub = new Subscription(() => {
+        members.delete(s);
+        if (members.size === 0) shared?.unsubscribe();
+      });
+    };
+    for (const s of group) join(s);
+    const subscription = LiveFeed.of(this.store).subscribe(covered, {
       next: (event) => {
         queue.push(event);
+        recent.push(event);
+        if (recent.length > 2 * RECENT) covered = recent.splice(0, recent.length - RECENT).at(-1)?.position;
         for (const s of members) s.oldestPendingAt ??= event.created.getTime();
-        if (!draining) {
-          draining = drain()
-            .catch((err: unknown) => {
-              this.failTogether([...members], err);
-            })
-            .finally(() => {
-              draining = undefined;
-            });
-        }
+        kick();
       },
       error: (err: unknown) => {
         this.failTogether([...members], err);
       },
     });
-    for (const s of group) {
-      s.sub = new Subscription(() => {
-        members.delete(s);
-        if (members.size === 0) shared.unsubscribe();
-      });
-    }
+    // An error delivered while subscribing has already failed every member.
+    if (members.size === 0) subscription.unsubscribe();
+    else shared = subscription;
+    return {
+      alive: () => members.size > 0,
+      admit: (s) => {
+        const at = s.position;
+        if (covered !== undefined && (at === undefined || at < covered)) return false;
+        // What the group was handed after `at` and has taken off its queue already (applied, or in the
+        // batch being applied) goes in front of the queue again; the others skip it by their checkpoints.
+        const head = queue[0]?.position;
+        const missed = recent.filter((e) => (at === undefined || e.position > at) && (head === undefined || e.position < head));
+        queue.unshift(...missed);
+        join(s);
+        const oldest = queue[0];
+        if (oldest) s.oldestPendingAt = oldest.created.getTime();
+        kick();
+        return true;
+      },
+    };
   }
 
   private fail(s: RunnerState, err: unknown): void {
@@ -305,6 +378,8 @@ export class ProjectionRunner {
   private failTogether(group: readonly RunnerState[], err: unknown): void {
     if (group.length === 0) return;
     for (const s of group) {
+      // Whatever this read model was doing (a catch-up, a live batch, an earlier retry's timer) is stale now.
+      s.gen++;
       s.sub?.unsubscribe();
       s.sub = undefined;
       s.running = false;
@@ -321,10 +396,32 @@ export class ProjectionRunner {
       { projection: group.map((s) => s.projection.name).join(','), failures, err },
       `projection failed; restarting from its checkpoint in ${delay / 1000}s`,
     );
-    const [only] = group;
-    const timer = setTimeout(() => void (group.length === 1 && only ? this.run(only) : this.catchUpTogether([...group])), delay);
+    const gens = new Map(group.map((s) => [s, s.gen]));
+    const timer = setTimeout(() => {
+      // Only the members not failed (or stopped) again since: they have a timer of their own.
+      const again = group.filter((s) => gens.get(s) === s.gen);
+      const [only] = again;
+      if (again.length === 1 && only) void this.run(only);
+      else void this.catchUpTogether(again);
+    }, delay);
     timer.unref();
+    // An earlier timer is not cleared (it may restart other read models too): it skips this one by its generation.
     for (const s of group) s.retryTimer = timer;
+  }
+
+  /**
+   * Read models whose batches failed: each alone, unless all failed or the
+   * database went away — then as one group, so they restart (and follow)
+   * together instead of one transaction per read model for good.
+   */
+  private failMembers(failed: ReadonlyMap<RunnerState, unknown>, all: boolean): void {
+    const errors = [...failed.values()];
+    const down = errors.find(unreachable);
+    if (all || down !== undefined) {
+      this.failTogether([...failed.keys()], down ?? errors[0]);
+      return;
+    }
+    for (const [s, err] of failed) this.fail(s, err);
   }
 
   /**
@@ -333,35 +430,48 @@ export class ProjectionRunner {
    * each other rather than deadlock), each member applies the events after its
    * own stored checkpoint, and the new checkpoints commit with them. If any of
    * it fails, nothing is kept and each member retries the batch in its own
-   * transaction (`applyBatch`), so only the one that cannot apply it fails.
+   * transaction (`applyBatch`), all at once, so only the one that cannot apply
+   * it fails and one waiting for its row (a rebuild's swap holds it) does not
+   * hold back the others' commits. `members` is the live set: one that left
+   * the group meanwhile (failed) is neither failed again nor advanced.
    */
-  private async applyTogether(members: readonly RunnerState[], events: readonly RecordedEvent[]): Promise<void> {
-    const [only] = members;
-    if (members.length === 1 && only) {
+  private async applyTogether(members: ReadonlySet<RunnerState>, events: readonly RecordedEvent[]): Promise<void> {
+    const group = [...members];
+    const [only] = group;
+    if (group.length === 1 && only) {
       try {
         await this.applyBatch(only, events);
       } catch (err) {
-        this.fail(only, err);
+        if (members.has(only)) this.fail(only, err);
       }
       return;
     }
     let applied: Map<RunnerState, { stored: Position | undefined; fresh: readonly RecordedEvent[] }> | undefined;
+    let sharedErr: unknown;
     try {
-      applied = await this.applyInOneTransaction(members, events);
+      applied = await this.applyInOneTransaction(group, events);
     } catch (err) {
+      sharedErr = err;
       this.logger.debug({ err: { message: (err as Error).message } }, 'a shared read-model batch failed; applying it per read model');
     }
-    if (!applied) {
-      for (const s of members) {
+    if (applied) {
+      for (const [s, { stored, fresh }] of applied) if (members.has(s)) this.advanced(s, fresh.at(-1)?.position ?? stored, fresh.length);
+      return;
+    }
+    const failed = new Map<RunnerState, unknown>();
+    let tried = 0;
+    await Promise.all(
+      group.map(async (s) => {
+        if (!members.has(s)) return;
+        tried++;
         try {
           await this.applyBatch(s, events);
         } catch (err) {
-          this.fail(s, err);
+          if (members.has(s)) failed.set(s, err);
         }
-      }
-      return;
-    }
-    for (const [s, { stored, fresh }] of applied) this.advanced(s, fresh.at(-1)?.position ?? stored, fresh.length);
+      }),
+    );
+    if (failed.size > 0) this.failMembers(failed, failed.size === tried || unreachable(sharedErr));
   }
 
   private async applyInOneTransaction(
@@ -372,7 +482,7 @@ export class ProjectionRunner {
     try {
       const byName = [...members].sort((a, b) => (a.projection.name < b.projection.name ? -1 : 1));
       const opened = (await client.query(
-        `BEGIN; SET LOCAL synchronous_commit = off;
+        `BEGIN; SET LOCAL synchronous_commit = off; SET LOCAL lock_timeout = '${SHARED_LOCK_TIMEOUT}';
          INSERT INTO projection_checkpoints (name) VALUES ${byName.map((s) => `(${client.escapeLiteral(s.projection.name)})`).join(', ')}
          ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
          RETURNING name, position`,
@@ -434,6 +544,10 @@ export class ProjectionRunner {
     s.eventsApplied += applied;
     s.lastError = undefined;
     s.failures = 0;
+    this.settleWaiters(s);
+  }
+
+  private settleWaiters(s: RunnerState): void {
     for (const w of s.waiters) {
       if (s.position !== undefined && s.position >= w.position) {
         s.waiters.delete(w);
@@ -503,6 +617,18 @@ interface Waiter {
   reject(err: Error): void;
 }
 
+/** Errors that mean the database (or the store) is not there, rather than a read model that cannot apply an event. */
+function unreachable(err: unknown): boolean {
+  return err instanceof EventStoreUnavailableError || isConnectionError(err);
+}
+
+interface LiveGroup {
+  /** False once its last member left: its subscription has ended. */
+  alive(): boolean;
+  /** Adds a read model that caught up on its own, if the group still holds every event after its position; false otherwise. */
+  admit(s: RunnerState): boolean;
+}
+
 interface RunnerState {
   readonly projection: Projection;
   running: boolean;
@@ -516,4 +642,6 @@ interface RunnerState {
   retryTimer: NodeJS.Timeout | undefined;
   /** Consecutive failures, for the restart backoff. */
   failures: number;
+  /** Bumped by each failure and by stop(): a catch-up, live group or retry timer of an older generation leaves this read model alone. */
+  gen: number;
 }

@@ -2,10 +2,11 @@ import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
 import { pino } from 'pino';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { Observable } from 'rxjs';
 import { runMigrations } from '../../src/adapters/postgres/migrations.js';
 import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
-import { EventStoreUnavailableError, type SubscriptionItem } from '../../src/domain/event-store.port.js';
+import { EventStoreUnavailableError, type RecordedEvent, type SubscriptionItem } from '../../src/domain/event-store.port.js';
 import type { Projection } from '../../src/projections/projection.js';
 import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../../src/projections/runner.js';
 import { until } from '../event-store/postgres-helpers.js';
@@ -165,9 +166,20 @@ describe('projection runner: one subscription and one transaction for the live r
       poisoned = false;
       await runner.waitFor(poison.position, 20_000);
       assert.equal(await count('live_bad'), 4, 'every event applied exactly once after the retry');
-      const third = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], poison.nextExpectedRevision);
+      const thirdId = randomUUID();
+      const third = await store.append(stream, [{ id: thirdId, type: 'Counted', data: {} }], poison.nextExpectedRevision);
       await runner.waitFor(third.position, 10_000);
       assert.deepEqual([await count('live_a'), await count('live_b'), await count('live_bad')], [5, 5, 5]);
+      // The failed one caught up alone, then joined the group again: one transaction for the three.
+      const txOfThird = async (table: string) =>
+        (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table} WHERE event_id = $1`, [thirdId])).rows[0]?.tx;
+      const thirdTx = await txOfThird('live_a');
+      assert.deepEqual(
+        [await txOfThird('live_b'), await txOfThird('live_bad')],
+        [thirdTx, thirdTx],
+        'the recovered read model rejoined the group',
+      );
+      assert.equal(subscriptions(), 1, 'still the one live subscription');
       assert.equal(status('live_a').eventsApplied, 5);
       assert.equal(status('live_bad').eventsApplied, 5);
     } finally {
@@ -272,6 +284,192 @@ describe('projection runner: a live group that fails together restarts together'
       assert.deepEqual(await tx('regroup_y'), x, 'one transaction for both after the restart');
       assert.ok(runner.status().every((s) => s.lastError === undefined));
     } finally {
+      await runner.stop();
+    }
+  });
+});
+
+/** A recorder read model: each event's id and the transaction that applied it. */
+const txRecorder = (name: string, before?: (e: RecordedEvent) => Promise<void>): Projection => ({
+  name,
+  migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)` }],
+  tables: [{ name, key: ['event_id'] }],
+  async apply(sql, e) {
+    await before?.(e);
+    await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
+  },
+});
+
+const txOf = async (db: TestDatabase, table: string, eventId: string): Promise<string | undefined> =>
+  (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table} WHERE event_id = $1`, [eventId])).rows[0]?.tx;
+
+/**
+ * The shared subscription fails while a batch is in flight and that batch
+ * then fails too: each read model is restarted once (not once per failure),
+ * and stop() afterwards leaves no subscription open.
+ */
+describe('projection runner: a failure while a live batch is in flight restarts each read model once', { timeout: 60_000 }, () => {
+  const gate = { armed: true, entered: false, poisoned: true, release: (): void => undefined };
+  const gated = txRecorder('inflight_a', async (e) => {
+    if (e.type !== 'Gate') return;
+    if (gate.armed) {
+      gate.armed = false;
+      gate.entered = true;
+      await new Promise<void>((resolve) => (gate.release = resolve));
+    }
+    if (gate.poisoned) throw new Error('cannot apply a Gate event yet');
+  });
+  const other = txRecorder('inflight_b');
+  const setup = databaseFor('runnerinflight', [gated, other]);
+
+  it('restarts once and ends every subscription at stop()', async () => {
+    const [db, store] = [setup.db(), setup.store()];
+    let active = 0;
+    let calls = 0;
+    let breakFirst: ((err: unknown) => void) | undefined;
+    const subscribe = store.subscribeToAll.bind(store);
+    store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
+      const n = ++calls;
+      const inner = subscribe(...args);
+      return new Observable<SubscriptionItem>((sub) => {
+        active++;
+        if (n === 1) breakFirst = (err) => sub.error(err);
+        const s = inner.subscribe(sub);
+        return () => {
+          active--;
+          s.unsubscribe();
+        };
+      });
+    };
+    let reads = 0;
+    const readAll = store.readAll.bind(store);
+    store.readAll = (...a: Parameters<typeof store.readAll>) => {
+      reads++;
+      return readAll(...a);
+    };
+    const runner = new ProjectionRunner(store, db.pool, [gated, other], pino({ level: 'silent' }));
+    try {
+      await runner.start();
+      const appended = await store.append(`test-${randomUUID()}`, [{ id: randomUUID(), type: 'Gate', data: {} }], 'no_stream');
+      await until('the batch to be in flight', () => gate.entered, 10_000);
+      const readsBefore = reads;
+      // The subscription fails, then the batch in flight fails too (and, applied per read model, again).
+      breakFirst!(new EventStoreUnavailableError('injected: the database went away'));
+      gate.release();
+      await sleep(300);
+      gate.poisoned = false; // before the group's retry (1 s)
+      await runner.waitFor(appended.position, 10_000);
+      await until('both to follow again', () => runner.status().every((s) => s.running && s.caughtUp), 10_000);
+      // A second restart of the same read model (the old code scheduled one per failure) came 2 s after the failure.
+      await sleep(2500);
+      assert.equal(reads - readsBefore, 1, 'one restart: one catch-up read for the two read models');
+      assert.equal(calls, 2, 'one subscription before the failure, one after');
+      assert.equal(await rowCount(db, 'inflight_a'), 1);
+      assert.equal(await rowCount(db, 'inflight_b'), 1);
+    } finally {
+      await runner.stop();
+    }
+    assert.equal(active, 0, 'no subscription left open after stop()');
+  });
+});
+
+/**
+ * The database goes away while a live batch is applied (every read model's
+ * apply fails with a connection error): the group restarts as a group, so
+ * afterwards a batch is still one transaction for every read model.
+ */
+describe('projection runner: a live group whose batch fails on a lost connection stays one group', { timeout: 60_000 }, () => {
+  const down = { on: false };
+  const outage = (): Promise<void> =>
+    down.on
+      ? Promise.reject(Object.assign(new Error('injected: terminating connection due to administrator command'), { code: '57P01' }))
+      : Promise.resolve();
+  const x = txRecorder('outage_x', outage);
+  const y = txRecorder('outage_y', outage);
+  const setup = databaseFor('runneroutage', [x, y]);
+
+  it('applies the next batch in one transaction after the outage', async () => {
+    const [db, store] = [setup.db(), setup.store()];
+    const runner = new ProjectionRunner(store, db.pool, [x, y], pino({ level: 'silent' }));
+    const stream = `test-${randomUUID()}`;
+    try {
+      await runner.start();
+      down.on = true;
+      let rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+      await until('both to report the failure', () => runner.status().every((s) => s.lastError !== undefined), 10_000);
+      down.on = false;
+      await runner.waitFor(rev.position, 20_000);
+      await until('both to follow again', () => runner.status().every((s) => s.running && s.caughtUp), 10_000);
+      const id = randomUUID();
+      rev = await store.append(stream, [{ id, type: 'Counted', data: {} }], rev.nextExpectedRevision);
+      await runner.waitFor(rev.position, 10_000);
+      const tx = await txOf(db, 'outage_x', id);
+      assert.ok(tx);
+      assert.equal(await txOf(db, 'outage_y', id), tx, 'one transaction for both after the outage');
+    } finally {
+      await runner.stop();
+    }
+  });
+});
+
+/**
+ * A read model whose checkpoint row is held (a rebuild's swap locks it FOR
+ * UPDATE) does not hold back the others: the shared transaction gives up on
+ * the lock after a bound and the batch is applied per read model. (The lock
+ * is taken after the batch was delivered: an open transaction that locks a
+ * row holds back the store's delivery of later events anyway.)
+ */
+describe('projection runner: a locked checkpoint row does not stall the live group', { timeout: 60_000 }, () => {
+  const a = txRecorder('locked_a');
+  const b = txRecorder('locked_b');
+  const held = txRecorder('locked_held');
+  const setup = databaseFor('runnerlocked', [a, b, held]);
+
+  it('applies the others’ share while one row is locked, and that one’s after', async () => {
+    const [db, store] = [setup.db(), setup.store()];
+    // The runner's pool, with a gate before the next connection it takes (its batch's transaction).
+    const gate = { armed: false, entered: false, release: (): void => undefined };
+    const pool = new Proxy(db.pool, {
+      get(target, prop) {
+        if (prop === 'connect' && gate.armed) {
+          return async () => {
+            gate.armed = false;
+            gate.entered = true;
+            await new Promise<void>((resolve) => (gate.release = resolve));
+            return target.connect();
+          };
+        }
+        const v: unknown = Reflect.get(target, prop, target);
+        return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+      },
+    });
+    const runner = new ProjectionRunner(store, pool, [a, b, held], pino({ level: 'silent' }));
+    const stream = `test-${randomUUID()}`;
+    const holder = await db.pool.connect();
+    try {
+      await runner.start();
+      let rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+      await runner.waitFor(rev.position, 10_000);
+      gate.armed = true;
+      rev = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], rev.nextExpectedRevision);
+      await until('the batch to be delivered', () => gate.entered, 10_000);
+      await holder.query('BEGIN');
+      await holder.query(`SELECT position FROM projection_checkpoints WHERE name = 'locked_held' FOR UPDATE`);
+      gate.release();
+      await until(
+        'the others to apply the batch while the row is locked',
+        async () => (await rowCount(db, 'locked_a')) === 2 && (await rowCount(db, 'locked_b')) === 2,
+        15_000,
+      );
+      assert.equal(await rowCount(db, 'locked_held'), 1, 'the locked one waits');
+      await holder.query('COMMIT');
+      await runner.waitFor(rev.position, 10_000);
+      assert.equal(await rowCount(db, 'locked_held'), 2);
+      assert.ok(runner.status().every((s) => s.running && s.lastError === undefined));
+    } finally {
+      gate.release();
+      await holder.query('ROLLBACK').catch(() => undefined);
+      holder.release();
       await runner.stop();
     }
   });
