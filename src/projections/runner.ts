@@ -1,9 +1,14 @@
 import type { Pool, PoolClient } from 'pg';
 import { Subscription } from 'rxjs';
 import type { Logger } from 'pino';
-import { EventStoreUnavailableError, type EventStore, type Position, type RecordedEvent } from '../domain/event-store.port.js';
+import {
+  EventStoreUnavailableError,
+  isConnectionError,
+  type EventStore,
+  type Position,
+  type RecordedEvent,
+} from '../domain/event-store.port.js';
 import { AppError } from '@fleet/agent-protocol';
-import { isConnectionError } from '../adapters/postgres/pg-rows.js';
 import { LiveFeed } from './live-feed.js';
 import type { Projection } from './projection.js';
 
