@@ -29,16 +29,33 @@ function databaseFor(prefix: string, projections: readonly Projection[]): { db: 
   return { db: () => db!, store: () => store! };
 }
 
-/** Counts the store's `subscribeToAll` calls from now on. */
-function countSubscriptions(store: PostgresEventStore): () => number {
+/** Counts the calls of one of the store's methods from now on. */
+function countCalls(store: PostgresEventStore, method: 'readAll' | 'subscribeToAll'): () => number {
   let n = 0;
-  const subscribe = store.subscribeToAll.bind(store);
-  store.subscribeToAll = (...args: Parameters<typeof store.subscribeToAll>) => {
+  const target = store as unknown as Record<typeof method, (...a: unknown[]) => unknown>;
+  const original = target[method].bind(store);
+  target[method] = (...a: unknown[]) => {
     n++;
-    return subscribe(...args);
+    return original(...a);
   };
   return () => n;
 }
+const countSubscriptions = (store: PostgresEventStore): (() => number) => countCalls(store, 'subscribeToAll');
+const countReads = (store: PostgresEventStore): (() => number) => countCalls(store, 'readAll');
+
+/** A recorder read model: each event's id and the transaction that applied it. */
+const txRecorder = (name: string, before?: (e: RecordedEvent) => Promise<void>): Projection => ({
+  name,
+  migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)` }],
+  tables: [{ name, key: ['event_id'] }],
+  async apply(sql, e) {
+    await before?.(e);
+    await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
+  },
+});
+
+const txOf = async (db: TestDatabase, table: string, eventId: string): Promise<string | undefined> =>
+  (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table} WHERE event_id = $1`, [eventId])).rows[0]?.tx;
 
 const rowCount = async (db: TestDatabase, table: string): Promise<number> =>
   Number((await db.pool.query<{ n: string }>(`SELECT count(*) AS n FROM ${table}`)).rows[0]!.n);
@@ -82,16 +99,11 @@ describe('projection runner: one reader for every read model', { timeout: 60_000
       ['Counted', 'Counted', 'Poison', 'Counted'].map((type) => ({ id: randomUUID(), type, data: {} })),
       'no_stream',
     );
-    let reads = 0;
-    const readAll = store.readAll.bind(store);
-    store.readAll = (...a: Parameters<typeof store.readAll>) => {
-      reads++;
-      return readAll(...a);
-    };
+    const reads = countReads(store);
     const runner = new ProjectionRunner(store, db.pool, [good, bad], pino({ level: 'silent' }));
     try {
       await runner.start();
-      assert.equal(reads, 1, 'one page, read once for both read models');
+      assert.equal(reads(), 1, 'one page, read once for both read models');
       const status = (name: string) => runner.status().find((s) => s.name === name)!;
       assert.equal(status('shared_good').caughtUp, true);
       assert.equal(status('shared_good').eventsApplied, 4);
@@ -117,20 +129,10 @@ describe('projection runner: one reader for every read model', { timeout: 60_000
  */
 describe('projection runner: one subscription and one transaction for the live read models', { timeout: 60_000 }, () => {
   let poisoned = true;
-  const recorder = (name: string, poison: boolean): Projection => ({
-    name,
-    migrations: [
-      {
-        id: `${name}_0001`,
-        sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)`,
-      },
-    ],
-    tables: [{ name, key: ['event_id'] }],
-    async apply(sql, e) {
-      if (poison && poisoned && e.type === 'Poison') throw new Error('cannot apply a Poison event');
-      await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
-    },
-  });
+  const recorder = (name: string, poison: boolean): Projection =>
+    txRecorder(name, (e) =>
+      poison && poisoned && e.type === 'Poison' ? Promise.reject(new Error('cannot apply a Poison event')) : Promise.resolve(),
+    );
   const a = recorder('live_a', false);
   const b = recorder('live_b', false);
   const bad = recorder('live_bad', true);
@@ -248,14 +250,7 @@ describe('projection runners of one store: one live subscription between them', 
 
 /** A live group whose subscription fails (the database went away) restarts as a group: one transaction per batch again. */
 describe('projection runner: a live group that fails together restarts together', { timeout: 60_000 }, () => {
-  const recorder = (name: string): Projection => ({
-    name,
-    migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)` }],
-    tables: [{ name, key: ['event_id'] }],
-    async apply(sql, e) {
-      await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
-    },
-  });
+  const recorder = (name: string): Projection => txRecorder(name);
   const setup = databaseFor('runnerregroup', [recorder('regroup_x'), recorder('regroup_y')]);
 
   it('fails both, resumes both from one subscription, and applies the next batch in one transaction', async () => {
@@ -288,20 +283,6 @@ describe('projection runner: a live group that fails together restarts together'
     }
   });
 });
-
-/** A recorder read model: each event's id and the transaction that applied it. */
-const txRecorder = (name: string, before?: (e: RecordedEvent) => Promise<void>): Projection => ({
-  name,
-  migrations: [{ id: `${name}_0001`, sql: `CREATE TABLE IF NOT EXISTS ${name} (event_id text PRIMARY KEY, tx xid8 NOT NULL)` }],
-  tables: [{ name, key: ['event_id'] }],
-  async apply(sql, e) {
-    await before?.(e);
-    await sql.query(`INSERT INTO ${name} (event_id, tx) VALUES ($1, pg_current_xact_id())`, [e.id]);
-  },
-});
-
-const txOf = async (db: TestDatabase, table: string, eventId: string): Promise<string | undefined> =>
-  (await db.pool.query<{ tx: string }>(`SELECT tx::text FROM ${table} WHERE event_id = $1`, [eventId])).rows[0]?.tx;
 
 /**
  * The shared subscription fails while a batch is in flight and that batch
@@ -341,18 +322,13 @@ describe('projection runner: a failure while a live batch is in flight restarts 
         };
       });
     };
-    let reads = 0;
-    const readAll = store.readAll.bind(store);
-    store.readAll = (...a: Parameters<typeof store.readAll>) => {
-      reads++;
-      return readAll(...a);
-    };
+    const reads = countReads(store);
     const runner = new ProjectionRunner(store, db.pool, [gated, other], pino({ level: 'silent' }));
     try {
       await runner.start();
       const appended = await store.append(`test-${randomUUID()}`, [{ id: randomUUID(), type: 'Gate', data: {} }], 'no_stream');
       await until('the batch to be in flight', () => gate.entered, 10_000);
-      const readsBefore = reads;
+      const readsBefore = reads();
       // The subscription fails, then the batch in flight fails too (and, applied per read model, again).
       breakFirst!(new EventStoreUnavailableError('injected: the database went away'));
       gate.release();
@@ -362,7 +338,7 @@ describe('projection runner: a failure while a live batch is in flight restarts 
       await until('both to follow again', () => runner.status().every((s) => s.running && s.caughtUp), 10_000);
       // A second restart of the same read model (the old code scheduled one per failure) came 2 s after the failure.
       await sleep(2500);
-      assert.equal(reads - readsBefore, 1, 'one restart: one catch-up read for the two read models');
+      assert.equal(reads() - readsBefore, 1, 'one restart: one catch-up read for the two read models');
       assert.equal(calls, 2, 'one subscription before the failure, one after');
       assert.equal(await rowCount(db, 'inflight_a'), 1);
       assert.equal(await rowCount(db, 'inflight_b'), 1);
