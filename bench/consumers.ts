@@ -18,7 +18,7 @@
  */
 import { randomUUID } from 'node:crypto';
 import { Session } from 'node:inspector/promises';
-import { promises as fs } from 'node:fs';
+import { promises as fs, readFileSync, readdirSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import pg from 'pg';
@@ -337,6 +337,8 @@ export default async function consumersBench(args: string[]): Promise<void> {
     await pool.query('VACUUM ANALYZE es_events');
 
     // ---- the ceiling: read the whole log once, in the runner's pages, applying nothing
+    const postmaster = await postmasterPid(pool);
+    const ceilingCpu0 = { server: serverCpuMs(postmaster), node: process.cpuUsage() };
     const c0 = performance.now();
     let read = 0;
     for (let after: string | undefined; ;) {
@@ -346,6 +348,8 @@ export default async function consumersBench(args: string[]): Promise<void> {
       if (page.length < 4000) break;
     }
     const ceilingS = (performance.now() - c0) / 1000;
+    const ceilingNode = process.cpuUsage(ceilingCpu0.node);
+    const ceilingCpu = (serverCpuMs(postmaster) - ceilingCpu0.server) / 1000 + (ceilingNode.user + ceilingNode.system) / 1e6;
     progress(`ceiling: readAll of ${fmt(read)} events in ${ceilingS.toFixed(1)} s, ${fmt(read / ceilingS)} events/s`);
 
     // ---- replay every read model from zero
@@ -363,13 +367,17 @@ export default async function consumersBench(args: string[]): Promise<void> {
         ),
       5_000,
     );
-    if (pgStats) await pool.query('CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()');
+    if (pgStats)
+      await pool.query(
+        "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset(); SELECT pg_stat_reset_shared('wal'); SELECT pg_stat_reset_shared('checkpointer')",
+      );
     const inspector = profile ? new Session() : undefined;
     if (inspector) {
       inspector.connect();
       await inspector.post('Profiler.enable');
       await inspector.post('Profiler.start');
     }
+    const cpu0 = { server: serverCpuMs(postmaster), node: process.cpuUsage() };
     const r0 = performance.now();
     try {
       await runner.start();
@@ -383,6 +391,8 @@ export default async function consumersBench(args: string[]): Promise<void> {
       progress(`replay CPU profile written to ${profile}`);
     }
     const replayS = (performance.now() - r0) / 1000;
+    const nodeCpu = process.cpuUsage(cpu0.node);
+    const cpu = { server: (serverCpuMs(postmaster) - cpu0.server) / 1000, node: (nodeCpu.user + nodeCpu.system) / 1e6 };
     const failed = runner.status().filter((s) => !s.caughtUp || s.eventsApplied !== appended);
     if (failed.length > 0)
       throw new Error(
@@ -401,13 +411,28 @@ export default async function consumersBench(args: string[]): Promise<void> {
            FROM pg_stat_statements ORDER BY total_exec_time DESC LIMIT 15`,
       );
       for (const r of rows) progress(`pg: ${fmt(r.ms).padStart(7)} ms ${r.calls.padStart(7)} calls  ${r.q}`);
+      const wal = await pool.query<{ mb: number; fpi: string; full: string; checkpoints: string }>(
+        `SELECT round(w.wal_bytes / 1048576)::float8 AS mb, w.wal_fpi::text AS fpi, w.wal_buffers_full::text AS full,
+                (c.num_timed + c.num_requested)::text AS checkpoints
+           FROM pg_stat_wal w, pg_stat_checkpointer c`,
+      );
+      const w = wal.rows[0];
+      if (w)
+        progress(`pg: WAL ${fmt(w.mb)} MiB (${w.fpi} full-page images, WAL buffers full ${w.full} times), ${w.checkpoints} checkpoints`);
     }
     const usageRows = Number((await pool.query<{ n: string }>('SELECT count(*) AS n FROM billing_usage')).rows[0]?.n);
     const replayRows: Array<[string, string]> = [
       ['events in the log', fmt(appended)],
       ['read models replayed (in parallel)', names.join(', ')],
       ['replay from zero, all read models', `${replayS.toFixed(1)} s, ${fmt(appended / replayS)} events/s`],
-      ['ceiling: readAll of the whole log, pages of 4,000, nothing applied', `${ceilingS.toFixed(1)} s, ${fmt(read / ceilingS)} events/s`],
+      [
+        'CPU during the replay: Postgres (all its processes) + this process',
+        `${cpu.server.toFixed(1)} s + ${cpu.node.toFixed(1)} s = ${(cpu.server + cpu.node).toFixed(1)} s (${fmt(appended / (cpu.server + cpu.node))} events per CPU-second)`,
+      ],
+      [
+        'ceiling: readAll of the whole log, pages of 4,000, nothing applied',
+        `${ceilingS.toFixed(1)} s, ${fmt(read / ceilingS)} events/s; ${ceilingCpu.toFixed(1)} CPU-s`,
+      ],
       ['billed VM-seconds = generator total', `${billedOk ? 'yes' : 'NO'} (${usageRows} usage rows)`],
       ['fill (appends of one lifecycle each, 8 writers)', `${fillS.toFixed(1)} s, ${fmt(appended / fillS)} events/s`],
     ];
@@ -486,6 +511,39 @@ export default async function consumersBench(args: string[]): Promise<void> {
     if (!keep) await fs.rm(root, { recursive: true, force: true });
     else progress(`kept ${root}`);
   }
+}
+
+/** The server's main process: the parent of any backend. */
+async function postmasterPid(pool: pg.Pool): Promise<number> {
+  const { rows } = await pool.query<{ pid: number }>('SELECT pg_backend_pid() AS pid');
+  return Number(procStat(rows[0]!.pid)[1]);
+}
+
+/** A process's /proc stat fields from the state on (index 0 = state, 1 = ppid, 11 = utime, 12 = stime, 13 = cutime, 14 = cstime). */
+function procStat(pid: number | string): string[] {
+  const raw = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  return raw.slice(raw.lastIndexOf(')') + 2).split(' ');
+}
+
+/**
+ * CPU milliseconds the server has used: the postmaster, its live children and
+ * the children it has reaped. Unlike wall time, it hardly moves with the load
+ * other engineers put on the machine.
+ */
+function serverCpuMs(postmaster: number): number {
+  const tick = 1000 / 100; // USER_HZ
+  const own = procStat(postmaster);
+  let ticks = Number(own[11]) + Number(own[12]) + Number(own[13]) + Number(own[14]);
+  for (const entry of readdirSync('/proc')) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const f = procStat(entry);
+      if (Number(f[1]) === postmaster) ticks += Number(f[11]) + Number(f[12]);
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return ticks * tick;
 }
 
 interface LiveResult {

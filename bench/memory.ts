@@ -3,6 +3,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Writable } from 'node:stream';
 import { pino } from 'pino';
+import { transparentHugepages } from '../packages/agent/src/backend/process/criu.js';
 import { ProcessBackend } from '../packages/agent/src/backend/process/process-backend.js';
 import { buildImage } from '../packages/agent/src/images.js';
 import { collect } from '../test/support/process.js';
@@ -28,6 +29,8 @@ export default async function memoryBench(args: string[]): Promise<void> {
   const runs = Number(opt('runs', '10'));
   const forks = Number(opt('forks', '10'));
   const log = (s: string): void => void process.stdout.write(`${s}\n`);
+  // Restores fault the memory in: 4 KiB pages unless this is `always` (docs/host-agent.md).
+  log(`transparent huge pages: ${(await transparentHugepages()) ?? 'none'}`);
   const root = await mkdtemp(join(tmpdir(), 'bench-memory-'));
   const imageDir = join(root, 'images');
   await buildImage(imageDir, 'base');

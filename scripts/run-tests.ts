@@ -137,7 +137,14 @@ async function main(): Promise<number> {
   /** One `node --test` over `list`, one file at a time; output to ours, or kept and printed when it ends. */
   const run = async (list: string[], url: string | undefined, buffered: boolean): Promise<number> => {
     if (list.length === 0) return 0;
-    const started = spawn(process.execPath, ['--import', 'tsx', '--test', '--test-concurrency=1', ...list], {
+    // The runner's own reporter (spec on a terminal, TAP otherwise, as without flags) and each file's wall time.
+    const reporters = [
+      `--test-reporter=${process.stdout.isTTY ? 'spec' : 'tap'}`,
+      '--test-reporter-destination=stdout',
+      '--test-reporter=./scripts/file-times-reporter.mjs',
+      '--test-reporter-destination=stdout',
+    ];
+    const started = spawn(process.execPath, ['--import', 'tsx', '--test', '--test-concurrency=1', ...reporters, ...list], {
       stdio: buffered ? ['ignore', 'pipe', 'pipe'] : 'inherit',
       env: url === undefined ? env : { ...env, TEST_DATABASE_URL: url },
     });

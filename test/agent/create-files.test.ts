@@ -69,11 +69,12 @@ describe('host agent: files written by the create call', { timeout: 180_000 }, (
       argv: [
         'sh',
         '-c',
-        'cat /etc/fleet/token; echo; stat -c %a /etc/fleet/token; cat /work/deep/dir/data.txt; stat -c %a /work/deep/dir/data.txt',
+        'cat /etc/fleet/token; echo; stat -c %a /etc/fleet/token; cat /work/deep/dir/data.txt; stat -c %a /work/deep/dir/data.txt; stat -c "%a %u %g" /work /work/deep/dir /etc',
       ],
     });
     assert.equal(r.exit_code, 0, r.stderr);
-    assert.equal(r.stdout, 's3cret\n600\nhello\n644\n');
+    // The new directories are made as `mkdir -p` by the guest's root would (umask 022); /etc, already there, is untouched.
+    assert.equal(r.stdout, 's3cret\n600\nhello\n644\n755 0 0\n755 0 0\n755 0 0\n');
   });
 
   it('fails the create and removes the sandbox when a file cannot be written', async (t) => {

@@ -6,7 +6,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import WebSocket from 'ws';
-import { prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
+import { ballastScript, prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
 
 /**
  * Lazy (post-copy) moves between two real agents: the target runs the
@@ -29,7 +29,7 @@ if (skip && process.env.CI === 'true') test('CRIU is available in CI', () => ass
 /** A counter, and 48 MiB of resident memory for the pages to move. */
 const STARTUP =
   'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 & ' +
-  '(awk \'BEGIN{s=sprintf("%50000000s","x"); while(1) system("sleep 1")}\') >/dev/null 2>&1 & echo started';
+  `${ballastScript(50)} echo started`;
 
 interface MemoryStatus {
   resident_chunks: number;
@@ -116,7 +116,10 @@ describe('criu lazy moves between agents', { skip: skip ? `missing: ${skip}` : f
   async function lazyPause(name: string, id: string): Promise<{ digest: string; files: Record<string, string>; grant: string }> {
     await a.client.createVm({ name, ram_mb: 256, storage_gb: 1 });
     assert.equal((await a.client.exec(name, { argv: ['/bin/sh', '-c', STARTUP] })).stdout.trim(), 'started');
-    await new Promise((r) => setTimeout(r, 500));
+    await waitFor('the ballast', async () =>
+      (await a.client.exec(name, { argv: ['test', '-e', '/tmp/ballast'] })).exit_code === 0 ? true : undefined,
+    );
+    await new Promise((r) => setTimeout(r, 300));
     const paused = await call<{ vm: { state: string }; checkpoint: { digest: string; files: Record<string, string>; kind: string } }>(
       a,
       'POST',

@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { mkdtemp, readFile, rm } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
@@ -154,6 +154,12 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       await rejectsWithCode(b.spawn('pr', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_FOUND');
       const again = await b.pause('pr');
       assert.equal(again.id, cp.id, 'a second pause answers the first');
+      if (i === 0) {
+        // The masked directories are binds of the agent's empty directory, which CRIU leaves out: /dev is the one
+        // tmpfs it archives (a tmpfs mask would add a tar and a gzip to every dump and restore).
+        const tmpfs = (await readdir(await b.checkpointDir(cp.id))).filter((f) => /tmpfs/.test(f));
+        assert.equal(tmpfs.length, 1, `tmpfs images: ${tmpfs.join(', ')}`);
+      }
       const info = await b.resume('pr');
       assert.equal(info.state, 'running');
       assert.equal(info.endpoints[0]!.url, url, 'the endpoint is republished on its port');
@@ -166,6 +172,17 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
         const masks = await sh(b, 'pr', "grep -E ' /proc/(keys|timer_list) ' /proc/self/mountinfo");
         assert.match(masks.stdout, /\/proc\/keys .* - devtmpfs /);
         assert.doesNotMatch(masks.stdout, / - proc /);
+        // And the masked directories as the same empty, read-only directory.
+        const dirs = await sh(
+          b,
+          'pr',
+          'for d in /proc/acpi /sys/firmware; do [ -d $d ] || continue; echo "$d $(ls -A $d | wc -l)"; mkdir $d/x 2>/dev/null && echo "$d WRITABLE"; done; grep " /sys/firmware " /proc/self/mountinfo',
+        );
+        if (existsSync('/sys/firmware')) {
+          assert.match(dirs.stdout, /^\/sys\/firmware 0$/m, dirs.stdout);
+          assert.match(dirs.stdout, / \/sys\/firmware ro,nosuid,nodev,noexec/, dirs.stdout);
+        }
+        assert.doesNotMatch(dirs.stdout, /WRITABLE|^\/\S+ [1-9]/m, dirs.stdout);
       }
       last = now;
       await new Promise((r) => setTimeout(r, 100));
@@ -187,6 +204,40 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       'one restore, one init',
     );
     await count(b, 'cc');
+  });
+
+  test('a restore that hangs is killed at its deadline and tried again: the resume succeeds, nothing of the hung try is left', async () => {
+    // Fault injection: the backend's CRIU action script is wrapped so that its first setup-namespaces (the restored
+    // tree waits on it) hangs; every other call runs the real hook.
+    const host = (b as unknown as { host: { criuHook: string; restoreDeadlineMs: number } }).host;
+    const real = host.criuHook;
+    const marker = join(root, 'hook-hung-once');
+    const wrapper = join(root, 'hang-once-hook.sh');
+    await writeFile(
+      wrapper,
+      `#!/bin/sh\nif [ "$CRTOOLS_SCRIPT_ACTION" = setup-namespaces ] && mkdir ${marker} 2>/dev/null; then exec sleep 600; fi\nexec ${real} "$@"\n`,
+      { mode: 0o700 },
+    );
+    const saved = host.restoreDeadlineMs;
+    await counterSandbox('hang');
+    const before = await count(b, 'hang');
+    await b.pause('hang');
+    host.criuHook = wrapper;
+    host.restoreDeadlineMs = 3_000;
+    try {
+      const info = await b.resume('hang');
+      assert.equal(info.state, 'running');
+      assert.ok(existsSync(marker), 'the first try did hang');
+    } finally {
+      host.criuHook = real;
+      host.restoreDeadlineMs = saved;
+    }
+    const now = await count(b, 'hang');
+    assert.ok(now >= before && now < before + 200, `the counter went on from ${before}: ${now}`);
+    // The hung try's criu and its hook's sleep are gone; one init runs in the sandbox.
+    const ps = spawnSync('ps', ['-eo', 'args'], { encoding: 'utf8' }).stdout;
+    assert.ok(!ps.includes(`sleep 600`), 'the hung hook is gone');
+    assert.equal((await sh(b, 'hang', 'ps -o comm | grep -c "^init$"')).stdout.trim(), '1', 'one init in the sandbox');
   });
 
   test('live snapshot: the sandbox keeps running, memory files carry their sha256; fork ×3 continue from it; restore in place', async () => {

@@ -7,6 +7,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import type { ProcessHandle } from '../../packages/agent/src/backend.js';
+import { runTool } from '../../packages/agent/src/backend/process/exec-util.js';
+import { spawnViaSpawner } from '../../packages/agent/src/backend/process/guest-process.js';
 import { ProcessBackend } from '../../packages/agent/src/backend/process/process-backend.js';
 import { buildImage } from '../../packages/agent/src/images.js';
 
@@ -196,6 +198,40 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     sleeper.kill('SIGKILL');
     assert.equal((await sleeper.wait()).signal, 'SIGKILL');
     assert.ok(performance.now() - t0 < 5000);
+  });
+
+  test('host tools: the allowed ones run forked by the spawner with a fixed environment; nothing else does', async () => {
+    const sock = join(dataDir, 'exec.sock');
+    const serve = await findServe(sock);
+    assert.ok(serve);
+    // runTool (network.ts, firewall.ts, storage.ts) goes through the spawner: ip's parent is a relay of the serve.
+    const ip = ['/usr/sbin', '/usr/bin', '/sbin', '/bin'].map((d) => `${d}/ip`).find((p) => existsSync(p))!;
+    const ran = await runTool('ip', ['-V']);
+    assert.equal(ran.code, 0, ran.stderr);
+    assert.match(ran.stdout, /ip/);
+    const tree = await run(spawnViaSpawner(sock, ['run', '/bin/busybox', 'sh', '-c', 'true'], {}, false));
+    assert.equal(tree.exitCode, null, 'a tool not allowed at the serve start is refused (the relay exits without a status)');
+    for (const verb of ['boot', 'serve', 'wait-root', 'start', 'reap']) {
+      const refused = await run(spawnViaSpawner(sock, [verb, 'x', 'y'], {}, false));
+      assert.deepEqual([refused.exitCode, refused.stdout.length], [null, 0], `${verb} is not served`);
+    }
+    // The tool sees only the fixed PATH (no agent variable), as a spawned one did.
+    const env = await run(spawnViaSpawner(sock, ['run', ip, '-V'], { FLEET_E0: '41' }, false));
+    assert.equal(env.exitCode, null, 'a run request carrying an environment is refused');
+    const parent = await new Promise<number | undefined>((resolve) => {
+      const h = spawnViaSpawner(sock, ['run', ip, 'monitor', 'link'], {}, false);
+      setTimeout(() => {
+        void hostPids([ip, 'monitor', 'link']).then(async (pids) => {
+          const p = pids[0] === undefined ? undefined : await ppid(pids[0]);
+          const grand = p === undefined ? undefined : await ppid(p);
+          const environ = pids[0] === undefined ? '' : await readFile(`/proc/${pids[0]}/environ`, 'utf8');
+          assert.equal(environ, 'PATH=/usr/sbin:/usr/bin:/sbin:/bin\0');
+          h.kill('SIGKILL');
+          resolve(grand);
+        });
+      }, 300);
+    });
+    assert.equal(parent, serve, 'the tool is a child of a relay of the spawner');
   });
 
   test('a dead spawner is restarted; meanwhile execs spawn the helper directly', async () => {

@@ -123,10 +123,7 @@ export async function startAgent(opts: AgentOptions, startTimeoutMs = 30_000): P
   // Keep draining the pipes so a chatty agent never blocks on a full pipe.
   const url = `http://127.0.0.1:${port}`;
   const client = new HostAgentClient({ hostId: `test-${opts.bridgePrefix}`, url, token, timeoutMs: 60_000, attempts: 2, backoffMs: 50 });
-  const waitExit = async (ms: number) => {
-    if (proc.exitCode !== null || proc.signalCode !== null) return true;
-    return Promise.race([exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), ms))]);
-  };
+  const waitExit = (ms: number): Promise<boolean> => exitWithin(proc, exited, ms);
   return {
     url,
     port,
@@ -221,6 +218,25 @@ export function uniquePrefix(): string {
 export function uniqueSubnet(): string {
   const b = randomBytes(2);
   return `10.${200 + ((b[0] ?? 0) % 50)}.${b[1] ?? 0}.0/24`;
+}
+
+/**
+ * Shell for a sandbox: `mb` MB of resident memory held by an awk in the background, and /tmp/ballast once it is all
+ * written (the sprintf takes seconds on a loaded machine): a move or pause started before that carries less.
+ */
+export const ballastScript = (mb: number): string =>
+  `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); system("touch /tmp/ballast"); while(1) system("sleep 1")}') >/dev/null 2>&1 &`;
+
+/**
+ * True once `proc` has exited (`exited` settles on its exit), false after `ms`. The timer goes with the exit: one left
+ * armed would hold the test process open for its whole length after the last test.
+ */
+export async function exitWithin(proc: ChildProcess, exited: Promise<void>, ms: number): Promise<boolean> {
+  if (proc.exitCode !== null || proc.signalCode !== null) return true;
+  return withTimeout(exited, ms, 'exit').then(
+    () => true,
+    () => false,
+  );
 }
 
 export async function withTimeout<T>(p: Promise<T>, ms: number, what: string): Promise<T> {

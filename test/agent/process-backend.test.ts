@@ -124,6 +124,16 @@ describe('process backend: pure parts', () => {
       await rejectsWithCode(r('/etc/passwd/x'), 'GUEST_PATH_NOT_FOUND');
       await rejectsWithCode(r('/missing/new', true), 'GUEST_PATH_NOT_FOUND');
       await rejectsWithCode(r('/bad\0path'), 'INVALID_SANDBOX_SPEC');
+      // parents: a missing directory is taken literally, but a ".." that climbs back out of it reaches existing
+      // directories again, whose symlinks are followed (and checked) like anywhere else.
+      const p = (path: string) => resolveInRoot(rootDir, path, { forWrite: true, parents: true });
+      assert.equal((await p('/new1/new2/f')).guestPath, '/new1/new2/f');
+      assert.equal((await p('/a/nope/x/../y/f')).guestPath, '/a/nope/y/f');
+      assert.equal((await p('/a/nope/../abs/new')).guestPath, '/etc/new');
+      assert.equal((await p('/a/nope/deeper/../../b/rel/new')).hostPath, join(rootDir, 'etc', 'new'));
+      await rejectsWithCode(p('/a/nope/../out/x'), 'PATH_ESCAPES_SANDBOX');
+      await rejectsWithCode(p('/a/nope/../out/new/f'), 'PATH_ESCAPES_SANDBOX');
+      await rejectsWithCode(p('/a/nope/../../..'), 'PATH_ESCAPES_SANDBOX');
     } finally {
       await rm(rootDir, { recursive: true, force: true });
     }

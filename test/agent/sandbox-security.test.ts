@@ -21,7 +21,8 @@ import { collect, type Ran } from '../support/process.js';
  * - sandbox root is not host root (user namespace);
  * - keyctl, bpf, unshare(CLONE_NEWUSER) refused with EPERM; no_new_privs
  *   and a seccomp filter on every guest process; CAP_NET_RAW only on request;
- * - runc's masked and read-only /proc and /sys paths.
+ * - runc's masked and read-only /proc and /sys paths;
+ * - no guest process can exempt itself from the OOM killer.
  */
 
 function missingFeature(): string | undefined {
@@ -32,6 +33,13 @@ function missingFeature(): string | undefined {
   return undefined;
 }
 const skip = missingFeature();
+
+/** CAP_SYS_RESOURCE (bit 24) in this process's effective set: without it no process on this host has a negative OOM floor. */
+function hasSysResource(): boolean {
+  const eff = /CapEff:\s+([0-9a-f]+)/.exec(spawnSync('cat', ['/proc/self/status'], { encoding: 'utf8' }).stdout);
+  return eff !== null && (BigInt(`0x${eff[1]}`) & (1n << 24n)) !== 0n;
+}
+const noSysResource = hasSysResource() ? undefined : 'the host gives no CAP_SYS_RESOURCE (a container): no negative OOM floor exists here';
 
 const PROBE_C = `
 #define _GNU_SOURCE
@@ -278,6 +286,19 @@ true`,
     for (const p of ['/proc/bus', '/proc/fs', '/proc/irq', '/proc/sys', '/proc/sysrq-trigger']) {
       if (existsSync(p)) assert.match(r.stdout, new RegExp(`${p} ro`), `${p} is not mounted read-only`);
     }
+    if (existsSync('/sys/firmware')) {
+      // A masked directory is a read-only, nosuid, nodev, noexec bind of an empty directory of this sandbox's own:
+      // one shared by two sandboxes would let one watch (inotify) the other list it.
+      await b.create({ name: 'masks2', cpus: 1, ram_mb: 64, tenant: 'other' });
+      const seen = await Promise.all(
+        ['masks', 'masks2'].map(
+          async (n) => (await sh(b, n, "stat -c %d:%i /sys/firmware; grep ' /sys/firmware ' /proc/self/mountinfo")).stdout,
+        ),
+      );
+      for (const s of seen) assert.match(s, / \/sys\/firmware ro,nosuid,nodev,noexec/, s);
+      assert.notEqual(seen[0]!.split('\n')[0], seen[1]!.split('\n')[0], 'two sandboxes share the inode of a masked directory');
+      await b.destroy('masks2');
+    }
     await b.destroy('masks');
   });
 
@@ -326,6 +347,83 @@ true`,
     await b.destroy('cp-src');
     await b.destroy('cp-dst');
   });
+
+  /**
+   * The OOM killer's exemption: any guest process, root of the sandbox or not, started by the init (a daemon from
+   * its inittab) or by an exec, tries `echo -1000 > /proc/self/oom_score_adj`; guest root tries it on pid 1 too.
+   * The kernel allows a value down to the process's floor (oom_score_adj_min), which forks inherit and only a
+   * writer with CAP_SYS_RESOURCE on the host sets: a floor of -1000 inherited from the host side would let the
+   * guest exempt itself. Lines: "<label> self <value>", "<label> root|nobody refused|IMMUNE", "pid1 ...".
+   */
+  async function oomAttempts(backend: ProcessBackend, name: string): Promise<string> {
+    const attempt = `#!/bin/sh
+echo "$1 self $(cat /proc/self/oom_score_adj)"
+if echo -1000 2>/dev/null > /proc/self/oom_score_adj; then echo "$1 root IMMUNE"; else echo "$1 root refused"; fi
+su -s /bin/sh nobody -c "echo $1 nobody-uid \\$(id -u); if echo -1000 2>/dev/null > /proc/self/oom_score_adj; then echo $1 nobody IMMUNE; else echo $1 nobody refused; fi"
+`;
+    await backend.writeGuestFile(name, '/oom-attempt', Readable.from([Buffer.from(attempt)]), { mode: 0o755 });
+    // A daemon of the init: busybox init starts a new respawn entry of its inittab on SIGHUP.
+    const daemon = '#!/bin/sh\n/oom-attempt init > /oom-init.out 2>&1\nexec sleep 3600\n';
+    await backend.writeGuestFile(name, '/oom-daemon', Readable.from([Buffer.from(daemon)]), { mode: 0o755 });
+    const r = await sh(
+      backend,
+      name,
+      `echo '::respawn:/oom-daemon' >> /etc/inittab && kill -HUP 1
+for i in $(seq 100); do grep -q 'init nobody ' /oom-init.out 2>/dev/null && break; sleep 0.1; done
+cat /oom-init.out
+/oom-attempt exec
+if echo -1000 2>/dev/null > /proc/1/oom_score_adj; then echo "pid1 IMMUNE"; else echo "pid1 refused"; fi`,
+    );
+    assert.equal(r.exitCode, 0, r.stderr);
+    return r.stdout;
+  }
+
+  function assertNoImmunity(out: string): void {
+    for (const label of ['init', 'exec']) {
+      const self = new RegExp(`^${label} self (-?\\d+)$`, 'm').exec(out);
+      assert.ok(self, `no reading of ${label}'s oom_score_adj in:\n${out}`);
+      assert.ok(Number(self[1]) >= 0, `${label} starts with oom_score_adj ${self[1]}`);
+      assert.match(out, new RegExp(`^${label} nobody-uid 65534$`, 'm'), 'the attempt ran as the guest non-root user');
+      for (const who of ['root', 'nobody']) assert.match(out, new RegExp(`^${label} ${who} refused$`, 'm'), `${label} as ${who}:\n${out}`);
+    }
+    assert.match(out, /^pid1 refused$/m, 'guest root set -1000 on the init');
+  }
+
+  test('OOM killer: no guest process (init daemon or exec, root or not) can exempt itself; the reaper outside stays exempt', async (t) => {
+    await b.create({ name: 'oom', cpus: 1, ram_mb: 64, tenant: 'acme' });
+    assertNoImmunity(await oomAttempts(b, 'oom'));
+    if (noSysResource) {
+      t.diagnostic(`reaper's -1000 not checked: ${noSysResource}`);
+      await b.destroy('oom');
+      return;
+    }
+    // The init's parent, the helper's reaper (outside the guest's pid namespace), is still kept from the OOM killer.
+    const initPid = (await b.get('oom')).init_pid;
+    const stat = await readFile(`/proc/${initPid}/stat`, 'utf8');
+    const reaper = Number(stat.slice(stat.lastIndexOf(') ') + 2).split(' ')[1]);
+    assert.equal((await readFile(`/proc/${reaper}/oom_score_adj`, 'utf8')).trim(), '-1000');
+    await b.destroy('oom');
+  });
+
+  test(
+    'an agent running with a negative oom_score_adj passes no negative floor to a start or an exec',
+    { skip: noSysResource ?? false },
+    async () => {
+      const own = (await readFile('/proc/self/oom_score_adj', 'utf8')).trim();
+      // As host root (CAP_SYS_RESOURCE) this sets the floor too: what a unit with OOMScoreAdjust=-900 gives the agent.
+      await writeFile('/proc/self/oom_score_adj', '-900');
+      let nb: ProcessBackend;
+      try {
+        nb = await openBackend(); // its exec spawner forks every exec from a -900 process
+        await nb.create({ name: 'oom-neg', cpus: 1, ram_mb: 64, tenant: 'acme' });
+      } finally {
+        await writeFile('/proc/self/oom_score_adj', own);
+      }
+      assertNoImmunity(await oomAttempts(nb, 'oom-neg'));
+      await nb.destroy('oom-neg');
+      await nb.close();
+    },
+  );
 
   test('an uploaded file is owned by root inside the sandbox', async () => {
     await b.create({ name: 'own', cpus: 1, ram_mb: 64, tenant: 'acme' });

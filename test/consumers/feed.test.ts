@@ -34,6 +34,13 @@ async function expectedFor(h: Harness, tenant: string | undefined, after?: strin
     .map((e) => e.position);
 }
 
+/** 100 VmFailed events of one VM, each with 8 KiB of `fill` in its error: bytes to fill a feed's buffers. */
+const bigFailures = (vmId: string, batch: number, fill: string, when: Date): ReturnType<typeof vmEvent>[] => {
+  const big = fill.repeat(8 * 1024);
+  return Array.from({ length: 100 }, (_, i) =>
+    vmEvent('VmFailed', { vm_id: vmId, reason: 'host_lost', error: `${batch}-${i} ${big}`, phase: 'booting', at: when.toISOString() }),
+  );
+};
 const ids = (c: SseClient): string[] => c.frames.filter((f) => f.event === undefined).map((f) => f.id!);
 const caughtUp = (c: SseClient): boolean => c.comments.some((x) => x.startsWith('caught-up'));
 
@@ -156,19 +163,10 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
       const slow = await openSse(`${app.url}/v1/events`, auth(KEYS.acme), { paused: true });
       open.push(slow);
       await appendLifecycle(h.service.store, 'slow', lifecycle('slow', 'acme', 'h1', { requested: at(9000) }));
-      const big = 'x'.repeat(8 * 1024);
       let total = 0;
       for (let batch = 0; batch < 12; batch++) {
-        const events = Array.from({ length: 100 }, (_, i) =>
-          vmEvent('VmFailed', {
-            vm_id: 'slow',
-            reason: 'host_lost',
-            error: `${batch}-${i} ${big}`,
-            phase: 'booting',
-            at: at(9001).toISOString(),
-          }),
-        );
-        total += events.length * big.length;
+        const events = bigFailures('slow', batch, 'x', at(9001));
+        total += events.length * 8 * 1024;
         await h.service.store.append('vm-slow', events, 'any');
       }
       await slow.waitFor('the server to give up on the client', () => (stats.disconnects.get('slow_consumer') ?? 0) === 1, 20_000);
@@ -205,10 +203,35 @@ describe('live event feed (SSE)', { timeout: 120_000 }, () => {
     }
   });
 
+  it('a live client that falls behind a burst catches up from the store again instead of being cut off', async () => {
+    const stats = new FeedStats();
+    const app = await feedApp({ maxBufferBytes: 64 * 1024, maxQueuedEvents: 50, stats });
+    try {
+      const reader = await openSse(`${app.url}/v1/events`, auth(KEYS.acme), { paused: true });
+      open.push(reader);
+      reader.res.resume();
+      await reader.waitFor('caught up', () => caughtUp(reader), 30_000);
+      // Not reading while the burst arrives live: the socket fills, the live queue passes its bound.
+      reader.res.pause();
+      await appendLifecycle(h.service.store, 'burst', lifecycle('burst', 'acme', 'h1', { requested: at(9500) }));
+      for (let batch = 0; batch < 4; batch++) await h.service.store.append('vm-burst', bigFailures('burst', batch, 'y', at(9501)), 'any');
+      await new Promise((r) => setTimeout(r, 1_000));
+      reader.res.resume();
+      const expected = await expectedFor(h, 'acme');
+      await reader.waitFor('every event', () => ids(reader).length >= expected.length, 20_000).catch(() => undefined);
+      assert.deepEqual(ids(reader), expected);
+      assert.equal(stats.disconnects.size, 0, `cut off: ${JSON.stringify([...stats.disconnects])}`);
+      assert.ok(stats.fallbacks >= 1, 'the burst went past the live queue bound: the feed fell back to the store');
+    } finally {
+      await app.close();
+    }
+  });
+
   /** A second API on the same store with tighter feed limits. */
   async function feedApp(opts: {
     heartbeatMs?: number;
     maxBufferBytes?: number;
+    maxQueuedEvents?: number;
     closeGraceMs?: number;
     stallTimeoutMs?: number;
     stats?: FeedStats;

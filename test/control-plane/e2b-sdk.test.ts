@@ -13,6 +13,7 @@ import { pino } from 'pino';
 import { startIngress, type RunningIngress } from '../../src/adapters/ingress/ingress.js';
 import type { RunningAgent } from '../agent/harness.js';
 import {
+  eventually,
   registerHost,
   startCheckedFleet,
   startControlPlane,
@@ -459,10 +460,17 @@ describe('e2b SDK against the control plane (stock npm SDK, real agent)', { time
       const e2b = (await (await fetch(`${base}/e2b/sandboxes/${id}`, { headers: { 'x-api-key': TENANT_KEYS.acme } })).json()) as {
         allowInternetAccess: boolean;
       };
-      const ours = (await (await fetch(`${base}/v1/vms/${id}`, { headers: { authorization: `Bearer ${TENANT_KEYS.acme}` } })).json()) as {
-        spec: { egress?: unknown };
-      };
-      return { allow: e2b.allowInternetAccess, egress: ours.spec.egress };
+      // The /v1 read model follows the VM's stream a moment behind (read-your-writes is opt-in, `?after=`): wait for it.
+      return eventually(
+        async () => {
+          const r = await fetch(`${base}/v1/vms/${id}`, { headers: { authorization: `Bearer ${TENANT_KEYS.acme}` } });
+          if (r.status === 404) return undefined;
+          assert.equal(r.status, 200, `GET /v1/vms/${id}`);
+          return { allow: e2b.allowInternetAccess, egress: ((await r.json()) as { spec: { egress?: unknown } }).spec.egress };
+        },
+        10_000,
+        `VM ${id} in the /v1 read model`,
+      );
     };
     const offline = await Sandbox.create({ allowInternetAccess: false });
     const listed = await Sandbox.create({ network: { allowOut: ['198.51.100.1'], denyOut: ['0.0.0.0/0'] } });

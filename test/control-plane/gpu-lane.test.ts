@@ -15,7 +15,8 @@ import {
   type GpuInventory,
   probeGpus,
 } from '../../packages/agent/src/backend/qemu/gpu-probe.js';
-import { startControlPlane, TENANT_KEYS, type ControlPlane } from '../support/control-plane.js';
+import { eventually, startControlPlane, TENANT_KEYS, type ControlPlane } from '../support/control-plane.js';
+import { listSchedulableHostIds } from '../../src/projections/hosts/hosts.queries.js';
 import { MDEV_A, MDEV_B, makeGpuFixture, OFFERED_PCI } from '../agent/gpu-fixtures.js';
 
 /**
@@ -319,6 +320,13 @@ describe('GPU lane: placement binds a device, the create carries it to the agent
     const holders = gpuHolders();
     const plain = [...agent!.live].find(([, g]) => g === undefined)?.[0];
     assert.ok(plain, 'the VM without GPUs');
+    // The tick reads the hosts read model, which follows the log: under load gpu2's registration (the test
+    // before) may not be in it yet, and with no other host there is no standby to checkpoint to.
+    await eventually(
+      async () => (await listSchedulableHostIds(cp!.service.pool)).some((h) => h.id === 'gpu2'),
+      10_000,
+      'gpu2 in the hosts read model',
+    );
     agent!.requests.length = 0;
     await cp!.service.standby.tick();
     const asked = agent!.requests.filter((p) => /^POST .*\/checkpoints$/.test(p));

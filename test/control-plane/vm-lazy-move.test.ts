@@ -5,7 +5,8 @@ import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
-import type { RunningAgent } from '../agent/harness.js';
+import { ballastScript, type RunningAgent } from '../agent/harness.js';
+import { sandboxName } from '../../src/commands/vm/boot-sandbox.js';
 import {
   eventually,
   prepareAgents,
@@ -40,7 +41,7 @@ function ok(r: Reply, status = 200): any {
 const startup = (mb: number): string =>
   'echo 0 > /tmp/count; (i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done) >/dev/null 2>&1 &\n' +
   '(while true; do echo -e "HTTP/1.0 200 OK\\r\\n\\r\\ncount $(cat /tmp/count)" | nc -l -p 8080; done) >/dev/null 2>&1 &\n' +
-  `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); while(1) system("sleep 1")}') >/dev/null 2>&1 &\n`;
+  `${ballastScript(mb)}\n`;
 
 interface Memory {
   resident_chunks: number;
@@ -130,7 +131,14 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       }),
       201,
     );
-    await new Promise((r) => setTimeout(r, 1000));
+    // The ballast all written (sprintf takes a while on a loaded machine), so the move has the memory it is meant to.
+    await eventually(
+      async () =>
+        ok(await cp!.request('POST', `/v1/vms/${vm.id}/exec`, { as: 'acme', body: { argv: ['test', '-e', '/tmp/ballast'] } })).exit_code ===
+        0,
+      30_000,
+      'the ballast',
+    );
     return { id: vm.id, url: (vm.endpoints as Array<{ url: string }>)[0]!.url };
   };
   const memory = async (vm: string): Promise<Memory> => ok(await cp!.request('GET', `/v1/vms/${vm}/memory`, { as: 'acme' }));
@@ -365,7 +373,14 @@ describe('lazy migration through the API (real agents with CRIU lazy pages)', { 
       },
       60_000,
       'the VM recorded failed',
-    );
+    ).catch(async (err: unknown) => {
+      // What each side says, for a failure seen only in CI: the target's own memory status, the move's steps, the target agent's log.
+      const target = await agents[1]!.client.memoryStatus(sandboxName(vm.id)).catch((e: unknown) => String(e));
+      t.diagnostic(`target memory status: ${JSON.stringify(target)}; left page servers: ${JSON.stringify(await lazyDumps(agents[0]!))}`);
+      t.diagnostic(`steps: ${JSON.stringify(await steps(vm.id))}`);
+      t.diagnostic(`target agent log: ${agents[1]!.output().slice(-3000)}`);
+      throw err;
+    });
     t.diagnostic(JSON.stringify(failed));
     assert.equal(failed.reason, 'host_lost');
     assert.equal(failed.error_code, 'LAZY_SOURCE_LOST');

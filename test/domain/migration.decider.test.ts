@@ -68,6 +68,24 @@ describe('migration decider', () => {
       .then([{ ...started, data: { ...started.data, at: later.toISOString() } }]);
   });
 
+  test('Given a switched lazy move still paging in, When another starts long after its last step, Then MIGRATION_IN_PROGRESS', () => {
+    const lazyStarted: MigrationStreamEvent = { ...started, data: { ...started.data, live: true, lazy: true } };
+    const paging = [lazyStarted, ...beforeSwitch.slice(1), migrated];
+    const muchLater = new Date(at(5).getTime() + 3 * ABANDONED_AFTER_MS);
+    given(migrationDecider, paging).when(start, muchLater).thenThrows('MIGRATION_IN_PROGRESS', 409);
+    // Not lazy, or lazy but not yet switched: abandoned after ABANDONED_AFTER_MS as before.
+    given(migrationDecider, [...beforeSwitch, migrated])
+      .when(start, muchLater)
+      .events();
+    given(migrationDecider, [lazyStarted, ...beforeSwitch.slice(1)])
+      .when(start, muchLater)
+      .events();
+    // Its end (destroy_source and cleanup, or a failure) frees the VM.
+    given(migrationDecider, [...paging, done('destroy_source', 6), done('cleanup', 7)])
+      .when(start, muchLater)
+      .events();
+  });
+
   test('Given a failed or finished migration, When another starts, Then it starts', () => {
     given(migrationDecider, [
       started,

@@ -125,14 +125,20 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
 
   test('a VM past its max_runtime_s is failed and destroyed; an idle one past idle_timeout_s is destroyed with reason idle', async (t) => {
     if ('skip' in images) return t.skip(images.skip);
-    const stuck = await create({ host_id: 'h1', max_runtime_s: 2 });
-    const idle = await create({ host_id: 'h1', idle_timeout_s: 2 });
-    const busy = await create({ host_id: 'h1', idle_timeout_s: 2 });
+    // Limits of 6 s, so that three creates on a loaded machine (a few seconds) still come before any of them expires.
+    const LIMIT_S = 6;
+    const t0 = Date.now();
+    const stuck = await create({ host_id: 'h1', max_runtime_s: LIMIT_S });
+    const idle = await create({ host_id: 'h1', idle_timeout_s: LIMIT_S });
+    const busy = await create({ host_id: 'h1', idle_timeout_s: LIMIT_S });
     await waitFor('running in the read model', 10_000, async () => (await inject('GET', `/v1/vms/${busy.id}`)).body.state === 'running');
+    // Every limit has passed by then: the three were created and running before now.
+    const due = Date.now() + LIMIT_S * 1000 + 500;
     const early = await svc!.reconciler.reconcileOnce();
+    t.diagnostic(`three creates in ${Date.now() - t0} ms`);
     assert.equal(early.stuck_tasks_failed + early.idle_vms_failed, 0, 'nothing expires early');
 
-    await sleep(1200);
+    await sleep(due - 3000 - Date.now());
     // Activity keeps `busy` alive (exec is recorded as activity, at most every ACTIVITY_COALESCE_MS).
     const ex = await inject('POST', `/v1/vms/${busy.id}/exec`, { argv: ['true'] });
     assert.equal(ex.status, 200, JSON.stringify(ex.body));
@@ -141,7 +147,7 @@ describe('reconciler: missing, stuck, idle, hung agent', { skip: prereq, timeout
       10_000,
       async () => Date.parse((await inject('GET', `/v1/vms/${busy.id}`)).body.updated_at) > Date.now() - 3000,
     );
-    await sleep(1500);
+    await sleep(due - Date.now());
 
     const s = await svc!.reconciler.reconcileOnce();
     assert.equal(s.stuck_tasks_failed, 1);

@@ -193,14 +193,18 @@ describe(
       t.diagnostic(`converged ${Date.now() - t0} ms after restart: ${JSON.stringify(states)}`);
       assert.equal(states[id], 'destroyed:admin');
       assert.equal(states[healthy[0]!], 'running');
-      // The destroy is completed inside the new leader's first cycle; its summary is written when that cycle ends.
+      // The destroy is completed by the first of the new leader's cycles that finds it past the grace (the first one
+      // when the restart took longer than the grace, a later one otherwise); the counters move when that cycle ends.
       const summary = await waitFor('the first cycle summary', 30_000, async () => {
         const s = (await api(cp2.url, 'GET', '/v1/reconciler')).body;
         return s.last_summary ? s : undefined;
       });
       assert.equal(summary.leader, true);
       assert.ok(summary.last_summary.cycle >= 1);
-      const metrics = await (await fetch(`${cp2.url}/metrics`)).text();
+      const metrics = await waitFor('the completing cycle counted', 30_000, async () => {
+        const text = await (await fetch(`${cp2.url}/metrics`)).text();
+        return /fleet_reconcile_actions_total\{kind="half_done_completed"\} [1-9]/.test(text) ? text : undefined;
+      });
       assert.match(metrics, /fleet_reconcile_actions_total\{kind="half_done_completed"\} 1/);
       assert.match(metrics, /fleet_reconciler_leader 1/);
       await kill(cp2);

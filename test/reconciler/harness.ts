@@ -7,6 +7,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { freePort } from '../../src/adapters/postgres/embedded.js';
 import {
+  exitWithin,
   missingPrerequisite,
   prepareImages,
   REPO_ROOT,
@@ -128,7 +129,7 @@ export async function spawnControlPlane(opts: {
     }
     await sleep(200);
   }
-  const waitExit = (ms: number) => Promise.race([exited.then(() => true), sleep(ms).then(() => false)]);
+  const waitExit = (ms: number): Promise<boolean> => exitWithin(proc, exited, ms);
   return {
     url,
     port,

@@ -186,7 +186,7 @@ export async function prepareAgents(): Promise<AgentFleet | { skip: string }> {
           imageDir: images.imageDir,
           subnet: uniqueSubnet(),
           bridgePrefix: uniquePrefix(),
-          env: { AGENT_LOG_LEVEL: 'warn', ...o.env },
+          env: { AGENT_LOG_LEVEL: process.env.FLEET_TEST_AGENT_LOG ?? 'warn', ...o.env },
         },
         60_000,
       );

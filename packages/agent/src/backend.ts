@@ -366,7 +366,8 @@ export interface Backend {
     name: string,
     guestPath: string,
     data: Readable,
-    opts?: { mode?: number; maxBytes?: number },
+    /** parents: missing directories of the path are made first, as `mkdir -p` by the guest's root. */
+    opts?: { mode?: number; maxBytes?: number; parents?: boolean },
   ): Promise<{ path: string; bytes: number }>;
   /**
    * Streams a regular file from inside the sandbox (GUEST_PATH_NOT_A_FILE for

@@ -59,6 +59,12 @@ export function registerConsumerMetrics(
   metrics.custom('fleet_feed_disconnects_total', 'Feed connections ended, by reason (slow_consumer, client_closed, …)', 'counter', () =>
     [...deps.feed.disconnects].map(([reason, value]) => ({ labels: { reason }, value })),
   );
+  metrics.custom(
+    'fleet_feed_fallbacks_total',
+    'Live feeds that fell behind (more than 10,000 live events waiting) and went back to catching up from the store',
+    'counter',
+    () => [{ labels: {}, value: deps.feed.fallbacks }],
+  );
 
   for (const [name, def] of Object.entries(EVENT_COUNTERS)) {
     metrics.custom(name, def.help, 'counter', async () => {

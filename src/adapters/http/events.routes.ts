@@ -46,8 +46,13 @@ export class VmTenants {
 export class FeedStats {
   readonly clients = new Set<{ queued(): number; bufferedBytes(): number; oldestPendingMs(): number | undefined }>();
   readonly disconnects = new Map<string, number>();
+  /** Live feeds that fell more than maxQueuedEvents behind and went back to catching up from the store. */
+  fallbacks = 0;
   countDisconnect(reason: string): void {
     this.disconnects.set(reason, (this.disconnects.get(reason) ?? 0) + 1);
+  }
+  countFallback(): void {
+    this.fallbacks++;
   }
 }
 
@@ -56,13 +61,13 @@ export interface EventsRoutesDeps {
   readonly logger?: Logger | undefined;
   readonly stats?: FeedStats | undefined;
   readonly heartbeatMs?: number | undefined;
-  /** Bytes written but not yet taken by the client; past this the client is cut off. */
+  /** Bytes written but not yet taken by the client; past half of it the feed waits for the client to read. */
   readonly maxBufferBytes?: number | undefined;
-  /** Events received from the store but not yet written; past this the client is cut off. */
+  /** Live events received but not yet written; past this the feed drops its subscription and catches up from the store again. */
   readonly maxQueuedEvents?: number | undefined;
   /** Grace for the closing error frame to drain before the socket is destroyed. */
   readonly closeGraceMs?: number | undefined;
-  /** During catch-up the feed waits for the client to take what was sent; a client that takes nothing for this long is cut off. */
+  /** The feed waits for the client to take what was sent; a client that takes nothing for this long is cut off. */
   readonly stallTimeoutMs?: number | undefined;
   /** Open feeds per caller (the admin key counts as one); one more is refused with 429 TOO_MANY_EVENT_STREAMS. */
   readonly maxPerTenant?: number | undefined;
@@ -73,9 +78,13 @@ export interface EventsRoutesDeps {
  * id is the event's position, so a reconnect with `Last-Event-ID` catches up
  * from the store exactly after it and then goes live: no loss, no repeats.
  * Catch-up pulls pages and waits for the socket to drain between them, so a
- * long history costs no more memory than a page; live events are pushed, and
- * a client that cannot take them is cut off with an `event: error` frame
- * naming why, never buffered without end.
+ * long history costs no more memory than a page; live events are pushed and
+ * written as the socket takes them. A live client that falls too far behind
+ * (a burst, or a catch-up that ended at the store's visibility horizon with
+ * more committing behind it) is not cut off: the feed drops its subscription
+ * and catches up from the store again, at the client's pace. Only a client
+ * that takes nothing for the stall timeout is cut off, with an `event: error`
+ * frame naming why; nothing is buffered without end.
  */
 export function eventsRoutes(deps: EventsRoutesDeps) {
   const tenants = new VmTenants(deps.store);
@@ -147,10 +156,8 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         res.write('retry: 2000\n\n');
 
         const queue: RecordedEvent[] = [];
-        let draining = false;
         let closed = false;
-        // Read (by `cleanup`) before it is assigned: as a const that read would throw.
-        // eslint-disable-next-line prefer-const -- see above
+        // The live tail's subscription while there is one (ended by `cleanup` too).
         let sub: Subscription | undefined;
         const client = {
           queued: () => queue.length,
@@ -187,30 +194,6 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
         open.add(onShutdown);
         res.on('close', () => open.delete(onShutdown));
 
-        const drain = async (): Promise<void> => {
-          if (draining) return;
-          draining = true;
-          try {
-            while (!closed) {
-              const recorded = queue.shift();
-              if (recorded === undefined) break;
-              await send(recorded);
-              if (res.writableLength > maxBufferBytes) {
-                fail(
-                  'SLOW_CONSUMER',
-                  `disconnected: more than ${maxBufferBytes} bytes were waiting for this client to read; reconnect with the last Last-Event-ID received to resume`,
-                );
-                return;
-              }
-            }
-          } catch (err) {
-            deps.logger?.warn({ err }, 'event feed failed');
-            fail('FEED_FAILED', 'the event feed failed; reconnect with Last-Event-ID to resume');
-          } finally {
-            draining = false;
-          }
-        };
-
         /** Writes one event if the caller may see it. */
         const send = async (recorded: RecordedEvent): Promise<void> => {
           const env = toEnvironmentEvent(recorded);
@@ -232,55 +215,102 @@ export function eventsRoutes(deps: EventsRoutesDeps) {
             res.on('drain', onDrain);
             res.on('close', onClose);
           });
+        /** Past half the buffer bound, waits for the client to take what was sent; false (and the client cut off) if it takes nothing. */
+        const paced = async (): Promise<boolean> => {
+          if (res.writableLength <= maxBufferBytes / 2) return true;
+          if (await drained()) return true;
+          fail(
+            'SLOW_CONSUMER',
+            `disconnected: the client took nothing for ${stallTimeoutMs} ms; reconnect with the last Last-Event-ID received to resume`,
+          );
+          return false;
+        };
 
+        // The last event handled (sent, or not the caller's): catch-up and the live tail both go on from it.
         let position = after;
-        try {
+        /** Pages from the store after `position` at the client's pace; true once a short page says it is caught up. */
+        const catchUp = async (): Promise<boolean> => {
           for (;;) {
             const page = await deps.store.readAll({ after: position, maxCount: 500, filter });
             for (const e of page) {
-              if (isClosed()) return;
+              if (isClosed()) return false;
               await send(e);
               position = e.position;
             }
-            if (isClosed()) return;
-            if (res.writableLength > maxBufferBytes / 2 && !(await drained())) {
-              fail(
-                'SLOW_CONSUMER',
-                `disconnected: the client took nothing for ${stallTimeoutMs} ms while catching up; reconnect with the last Last-Event-ID received to resume`,
-              );
-              return;
+            if (isClosed() || !(await paced())) return false;
+            if (page.length < 500) return true;
+          }
+        };
+        /**
+         * Pushed events from a subscription after `position`, written as the socket takes them. True when the client
+         * falls more than `maxQueued` events behind (the caller catches up from the store again, at the client's pace,
+         * instead of holding the backlog), false when the feed has ended.
+         */
+        const live = async (): Promise<boolean> => {
+          let wake: (() => void) | undefined;
+          // Set in the subscription's callback: read through a call, not a narrowed local.
+          let behind = false;
+          const isBehind = (): boolean => behind;
+          const poke = (): void => {
+            wake?.();
+            wake = undefined;
+          };
+          const subscription = deps.store.subscribeToAll({ after: position, filter }).subscribe({
+            next: (item) => {
+              if (closed || behind || item.kind !== 'event') return;
+              queue.push(item.event);
+              if (queue.length > maxQueued) behind = true;
+              poke();
+            },
+            error: (err: unknown) => {
+              deps.logger?.warn({ err }, 'event feed subscription failed');
+              fail('EVENT_STORE_UNAVAILABLE', 'the event store subscription failed; reconnect with Last-Event-ID to resume');
+              poke();
+            },
+            complete: () => {
+              fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume');
+              poke();
+            },
+          });
+          sub = subscription;
+          // Closing the response must end the wait for the next event.
+          res.once('close', poke);
+          try {
+            for (;;) {
+              if (isClosed()) return false;
+              if (isBehind()) return true;
+              const recorded = queue.shift();
+              if (recorded === undefined) {
+                await new Promise<void>((r) => {
+                  wake = r;
+                  if (isClosed() || isBehind() || queue.length > 0) poke();
+                });
+                continue;
+              }
+              await send(recorded);
+              position = recorded.position;
+              if (!(await paced())) return false;
             }
-            if (page.length < 500) break;
+          } finally {
+            // Also when the client left before the subscription was made (cleanup had none to end then).
+            res.off('close', poke);
+            subscription.unsubscribe();
+            sub = undefined;
+            queue.length = 0;
+          }
+        };
+
+        try {
+          for (;;) {
+            if (!(await catchUp())) return;
+            res.write(`: caught-up ${position ?? ''}\n\n`);
+            if (!(await live())) return;
+            deps.stats?.countFallback();
           }
         } catch (err) {
-          deps.logger?.warn({ err }, 'event feed catch-up failed');
+          deps.logger?.warn({ err }, 'event feed failed');
           fail('FEED_FAILED', 'the event feed failed; reconnect with Last-Event-ID to resume');
-          return;
         }
-        if (isClosed()) return;
-        res.write(`: caught-up ${position ?? ''}\n\n`);
-
-        sub = deps.store.subscribeToAll({ after: position, filter }).subscribe({
-          next: (item) => {
-            if (closed) return;
-            if (item.kind !== 'event') return;
-            queue.push(item.event);
-            if (queue.length > maxQueued) {
-              fail(
-                'SLOW_CONSUMER',
-                `disconnected: more than ${maxQueued} events were waiting to be sent to this client; reconnect with Last-Event-ID to resume`,
-              );
-              return;
-            }
-            void drain();
-          },
-          error: (err: unknown) => {
-            deps.logger?.warn({ err }, 'event feed subscription failed');
-            fail('EVENT_STORE_UNAVAILABLE', 'the event store subscription failed; reconnect with Last-Event-ID to resume');
-          },
-          complete: () => fail('FEED_CLOSED', 'the server is shutting down; reconnect with Last-Event-ID to resume'),
-        });
-        if (isClosed()) sub.unsubscribe();
       },
     );
   };

@@ -4,7 +4,7 @@ import { migrationAggregate } from '../../domain/migration/migration.decider.js'
 import { vmAggregate } from '../../domain/vm/vm.aggregate.js';
 import { AppError, ConflictError, NotFoundError, ValidationError } from '@fleet/agent-protocol';
 import type { Position } from '../../domain/event-store.port.js';
-import { ABANDONED_AFTER_MS, type MigrationCommand } from '../../domain/migration/migration.decider.js';
+import { blocksNewMigration, type MigrationCommand } from '../../domain/migration/migration.decider.js';
 import type { MigrationStep } from '../../domain/migration/migration.events.js';
 import { parseVmSpec, placementRequestOf } from '../../domain/vm/spec.js';
 import { type ExistingVmState } from '../../domain/vm/vm.decider.js';
@@ -135,7 +135,7 @@ export class ForkMigrate {
     const fromHostId = vm.host_id;
     // Before any reservation: a lazy migration still paging in holds one on its source under this VM's id.
     const { state: inFlight } = await this.migrationHandler.load(vmId);
-    if (inFlight.status === 'in_progress' && Date.now() - Date.parse(inFlight.last_at) < ABANDONED_AFTER_MS)
+    if (blocksNewMigration(inFlight, new Date()))
       throw new ConflictError(
         'MIGRATION_IN_PROGRESS',
         `vm ${vmId} is already being migrated (last step: ${inFlight.last_step ?? 'started'}); wait for it to finish`,

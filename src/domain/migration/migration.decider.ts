@@ -12,7 +12,11 @@ import { isMigrationEventType, MIGRATION_STEPS, parseMigrationEvent, type Migrat
  * flow could not destroy is the reconciler's to collect), the steps after
  * `switch` only once VmMigrated moved the VM. An attempt that stopped
  * reporting for `ABANDONED_AFTER_MS` (its process died) no longer blocks a
- * new one.
+ * new one, except a switched lazy move: its target still faults pages in
+ * from the source, whatever the time since its last step (a large guest on a
+ * slow link pages in for longer than that), and the reconciler's adopted watch
+ * ends it; a new move of the VM before then would leave the target without
+ * its pages.
  */
 export type MigrationCommand =
   | {
@@ -66,6 +70,13 @@ export type MigrationStreamEvent = MigrationEvent | VmMigrated;
 
 export const ABANDONED_AFTER_MS = 10 * 60_000;
 
+/** Whether a migration in `state` still holds the VM: one in progress that reported within `ABANDONED_AFTER_MS`, or a switched lazy move paging in. */
+export function blocksNewMigration(state: MigrationState, now: Date): state is Extract<MigrationState, { status: 'in_progress' }> {
+  if (state.status !== 'in_progress') return false;
+  if (state.switched && state.lazy) return true;
+  return now.getTime() - Date.parse(state.last_at) < ABANDONED_AFTER_MS;
+}
+
 const indexOf = (step: MigrationStep | undefined): number => (step === undefined ? -1 : MIGRATION_STEPS.indexOf(step));
 
 function decide(command: MigrationCommand, state: MigrationState, ctx: { now: Date }): MigrationEvent[] {
@@ -73,7 +84,7 @@ function decide(command: MigrationCommand, state: MigrationState, ctx: { now: Da
   const { vm_id } = command.data;
   switch (command.type) {
     case 'StartMigration': {
-      if (state.status === 'in_progress' && ctx.now.getTime() - Date.parse(state.last_at) < ABANDONED_AFTER_MS) {
+      if (blocksNewMigration(state, ctx.now)) {
         throw new ConflictError(
           'MIGRATION_IN_PROGRESS',
           `vm ${vm_id} is already being migrated (last step: ${state.last_step ?? 'started'}); wait for it to finish`,

@@ -7,25 +7,31 @@
  * variables that nothing on the host interprets; it becomes `environ` only
  * after the process is inside the sandbox, confined, right before execve.
  *
- *   fleet-sandbox boot [--net-raw]
- *       Last step of a sandbox's stage 2 (cwd = the new root, fd 3 = the
- *       agent's ready pipe): mask /proc and /sys paths, pivot_root, detach
- *       the old root, confine, exec /sbin/init.
- *   fleet-sandbox wait-root ROOT ARGV...
- *       First program in a new user namespace (started by unshare --user
- *       --keep-caps, ids not yet mapped): wait until the agent has mapped
- *       the ids and mounted ROOT (mount-root), become root of the
- *       namespace, exec ARGV (stage 2) in ROOT as its working directory,
- *       with this binary open as fd 4.
- *   fleet-sandbox reap FD ARGV...
- *       Run by `unshare --pid` (no --fork) in the sandbox's new namespaces,
- *       still in the host's pid namespace: its child, ARGV, is the sandbox's
- *       pid 1, so this is the one process that learns how the init ended.
- *       FD is the status file, opened by the host side before the user
- *       namespace (its directory is closed from inside): one record,
- *       rewritten in place, "<init host pid> <start ticks> running", then
- *       "... exited <code>" or "... signaled <signo>". Detached like the
- *       init, it outlives the agent, which reads the record after a restart.
+ *   fleet-sandbox start N CGROUP_PROCS_FILE×N STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW(0|1) EMPTYDIR
+ *       A sandbox's start from the host side, in one process (cmd_start):
+ *       joins the cgroups, opens STATUS, unshares the namespaces, forks the
+ *       init and stays as its reaper. The agent writes the id maps and
+ *       mounts ROOT (mount-root) once this process's network namespace is
+ *       new. The init waits until the ids are mapped and ROOT is mounted,
+ *       becomes root of the namespace and does stage 2 in ROOT: proc,
+ *       sysfs, /dev, devpts, hostname, lo, waits for eth0 and configures it
+ *       (rtnetlink), then boots: masks /proc and /sys paths (a directory
+ *       with a read-only bind of EMPTYDIR, an empty directory of host
+ *       root's), pivot_root,
+ *       detaches the old root, confines itself, writes "ready" on fd 3 (the
+ *       agent's pipe) and execs /sbin/init.
+ *       The reaper, in the sandbox's namespaces but the host's pid one, is
+ *       the one process that learns how the init ended. STATUS is opened by
+ *       the host side before the user namespace (its directory is closed
+ *       from inside): one record, rewritten in place, "<init host pid>
+ *       <start ticks> running", then "... exited <code>" or "... signaled
+ *       <signo>". Detached like the init, it outlives the agent, which reads
+ *       the record after a restart.
+ *   fleet-sandbox mask-ro PID MOUNTPOINT...
+ *       Host side of a restore: CRIU binds the masked directories (external
+ *       mounts) without their flags; this makes each MOUNTPOINT, a path in
+ *       PID's root resolved with no symlink followed, read-only, nosuid,
+ *       nodev and noexec again, in PID's mount namespace.
  *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
  *       Host side of a start, once PID (in the sandbox's new user and mount
  *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
@@ -40,21 +46,35 @@
  *       Join the cgroup(s), enter the namespaces (user first) and root of
  *       the init PID, fork into its pid namespace, confine, then OP:
  *         exec ARGV...         execvp with the guest's PATH, inside the root
- *         put PATH MODE TMP    stdin -> TMP, chmod, rename to PATH (exit 21: PATH is a directory)
+ *         put PATH MODE TMP [parents]
+ *                              stdin -> TMP, chmod, rename to PATH (exit 21: PATH is a directory);
+ *                              `parents`: PATH's missing directories are made first (mkdir -p)
  *         get PATH             "<size>\n" then the bytes (exit 21: not a regular file)
  *         unlink PATH
  *       The host-side parent waits and exits with the child's status (a
  *       fatal signal is re-raised), so a caller sees the guest's status.
- *   fleet-sandbox serve SOCKET
+ *   fleet-sandbox serve SOCKET [--allow TOOL]...
  *       The agent's long-lived spawner, so an exec costs a fork of this small
  *       process instead of a fork of Node plus an execve: listens on SOCKET
  *       (a path in the agent's 0700 data directory, made 0600), accepts only
  *       connections from uid 0, and per connection forks a relay that runs
- *       exactly `enter` (and nothing else) with the request's arguments and
- *       FLEET_E<n> environment, over pipes it relays as frames. The protocol
- *       (all integers little-endian):
+ *       one of three things with the request's arguments, over pipes it
+ *       relays as frames:
+ *         enter ARGS...        the helper's `enter`, with the FLEET_E<n>
+ *                              environment of the request (a guest exec);
+ *         mount-root ARGS...   the helper's `mount-root` (a sandbox start);
+ *         run TOOL ARGS...     execve of TOOL, an absolute path given by an
+ *                              --allow at the serve's start (the agent's
+ *                              host tools: ip, nft, mount…), with only
+ *                              PATH=/usr/sbin:/usr/bin:/sbin:/bin;
+ *       nothing else (no start, serve, no other program). Only
+ *       host root can connect, and host root could run these tools anyway:
+ *       the list keeps a request (a bug in the agent) from naming another
+ *       program; it is not a boundary against root. The
+ *       protocol (all integers little-endian):
  *         agent -> relay: u32 length, then u32 nargs, u32 nenv and that many
- *           NUL-terminated strings (args after "enter", then FLEET_E<n>=hex);
+ *           NUL-terminated strings (the verb and its args, then FLEET_E<n>=hex,
+ *           enter only);
  *           then the guest's raw stdin; a half-close is its end of input.
  *         relay -> agent: frames of u8 type, u32 length, payload: 'P' u32
  *           the relay's pid (its process group: the agent signals it as it
@@ -257,12 +277,25 @@ static const char *MASKED[] = {"proc/kcore", "proc/keys", "proc/timer_list", "pr
                                "sys/devices/virtual/powercap"};
 static const char *READONLY[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"};
 
+/* EMPTYDIR of the start (helper.ts SANDBOX_EMPTY_DIR). */
+static const char *empty_dir;
+
+/*
+ * A masked directory is a read-only bind of the agent's empty directory, not a tmpfs of its own: CRIU dumps a
+ * tmpfs by running tar and gzip over it (while the guest is frozen) and restores it by running them again, at every
+ * pause, resume, fork and move; a bind of a host directory is an external mount (criu.ts), which costs neither.
+ * The guest cannot write there either way: the directory belongs to host root, which has no id in the sandbox.
+ */
 static void mask_paths(void) {
   struct stat st;
   for (size_t i = 0; i < sizeof MASKED / sizeof MASKED[0]; i++) {
     if (lstat(MASKED[i], &st) < 0) continue;
-    int r = S_ISDIR(st.st_mode) ? mount("tmpfs", MASKED[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0")
-                                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
+    int r = S_ISDIR(st.st_mode)
+                ? mount(empty_dir, MASKED[i], NULL, MS_BIND, NULL) < 0 ||
+                          mount(NULL, MASKED[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)
+                      ? -1
+                      : 0
+                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
     if (r < 0) fail("mask", MASKED[i]);
   }
   for (size_t i = 0; i < sizeof READONLY / sizeof READONLY[0]; i++) {
@@ -273,10 +306,8 @@ static void mask_paths(void) {
   }
 }
 
-static int cmd_boot(int argc, char **argv) {
-  int net_raw = argc > 2 && strcmp(argv[2], "--net-raw") == 0;
+static int boot(int net_raw) {
   clearenv();
-  close(4); /* this binary, opened by wait-root: not for the guest */
   mask_paths();
   if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", NULL);
   if (umount2(".", MNT_DETACH) < 0) fail("detach the old root", NULL);
@@ -292,33 +323,219 @@ static int cmd_boot(int argc, char **argv) {
   return 125;
 }
 
+/* ---- stage 2 ---- */
+
+#include <time.h>
+
+/*
+ * The start's waits (the root mount, eth0) for the agent's steps end where the agent gives up on the ready signal
+ * (launch.ts, 15 s from the spawn): counts of 500 µs sleeps gave up after ~4 s (eth0) and ~6 s (root), which a
+ * loaded host's agent can overrun. Between checks the sleep grows from 200 µs to 2 ms: at most ~500 wake-ups a
+ * second instead of ~2000, for ~1 ms more on average between the agent's step and this process seeing it.
+ */
+#define START_TIMEOUT_MS 15000
+
+static long long monotonic_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Set by cmd_start before it forks the init. */
+static long long start_deadline_ns;
+
+/* One sleep between two checks: 0 once the start's deadline has passed. */
+static int backoff(unsigned *delay_us) {
+  if (monotonic_ns() >= start_deadline_ns) return 0;
+  usleep(*delay_us);
+  *delay_us = *delay_us * 3 / 2 > 2000 ? 2000 : *delay_us * 3 / 2;
+  return 1;
+}
+
+#include <arpa/inet.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <net/if.h>
+#include <sys/socket.h>
+
+/* One rtnetlink request, acknowledged; 0 or -errno. */
+static int rtnl(int fd, struct nlmsghdr *req) {
+  static unsigned seq;
+  req->nlmsg_flags |= NLM_F_REQUEST | NLM_F_ACK;
+  req->nlmsg_seq = ++seq;
+  if (send(fd, req, req->nlmsg_len, 0) < 0) return -errno;
+  char buf[4096];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (size_t)n); h = NLMSG_NEXT(h, n)) {
+      if (h->nlmsg_seq != req->nlmsg_seq || h->nlmsg_type != NLMSG_ERROR) continue;
+      return ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+    }
+  }
+}
+
+static void rta_add(struct nlmsghdr *h, unsigned short type, const void *data, unsigned short len) {
+  struct rtattr *a = (struct rtattr *)((char *)h + NLMSG_ALIGN(h->nlmsg_len));
+  a->rta_type = type;
+  a->rta_len = (unsigned short)RTA_LENGTH(len);
+  memcpy(RTA_DATA(a), data, len);
+  h->nlmsg_len = NLMSG_ALIGN(h->nlmsg_len) + RTA_ALIGN(a->rta_len);
+}
+
+static void link_up(int ioc, const char *name) {
+  struct ifreq ifr;
+  memset(&ifr, 0, sizeof ifr);
+  strncpy(ifr.ifr_name, name, IFNAMSIZ - 1);
+  if (ioctl(ioc, SIOCGIFFLAGS, &ifr) < 0) fail("read the flags of", name);
+  ifr.ifr_flags |= IFF_UP;
+  if (ioctl(ioc, SIOCSIFFLAGS, &ifr) < 0) fail("set up", name);
+}
+
+/*
+ * What `ip addr add ADDR/LEN dev eth0; ip link set eth0 up; ip route add default via GW dev eth0` did:
+ * the address (no broadcast), the link up, the default route (proto boot, as ip(8) adds it).
+ */
+static void configure_eth0(const char *cidr, const char *gw) {
+  char addr[32];
+  const char *slash = strchr(cidr, '/');
+  if (!slash || (size_t)(slash - cidr) >= sizeof addr) usage();
+  memcpy(addr, cidr, (size_t)(slash - cidr));
+  addr[slash - cidr] = 0;
+  int len = atoi(slash + 1);
+  struct in_addr a, g;
+  if (len < 1 || len > 32 || inet_pton(AF_INET, addr, &a) != 1 || inet_pton(AF_INET, gw, &g) != 1) usage();
+  int ioc = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  int nl = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+  if (ioc < 0 || nl < 0) fail("socket", NULL);
+  unsigned idx = if_nametoindex("eth0");
+  if (!idx) fail("find", "eth0");
+  struct {
+    struct nlmsghdr h;
+    union {
+      struct ifaddrmsg ifa;
+      struct rtmsg rt;
+    } u;
+    char attrs[256];
+  } req;
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifa);
+  req.h.nlmsg_type = RTM_NEWADDR;
+  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  req.u.ifa.ifa_family = AF_INET;
+  req.u.ifa.ifa_prefixlen = (unsigned char)len;
+  req.u.ifa.ifa_index = idx;
+  rta_add(&req.h, IFA_LOCAL, &a, 4);
+  rta_add(&req.h, IFA_ADDRESS, &a, 4);
+  int e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("add the address of", "eth0");
+  link_up(ioc, "eth0");
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.rt);
+  req.h.nlmsg_type = RTM_NEWROUTE;
+  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  req.u.rt.rtm_family = AF_INET;
+  req.u.rt.rtm_table = RT_TABLE_MAIN;
+  req.u.rt.rtm_protocol = RTPROT_BOOT;
+  req.u.rt.rtm_scope = RT_SCOPE_UNIVERSE;
+  req.u.rt.rtm_type = RTN_UNICAST;
+  rta_add(&req.h, RTA_GATEWAY, &g, 4);
+  rta_add(&req.h, RTA_OIF, &idx, 4);
+  e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("add the default route via", gw);
+  close(nl);
+  close(ioc);
+}
+
+static void must_mount(const char *src, const char *target, const char *type, unsigned long flags, const char *data) {
+  if (mount(src, target, type, flags, data) < 0) fail("mount", target);
+}
+
+static int is_dir(const char *path) {
+  struct stat st;
+  return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/*
+ * Stage 2 of a start, as root of the new namespaces with the new root as the working directory (the
+ * shell script it replaces ran about twenty busybox applets): proc, sysfs (the netns belongs to the
+ * user namespace), a tmpfs /dev with the host's harmless nodes bind-mounted (mknod is refused in a
+ * user namespace), devpts, the hostname; then it waits for the agent to move eth0 in, configures it,
+ * and boots (masks, pivot_root, confinement, the ready signal, /sbin/init).
+ */
+static int stage2(const char *host, const char *cidr, const char *gw, int net_raw) {
+  struct stat st;
+  if (lstat("sbin/init", &st) < 0) {
+    dprintf(2, "fleet: the image has no /sbin/init\n");
+    _exit(65);
+  }
+  static const char *DIRS[] = {"proc", "dev", "tmp"};
+  for (size_t i = 0; i < 3; i++)
+    if (!is_dir(DIRS[i]) && mkdir(DIRS[i], 0777) < 0) fail("mkdir", DIRS[i]);
+  must_mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+  /* As Docker does: ping through ICMP datagram sockets, so it needs no CAP_NET_RAW (this netns only). */
+  int fd = open("proc/sys/net/ipv4/ping_group_range", O_WRONLY | O_CLOEXEC);
+  if (fd < 0 || write(fd, "0 65535\n", 8) != 8) fail("write", "ping_group_range");
+  close(fd);
+  if (is_dir("sys")) must_mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+  must_mount("tmpfs", "dev", "tmpfs", MS_NOSUID, "mode=755,size=64m,uid=0,gid=0");
+  if (mkdir("dev/pts", 0777) < 0 || mkdir("dev/shm", 0777) < 0 || chmod("dev/shm", 01777) < 0) fail("populate", "/dev");
+  static const char *NODES[] = {"null", "zero", "full", "random", "urandom", "tty"};
+  for (size_t i = 0; i < sizeof NODES / sizeof NODES[0]; i++) {
+    char host_node[32], node[32];
+    snprintf(host_node, sizeof host_node, "/dev/%s", NODES[i]);
+    snprintf(node, sizeof node, "dev/%s", NODES[i]);
+    int n = open(node, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (n < 0) fail("create", node);
+    close(n);
+    must_mount(host_node, node, NULL, MS_BIND, NULL);
+  }
+  static const char *LINKS[][2] = {{"/proc/self/fd", "dev/fd"},         {"/proc/self/fd/0", "dev/stdin"},
+                                   {"/proc/self/fd/1", "dev/stdout"},   {"/proc/self/fd/2", "dev/stderr"},
+                                   {"pts/ptmx", "dev/ptmx"}};
+  for (size_t i = 0; i < sizeof LINKS / sizeof LINKS[0]; i++)
+    if (symlink(LINKS[i][0], LINKS[i][1]) < 0) fail("symlink", LINKS[i][1]);
+  /* Best effort, as before (a kernel without devpts newinstance still boots). */
+  mount("devpts", "dev/pts", "devpts", 0, "newinstance,ptmxmode=0666,mode=620");
+  if (sethostname(host, strlen(host)) < 0) fail("sethostname", host);
+  int ioc = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (ioc < 0) fail("socket", NULL);
+  link_up(ioc, "lo");
+  close(ioc);
+  /* The agent creates eth0 in this network namespace (network.ts attachSandbox) while the above runs. */
+  for (unsigned delay = 200; !if_nametoindex("eth0");) {
+    if (!backoff(&delay)) {
+      dprintf(2, "fleet: eth0 never arrived\n");
+      _exit(66);
+    }
+  }
+  configure_eth0(cidr, gw);
+  return boot(net_raw);
+}
+
 /* ---- wait-root ---- */
 
-static int cmd_wait_root(int argc, char **argv) {
-  if (argc < 4) usage();
+/* Waits until the agent has mapped the ids and mounted ROOT, enters it and becomes root of the user namespace. */
+static void wait_root(const char *root) {
   char parent[4096];
-  if (snprintf(parent, sizeof parent, "%s/..", argv[2]) >= (int)sizeof parent) usage();
-  for (int i = 0;; i++) {
+  if (snprintf(parent, sizeof parent, "%s/..", root) >= (int)sizeof parent) usage();
+  for (unsigned delay = 200;;) {
     struct stat a, b;
-    if (stat(argv[2], &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
-    if (i > 3000) {
+    if (stat(root, &a) == 0 && stat(parent, &b) == 0 && a.st_dev != b.st_dev) break;
+    if (!backoff(&delay)) {
       dprintf(2, "fleet: the sandbox root was never mounted\n");
       _exit(67);
     }
-    usleep(2000);
   }
   /* As the namespace's root the data directory (0700, host root's) is closed: stage 2 works from here. */
-  if (chdir(argv[2]) < 0) fail("chdir", argv[2]);
-  /* Nor is this binary: stage 2 runs it again (boot) from this descriptor, /proc/self/fd/4. */
-  int self = open("/proc/self/exe", O_RDONLY);
-  if (self < 0 || (self != 4 && (dup2(self, 4) < 0 || close(self) < 0))) fail("open /proc/self/exe", NULL);
+  if (chdir(root) < 0) fail("chdir", root);
   if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) fail("become root of the user namespace", NULL);
-  execv(argv[3], argv + 3);
-  fail("exec", argv[3]);
-  return 125;
 }
 
-/* ---- reap ---- */
+/* ---- the reaper ---- */
 
 /* One fixed-width record rewritten in place: the directory is not writable from the new user namespace. */
 static void write_status(int fd, const char *text) {
@@ -353,23 +570,30 @@ static int start_of(int pid, char *out, size_t size) {
   return 1;
 }
 
-static int cmd_reap(int argc, char **argv) {
-  if (argc < 4) usage();
-  int sfd = atoi(argv[2]);
-  if (sfd < 3 || fcntl(sfd, F_GETFD) < 0) usage();
-  pid_t init = fork();
-  if (init < 0) fail("fork", NULL);
-  if (init == 0) {
-    close(sfd);
-    /* The outer shell may have kept this process out of the OOM killer's choice; the sandbox is not. */
-    char adj[16] = "";
-    int fd = open("/proc/self/oom_score_adj", O_RDWR | O_CLOEXEC);
-    if (fd >= 0 && read(fd, adj, sizeof adj - 1) > 0 && strncmp(adj, "-1000", 5) == 0 && pwrite(fd, "0", 1, 0) != 1)
-      fail("reset oom_score_adj", NULL);
-    if (fd >= 0) close(fd);
-    execv(argv[3], argv + 3);
-    fail("exec", argv[3]);
-  }
+/*
+ * Called as host root, before the user namespace (start) or before joining it (enter). A process may lower its
+ * oom_score_adj down to its floor, oom_score_adj_min, which only a writer with CAP_SYS_RESOURCE on the host sets
+ * (to the value it writes), and which every fork inherits; a write from inside the sandbox never changes it. So
+ * the floor this process has now is the guest's for good: an agent (or its unit) at -1000 would hand every guest
+ * process the right to exempt itself from the OOM killer. Written here: the current value, or 0 if it is
+ * negative, which with CAP_SYS_RESOURCE makes it the floor as well. Without that capability the floor stays what
+ * it was and cannot be below what the host side could set anyway.
+ */
+static void guest_oom_floor(void) {
+  char adj[16] = "";
+  int fd = open("/proc/self/oom_score_adj", O_RDWR | O_CLOEXEC);
+  ssize_t n = fd < 0 ? -1 : read(fd, adj, sizeof adj - 1);
+  if (n <= 0) fail("read /proc/self/oom_score_adj", NULL);
+  adj[n] = 0;
+  long v = strtol(adj, NULL, 10);
+  char out[16];
+  int len = snprintf(out, sizeof out, "%ld", v < 0 ? 0 : v);
+  if (pwrite(fd, out, (size_t)len, 0) != len) fail("write /proc/self/oom_score_adj", NULL);
+  close(fd);
+}
+
+/* The init's parent from here on: records how it ends (see the header), nothing else. */
+static int reap(int sfd, pid_t init) {
   /* The console FIFO and the ready pipe are the sandbox's: held here, they would outlive its last process. */
   int null = open("/dev/null", O_RDWR);
   if (null >= 0) dup2(null, 0), dup2(null, 1), dup2(null, 2);
@@ -389,6 +613,38 @@ static int cmd_reap(int argc, char **argv) {
   else if (WIFSIGNALED(st)) snprintf(line, sizeof line, "%d %s signaled %d", init, start, WTERMSIG(st));
   else return 0;
   write_status(3, line);
+  return 0;
+}
+
+/* ---- mask-ro ---- */
+
+#include <linux/openat2.h>
+
+static int cmd_mask_ro(int argc, char **argv) {
+  if (argc < 4) usage();
+  clearenv();
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/root", atoi(argv[2]));
+  int root = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (root < 0) fail("open", path);
+  snprintf(path, sizeof path, "/proc/%d/ns/mnt", atoi(argv[2]));
+  int ns = open(path, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) fail("open", path);
+  /* mount_setattr changes only mounts of the caller's own mount namespace. */
+  if (setns(ns, CLONE_NEWNS) < 0) fail("setns", path);
+  for (int i = 3; i < argc; i++) {
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = O_PATH | O_DIRECTORY | O_CLOEXEC;
+    how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    int fd = (int)syscall(SYS_openat2, root, argv[i], &how, sizeof how);
+    if (fd < 0) fail("open", argv[i]);
+    struct mount_attr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", argv[i]);
+    close(fd);
+  }
   return 0;
 }
 
@@ -507,9 +763,30 @@ static int copy_fd(int in, int out, long long limit) {
   }
 }
 
-static int op_put(char **a) {
+/* mkdir -p of PATH's parent, inside the sandbox (as the guest's root would: mode 0777 less the umask). */
+static int make_parents(const char *path) {
+  char dir[4096];
+  if (snprintf(dir, sizeof dir, "%s", path) >= (int)sizeof dir) return -1;
+  char *last = strrchr(dir, '/');
+  if (!last || last == dir) return 0;
+  *last = 0;
+  for (char *p = dir + 1;; p++) {
+    if (*p != '/' && *p != 0) continue;
+    char c = *p;
+    *p = 0;
+    if (mkdir(dir, 0777) < 0 && errno != EEXIST) return -1;
+    *p = c;
+    if (c == 0) return 0;
+  }
+}
+
+static int op_put(char **a, int parents) {
   const char *path = a[0], *mode = a[1], *tmp = a[2];
   struct stat st;
+  if (parents && make_parents(path) < 0) {
+    dprintf(2, "the directories of %s: %s\n", path, strerror(errno));
+    return 1;
+  }
   if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
     dprintf(2, "is a directory\n");
     return 21;
@@ -627,7 +904,7 @@ static int cmd_enter(int argc, char **argv) {
   char *op = argv[i + 1];
   char **rest = argv + i + 2;
   int nrest = argc - i - 2;
-  if (!((strcmp(op, "exec") == 0 && nrest >= 1) || (strcmp(op, "put") == 0 && nrest == 3) ||
+  if (!((strcmp(op, "exec") == 0 && nrest >= 1) || (strcmp(op, "put") == 0 && (nrest == 3 || (nrest == 4 && strcmp(rest[3], "parents") == 0))) ||
         (strcmp(op, "get") == 0 && nrest == 1) || (strcmp(op, "unlink") == 0 && nrest == 1)))
     usage();
   char **envp = guest_env();
@@ -641,6 +918,8 @@ static int cmd_enter(int argc, char **argv) {
   char self[32];
   snprintf(self, sizeof self, "%d", getpid());
   for (size_t c = 0; c < ncg; c++) write_file(cgroups[c], self);
+  /* The exec inherits this process's OOM floor, the agent's (or the spawner's) until now. */
+  guest_oom_floor();
 
   int user = open_ns(pid, "ns/user"), root = open_ns(pid, "root");
   /* time: a sandbox CRIU restored runs in a time namespace of its own (its clocks go on from the dump); a process
@@ -702,7 +981,7 @@ static int cmd_enter(int argc, char **argv) {
     /* Only stdio: exec (libuv's too) passes on whatever the host side inherited without O_CLOEXEC. */
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0) fail("close_range", NULL);
     confine(net_raw);
-    if (strcmp(op, "put") == 0) _exit(op_put(rest));
+    if (strcmp(op, "put") == 0) _exit(op_put(rest, nrest == 4));
     if (strcmp(op, "get") == 0) _exit(op_get(rest));
     if (strcmp(op, "unlink") == 0) _exit(unlink(rest[0]) < 0 && errno != ENOENT ? 1 : 0);
     /* With a session of its own, a supervisor keeps the group killable; with a terminal, the group kill still reaches it. */
@@ -741,6 +1020,11 @@ static int cmd_enter(int argc, char **argv) {
 #include <sys/un.h>
 
 #define MAX_REQUEST (4u << 20)
+#define MAX_ALLOWED 16
+
+/* The host tools `run` may exec: fixed by the serve's argv (--allow), never by a request. */
+static const char *allowed_tools[MAX_ALLOWED];
+static int n_allowed;
 
 static int read_full(int fd, void *buf, size_t n) {
   for (size_t off = 0; off < n;) {
@@ -805,8 +1089,15 @@ static void relay(int conn) {
     else envv[i - nargs] = p;
     p = z + 1;
   }
-  /* Only `enter`: the socket is never a way to mount, boot or anything else the helper can do. */
-  if (strcmp(argv[1], "enter") != 0 || strcmp(req + 8, "enter") != 0) _exit(125);
+  /* Only these three: the socket is never a way to boot, serve, or run a program the agent did not allow at start. */
+  int is_enter = strcmp(argv[1], "enter") == 0, is_mount = strcmp(argv[1], "mount-root") == 0, is_run = strcmp(argv[1], "run") == 0;
+  if (!is_enter && !is_mount && !is_run) _exit(125);
+  if (!is_enter && nenv != 0) _exit(125);
+  if (is_run) {
+    int ok = 0;
+    for (int i = 0; nargs >= 2 && i < n_allowed; i++) ok |= strcmp(argv[2], allowed_tools[i]) == 0;
+    if (!ok) _exit(125);
+  }
   for (uint32_t i = 0; i < nenv; i++)
     if (strncmp(envv[i], "FLEET_E", 7) != 0 || !strchr(envv[i], '=')) _exit(125);
 
@@ -825,7 +1116,12 @@ static void relay(int conn) {
     clearenv();
     for (uint32_t i = 0; i < nenv; i++)
       if (putenv(envv[i]) != 0) _exit(125);
-    _exit(cmd_enter((int)nargs + 1, argv));
+    if (is_enter) _exit(cmd_enter((int)nargs + 1, argv));
+    if (is_mount) _exit(cmd_mount_root((int)nargs + 1, argv));
+    char *tool_env[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+    execve(argv[2], argv + 2, tool_env);
+    dprintf(2, "fleet-sandbox: exec %s: %s\n", argv[2], strerror(errno));
+    _exit(127);
   }
   close(in[0]);
   close(out[1]);
@@ -895,7 +1191,11 @@ static void relay(int conn) {
 }
 
 static int cmd_serve(int argc, char **argv) {
-  if (argc != 3) usage();
+  if (argc < 3) usage();
+  for (int i = 3; i < argc; i += 2) {
+    if (strcmp(argv[i], "--allow") != 0 || i + 1 >= argc || argv[i + 1][0] != '/' || n_allowed >= MAX_ALLOWED) usage();
+    allowed_tools[n_allowed++] = argv[i + 1];
+  }
   clearenv();
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   struct sockaddr_un addr;
@@ -935,14 +1235,51 @@ static int cmd_serve(int argc, char **argv) {
   return 125;
 }
 
+/* ---- start ---- */
+
+/*
+ * What the outer shell, unshare(1) and the helper's former `reap` and `wait-root` verbs did, in one process and no exec
+ * until /sbin/init: join the cgroup(s), open the status file (as host root), set the guest's OOM
+ * floor (guest_oom_floor), then one unshare(2) of user, pid, mount, uts, ipc and net namespaces (the user namespace
+ * first, so this process holds every capability in it and keeps them, never exec'ing), mounts
+ * private; fork pid 1, which waits for the agent's id maps and root mount and runs stage 2; stay
+ * as its reaper.
+ */
+static int cmd_start(int argc, char **argv) {
+  if (argc < 3) usage();
+  int n = atoi(argv[2]);
+  if (n < 0 || n > argc || argc != 3 + n + 7) usage();
+  char **a = argv + 3 + n; /* STATUS ROOT HOSTNAME ADDR/LEN GATEWAY NETRAW EMPTYDIR */
+  start_deadline_ns = monotonic_ns() + START_TIMEOUT_MS * 1000000LL;
+  clearenv();
+  char me[16];
+  snprintf(me, sizeof me, "%d\n", (int)getpid());
+  for (int i = 0; i < n; i++) write_file(argv[3 + i], me);
+  int sfd = open(a[0], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (sfd < 0) fail("open", a[0]);
+  /* The init inherits this process's OOM floor. The reaper itself is kept out of the OOM killer's choice by the
+     agent, once the init is forked (launch.ts): a -1000 written here would be the floor of every guest process. */
+  guest_oom_floor();
+  if (unshare(CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0) fail("unshare", NULL);
+  if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make the mounts private", NULL);
+  empty_dir = a[6];
+  pid_t init = fork();
+  if (init < 0) fail("fork", NULL);
+  if (init == 0) {
+    close(sfd);
+    wait_root(a[1]);
+    return stage2(a[2], a[3], a[4], strcmp(a[5], "1") == 0);
+  }
+  return reap(sfd, init);
+}
+
 int main(int argc, char **argv) {
   if (argc < 2) usage();
-  if (strcmp(argv[1], "boot") == 0) return cmd_boot(argc, argv);
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
-  if (strcmp(argv[1], "wait-root") == 0) return cmd_wait_root(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
-  if (strcmp(argv[1], "reap") == 0) return cmd_reap(argc, argv);
+  if (strcmp(argv[1], "mask-ro") == 0) return cmd_mask_ro(argc, argv);
   if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
+  if (strcmp(argv[1], "start") == 0) return cmd_start(argc, argv);
   usage();
   return 125;
 }

@@ -1,6 +1,6 @@
 import { createHash } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { chmod, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { chmod, chown, lstat, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { featureMissing } from '../backend.js';
@@ -27,13 +27,53 @@ function sourcePath(): string {
 
 const GCC_ENV = { PATH: '/usr/local/bin:/usr/bin:/bin', LANG: 'C' };
 
-export async function ensureSandboxHelper(dataDir: string): Promise<string> {
+/** The helper's binary, and the host-wide directory under which each sandbox has its empty directory. */
+export interface SandboxHelper {
+  readonly helper: string;
+  readonly emptyRoot: string;
+}
+
+/**
+ * Each sandbox's masked directories (/proc/acpi, /sys/firmware, ...) are read-only binds of an empty directory of its
+ * own here (emptyDirOf): bound by fleet-sandbox.c at a start and by CRIU at a restore (criu.ts). Outside the 0700 data
+ * directory because CRIU binds it from inside the sandbox's user namespace, as the sandbox's root, which must be able
+ * to reach it; host root's and 0555, so nothing in a sandbox can write it; one per sandbox, so no two sandboxes share
+ * an inode (an inotify watch on a shared one would see another tenant list it).
+ */
+export const SANDBOX_EMPTY_ROOT = '/run/fleet-sandbox';
+
+export async function ensureSandboxHelper(dataDir: string, emptyRoot = SANDBOX_EMPTY_ROOT): Promise<SandboxHelper> {
+  const dir = join(dataDir, 'runtime-helper');
+  await mkdir(dir, { recursive: true, mode: 0o755 });
+  await mkdir(emptyRoot, { recursive: true, mode: 0o755 });
+  // Made by an older agent or by hand: it must be searchable by every sandbox's root, and writable by host root only.
+  await chown(emptyRoot, 0, 0);
+  await chmod(emptyRoot, 0o755);
+  return { helper: await buildHelper(dir), emptyRoot };
+}
+
+/** The empty directory of the sandbox whose directory is `sandboxDir` (unique per agent and name on this host). */
+export const emptyDirOf = (emptyRoot: string, sandboxDir: string): string =>
+  join(emptyRoot, createHash('sha256').update(sandboxDir).digest('hex').slice(0, 24));
+
+export async function ensureEmptyDir(path: string): Promise<string> {
+  await mkdir(path, { mode: 0o555 }).catch((err: unknown) => {
+    if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err;
+  });
+  const st = await lstat(path);
+  if (!st.isDirectory() || (await readdir(path)).length > 0) {
+    throw featureMissing(`an empty directory at ${path}`, 'something else is there: remove it, the agent makes it again');
+  }
+  await chown(path, 0, 0);
+  await chmod(path, 0o555);
+  return path;
+}
+
+async function buildHelper(dir: string): Promise<string> {
   const src = await readFile(sourcePath());
   const hash = createHash('sha256').update(src).digest('hex').slice(0, 16);
-  const dir = join(dataDir, 'runtime-helper');
   const bin = join(dir, `fleet-sandbox-${hash}`);
   if (existsSync(bin)) return bin;
-  await mkdir(dir, { recursive: true, mode: 0o755 });
   const tmp = `${bin}.tmp-${process.pid}`;
   const srcCopy = `${tmp}.c`;
   try {

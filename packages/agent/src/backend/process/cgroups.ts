@@ -176,11 +176,9 @@ export class Cgroups {
     throw new Error(`cgroup ${name} did not ${frozen ? 'freeze' : 'thaw'} within 5s`);
   }
 
-  /** Kills every member, waits for the group to empty, removes it. Returns the pids it killed. */
-  async remove(name: string): Promise<number[]> {
+  /** Kills every member and waits (at most ~2 s) for the group to empty. Returns the pids it killed. */
+  async killAll(name: string): Promise<number[]> {
     const killed: number[] = [];
-    const dirs = this.dirs(name).filter((d) => existsSync(d));
-    if (dirs.length === 0) return killed;
     // A frozen group cannot die: thaw first (a crash mid-checkpoint leaves it frozen).
     await this.setFrozen(name, false).catch(() => undefined);
     for (let i = 0; i < 200; i++) {
@@ -196,6 +194,14 @@ export class Cgroups {
       }
       await sleep(10);
     }
+    return killed;
+  }
+
+  /** Kills every member, waits for the group to empty, removes it. Returns the pids it killed. */
+  async remove(name: string): Promise<number[]> {
+    const dirs = this.dirs(name).filter((d) => existsSync(d));
+    if (dirs.length === 0) return [];
+    const killed = await this.killAll(name);
     for (const dir of dirs) {
       for (let i = 0; i < 50; i++) {
         try {

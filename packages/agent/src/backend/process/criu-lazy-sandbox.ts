@@ -282,8 +282,14 @@ function openTunnel(from: LazyFrom, checkpointId: string, onError: (err: Error) 
         onError(err);
         sock.destroy();
       });
+      // The daemon hangs up once it has every page (or when it fails): the stream then closes from this side, and
+      // whether the restore succeeded is the daemon's exit code (settle), whatever the close code.
+      let daemonDone = false;
+      sock.once('end', () => {
+        daemonDone = true;
+      });
       ws.once('close', (code) => {
-        if (code !== 1000) onError(new Error(`the page stream closed (${String(code)})`));
+        if (code !== 1000 && !daemonDone) onError(new Error(`the page stream closed (${String(code)})`));
         sock.destroy();
       });
       ws.once('open', () => {

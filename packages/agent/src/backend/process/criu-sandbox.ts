@@ -1,12 +1,22 @@
 import { spawn } from 'node:child_process';
 import { closeSync, fchownSync } from 'node:fs';
 import { mkdir, readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { ensureEmptyDir } from '../../native/helper.js';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed, type Checkpoint } from '../../backend.js';
 import { resolveImage } from '../../images.js';
-import { CRIU_META, criuMetaSchema, dumpTree, restoreTree, type CriuMeta, type DumpResult } from './criu.js';
+import {
+  CRIU_META,
+  criuMetaSchema,
+  dumpTree,
+  externalMounts,
+  restoreTree,
+  RestoreTimedOut,
+  type CriuMeta,
+  type DumpResult,
+} from './criu.js';
 import { mustRun, processStartTime, runTool, sleep } from './exec-util.js';
 import { openConsoleWriter, USERNS_SIZE } from './launch.js';
 import { deleteLink, hardenLink } from './network.js';
@@ -38,6 +48,7 @@ export async function dumpMemory(
       uidBase: s.uid_base,
       ip: s.ip,
       hostname: s.name,
+      emptyDir: host.emptyDir(s.name),
       lazy,
     });
     host.log?.info({ sandbox: s.name, frozen_ms: res.frozenMs, pages: res.pagesWritten, leave_running: leaveRunning }, 'criu dump');
@@ -80,13 +91,32 @@ export async function restoreInto(
   const dir = host.sandboxDir(s.name);
   const root = join(dir, 'root');
   const layer = layerDirs(dir, s.storage_gb);
-  await host.firewall.apply(() => host.firewallState());
-  await host.readyBridge(record);
-  await deleteLink(s.veth);
   await mkdir(root, { recursive: true });
-  lap('network_ms');
+  // The host's side of the network (rules, bridge, no stale veth) is made while the user namespace and the root
+  // mount are: neither needs it; only CRIU's setup-namespaces hook does.
+  const network = (async () => {
+    await host.firewall.apply(() => host.firewallState());
+    await host.readyBridge(record);
+    await deleteLink(s.veth);
+  })();
+  network.catch(() => undefined);
+  // So is the console's writer (a shell that makes the FIFO and opens its read end).
+  const consoleWriter = openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base).then(
+    (fd) => {
+      try {
+        // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
+        fchownSync(fd, s.uid_base, s.uid_base);
+        return fd;
+      } catch (err) {
+        closeSync(fd);
+        throw err;
+      }
+    },
+  );
+  consoleWriter.catch(() => undefined);
   const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
-  let consoleFd: number | undefined;
+  // A spawn that fails leaves no pid (refused below); its 'error' must not take the agent down.
+  holder.on('error', () => undefined);
   let mounted = false;
   const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
   host.scratch.add(scratch);
@@ -103,38 +133,60 @@ export async function restoreInto(
     await mustRun(host.tools.helper, ['mount-root', String(hpid), String(s.uid_base), imagePath, dirname(layer.upper), root]);
     mounted = true;
     lap('mount_root_ms');
-    consoleFd = await openConsoleWriter(join(dir, 'console.log'), host.opts.consoleLogMaxBytes, host.tools.busybox, s.uid_base);
-    // CRIU reopens it from inside the sandbox's user namespace, as the sandbox's root.
-    fchownSync(consoleFd, s.uid_base, s.uid_base);
-    const pid = await restoreTree(
-      criu,
-      cpDir,
-      meta,
-      {
-        root,
-        cgroupProcs: host.cgroups.procsFiles(s.name),
-        uidBase: s.uid_base,
-        veth: s.veth,
-        bridge: s.bridge,
-        mac: s.mac,
-        ip: s.ip,
-        prefixLen: host.subnet.prefixLen,
-        gateway: host.subnet.gateway,
-        hostname: s.name,
-        consoleFd,
-        hook: host.criuHook,
-      },
-      join(host.checkpoints.staging, scratch),
-      lazy,
-    );
+    const consoleFd = await consoleWriter;
+    lap('console_wait_ms');
+    await network;
+    lap('network_wait_ms');
+    const target = {
+      root,
+      cgroupProcs: host.cgroups.procsFiles(s.name),
+      uidBase: s.uid_base,
+      veth: s.veth,
+      bridge: s.bridge,
+      mac: s.mac,
+      ip: s.ip,
+      prefixLen: host.subnet.prefixLen,
+      gateway: host.subnet.gateway,
+      hostname: s.name,
+      consoleFd,
+      hook: host.criuHook,
+      emptyDir: await ensureEmptyDir(host.emptyDir(s.name)),
+    };
+    let pid: number;
+    for (let attempt = 1; ; attempt++) {
+      try {
+        pid = await restoreTree(criu, cpDir, meta, target, join(host.checkpoints.staging, scratch), lazy, host.restoreDeadlineMs);
+        break;
+      } catch (err) {
+        if (!(err instanceof RestoreTimedOut)) throw err;
+        host.log?.warn(
+          { sandbox: s.name, checkpoint: cp.id, attempt, deadline_ms: err.deadlineMs, criu_log: err.logTail },
+          'criu restore hung: killed',
+        );
+        // What the killed restore left: its half-restored tasks (in the sandbox's cgroups) and the veth its hook made.
+        await host.cgroups.killAll(s.name);
+        if ((await host.cgroups.pids(s.name)).length > 0)
+          throw sandboxFailed(`tasks of a killed restore are still in the cgroups of ${s.name}`);
+        await deleteLink(s.veth);
+        // A lazy restore is not tried again: its pages come from a source page server that served the first try.
+        if (attempt >= (lazy ? 1 : RESTORE_ATTEMPTS))
+          throw sandboxFailed(`${err.message}, ${attempt} times (the criu log ends: ${err.logTail})`);
+      }
+    }
     lap('criu_restore_ms');
     const start = await processStartTime(pid);
     if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
     s.init_pid = pid;
     s.init_start = start;
+    // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
+    const masks = (await externalMounts(pid, target.emptyDir)).empty;
+    if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
     await hardenLink(s.veth, 'veth');
     lap('harden_ms');
   } finally {
+    // Settled before the caller cleans up (an early failure leaves it in flight).
+    await network.catch(() => undefined);
+    const consoleFd = await consoleWriter.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
     if (mounted) await runTool('umount', ['-l', root]);
     holder.kill('SIGKILL');
@@ -143,3 +195,6 @@ export async function restoreInto(
   lap('unmount_ms');
   host.log?.info({ sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, ...steps }, 'criu restore');
 }
+
+/** A restore that hangs is tried this many times in all (each within SandboxHost.restoreDeadlineMs). */
+const RESTORE_ATTEMPTS = 2;

@@ -1,12 +1,12 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { accessSync, constants as fsConstants, existsSync } from 'node:fs';
-import { chmod, link, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { chmod, link, lstat, mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { createServer } from 'node:net';
-import { delimiter, join } from 'node:path';
+import { basename, delimiter, dirname, join } from 'node:path';
 import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
-import { spawnUntilReady } from './criu-lazy.js';
+import { CRIU_ENV, spawnUntilReady } from './criu-lazy.js';
 import { runTool } from './exec-util.js';
 
 /**
@@ -26,7 +26,10 @@ import { runTool } from './exec-util.js';
  * - `--external mnt[...]`: /dev/null & co. (and the /proc masks) are binds of
  *   the host's devtmpfs; each is restored from `/dev` + its root in the
  *   source's mountinfo, never from its own mount point (that would bind the
- *   host's /proc/keys into the guest).
+ *   host's /proc/keys into the guest). The masked directories (/proc/acpi,
+ *   /sys/firmware, ...) are binds of the agent's empty directory, restored
+ *   from the restoring agent's own: as a tmpfs each would cost a tar and a
+ *   gzip at every dump (guest frozen) and every restore.
  * - `--external file[mnt:ino]` + `--inherit-fd`: the init's stdout/stderr are
  *   the console FIFO, whose reader lives on the host; a restore hands CRIU a
  *   new FIFO with a new reader, owned by the sandbox's root (CRIU reopens it
@@ -60,7 +63,8 @@ export const CRIU_META = `${MEMORY_FILE_PREFIX}fleet.json`;
 
 /** What a restore needs to know about the dump besides CRIU's own images (criu-fleet.json, hashed like the rest). */
 export const criuMetaSchema = z.object({
-  version: z.literal(1),
+  /** 2: with empty_mounts (an agent that knows only 1 refuses it rather than restore without them). */
+  version: z.union([z.literal(1), z.literal(2)]),
   /** The init's console FIFO as CRIU names it: file[<mnt_id hex>:<inode hex>]. */
   console_id: z.string().regex(/^file\[[0-9a-f]+:[0-9a-f]+\]$/),
   /** External mounts: CRIU key -> the host path they bind (always under /dev). */
@@ -71,6 +75,8 @@ export const criuMetaSchema = z.object({
       .regex(/^\/dev\/[A-Za-z0-9._-]+$/)
       .refine((p) => !p.includes('..')),
   ),
+  /** External mounts that bind the agent's empty directory (masked directories): CRIU keys. */
+  empty_mounts: z.array(z.string().regex(/^[A-Za-z0-9_]+$/)).default([]),
   uid_base: z.number().int().positive(),
   ip: z.string(),
   hostname: z.string(),
@@ -122,7 +128,96 @@ export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ fea
     notes.push('lazy pages off: vm.unprivileged_userfaultfd is 0 and this criu lacks the /dev/userfaultfd patch (scripts/criu)');
   const dirty = await feature('mem_dirty_track');
   if (!dirty) notes.push('memory diff off: the kernel has no soft-dirty bits');
+  // A restore reads the sandbox's memory into fresh pages: with huge pages only where a program asked for them
+  // (`madvise`, the default of many kernels), one page fault per 4 KiB, which on some hosts (virtual machines above
+  // all) is most of a resume: docs/host-agent.md, "Transparent huge pages".
+  const thp = await transparentHugepages();
+  if (thp !== null && thp !== 'always')
+    notes.push(`transparent_hugepage is "${thp}": restores fault memory in 4 KiB pages; "always" makes resumes and forks faster`);
+  const kdat = await installKdatCache(path);
+  if (kdat) notes.push(kdat);
   return { features: { path, version, liveSnapshot: true, lazyPages: uffd && (unpriv || viaDev), memoryDiff: dirty, notes }, reason: '' };
+}
+
+const TMPFS_MAGIC = 0x01021994;
+/** The host's transparent huge page mode (`always`, `madvise`, `never`), or null when the kernel has none. */
+export async function transparentHugepages(): Promise<string | null> {
+  const text = await readFile('/sys/kernel/mm/transparent_hugepage/enabled', 'utf8').catch(() => null);
+  return text?.match(/\[(\w+)\]/)?.[1] ?? null;
+}
+
+export const KDAT_CACHE = '/run/criu.kdat';
+
+/**
+ * What CRIU probes of the kernel before any dump or restore (its "kerndat":
+ * a test veth in a throwaway network namespace, `iptables -L`, vDSO, pagemap,
+ * about fifty probes) it keeps in /run/criu.kdat, and loads from there on the
+ * next run, but it writes that file only on a tmpfs (so that a reboot into
+ * another kernel drops it). Where /run is not a tmpfs (this host; a
+ * container) every run probed afresh: 0.1-0.25 s of each resume under load.
+ * The agent then has a criu of its own, in a private mount namespace over a
+ * fresh tmpfs on /run, probe this kernel once as it starts, and installs the
+ * file: CRIU reads it from any filesystem. CRIU checks only the file's size
+ * and two magic numbers, yet it holds values of this boot (the zero page's
+ * pfn, shmem device numbers): a stale one can make a dump take a real page
+ * for the zero page. So the file is kept only while its sidecar (`.id`: the
+ * boot id, the kernel release, and the criu binary's path, inode, size and
+ * mtime) matches exactly; anything else (another boot, kernel or criu; a
+ * clock that was wrong when it was made) makes it again.
+ * Answers a note for the log, or null when /run is a tmpfs (CRIU does it itself).
+ */
+export async function installKdatCache(criuPath: string, target = KDAT_CACHE): Promise<string | null> {
+  const { statfs, mkdtemp, copyFile, rename, stat } = await import('node:fs/promises');
+  const { tmpdir, release } = await import('node:os');
+  const fsType = await statfs(dirname(target)).then(
+    (st) => st.type,
+    () => null,
+  );
+  if (fsType === null || fsType === TMPFS_MAGIC) return null;
+  const bin = await stat(criuPath).catch(() => null);
+  if (!bin) return `no kernel-probe cache for criu: ${criuPath} is gone`;
+  const identity = JSON.stringify({
+    boot_id: (await readFile('/proc/sys/kernel/random/boot_id', 'utf8')).trim(),
+    kernel: release(),
+    criu: { path: criuPath, ino: bin.ino, size: bin.size, mtime_ms: bin.mtimeMs },
+  });
+  const sidecar = `${target}.id`;
+  const have = await stat(target).catch(() => null);
+  const made = await readFile(sidecar, 'utf8').catch(() => null);
+  if (have && have.size > 0 && made === identity) return `criu's kernel probes cached in ${target}, made in this boot by this criu`;
+  // The sidecar goes first and comes back last: a crash in between leaves a file that is made again.
+  await rm(sidecar, { force: true });
+  const work = await mkdtemp(join(tmpdir(), 'criu-kdat-'));
+  try {
+    const out = join(work, 'criu.kdat');
+    const res = await runTool(
+      'unshare',
+      [
+        '--mount',
+        '--propagation',
+        'private',
+        '--',
+        '/bin/sh',
+        '-c',
+        'mount -t tmpfs -o size=1m,mode=0755 tmpfs /run && { "$1" check >/dev/null 2>&1; cp /run/criu.kdat "$2"; }',
+        'kdat',
+        criuPath,
+        out,
+      ],
+      { env: CRIU_ENV, timeoutMs: 60_000 },
+    ).catch((err: unknown) => ({ code: -1, stdout: '', stderr: (err as Error).message }));
+    if (res.code !== 0) return `no kernel-probe cache for criu (/run is not a tmpfs): ${res.stderr.trim().slice(-200)}`;
+    const tmp = `${target}.fleet-${process.pid}`;
+    await copyFile(out, tmp);
+    await rename(tmp, target);
+    await writeFile(`${sidecar}.fleet-${process.pid}`, identity);
+    await rename(`${sidecar}.fleet-${process.pid}`, sidecar);
+    return `criu's kernel probes cached in ${target} (/run is not a tmpfs, where criu would keep them itself)`;
+  } catch (err) {
+    return `no kernel-probe cache for criu: ${(err as Error).message}`;
+  } finally {
+    await rm(work, { recursive: true, force: true });
+  }
 }
 
 // ---- image rewriting --------------------------------------------------------------
@@ -216,17 +311,22 @@ export function rewriteUsernsImage(img: Buffer, from: number, to: number): Buffe
 
 // ---- dump and restore ------------------------------------------------------------
 
-/** The action script CRIU runs at setup-namespaces: the restored, empty network namespace gets its eth0. */
+/**
+ * The action script CRIU runs at setup-namespaces: the restored, empty
+ * network namespace gets its eth0. Few processes (CRIU waits for it while the
+ * tree is half restored): the host side in one ip(8) batch after the veth's
+ * sysctls, the guest side (as the sandbox's root, whose user namespace owns
+ * the network namespace) in one more, with the ping range beside it.
+ */
 const NETNS_HOOK = `#!/bin/sh
 [ "$CRTOOLS_SCRIPT_ACTION" = "setup-namespaces" ] || exit 0
 set -e
 p=$CRTOOLS_INIT_PID
 ip link add "$FLEET_VETH" type veth peer name eth0 netns "$p" address "$FLEET_MAC"
 for f in disable_ipv6 accept_ra; do v=1; [ "$f" = accept_ra ] && v=0; [ -e "/proc/sys/net/ipv6/conf/$FLEET_VETH/$f" ] && echo $v > "/proc/sys/net/ipv6/conf/$FLEET_VETH/$f"; done
-ip link set "$FLEET_VETH" master "$FLEET_BRIDGE" up
-ip route replace "$FLEET_IP/32" dev "$FLEET_BRIDGE" src "$FLEET_GW"
-nsenter -t "$p" -n sh -c 'ip link set lo up && ip addr add "$FLEET_IP/$FLEET_PREFIX" dev eth0 && ip link set eth0 up && ip route add default via "$FLEET_GW" dev eth0'
-nsenter -t "$p" -U -n sh -c 'echo "0 65535" > /proc/sys/net/ipv4/ping_group_range'
+printf 'link set %s master %s up\nroute replace %s/32 dev %s src %s\n' "$FLEET_VETH" "$FLEET_BRIDGE" "$FLEET_IP" "$FLEET_BRIDGE" "$FLEET_GW" | ip -batch -
+printf 'link set lo up\naddr add %s/%s dev eth0\nlink set eth0 up\nroute add default via %s dev eth0\n' "$FLEET_IP" "$FLEET_PREFIX" "$FLEET_GW" |
+  nsenter -t "$p" -U -n sh -c 'ip -batch - && echo "0 65535" > /proc/sys/net/ipv4/ping_group_range'
 `;
 
 export async function installNetnsHook(dir: string): Promise<string> {
@@ -240,19 +340,32 @@ export async function installNetnsHook(dir: string): Promise<string> {
 }
 
 /** Mount points of `pid`'s namespace that bind the host's devtmpfs, with the host path each binds. */
-async function devtmpfsMounts(pid: number): Promise<Array<{ mountpoint: string; source: string }>> {
+/**
+ * The sandbox's mounts CRIU must not dump: binds of the host's devtmpfs (restored from `/dev` + their root), and
+ * binds of the sandbox's empty directory (the masked directories), known from mountinfo alone (its device, and a root
+ * ending in its name: nothing is looked up through the guest's tree).
+ */
+export async function externalMounts(
+  pid: number,
+  emptyDir: string,
+): Promise<{ devices: Array<{ mountpoint: string; source: string }>; empty: string[] }> {
   const text = await readFile(`/proc/${pid}/mountinfo`, 'utf8');
-  const out: Array<{ mountpoint: string; source: string }> = [];
+  const unescape = (f: string | undefined): string =>
+    (f ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+  const want = await lstat(emptyDir).catch(() => null);
+  const wantDev = want ? `${Math.floor(want.dev / 256) & 0xfff}:${(want.dev & 0xff) | ((want.dev >> 12) & 0xfff00)}` : '';
+  const devices: Array<{ mountpoint: string; source: string }> = [];
+  const empty: string[] = [];
   for (const line of text.split('\n')) {
     const [pre, post] = line.split(' - ');
     if (!pre || !post) continue;
     const f = pre.split(' ');
-    if (post.split(' ')[0] !== 'devtmpfs') continue;
-    const root = (f[3] ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
-    const mountpoint = (f[4] ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
-    out.push({ mountpoint, source: `/dev${root}` });
+    const root = unescape(f[3]);
+    const mountpoint = unescape(f[4]);
+    if (post.split(' ')[0] === 'devtmpfs') devices.push({ mountpoint, source: `/dev${root}` });
+    else if (want && f[2] === wantDev && root.endsWith(`/${basename(emptyDir)}`)) empty.push(mountpoint);
   }
-  return out;
+  return { devices, empty };
 }
 
 const mountKey = (mountpoint: string): string => `m${mountpoint.replace(/[^A-Za-z0-9]/g, '_')}`;
@@ -277,6 +390,16 @@ export interface DumpResult {
   readonly pagesWritten: number;
 }
 
+/** `criu restore` did not finish by its deadline and was killed; `logTail`: the last lines of its log. */
+export class RestoreTimedOut extends Error {
+  constructor(
+    readonly deadlineMs: number,
+    readonly logTail: string,
+  ) {
+    super(`criu restore did not finish within ${deadlineMs} ms`);
+  }
+}
+
 function criuError(what: string, log: string): AppError {
   const lines = log
     .split('\n')
@@ -296,7 +419,7 @@ function runCriu(
   return new Promise((resolve, reject) => {
     const child = spawn('/bin/sh', ['-c', script, 'criu', String(cg.length), ...cg, ...argv], {
       stdio: ['ignore', 'ignore', 'ignore', ...(opts.fd3 !== undefined ? [opts.fd3] : [])],
-      env: { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin', ...(opts.env ?? {}) },
+      env: { ...CRIU_ENV, ...(opts.env ?? {}) },
     });
     child.once('error', reject);
     child.once('close', (code) => resolve(code));
@@ -357,21 +480,24 @@ export async function dumpTree(
     uidBase: number;
     ip: string;
     hostname: string;
+    /** The sandbox's empty directory (SandboxHost.emptyDir): binds of it are the masked directories. */
+    emptyDir: string;
     lazy?: boolean;
   },
 ): Promise<DumpResult> {
   await mkdir(opts.dir, { recursive: true, mode: 0o700 });
   await ownSession(opts.initPid);
-  const mounts = await devtmpfsMounts(opts.initPid);
+  const { devices: mounts, empty } = await externalMounts(opts.initPid, opts.emptyDir);
   const mntId = (await readFile(`/proc/${opts.initPid}/fdinfo/1`, 'utf8')).match(/^mnt_id:\s*(\d+)/m)?.[1];
   const { stat } = await import('node:fs/promises');
   const ino = (await stat(`/proc/${opts.initPid}/fd/1`)).ino;
   if (!mntId) throw sandboxFailed('could not read the console descriptor of the sandbox init');
   const consoleId = `file[${Number(mntId).toString(16)}:${ino.toString(16)}]`;
   const meta: CriuMeta = {
-    version: 1,
+    version: 2,
     console_id: consoleId,
     mounts: Object.fromEntries(mounts.map((m) => [mountKey(m.mountpoint), m.source])),
+    empty_mounts: empty.map(mountKey),
     uid_base: opts.uidBase,
     ip: opts.ip,
     hostname: opts.hostname,
@@ -393,7 +519,7 @@ export async function dumpTree(
     'net',
     '--network-lock',
     'nftables',
-    ...mounts.flatMap((m) => ['--external', `mnt[${m.mountpoint}]:${mountKey(m.mountpoint)}`]),
+    ...[...mounts.map((m) => m.mountpoint), ...empty].flatMap((mp) => ['--external', `mnt[${mp}]:${mountKey(mp)}`]),
     '--external',
     consoleId,
     ...(opts.leaveRunning ? ['--leave-running'] : []),
@@ -439,6 +565,8 @@ export interface RestoreTarget {
   /** Write end of the new console FIFO (launch.ts openConsoleWriter). */
   readonly consoleFd: number;
   readonly hook: string;
+  /** The sandbox's empty directory on this host (SandboxHost.emptyDir), bound over the masked directories. */
+  readonly emptyDir: string;
 }
 
 /**
@@ -454,6 +582,7 @@ export async function restoreTree(
   target: RestoreTarget,
   scratch: string,
   lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void }>,
+  deadlineMs?: number,
 ): Promise<number> {
   let keepScratch = false;
   await rm(scratch, { recursive: true, force: true });
@@ -500,10 +629,21 @@ export async function restoreTree(
       '--action-script',
       target.hook,
       ...Object.entries(meta.mounts).flatMap(([key, source]) => ['--external', `mnt[${key}]:${source}`]),
+      ...meta.empty_mounts.flatMap((key) => ['--external', `mnt[${key}]:${target.emptyDir}`]),
       '--inherit-fd',
       `fd[3]:${meta.console_id}`,
       ...(daemon ? ['--lazy-pages'] : []),
     ];
+    // A restore that never ends (seen now and then on this VM: criu asleep on a futex, waiting for a restored task)
+    // is killed at the deadline; the caller removes what it left in the sandbox's cgroups and may try again.
+    const deadline = { passed: false };
+    const timer =
+      deadlineMs === undefined
+        ? undefined
+        : setTimeout(() => {
+            deadline.passed = true;
+            abort.abort();
+          }, deadlineMs);
     const code = await runCriu(argv, {
       cgroupProcs: target.cgroupProcs,
       fd3: target.consoleFd,
@@ -516,10 +656,12 @@ export async function restoreTree(
         FLEET_PREFIX: String(target.prefixLen),
         FLEET_GW: target.gateway,
       },
-    });
+    }).finally(() => clearTimeout(timer));
     if (code !== 0) {
       daemon?.kill();
-      throw criuError('criu restore failed', await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => ''));
+      const log = await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => '');
+      if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log.split('\n').filter(Boolean).slice(-8).join(' | '));
+      throw criuError('criu restore failed', log);
     }
     const pid = Number((await readFile(pidfile, 'utf8')).trim());
     if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');

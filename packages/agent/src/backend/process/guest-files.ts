@@ -2,11 +2,16 @@ import { randomBytes } from 'node:crypto';
 import { Transform, type Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { AppError } from '@fleet/agent-protocol';
-import { invalidSpec, sandboxFailed } from '../../backend.js';
+import { invalidSpec, sandboxFailed, type ProcessHandle } from '../../backend.js';
 import { enterSandbox } from './guest-exec.js';
 import { resolveInRoot } from './guest-path.js';
 import { spawnPiped } from './guest-process.js';
 import type { SandboxHost } from './sandbox-host.js';
+
+/** The helper's `enter` for a file op, forked by the exec spawner when it is up (as execs are), else spawned. */
+function spawnHelper(host: SandboxHost, argv: string[], stdin: boolean): ProcessHandle {
+  return host.spawner?.ready ? host.spawner.spawn(argv.slice(1), {}, stdin) : spawnPiped(argv, {}, stdin);
+}
 
 export async function resolveGuestPath(host: SandboxHost, name: string, guestPath: string, opts: { forWrite: boolean }): Promise<string> {
   const record = host.must(name);
@@ -20,17 +25,24 @@ export async function writeGuestFile(
   name: string,
   guestPath: string,
   data: Readable,
-  opts: { mode?: number; maxBytes?: number } = {},
+  opts: { mode?: number; maxBytes?: number; parents?: boolean } = {},
 ): Promise<{ path: string; bytes: number }> {
   const record = host.must(name);
   await host.assertRunning(record);
-  const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: true });
+  const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, {
+    forWrite: true,
+    ...(opts.parents ? { parents: true } : {}),
+  });
   const mode = (opts.mode ?? 0o644).toString(8);
   if (!/^[0-7]{1,4}$/.test(mode))
     throw invalidSpec(`file mode ${mode} is invalid: use octal permission bits`, [{ path: 'mode', message: 'invalid mode' }]);
   // Done by the helper inside the sandbox, as its root: the rename happens in the guest's view of its root.
   const tmp = `${resolved.guestPath}.upload-${randomBytes(6).toString('hex')}`;
-  const h = spawnPiped(await enterSandbox(host, record, { op: 'put', path: resolved.guestPath, mode, tmp }), {}, true);
+  const h = spawnHelper(
+    host,
+    await enterSandbox(host, record, { op: 'put', path: resolved.guestPath, mode, tmp, ...(opts.parents ? { parents: true } : {}) }),
+    true,
+  );
   let bytes = 0;
   // Set inside the transform below, read after the pipeline: a field, so the compiler does not narrow it to false.
   const over = { tooLarge: false };
@@ -65,7 +77,7 @@ export async function writeGuestFile(
     if (pipeErr !== undefined) {
       await enterSandbox(host, record, { op: 'unlink', path: tmp })
         .then((argv) => {
-          const c = spawnPiped(argv, {}, false);
+          const c = spawnHelper(host, argv, false);
           c.stdout.resume();
           c.stderr.resume();
           return c.wait();
@@ -98,7 +110,7 @@ export async function readGuestFile(
   await host.assertRunning(record);
   const resolved = await resolveInRoot(`/proc/${record.state.init_pid}/root`, guestPath, { forWrite: false });
   // First line: the size, from the same process that then streams the bytes.
-  const h = spawnPiped(await enterSandbox(host, record, { op: 'get', path: resolved.guestPath }), {}, false);
+  const h = spawnHelper(host, await enterSandbox(host, record, { op: 'get', path: resolved.guestPath }), false);
   let stderr = '';
   h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
   const size = await new Promise<number>((resolve, reject) => {

@@ -19,7 +19,8 @@ const MAX_LINKS = 40;
 export async function resolveInRoot(
   root: string,
   guestPath: string,
-  opts: { forWrite: boolean },
+  /** parents (with forWrite): missing directories before the last component are fine too (the writer makes them). */
+  opts: { forWrite: boolean; parents?: boolean },
 ): Promise<{ hostPath: string; guestPath: string }> {
   if (guestPath.length === 0 || guestPath.includes('\0')) {
     throw invalidSpec('a guest path must be non-empty and contain no NUL byte', [{ path: 'path', message: 'invalid path' }]);
@@ -28,10 +29,19 @@ export async function resolveInRoot(
   // Work list of components still to walk, front first.
   let pending = guestPath.split('/').filter((c) => c !== '' && c !== '.');
   let links = 0;
+  // Depth of the first missing component (parents only), -1 while every component so far exists: nothing under a
+  // missing one exists, so what follows it is taken literally, until a ".." climbs back above it: from there on
+  // the components exist again and are checked (a symlink among them followed) as before.
+  let missingAt = -1;
   for (let comp = pending.shift(); comp !== undefined; comp = pending.shift()) {
     if (comp === '..') {
       if (resolved.length === 0) throw pathEscapes(guestPath);
       resolved.pop();
+      if (resolved.length <= missingAt) missingAt = -1;
+      continue;
+    }
+    if (missingAt >= 0) {
+      resolved.push(comp);
       continue;
     }
     const candidate = [...resolved, comp];
@@ -46,6 +56,11 @@ export async function resolveInRoot(
         if (opts.forWrite && pending.length === 0) {
           resolved.push(comp);
           break;
+        }
+        if (opts.forWrite && opts.parents && code === 'ENOENT') {
+          missingAt = resolved.length;
+          resolved.push(comp);
+          continue;
         }
         throw guestPathNotFound(guestPath);
       }

@@ -5,7 +5,8 @@ import { readFile, readlink } from 'node:fs/promises';
 import { constants as osConstants } from 'node:os';
 import { PassThrough, Writable } from 'node:stream';
 import { featureMissing, invalidSpec, sandboxFailed, type ExitStatus, type ProcessHandle } from '../../backend.js';
-import { runTool } from './exec-util.js';
+import { finished } from 'node:stream/promises';
+import { addHostRunner, runTool, type HostRunner, type RunResult } from './exec-util.js';
 
 /**
  * A process running inside a sandbox, seen from the host. The argv is the
@@ -198,7 +199,7 @@ function spawnScriptPty(argv: readonly string[], hostEnv: Record<string, string>
  * running (not yet started, died and being restarted) `ready` is false and
  * callers spawn the helper directly.
  */
-export class Spawner {
+export class Spawner implements HostRunner {
   private child: ChildProcess | undefined;
   private closed = false;
   private up = false;
@@ -209,12 +210,32 @@ export class Spawner {
     private readonly onError: (err: Error) => void,
   ) {}
 
+  /** Host tools the spawner may run (`run`), by bare name and by path: fixed at its start. */
+  private readonly tools = new Map<string, string>();
+  private unregister: () => void = () => undefined;
+
   /** Starts the spawner and waits for it to listen; null when the socket path is too long for a unix socket. */
   static async start(helper: string, socketPath: string, onError: (err: Error) => void): Promise<Spawner | null> {
     if (Buffer.byteLength(socketPath) >= 100) return null;
     const s = new Spawner(helper, socketPath, onError);
+    for (const name of RUNNER_TOOLS) {
+      const path = ['/usr/sbin', '/usr/bin', '/sbin', '/bin'].map((d) => `${d}/${name}`).find((p) => existsSync(p));
+      if (path) s.tools.set(name, path).set(path, path);
+    }
     await s.launch();
+    s.unregister = addHostRunner(s);
     return s;
+  }
+
+  request(cmd: string, args: readonly string[]): string[] | undefined {
+    if (cmd === this.helper) return args[0] === 'mount-root' ? [...args] : undefined;
+    const path = this.tools.get(cmd);
+    return path === undefined ? undefined : ['run', path, ...args];
+  }
+
+  /** A host tool or the helper's mount-root, forked by the spawner; rejects only when it could not be started. */
+  run(request: readonly string[], opts: { input?: string; timeoutMs?: number } = {}): Promise<RunResult> {
+    return runThrough(this.socketPath, request, opts);
   }
 
   get ready(): boolean {
@@ -223,7 +244,8 @@ export class Spawner {
 
   private launch(): Promise<void> {
     return new Promise((resolve, reject) => {
-      const child = spawn(this.helper, ['serve', this.socketPath], { stdio: ['ignore', 'pipe', 'pipe'], env: {} });
+      const allow = [...new Set(this.tools.values())].flatMap((p) => ['--allow', p]);
+      const child = spawn(this.helper, ['serve', this.socketPath, ...allow], { stdio: ['ignore', 'pipe', 'pipe'], env: {} });
       this.child = child;
       let stderr = '';
       child.stderr.setEncoding('utf8').on('data', (d: string) => (stderr = (stderr + d).slice(-500)));
@@ -259,12 +281,34 @@ export class Spawner {
 
   close(): void {
     this.closed = true;
+    this.unregister();
     this.child?.kill('SIGKILL');
   }
 
   /** `enterArgs`: the helper's argv after its path (`enter …`); `hostEnv`: FLEET_E<n> only (encodeGuestEnv). */
   spawn(enterArgs: readonly string[], hostEnv: Record<string, string>, withStdin: boolean): ProcessHandle {
     return spawnViaSpawner(this.socketPath, enterArgs, hostEnv, withStdin);
+  }
+}
+
+/** The host tools a spawner runs for runTool: those on a sandbox's create and destroy path. */
+const RUNNER_TOOLS = ['ip', 'nft', 'mount', 'umount', 'losetup'];
+
+/** A `run` or `mount-root` through the spawner, collected; rejects only when it could not be started. */
+async function runThrough(socketPath: string, args: readonly string[], opts: { input?: string; timeoutMs?: number }): Promise<RunResult> {
+  const h = spawnViaSpawner(socketPath, args, {}, true);
+  let stdout = '';
+  let stderr = '';
+  h.stdout.setEncoding('utf8').on('data', (d: string) => (stdout += d));
+  h.stderr.setEncoding('utf8').on('data', (d: string) => (stderr += d));
+  const timer = setTimeout(() => h.kill('SIGKILL'), opts.timeoutMs ?? 30_000);
+  h.stdin.end(opts.input ?? '');
+  try {
+    const st = await h.wait();
+    await Promise.all([finished(h.stdout), finished(h.stderr)]).catch(() => undefined);
+    return { stdout, stderr, code: st.exitCode };
+  } finally {
+    clearTimeout(timer);
   }
 }
 

@@ -5,8 +5,8 @@ import type { InitExit } from '@fleet/agent-protocol';
 import { sleep } from './exec-util.js';
 
 /**
- * How a sandbox's init ended, as its parent recorded it: the helper's `reap`
- * (fleet-sandbox.c) writes `<init host pid> <start ticks> running` into the
+ * How a sandbox's init ended, as its parent recorded it: the helper's `start`
+ * (fleet-sandbox.c), the reaper, writes `<init host pid> <start ticks> running` into the
  * sandbox directory's init.status, then `exited <code>` or `signaled <signo>`
  * in place of `running`. The reaper outlives the agent, so the record is
  * there after an agent restart. The pid and start time tie it to one init: a

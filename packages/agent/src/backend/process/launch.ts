@@ -1,6 +1,6 @@
 import { spawn } from 'node:child_process';
 import { closeSync, constants, existsSync, open as fsOpen } from 'node:fs';
-import { chown, readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { readFile, readlink, rm, writeFile } from 'node:fs/promises';
 import { basename, dirname, join } from 'node:path';
 import { featureMissing, sandboxFailed } from '../../backend.js';
 import { mustRun, processStartTime, sleep } from './exec-util.js';
@@ -39,10 +39,12 @@ export interface HostTools {
   readonly busybox: string;
   /** The compiled fleet-sandbox helper (ensureSandboxHelper). */
   readonly helper: string;
+  /** Where each sandbox's empty directory is (helper.ts emptyDirOf). */
+  readonly emptyRoot: string;
 }
 
 /** Absolute paths of the host tools the backend needs, or HOST_FEATURE_MISSING naming the package. */
-export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper'> {
+export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper' | 'emptyRoot'> {
   const find = (name: string, pkg: string): string => {
     for (const dir of ['/usr/bin', '/usr/sbin', '/bin', '/sbin']) {
       if (existsSync(`${dir}/${name}`)) return `${dir}/${name}`;
@@ -55,68 +57,21 @@ export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper
   return { unshare: find('unshare', 'util-linux'), busybox };
 }
 
-/**
- * Outer: runs on the host, joins the cgroup (so everything after is limited),
- * then creates the namespaces. The scripts run under the host's static
- * busybox sh: its applets (mount, mkdir, ip…) start without an exec of a
- * dynamic binary, which is most of a create's latency on a busy host.
- */
-const OUTER = `set -eu
-n=$1; shift
-i=0
-for f in "$@"; do
-  i=$((i+1)); [ "$i" -gt "$n" ] && break
-  echo $$ > "$f"
-done
-shift "$n"
-# How the init ends is recorded by its parent, the helper's reap (fd 5: the status file, opened while still host root).
-exec 5>"$INIT_STATUS"
-unset INIT_STATUS
-# Kept out of the OOM killer's choice where the host allows it (CAP_SYS_RESOURCE); its few pages rarely are the pick anyway.
-echo -1000 2>/dev/null > /proc/self/oom_score_adj || true
-exec "$UNSHARE" --user --keep-caps --pid --mount --uts --ipc --net --propagation private -- "$HELPER" reap 5 "$HELPER" wait-root "$4" "$BB" sh -c "$STAGE2" stage2 "$@"
-`;
-
 /** Ids per sandbox user namespace: 0-65535 inside. */
 export const USERNS_SIZE = 65536;
 
 /**
- * Stage 2: pid 1 of the new namespaces, still on the host's root, in a
- * private mount namespace. It waits for the agent to move eth0 into its
- * network namespace and configures it, so the guest is reachable the
- * moment it reports ready.
+ * A start, host side and stage 2, is one process until /sbin/init: the
+ * helper's `start` (fleet-sandbox.c), where a busybox outer script,
+ * unshare(1), the helper's `reap` and `wait-root` (three execs) and a stage-2
+ * script of about twenty busybox applets (each a fork and exec, and `ip link
+ * show` polled for eth0) ran before. Its pid 1, still on the host's root in
+ * a private mount namespace, mounts proc, sysfs, a tmpfs /dev (host nodes
+ * bind-mounted), devpts, sets the hostname and lo up, then waits for the
+ * agent to create eth0 in its network namespace and configures it
+ * (rtnetlink), so the guest is reachable the moment it reports ready; then
+ * it boots.
  */
-const STAGE2 = `set -eu
-unset STAGE2 UNSHARE BB HELPER
-host=$5 addr=$6 gw=$7 netraw=$9
-helper=/proc/self/fd/4
-# The working directory is the new root (wait-root): its host path is not reachable from this user namespace.
-root=.
-if [ ! -e "$root/sbin/init" ] && [ ! -L "$root/sbin/init" ]; then echo "fleet: the image has no /sbin/init" >&2; exit 65; fi
-for d in proc dev tmp; do [ -d "$root/$d" ] || mkdir -p "$root/$d"; done
-mount -t proc -o nosuid,nodev,noexec proc "$root/proc"
-# As Docker does: ping through ICMP datagram sockets, so it needs no CAP_NET_RAW (this netns only).
-echo "0 65535" > "$root/proc/sys/net/ipv4/ping_group_range"
-if [ -d "$root/sys" ]; then mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$root/sys"; fi
-mount -t tmpfs -o mode=755,size=64m,nosuid,uid=0,gid=0 tmpfs "$root/dev"
-mkdir "$root/dev/pts" "$root/dev/shm"
-chmod 1777 "$root/dev/shm"
-# No mknod in a user namespace: the host's harmless nodes are bind-mounted.
-for n in null zero full random urandom tty; do touch "$root/dev/$n"; mount -o bind "/dev/$n" "$root/dev/$n"; done
-ln -s /proc/self/fd "$root/dev/fd"; ln -s /proc/self/fd/0 "$root/dev/stdin"; ln -s /proc/self/fd/1 "$root/dev/stdout"; ln -s /proc/self/fd/2 "$root/dev/stderr"; ln -s pts/ptmx "$root/dev/ptmx"
-mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts" || true
-hostname "$host"
-ip link set lo up
-i=0
-until ip link show eth0 >/dev/null 2>&1; do
-  i=$((i+1)); if [ "$i" -gt 2000 ]; then echo "fleet: eth0 never arrived" >&2; exit 66; fi
-  usleep 2000
-done
-ip addr add "$addr" dev eth0
-ip link set eth0 up
-ip route add default via "$gw" dev eth0
-if [ "$netraw" = 1 ]; then exec "$helper" boot --net-raw; else exec "$helper" boot; fi
-`;
 
 export interface LaunchOptions {
   readonly imageDir: string;
@@ -138,6 +93,8 @@ export interface LaunchOptions {
   readonly tools: HostTools;
   /** Keep CAP_NET_RAW (the spec's net_raw). */
   readonly netRaw: boolean;
+  /** The sandbox's empty directory (helper.ts ensureEmptyDir), bound read-only over its masked directories. */
+  readonly emptyDir: string;
   /** Called once the namespaces exist (with a pid inside them), to move eth0 in; runs while stage 2 mounts. */
   readonly attachNetwork: (nsPid: number) => Promise<void>;
   readonly timeoutMs?: number;
@@ -149,7 +106,7 @@ export interface Launched {
   /** Host pid of the sandbox's pid 1. */
   readonly initPid: number;
   readonly initStart: string;
-  /** Host pid of unshare, then (same pid, exec'd) the helper's reap: the init's parent, in its namespaces but the pid one. */
+  /** Host pid of the helper's start, the reaper: the init's parent, in its namespaces but the pid one. */
   readonly unsharePid: number;
 }
 
@@ -168,12 +125,13 @@ export interface Launched {
 export async function openConsoleWriter(logPath: string, max: number, busybox: string, owner: number): Promise<number> {
   const fifo = `${logPath}.fifo`;
   await rm(fifo, { force: true });
-  await mustRun(busybox, ['mkfifo', '-m', '600', fifo]);
-  // Owned by the sandbox's root: a process outside the init's tree (an exec, the startup script) may then write
-  // the console through /proc/1/fd/1, within the same bound as the init.
-  await chown(fifo, owner, owner);
+  // The writer makes its FIFO itself (busybox applets, no Node spawn of mkfifo first), owned by the sandbox's root:
+  // a process outside the init's tree (an exec, the startup script) may then write the console through
+  // /proc/1/fd/1, within the same bound as the init. It opens the read end only after the chown, and the agent's
+  // open of the write end below completes only then.
   // dd, not head: head buffers its output, holding back the first lines ("fleet sandbox up") until 4 KiB came.
-  const script = `exec < "$1"
+  const script = `mkfifo -m 600 "$1.new" && chown "$4:$4" "$1.new" && mv "$1.new" "$1" || exit 1
+exec < "$1"
 rm -f "$1"
 dd bs=65536 count="$2" iflag=count_bytes 2>/dev/null >> "$3"
 # Full: kept as $3.1 (one previous file) and a new file takes the next $2 bytes; after that the rest is discarded.
@@ -185,20 +143,30 @@ if [ -s "$3.next" ]; then
 [fleet: console log cut at $2 bytes; the rest is discarded]" >> "$3"; fi
 else rm -f "$3.next"; fi
 exec cat > /dev/null`;
-  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath], {
+  await rm(`${fifo}.new`, { force: true });
+  const writer = spawn(busybox, ['sh', '-c', script, 'console', fifo, String(max), logPath, String(owner)], {
     detached: true,
     stdio: 'ignore',
     env: { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' },
   });
   writer.unref();
-  // Opening the write end waits (in the thread pool) for the writer to open the read end. Should the writer
-  // die first, or not come, a read end opened here releases that wait, and the create fails.
-  const opened = new Promise<number>((resolve, reject) =>
-    fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => (err ? reject(err) : resolve(fd))),
-  );
+  let stopped = false;
+  // Opening the write end waits (in the thread pool) for the writer to open the read end; until the writer has
+  // made the FIFO (renamed into place whole, already owned) the open finds nothing and is tried again. Should the
+  // writer die first, or not come, a read end opened here releases that wait, and the create fails.
+  const opened = new Promise<number>((resolve, reject) => {
+    const attempt = (): void =>
+      fsOpen(fifo, constants.O_WRONLY | constants.O_APPEND, (err, fd) => {
+        if (!err) resolve(fd);
+        else if (err.code === 'ENOENT' && !stopped) setTimeout(attempt, 1);
+        else reject(err);
+      });
+    attempt();
+  });
   let timer: NodeJS.Timeout | undefined;
   const failed = new Promise<never>((_, reject) => {
     const fail = (why: string): void => {
+      stopped = true;
       fsOpen(fifo, constants.O_RDONLY | constants.O_NONBLOCK, (err, fd) => {
         if (!err) closeSync(fd);
       });
@@ -211,6 +179,7 @@ exec cat > /dev/null`;
   try {
     return await Promise.race([opened, failed]);
   } catch (err) {
+    stopped = true;
     void opened.then(closeSync, () => undefined);
     throw err;
   } finally {
@@ -230,43 +199,30 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
   mark('init.console');
   let child;
   try {
+    // The helper's `start` (fleet-sandbox.c): joins the cgroup (so everything after is limited), creates the
+    // namespaces with one unshare(2) and forks the init, which runs stage 2 in C; it stays as the init's reaper.
     child = spawn(
-      opts.tools.busybox,
+      opts.tools.helper,
       [
-        'sh',
-        '-c',
-        OUTER,
-        'outer',
+        'start',
         String(opts.cgroupProcs.length),
         ...opts.cgroupProcs,
-        opts.imageDir,
-        opts.upper,
-        opts.work,
+        opts.initStatus ?? join(dirname(opts.consoleLog), INIT_STATUS_FILE),
         opts.rootMount,
         opts.hostname,
         opts.address,
         opts.gateway,
-        opts.tools.helper,
         opts.netRaw ? '1' : '0',
+        opts.emptyDir,
       ],
-      {
-        detached: true,
-        stdio: ['ignore', log, log, 'pipe'],
-        env: {
-          PATH: '/usr/sbin:/usr/bin:/sbin:/bin',
-          STAGE2,
-          UNSHARE: opts.tools.unshare,
-          BB: opts.tools.busybox,
-          HELPER: opts.tools.helper,
-          INIT_STATUS: opts.initStatus ?? join(dirname(opts.consoleLog), INIT_STATUS_FILE),
-        },
-      },
+      { detached: true, stdio: ['ignore', log, log, 'pipe'], env: {} },
     );
   } finally {
     closeSync(log);
   }
   const unsharePid = child.pid;
   if (unsharePid === undefined) throw sandboxFailed('could not start the sandbox init (spawn failed)');
+  // The helper's own waits in a start (the root mount, eth0) end at the same 15 s (START_TIMEOUT_MS in fleet-sandbox.c).
   const ready = new Promise<void>((resolve, reject) => {
     let got = '';
     const timer = setTimeout(() => reject(new Error(`no ready signal within ${opts.timeoutMs ?? 15_000} ms`)), opts.timeoutMs ?? 15_000);
@@ -317,12 +273,17 @@ export async function launchInit(opts: LaunchOptions): Promise<Launched> {
     child.unref();
   }
   const initPid = await childOf(unsharePid);
+  // The reaper (never forking again) is kept out of the OOM killer's choice where the host allows it
+  // (CAP_SYS_RESOURCE), as before; its few pages are rarely the pick anyway. Only now that the init is forked: the
+  // helper must not do it itself before the fork, since the -1000 would become the floor of every guest process
+  // (see guest_oom_floor in fleet-sandbox.c), nor can it after, from inside the user namespace.
+  await writeFile(`/proc/${unsharePid}/oom_score_adj`, '-1000').catch(() => undefined);
   const initStart = await processStartTime(initPid);
   if (initStart === null) throw sandboxFailed('sandbox init exited right after start; see its console log');
   return { initPid, initStart, unsharePid };
 }
 
-/** unshare(1) moves itself into the new namespaces (one call) before it execs the reaper that forks pid 1: wait until its netns is not ours. */
+/** The helper's start moves itself into the new namespaces (one unshare(2)) before it forks pid 1: wait until its netns is not ours. */
 async function waitForNetns(pid: number): Promise<void> {
   const own = await readlink('/proc/self/ns/net');
   for (let i = 0; i < 2000; i++) {
@@ -346,7 +307,7 @@ async function childOf(pid: number): Promise<number> {
 
 export type EnterOp =
   | { readonly op: 'exec'; readonly argv: readonly string[] }
-  | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string }
+  | { readonly op: 'put'; readonly path: string; readonly mode: string; readonly tmp: string; readonly parents?: boolean }
   | { readonly op: 'get' | 'unlink'; readonly path: string };
 
 /**
@@ -365,7 +326,12 @@ export function enterArgv(opts: {
   tools: HostTools;
 }): string[] {
   const op = opts.op;
-  const tail = op.op === 'exec' ? ['exec', ...op.argv] : op.op === 'put' ? ['put', op.path, op.mode, op.tmp] : [op.op, op.path];
+  const tail =
+    op.op === 'exec'
+      ? ['exec', ...op.argv]
+      : op.op === 'put'
+        ? ['put', op.path, op.mode, op.tmp, ...(op.parents ? ['parents'] : [])]
+        : [op.op, op.path];
   return [
     opts.tools.helper,
     'enter',

@@ -84,7 +84,7 @@ export class ProcessBackend implements Backend {
     await assertHostFeatures();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
     requireDiskTools();
-    const tools: HostTools = { ...findHostTools(opts.busybox), helper: await ensureSandboxHelper(opts.dataDir) };
+    const tools: HostTools = { ...findHostTools(opts.busybox), ...(await ensureSandboxHelper(opts.dataDir)) };
     const cgroups = Cgroups.detect(`fleet-${opts.bridgePrefix}`, opts.cgroupRoot);
     await cgroups.verify();
     await mkdir(opts.dataDir, { recursive: true, mode: 0o700 });
@@ -205,7 +205,7 @@ export class ProcessBackend implements Backend {
     name: string,
     guestPath: string,
     data: Readable,
-    opts: { mode?: number; maxBytes?: number } = {},
+    opts: { mode?: number; maxBytes?: number; parents?: boolean } = {},
   ): Promise<{ path: string; bytes: number }> {
     return writeGuestFile(this.host, name, guestPath, data, opts);
   }

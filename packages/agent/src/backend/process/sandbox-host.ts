@@ -13,6 +13,7 @@ import type { SandboxEgress } from './egress.js';
 import { KeyedMutex, processStartTime } from './exec-util.js';
 import type { Firewall, FirewallState } from './firewall.js';
 import type { Spawner } from './guest-process.js';
+import { emptyDirOf, ensureEmptyDir } from '../../native/helper.js';
 import { launchInit, USERNS_SIZE, type HostTools } from './launch.js';
 import { SandboxMonitor } from './monitor.js';
 import { attachSandbox, bridgeForwarding, ensureBridge, hardenLink, type Subnet } from './network.js';
@@ -40,6 +41,11 @@ export class SandboxHost {
   readonly egress: EgressHost;
   criu: CriuFeatures | null = null;
   criuHook = '';
+  /**
+   * How long one `criu restore` may take before it is killed and tried once more (criu-sandbox.ts): a restore takes
+   * 0.3-2.5 s here, loaded or not; two tries and the set-up fit in the control plane's 20 s agent call.
+   */
+  restoreDeadlineMs = 7_000;
   /** Staging entries a dump or restore is using now: prune leaves them. */
   readonly scratch = new Set<string>();
   /** Disks formatted ahead of creates (disk-pool.ts). */
@@ -96,6 +102,11 @@ export class SandboxHost {
     return join(this.sandboxesDir, name);
   }
 
+  /** The sandbox's own empty directory, bound over its masked /proc and /sys directories (helper.ts). */
+  emptyDir(name: string): string {
+    return emptyDirOf(this.tools.emptyRoot, this.sandboxDir(name));
+  }
+
   async list(prefix = ''): Promise<SandboxInfo[]> {
     const out: SandboxInfo[] = [];
     for (const r of this.records.values()) {
@@ -150,6 +161,7 @@ export class SandboxHost {
       gateway: this.subnet.gateway,
       tools: this.tools,
       netRaw: state.net_raw,
+      emptyDir: await ensureEmptyDir(this.emptyDir(state.name)),
       ...(mark ? { mark } : {}),
       attachNetwork: (nsPid) =>
         attachSandbox({ bridge: state.bridge, veth: state.veth, nsPid, ip: state.ip, mac: state.mac, subnet: this.subnet }),

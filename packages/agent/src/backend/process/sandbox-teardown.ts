@@ -67,6 +67,7 @@ export async function teardownSandbox(host: SandboxHost, record: SandboxRecord, 
   await step('logs', () => host.observer.keepLogs(s.name, host.sandboxDir(s.name)));
   if (s.paused_checkpoint) await step('pause checkpoint', () => host.checkpoints.delete(s.paused_checkpoint));
   await step('directory', () => rm(host.sandboxDir(s.name), { recursive: true, force: true }));
+  await step('empty directory', () => rm(host.emptyDir(s.name), { recursive: true, force: true }));
   if (failures.length > 0) {
     host.log?.warn({ sandbox: s.name, failures }, 'teardown incomplete');
     throw sandboxFailed(`tearing down sandbox "${s.name}" was incomplete (${failures.join('; ')}); destroy again or prune`, {

@@ -38,7 +38,7 @@ export async function writeGuestFile(
   name: string,
   guestPath: string,
   data: Readable,
-  opts: { mode?: number; maxBytes?: number } = {},
+  opts: { mode?: number; maxBytes?: number; parents?: boolean } = {},
 ): Promise<{ path: string; bytes: number }> {
   const r = await qemu.running(name);
   checkGuestPath(guestPath);
@@ -47,6 +47,7 @@ export async function writeGuestFile(
   // Parent must exist (as for the process backend); temp file + rename inside the guest.
   const script = [
     'p="$1"; d=$(dirname "$p"); t="$d/$3"',
+    ...(opts.parents ? ['mkdir -p "$d" || exit 3'] : []),
     '[ -d "$d" ] || exit 3',
     '[ -d "$p" ] && exit 4',
     'cat > "$t" || { rm -f "$t"; exit 5; }',

@@ -180,7 +180,7 @@ export class QemuBackend implements Backend {
     name: string,
     guestPath: string,
     data: Readable,
-    opts: { mode?: number; maxBytes?: number } = {},
+    opts: { mode?: number; maxBytes?: number; parents?: boolean } = {},
   ): Promise<{ path: string; bytes: number }> {
     return writeGuestFile(this.host, name, guestPath, data, opts);
   }
