@@ -209,10 +209,12 @@ export class ProjectionRunner {
       this.failTogether(group.filter(ours), err);
       return;
     }
+    // Every member failed or was restarted while the checkpoints were read: each has a catch-up of its own now.
+    if (behind.length === 0) return;
     const positions = behind.map((s) => s.position);
     const from = positions.includes(undefined)
       ? undefined
-      : positions.reduce((min, p) => (p !== undefined && min !== undefined && p < min ? p : min));
+      : positions.reduce((min, p) => (p !== undefined && min !== undefined && p < min ? p : min), positions[0]);
     const read = (after: Position | undefined): Promise<RecordedEvent[]> => this.store.readAll({ after, maxCount: PAGE });
     let next: Promise<RecordedEvent[]> | undefined = read(from);
     while (next && behind.length > 0) {
@@ -380,16 +382,18 @@ export class ProjectionRunner {
    * transaction per batch; a read model that could not apply a batch fails
    * alone and then follows alone.
    */
-  private failTogether(group: readonly RunnerState[], err: unknown): void {
+  private failTogether(group: readonly RunnerState[], err: unknown, own?: ReadonlyMap<RunnerState, unknown>): void {
     if (group.length === 0) return;
     for (const s of group) {
+      // Each with its own error where it had one (/readyz names the event that read model could not apply).
+      const e = own?.get(s) ?? err;
       // Whatever this read model was doing (a catch-up, a live batch, an earlier retry's timer) is stale now.
       s.gen++;
       s.sub?.unsubscribe();
       s.sub = undefined;
       s.running = false;
       s.caughtUp = false;
-      s.lastError = err instanceof Error ? err.message : String(err);
+      s.lastError = e instanceof Error ? e.message : String(e);
     }
     if (this.stopped) return;
     // Backs off to 30 s: an event this code cannot apply fails the same way each time, and the log
@@ -423,7 +427,7 @@ export class ProjectionRunner {
     const errors = [...failed.values()];
     const down = errors.find(unreachable);
     if (all || down !== undefined) {
-      this.failTogether([...failed.keys()], down ?? errors[0]);
+      this.failTogether([...failed.keys()], down ?? errors[0], down === undefined ? failed : undefined);
       return;
     }
     for (const [s, err] of failed) this.fail(s, err);

@@ -191,6 +191,64 @@ describe('projection runner: one subscription and one transaction for the live r
 });
 
 /**
+ * A read model that failed catches up alone while the group goes on; the
+ * events the group took off its queue meanwhile (after the last page that
+ * read model read) reach it when it rejoins, each exactly once.
+ */
+describe('projection runner: a read model rejoining gets what the group applied while it caught up', { timeout: 60_000 }, () => {
+  let poisoned = true;
+  const a = txRecorder('rejoin_a');
+  const bad = txRecorder('rejoin_bad', (e) =>
+    poisoned && e.type === 'Poison' ? Promise.reject(new Error('cannot apply a Poison event')) : Promise.resolve(),
+  );
+  const setup = databaseFor('runnerrejoin', [a, bad]);
+
+  it('requeues the events the group already took for the read model that rejoins', async () => {
+    const [db, store] = [setup.db(), setup.store()];
+    const stream = `test-${randomUUID()}`;
+    const runner = new ProjectionRunner(store, db.pool, [a, bad], pino({ level: 'silent' }));
+    const count = (table: string) => rowCount(db, table);
+    try {
+      await runner.start();
+      const first = await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], 'no_stream');
+      await runner.waitFor(first.position, 10_000);
+      const poison = await store.append(stream, [{ id: randomUUID(), type: 'Poison', data: {} }], first.nextExpectedRevision);
+      const status = (name: string) => runner.status().find((s) => s.name === name)!;
+      await until('the failing one to report', () => status('rejoin_bad').lastError !== undefined, 10_000);
+      // Its retry (alone, from its checkpoint) reads the page [Poison], which is held back (no transaction open: an
+      // open one would hold back every reader of the log) while three more events come and the group applies them.
+      let hold = true;
+      let held = false;
+      const readAll = store.readAll.bind(store);
+      store.readAll = async (opts) => {
+        const page = await readAll(opts);
+        if (hold && opts?.after === first.position) {
+          held = true;
+          await until('the test to release the page', () => !hold, 20_000);
+        }
+        return page;
+      };
+      poisoned = false;
+      await until('the retry to read its page', () => held, 20_000);
+      let rev = poison.nextExpectedRevision;
+      for (let i = 0; i < 3; i++)
+        rev = (await store.append(stream, [{ id: randomUUID(), type: 'Counted', data: {} }], rev)).nextExpectedRevision;
+      await until('the group to apply them', async () => (await count('rejoin_a')) === 5, 10_000);
+      hold = false;
+      await until('the rejoined read model to have them all', async () => (await count('rejoin_bad')) === 5, 10_000);
+      const lastId = randomUUID();
+      const last = await store.append(stream, [{ id: lastId, type: 'Counted', data: {} }], rev);
+      await runner.waitFor(last.position, 10_000);
+      assert.deepEqual([await count('rejoin_a'), await count('rejoin_bad')], [6, 6]);
+      assert.equal(status('rejoin_bad').lastError, undefined, 'no event applied twice (a second insert of an id fails)');
+      assert.equal(await txOf(db, 'rejoin_bad', lastId), await txOf(db, 'rejoin_a', lastId), 'it follows in the group again');
+    } finally {
+      await runner.stop();
+    }
+  });
+});
+
+/**
  * Runners of one process on one store (the read models' and the webhook
  * outbox's) share one live subscription; a runner whose position the shared
  * one has already passed gets one of its own and still misses nothing.
