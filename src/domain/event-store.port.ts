@@ -178,6 +178,27 @@ export class EventStoreUnavailableError extends AppError {
   }
 }
 
+/**
+ * Errors that mean "the database is not there" rather than "this request is
+ * wrong", by the driver's code or message (Postgres classes 08 and 57P,
+ * socket errors): for the store's adapters, and for a projection runner
+ * telling a lost connection from a read model that cannot apply an event.
+ */
+export function isConnectionError(err: unknown): boolean {
+  const e = err as { code?: string; message?: string } | null | undefined;
+  if (
+    typeof e?.code === 'string' &&
+    (/^(08|57P)/.test(e.code) || ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH'].includes(e.code))
+  )
+    return true;
+  return (
+    typeof e?.message === 'string' &&
+    /Connection terminated|connection timeout|Client has encountered a connection error|Cannot use a pool after calling end/i.test(
+      e.message,
+    )
+  );
+}
+
 function safeString(value: unknown): string {
   if (typeof value === 'bigint') return `${value}n`;
   try {

@@ -2,12 +2,15 @@ import { ValidationError } from '@fleet/agent-protocol';
 import {
   EventStoreUnavailableError,
   formatPosition,
+  isConnectionError,
   type EventFilter,
   type EventMetadata,
   type JsonValue,
   type Position,
   type RecordedEvent,
 } from '../../domain/event-store.port.js';
+
+export { isConnectionError };
 
 export interface AppendRow {
   status: string;
@@ -69,22 +72,6 @@ export function checkFilter(filter: EventFilter | undefined): { prefixes: string
     return [...(value as string[])];
   };
   return { prefixes: list(filter.streamPrefixes, 'streamPrefixes'), types: list(filter.eventTypes, 'eventTypes') };
-}
-
-/** Errors that mean "the database is not there" rather than "this request is wrong". */
-export function isConnectionError(err: unknown): boolean {
-  const e = err as { code?: string; message?: string } | null | undefined;
-  if (
-    typeof e?.code === 'string' &&
-    (/^(08|57P)/.test(e.code) || ['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH'].includes(e.code))
-  )
-    return true;
-  return (
-    typeof e?.message === 'string' &&
-    /Connection terminated|connection timeout|Client has encountered a connection error|Cannot use a pool after calling end/i.test(
-      e.message,
-    )
-  );
 }
 
 export function unavailable(err: unknown, what: string): unknown {

@@ -1,6 +1,7 @@
 import { AppError } from '@fleet/agent-protocol';
 import { bindAggregate, type BoundOf } from '../command-handler.js';
 import { hostAggregate } from '../../domain/host/host.aggregate.js';
+import type { HostState } from '../../domain/host/host.decider.js';
 import type { Placement, PlacementHost, PlacementOptions, PlacementPolicy, PlacementRequest } from '../../domain/placement/placement.js';
 import type { StoredVmSpec } from '../../domain/vm/spec.js';
 import type { VmReservation } from '../../domain/vm/vm.events.js';
@@ -23,6 +24,8 @@ export interface Reserved {
   readonly choice: Placement;
   /** As the host stream recorded it (with the GPUs it bound). */
   readonly reservation: VmReservation;
+  /** The host as its stream stood once the reservation was appended (its agent's address and token): no read to reach it. */
+  readonly host: Exclude<HostState, { status: 'unregistered' }>;
 }
 
 export interface PlacerConfig {
@@ -112,8 +115,9 @@ export class Placer {
         this.view.set(hostId, reserved.state, reserved.revision);
         this.view.release(holdKey);
         const r = reserved.events[0]?.type === 'CapacityReserved' ? reserved.events[0].data : undefined;
-        const held = r ?? (reserved.state.status !== 'unregistered' ? reserved.state.reservations.get(vmId) : undefined);
-        if (!held) throw new AppError('INTERNAL', 500, `reservation for vm ${vmId} on host ${hostId} vanished`);
+        const host = reserved.state.status !== 'unregistered' ? reserved.state : undefined;
+        const held = r ?? host?.reservations.get(vmId);
+        if (!held || !host) throw new AppError('INTERNAL', 500, `reservation for vm ${vmId} on host ${hostId} vanished`);
         const reservation: VmReservation = {
           cpus: held.cpus,
           ram_mb: held.ram_mb,
@@ -124,7 +128,7 @@ export class Placer {
           gpu_uuids: held.gpu_uuids,
           mig_instance_uuids: held.mig_instance_uuids,
         };
-        return { hostId, choice, reservation };
+        return { hostId, choice, reservation, host };
       } catch (err) {
         this.view.release(holdKey);
         const lostRace =

@@ -199,7 +199,8 @@ export class VmCreate {
           ? { id: network.networkId, subnet: network.subnet, ip: await this.networks.join(network, vmId, hostId, spec.ip_hint, actor) }
           : undefined;
       if (spec.seed_snapshot_id && this.seeds) await this.seeds.ensureOn(spec.seed_snapshot_id, hostId, actor);
-      const agent = await agentFor();
+      // The host as the reservation left it: its address and token, without reading its stream again.
+      const agent = this.hosts.agentForState(placed.host);
       // A per-VM credential, minted here so a copy of this VM (fork) never speaks as it.
       const token = randomBytes(32).toString('base64url');
       // The token and the caller's files ride on the create call; an agent that predates that answers

@@ -165,10 +165,83 @@ async function applyOne(sql: Sql, event: RecordedEvent): Promise<void> {
   }
 }
 
+/**
+ * The same as `applyOne` on each event, in a few statements per run of VM
+ * events (a webhook's own event in between is applied on its own, so a run
+ * sees the subscriptions as they stood): the run's tenants recorded, its
+ * deliveries looked up in one join and inserted in log order. One event at a
+ * time this was two lookups per event whether or not any webhook exists.
+ */
+async function applyOutboxBatch(sql: Sql, events: readonly RecordedEvent[]): Promise<void> {
+  let run: Array<{ event: RecordedEvent; e: VmEvent }> = [];
+  for (const event of events) {
+    if (event.streamId.startsWith('vm-')) {
+      const parsed = vmEventSchema.safeParse({ type: event.type, data: event.data });
+      if (parsed.success) run.push({ event, e: parsed.data });
+    } else if (event.streamId.startsWith('webhook-')) {
+      await applyVmRun(sql, run);
+      run = [];
+      await applyOne(sql, event);
+    }
+  }
+  await applyVmRun(sql, run);
+}
+
+async function applyVmRun(sql: Sql, run: ReadonlyArray<{ event: RecordedEvent; e: VmEvent }>): Promise<void> {
+  const requested = run.flatMap(({ e }) => (e.type === 'VmRequested' ? [e.data] : []));
+  if (requested.length > 0) {
+    await sql.query(
+      `INSERT INTO webhook_vm_tenants (vm_id, tenant_id) SELECT * FROM unnest($1::text[], $2::text[]) ON CONFLICT (vm_id) DO NOTHING`,
+      [requested.map((d) => d.vm_id), requested.map((d) => d.tenant_id)],
+    );
+  }
+  const shaped = run.flatMap(({ event, e }) => {
+    const s = shape(e);
+    return s ? [{ recorded: event, e, type: s.event, data: s.data }] : [];
+  });
+  if (shaped.length === 0) return;
+  const { rows } = await sql.query<{ ord: string; tenant_id: string; webhook_id: string }>(
+    `SELECT x.ord, t.tenant_id, w.id AS webhook_id
+       FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS x(vm_id, event, ord)
+       JOIN webhook_vm_tenants t ON t.vm_id = x.vm_id
+       JOIN webhooks w ON w.tenant_id = t.tenant_id AND w.deleted_at IS NULL AND x.event = ANY(w.event_types)
+      ORDER BY x.ord, w.id`,
+    [shaped.map((s) => s.e.data.vm_id), shaped.map((s) => s.type)],
+  );
+  if (rows.length === 0) return;
+  const cols: string[][] = [[], [], [], [], [], [], [], []];
+  for (const r of rows) {
+    const { recorded, e, type, data } = shaped[Number(r.ord) - 1] as (typeof shaped)[number];
+    const deliveryId = `${r.webhook_id}-${recorded.id}`;
+    const payload: WebhookPayload = {
+      id: deliveryId,
+      event: type,
+      vm_id: e.data.vm_id,
+      tenant_id: r.tenant_id,
+      position: recorded.position,
+      at: e.data.at,
+      data,
+    };
+    const values = [deliveryId, r.webhook_id, r.tenant_id, e.data.vm_id, type, recorded.id, recorded.position, JSON.stringify(payload)];
+    values.forEach((v, i) => cols[i]?.push(v));
+  }
+  // In log order (the rows are), so `seq` keeps the order the dispatcher follows per VM and webhook.
+  await sql.query(
+    `INSERT INTO webhook_deliveries (id, webhook_id, tenant_id, vm_id, event_type, event_id, position, payload)
+     SELECT id, webhook_id, tenant_id, vm_id, event_type, event_id, position, payload::jsonb
+       FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[])
+            WITH ORDINALITY AS d(id, webhook_id, tenant_id, vm_id, event_type, event_id, position, payload, ord)
+      ORDER BY ord
+     ON CONFLICT (webhook_id, event_id) DO NOTHING`,
+    cols,
+  );
+}
+
 export const webhookOutboxProjection: Projection = {
   name: WEBHOOK_OUTBOX,
   migrations: webhookOutboxMigrations,
   // Owns no table a rebuild may truncate: see above.
   tables: [],
   apply: applyOne,
+  applyBatch: applyOutboxBatch,
 };
