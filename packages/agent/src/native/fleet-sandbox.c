@@ -58,11 +58,12 @@
  *       process instead of a fork of Node plus an execve: listens on SOCKET
  *       (a path in the agent's 0700 data directory, made 0600), accepts only
  *       connections from uid 0, and per connection forks a relay that runs
- *       one of three things with the request's arguments, over pipes it
+ *       one of four things with the request's arguments, over pipes it
  *       relays as frames:
  *         enter ARGS...        the helper's `enter`, with the FLEET_E<n>
  *                              environment of the request (a guest exec);
  *         mount-root ARGS...   the helper's `mount-root` (a sandbox start);
+ *         mask-ro ARGS...      the helper's `mask-ro` (after a restore);
  *         run TOOL ARGS...     execve of TOOL, an absolute path given by an
  *                              --allow at the serve's start (the agent's
  *                              host tools: ip, nft, mount…), with only
@@ -1089,9 +1090,10 @@ static void relay(int conn) {
     else envv[i - nargs] = p;
     p = z + 1;
   }
-  /* Only these three: the socket is never a way to boot, serve, or run a program the agent did not allow at start. */
+  /* Only these four: the socket is never a way to boot, serve, or run a program the agent did not allow at start. */
   int is_enter = strcmp(argv[1], "enter") == 0, is_mount = strcmp(argv[1], "mount-root") == 0, is_run = strcmp(argv[1], "run") == 0;
-  if (!is_enter && !is_mount && !is_run) _exit(125);
+  int is_mask = strcmp(argv[1], "mask-ro") == 0;
+  if (!is_enter && !is_mount && !is_run && !is_mask) _exit(125);
   if (!is_enter && nenv != 0) _exit(125);
   if (is_run) {
     int ok = 0;
@@ -1118,6 +1120,7 @@ static void relay(int conn) {
       if (putenv(envv[i]) != 0) _exit(125);
     if (is_enter) _exit(cmd_enter((int)nargs + 1, argv));
     if (is_mount) _exit(cmd_mount_root((int)nargs + 1, argv));
+    if (is_mask) _exit(cmd_mask_ro((int)nargs + 1, argv));
     char *tool_env[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL};
     execve(argv[2], argv + 2, tool_env);
     dprintf(2, "fleet-sandbox: exec %s: %s\n", argv[2], strerror(errno));
