@@ -278,11 +278,17 @@ static const char *MASKED[] = {"proc/kcore", "proc/keys", "proc/timer_list", "pr
                                "sys/devices/virtual/powercap"};
 static const char *READONLY[] = {"proc/bus", "proc/fs", "proc/irq", "proc/sys", "proc/sysrq-trigger"};
 
-/* EMPTYDIR of the start (helper.ts SANDBOX_EMPTY_DIR). */
+/* EMPTYDIR of the start: the sandbox's own empty directory (helper.ts emptyDirOf). */
 static const char *empty_dir;
 
+/* A bind of SRC at DST (recursive with MS_REC in REC), then made read-only, nosuid, nodev and noexec. */
+static int bind_read_only(const char *src, const char *dst, unsigned long rec) {
+  if (mount(src, dst, NULL, MS_BIND | rec, NULL) < 0) return -1;
+  return mount(NULL, dst, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+}
+
 /*
- * A masked directory is a read-only bind of the agent's empty directory, not a tmpfs of its own: CRIU dumps a
+ * A masked directory is a read-only bind of the sandbox's empty directory, not a tmpfs of its own: CRIU dumps a
  * tmpfs by running tar and gzip over it (while the guest is frozen) and restores it by running them again, at every
  * pause, resume, fork and move; a bind of a host directory is an external mount (criu.ts), which costs neither.
  * The guest cannot write there either way: the directory belongs to host root, which has no id in the sandbox.
@@ -291,19 +297,12 @@ static void mask_paths(void) {
   struct stat st;
   for (size_t i = 0; i < sizeof MASKED / sizeof MASKED[0]; i++) {
     if (lstat(MASKED[i], &st) < 0) continue;
-    int r = S_ISDIR(st.st_mode)
-                ? mount(empty_dir, MASKED[i], NULL, MS_BIND, NULL) < 0 ||
-                          mount(NULL, MASKED[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)
-                      ? -1
-                      : 0
-                : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
+    int r = S_ISDIR(st.st_mode) ? bind_read_only(empty_dir, MASKED[i], 0) : mount("/dev/null", MASKED[i], NULL, MS_BIND, NULL);
     if (r < 0) fail("mask", MASKED[i]);
   }
   for (size_t i = 0; i < sizeof READONLY / sizeof READONLY[0]; i++) {
     if (lstat(READONLY[i], &st) < 0) continue;
-    if (mount(READONLY[i], READONLY[i], NULL, MS_BIND | MS_REC, NULL) < 0 ||
-        mount(NULL, READONLY[i], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
-      fail("make read-only", READONLY[i]);
+    if (bind_read_only(READONLY[i], READONLY[i], MS_REC) < 0) fail("make read-only", READONLY[i]);
   }
 }
 

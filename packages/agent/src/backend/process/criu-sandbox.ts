@@ -1,12 +1,12 @@
 import { spawn } from 'node:child_process';
 import { closeSync, fchownSync } from 'node:fs';
 import { mkdir, readFile, readlink, rm, writeFile } from 'node:fs/promises';
-import { ensureEmptyDir } from '../../native/helper.js';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed, type Checkpoint } from '../../backend.js';
 import { resolveImage } from '../../images.js';
+import { ensureEmptyDir } from '../../native/helper.js';
 import {
   CRIU_META,
   criuMetaSchema,

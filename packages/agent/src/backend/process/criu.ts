@@ -27,9 +27,9 @@ import { runTool } from './exec-util.js';
  *   the host's devtmpfs; each is restored from `/dev` + its root in the
  *   source's mountinfo, never from its own mount point (that would bind the
  *   host's /proc/keys into the guest). The masked directories (/proc/acpi,
- *   /sys/firmware, ...) are binds of the agent's empty directory, restored
- *   from the restoring agent's own: as a tmpfs each would cost a tar and a
- *   gzip at every dump (guest frozen) and every restore.
+ *   /sys/firmware, ...) are binds of the sandbox's own empty directory,
+ *   restored from its empty directory on the restoring host: as a tmpfs each
+ *   would cost a tar and a gzip at every dump (guest frozen) and every restore.
  * - `--external file[mnt:ino]` + `--inherit-fd`: the init's stdout/stderr are
  *   the console FIFO, whose reader lives on the host; a restore hands CRIU a
  *   new FIFO with a new reader, owned by the sandbox's root (CRIU reopens it
@@ -139,13 +139,13 @@ export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ fea
   return { features: { path, version, liveSnapshot: true, lazyPages: uffd && (unpriv || viaDev), memoryDiff: dirty, notes }, reason: '' };
 }
 
-const TMPFS_MAGIC = 0x01021994;
 /** The host's transparent huge page mode (`always`, `madvise`, `never`), or null when the kernel has none. */
 export async function transparentHugepages(): Promise<string | null> {
   const text = await readFile('/sys/kernel/mm/transparent_hugepage/enabled', 'utf8').catch(() => null);
   return text?.match(/\[(\w+)\]/)?.[1] ?? null;
 }
 
+const TMPFS_MAGIC = 0x01021994;
 export const KDAT_CACHE = '/run/criu.kdat';
 
 /**
@@ -339,7 +339,6 @@ export async function installNetnsHook(dir: string): Promise<string> {
   return path;
 }
 
-/** Mount points of `pid`'s namespace that bind the host's devtmpfs, with the host path each binds. */
 /**
  * The sandbox's mounts CRIU must not dump: binds of the host's devtmpfs (restored from `/dev` + their root), and
  * binds of the sandbox's empty directory (the masked directories), known from mountinfo alone (its device, and a root
