@@ -1,14 +1,11 @@
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
-import { after, before, describe, it } from 'node:test';
-import { runMigrations } from '../../src/adapters/postgres/migrations.js';
-import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
+import { describe, it } from 'node:test';
 import { hostsProjection } from '../../src/projections/hosts/hosts.projection.js';
 import type { Projection } from '../../src/projections/projection.js';
 import { rebuildProjection } from '../../src/projections/rebuild.js';
-import { CHECKPOINTS_MIGRATION } from '../../src/projections/runner.js';
 import { vmsProjection } from '../../src/projections/vms/vms.projection.js';
-import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
+import { databaseFor } from './database.js';
 
 /**
  * The hosts and vms read models fold a run of events in memory and write the
@@ -20,20 +17,10 @@ import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
  * (`rebuildProjection` verify compares them row by row).
  */
 describe('read models: one event at a time equals a run at once', { timeout: 60_000 }, () => {
-  let db: TestDatabase;
-  let store: PostgresEventStore;
-  before(async () => {
-    db = await createTestDatabase('batcheq');
-    await PostgresEventStore.migrate(db.pool);
-    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...hostsProjection.migrations, ...vmsProjection.migrations]);
-    store = new PostgresEventStore({ pool: db.pool });
-  });
-  after(async () => {
-    await store?.close();
-    await db?.drop();
-  });
+  const setup = databaseFor('batcheq', [hostsProjection, vmsProjection]);
 
   it('hosts and vms', async () => {
+    const [db, store] = [setup.db(), setup.store()];
     const t = (s: number): string => new Date(Date.UTC(2026, 11, 2, 10, 0, s)).toISOString();
     const cap = { cpus: 8, ram_mb: 16384, storage_gb: 100, vm_count: 10, arch: 'amd64' };
     const reg = (host: string, s: number, url = `http://127.0.0.1:7070`) => ({

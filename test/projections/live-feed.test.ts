@@ -1,11 +1,10 @@
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
-import { after, before, describe, it } from 'node:test';
-import { PostgresEventStore } from '../../src/adapters/postgres/postgres-event-store.js';
+import { describe, it } from 'node:test';
 import type { Position, RecordedEvent } from '../../src/domain/event-store.port.js';
 import { LiveFeed } from '../../src/projections/live-feed.js';
 import { until } from '../event-store/postgres-helpers.js';
-import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
+import { databaseFor } from './database.js';
 
 /**
  * The shared live feed is gap-free for every sink, wherever it starts: a sink
@@ -14,23 +13,14 @@ import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
  * feed's position joins it and gets only what comes after.
  */
 describe('live feed: joining at, and behind, what it has delivered', { timeout: 60_000 }, () => {
-  let db: TestDatabase;
-  let store: PostgresEventStore;
-
-  before(async () => {
-    db = await createTestDatabase('livefeed');
-    await PostgresEventStore.migrate(db.pool);
-    store = new PostgresEventStore({ pool: db.pool });
-  });
-  after(async () => {
-    await store?.close();
-    await db?.drop();
-  });
+  const setup = databaseFor('livefeed', []);
 
   const append = async (n: number): Promise<Position[]> => {
     const out: Position[] = [];
     for (let i = 0; i < n; i++)
-      out.push((await store.append(`feed-${randomUUID()}`, [{ id: randomUUID(), type: 'Ticked', data: {} }], 'no_stream')).position);
+      out.push(
+        (await setup.store().append(`feed-${randomUUID()}`, [{ id: randomUUID(), type: 'Ticked', data: {} }], 'no_stream')).position,
+      );
     return out;
   };
   const sink = (): { got: Position[]; next(e: RecordedEvent): void; error(err: unknown): void } => {
@@ -43,6 +33,7 @@ describe('live feed: joining at, and behind, what it has delivered', { timeout: 
   };
 
   it('a sink behind the feed gets every event after its own position; one at the feed joins it; each exactly once', async () => {
+    const store = setup.store();
     let upstreams = 0;
     const original = store.subscribeToAll.bind(store);
     store.subscribeToAll = (opts) => {

@@ -10,24 +10,8 @@ import { EventStoreUnavailableError, type RecordedEvent, type SubscriptionItem }
 import type { Projection } from '../../src/projections/projection.js';
 import { CHECKPOINTS_MIGRATION, ProjectionRunner } from '../../src/projections/runner.js';
 import { until } from '../event-store/postgres-helpers.js';
+import { databaseFor } from './database.js';
 import { createTestDatabase, type TestDatabase } from '../support/postgres.js';
-
-/** A fresh database with the event store and these read models' tables, for the tests of one describe. */
-function databaseFor(prefix: string, projections: readonly Projection[]): { db: () => TestDatabase; store: () => PostgresEventStore } {
-  let db: TestDatabase | undefined;
-  let store: PostgresEventStore | undefined;
-  before(async () => {
-    db = await createTestDatabase(prefix);
-    await PostgresEventStore.migrate(db.pool);
-    await runMigrations(db.pool, [CHECKPOINTS_MIGRATION, ...projections.flatMap((p) => p.migrations)]);
-    store = new PostgresEventStore({ pool: db.pool });
-  });
-  after(async () => {
-    await store?.close();
-    await db?.drop();
-  });
-  return { db: () => db!, store: () => store! };
-}
 
 /** Counts the calls of one of the store's methods from now on. */
 function countCalls(store: PostgresEventStore, method: 'readAll' | 'subscribeToAll'): () => number {
