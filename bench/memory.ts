@@ -10,7 +10,7 @@ import { collect } from '../test/support/process.js';
 import { uniquePrefix, uniqueSubnet } from '../test/agent/harness.js';
 
 /**
- * `npm run bench -- memory [--mib 64,256] [--runs N] [--forks N]`
+ * `npm run bench -- memory [--mib 64,256] [--runs N] [--forks N] [--full-restore]`
  *
  * Memory checkpoints (CRIU, found through CRIU_PATH or PATH) of real
  * sandboxes holding --mib MiB resident (an awk string) beside a counter:
@@ -18,7 +18,9 @@ import { uniquePrefix, uniqueSubnet } from '../test/agent/harness.js';
  * p50/p99 over --runs cycles; fork ×--forks from one live snapshot to all
  * running; a move to a second backend (pause, copy of the checkpoint, resume
  * there: the downtime a live migrate between hosts pays, without the
- * network). Published figures beside them.
+ * network). Published figures beside them. Restores page memory in after
+ * they run (the agent's default, AGENT_LAZY_RESTORE) unless --full-restore:
+ * the resume line is then followed by the time until every page was in.
  */
 export default async function memoryBench(args: string[]): Promise<void> {
   const opt = (name: string, dflt: string): string => {
@@ -29,8 +31,12 @@ export default async function memoryBench(args: string[]): Promise<void> {
   const runs = Number(opt('runs', '10'));
   const forks = Number(opt('forks', '10'));
   const log = (s: string): void => void process.stdout.write(`${s}\n`);
+  const lazyRestore = !args.includes('--full-restore');
   // Restores fault the memory in: 4 KiB pages unless this is `always` (docs/host-agent.md).
   log(`transparent huge pages: ${(await transparentHugepages()) ?? 'none'}`);
+  log(
+    `restores: ${lazyRestore ? 'memory paged in after the tree runs (where the host has lazy pages)' : 'every page read before the tree runs (--full-restore)'}`,
+  );
   const root = await mkdtemp(join(tmpdir(), 'bench-memory-'));
   const imageDir = join(root, 'images');
   await buildImage(imageDir, 'base');
@@ -58,6 +64,7 @@ export default async function memoryBench(args: string[]): Promise<void> {
       imageDir,
       subnet: uniqueSubnet(),
       bridgePrefix: uniquePrefix(),
+      lazyRestore,
       maxSandboxes: forks + 4,
     });
   const a = await open();
@@ -90,6 +97,7 @@ export default async function memoryBench(args: string[]): Promise<void> {
 
       const pauses: number[] = [];
       const resumes: number[] = [];
+      const resident: number[] = [];
       restores.length = 0;
       for (let i = 0; i < runs; i++) {
         t0 = performance.now();
@@ -98,9 +106,12 @@ export default async function memoryBench(args: string[]): Promise<void> {
         t0 = performance.now();
         await a.resume(name);
         resumes.push(ms(t0));
+        while (!(await a.lazy.memoryStatus(name)).done) await new Promise((r) => setTimeout(r, 5));
+        resident.push(ms(t0));
       }
       log(`pause:  p50 ${pct(pauses, 50)} ms, p99 ${pct(pauses, 99)} ms over ${runs}`);
       log(`resume: p50 ${pct(resumes, 50)} ms, p99 ${pct(resumes, 99)} ms over ${runs} (aim at 64 MiB: p50 < 150 ms)`);
+      log(`  resume to every page in (memory status done, polled every 5 ms): p50 ${pct(resident, 50)} ms, p99 ${pct(resident, 99)} ms`);
       const stepNames = [...new Set(restores.flatMap((r) => Object.keys(r)))];
       log(
         `  of which, p50 per step of the agent's restore: ${stepNames

@@ -279,5 +279,8 @@ describe('agent config', () => {
     assert.equal(ok.AGENT_PORT, 0);
     assert.equal(ok.AGENT_HOST, '127.0.0.1');
     assert.equal(ok.AGENT_ALLOW_CROSS_TENANT, false);
+    assert.equal(ok.AGENT_LAZY_RESTORE, true, 'restores page memory in after they run unless told not to');
+    assert.equal(parseAgentEnv({ AGENT_TOKEN: TOKEN, AGENT_LAZY_RESTORE: 'false' }).AGENT_LAZY_RESTORE, false);
+    assert.throws(() => parseAgentEnv({ AGENT_TOKEN: TOKEN, AGENT_LAZY_RESTORE: 'soon' }), /AGENT_LAZY_RESTORE: must be true or false/);
   });
 });

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -61,6 +61,29 @@ async function answer(url: string): Promise<string> {
   }
 }
 
+/** A cgroup of this test's holding its processes to 1% of a CPU (v1 cpu controller or v2 cpu.max). */
+function throttledCgroup(): { procs: string; unthrottle(): void; remove(): void } {
+  const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
+  const dir = v2 ? `/sys/fs/cgroup/criu-test-slow-${process.pid}` : `/sys/fs/cgroup/cpu/criu-test-slow-${process.pid}`;
+  mkdirSync(dir, { recursive: true });
+  const limit = (on: boolean): void =>
+    v2
+      ? writeFileSync(join(dir, 'cpu.max'), on ? '1000 100000' : 'max 100000')
+      : writeFileSync(join(dir, 'cpu.cfs_quota_us'), on ? '1000' : '-1');
+  limit(true);
+  return {
+    procs: join(dir, 'cgroup.procs'),
+    unthrottle: () => limit(false),
+    remove: () => {
+      limit(false);
+      // Its processes (a daemon that outlived the test) go back to the root first.
+      const root = v2 ? '/sys/fs/cgroup/cgroup.procs' : '/sys/fs/cgroup/cpu/cgroup.procs';
+      for (const pid of readFileSync(join(dir, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean)) writeFileSync(root, pid);
+      rmdirSync(dir);
+    },
+  };
+}
+
 async function rejectsWithCode(p: Promise<unknown>, code: string): Promise<void> {
   await assert.rejects(p, (err: unknown) => {
     assert.ok(err instanceof AppError, `expected an AppError, got ${String(err)}`);
@@ -92,10 +115,16 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
   const prefixes: string[] = [];
   let b: ProcessBackend;
 
-  async function openBackend(env?: string): Promise<ProcessBackend> {
+  async function openBackend(env?: string, extra: Partial<ProcessBackendOptions> = {}): Promise<ProcessBackend> {
     const bridgePrefix = uniquePrefix();
     prefixes.push(bridgePrefix);
-    const options: ProcessBackendOptions = { dataDir: await mkdtemp(join(root, 'data-')), imageDir, subnet: uniqueSubnet(), bridgePrefix };
+    const options: ProcessBackendOptions = {
+      dataDir: await mkdtemp(join(root, 'data-')),
+      imageDir,
+      subnet: uniqueSubnet(),
+      bridgePrefix,
+      ...extra,
+    };
     const saved = process.env.CRIU_PATH;
     if (env !== undefined) process.env.CRIU_PATH = env;
     try {
@@ -193,6 +222,75 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       [],
       'each resume removes its pause checkpoint',
     );
+  });
+
+  test('a resume runs before its memory is in (paged in from the local images); a pause meanwhile waits for every page', async (t) => {
+    if (!(await b.capacity()).lazy_pages) return t.skip('this host cannot restore lazily');
+    // Fault injection: CRIU through a wrapper that puts the lazy-pages daemon (the one reading the images into the
+    // restored memory) in a cgroup held to 1% of a CPU while /slow exists, so the pause below comes while pages are
+    // still missing. CRIU dumps the pages present: without the wait, the missing ones would come back zero.
+    const slow = join(root, 'slow');
+    const cg = throttledCgroup();
+    const wrapper = join(root, 'criu-slow-pages');
+    await writeFile(
+      wrapper,
+      // (The agent knows a criu with the /dev/userfaultfd patch by a name in its binary: the wrapper names it too.)
+      `#!/bin/sh\n# wraps a criu with UFFD_DEV_OFF\nif [ "$1" = lazy-pages ] && [ -e ${slow} ]; then echo $$ > ${cg.procs}; fi\nexec ${process.env.CRIU_PATH} "$@"\n`,
+      { mode: 0o755 },
+    );
+    t.after(() => cg.remove());
+    const bs = await openBackend(wrapper);
+    await bs.create({ name: 'lz', cpus: 1, ram_mb: 512, storage_gb: 1, tenant: 't1' });
+    // 128 MiB of anonymous memory, no page of it zero, written out to /tmp/dump whenever /tmp/ask appears.
+    const holder =
+      `(awk 'BEGIN{ c = ""; for (i = 0; i < 4096; i++) c = c sprintf("%c", 65 + (i * 7) % 26); s = c; ` +
+      `while (length(s) < 128 * 1048576) s = s s; system("touch /tmp/ready"); ` +
+      `while (1) { if (system("test -e /tmp/ask") == 0) { system("rm -f /tmp/ask"); printf "%s", s > "/tmp/dump"; close("/tmp/dump"); system("touch /tmp/dumped") } system("sleep 0.05") } }') >/dev/null 2>&1 &`;
+    assert.equal((await sh(bs, 'lz', holder)).exitCode, 0);
+    const waitFor = async (file: string): Promise<void> => {
+      for (let i = 0; i < 400 && (await sh(bs, 'lz', `test -e ${file}`)).exitCode !== 0; i++) await new Promise((r) => setTimeout(r, 50));
+    };
+    const memory = async (): Promise<string> => {
+      await sh(bs, 'lz', 'rm -f /tmp/dumped /tmp/dump; touch /tmp/ask');
+      await waitFor('/tmp/dumped');
+      const r = await sh(bs, 'lz', 'md5sum < /tmp/dump && wc -c < /tmp/dump; rm -f /tmp/dump /tmp/dumped');
+      return r.stdout.replace(/\s+/g, ' ').trim();
+    };
+    await waitFor('/tmp/ready');
+    const before = await memory();
+    assert.match(before, / 134217728$/, 'the holder wrote its 128 MiB');
+    await bs.pause('lz');
+    await writeFile(slow, '');
+    await bs.resume('lz');
+    await rm(slow);
+    // Running before its pages are in.
+    const right = await bs.lazy.memoryStatus('lz');
+    assert.ok(right.total_chunks > 30_000 && right.resident_chunks < right.total_chunks && !right.done, JSON.stringify(right));
+    const paused = bs.pause('lz');
+    const waited = await Promise.race([paused.then(() => false), new Promise((r) => setTimeout(() => r(true), 1000))]);
+    assert.ok(waited, 'the pause waits while pages are missing');
+    cg.unthrottle();
+    await paused;
+    await bs.resume('lz');
+    assert.equal(await memory(), before, 'the memory came back whole');
+    for (let i = 0; i < 200 && !(await bs.lazy.memoryStatus('lz')).done; i++) await new Promise((r) => setTimeout(r, 50));
+    const done = await bs.lazy.memoryStatus('lz');
+    assert.ok(done.done && done.resident_chunks === done.total_chunks && done.error === undefined, JSON.stringify(done));
+    await bs.destroy('lz');
+  });
+
+  test('with lazyRestore off, a resume reads every page before it answers', async () => {
+    const full = await openBackend(undefined, { lazyRestore: false });
+    await full.create({ name: 'fr', cpus: 1, ram_mb: 256, storage_gb: 1, tenant: 't1' });
+    assert.equal((await sh(full, 'fr', STARTUP)).stdout.trim(), 'started');
+    for (let i = 0; i < 100 && (await sh(full, 'fr', 'test -s /tmp/count')).exitCode !== 0; i++)
+      await new Promise((r) => setTimeout(r, 20));
+    const last = await count(full, 'fr');
+    await full.pause('fr');
+    await full.resume('fr');
+    assert.deepEqual(await full.lazy.memoryStatus('fr'), { resident_chunks: 0, total_chunks: 0, done: true }, 'nothing paged in after');
+    assert.ok((await count(full, 'fr')) >= last);
+    await full.destroy('fr');
   });
 
   test('concurrent resumes: one restores, the others see it running', async () => {

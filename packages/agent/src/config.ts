@@ -120,6 +120,12 @@ export const agentConfigSchema = z
     /** Sandbox disks kept formatted ahead of creates (process backend); 0: none. Each takes AGENT_DISK_POOL_GB of disk. */
     AGENT_DISK_POOL: z.coerce.number().int().min(0, 'must be 0 or more').max(64, 'at most 64').default(2),
     AGENT_DISK_POOL_GB: z.coerce.number().int().min(1, 'at least 1').max(64, 'at most 64').default(1),
+    /**
+     * Resumes, forks, moves and restores from this host's own checkpoint files run first and page their memory in
+     * afterwards (criu lazy-pages over the local images) when the host can (capacity lazy_pages); false: every page
+     * is read before the sandbox runs.
+     */
+    AGENT_LAZY_RESTORE: bool.default(true),
   })
   .refine((c) => c.AGENT_EXEC_DEFAULT_TIMEOUT_MS <= c.AGENT_EXEC_MAX_TIMEOUT_MS, {
     error: 'must not exceed AGENT_EXEC_MAX_TIMEOUT_MS',
@@ -163,6 +169,7 @@ export interface AgentConfig {
   egressDnsServers: string[];
   diskPool: number;
   diskPoolGb: number;
+  lazyRestore: boolean;
 }
 
 export class AgentConfigError extends Error {
@@ -231,6 +238,7 @@ export function loadAgentConfig(env: Record<string, string | undefined> = proces
     egressDnsServers: raw.AGENT_EGRESS_DNS,
     diskPool: raw.AGENT_DISK_POOL,
     diskPoolGb: raw.AGENT_DISK_POOL_GB,
+    lazyRestore: raw.AGENT_LAZY_RESTORE,
   };
 }
 

@@ -66,6 +66,7 @@ async function openBackend(config: AgentConfig, logger: Logger): Promise<Backend
     egressDnsServers: config.egressDnsServers,
     diskPool: config.diskPool,
     diskPoolGb: config.diskPoolGb,
+    lazyRestore: config.lazyRestore,
     logger: logger.child({ component: 'backend' }),
   });
 }

@@ -144,10 +144,12 @@ export class VmMemory {
   /**
    * Where the VM's memory is (the seed's MemoryStatus). A full restore
    * copies the whole image before the processes run: done, nothing
-   * outstanding. After a lazy migration (lazy-migrate.ts) the VM runs on its
-   * host before its memory is there, and that host's agent counts the pages
-   * in (`resident_chunks` of `total_chunks`; `error` when the stream from
-   * the source broke, which loses the VM).
+   * outstanding. After a lazy migration (lazy-migrate.ts), and after any
+   * restore on a host with lazy_pages (its agent pages the checkpoint in from
+   * its own files), the VM runs on its host before its memory is there, and
+   * that host's agent counts the pages in (`resident_chunks` of
+   * `total_chunks`; `error` when the stream from the source broke, which
+   * loses the VM).
    */
   async memoryStatus(vmId: string, actor: Actor): Promise<MemoryStatus> {
     const vm = await this.vms.get(vmId, actor);

@@ -41,6 +41,10 @@
  *       with the usual trusted.overlay xattrs. HOSTID is the host id of the
  *       sandbox's root: the overlay writes its work files as the mounter's
  *       fsuid, which must have a mapping in the idmapped upper layer.
+ *       PID 0 (a restore's root, mounted in the agent's namespace for CRIU):
+ *       the ids are mapped by a user namespace of no process's, 0..65535 to
+ *       HOSTID.., made here, and ROOT is mounted in this process's mount
+ *       namespace.
  *   fleet-sandbox enter PID [--start TICKS] [--cg FILE]... [--cwd DIR] [--net-raw]
  *                       [--winsize ROWS COLS] -- OP ARGS...
  *       Join the cgroup(s), enter the namespaces (user first) and root of
@@ -661,23 +665,63 @@ static int idmapped_clone(const char *path, int userns) {
   return fd;
 }
 
+static void write_file(const char *path, const char *text);
+
+/*
+ * A user namespace of no process's, mapping ids 0..65535 to HOSTID..: a child is cloned into a new one, its maps
+ * written, and the namespace kept by a descriptor after the child has gone.
+ */
+static int throwaway_userns(long hostid) {
+  int gate[2];
+  if (pipe2(gate, O_CLOEXEC) < 0) fail("pipe", NULL);
+  pid_t child = (pid_t)syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, NULL, NULL, NULL, 0);
+  if (child < 0) fail("clone a user namespace", NULL);
+  if (child == 0) {
+    /* Held until the parent has the namespace's descriptor: the end of the pipe. */
+    char b;
+    close(gate[1]);
+    while (read(gate[0], &b, 1) < 0 && errno == EINTR) {
+    }
+    _exit(0);
+  }
+  close(gate[0]);
+  char path[64], map[64];
+  snprintf(map, sizeof map, "0 %ld 65536\n", hostid);
+  snprintf(path, sizeof path, "/proc/%d/uid_map", (int)child);
+  write_file(path, map);
+  snprintf(path, sizeof path, "/proc/%d/gid_map", (int)child);
+  write_file(path, map);
+  snprintf(path, sizeof path, "/proc/%d/ns/user", (int)child);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("open", path);
+  close(gate[1]);
+  while (waitpid(child, NULL, 0) < 0 && errno == EINTR) {
+  }
+  return fd;
+}
+
 static int cmd_mount_root(int argc, char **argv) {
   if (argc != 7) usage();
   clearenv();
   int pid = atoi(argv[2]);
   long hostid = atol(argv[3]);
-  if (pid <= 0 || hostid <= 0) usage();
+  if (pid < 0 || hostid <= 0 || (pid == 0 && strcmp(argv[2], "0") != 0)) usage();
   argv++; /* IMAGE LAYERDIR ROOT at argv[3..5] */
   char path[64];
-  snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
-  int userns = open(path, O_RDONLY | O_CLOEXEC);
-  if (userns < 0) fail("open", path);
-  snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
-  int mntns = open(path, O_RDONLY | O_CLOEXEC);
-  if (mntns < 0) fail("open", path);
+  int userns, mntns = -1;
+  if (pid == 0) {
+    userns = throwaway_userns(hostid);
+  } else {
+    snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+    userns = open(path, O_RDONLY | O_CLOEXEC);
+    if (userns < 0) fail("open", path);
+    snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
+    mntns = open(path, O_RDONLY | O_CLOEXEC);
+    if (mntns < 0) fail("open", path);
+  }
   int lower = idmapped_clone(argv[3], userns);
   int layer = idmapped_clone(argv[4], userns);
-  if (setns(mntns, CLONE_NEWNS) < 0) fail("setns", "mnt");
+  if (mntns >= 0 && setns(mntns, CLONE_NEWNS) < 0) fail("setns", "mnt");
   /* Keep every capability across the fsuid change (no setuid fix-up), so the mount keeps host-root powers. */
   if (prctl(PR_SET_SECUREBITS, SECBIT_NO_SETUID_FIXUP) < 0) fail("securebits", NULL);
   setfsgid((gid_t)hostid);

@@ -56,7 +56,12 @@ interface TargetState {
   daemon?: LazyDaemon;
   error?: string;
   listener?: Server;
+  /** Paging in from this host's own images (a resume, fork or restore), not from a source agent. */
+  local?: boolean;
 }
+
+/** How long a memory capture waits for a sandbox paging in from this host's images before it is refused. */
+const LOCAL_PAGING_WAIT_MS = 120_000;
 
 export class LazyMemory {
   private readonly sources = new Map<string, PageSource>();
@@ -84,6 +89,7 @@ export class LazyMemory {
       if (s.status === 'paused' && this.sources.has(s.paused_checkpoint))
         return { ...(await host.checkpoints.get(s.paused_checkpoint)), pause_ms: 0 };
       if (s.status !== 'running' || !(await host.isAlive(s))) throw sandboxNotRunning(name);
+      await this.awaitResident(name);
       const t0 = performance.now();
       await freeze(host, name);
       let server: ChildProcess | undefined;
@@ -202,8 +208,21 @@ export class LazyMemory {
     }
   }
 
+  /**
+   * A restore from this host's images that pages its memory in after it runs (restoreInto): its status is the
+   * sandbox's memory status, and a memory capture waits for it (awaitResident).
+   */
+  track(name: string, daemon: LazyDaemon): void {
+    this.targets.get(name)?.daemon?.kill();
+    const state: TargetState = { daemon, local: true };
+    this.targets.set(name, state);
+    void daemon.exited.then((code) => this.settle(name, state, code));
+  }
+
   private async settle(name: string, state: TargetState, code: number | null): Promise<void> {
     state.listener?.close();
+    // A daemon replaced by a later restore's (or forgotten with its sandbox) speaks for nothing any more.
+    if (this.targets.get(name) !== state) return;
     if (code === 0) {
       this.host.log?.info({ sandbox: name }, 'lazy restore: every page is resident');
       return;
@@ -232,10 +251,20 @@ export class LazyMemory {
     return st;
   }
 
-  /** A memory capture of a sandbox still paging in would miss the pages not yet there: refused until done. */
-  async assertResident(name: string): Promise<void> {
-    const daemon = this.targets.get(name)?.daemon;
-    if (!daemon) return;
+  /**
+   * A memory capture of a sandbox still paging in would miss the pages not yet there (CRIU dumps the pages present):
+   * one paging in from this host's images is waited for (they are local: seconds), one paging in from a source agent
+   * is refused until done.
+   */
+  async awaitResident(name: string): Promise<void> {
+    const state = this.targets.get(name);
+    const daemon = state?.daemon;
+    if (!state || !daemon) return;
+    if (state.local) {
+      let timer: NodeJS.Timeout | undefined;
+      await Promise.race([daemon.exited, new Promise((r) => (timer = setTimeout(r, LOCAL_PAGING_WAIT_MS)))]);
+      clearTimeout(timer);
+    }
     const st = await daemon.status();
     if (st.done) return;
     throw new AppError(

@@ -1,6 +1,5 @@
-import { spawn } from 'node:child_process';
 import { closeSync, fchownSync } from 'node:fs';
-import { mkdir, readFile, readlink, rm, writeFile } from 'node:fs/promises';
+import { mkdir, readFile, rm } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
@@ -17,8 +16,9 @@ import {
   type CriuMeta,
   type DumpResult,
 } from './criu.js';
-import { mustRun, processStartTime, runTool, sleep } from './exec-util.js';
-import { openConsoleWriter, USERNS_SIZE } from './launch.js';
+import { mustRun, processStartTime, runTool } from './exec-util.js';
+import { startLazyDaemon, type LazyDaemon } from './criu-lazy.js';
+import { openConsoleWriter } from './launch.js';
 import { deleteLink, hardenLink } from './network.js';
 import type { SandboxHost } from './sandbox-host.js';
 import type { SandboxRecord } from './sandbox-state.js';
@@ -114,23 +114,15 @@ export async function restoreInto(
     },
   );
   consoleWriter.catch(() => undefined);
-  const holder = spawn(host.tools.unshare, ['--user', '--', host.tools.busybox, 'sleep', '60'], { stdio: 'ignore' });
-  // A spawn that fails leaves no pid (refused below); its 'error' must not take the agent down.
-  holder.on('error', () => undefined);
+  const local = lazy === undefined && host.opts.lazyRestore && criu.lazyPages;
   let mounted = false;
   const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
   host.scratch.add(scratch);
   try {
-    const hpid = holder.pid;
-    if (hpid === undefined) throw sandboxFailed('could not start a user namespace for the restore');
-    const own = await readlink('/proc/self/ns/user');
-    for (let i = 0; i < 500 && (await readlink(`/proc/${hpid}/ns/user`).catch(() => own)) === own; i++) await sleep(2);
-    const map = `0 ${s.uid_base} ${USERNS_SIZE}\n`;
-    await writeFile(`/proc/${hpid}/uid_map`, map);
-    await writeFile(`/proc/${hpid}/gid_map`, map);
-    lap('userns_ms');
     const imagePath = await resolveImage(host.opts.imageDir, s.image);
-    await mustRun(host.tools.helper, ['mount-root', String(hpid), String(s.uid_base), imagePath, dirname(layer.upper), root]);
+    // PID 0: the helper maps the ids through a user namespace of its own making (the record's id block), and mounts
+    // the root in the agent's mount namespace, where CRIU takes it from.
+    await mustRun(host.tools.helper, ['mount-root', '0', String(s.uid_base), imagePath, dirname(layer.upper), root]);
     mounted = true;
     lap('mount_root_ms');
     const consoleFd = await consoleWriter;
@@ -152,10 +144,15 @@ export async function restoreInto(
       hook: host.criuHook,
       emptyDir: await ensureEmptyDir(host.emptyDir(s.name)),
     };
+    // Without a source of its own (a lazy move's), memory is paged in from the local images after the tree runs:
+    // the restore does not wait for every page to be read into it (most of its time on a host of 4 KiB pages).
+    let paging: LazyDaemon | undefined;
+    const pager = lazy ?? (local ? async (d: string) => (paging = await startLazyDaemon(criu, d)) : undefined);
     let pid: number;
     for (let attempt = 1; ; attempt++) {
       try {
-        pid = await restoreTree(criu, cpDir, meta, target, join(host.checkpoints.staging, scratch), lazy, host.restoreDeadlineMs);
+        pid = await restoreTree(criu, cpDir, meta, target, join(host.checkpoints.staging, scratch), pager, host.restoreDeadlineMs);
+        if (paging) host.paging.track(s.name, paging);
         break;
       } catch (err) {
         if (!(err instanceof RestoreTimedOut)) throw err;
@@ -189,11 +186,10 @@ export async function restoreInto(
     const consoleFd = await consoleWriter.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
     if (mounted) await runTool('umount', ['-l', root]);
-    holder.kill('SIGKILL');
     host.scratch.delete(scratch);
   }
   lap('unmount_ms');
-  host.log?.info({ sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, ...steps }, 'criu restore');
+  host.log?.info({ sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, paged_in_after: local, ...steps }, 'criu restore');
 }
 
 /** A restore that hangs is tried this many times in all (each within SandboxHost.restoreDeadlineMs). */

@@ -102,7 +102,10 @@ function findOnPath(name: string): string | null {
  * reason) when there is none, or CRIU_PATH is `off`: the host then answers a
  * live request with a disk checkpoint, as before.
  */
-export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ features: CriuFeatures | null; reason: string }> {
+export async function detectCriu(
+  envPath = process.env.CRIU_PATH,
+  lazyRestore = true,
+): Promise<{ features: CriuFeatures | null; reason: string }> {
   if (envPath === 'off') return { features: null, reason: 'CRIU_PATH=off' };
   const path = envPath && envPath.length > 0 ? envPath : findOnPath('criu');
   if (!path) return { features: null, reason: 'no criu on PATH and CRIU_PATH unset' };
@@ -128,15 +131,17 @@ export async function detectCriu(envPath = process.env.CRIU_PATH): Promise<{ fea
     notes.push('lazy pages off: vm.unprivileged_userfaultfd is 0 and this criu lacks the /dev/userfaultfd patch (scripts/criu)');
   const dirty = await feature('mem_dirty_track');
   if (!dirty) notes.push('memory diff off: the kernel has no soft-dirty bits');
-  // A restore reads the sandbox's memory into fresh pages: with huge pages only where a program asked for them
+  const lazyPages = uffd && (unpriv || viaDev);
+  // A full restore reads the sandbox's memory into fresh pages: with huge pages only where a program asked for them
   // (`madvise`, the default of many kernels), one page fault per 4 KiB, which on some hosts (virtual machines above
-  // all) is most of a resume: docs/host-agent.md, "Transparent huge pages".
+  // all) is most of a resume: docs/host-agent.md, "Transparent huge pages". Restores that page memory in after
+  // (lazyRestore) have the kernel install each page instead, with no fault.
   const thp = await transparentHugepages();
-  if (thp !== null && thp !== 'always')
-    notes.push(`transparent_hugepage is "${thp}": restores fault memory in 4 KiB pages; "always" makes resumes and forks faster`);
+  if (thp !== null && thp !== 'always' && !(lazyPages && lazyRestore))
+    notes.push(`transparent_hugepage is "${thp}": full restores fault memory in 4 KiB pages; "always" makes resumes and forks faster`);
   const kdat = await installKdatCache(path);
   if (kdat) notes.push(kdat);
-  return { features: { path, version, liveSnapshot: true, lazyPages: uffd && (unpriv || viaDev), memoryDiff: dirty, notes }, reason: '' };
+  return { features: { path, version, liveSnapshot: true, lazyPages, memoryDiff: dirty, notes }, reason: '' };
 }
 
 /** The host's transparent huge page mode (`always`, `madvise`, `never`), or null when the kernel has none. */

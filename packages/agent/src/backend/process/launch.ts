@@ -35,7 +35,6 @@ import { INIT_STATUS_FILE } from './init-status.js';
  */
 
 export interface HostTools {
-  readonly unshare: string;
   readonly busybox: string;
   /** The compiled fleet-sandbox helper (ensureSandboxHelper). */
   readonly helper: string;
@@ -53,11 +52,13 @@ export function findHostTools(busybox = '/bin/busybox'): Omit<HostTools, 'helper
   };
   find('ip', 'iproute2');
   find('tar', 'tar');
+  // CRIU's kernel probes run under unshare(1) (criu.ts).
+  find('unshare', 'util-linux');
   if (!existsSync(busybox)) throw featureMissing('busybox', `${busybox} is absent: run \`apt-get install busybox-static\``);
-  return { unshare: find('unshare', 'util-linux'), busybox };
+  return { busybox };
 }
 
-/** Ids per sandbox user namespace: 0-65535 inside. */
+/** Ids per sandbox user namespace: 0-65535 inside (the helper's `mount-root 0` maps the same block). */
 export const USERNS_SIZE = 65536;
 
 /**

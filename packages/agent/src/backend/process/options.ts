@@ -54,6 +54,12 @@ export const optionsSchema = z.object({
   diskPool: z.number().int().min(0).max(64).default(0),
   /** storage_gb of the pooled disks: creates asking for another size format their own. */
   diskPoolGb: z.number().int().min(1).max(64).default(1),
+  /**
+   * A restore from this host's own checkpoint files (resume, fork, move, restore in place) runs first and pages its
+   * memory in afterwards from those files (criu lazy-pages), when the host can (CriuFeatures.lazyPages); a memory
+   * capture of the sandbox waits until every page is in. false: every page is read before it runs.
+   */
+  lazyRestore: z.boolean().default(true),
 });
 export type ProcessBackendOptions = z.input<typeof optionsSchema> & { logger?: Logger };
 export type ProcessOptions = z.output<typeof optionsSchema>;

@@ -69,6 +69,7 @@ export class ProcessBackend implements Backend {
   private constructor(private readonly host: SandboxHost) {
     this.observer = host.observer;
     this.lazy = new LazyMemory(host);
+    host.paging = this.lazy;
   }
 
   /** Checks the host (tools, overlayfs, cgroups), creates the data directories and recovers surviving sandboxes. */
@@ -97,7 +98,7 @@ export class ProcessBackend implements Backend {
     const host = new SandboxHost(opts, subnet, cgroups, tools, firewall, logger);
     const backend = new ProcessBackend(host);
     await host.checkpoints.init();
-    const found = await detectCriu();
+    const found = await detectCriu(undefined, opts.lazyRestore);
     host.criu = found.features;
     if (found.features) {
       host.criuHook = await installNetnsHook(join(opts.dataDir, 'runtime-helper'));
@@ -215,7 +216,6 @@ export class ProcessBackend implements Backend {
   }
 
   async checkpoint(name: string, opts: CheckpointOptions): Promise<Checkpoint> {
-    if (opts.live) await this.lazy.assertResident(name);
     return checkpointSandbox(this.host, name, opts);
   }
 
@@ -226,7 +226,6 @@ export class ProcessBackend implements Backend {
    * moved, and restored under another name elsewhere (create with resume).
    */
   async pause(name: string, opts: { id?: string; comment?: string } = {}): Promise<Checkpoint> {
-    await this.lazy.assertResident(name);
     return pauseSandbox(this.host, name, opts);
   }
 

@@ -7,6 +7,7 @@ import { sandboxNotFound, sandboxNotRunning, type Endpoint, type SandboxInfo } f
 import type { Cgroups } from './cgroups.js';
 import { CheckpointStore } from './checkpoints.js';
 import type { CriuFeatures } from './criu.js';
+import type { LazyDaemon } from './criu-lazy.js';
 import { DiskPool } from './disk-pool.js';
 import { EgressHost, forwards, usesAgentProxy } from './egress-host.js';
 import type { SandboxEgress } from './egress.js';
@@ -46,6 +47,14 @@ export class SandboxHost {
    * 0.3-2.5 s here, loaded or not; two tries and the set-up fit in the control plane's 20 s agent call.
    */
   restoreDeadlineMs = 7_000;
+  /**
+   * Restores that page memory in after they run (the backend's LazyMemory): told of one from this host's own images
+   * (criu-sandbox.ts), and asked by every memory capture, under the sandbox's lock, before it freezes the guest.
+   */
+  paging: { track(name: string, daemon: LazyDaemon): void; awaitResident(name: string): Promise<void> } = {
+    track: () => undefined,
+    awaitResident: () => Promise.resolve(),
+  };
   /** Staging entries a dump or restore is using now: prune leaves them. */
   readonly scratch = new Set<string>();
   /** Disks formatted ahead of creates (disk-pool.ts). */

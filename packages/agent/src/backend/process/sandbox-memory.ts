@@ -23,6 +23,7 @@ export async function checkpointSandbox(host: SandboxHost, name: string, opts: C
   return host.locks.run(`sb:${name}`, async () => {
     const running = await host.isAlive(record.state);
     const memory = opts.live === true && running && host.criu !== null;
+    if (memory) await host.paging.awaitResident(name);
     const t0 = performance.now();
     let thawedAt: number | undefined;
     // Frozen while archived, so the layer is one instant of the guest, not a smear across the copy.
@@ -81,6 +82,7 @@ export async function pauseSandbox(host: SandboxHost, name: string, opts: { id?:
     const s = record.state;
     if (s.status === 'paused') return { ...(await host.checkpoints.get(s.paused_checkpoint)), pause_ms: 0 };
     if (s.status !== 'running' || !(await host.isAlive(s))) throw sandboxNotRunning(name);
+    await host.paging.awaitResident(name);
     const t0 = performance.now();
     await freeze(host, name);
     const progress = { dumped: false };
