@@ -106,7 +106,10 @@ export default async function memoryBench(args: string[]): Promise<void> {
         t0 = performance.now();
         await a.resume(name);
         resumes.push(ms(t0));
-        while (!(await a.lazy.memoryStatus(name)).done) await new Promise((r) => setTimeout(r, 5));
+        for (let st = await a.lazy.memoryStatus(name); !st.done; st = await a.lazy.memoryStatus(name)) {
+          if (st.error !== undefined) throw new Error(`paging the memory in failed: ${st.error}`);
+          await new Promise((r) => setTimeout(r, 5));
+        }
         resident.push(ms(t0));
       }
       log(`pause:  p50 ${pct(pauses, 50)} ms, p99 ${pct(pauses, 99)} ms over ${runs}`);

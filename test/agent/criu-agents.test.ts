@@ -1,12 +1,22 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { existsSync } from 'node:fs';
-import { mkdtemp, rm } from 'node:fs/promises';
+import { mkdtemp, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { AppError } from '@fleet/agent-protocol';
-import { prepareImages, startAgent, uniquePrefix, uniqueSubnet, type RunningAgent } from './harness.js';
+import {
+  MEMORY_HOLDER,
+  prepareImages,
+  slowPagesCriu,
+  startAgent,
+  throttledCgroup,
+  uniquePrefix,
+  uniqueSubnet,
+  type AgentOptions,
+  type RunningAgent,
+} from './harness.js';
 
 /**
  * Memory state between real agent processes, over their HTTP API: a paused
@@ -46,12 +56,14 @@ describe('criu between agents', { skip: skip ? `missing: ${skip}` : false, timeo
   let a: RunningAgent;
   let b: RunningAgent;
   let plain: RunningAgent;
+  let imageDir: string;
   const agents: RunningAgent[] = [];
 
   before(async () => {
     root = await mkdtemp(join(tmpdir(), 'criu-agents-'));
     const images = await prepareImages();
     if ('skip' in images) throw new Error(images.skip);
+    imageDir = images.imageDir;
     const start = async (env: Record<string, string>): Promise<RunningAgent> => {
       const agent = await startAgent({
         dataDir: await mkdtemp(join(root, 'data-')),
@@ -124,6 +136,68 @@ describe('criu between agents', { skip: skip ? `missing: ${skip}` : false, timeo
       0,
       "the source's pause checkpoint went with it",
     );
+  });
+
+  test('an agent stopped while a resume still pages memory in leaves the daemon be, and adopts it when it comes back: a pause waits for every page', async (t) => {
+    if (!(await a.client.capacity()).lazy_pages) return t.skip('this host cannot restore lazily');
+    // The daemon held to 2% of a CPU (fault injection, as in criu.test.ts): the agent is killed with pages missing.
+    const cg = throttledCgroup();
+    if (!cg) return t.skip('no cpu cgroup controller to slow the daemon with');
+    t.after(() => cg.remove());
+    const slow = join(root, 'slow');
+    const opts: AgentOptions = {
+      dataDir: await mkdtemp(join(root, 'data-')),
+      imageDir,
+      subnet: uniqueSubnet(),
+      bridgePrefix: uniquePrefix(),
+      env: { CRIU_PATH: await slowPagesCriu(join(root, 'criu-slow-pages'), criu!, slow, cg.procs) },
+    };
+    let agent = await startAgent(opts);
+    agents.push(agent);
+    await agent.client.createVm({ name: 'adopt', ram_mb: 512, storage_gb: 1 });
+    const sh = async (script: string): Promise<string> => (await agent.client.exec('adopt', { argv: ['/bin/sh', '-c', script] })).stdout;
+    const waitFor = async (file: string): Promise<void> => {
+      for (let i = 0; i < 400 && (await agent.client.exec('adopt', { argv: ['test', '-e', file] })).exit_code !== 0; i++)
+        await new Promise((r) => setTimeout(r, 50));
+    };
+    const memory = async (): Promise<string> => {
+      await sh('rm -f /tmp/dumped /tmp/dump; touch /tmp/ask');
+      await waitFor('/tmp/dumped');
+      return (await sh('md5sum < /tmp/dump && wc -c < /tmp/dump; rm -f /tmp/dump /tmp/dumped')).replace(/\s+/g, ' ').trim();
+    };
+    await sh(MEMORY_HOLDER);
+    await waitFor('/tmp/ready');
+    const before = await memory();
+    assert.match(before, / 67108864$/);
+    await agent.client.pauseVm('adopt');
+    await writeFile(slow, '');
+    try {
+      await agent.client.resumeVm('adopt');
+    } finally {
+      await rm(slow);
+    }
+    cg.tighten();
+    let st = await agent.client.memoryStatus('adopt');
+    for (let i = 0; i < 100 && st.total_chunks === 0; i++) {
+      await new Promise((r) => setTimeout(r, 50));
+      st = await agent.client.memoryStatus('adopt');
+    }
+    assert.ok(st.total_chunks > 15_000 && !st.done, JSON.stringify(st));
+    // A clean stop (SIGTERM: the backend closes) must leave the daemon to finish, as a crash does.
+    await agent.stop();
+    agent = await startAgent(opts);
+    agents.push(agent);
+    // The daemon outlived the agent; the new one took it back and counts its pages again.
+    const again = await agent.client.memoryStatus('adopt');
+    assert.ok(again.total_chunks === st.total_chunks && !again.done && again.error === undefined, JSON.stringify(again));
+    const paused = agent.client.pauseVm('adopt');
+    const waited = await Promise.race([paused.then(() => false), new Promise((r) => setTimeout(() => r(true), 1000))]);
+    assert.ok(waited, 'the pause waits for the adopted daemon');
+    cg.unthrottle();
+    await paused;
+    await agent.client.resumeVm('adopt');
+    assert.equal(await memory(), before, 'the memory came back whole');
+    await agent.client.destroyVm('adopt');
   });
 
   test('a tampered memory file is refused by the pulling agent', async () => {

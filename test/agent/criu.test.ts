@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync, mkdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
+import { existsSync } from 'node:fs';
 import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -11,6 +11,7 @@ import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent
 import { rewriteUsernsImage } from '../../packages/agent/src/backend/process/criu.js';
 import { buildImage } from '../../packages/agent/src/images.js';
 import { collect, type Ran } from '../support/process.js';
+import { MEMORY_HOLDER, slowPagesCriu, throttledCgroup } from './harness.js';
 
 /**
  * Memory checkpoints of real sandboxes with CRIU: found through CRIU_PATH
@@ -59,29 +60,6 @@ async function answer(url: string): Promise<string> {
       await new Promise((r) => setTimeout(r, 100));
     }
   }
-}
-
-/** A cgroup of this test's holding its processes to 1% of a CPU (v1 cpu controller or v2 cpu.max). */
-function throttledCgroup(): { procs: string; unthrottle(): void; remove(): void } {
-  const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
-  const dir = v2 ? `/sys/fs/cgroup/criu-test-slow-${process.pid}` : `/sys/fs/cgroup/cpu/criu-test-slow-${process.pid}`;
-  mkdirSync(dir, { recursive: true });
-  const limit = (on: boolean): void =>
-    v2
-      ? writeFileSync(join(dir, 'cpu.max'), on ? '1000 100000' : 'max 100000')
-      : writeFileSync(join(dir, 'cpu.cfs_quota_us'), on ? '1000' : '-1');
-  limit(true);
-  return {
-    procs: join(dir, 'cgroup.procs'),
-    unthrottle: () => limit(false),
-    remove: () => {
-      limit(false);
-      // Its processes (a daemon that outlived the test) go back to the root first.
-      const root = v2 ? '/sys/fs/cgroup/cgroup.procs' : '/sys/fs/cgroup/cpu/cgroup.procs';
-      for (const pid of readFileSync(join(dir, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean)) writeFileSync(root, pid);
-      rmdirSync(dir);
-    },
-  };
 }
 
 async function rejectsWithCode(p: Promise<unknown>, code: string): Promise<void> {
@@ -227,26 +205,15 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
   test('a resume runs before its memory is in (paged in from the local images); a pause meanwhile waits for every page', async (t) => {
     if (!(await b.capacity()).lazy_pages) return t.skip('this host cannot restore lazily');
     // Fault injection: CRIU through a wrapper that puts the lazy-pages daemon (the one reading the images into the
-    // restored memory) in a cgroup held to 1% of a CPU while /slow exists, so the pause below comes while pages are
+    // restored memory) in a cgroup held to 2% of a CPU while /slow exists, so the pause below comes while pages are
     // still missing. CRIU dumps the pages present: without the wait, the missing ones would come back zero.
-    const slow = join(root, 'slow');
     const cg = throttledCgroup();
-    const wrapper = join(root, 'criu-slow-pages');
-    await writeFile(
-      wrapper,
-      // (The agent knows a criu with the /dev/userfaultfd patch by a name in its binary: the wrapper names it too.)
-      `#!/bin/sh\n# wraps a criu with UFFD_DEV_OFF\nif [ "$1" = lazy-pages ] && [ -e ${slow} ]; then echo $$ > ${cg.procs}; fi\nexec ${process.env.CRIU_PATH} "$@"\n`,
-      { mode: 0o755 },
-    );
+    if (!cg) return t.skip('no cpu cgroup controller to slow the daemon with');
     t.after(() => cg.remove());
-    const bs = await openBackend(wrapper);
+    const slow = join(root, 'slow');
+    const bs = await openBackend(await slowPagesCriu(join(root, 'criu-slow-pages'), process.env.CRIU_PATH!, slow, cg.procs));
     await bs.create({ name: 'lz', cpus: 1, ram_mb: 512, storage_gb: 1, tenant: 't1' });
-    // 128 MiB of anonymous memory, no page of it zero, written out to /tmp/dump whenever /tmp/ask appears.
-    const holder =
-      `(awk 'BEGIN{ c = ""; for (i = 0; i < 4096; i++) c = c sprintf("%c", 65 + (i * 7) % 26); s = c; ` +
-      `while (length(s) < 128 * 1048576) s = s s; system("touch /tmp/ready"); ` +
-      `while (1) { if (system("test -e /tmp/ask") == 0) { system("rm -f /tmp/ask"); printf "%s", s > "/tmp/dump"; close("/tmp/dump"); system("touch /tmp/dumped") } system("sleep 0.05") } }') >/dev/null 2>&1 &`;
-    assert.equal((await sh(bs, 'lz', holder)).exitCode, 0);
+    assert.equal((await sh(bs, 'lz', MEMORY_HOLDER)).exitCode, 0);
     const waitFor = async (file: string): Promise<void> => {
       for (let i = 0; i < 400 && (await sh(bs, 'lz', `test -e ${file}`)).exitCode !== 0; i++) await new Promise((r) => setTimeout(r, 50));
     };
@@ -258,14 +225,22 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     };
     await waitFor('/tmp/ready');
     const before = await memory();
-    assert.match(before, / 134217728$/, 'the holder wrote its 128 MiB');
+    assert.match(before, / 67108864$/, 'the holder wrote its 64 MiB');
     await bs.pause('lz');
     await writeFile(slow, '');
-    await bs.resume('lz');
-    await rm(slow);
-    // Running before its pages are in.
-    const right = await bs.lazy.memoryStatus('lz');
-    assert.ok(right.total_chunks > 30_000 && right.resident_chunks < right.total_chunks && !right.done, JSON.stringify(right));
+    try {
+      await bs.resume('lz');
+    } finally {
+      await rm(slow);
+    }
+    cg.tighten();
+    // Running before its pages are in (the daemon logs what it has to page in once each task hands it over).
+    let right = await bs.lazy.memoryStatus('lz');
+    for (let i = 0; i < 100 && right.total_chunks === 0; i++) {
+      await new Promise((r) => setTimeout(r, 50));
+      right = await bs.lazy.memoryStatus('lz');
+    }
+    assert.ok(right.total_chunks > 15_000 && right.resident_chunks < right.total_chunks && !right.done, JSON.stringify(right));
     const paused = bs.pause('lz');
     const waited = await Promise.race([paused.then(() => false), new Promise((r) => setTimeout(() => r(true), 1000))]);
     assert.ok(waited, 'the pause waits while pages are missing');

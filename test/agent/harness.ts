@@ -1,7 +1,7 @@
 import { spawn, spawnSync, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { readdirSync, rmdirSync, rmSync } from 'node:fs';
-import { access, mkdtemp, readdir, rmdir } from 'node:fs/promises';
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { access, mkdtemp, readdir, rmdir, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -226,6 +226,63 @@ export function uniqueSubnet(): string {
  */
 export const ballastScript = (mb: number): string =>
   `(awk 'BEGIN{s=sprintf("%${mb * 1_000_000}s","x"); system("touch /tmp/ballast"); while(1) system("sleep 1")}') >/dev/null 2>&1 &`;
+
+/**
+ * A cgroup of the test's own that holds its processes to 2% of a CPU (v1 cpu controller, or v2 cpu.max), 0.1% once
+ * tightened; null where the host has no cpu controller to do it with. Fault injection for a criu daemon that must be
+ * slow (enough CPU to take the restore's hand-over, then hardly any).
+ */
+export function throttledCgroup(): { procs: string; tighten(): void; unthrottle(): void; remove(): void } | null {
+  const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
+  const parent = v2 ? '/sys/fs/cgroup' : '/sys/fs/cgroup/cpu';
+  if (v2 ? !readFileSync(join(parent, 'cgroup.subtree_control'), 'utf8').includes('cpu') : !existsSync(join(parent, 'cpu.cfs_period_us')))
+    return null;
+  const dir = join(parent, `fleet-test-slow-${process.pid}-${randomBytes(3).toString('hex')}`);
+  mkdirSync(dir);
+  const limit = (quota: number | null, period: number): void => {
+    if (v2) writeFileSync(join(dir, 'cpu.max'), `${quota ?? 'max'} ${period}`);
+    else {
+      writeFileSync(join(dir, 'cpu.cfs_quota_us'), '-1');
+      writeFileSync(join(dir, 'cpu.cfs_period_us'), String(period));
+      if (quota !== null) writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(quota));
+    }
+  };
+  limit(2000, 100_000);
+  return {
+    procs: join(dir, 'cgroup.procs'),
+    tighten: () => limit(1000, 1_000_000),
+    unthrottle: () => limit(null, 100_000),
+    remove: () => {
+      limit(null, 100_000);
+      // Its processes (a daemon that outlived the test) go back to the parent first.
+      for (const pid of readFileSync(join(dir, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean))
+        writeFileSync(join(parent, 'cgroup.procs'), pid);
+      rmdirSync(dir);
+    },
+  };
+}
+
+/**
+ * A criu that runs as `real`, but puts its `lazy-pages` daemon in `cgroupProcs` while `flag` exists (the agent knows
+ * a criu with the /dev/userfaultfd patch by a name in its binary: the wrapper names it too).
+ */
+export async function slowPagesCriu(path: string, real: string, flag: string, cgroupProcs: string): Promise<string> {
+  await writeFile(
+    path,
+    `#!/bin/sh\n# wraps a criu with UFFD_DEV_OFF\nif [ "$1" = lazy-pages ] && [ -e ${flag} ]; then echo $$ > ${cgroupProcs}; fi\nexec ${real} "$@"\n`,
+    { mode: 0o755 },
+  );
+  return path;
+}
+
+/**
+ * The memory holder of the lazy-restore tests: 64 MiB of anonymous memory in an awk string, no page of it zero,
+ * written to /tmp/dump whenever /tmp/ask appears; /tmp/ready once it is built.
+ */
+export const MEMORY_HOLDER =
+  `(awk 'BEGIN{ c = ""; for (i = 0; i < 4096; i++) c = c sprintf("%c", 65 + (i * 7) % 26); s = c; ` +
+  `while (length(s) < 64 * 1048576) s = s s; system("touch /tmp/ready"); ` +
+  `while (1) { if (system("test -e /tmp/ask") == 0) { system("rm -f /tmp/ask"); printf "%s", s > "/tmp/dump"; close("/tmp/dump"); system("touch /tmp/dumped") } system("sleep 0.05") } }') >/dev/null 2>&1 &`;
 
 /**
  * True once `proc` has exited (`exited` settles on its exit), false after `ms`. The timer goes with the exit: one left

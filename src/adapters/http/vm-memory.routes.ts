@@ -47,7 +47,7 @@ export function vmMemoryRoutes(deps: VmMemoryRoutesDeps) {
         schema: {
           tags: ['vms'],
           summary:
-            'Where the VM memory is: done once every page is on its host (at once after a full restore; after a lazy migration, or a restore its host pages in from its own files, resident_chunks of total_chunks count the pages in, and error says the stream from the source broke)',
+            'Where the VM memory is: done once every page is on its host (at once after a full restore; after a lazy migration, or a restore its host pages in from its own files, resident_chunks of total_chunks count the pages in, and error says the stream from the source, or the paging on its own host, broke)',
           params,
           response: {
             200: z.object({

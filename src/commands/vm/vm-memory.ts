@@ -148,8 +148,8 @@ export class VmMemory {
    * restore on a host with lazy_pages (its agent pages the checkpoint in from
    * its own files), the VM runs on its host before its memory is there, and
    * that host's agent counts the pages in (`resident_chunks` of
-   * `total_chunks`; `error` when the stream from the source broke, which
-   * loses the VM).
+   * `total_chunks`; `error` when the stream from the source broke, or the
+   * host's own paging failed, which loses the VM's processes).
    */
   async memoryStatus(vmId: string, actor: Actor): Promise<MemoryStatus> {
     const vm = await this.vms.get(vmId, actor);

@@ -668,23 +668,30 @@ static int idmapped_clone(const char *path, int userns) {
 static void write_file(const char *path, const char *text);
 
 /*
- * A user namespace of no process's, mapping ids 0..65535 to HOSTID..: a child is cloned into a new one, its maps
- * written, and the namespace kept by a descriptor after the child has gone.
+ * A user namespace of no process's, mapping ids 0..65535 to HOSTID..: a child unshares into a new one, its maps are
+ * written, and the namespace is kept by a descriptor after the child has gone.
  */
 static int throwaway_userns(long hostid) {
-  int gate[2];
-  if (pipe2(gate, O_CLOEXEC) < 0) fail("pipe", NULL);
-  pid_t child = (pid_t)syscall(SYS_clone, CLONE_NEWUSER | SIGCHLD, NULL, NULL, NULL, 0);
-  if (child < 0) fail("clone a user namespace", NULL);
+  int ready[2], gate[2];
+  if (pipe2(ready, O_CLOEXEC) < 0 || pipe2(gate, O_CLOEXEC) < 0) fail("pipe", NULL);
+  pid_t child = fork();
+  if (child < 0) fail("fork", NULL);
   if (child == 0) {
-    /* Held until the parent has the namespace's descriptor: the end of the pipe. */
-    char b;
+    /* In the new namespace, then held until the parent has its descriptor: the end of the gate. */
+    close(ready[0]);
     close(gate[1]);
+    char b = unshare(CLONE_NEWUSER) < 0 ? 'E' : 'U';
+    if (write(ready[1], &b, 1) != 1 || b != 'U') _exit(1);
     while (read(gate[0], &b, 1) < 0 && errno == EINTR) {
     }
     _exit(0);
   }
+  close(ready[1]);
   close(gate[0]);
+  char b = 0;
+  while (read(ready[0], &b, 1) < 0 && errno == EINTR) {
+  }
+  if (b != 'U') fail("unshare a user namespace", NULL);
   char path[64], map[64];
   snprintf(map, sizeof map, "0 %ld 65536\n", hostid);
   snprintf(path, sizeof path, "/proc/%d/uid_map", (int)child);
@@ -695,6 +702,7 @@ static int throwaway_userns(long hostid) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("open", path);
   close(gate[1]);
+  close(ready[0]);
   while (waitpid(child, NULL, 0) < 0 && errno == EINTR) {
   }
   return fd;

@@ -1,9 +1,11 @@
 import type { ChildProcess } from 'node:child_process';
+import { readdir, readFile, rm } from 'node:fs/promises';
+import { basename, dirname } from 'node:path';
 import { createServer, connect, type Server, type Socket } from 'node:net';
 import { AppError } from '@fleet/agent-protocol';
 import WebSocket, { createWebSocketStream } from 'ws';
-import { sandboxNotFound, sandboxNotRunning, type Checkpoint, type CreateSpec, type SandboxInfo } from '../../backend.js';
-import { startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
+import { sandboxFailed, sandboxNotFound, sandboxNotRunning, type Checkpoint, type CreateSpec, type SandboxInfo } from '../../backend.js';
+import { adoptLazyDaemon, startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
 import { dumpMemory } from './criu-sandbox.js';
 import { processStartTime } from './exec-util.js';
 import { detachSandbox } from './network.js';
@@ -60,8 +62,11 @@ interface TargetState {
   local?: boolean;
 }
 
-/** How long a memory capture waits for a sandbox paging in from this host's images before it is refused. */
-const LOCAL_PAGING_WAIT_MS = 120_000;
+/**
+ * How long a memory capture waits for a sandbox paging in from this host's images before it is refused (a 64 MiB
+ * sandbox is in before its resume answers; this bounds it under the control plane's 30 s agent call).
+ */
+const LOCAL_PAGING_WAIT_MS = 15_000;
 
 export class LazyMemory {
   private readonly sources = new Map<string, PageSource>();
@@ -212,11 +217,44 @@ export class LazyMemory {
    * A restore from this host's images that pages its memory in after it runs (restoreInto): its status is the
    * sandbox's memory status, and a memory capture waits for it (awaitResident).
    */
-  track(name: string, daemon: LazyDaemon): void {
+  track(name: string, daemon: LazyDaemon, local = true): void {
     this.targets.get(name)?.daemon?.kill();
-    const state: TargetState = { daemon, local: true };
+    const state: TargetState = { daemon, local };
     this.targets.set(name, state);
     void daemon.exited.then((code) => this.settle(name, state, code));
+  }
+
+  /**
+   * A restore's `criu lazy-pages` outlives the agent that started it (the restored tree would lose its missing pages
+   * with it): a restarted agent takes back each one still paging one of its sandboxes in, so captures wait for it
+   * again and its scratch directory stays until it ends; one whose sandbox this agent does not hold is ended.
+   */
+  async adoptOrphans(): Promise<void> {
+    const host = this.host;
+    const pids = (await readdir('/proc').catch(() => [] as string[])).filter((n) => /^\d+$/.test(n)).map(Number);
+    for (const pid of pids) {
+      const argv = (await readFile(`/proc/${pid}/cmdline`, 'utf8').catch(() => '')).split('\0');
+      const at = argv.indexOf('-D');
+      if (argv[1] !== 'lazy-pages' || at < 0) continue;
+      const dir = argv[at + 1] ?? '';
+      const entry = basename(dir);
+      const m = /^\.restore-(.+)-[0-9a-f]{8}$/.exec(entry);
+      const start = await processStartTime(pid);
+      const name = m?.[1];
+      if (dirname(dir) !== host.checkpoints.staging || name === undefined || start === null) continue;
+      const daemon = adoptLazyDaemon(pid, start, dir);
+      if (!host.records.has(name) || this.targets.has(name)) {
+        daemon.kill();
+        continue;
+      }
+      host.scratch.add(entry);
+      void daemon.exited.finally(() => {
+        host.scratch.delete(entry);
+        return rm(dir, { recursive: true, force: true }).catch(() => undefined);
+      });
+      this.track(name, daemon, !argv.includes('--page-server'));
+      host.log?.info({ sandbox: name, pid }, 'a restore of the previous agent run is still paging memory in: adopted');
+    }
   }
 
   private async settle(name: string, state: TargetState, code: number | null): Promise<void> {
@@ -267,6 +305,8 @@ export class LazyMemory {
     }
     const st = await daemon.status();
     if (st.done) return;
+    if (state.error !== undefined || st.error !== undefined)
+      throw sandboxFailed(`sandbox "${name}" lost its memory while paging it in: ${state.error ?? st.error ?? ''}`, { name });
     throw new AppError(
       'MEMORY_NOT_RESIDENT',
       409,
@@ -282,9 +322,21 @@ export class LazyMemory {
     this.targets.delete(name);
   }
 
+  /**
+   * The agent stops: pinned captures end, and so do restores paging from a source (their stream goes with the agent).
+   * A restore paging from this host's images is left to finish (killing its daemon would leave the rest of the
+   * sandbox's memory to fault in as zeros); the next run adopts it (adoptOrphans).
+   */
   close(): void {
     for (const src of this.sources.values()) src.release();
-    for (const name of [...this.targets.keys()]) this.forget(name);
+    for (const [name, state] of [...this.targets]) {
+      if (state.local) this.targets.delete(name);
+      else {
+        // Its stream goes with the agent: the tree cannot go on, and settle (the target kept for it) kills it.
+        state.daemon?.kill();
+        state.listener?.close();
+      }
+    }
   }
 }
 

@@ -2,6 +2,7 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { open } from 'node:fs/promises';
 import { join } from 'node:path';
 import { sandboxFailed } from '../../backend.js';
+import { processStartTime } from './exec-util.js';
 
 /*
  * Post-copy ("lazy") restore with CRIU: `criu lazy-pages` owns the restored
@@ -39,9 +40,17 @@ export const CRIU_ENV = { PATH: '/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/b
 /**
  * Spawns `criu ... --status-fd 3` and answers once CRIU has written its
  * ready byte (the daemon listens, or the page server serves); rejects with
- * the log's errors when it exits first.
+ * the log's errors when it exits first, and kills it when it is not ready
+ * in time. `detached`: a process group and session of its own, not held by
+ * the agent's event loop, so it outlives the agent (a Ctrl-C or the agent's
+ * exit does not reach it).
  */
-export function spawnUntilReady(argv: readonly string[], log: string, what: string): Promise<ChildProcess> {
+export function spawnUntilReady(
+  argv: readonly string[],
+  log: string,
+  what: string,
+  opts: { detached?: boolean; readyTimeoutMs?: number } = {},
+): Promise<ChildProcess> {
   return new Promise((resolve, reject) => {
     const [cmd, ...args] = argv;
     if (cmd === undefined) {
@@ -51,30 +60,45 @@ export function spawnUntilReady(argv: readonly string[], log: string, what: stri
     const child = spawn(cmd, [...args, '--status-fd', '3'], {
       stdio: ['ignore', 'ignore', 'ignore', 'pipe'],
       env: CRIU_ENV,
+      detached: opts.detached === true,
     });
-    const status = child.stdio[3] as NodeJS.ReadableStream;
+    const status = child.stdio[3] as NodeJS.ReadableStream & { unref?: () => void };
     let ready = false;
+    const timer = setTimeout(() => {
+      child.kill('SIGKILL');
+      reject(sandboxFailed(`${what} was not ready within ${opts.readyTimeoutMs ?? READY_TIMEOUT_MS} ms`));
+    }, opts.readyTimeoutMs ?? READY_TIMEOUT_MS);
     status.once('data', () => {
       ready = true;
+      clearTimeout(timer);
+      if (opts.detached) {
+        child.unref();
+        status.unref?.();
+      }
       resolve(child);
     });
-    child.once('error', reject);
+    child.once('error', (err) => {
+      clearTimeout(timer);
+      reject(err);
+    });
     child.once('exit', (code) => {
+      clearTimeout(timer);
       if (ready) return;
       void readErrors(log).then((errors) => reject(sandboxFailed(`${what} exited (${String(code)}) before it was ready: ${errors}`)));
     });
   });
 }
 
+/** How long a criu daemon or page server may take to say it is ready (it does in milliseconds). */
+const READY_TIMEOUT_MS = 10_000;
+
 export async function readErrors(log: string): Promise<string> {
+  return (await errorLines(log)).slice(-4).join(' | ') || 'see the criu log';
+}
+
+async function errorLines(log: string): Promise<string[]> {
   const text = await readTail(log, 64 * 1024);
-  return (
-    text
-      .split('\n')
-      .filter((l) => /Error/.test(l) && !/RLIMIT_NOFILE/.test(l))
-      .slice(-4)
-      .join(' | ') || 'see the criu log'
-  );
+  return text.split('\n').filter((l) => /Error/.test(l) && !/RLIMIT_NOFILE/.test(l));
 }
 
 async function readTail(path: string, bytes: number): Promise<string> {
@@ -94,13 +118,17 @@ async function readTail(path: string, bytes: number): Promise<string> {
 /**
  * Progress from the daemon's log (-v4): "Found N pages to be handled by
  * UFFD" once per task, then one "uffd_copy: addr/len" per filled run and
- * "zero page at" per zero page. Read incrementally: the log only grows.
+ * "zero page at" per zero page, and "UFFD transferred pages" once a task has
+ * all of its own. Read incrementally: the log only grows.
  */
 class LogProgress {
   private offset = 0;
   private partial = '';
   total = 0;
   resident = 0;
+  /** Tasks that registered their userfaultfd, and tasks (forks included) the daemon finished with. */
+  tasks = 0;
+  completed = 0;
 
   constructor(private readonly path: string) {}
 
@@ -117,7 +145,10 @@ class LogProgress {
       this.partial = lines.pop() ?? '';
       for (const l of lines) {
         let m = /Found (\d+) pages to be handled by UFFD/.exec(l);
-        if (m) this.total += Number(m[1]);
+        if (m) {
+          this.total += Number(m[1]);
+          this.tasks += 1;
+        } else if (/UFFD transferred pages/.test(l)) this.completed += 1;
         else if ((m = /uffd_copy: 0x[0-9a-f]+\/(\d+)/.exec(l))) this.resident += Math.ceil(Number(m[1]) / 4096);
         else if (/zero page at 0x/.test(l)) this.resident += 1;
       }
@@ -137,6 +168,8 @@ export async function startLazyDaemon(
   dir: string,
   pageServer?: { readonly address: string; readonly port: number },
 ): Promise<LazyDaemon> {
+  // Paging from the local images, it must outlive the agent: its restored tree would lose its missing pages with it
+  // (a restarted agent adopts it: adoptLazyDaemon). From a page server it ends with the agent's tunnel anyway.
   const log = join(dir, 'lazy-pages.log');
   const argv = [
     criu.path,
@@ -148,24 +181,51 @@ export async function startLazyDaemon(
     '-v4',
     ...(pageServer ? ['--page-server', '--address', pageServer.address, '--port', String(pageServer.port)] : []),
   ];
-  const child = await spawnUntilReady(argv, log, 'criu lazy-pages');
+  const child = await spawnUntilReady(argv, log, 'criu lazy-pages', { detached: pageServer === undefined });
+  const ended = new Promise<{ code: number | null; how: string }>((resolve) =>
+    child.once('exit', (code, signal) => resolve({ code, how: signal ?? String(code) })),
+  );
+  return watchDaemon(log, ended, () => child.kill('SIGKILL'));
+}
+
+/**
+ * The daemon of a restore that a previous run of the agent started (it outlives the agent: a restored tree would lose
+ * its missing pages with it), found by its pid and start time: its end is seen by polling, and since its exit code
+ * is not ours to read, its log says how it ended (an error line, or none).
+ */
+export function adoptLazyDaemon(pid: number, start: string, dir: string): LazyDaemon {
+  const log = join(dir, 'lazy-pages.log');
+  const ended = (async () => {
+    while ((await processStartTime(pid)) === start) await new Promise((r) => setTimeout(r, 50));
+    // Done: no error, and every task that registered was finished with (a daemon killed mid-way leaves some out).
+    const seen = new LogProgress(log);
+    await seen.poll().catch(() => undefined);
+    if ((await errorLines(log)).length > 0) return { code: 1, how: 'errors in its log' };
+    if (seen.tasks === 0 || seen.completed < seen.tasks)
+      return { code: 1, how: `gone with ${seen.completed} of its ${seen.tasks} tasks' pages all in` };
+    return { code: 0, how: 'done' };
+  })();
+  return watchDaemon(log, ended, () => {
+    void processStartTime(pid).then((now) => {
+      if (now === start) process.kill(pid, 'SIGKILL');
+    });
+  });
+}
+
+function watchDaemon(log: string, ended: Promise<{ code: number | null; how: string }>, kill: () => void): LazyDaemon {
   const progress = new LogProgress(log);
   let error: string | undefined;
   let finished = false;
-  const exited = new Promise<number | null>((resolve) => {
-    child.once('exit', (code, signal) => {
-      void (async () => {
-        await progress.poll().catch(() => undefined);
-        finished = true;
-        if (code !== 0) error = `criu lazy-pages ended (${signal ?? String(code)}): ${await readErrors(log)}`;
-        resolve(code);
-      })();
-    });
+  const exited = ended.then(async ({ code, how }) => {
+    await progress.poll().catch(() => undefined);
+    finished = true;
+    if (code !== 0) error = `criu lazy-pages ended (${how}): ${await readErrors(log)}`;
+    return code;
   });
   return {
     exited,
     kill: () => {
-      if (!finished) child.kill('SIGKILL');
+      if (!finished) kill();
     },
     status: async () => {
       if (!finished) await progress.poll().catch(() => undefined);

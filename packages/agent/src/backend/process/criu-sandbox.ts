@@ -70,7 +70,7 @@ export async function restoreInto(
   host: SandboxHost,
   record: SandboxRecord,
   cp: Checkpoint,
-  lazy?: Parameters<typeof restoreTree>[5],
+  lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void }>,
 ): Promise<void> {
   const criu = host.requireCriu();
   const s = record.state;
@@ -92,8 +92,8 @@ export async function restoreInto(
   const root = join(dir, 'root');
   const layer = layerDirs(dir, s.storage_gb);
   await mkdir(root, { recursive: true });
-  // The host's side of the network (rules, bridge, no stale veth) is made while the user namespace and the root
-  // mount are: neither needs it; only CRIU's setup-namespaces hook does.
+  // The host's side of the network (rules, bridge, no stale veth) is made while the root is mounted, which does not
+  // need it; only CRIU's setup-namespaces hook does.
   const network = (async () => {
     await host.firewall.apply(() => host.firewallState());
     await host.readyBridge(record);
@@ -115,6 +115,19 @@ export async function restoreInto(
   );
   consoleWriter.catch(() => undefined);
   const local = lazy === undefined && host.opts.lazyRestore && criu.lazyPages;
+  // Without a source of its own (a lazy move's), memory is paged in from the local images after the tree runs:
+  // the restore does not wait for every page to be read into it (most of its time on a host of 4 KiB pages). A
+  // daemon that does not start leaves this restore to read every page itself.
+  const pagers: { any?: { readonly exited: Promise<unknown>; kill(): void }; local?: LazyDaemon } = {};
+  const pager = async (d: string): Promise<{ readonly exited: Promise<unknown>; kill(): void } | undefined> => {
+    if (lazy) return (pagers.any = await lazy(d));
+    if (!local) return undefined;
+    pagers.local = await startLazyDaemon(criu, d).catch((err: unknown) => {
+      host.log?.warn({ err, sandbox: s.name }, 'criu lazy-pages did not start: this restore reads every page itself');
+      return undefined;
+    });
+    return (pagers.any = pagers.local);
+  };
   let mounted = false;
   const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
   host.scratch.add(scratch);
@@ -144,15 +157,10 @@ export async function restoreInto(
       hook: host.criuHook,
       emptyDir: await ensureEmptyDir(host.emptyDir(s.name)),
     };
-    // Without a source of its own (a lazy move's), memory is paged in from the local images after the tree runs:
-    // the restore does not wait for every page to be read into it (most of its time on a host of 4 KiB pages).
-    let paging: LazyDaemon | undefined;
-    const pager = lazy ?? (local ? async (d: string) => (paging = await startLazyDaemon(criu, d)) : undefined);
     let pid: number;
     for (let attempt = 1; ; attempt++) {
       try {
         pid = await restoreTree(criu, cpDir, meta, target, join(host.checkpoints.staging, scratch), pager, host.restoreDeadlineMs);
-        if (paging) host.paging.track(s.name, paging);
         break;
       } catch (err) {
         if (!(err instanceof RestoreTimedOut)) throw err;
@@ -172,9 +180,14 @@ export async function restoreInto(
     }
     lap('criu_restore_ms');
     const start = await processStartTime(pid);
-    if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
+    if (start === null) {
+      pagers.local?.kill();
+      throw sandboxFailed('the restored init exited right away; see the console log');
+    }
     s.init_pid = pid;
     s.init_start = start;
+    // From here the daemon is the sandbox's: its failure kills this init, and a memory capture waits for it.
+    if (pagers.local) host.paging.track(s.name, pagers.local);
     // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
     const masks = (await externalMounts(pid, target.emptyDir)).empty;
     if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
@@ -186,10 +199,15 @@ export async function restoreInto(
     const consoleFd = await consoleWriter.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
     if (mounted) await runTool('umount', ['-l', root]);
-    host.scratch.delete(scratch);
+    // A daemon still paging in reads its images and writes its log there: prune leaves it until the daemon ends.
+    if (pagers.any) void pagers.any.exited.finally(() => host.scratch.delete(scratch));
+    else host.scratch.delete(scratch);
   }
   lap('unmount_ms');
-  host.log?.info({ sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, paged_in_after: local, ...steps }, 'criu restore');
+  host.log?.info(
+    { sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, paged_in_after: pagers.local !== undefined, ...steps },
+    'criu restore',
+  );
 }
 
 /** A restore that hangs is tried this many times in all (each within SandboxHost.restoreDeadlineMs). */

@@ -585,7 +585,7 @@ export async function restoreTree(
   meta: CriuMeta,
   target: RestoreTarget,
   scratch: string,
-  lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void }>,
+  lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void } | undefined>,
   deadlineMs?: number,
 ): Promise<number> {
   let keepScratch = false;
@@ -667,16 +667,21 @@ export async function restoreTree(
       if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log.split('\n').filter(Boolean).slice(-8).join(' | '));
       throw criuError('criu restore failed', log);
     }
-    const pid = Number((await readFile(pidfile, 'utf8')).trim());
-    if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');
-    if (daemon) {
-      keepScratch = true;
-      void daemon.exited.finally(() => rm(scratch, { recursive: true, force: true }).catch(() => undefined));
+    try {
+      const pid = Number((await readFile(pidfile, 'utf8')).trim());
+      if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');
+      if (meta.hostname !== target.hostname) {
+        await runTool('nsenter', ['-t', String(pid), '-u', 'hostname', target.hostname]);
+      }
+      if (daemon) {
+        keepScratch = true;
+        void daemon.exited.finally(() => rm(scratch, { recursive: true, force: true }).catch(() => undefined));
+      }
+      return pid;
+    } catch (err) {
+      daemon?.kill();
+      throw err;
     }
-    if (meta.hostname !== target.hostname) {
-      await runTool('nsenter', ['-t', String(pid), '-u', 'hostname', target.hostname]);
-    }
-    return pid;
   } finally {
     if (!keepScratch) await rm(scratch, { recursive: true, force: true }).catch(() => undefined);
   }

@@ -108,6 +108,8 @@ export class ProcessBackend implements Backend {
       );
     } else logger?.info({ reason: found.reason }, 'no usable criu: checkpoints are disk only');
     await backend.recover();
+    // Before anything may capture a sandbox's memory: a restore the last run left paging in is waited for again.
+    if (found.features) await backend.lazy.adoptOrphans();
     await host.disks.start();
     host.spawner = await Spawner.start(tools.helper, join(opts.dataDir, 'exec.sock'), (err) => logger?.warn({ err }, 'exec spawner')).catch(
       (err: unknown) => {

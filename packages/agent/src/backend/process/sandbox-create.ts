@@ -184,6 +184,8 @@ export async function createSandbox(
       await host.persist(state);
       mark('done');
     } catch (err) {
+      // A restore's daemon still paging in (a step after the restore failed) goes with the sandbox.
+      host.paging.forget(spec.name);
       // Settled first, so teardown's delete of the bridge cannot run before its add.
       await bridged?.catch(() => undefined);
       await teardownSandbox(host, record, {}).catch((e: unknown) =>

@@ -51,9 +51,10 @@ export class SandboxHost {
    * Restores that page memory in after they run (the backend's LazyMemory): told of one from this host's own images
    * (criu-sandbox.ts), and asked by every memory capture, under the sandbox's lock, before it freezes the guest.
    */
-  paging: { track(name: string, daemon: LazyDaemon): void; awaitResident(name: string): Promise<void> } = {
+  paging: { track(name: string, daemon: LazyDaemon): void; awaitResident(name: string): Promise<void>; forget(name: string): void } = {
     track: () => undefined,
     awaitResident: () => Promise.resolve(),
+    forget: () => undefined,
   };
   /** Staging entries a dump or restore is using now: prune leaves them. */
   readonly scratch = new Set<string>();

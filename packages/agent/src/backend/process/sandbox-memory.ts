@@ -163,6 +163,8 @@ export async function restoreSandboxCheckpoint(host: SandboxHost, name: string, 
     if (cp.kind === 'live') host.requireCriu();
     await host.unpublish(record);
     if (await host.isAlive(s)) await killInit(host, s);
+    // Its processes are gone: a restore of theirs still paging in has nothing left to page.
+    host.paging.forget(name);
     await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
     const layer = layerDirs(host.sandboxDir(name), s.storage_gb);
     for (const d of [layer.upper, layer.work]) {
