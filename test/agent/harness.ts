@@ -232,10 +232,14 @@ export const ballastScript = (mb: number): string =>
  * tightened; null where the host has no cpu controller to do it with. Fault injection for a criu daemon that must be
  * slow (enough CPU to take the restore's hand-over, then hardly any).
  */
-export function throttledCgroup(): { procs: string; tighten(): void; unthrottle(): void; remove(): void } | null {
+export function throttledCgroup(): { procs: string; throttle(): void; tighten(): void; unthrottle(): void; remove(): void } | null {
   const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
   const parent = v2 ? '/sys/fs/cgroup' : '/sys/fs/cgroup/cpu';
-  if (v2 ? !readFileSync(join(parent, 'cgroup.subtree_control'), 'utf8').includes('cpu') : !existsSync(join(parent, 'cpu.cfs_period_us')))
+  if (
+    v2
+      ? !readFileSync(join(parent, 'cgroup.subtree_control'), 'utf8').split(/\s+/).includes('cpu')
+      : !existsSync(join(parent, 'cpu.cfs_period_us'))
+  )
     return null;
   const dir = join(parent, `fleet-test-slow-${process.pid}-${randomBytes(3).toString('hex')}`);
   mkdirSync(dir);
@@ -250,6 +254,7 @@ export function throttledCgroup(): { procs: string; tighten(): void; unthrottle(
   limit(2000, 100_000);
   return {
     procs: join(dir, 'cgroup.procs'),
+    throttle: () => limit(2000, 100_000),
     tighten: () => limit(1000, 1_000_000),
     unthrottle: () => limit(null, 100_000),
     remove: () => {

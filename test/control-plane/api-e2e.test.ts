@@ -34,7 +34,7 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
   let fleet: AgentFleet | undefined;
   let cp: ControlPlane | undefined;
   let agent: RunningAgent;
-  const state: { vm?: string; vmPosition?: string; hostsPosition?: string } = {};
+  const state: { vm?: string; vmPosition?: string; hostsPosition?: string; destroyedPosition?: string } = {};
 
   const guard = (t: TestContext): boolean => {
     if (skip) t.skip(skip);
@@ -369,7 +369,9 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
         if (g.body.state === 'running') break;
         await new Promise((r) => setTimeout(r, 100));
       }
-      assert.equal((await c.request('DELETE', `/v1/vms/${id}`, { as })).body.state, 'destroyed');
+      const d = await c.request('DELETE', `/v1/vms/${id}`, { as });
+      assert.equal(d.body.state, 'destroyed');
+      state.destroyedPosition = d.body.position as string;
     }
     expectProblem(
       await c.request('POST', '/v1/vms', { as: 'acme', body, headers: { 'idempotency-key': 'bad key with spaces' } }),
@@ -419,7 +421,9 @@ describe('command API end to end (app.inject, real agent)', { timeout: 300_000 }
     const page2 = await c.request('GET', `/v1/vms?limit=1&cursor=${encodeURIComponent(page1.body.next_cursor)}`, { as: 'acme' });
     assert.equal(page2.body.vms.length, 1);
     assert.notEqual(page2.body.vms[0].id, page1.body.vms[0].id);
-    const runningOnly = await c.request('GET', '/v1/vms?state=running&host_id=h1', { as: 'acme' });
+    // After the last destroy of the test before: the list is a read model, caught up to that position.
+    const settled = state.destroyedPosition ? `&after=${state.destroyedPosition}` : '';
+    const runningOnly = await c.request('GET', `/v1/vms?state=running&host_id=h1${settled}`, { as: 'acme' });
     assert.deepEqual(
       runningOnly.body.vms.map((v: { id: string }) => v.id),
       [id],

@@ -1,11 +1,12 @@
 import type { ChildProcess } from 'node:child_process';
+import { existsSync, readFileSync } from 'node:fs';
 import { readdir, readFile, rm } from 'node:fs/promises';
-import { basename, dirname } from 'node:path';
+import { basename, dirname, join } from 'node:path';
 import { createServer, connect, type Server, type Socket } from 'node:net';
 import { AppError } from '@fleet/agent-protocol';
 import WebSocket, { createWebSocketStream } from 'ws';
 import { sandboxFailed, sandboxNotFound, sandboxNotRunning, type Checkpoint, type CreateSpec, type SandboxInfo } from '../../backend.js';
-import { adoptLazyDaemon, startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
+import { adoptLazyDaemon, LAZY_EXIT_FILE, startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
 import { dumpMemory } from './criu-sandbox.js';
 import { processStartTime } from './exec-util.js';
 import { detachSandbox } from './network.js';
@@ -60,6 +61,19 @@ interface TargetState {
   listener?: Server;
   /** Paging in from this host's own images (a resume, fork or restore), not from a source agent. */
   local?: boolean;
+  /** The daemon ended with every page in. */
+  daemonDone?: boolean;
+}
+
+/** SIGKILL to a sandbox's init (its pid namespace's whole tree goes with it), if it is still that process. */
+function killTree(pid: number, start: string): void {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    if (stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19] !== start) return;
+    process.kill(pid, 'SIGKILL');
+  } catch {
+    /* gone */
+  }
 }
 
 /**
@@ -231,6 +245,7 @@ export class LazyMemory {
    */
   async adoptOrphans(): Promise<void> {
     const host = this.host;
+    const adopted = new Set<string>();
     const pids = (await readdir('/proc').catch(() => [] as string[])).filter((n) => /^\d+$/.test(n)).map(Number);
     for (const pid of pids) {
       const argv = (await readFile(`/proc/${pid}/cmdline`, 'utf8').catch(() => '')).split('\0');
@@ -243,10 +258,12 @@ export class LazyMemory {
       const name = m?.[1];
       if (dirname(dir) !== host.checkpoints.staging || name === undefined || start === null) continue;
       const daemon = adoptLazyDaemon(pid, start, dir);
-      if (!host.records.has(name) || this.targets.has(name)) {
+      // Only a running sandbox's: a paused one means the agent died mid-resume, and that tree is not the sandbox.
+      if (host.records.get(name)?.state.status !== 'running' || this.targets.has(name)) {
         daemon.kill();
         continue;
       }
+      adopted.add(entry);
       host.scratch.add(entry);
       void daemon.exited.finally(() => {
         host.scratch.delete(entry);
@@ -255,6 +272,22 @@ export class LazyMemory {
       this.track(name, daemon, !argv.includes('--page-server'));
       host.log?.info({ sandbox: name, pid }, 'a restore of the previous agent run is still paging memory in: adopted');
     }
+    // A daemon that ended while no agent ran left its scratch directory (the agent removes it when it sees the end):
+    // one that failed left its sandbox running on memory that faults in as zeros, which is lost.
+    for (const entry of await readdir(host.checkpoints.staging).catch(() => [] as string[])) {
+      const name = /^\.restore-(.+)-[0-9a-f]{8}$/.exec(entry)?.[1];
+      const dir = join(host.checkpoints.staging, entry);
+      if (name === undefined || adopted.has(entry) || !existsSync(join(dir, 'lazy-pages.log'))) continue;
+      const text = await readFile(join(dir, LAZY_EXIT_FILE), 'utf8').catch(() => '');
+      const record = host.records.get(name);
+      if (text.trim() !== '0' && record?.state.status === 'running' && record.state.init_pid > 0 && !this.targets.has(name)) {
+        const error = `its memory was still being paged in when the agent stopped, and the paging ${text.trim() ? `failed (exit status ${text.trim()})` : 'was killed'}: the sandbox is lost`;
+        this.targets.set(name, { error });
+        host.log?.error({ sandbox: name, error }, 'lazy restore failed while no agent ran');
+        killTree(record.state.init_pid, record.state.init_start);
+      }
+      await rm(dir, { recursive: true, force: true }).catch(() => undefined);
+    }
   }
 
   private async settle(name: string, state: TargetState, code: number | null): Promise<void> {
@@ -262,6 +295,7 @@ export class LazyMemory {
     // A daemon replaced by a later restore's (or forgotten with its sandbox) speaks for nothing any more.
     if (this.targets.get(name) !== state) return;
     if (code === 0) {
+      state.daemonDone = true;
       this.host.log?.info({ sandbox: name }, 'lazy restore: every page is resident');
       return;
     }
@@ -270,19 +304,14 @@ export class LazyMemory {
     state.error = status?.error ?? state.error ?? `criu lazy-pages ended with ${String(code)}`;
     this.host.log?.error({ sandbox: name, error: state.error }, 'lazy restore failed: the sandbox is lost');
     const record = this.host.records.get(name);
-    if (record && record.state.init_pid > 0) {
-      try {
-        process.kill(record.state.init_pid, 'SIGKILL');
-      } catch {
-        /* already gone */
-      }
-    }
+    if (record && record.state.init_pid > 0) killTree(record.state.init_pid, record.state.init_start);
   }
 
   /** The seed's MemoryStatus of a sandbox on this host; one not restored lazily is all resident. */
   async memoryStatus(name: string): Promise<MemoryStatus> {
     if (!this.host.records.has(name)) throw sandboxNotFound(name);
     const state = this.targets.get(name);
+    if (state?.error !== undefined && !state.daemon) return { resident_chunks: 0, total_chunks: 0, done: false, error: state.error };
     if (!state?.daemon) return { resident_chunks: 0, total_chunks: 0, done: true };
     const st = await state.daemon.status();
     if (state.error !== undefined && !st.done) return { ...st, done: false, error: state.error };
@@ -330,12 +359,14 @@ export class LazyMemory {
   close(): void {
     for (const src of this.sources.values()) src.release();
     for (const [name, state] of [...this.targets]) {
-      if (state.local) this.targets.delete(name);
-      else {
-        // Its stream goes with the agent: the tree cannot go on, and settle (the target kept for it) kills it.
-        state.daemon?.kill();
-        state.listener?.close();
-      }
+      this.targets.delete(name);
+      if (state.local || !state.daemon) continue;
+      // Its stream goes with the agent: the tree cannot go on. Killed here, not left to settle, which may not run
+      // before the agent's process exits.
+      state.daemon.kill();
+      state.listener?.close();
+      const record = this.host.records.get(name);
+      if (record && record.state.init_pid > 0 && !state.daemonDone) killTree(record.state.init_pid, record.state.init_start);
     }
   }
 }

@@ -1,5 +1,5 @@
 import { spawn, type ChildProcess } from 'node:child_process';
-import { open } from 'node:fs/promises';
+import { open, readFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { sandboxFailed } from '../../backend.js';
 import { processStartTime } from './exec-util.js';
@@ -49,7 +49,7 @@ export function spawnUntilReady(
   argv: readonly string[],
   log: string,
   what: string,
-  opts: { detached?: boolean; readyTimeoutMs?: number } = {},
+  opts: { detached?: boolean; readyTimeoutMs?: number; cwd?: string } = {},
 ): Promise<ChildProcess> {
   return new Promise((resolve, reject) => {
     const [cmd, ...args] = argv;
@@ -61,13 +61,19 @@ export function spawnUntilReady(
       stdio: ['ignore', 'ignore', 'ignore', 'pipe'],
       env: CRIU_ENV,
       detached: opts.detached === true,
+      ...(opts.cwd ? { cwd: opts.cwd } : {}),
     });
     const status = child.stdio[3] as NodeJS.ReadableStream & { unref?: () => void };
     let ready = false;
-    const timer = setTimeout(() => {
-      child.kill('SIGKILL');
-      reject(sandboxFailed(`${what} was not ready within ${opts.readyTimeoutMs ?? READY_TIMEOUT_MS} ms`));
-    }, opts.readyTimeoutMs ?? READY_TIMEOUT_MS);
+    // Only where readiness is quick (a daemon that listens): a dump's page server is ready once its dump is written.
+    const timer =
+      opts.readyTimeoutMs === undefined
+        ? undefined
+        : setTimeout(() => {
+            if (opts.detached && child.pid !== undefined) killGroup(child.pid);
+            else child.kill('SIGKILL');
+            reject(sandboxFailed(`${what} was not ready within ${opts.readyTimeoutMs} ms`));
+          }, opts.readyTimeoutMs);
     status.once('data', () => {
       ready = true;
       clearTimeout(timer);
@@ -89,8 +95,22 @@ export function spawnUntilReady(
   });
 }
 
-/** How long a criu daemon or page server may take to say it is ready (it does in milliseconds). */
-const READY_TIMEOUT_MS = 10_000;
+/** How long a lazy-pages daemon may take to say it listens (it does in milliseconds). */
+const DAEMON_READY_MS = 10_000;
+
+function killGroup(pid: number): void {
+  try {
+    process.kill(-pid, 'SIGKILL');
+  } catch {
+    /* gone */
+  }
+}
+
+/**
+ * The file a local daemon's shell writes criu's exit status to when it ends: how a later run of the agent, which
+ * adopts a daemon it did not start, learns how it ended.
+ */
+export const LAZY_EXIT_FILE = 'lazy-pages.exit';
 
 export async function readErrors(log: string): Promise<string> {
   return (await errorLines(log)).slice(-4).join(' | ') || 'see the criu log';
@@ -181,11 +201,27 @@ export async function startLazyDaemon(
     '-v4',
     ...(pageServer ? ['--page-server', '--address', pageServer.address, '--port', String(pageServer.port)] : []),
   ];
-  const child = await spawnUntilReady(argv, log, 'criu lazy-pages', { detached: pageServer === undefined });
+  if (pageServer) {
+    const child = await spawnUntilReady(argv, log, 'criu lazy-pages', { readyTimeoutMs: DAEMON_READY_MS });
+    const ended = new Promise<{ code: number | null; how: string }>((resolve) =>
+      child.once('exit', (code, signal) => resolve({ code, how: signal ?? String(code) })),
+    );
+    return watchDaemon(log, ended, () => child.kill('SIGKILL'));
+  }
+  // Local: under a shell of its own session that records criu's exit status beside its log (LAZY_EXIT_FILE).
+  const script = `c=0; "$0" "$@" || c=$?; echo $c > ${LAZY_EXIT_FILE}; exit $c`;
+  const child = await spawnUntilReady(['/bin/sh', '-c', script, ...argv], log, 'criu lazy-pages', {
+    detached: true,
+    cwd: dir,
+    readyTimeoutMs: DAEMON_READY_MS,
+  });
   const ended = new Promise<{ code: number | null; how: string }>((resolve) =>
     child.once('exit', (code, signal) => resolve({ code, how: signal ?? String(code) })),
   );
-  return watchDaemon(log, ended, () => child.kill('SIGKILL'));
+  const pid = child.pid;
+  return watchDaemon(log, ended, () => {
+    if (pid !== undefined) killGroup(pid);
+  });
 }
 
 /**
@@ -196,20 +232,33 @@ export async function startLazyDaemon(
 export function adoptLazyDaemon(pid: number, start: string, dir: string): LazyDaemon {
   const log = join(dir, 'lazy-pages.log');
   const ended = (async () => {
-    while ((await processStartTime(pid)) === start) await new Promise((r) => setTimeout(r, 50));
-    // Done: no error, and every task that registered was finished with (a daemon killed mid-way leaves some out).
-    const seen = new LogProgress(log);
-    await seen.poll().catch(() => undefined);
-    if ((await errorLines(log)).length > 0) return { code: 1, how: 'errors in its log' };
-    if (seen.tasks === 0 || seen.completed < seen.tasks)
-      return { code: 1, how: `gone with ${seen.completed} of its ${seen.tasks} tasks' pages all in` };
-    return { code: 0, how: 'done' };
+    // Unref'd: a closed backend does not wait for a daemon it merely watches.
+    while ((await processStartTime(pid)) === start) await new Promise((r) => setTimeout(r, 50).unref());
+    return lazyExitStatus(dir);
   })();
   return watchDaemon(log, ended, () => {
     void processStartTime(pid).then((now) => {
-      if (now === start) process.kill(pid, 'SIGKILL');
+      if (now !== start) return;
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
     });
   });
+}
+
+/**
+ * How a local daemon that is gone ended, from the status its shell wrote (LAZY_EXIT_FILE; given a moment, as the
+ * shell writes it right after criu exits): no file means the shell was killed with it.
+ */
+export async function lazyExitStatus(dir: string): Promise<{ code: number | null; how: string }> {
+  for (let i = 0; i < 20; i++) {
+    const text = await readFile(join(dir, LAZY_EXIT_FILE), 'utf8').catch(() => null);
+    if (text !== null && /^\d+\n?$/.test(text)) return { code: Number(text.trim()), how: `exit status ${text.trim()}` };
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return { code: null, how: 'killed: no exit status was written' };
 }
 
 function watchDaemon(log: string, ended: Promise<{ code: number | null; how: string }>, kill: () => void): LazyDaemon {

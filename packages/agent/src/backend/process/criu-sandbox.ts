@@ -179,19 +179,31 @@ export async function restoreInto(
       }
     }
     lap('criu_restore_ms');
-    const start = await processStartTime(pid);
-    if (start === null) {
+    const before = { pid: s.init_pid, start: s.init_start };
+    try {
+      const start = await processStartTime(pid);
+      if (start === null) throw sandboxFailed('the restored init exited right away; see the console log');
+      s.init_pid = pid;
+      s.init_start = start;
+      // From here the daemon is the sandbox's: its failure kills this init, and a memory capture waits for it.
+      if (pagers.local) host.paging.track(s.name, pagers.local);
+      // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
+      const masks = (await externalMounts(pid, target.emptyDir)).empty;
+      if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
+      await hardenLink(s.veth, 'veth');
+    } catch (err) {
+      // Not the sandbox's then: the restored tree goes (without its daemon its missing pages would be zeros).
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+      host.paging.forget(s.name);
       pagers.local?.kill();
-      throw sandboxFailed('the restored init exited right away; see the console log');
+      s.init_pid = before.pid;
+      s.init_start = before.start;
+      throw err;
     }
-    s.init_pid = pid;
-    s.init_start = start;
-    // From here the daemon is the sandbox's: its failure kills this init, and a memory capture waits for it.
-    if (pagers.local) host.paging.track(s.name, pagers.local);
-    // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
-    const masks = (await externalMounts(pid, target.emptyDir)).empty;
-    if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
-    await hardenLink(s.veth, 'veth');
     lap('harden_ms');
   } finally {
     // Settled before the caller cleans up (an early failure leaves it in flight).

@@ -667,8 +667,9 @@ export async function restoreTree(
       if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log.split('\n').filter(Boolean).slice(-8).join(' | '));
       throw criuError('criu restore failed', log);
     }
+    let pid = 0;
     try {
-      const pid = Number((await readFile(pidfile, 'utf8')).trim());
+      pid = Number((await readFile(pidfile, 'utf8')).trim());
       if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');
       if (meta.hostname !== target.hostname) {
         await runTool('nsenter', ['-t', String(pid), '-u', 'hostname', target.hostname]);
@@ -679,6 +680,14 @@ export async function restoreTree(
       }
       return pid;
     } catch (err) {
+      // The tree runs: without its daemon its missing pages would fault in as zeros, so it goes too.
+      if (pid > 0) {
+        try {
+          process.kill(pid, 'SIGKILL');
+        } catch {
+          /* gone */
+        }
+      }
       daemon?.kill();
       throw err;
     }
