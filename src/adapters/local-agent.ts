@@ -64,8 +64,8 @@ export async function startLocalAgent(opts: {
   };
 }
 
-/** What a host agent reads besides its own AGENT_* settings: nothing secret. */
-const PASSED_THROUGH = ['PATH', 'LANG', 'LC_ALL', 'TZ', 'NODE_ENV', 'TMPDIR'];
+/** What a host agent reads besides its own AGENT_* settings: nothing secret (CRIU_PATH: its CRIU, README). */
+const PASSED_THROUGH = ['PATH', 'LANG', 'LC_ALL', 'TZ', 'NODE_ENV', 'TMPDIR', 'CRIU_PATH'];
 
 /**
  * The local agent's environment: its own AGENT_* settings and a few neutral

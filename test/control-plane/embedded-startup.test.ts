@@ -178,6 +178,8 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
         AGENT_BRIDGE_PREFIX: prefix,
         AGENT_SUBNET: uniqueSubnet(),
         AGENT_LOG_LEVEL: 'warn',
+        // The README's `CRIU_PATH=… npm start`: the agent's CRIU reaches it ('off' keeps this start free of criu check).
+        CRIU_PATH: 'off',
       };
       const agent = await startLocalAgent({
         dataDir,
@@ -194,6 +196,7 @@ describe('embedded default start-up', { timeout: 300_000 }, () => {
         assert.ok(!environ.some((e) => e.includes(controlPlaneEnv.TOKEN_ENCRYPTION_KEY) || e.includes(controlPlaneEnv.ADMIN_API_KEY)));
         assert.ok(names.includes('AGENT_TOKEN') && names.includes('AGENT_DATA_DIR'), names.join(' '));
         assert.ok(environ.includes(`AGENT_BRIDGE_PREFIX=${prefix}`), 'its own AGENT_* settings pass through');
+        assert.ok(environ.includes('CRIU_PATH=off'), 'and CRIU_PATH');
         const r = await fetch(`${agent.url}/healthz`);
         assert.equal(r.status, 200);
       } finally {
