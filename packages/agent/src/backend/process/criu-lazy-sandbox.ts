@@ -1,14 +1,14 @@
 import type { ChildProcess } from 'node:child_process';
-import { existsSync, readFileSync } from 'node:fs';
+import { existsSync } from 'node:fs';
 import { readdir, readFile, rm } from 'node:fs/promises';
 import { basename, dirname, join } from 'node:path';
 import { createServer, connect, type Server, type Socket } from 'node:net';
 import { AppError } from '@fleet/agent-protocol';
 import WebSocket, { createWebSocketStream } from 'ws';
 import { sandboxFailed, sandboxNotFound, sandboxNotRunning, type Checkpoint, type CreateSpec, type SandboxInfo } from '../../backend.js';
-import { adoptLazyDaemon, LAZY_EXIT_FILE, startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
-import { dumpMemory } from './criu-sandbox.js';
-import { processStartTime } from './exec-util.js';
+import { adoptLazyDaemon, LAZY_EXIT_FILE, LAZY_LOG, startLazyDaemon, type LazyDaemon, type MemoryStatus } from './criu-lazy.js';
+import { dumpMemory, sandboxOfRestoreScratch } from './criu-sandbox.js';
+import { processStartTime, processStartTimeSync, sigkill } from './exec-util.js';
 import { detachSandbox } from './network.js';
 import { createSandbox } from './sandbox-create.js';
 import type { SandboxHost } from './sandbox-host.js';
@@ -67,13 +67,7 @@ interface TargetState {
 
 /** SIGKILL to a sandbox's init (its pid namespace's whole tree goes with it), if it is still that process. */
 function killTree(pid: number, start: string): void {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    if (stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19] !== start) return;
-    process.kill(pid, 'SIGKILL');
-  } catch {
-    /* gone */
-  }
+  if (processStartTimeSync(pid) === start) sigkill(pid);
 }
 
 /**
@@ -253,9 +247,8 @@ export class LazyMemory {
       if (argv[1] !== 'lazy-pages' || at < 0) continue;
       const dir = argv[at + 1] ?? '';
       const entry = basename(dir);
-      const m = /^\.restore-(.+)-[0-9a-f]{8}$/.exec(entry);
       const start = await processStartTime(pid);
-      const name = m?.[1];
+      const name = sandboxOfRestoreScratch(entry);
       if (dirname(dir) !== host.checkpoints.staging || name === undefined || start === null) continue;
       const daemon = adoptLazyDaemon(pid, start, dir);
       // Only a running sandbox's: a paused one means the agent died mid-resume, and that tree is not the sandbox.
@@ -275,9 +268,9 @@ export class LazyMemory {
     // A daemon that ended while no agent ran left its scratch directory (the agent removes it when it sees the end):
     // one that failed left its sandbox running on memory that faults in as zeros, which is lost.
     for (const entry of await readdir(host.checkpoints.staging).catch(() => [] as string[])) {
-      const name = /^\.restore-(.+)-[0-9a-f]{8}$/.exec(entry)?.[1];
+      const name = sandboxOfRestoreScratch(entry);
       const dir = join(host.checkpoints.staging, entry);
-      if (name === undefined || adopted.has(entry) || !existsSync(join(dir, 'lazy-pages.log'))) continue;
+      if (name === undefined || adopted.has(entry) || !existsSync(join(dir, LAZY_LOG))) continue;
       const text = await readFile(join(dir, LAZY_EXIT_FILE), 'utf8').catch(() => '');
       const record = host.records.get(name);
       if (text.trim() !== '0' && record?.state.status === 'running' && record.state.init_pid > 0 && !this.targets.has(name)) {

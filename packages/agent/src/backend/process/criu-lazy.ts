@@ -2,7 +2,7 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { open, readFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { sandboxFailed } from '../../backend.js';
-import { processStartTime } from './exec-util.js';
+import { processStartTime, processStartTimeSync, sigkill } from './exec-util.js';
 
 /*
  * Post-copy ("lazy") restore with CRIU: `criu lazy-pages` owns the restored
@@ -70,7 +70,7 @@ export function spawnUntilReady(
       opts.readyTimeoutMs === undefined
         ? undefined
         : setTimeout(() => {
-            if (opts.detached && child.pid !== undefined) killGroup(child.pid);
+            if (opts.detached && child.pid !== undefined) sigkill(-child.pid);
             else child.kill('SIGKILL');
             reject(sandboxFailed(`${what} was not ready within ${opts.readyTimeoutMs} ms`));
           }, opts.readyTimeoutMs);
@@ -98,13 +98,8 @@ export function spawnUntilReady(
 /** How long a lazy-pages daemon may take to say it listens (it does in milliseconds). */
 const DAEMON_READY_MS = 10_000;
 
-function killGroup(pid: number): void {
-  try {
-    process.kill(-pid, 'SIGKILL');
-  } catch {
-    /* gone */
-  }
-}
+/** The daemon's log, in its images directory: its progress, and its errors. */
+export const LAZY_LOG = 'lazy-pages.log';
 
 /**
  * The file a local daemon's shell writes criu's exit status to when it ends: how a later run of the agent, which
@@ -113,12 +108,14 @@ function killGroup(pid: number): void {
 export const LAZY_EXIT_FILE = 'lazy-pages.exit';
 
 export async function readErrors(log: string): Promise<string> {
-  return (await errorLines(log)).slice(-4).join(' | ') || 'see the criu log';
-}
-
-async function errorLines(log: string): Promise<string[]> {
   const text = await readTail(log, 64 * 1024);
-  return text.split('\n').filter((l) => /Error/.test(l) && !/RLIMIT_NOFILE/.test(l));
+  return (
+    text
+      .split('\n')
+      .filter((l) => /Error/.test(l) && !/RLIMIT_NOFILE/.test(l))
+      .slice(-4)
+      .join(' | ') || 'see the criu log'
+  );
 }
 
 async function readTail(path: string, bytes: number): Promise<string> {
@@ -138,17 +135,13 @@ async function readTail(path: string, bytes: number): Promise<string> {
 /**
  * Progress from the daemon's log (-v4): "Found N pages to be handled by
  * UFFD" once per task, then one "uffd_copy: addr/len" per filled run and
- * "zero page at" per zero page, and "UFFD transferred pages" once a task has
- * all of its own. Read incrementally: the log only grows.
+ * "zero page at" per zero page. Read incrementally: the log only grows.
  */
 class LogProgress {
   private offset = 0;
   private partial = '';
   total = 0;
   resident = 0;
-  /** Tasks that registered their userfaultfd, and tasks (forks included) the daemon finished with. */
-  tasks = 0;
-  completed = 0;
 
   constructor(private readonly path: string) {}
 
@@ -165,10 +158,7 @@ class LogProgress {
       this.partial = lines.pop() ?? '';
       for (const l of lines) {
         let m = /Found (\d+) pages to be handled by UFFD/.exec(l);
-        if (m) {
-          this.total += Number(m[1]);
-          this.tasks += 1;
-        } else if (/UFFD transferred pages/.test(l)) this.completed += 1;
+        if (m) this.total += Number(m[1]);
         else if ((m = /uffd_copy: 0x[0-9a-f]+\/(\d+)/.exec(l))) this.resident += Math.ceil(Number(m[1]) / 4096);
         else if (/zero page at 0x/.test(l)) this.resident += 1;
       }
@@ -190,61 +180,50 @@ export async function startLazyDaemon(
 ): Promise<LazyDaemon> {
   // Paging from the local images, it must outlive the agent: its restored tree would lose its missing pages with it
   // (a restarted agent adopts it: adoptLazyDaemon). From a page server it ends with the agent's tunnel anyway.
-  const log = join(dir, 'lazy-pages.log');
+  const log = join(dir, LAZY_LOG);
   const argv = [
     criu.path,
     'lazy-pages',
     '-D',
     dir,
     '-o',
-    'lazy-pages.log',
+    LAZY_LOG,
     '-v4',
     ...(pageServer ? ['--page-server', '--address', pageServer.address, '--port', String(pageServer.port)] : []),
   ];
-  if (pageServer) {
-    const child = await spawnUntilReady(argv, log, 'criu lazy-pages', { readyTimeoutMs: DAEMON_READY_MS });
-    const ended = new Promise<{ code: number | null; how: string }>((resolve) =>
-      child.once('exit', (code, signal) => resolve({ code, how: signal ?? String(code) })),
-    );
-    return watchDaemon(log, ended, () => child.kill('SIGKILL'));
-  }
   // Local: under a shell of its own session that records criu's exit status beside its log (LAZY_EXIT_FILE).
   const script = `c=0; "$0" "$@" || c=$?; echo $c > ${LAZY_EXIT_FILE}; exit $c`;
-  const child = await spawnUntilReady(['/bin/sh', '-c', script, ...argv], log, 'criu lazy-pages', {
-    detached: true,
-    cwd: dir,
-    readyTimeoutMs: DAEMON_READY_MS,
-  });
+  const child = pageServer
+    ? await spawnUntilReady(argv, log, 'criu lazy-pages', { readyTimeoutMs: DAEMON_READY_MS })
+    : await spawnUntilReady(['/bin/sh', '-c', script, ...argv], log, 'criu lazy-pages', {
+        detached: true,
+        cwd: dir,
+        readyTimeoutMs: DAEMON_READY_MS,
+      });
   const ended = new Promise<{ code: number | null; how: string }>((resolve) =>
     child.once('exit', (code, signal) => resolve({ code, how: signal ?? String(code) })),
   );
   const pid = child.pid;
   return watchDaemon(log, ended, () => {
-    if (pid !== undefined) killGroup(pid);
+    if (pageServer) child.kill('SIGKILL');
+    else if (pid !== undefined) sigkill(-pid);
   });
 }
 
 /**
  * The daemon of a restore that a previous run of the agent started (it outlives the agent: a restored tree would lose
  * its missing pages with it), found by its pid and start time: its end is seen by polling, and since its exit code
- * is not ours to read, its log says how it ended (an error line, or none).
+ * is not ours to read, the status its shell recorded says how it ended (lazyExitStatus).
  */
 export function adoptLazyDaemon(pid: number, start: string, dir: string): LazyDaemon {
-  const log = join(dir, 'lazy-pages.log');
+  const log = join(dir, LAZY_LOG);
   const ended = (async () => {
     // Unref'd: a closed backend does not wait for a daemon it merely watches.
     while ((await processStartTime(pid)) === start) await new Promise((r) => setTimeout(r, 50).unref());
     return lazyExitStatus(dir);
   })();
   return watchDaemon(log, ended, () => {
-    void processStartTime(pid).then((now) => {
-      if (now !== start) return;
-      try {
-        process.kill(pid, 'SIGKILL');
-      } catch {
-        /* gone */
-      }
-    });
+    if (processStartTimeSync(pid) === start) sigkill(pid);
   });
 }
 

@@ -15,8 +15,9 @@ import {
   RestoreTimedOut,
   type CriuMeta,
   type DumpResult,
+  type Pager,
 } from './criu.js';
-import { mustRun, processStartTime, runTool } from './exec-util.js';
+import { mustRun, processStartTime, runTool, sigkill } from './exec-util.js';
 import { startLazyDaemon, type LazyDaemon } from './criu-lazy.js';
 import { openConsoleWriter } from './launch.js';
 import { deleteLink, hardenLink } from './network.js';
@@ -70,7 +71,7 @@ export async function restoreInto(
   host: SandboxHost,
   record: SandboxRecord,
   cp: Checkpoint,
-  lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void }>,
+  lazy?: (dir: string) => Promise<Pager>,
 ): Promise<void> {
   const criu = host.requireCriu();
   const s = record.state;
@@ -118,8 +119,8 @@ export async function restoreInto(
   // Without a source of its own (a lazy move's), memory is paged in from the local images after the tree runs:
   // the restore does not wait for every page to be read into it (most of its time on a host of 4 KiB pages). A
   // daemon that does not start leaves this restore to read every page itself.
-  const pagers: { any?: { readonly exited: Promise<unknown>; kill(): void }; local?: LazyDaemon } = {};
-  const pager = async (d: string): Promise<{ readonly exited: Promise<unknown>; kill(): void } | undefined> => {
+  const pagers: { any?: Pager; local?: LazyDaemon } = {};
+  const pager = async (d: string): Promise<Pager | undefined> => {
     if (lazy) return (pagers.any = await lazy(d));
     if (!local) return undefined;
     pagers.local = await startLazyDaemon(criu, d).catch((err: unknown) => {
@@ -129,7 +130,7 @@ export async function restoreInto(
     return (pagers.any = pagers.local);
   };
   let mounted = false;
-  const scratch = `.restore-${s.name}-${randomBytes(4).toString('hex')}`;
+  const scratch = restoreScratchOf(s.name);
   host.scratch.add(scratch);
   try {
     const imagePath = await resolveImage(host.opts.imageDir, s.image);
@@ -193,11 +194,7 @@ export async function restoreInto(
       await hardenLink(s.veth, 'veth');
     } catch (err) {
       // Not the sandbox's then: the restored tree goes (without its daemon its missing pages would be zeros).
-      try {
-        process.kill(pid, 'SIGKILL');
-      } catch {
-        /* gone */
-      }
+      sigkill(pid);
       host.paging.forget(s.name);
       pagers.local?.kill();
       s.init_pid = before.pid;
@@ -220,6 +217,16 @@ export async function restoreInto(
     { sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, paged_in_after: pagers.local !== undefined, ...steps },
     'criu restore',
   );
+}
+
+/** A restore's scratch directory in the staging directory (its images, and a lazy daemon's log): one per attempt. */
+function restoreScratchOf(sandbox: string): string {
+  return `.restore-${sandbox}-${randomBytes(4).toString('hex')}`;
+}
+
+/** The sandbox a restore scratch directory (restoreScratchOf) was made for; undefined for any other entry. */
+export function sandboxOfRestoreScratch(entry: string): string | undefined {
+  return /^\.restore-(.+)-[0-9a-f]{8}$/.exec(entry)?.[1];
 }
 
 /** A restore that hangs is tried this many times in all (each within SandboxHost.restoreDeadlineMs). */

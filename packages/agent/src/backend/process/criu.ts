@@ -7,7 +7,7 @@ import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
 import { CRIU_ENV, spawnUntilReady } from './criu-lazy.js';
-import { runTool } from './exec-util.js';
+import { runTool, sigkill } from './exec-util.js';
 
 /**
  * Memory checkpoints of a sandbox with CRIU (criu.org): the sandbox's whole
@@ -573,6 +573,12 @@ export interface RestoreTarget {
   readonly emptyDir: string;
 }
 
+/** What pages a lazy restore's memory in (a `criu lazy-pages` daemon): its end, and a way to end it. */
+export interface Pager {
+  readonly exited: Promise<unknown>;
+  kill(): void;
+}
+
 /**
  * Restores the tree dumped in `imagesDir` (a checkpoint directory: CRIU's
  * files under MEMORY_FILE_PREFIX) as `target`; answers the host pid of the restored init. The images
@@ -585,7 +591,7 @@ export async function restoreTree(
   meta: CriuMeta,
   target: RestoreTarget,
   scratch: string,
-  lazy?: (dir: string) => Promise<{ readonly exited: Promise<unknown>; kill(): void } | undefined>,
+  lazy?: (dir: string) => Promise<Pager | undefined>,
   deadlineMs?: number,
 ): Promise<number> {
   let keepScratch = false;
@@ -681,13 +687,7 @@ export async function restoreTree(
       return pid;
     } catch (err) {
       // The tree runs: without its daemon its missing pages would fault in as zeros, so it goes too.
-      if (pid > 0) {
-        try {
-          process.kill(pid, 'SIGKILL');
-        } catch {
-          /* gone */
-        }
-      }
+      if (pid > 0) sigkill(pid);
       daemon?.kill();
       throw err;
     }

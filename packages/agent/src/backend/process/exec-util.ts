@@ -1,4 +1,5 @@
 import { spawn } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import { readFile } from 'node:fs/promises';
 import { sandboxFailed } from '../../backend.js';
 
@@ -121,13 +122,32 @@ export const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeou
 /** Start time (clock ticks since boot) of a pid, or null if it is gone: guards against pid reuse. */
 export async function processStartTime(pid: number): Promise<string | null> {
   if (!Number.isInteger(pid) || pid <= 0) return null;
+  return startTimeOf(await readFile(`/proc/${pid}/stat`, 'utf8').catch(() => null));
+}
+
+/** processStartTime, for a caller that cannot wait (an agent closing). */
+export function processStartTimeSync(pid: number): string | null {
+  if (!Number.isInteger(pid) || pid <= 0) return null;
   try {
-    const stat = await readFile(`/proc/${pid}/stat`, 'utf8');
-    // comm may contain spaces and parens: fields are counted after the last ')'.
-    const rest = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
-    if (rest[0] === 'Z' || rest[0] === 'X') return null;
-    return rest[19] ?? null;
+    return startTimeOf(readFileSync(`/proc/${pid}/stat`, 'utf8'));
   } catch {
     return null;
+  }
+}
+
+function startTimeOf(stat: string | null): string | null {
+  if (stat === null) return null;
+  // comm may contain spaces and parens: fields are counted after the last ')'.
+  const rest = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  if (rest[0] === 'Z' || rest[0] === 'X') return null;
+  return rest[19] ?? null;
+}
+
+/** SIGKILL to a pid (a negative one: its process group) that may be gone already. */
+export function sigkill(pid: number): void {
+  try {
+    process.kill(pid, 'SIGKILL');
+  } catch {
+    /* gone */
   }
 }
