@@ -8,6 +8,7 @@ import { after, before, describe, test } from 'node:test';
 import { AppError } from '@fleet/agent-protocol';
 import {
   MEMORY_HOLDER,
+  memoryHolder,
   prepareImages,
   slowPagesCriu,
   startAgent,
@@ -155,16 +156,12 @@ describe('criu between agents', { skip: skip ? `missing: ${skip}` : false, timeo
     let agent = await startAgent(opts);
     agents.push(agent);
     await agent.client.createVm({ name: 'adopt', ram_mb: 512, storage_gb: 1 });
-    const sh = async (script: string): Promise<string> => (await agent.client.exec('adopt', { argv: ['/bin/sh', '-c', script] })).stdout;
-    const waitFor = async (file: string): Promise<void> => {
-      for (let i = 0; i < 400 && (await agent.client.exec('adopt', { argv: ['test', '-e', file] })).exit_code !== 0; i++)
-        await new Promise((r) => setTimeout(r, 50));
+    // Through whichever agent runs now (it is restarted below).
+    const sh = async (script: string): Promise<{ stdout: string; exitCode: number | null }> => {
+      const r = await agent.client.exec('adopt', { argv: ['/bin/sh', '-c', script] });
+      return { stdout: r.stdout, exitCode: r.exit_code };
     };
-    const memory = async (): Promise<string> => {
-      await sh('rm -f /tmp/dumped /tmp/dump; touch /tmp/ask');
-      await waitFor('/tmp/dumped');
-      return (await sh('md5sum < /tmp/dump && wc -c < /tmp/dump; rm -f /tmp/dump /tmp/dumped')).replace(/\s+/g, ' ').trim();
-    };
+    const holder = memoryHolder(sh);
     // A pause, then a resume whose daemon gets 2% of a CPU for the restore's hand-over and 0.1% after it.
     const slowResume = async (): Promise<void> => {
       await agent.client.pauseVm('adopt');
@@ -178,8 +175,8 @@ describe('criu between agents', { skip: skip ? `missing: ${skip}` : false, timeo
       cg.tighten();
     };
     await sh(MEMORY_HOLDER);
-    await waitFor('/tmp/ready');
-    const before = await memory();
+    await holder.ready();
+    const before = await holder.sum();
     assert.match(before, / 67108864$/);
     await slowResume();
     let st = await agent.client.memoryStatus('adopt');
@@ -201,7 +198,7 @@ describe('criu between agents', { skip: skip ? `missing: ${skip}` : false, timeo
     cg.unthrottle();
     await paused;
     await agent.client.resumeVm('adopt');
-    assert.equal(await memory(), before, 'the memory came back whole');
+    assert.equal(await holder.sum(), before, 'the memory came back whole');
 
     // Again, but the daemon dies while no agent runs: the next agent finds its exit status and takes the sandbox as
     // lost (its missing pages would fault in as zeros), instead of recovering it as running.

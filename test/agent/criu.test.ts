@@ -9,9 +9,10 @@ import { after, before, describe, test } from 'node:test';
 import { AppError } from '@fleet/agent-protocol';
 import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
 import { rewriteUsernsImage } from '../../packages/agent/src/backend/process/criu.js';
+import { layerDirs } from '../../packages/agent/src/backend/process/storage.js';
 import { buildImage } from '../../packages/agent/src/images.js';
 import { collect, type Ran } from '../support/process.js';
-import { MEMORY_HOLDER, slowPagesCriu, throttledCgroup } from './harness.js';
+import { MEMORY_HOLDER, memoryHolder, slowPagesCriu, throttledCgroup } from './harness.js';
 
 /**
  * Memory checkpoints of real sandboxes with CRIU: found through CRIU_PATH
@@ -214,17 +215,9 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     const bs = await openBackend(await slowPagesCriu(join(root, 'criu-slow-pages'), process.env.CRIU_PATH!, slow, cg.procs));
     await bs.create({ name: 'lz', cpus: 1, ram_mb: 512, storage_gb: 1, tenant: 't1' });
     assert.equal((await sh(bs, 'lz', MEMORY_HOLDER)).exitCode, 0);
-    const waitFor = async (file: string): Promise<void> => {
-      for (let i = 0; i < 400 && (await sh(bs, 'lz', `test -e ${file}`)).exitCode !== 0; i++) await new Promise((r) => setTimeout(r, 50));
-    };
-    const memory = async (): Promise<string> => {
-      await sh(bs, 'lz', 'rm -f /tmp/dumped /tmp/dump; touch /tmp/ask');
-      await waitFor('/tmp/dumped');
-      const r = await sh(bs, 'lz', 'md5sum < /tmp/dump && wc -c < /tmp/dump; rm -f /tmp/dump /tmp/dumped');
-      return r.stdout.replace(/\s+/g, ' ').trim();
-    };
-    await waitFor('/tmp/ready');
-    const before = await memory();
+    const holder = memoryHolder((script) => sh(bs, 'lz', script));
+    await holder.ready();
+    const before = await holder.sum();
     assert.match(before, / 67108864$/, 'the holder wrote its 64 MiB');
     await bs.pause('lz');
     await writeFile(slow, '');
@@ -247,7 +240,7 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     cg.unthrottle();
     await paused;
     await bs.resume('lz');
-    assert.equal(await memory(), before, 'the memory came back whole');
+    assert.equal(await holder.sum(), before, 'the memory came back whole');
     for (let i = 0; i < 200 && !(await bs.lazy.memoryStatus('lz')).done; i++) await new Promise((r) => setTimeout(r, 50));
     const done = await bs.lazy.memoryStatus('lz');
     assert.ok(done.done && done.resident_chunks === done.total_chunks && done.error === undefined, JSON.stringify(done));
@@ -367,6 +360,11 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
     // Independent: one fork's file is not another's.
     await sh(b, 'f1', 'echo mine > /root/f1');
     assert.notEqual((await sh(b, 'f2', 'cat /root/f1')).exitCode, 0);
+    // The restored root is idmapped to the fork's own id block (the helper's mount-root 0): the image and the fork's
+    // new files are root's inside, and its layer records plain 0 on disk, never a host id.
+    assert.equal((await sh(b, 'f1', 'stat -c %u:%g /root/f1 /bin/busybox')).stdout, '0:0\n0:0\n');
+    const onDisk = spawnSync('stat', ['-c', '%u:%g', join(layerDirs(b.sandboxDir('f1'), 1).upper, 'root', 'f1')], { encoding: 'utf8' });
+    assert.equal(onDisk.stdout.trim(), '0:0', onDisk.stderr);
 
     await sh(b, 'src', 'echo later > /root/after-snapshot');
     const back = await b.restoreCheckpoint('src', cp.id);

@@ -290,6 +290,27 @@ export const MEMORY_HOLDER =
   `while (1) { if (system("test -e /tmp/ask") == 0) { system("rm -f /tmp/ask"); printf "%s", s > "/tmp/dump"; close("/tmp/dump"); system("touch /tmp/dumped") } system("sleep 0.05") } }') >/dev/null 2>&1 &`;
 
 /**
+ * MEMORY_HOLDER's side in a test, over `sh` (a shell script run in the sandbox): `ready()` once its memory is built,
+ * `sum()` the md5 and size of that memory as the holder writes it out.
+ */
+export function memoryHolder(sh: (script: string) => Promise<{ stdout: string; exitCode: number | null }>): {
+  ready(): Promise<void>;
+  sum(): Promise<string>;
+} {
+  const waitFor = async (file: string): Promise<void> => {
+    for (let i = 0; i < 400 && (await sh(`test -e ${file}`)).exitCode !== 0; i++) await new Promise((r) => setTimeout(r, 50));
+  };
+  return {
+    ready: () => waitFor('/tmp/ready'),
+    sum: async () => {
+      await sh('rm -f /tmp/dumped /tmp/dump; touch /tmp/ask');
+      await waitFor('/tmp/dumped');
+      return (await sh('md5sum < /tmp/dump && wc -c < /tmp/dump; rm -f /tmp/dump /tmp/dumped')).stdout.replace(/\s+/g, ' ').trim();
+    },
+  };
+}
+
+/**
  * True once `proc` has exited (`exited` settles on its exit), false after `ms`. The timer goes with the exit: one left
  * armed would hold the test process open for its whole length after the last test.
  */
