@@ -240,6 +240,14 @@ export class LazyMemory {
   async adoptOrphans(): Promise<void> {
     const host = this.host;
     const adopted = new Set<string>();
+    // A daemon writes its log into its scratch directory as it starts: with no such directory left, there is no
+    // daemon of ours, and no need to read every process's command line.
+    const lazyDirs = [];
+    for (const entry of await readdir(host.checkpoints.staging).catch(() => [] as string[])) {
+      const name = sandboxOfRestoreScratch(entry);
+      if (name !== undefined && existsSync(join(host.checkpoints.staging, entry, LAZY_LOG))) lazyDirs.push({ entry, name });
+    }
+    if (lazyDirs.length === 0) return;
     const pids = (await readdir('/proc').catch(() => [] as string[])).filter((n) => /^\d+$/.test(n)).map(Number);
     for (const pid of pids) {
       const argv = (await readFile(`/proc/${pid}/cmdline`, 'utf8').catch(() => '')).split('\0');
@@ -267,10 +275,9 @@ export class LazyMemory {
     }
     // A daemon that ended while no agent ran left its scratch directory (the agent removes it when it sees the end):
     // one that failed left its sandbox running on memory that faults in as zeros, which is lost.
-    for (const entry of await readdir(host.checkpoints.staging).catch(() => [] as string[])) {
-      const name = sandboxOfRestoreScratch(entry);
+    for (const { entry, name } of lazyDirs) {
       const dir = join(host.checkpoints.staging, entry);
-      if (name === undefined || adopted.has(entry) || !existsSync(join(dir, LAZY_LOG))) continue;
+      if (adopted.has(entry)) continue;
       const text = await readFile(join(dir, LAZY_EXIT_FILE), 'utf8').catch(() => '');
       const record = host.records.get(name);
       if (text.trim() !== '0' && record?.state.status === 'running' && record.state.init_pid > 0 && !this.targets.has(name)) {
