@@ -2,9 +2,9 @@ import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { existsSync } from 'node:fs';
-import { mkdtemp, readdir, readFile, rm, writeFile } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, realpath, rm, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { basename, join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { AppError } from '@fleet/agent-protocol';
 import { ProcessBackend, type ProcessBackendOptions } from '../../packages/agent/src/backend/process/process-backend.js';
@@ -356,6 +356,40 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       const c = await count(b, f.name);
       assert.ok(c >= before && c < after + 200, `fork ${f.name} continues from the captured value (${before}..${after}), got ${c}`);
       assert.match(await answer(f.endpoints[0]!.url), /^count \d+/);
+    }
+    // Each fork's network comes from the helper as CRIU's action script: eth0 with the fork's MAC and address, its
+    // default route and ping range (group ids of the sandbox's own); on the host, its veth a port of the tenant's
+    // bridge with IPv6 off and router advertisements refused, and a /32 route to it from the gateway. The root CRIU
+    // restored from is no longer mounted in the agent's namespace.
+    const agentMounts = await readFile('/proc/self/mountinfo', 'utf8');
+    for (const f of forks) {
+      const state = JSON.parse(await readFile(join(b.sandboxDir(f.name), 'state.json'), 'utf8')) as { veth: string; bridge: string };
+      const inside = await sh(
+        b,
+        f.name,
+        'cat /sys/class/net/eth0/address; ip -4 addr show eth0; ip route; cat /proc/sys/net/ipv4/ping_group_range',
+      );
+      assert.equal(inside.stdout.split('\n')[0], f.mac, inside.stdout);
+      assert.match(inside.stdout, new RegExp(`inet ${f.ip.replaceAll('.', '\\.')}/\\d+ `), inside.stdout);
+      const gw = /^default via (\S+) dev eth0/m.exec(inside.stdout)?.[1];
+      assert.ok(gw, inside.stdout);
+      assert.match(inside.stdout, /^0\s+65535$/m, 'ping needs no CAP_NET_RAW in the fork either');
+      const routes = JSON.parse(spawnSync('ip', ['-j', 'route', 'show', 'dev', state.bridge], { encoding: 'utf8' }).stdout) as Array<{
+        dst: string;
+        prefsrc?: string;
+      }>;
+      assert.ok(
+        routes.some((r) => r.dst === f.ip && r.prefsrc === gw),
+        JSON.stringify(routes),
+      );
+      assert.equal(basename(await realpath(`/sys/class/net/${state.veth}/master`)), state.bridge);
+      assert.equal((await readFile(`/sys/class/net/${state.veth}/operstate`, 'utf8')).trim(), 'up');
+      for (const [sysctl, want] of [
+        ['disable_ipv6', '1'],
+        ['accept_ra', '0'],
+      ])
+        assert.equal((await readFile(`/proc/sys/net/ipv6/conf/${state.veth}/${sysctl}`, 'utf8')).trim(), want, sysctl);
+      assert.ok(!agentMounts.includes(` ${join(b.sandboxDir(f.name), 'root')} `), 'the restore root was detached');
     }
     // Independent: one fork's file is not another's.
     await sh(b, 'f1', 'echo mine > /root/f1');

@@ -57,6 +57,11 @@
  *         unlink PATH
  *       The host-side parent waits and exits with the child's status (a
  *       fatal signal is re-raised), so a caller sees the guest's status.
+ *   fleet-sandbox (no argument, CRTOOLS_SCRIPT_ACTION set)
+ *       CRIU's action script at a restore (criu.ts restoreTree; cmd_criu_hook): at setup-namespaces, the restored
+ *       tree's empty network namespace gets its eth0 (the veth, its address, routes, ping range, over rtnetlink);
+ *       at post-resume, the agent's mount of the root for CRIU is detached. Its environment is the one the agent
+ *       gives criu (criu-lazy.ts CRIU_ENV and the FLEET_* values of the restore), with CRIU's own CRTOOLS_*.
  *   fleet-sandbox serve SOCKET [--allow TOOL]...
  *       The agent's long-lived spawner, so an exec costs a fork of this small
  *       process instead of a fork of Node plus an execve: listens on SOCKET
@@ -1327,7 +1332,186 @@ static int cmd_start(int argc, char **argv) {
   return reap(sfd, init);
 }
 
+/* ---- criu-hook ---- */
+
+#include <linux/veth.h>
+
+static struct rtattr *nest_begin(struct nlmsghdr *h, unsigned short type) {
+  struct rtattr *a = (struct rtattr *)((char *)h + NLMSG_ALIGN(h->nlmsg_len));
+  a->rta_type = type;
+  a->rta_len = (unsigned short)RTA_LENGTH(0);
+  h->nlmsg_len = NLMSG_ALIGN(h->nlmsg_len) + RTA_ALIGN(a->rta_len);
+  return a;
+}
+
+static void nest_end(struct nlmsghdr *h, struct rtattr *a) { a->rta_len = (unsigned short)((char *)h + h->nlmsg_len - (char *)a); }
+
+static const char *must_env(const char *name) {
+  const char *v = getenv(name);
+  if (!v || !*v) fail("read the environment variable", name);
+  return v;
+}
+
+static int parse_mac(const char *text, unsigned char mac[6]) {
+  unsigned v[6];
+  char end;
+  if (sscanf(text, "%2x:%2x:%2x:%2x:%2x:%2x%c", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &end) != 6) return -1;
+  for (int i = 0; i < 6; i++) mac[i] = (unsigned char)v[i];
+  return 0;
+}
+
+/* Writes VALUE to a sysctl of LINK's when the kernel has it (no IPv6: nothing to write). */
+static void link_sysctl(const char *link, const char *name, const char *value) {
+  char path[128];
+  snprintf(path, sizeof path, "/proc/sys/net/ipv6/conf/%s/%s", link, name);
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return;
+    fail("open", path);
+  }
+  if (write(fd, value, strlen(value)) < 0) fail("write", path);
+  close(fd);
+}
+
+/*
+ * The host side of a restored sandbox's network, as network.ts attachSandbox makes it at a start, over rtnetlink
+ * rather than three ip(8) runs: the veth VETH with its peer eth0 (address MAC) made in the network namespace of PID;
+ * IPv6 off and router advertisements refused on VETH before it is up; VETH a port of BRIDGE, up; the host's /32 route
+ * to IP on BRIDGE from GW.
+ */
+static void attach_veth(int pid, const char *veth, const char *mac_text, const char *bridge, const char *ip, const char *gw) {
+  unsigned char mac[6];
+  struct in_addr dst, src;
+  if (strlen(veth) >= IFNAMSIZ || parse_mac(mac_text, mac) < 0 || inet_pton(AF_INET, ip, &dst) != 1 || inet_pton(AF_INET, gw, &src) != 1)
+    usage();
+  unsigned br = if_nametoindex(bridge);
+  if (!br) fail("find the bridge", bridge);
+  int nl = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+  if (nl < 0) fail("socket", NULL);
+  struct {
+    struct nlmsghdr h;
+    union {
+      struct ifinfomsg ifi;
+      struct rtmsg rt;
+    } u;
+    char attrs[512];
+  } req;
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifi);
+  req.h.nlmsg_type = RTM_NEWLINK;
+  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  req.u.ifi.ifi_family = AF_UNSPEC;
+  rta_add(&req.h, IFLA_IFNAME, veth, (unsigned short)(strlen(veth) + 1));
+  struct rtattr *info = nest_begin(&req.h, IFLA_LINKINFO);
+  rta_add(&req.h, IFLA_INFO_KIND, "veth", 5);
+  struct rtattr *data = nest_begin(&req.h, IFLA_INFO_DATA);
+  struct rtattr *peer = nest_begin(&req.h, VETH_INFO_PEER);
+  req.h.nlmsg_len += sizeof(struct ifinfomsg); /* the peer's own (zeroed) header */
+  rta_add(&req.h, IFLA_IFNAME, "eth0", 5);
+  uint32_t ns_pid = (uint32_t)pid;
+  rta_add(&req.h, IFLA_NET_NS_PID, &ns_pid, 4);
+  rta_add(&req.h, IFLA_ADDRESS, mac, 6);
+  nest_end(&req.h, peer);
+  nest_end(&req.h, data);
+  nest_end(&req.h, info);
+  int e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("add the veth", veth);
+  unsigned idx = if_nametoindex(veth);
+  if (!idx) fail("find the veth", veth);
+  link_sysctl(veth, "disable_ipv6", "1");
+  link_sysctl(veth, "accept_ra", "0");
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifi);
+  req.h.nlmsg_type = RTM_NEWLINK;
+  req.u.ifi.ifi_family = AF_UNSPEC;
+  req.u.ifi.ifi_index = (int)idx;
+  req.u.ifi.ifi_flags = IFF_UP;
+  req.u.ifi.ifi_change = IFF_UP;
+  rta_add(&req.h, IFLA_MASTER, &br, 4);
+  e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("attach the veth to", bridge);
+  memset(&req, 0, sizeof req);
+  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.rt);
+  req.h.nlmsg_type = RTM_NEWROUTE;
+  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_REPLACE;
+  req.u.rt.rtm_family = AF_INET;
+  req.u.rt.rtm_dst_len = 32;
+  req.u.rt.rtm_table = RT_TABLE_MAIN;
+  req.u.rt.rtm_protocol = RTPROT_BOOT;
+  req.u.rt.rtm_scope = RT_SCOPE_LINK;
+  req.u.rt.rtm_type = RTN_UNICAST;
+  rta_add(&req.h, RTA_DST, &dst, 4);
+  rta_add(&req.h, RTA_PREFSRC, &src, 4);
+  rta_add(&req.h, RTA_OIF, &br, 4);
+  e = rtnl(nl, &req.h);
+  if (e < 0) errno = -e, fail("add the route to", ip);
+  close(nl);
+}
+
+/*
+ * The guest side, in a child that joins PID's user namespace (so the ping range's group ids are the sandbox's) and
+ * network namespace: lo and eth0 up, eth0's address and default route (as stage 2 does at a start), the ping range.
+ */
+static void configure_guest_net(int pid, const char *cidr, const char *gw) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
+  int userns = open(path, O_RDONLY | O_CLOEXEC);
+  if (userns < 0) fail("open", path);
+  snprintf(path, sizeof path, "/proc/%d/ns/net", pid);
+  int netns = open(path, O_RDONLY | O_CLOEXEC);
+  if (netns < 0) fail("open", path);
+  pid_t child = fork();
+  if (child < 0) fail("fork", NULL);
+  if (child == 0) {
+    /* Host root's uid with the sandbox's namespace: nothing in the sandbox (its root holds CAP_SYS_PTRACE there) may
+       attach to it, though no task of the tree runs before CRIU resumes it. */
+    if (prctl(PR_SET_DUMPABLE, 0) < 0) fail("prctl", "dumpable");
+    if (setns(userns, CLONE_NEWUSER) < 0) fail("setns", "user");
+    if (setns(netns, CLONE_NEWNET) < 0) fail("setns", "net");
+    int ioc = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (ioc < 0) fail("socket", NULL);
+    link_up(ioc, "lo");
+    close(ioc);
+    configure_eth0(cidr, gw);
+    write_file("/proc/sys/net/ipv4/ping_group_range", "0 65535\n");
+    _exit(0);
+  }
+  int status;
+  while (waitpid(child, &status, 0) < 0)
+    if (errno != EINTR) fail("wait for", "the guest side of the network");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) exit(125);
+  close(userns);
+  close(netns);
+}
+
+/*
+ * CRIU's action script for a restore (criu.ts): CRIU runs it with no argument at each step, the step in
+ * CRTOOLS_SCRIPT_ACTION and the agent's FLEET_* variables in its environment.
+ *   setup-namespaces   the restored, empty network namespace of CRTOOLS_INIT_PID gets its eth0: attach_veth with
+ *                      FLEET_VETH FLEET_MAC FLEET_BRIDGE FLEET_IP FLEET_GW, then configure_guest_net with
+ *                      FLEET_IP/FLEET_PREFIX.
+ *   post-resume        the tree runs and holds its root: FLEET_ROOT, the agent's mount of it for CRIU, is detached.
+ * Every other step: nothing. A failure exits non-zero, which fails the restore.
+ */
+static int cmd_criu_hook(const char *action) {
+  if (strcmp(action, "setup-namespaces") == 0) {
+    int pid = atoi(must_env("CRTOOLS_INIT_PID"));
+    if (pid <= 0) usage();
+    const char *ip = must_env("FLEET_IP"), *gw = must_env("FLEET_GW"), *prefix = must_env("FLEET_PREFIX");
+    attach_veth(pid, must_env("FLEET_VETH"), must_env("FLEET_MAC"), must_env("FLEET_BRIDGE"), ip, gw);
+    char cidr[40];
+    if (snprintf(cidr, sizeof cidr, "%s/%s", ip, prefix) >= (int)sizeof cidr) usage();
+    configure_guest_net(pid, cidr, gw);
+  } else if (strcmp(action, "post-resume") == 0) {
+    const char *root = getenv("FLEET_ROOT");
+    if (root && *root && umount2(root, MNT_DETACH) < 0 && errno != EINVAL) fail("detach", root);
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  /* Run by CRIU as its action script: no argument, the step in the environment. */
+  if (argc == 1 && getenv("CRTOOLS_SCRIPT_ACTION")) return cmd_criu_hook(getenv("CRTOOLS_SCRIPT_ACTION"));
   if (argc < 2) usage();
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);

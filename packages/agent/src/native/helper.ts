@@ -92,9 +92,10 @@ async function buildHelper(dir: string): Promise<string> {
     }
     await chmod(tmp, 0o755);
     await rename(tmp, bin);
-    // Builds of an older source: running execs hold their own inode, so they can go.
+    // Builds of an older source: running execs hold their own inode, so they can go. So can the shell action script
+    // older agents gave CRIU (the helper is that script now).
     for (const f of await readdir(dir)) {
-      if (f.startsWith('fleet-sandbox-') && join(dir, f) !== bin) await rm(join(dir, f), { force: true });
+      if ((f.startsWith('fleet-sandbox-') && join(dir, f) !== bin) || f === 'criu-netns-hook.sh') await rm(join(dir, f), { force: true });
     }
   } finally {
     await rm(tmp, { force: true });

@@ -1,5 +1,5 @@
 import { closeSync, fchownSync } from 'node:fs';
-import { mkdir, readFile, rm } from 'node:fs/promises';
+import { mkdir, readFile, rm, stat } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
@@ -20,7 +20,7 @@ import {
 import { mustRun, processStartTime, runTool, sigkill } from './exec-util.js';
 import { startLazyDaemon, type LazyDaemon } from './criu-lazy.js';
 import { openConsoleWriter } from './launch.js';
-import { deleteLink, hardenLink } from './network.js';
+import { deleteLink } from './network.js';
 import type { SandboxHost } from './sandbox-host.js';
 import type { SandboxRecord } from './sandbox-state.js';
 import { layerDirs } from './storage.js';
@@ -191,7 +191,7 @@ export async function restoreInto(
       // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
       const masks = (await externalMounts(pid, target.emptyDir)).empty;
       if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
-      await hardenLink(s.veth, 'veth');
+      // The veth's sysctls were set by the helper (CRIU's action script) before it came up.
     } catch (err) {
       // Not the sandbox's then: the restored tree goes (without its daemon its missing pages would be zeros).
       sigkill(pid);
@@ -207,7 +207,8 @@ export async function restoreInto(
     await network.catch(() => undefined);
     const consoleFd = await consoleWriter.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
-    if (mounted) await runTool('umount', ['-l', root]);
+    // A restore that ran detached it already (the helper, at CRIU's post-resume).
+    if (mounted && (await isMounted(root))) await runTool('umount', ['-l', root]);
     // A daemon still paging in reads its images and writes its log there: prune leaves it until the daemon ends.
     if (pagers.any) void pagers.any.exited.finally(() => host.scratch.delete(scratch));
     else host.scratch.delete(scratch);
@@ -217,6 +218,12 @@ export async function restoreInto(
     { sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, paged_in_after: pagers.local !== undefined, ...steps },
     'criu restore',
   );
+}
+
+/** Whether `path` is a mount point (its device is not its parent's). */
+async function isMounted(path: string): Promise<boolean> {
+  const [own, parent] = await Promise.all([stat(path), stat(dirname(path))]).catch(() => [null, null]);
+  return own !== null && parent !== null && own.dev !== parent.dev;
 }
 
 /** A restore's scratch directory in the staging directory (its images, and a lazy daemon's log): one per attempt. */

@@ -18,8 +18,9 @@ import { runTool, sigkill } from './exec-util.js';
  *
  * What the sandbox layout needs from CRIU, and why each option is there:
  * - `--empty-ns net`: the network namespace is not dumped; a restore makes an
- *   empty one and our `setup-namespaces` action script gives it its eth0
- *   (veth to the bridge), address, route and ping range from the host. CRIU
+ *   empty one and our action script (the helper, fleet-sandbox.c
+ *   `cmd_criu_hook`) gives it its eth0 at `setup-namespaces` (veth to the
+ *   bridge, address, route and ping range, over rtnetlink from the host). CRIU
  *   cannot recreate a veth whose peer is in the host namespace from inside the
  *   sandbox's user namespace (netlink EPERM), and the address, MAC and veth of
  *   a fork or a moved sandbox are new anyway.
@@ -317,34 +318,6 @@ export function rewriteUsernsImage(img: Buffer, from: number, to: number): Buffe
 // ---- dump and restore ------------------------------------------------------------
 
 /**
- * The action script CRIU runs at setup-namespaces: the restored, empty
- * network namespace gets its eth0. Few processes (CRIU waits for it while the
- * tree is half restored): the host side in one ip(8) batch after the veth's
- * sysctls, the guest side (as the sandbox's root, whose user namespace owns
- * the network namespace) in one more, with the ping range beside it.
- */
-const NETNS_HOOK = `#!/bin/sh
-[ "$CRTOOLS_SCRIPT_ACTION" = "setup-namespaces" ] || exit 0
-set -e
-p=$CRTOOLS_INIT_PID
-ip link add "$FLEET_VETH" type veth peer name eth0 netns "$p" address "$FLEET_MAC"
-for f in disable_ipv6 accept_ra; do v=1; [ "$f" = accept_ra ] && v=0; [ -e "/proc/sys/net/ipv6/conf/$FLEET_VETH/$f" ] && echo $v > "/proc/sys/net/ipv6/conf/$FLEET_VETH/$f"; done
-printf 'link set %s master %s up\nroute replace %s/32 dev %s src %s\n' "$FLEET_VETH" "$FLEET_BRIDGE" "$FLEET_IP" "$FLEET_BRIDGE" "$FLEET_GW" | ip -batch -
-printf 'link set lo up\naddr add %s/%s dev eth0\nlink set eth0 up\nroute add default via %s dev eth0\n' "$FLEET_IP" "$FLEET_PREFIX" "$FLEET_GW" |
-  nsenter -t "$p" -U -n sh -c 'ip -batch - && echo "0 65535" > /proc/sys/net/ipv4/ping_group_range'
-`;
-
-export async function installNetnsHook(dir: string): Promise<string> {
-  const path = join(dir, 'criu-netns-hook.sh');
-  await mkdir(dir, { recursive: true, mode: 0o700 });
-  await writeFile(`${path}.tmp`, NETNS_HOOK, { mode: 0o700 });
-  await chmod(`${path}.tmp`, 0o700);
-  const { rename } = await import('node:fs/promises');
-  await rename(`${path}.tmp`, path);
-  return path;
-}
-
-/**
  * The sandbox's mounts CRIU must not dump: binds of the host's devtmpfs (restored from `/dev` + their root), and
  * binds of the sandbox's empty directory (the masked directories), known from mountinfo alone (its device, and a root
  * ending in its name: nothing is looked up through the guest's tree).
@@ -568,6 +541,7 @@ export interface RestoreTarget {
   readonly hostname: string;
   /** Write end of the new console FIFO (launch.ts openConsoleWriter). */
   readonly consoleFd: number;
+  /** CRIU's action script: the sandbox helper (fleet-sandbox.c `cmd_criu_hook`), which also detaches `root` once the tree runs. */
   readonly hook: string;
   /** The sandbox's empty directory on this host (SandboxHost.emptyDir), bound over the masked directories. */
   readonly emptyDir: string;
@@ -665,6 +639,7 @@ export async function restoreTree(
         FLEET_IP: target.ip,
         FLEET_PREFIX: String(target.prefixLen),
         FLEET_GW: target.gateway,
+        FLEET_ROOT: target.root,
       },
     }).finally(() => clearTimeout(timer));
     if (code !== 0) {

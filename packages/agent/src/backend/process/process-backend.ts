@@ -22,7 +22,7 @@ import { probeCapacity, withoutDevices } from '../host-capacity.js';
 import { nameRe } from '../spec-rules.js';
 import { Cgroups } from './cgroups.js';
 import { expectedArchiveBytes } from './checkpoints.js';
-import { detectCriu, installNetnsHook } from './criu.js';
+import { detectCriu } from './criu.js';
 import type { SandboxEgress } from './egress.js';
 import { Firewall } from './firewall.js';
 import { enterSandbox, spawnInSandbox } from './guest-exec.js';
@@ -101,7 +101,7 @@ export class ProcessBackend implements Backend {
     const found = await detectCriu(undefined, opts.lazyRestore);
     host.criu = found.features;
     if (found.features) {
-      host.criuHook = await installNetnsHook(join(opts.dataDir, 'runtime-helper'));
+      host.criuHook = tools.helper;
       logger?.info(
         { criu: found.features.path, version: found.features.version, notes: found.features.notes },
         'criu found: memory checkpoints on',

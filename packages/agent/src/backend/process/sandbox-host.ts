@@ -41,6 +41,7 @@ export class SandboxHost {
   readonly observer: SandboxMonitor;
   readonly egress: EgressHost;
   criu: CriuFeatures | null = null;
+  /** CRIU's action script at a restore: the helper (fleet-sandbox.c `cmd_criu_hook`); a test may wrap it. */
   criuHook = '';
   /**
    * How long one `criu restore` may take before it is killed and tried once more (criu-sandbox.ts): a restore takes
