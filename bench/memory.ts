@@ -1,4 +1,5 @@
-import { cp, mkdtemp, readdir, rm, stat } from 'node:fs/promises';
+import { cp, mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
+import { availableParallelism } from 'node:os';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Writable } from 'node:stream';
@@ -98,14 +99,17 @@ export default async function memoryBench(args: string[]): Promise<void> {
       const pauses: number[] = [];
       const resumes: number[] = [];
       const resident: number[] = [];
+      const resumeCpu: number[] = [];
       restores.length = 0;
       for (let i = 0; i < runs; i++) {
         t0 = performance.now();
         await a.pause(name);
         pauses.push(ms(t0));
         t0 = performance.now();
+        const cpu0 = await cpuBusyMs();
         await a.resume(name);
         resumes.push(ms(t0));
+        resumeCpu.push((await cpuBusyMs()) - cpu0);
         for (let st = await a.lazy.memoryStatus(name); !st.done; st = await a.lazy.memoryStatus(name)) {
           if (st.error !== undefined) throw new Error(`paging the memory in failed: ${st.error}`);
           await new Promise((r) => setTimeout(r, 5));
@@ -115,6 +119,7 @@ export default async function memoryBench(args: string[]): Promise<void> {
       log(`pause:  p50 ${pct(pauses, 50)} ms, p99 ${pct(pauses, 99)} ms over ${runs}`);
       log(`resume: p50 ${pct(resumes, 50)} ms, p99 ${pct(resumes, 99)} ms over ${runs} (aim at 64 MiB: p50 < 150 ms)`);
       log(`  resume to every page in (memory status done, polled every 5 ms): p50 ${pct(resident, 50)} ms, p99 ${pct(resident, 99)} ms`);
+      log(`  host CPU busy during a resume (all cores, /proc/stat): p50 ${pct(resumeCpu, 50)} ms`);
       const stepNames = [...new Set(restores.flatMap((r) => Object.keys(r)))];
       log(
         `  of which, p50 per step of the agent's restore: ${stepNames
@@ -129,6 +134,7 @@ export default async function memoryBench(args: string[]): Promise<void> {
       );
 
       t0 = performance.now();
+      const forkCpu0 = await cpuBusyMs();
       await Promise.all(
         Array.from({ length: forks }, (_, i) =>
           a.create({
@@ -142,7 +148,9 @@ export default async function memoryBench(args: string[]): Promise<void> {
           }),
         ),
       );
+      const forkCpu = (await cpuBusyMs()) - forkCpu0;
       log(`fork ×${forks} to all running: ${ms(t0)} ms (aim: < 1500 ms)`);
+      log(`  host CPU busy meanwhile: ${forkCpu} ms, so on ${cores} cores no schedule ends before ${Math.round(forkCpu / cores)} ms`);
       for (let i = 0; i < forks; i++) await a.destroy(`${name}-f${i}`);
 
       // A move: the guest is down from the pause until it runs on the other backend.
@@ -173,4 +181,13 @@ export default async function memoryBench(args: string[]): Promise<void> {
     }
     await rm(root, { recursive: true, force: true });
   }
+}
+
+const cores = availableParallelism();
+
+/** The host's busy CPU time so far, all cores (/proc/stat: everything but idle and iowait), in ms. */
+async function cpuBusyMs(): Promise<number> {
+  const fields = (await readFile('/proc/stat', 'utf8')).split('\n')[0]!.trim().split(/\s+/).slice(1).map(Number);
+  const ticks = fields.slice(0, 8).reduce((a, b) => a + b, 0) - (fields[3] ?? 0) - (fields[4] ?? 0);
+  return ticks * 10; // USER_HZ is 100 on Linux
 }

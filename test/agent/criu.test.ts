@@ -176,6 +176,14 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       assert.ok(now < last + 200, `counter restarted or jumped: ${last} -> ${now}`);
       assert.match(await answer(url), /^count \d+/);
       if (i === 0) {
+        // Its layer-2 rules stayed through the pause (the resume applies no new ruleset when nothing changed): only its
+        // own MAC and address may leave its port.
+        const { veth } = JSON.parse(await readFile(join(b.sandboxDir('pr'), 'state.json'), 'utf8')) as { veth: string };
+        const chain = spawnSync('nft', ['list', 'chain', 'bridge', `fleet_${prefixes[0]}`, `port_${veth}`], { encoding: 'utf8' });
+        assert.match(
+          chain.stdout,
+          new RegExp(`ether saddr != ${info.mac} drop[\\s\\S]*ip saddr != ${info.ip.replaceAll('.', '\\.')} drop`),
+        );
         // The /proc masks come back as binds of /dev/null, never of the host's own /proc files.
         const masks = await sh(b, 'pr', "grep -E ' /proc/(keys|timer_list) ' /proc/self/mountinfo");
         assert.match(masks.stdout, /\/proc\/keys .* - devtmpfs /);

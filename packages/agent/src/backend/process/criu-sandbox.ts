@@ -1,4 +1,4 @@
-import { closeSync, fchownSync } from 'node:fs';
+import { closeSync, existsSync, fchownSync } from 'node:fs';
 import { mkdir, readFile, rm, stat } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
@@ -71,8 +71,14 @@ export async function restoreInto(
   host: SandboxHost,
   record: SandboxRecord,
   cp: Checkpoint,
-  lazy?: (dir: string) => Promise<Pager>,
+  opts: {
+    /** A lazy move's source of memory (a page server through the agents' tunnel) in place of the local images. */
+    lazy?: (dir: string) => Promise<Pager>;
+    /** The caller (a create) has just applied the firewall with this record in it and readied its bridge. */
+    networkReady?: boolean;
+  } = {},
 ): Promise<void> {
+  const { lazy } = opts;
   const criu = host.requireCriu();
   const s = record.state;
   const steps: Record<string, number> = {};
@@ -96,9 +102,12 @@ export async function restoreInto(
   // The host's side of the network (rules, bridge, no stale veth) is made while the root is mounted, which does not
   // need it; only CRIU's setup-namespaces hook does.
   const network = (async () => {
-    await host.firewall.apply(() => host.firewallState());
-    await host.readyBridge(record);
-    await deleteLink(s.veth);
+    if (!opts.networkReady) {
+      await host.firewall.apply(() => host.firewallState());
+      await host.readyBridge(record);
+    }
+    // A veth of this name left over (a restore killed after its hook ran) would fail the hook's.
+    if (existsSync(`/sys/class/net/${s.veth}`)) await deleteLink(s.veth);
   })();
   network.catch(() => undefined);
   // So is the console's writer (a shell that makes the FIFO and opens its read end).

@@ -81,6 +81,8 @@ export class Firewall {
    * apply would cost each of them a second nft run).
    */
   private expected: string | undefined;
+  /** The script of the last apply that succeeded (undefined while one runs or after one failed). */
+  private applied: string | undefined;
 
   private constructor(
     private readonly nft: string,
@@ -122,8 +124,12 @@ export class Firewall {
   /** Replaces both tables with what `state()` (read under the lock, so the newest wins) asks for. */
   apply(state: () => FirewallState): Promise<void> {
     return this.locked(async () => {
+      const want = state();
+      // What was applied last, unchanged (a resume: a paused sandbox's rules stay): no nft run. Tables changed
+      // behind the agent's back since are the reassert's to find and repair, as between any two applies.
+      if (this.applied !== undefined && this.script(want) === this.applied) return;
       this.expected = undefined;
-      await this.applyNow(state());
+      await this.applyNow(want);
     });
   }
 
@@ -233,11 +239,17 @@ export class Firewall {
     return this.tables.flatMap((tbl) => [`table ${tbl} {}`, `delete table ${tbl}`]);
   }
 
-  private async applyNow(state: FirewallState): Promise<void> {
+  private script(state: FirewallState): string {
     const empty = state.bridges.length === 0 && state.ports.length === 0;
-    const script = empty ? this.replace().join('\n') + '\n' : this.render(state);
+    return empty ? this.replace().join('\n') + '\n' : this.render(state);
+  }
+
+  private async applyNow(state: FirewallState): Promise<void> {
+    const script = this.script(state);
+    this.applied = undefined;
     const res = await runTool(this.nft, ['-f', '-'], { input: script });
     if (res.code !== 0) throw sandboxFailed(`applying the sandbox firewall (nft) failed: ${res.stderr.trim().slice(0, 500)}`);
+    this.applied = script;
   }
 
   /** Our two tables as `nft -s list ruleset` prints them (stateless, so no counters), '' when neither exists. */

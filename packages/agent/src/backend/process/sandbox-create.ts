@@ -49,7 +49,7 @@ export async function createSandbox(
   host: SandboxHost,
   input: CreateSpec,
   /** With resume: a post-copy restore, memory paged in by this daemon (criu-lazy.ts). */
-  lazy?: Parameters<typeof restoreInto>[3],
+  lazy?: NonNullable<Parameters<typeof restoreInto>[3]>['lazy'],
 ): Promise<SandboxInfo> {
   host.assertOpen();
   const parsed = createSpecSchema.safeParse(input);
@@ -174,7 +174,7 @@ export async function createSandbox(
       await bridged;
       if (usesAgentProxy(state.egress)) await host.egress.ensureProxy();
       mark('bridge');
-      if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), lazy);
+      if (spec.resume) await restoreInto(host, record, await host.checkpoints.get(checkpointId), { lazy, networkReady: true });
       else await host.launch(record, imagePath, mark);
       mark('init');
       await host.persist(state);
