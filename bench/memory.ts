@@ -67,6 +67,8 @@ export default async function memoryBench(args: string[]): Promise<void> {
       bridgePrefix: uniquePrefix(),
       lazyRestore,
       maxSandboxes: forks + 4,
+      // The agent's default (AGENT_DISK_POOL): two disks formatted ahead of creates, as a deployed agent has them.
+      diskPool: 2,
     });
   const a = await open();
   const b = await open();
@@ -155,12 +157,23 @@ export default async function memoryBench(args: string[]): Promise<void> {
 
       // A move: the guest is down from the pause until it runs on the other backend.
       t0 = performance.now();
+      const moveSteps: string[] = [];
+      let t1 = t0;
+      const lap = (step: string): void => {
+        moveSteps.push(`${step} ${Math.round(performance.now() - t1)}`);
+        t1 = performance.now();
+      };
       const paused = await a.pause(name, { id: `${name}-move` });
+      lap('pause');
       const staging = join(b.stagingDir(), `bench-${name}`);
       await cp(await a.checkpointDir(paused.id), staging, { recursive: true });
+      lap('copy');
       await b.importCheckpoint(staging);
+      lap('import');
       await b.create({ name, checkpointId: paused.id, resume: true, cpus: 1, ram_mb: mib * 2 + 128, storage_gb: 1, tenant: 'bench' });
+      lap('create with resume');
       log(`move to another backend (pause + copy + resume): downtime ${ms(t0)} ms (aim at 64 MiB: < 500 ms)`);
+      log(`  of which: ${moveSteps.join(', ')} ms`);
       log(`  counter there: ${await sh(b, name, 'cat /tmp/count')}`);
       await b.destroy(name);
       await a.destroy(name);

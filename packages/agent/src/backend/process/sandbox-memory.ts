@@ -85,7 +85,7 @@ export async function pauseSandbox(host: SandboxHost, name: string, opts: { id?:
     await host.paging.awaitResident(name);
     const t0 = performance.now();
     await freeze(host, name);
-    const progress = { dumped: false };
+    const progress: { dumped: boolean; detached?: Promise<void> } = { dumped: false };
     let cp: Checkpoint;
     try {
       cp = await host.checkpoints.write(layerDirs(host.sandboxDir(name), s.storage_gb).upper, {
@@ -96,6 +96,9 @@ export async function pauseSandbox(host: SandboxHost, name: string, opts: { id?:
         memory: async () => {
           const d = await dumpMemory(host, record, false);
           progress.dumped = true;
+          // The tree is gone: its route and veth go while the files are hashed.
+          progress.detached = detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
+          progress.detached.catch(() => undefined);
           return d;
         },
       });
@@ -107,7 +110,7 @@ export async function pauseSandbox(host: SandboxHost, name: string, opts: { id?:
     }
     const pauseMs = Math.round(performance.now() - t0);
     await host.unpublish(record);
-    await detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip });
+    await (progress.detached ?? detachSandbox({ bridge: s.bridge, veth: s.veth, ip: s.ip }));
     // Killed by criu: the (empty) group is thawed for whoever joins it next.
     await host.cgroups.setFrozen(name, false).catch(() => undefined);
     s.status = 'paused';
