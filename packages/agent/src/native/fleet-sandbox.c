@@ -27,11 +27,6 @@
  *       <start ticks> running", then "... exited <code>" or "... signaled
  *       <signo>". Detached like the init, it outlives the agent, which reads
  *       the record after a restart.
- *   fleet-sandbox mask-ro PID MOUNTPOINT...
- *       Host side of a restore: CRIU binds the masked directories (external
- *       mounts) without their flags; this makes each MOUNTPOINT, a path in
- *       PID's root resolved with no symlink followed, read-only, nosuid,
- *       nodev and noexec again, in PID's mount namespace.
  *   fleet-sandbox mount-root PID HOSTID IMAGE LAYERDIR ROOT
  *       Host side of a start, once PID (in the sandbox's new user and mount
  *       namespaces) has its id maps: IMAGE and LAYERDIR (holding upper/ and
@@ -60,19 +55,20 @@
  *   fleet-sandbox (no argument, CRTOOLS_SCRIPT_ACTION set)
  *       CRIU's action script at a restore (criu.ts restoreTree; cmd_criu_hook): at setup-namespaces, the restored
  *       tree's empty network namespace gets its eth0 (the veth, its address, routes, ping range, over rtnetlink);
- *       at post-resume, the agent's mount of the root for CRIU is detached. Its environment is the one the agent
+ *       at post-restore, before any restored task runs, the hostname is set and the masked directories (binds of EMPTYDIR, which CRIU
+ *       restores as external mounts without their flags) are made read-only, nosuid, nodev and noexec again; at
+ *       post-resume, the agent's mount of the root for CRIU is detached. Its environment is the one the agent
  *       gives criu (criu-lazy.ts CRIU_ENV and the FLEET_* values of the restore), with CRIU's own CRTOOLS_*.
  *   fleet-sandbox serve SOCKET [--allow TOOL]...
  *       The agent's long-lived spawner, so an exec costs a fork of this small
  *       process instead of a fork of Node plus an execve: listens on SOCKET
  *       (a path in the agent's 0700 data directory, made 0600), accepts only
  *       connections from uid 0, and per connection forks a relay that runs
- *       one of four things with the request's arguments, over pipes it
+ *       one of three things with the request's arguments, over pipes it
  *       relays as frames:
  *         enter ARGS...        the helper's `enter`, with the FLEET_E<n>
  *                              environment of the request (a guest exec);
  *         mount-root ARGS...   the helper's `mount-root` (a sandbox start);
- *         mask-ro ARGS...      the helper's `mask-ro` (after a restore);
  *         run TOOL ARGS...     execve of TOOL, an absolute path given by an
  *                              --allow at the serve's start (the agent's
  *                              host tools: ip, nft, mount…), with only
@@ -629,32 +625,33 @@ static int reap(int sfd, pid_t init) {
 
 #include <linux/openat2.h>
 
-static int cmd_mask_ro(int argc, char **argv) {
-  if (argc < 4) usage();
-  clearenv();
+/* Makes each of PATHS (mount points in PID's root, resolved with no symlink followed) read-only, nosuid, nodev and
+   noexec, in PID's mount namespace, which this process joins. */
+static void mask_ro(int pid, char **paths, int n) {
   char path[64];
-  snprintf(path, sizeof path, "/proc/%d/root", atoi(argv[2]));
+  snprintf(path, sizeof path, "/proc/%d/root", pid);
   int root = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (root < 0) fail("open", path);
-  snprintf(path, sizeof path, "/proc/%d/ns/mnt", atoi(argv[2]));
+  snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
   int ns = open(path, O_RDONLY | O_CLOEXEC);
   if (ns < 0) fail("open", path);
   /* mount_setattr changes only mounts of the caller's own mount namespace. */
   if (setns(ns, CLONE_NEWNS) < 0) fail("setns", path);
-  for (int i = 3; i < argc; i++) {
+  for (int i = 0; i < n; i++) {
     struct open_how how;
     memset(&how, 0, sizeof how);
     how.flags = O_PATH | O_DIRECTORY | O_CLOEXEC;
     how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-    int fd = (int)syscall(SYS_openat2, root, argv[i], &how, sizeof how);
-    if (fd < 0) fail("open", argv[i]);
+    int fd = (int)syscall(SYS_openat2, root, paths[i], &how, sizeof how);
+    if (fd < 0) fail("open", paths[i]);
     struct mount_attr attr;
     memset(&attr, 0, sizeof attr);
     attr.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", argv[i]);
+    if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", paths[i]);
     close(fd);
   }
-  return 0;
+  close(ns);
+  close(root);
 }
 
 /* ---- mount-root ---- */
@@ -1146,10 +1143,9 @@ static void relay(int conn) {
     else envv[i - nargs] = p;
     p = z + 1;
   }
-  /* Only these four: the socket is never a way to boot, serve, or run a program the agent did not allow at start. */
+  /* Only these three: the socket is never a way to boot, serve, or run a program the agent did not allow at start. */
   int is_enter = strcmp(argv[1], "enter") == 0, is_mount = strcmp(argv[1], "mount-root") == 0, is_run = strcmp(argv[1], "run") == 0;
-  int is_mask = strcmp(argv[1], "mask-ro") == 0;
-  if (!is_enter && !is_mount && !is_run && !is_mask) _exit(125);
+  if (!is_enter && !is_mount && !is_run) _exit(125);
   if (!is_enter && nenv != 0) _exit(125);
   if (is_run) {
     int ok = 0;
@@ -1176,7 +1172,6 @@ static void relay(int conn) {
       if (putenv(envv[i]) != 0) _exit(125);
     if (is_enter) _exit(cmd_enter((int)nargs + 1, argv));
     if (is_mount) _exit(cmd_mount_root((int)nargs + 1, argv));
-    if (is_mask) _exit(cmd_mask_ro((int)nargs + 1, argv));
     char *tool_env[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL};
     execve(argv[2], argv + 2, tool_env);
     dprintf(2, "fleet-sandbox: exec %s: %s\n", argv[2], strerror(errno));
@@ -1335,6 +1330,7 @@ static int cmd_start(int argc, char **argv) {
 /* ---- criu-hook ---- */
 
 #include <linux/veth.h>
+#include <sys/sysmacros.h>
 
 static struct rtattr *nest_begin(struct nlmsghdr *h, unsigned short type) {
   struct rtattr *a = (struct rtattr *)((char *)h + NLMSG_ALIGN(h->nlmsg_len));
@@ -1484,12 +1480,72 @@ static void configure_guest_net(int pid, const char *cidr, const char *gw) {
   close(netns);
 }
 
+/* Undoes mountinfo's octal escapes (\\040 for a space, ...) in place. */
+static void unescape_octal(char *s) {
+  char *w = s;
+  for (char *r = s; *r;) {
+    if (r[0] == '\\' && r[1] >= '0' && r[1] <= '3' && r[2] >= '0' && r[2] <= '7' && r[3] >= '0' && r[3] <= '7') {
+      *w++ = (char)((r[1] - '0') * 64 + (r[2] - '0') * 8 + (r[3] - '0'));
+      r += 4;
+    } else *w++ = *r++;
+  }
+  *w = 0;
+}
+
+/*
+ * The masked directories of a restored tree: the mounts in PID's mountinfo of EMPTYDIR's device whose root ends in
+ * its name (what criu.ts externalMounts finds at a dump), made read-only, nosuid, nodev and noexec (mask_ro).
+ */
+static void mask_empty_binds(int pid, const char *empty_dir) {
+  struct stat st;
+  if (stat(empty_dir, &st) < 0) fail("stat", empty_dir);
+  const char *base = strrchr(empty_dir, '/');
+  base = base ? base + 1 : empty_dir;
+  size_t blen = strlen(base);
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/mountinfo", pid);
+  FILE *f = fopen(path, "re");
+  if (!f) fail("open", path);
+  static char root[4096], mp[4096];
+  char *found[64];
+  int n = 0;
+  char *line = NULL;
+  size_t cap = 0;
+  while (getline(&line, &cap, f) > 0) {
+    unsigned maj, min;
+    if (sscanf(line, "%*d %*d %u:%u %4095s %4095s", &maj, &min, root, mp) != 4) continue;
+    if (makedev(maj, min) != st.st_dev) continue;
+    unescape_octal(root);
+    unescape_octal(mp);
+    size_t rlen = strlen(root);
+    if (rlen <= blen || strcmp(root + rlen - blen, base) != 0 || root[rlen - blen - 1] != '/') continue;
+    if (n == (int)(sizeof found / sizeof found[0])) fail("count the masked directories of", path);
+    if (!(found[n++] = strdup(mp))) fail("strdup", NULL);
+  }
+  free(line);
+  fclose(f);
+  mask_ro(pid, found, n);
+}
+
+/* The hostname of PID's uts namespace (a fork's is its own name, not its source's), joined by this process. */
+static void set_hostname(int pid, const char *name) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/ns/uts", pid);
+  int ns = open(path, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) fail("open", path);
+  if (setns(ns, CLONE_NEWUTS) < 0) fail("setns", path);
+  if (sethostname(name, strlen(name)) < 0) fail("sethostname", name);
+  close(ns);
+}
+
 /*
  * CRIU's action script for a restore (criu.ts): CRIU runs it with no argument at each step, the step in
  * CRTOOLS_SCRIPT_ACTION and the agent's FLEET_* variables in its environment.
  *   setup-namespaces   the restored, empty network namespace of CRTOOLS_INIT_PID gets its eth0: attach_veth with
  *                      FLEET_VETH FLEET_MAC FLEET_BRIDGE FLEET_IP FLEET_GW, then configure_guest_net with
  *                      FLEET_IP/FLEET_PREFIX.
+ *   post-restore       every task restored, none running yet: the hostname is FLEET_HOSTNAME; the binds of
+ *                      FLEET_EMPTY_DIR (the masked directories) get their flags back (mask_empty_binds).
  *   post-resume        the tree runs and holds its root: FLEET_ROOT, the agent's mount of it for CRIU, is detached.
  * Every other step: nothing. A failure exits non-zero, which fails the restore.
  */
@@ -1502,6 +1558,11 @@ static int cmd_criu_hook(const char *action) {
     char cidr[40];
     if (snprintf(cidr, sizeof cidr, "%s/%s", ip, prefix) >= (int)sizeof cidr) usage();
     configure_guest_net(pid, cidr, gw);
+  } else if (strcmp(action, "post-restore") == 0) {
+    int pid = atoi(must_env("CRTOOLS_INIT_PID"));
+    if (pid <= 0) usage();
+    set_hostname(pid, must_env("FLEET_HOSTNAME"));
+    mask_empty_binds(pid, must_env("FLEET_EMPTY_DIR"));
   } else if (strcmp(action, "post-resume") == 0) {
     const char *root = getenv("FLEET_ROOT");
     if (root && *root && umount2(root, MNT_DETACH) < 0 && errno != EINVAL) fail("detach", root);
@@ -1515,7 +1576,6 @@ int main(int argc, char **argv) {
   if (argc < 2) usage();
   if (strcmp(argv[1], "enter") == 0) return cmd_enter(argc, argv);
   if (strcmp(argv[1], "mount-root") == 0) return cmd_mount_root(argc, argv);
-  if (strcmp(argv[1], "mask-ro") == 0) return cmd_mask_ro(argc, argv);
   if (strcmp(argv[1], "serve") == 0) return cmd_serve(argc, argv);
   if (strcmp(argv[1], "start") == 0) return cmd_start(argc, argv);
   usage();

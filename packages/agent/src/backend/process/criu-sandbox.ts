@@ -16,6 +16,7 @@ import {
   type CriuMeta,
   type DumpResult,
   type Pager,
+  type RestoreTarget,
 } from './criu.js';
 import { mustRun, processStartTime, runTool, sigkill } from './exec-util.js';
 import { startLazyDaemon, type LazyDaemon } from './criu-lazy.js';
@@ -138,39 +139,48 @@ export async function restoreInto(
     });
     return (pagers.any = pagers.local);
   };
-  let mounted = false;
+  // Set from targetReady, which runs alongside restoreTree.
+  const mounted = { root: false };
   const scratch = restoreScratchOf(s.name);
   host.scratch.add(scratch);
+  let targetReady: Promise<RestoreTarget> | undefined;
   try {
-    const imagePath = await resolveImage(host.opts.imageDir, s.image);
-    // PID 0: the helper maps the ids through a user namespace of its own making (the record's id block), and mounts
-    // the root in the agent's mount namespace, where CRIU takes it from.
-    await mustRun(host.tools.helper, ['mount-root', '0', String(s.uid_base), imagePath, dirname(layer.upper), root]);
-    mounted = true;
-    lap('mount_root_ms');
-    const consoleFd = await consoleWriter;
-    lap('console_wait_ms');
-    await network;
-    lap('network_wait_ms');
-    const target = {
-      root,
-      cgroupProcs: host.cgroups.procsFiles(s.name),
-      uidBase: s.uid_base,
-      veth: s.veth,
-      bridge: s.bridge,
-      mac: s.mac,
-      ip: s.ip,
-      prefixLen: host.subnet.prefixLen,
-      gateway: host.subnet.gateway,
-      hostname: s.name,
-      consoleFd,
-      hook: host.criuHook,
-      emptyDir: await ensureEmptyDir(host.emptyDir(s.name)),
-    };
+    // The root, console and network are readied while restoreTree links the images and starts a lazy daemon.
+    targetReady = (async (): Promise<RestoreTarget> => {
+      const emptyDir = ensureEmptyDir(host.emptyDir(s.name));
+      emptyDir.catch(() => undefined);
+      const imagePath = await resolveImage(host.opts.imageDir, s.image);
+      // PID 0: the helper maps the ids through a user namespace of its own making (the record's id block), and
+      // mounts the root in the agent's mount namespace, where CRIU takes it from.
+      await mustRun(host.tools.helper, ['mount-root', '0', String(s.uid_base), imagePath, dirname(layer.upper), root]);
+      mounted.root = true;
+      lap('mount_root_ms');
+      const consoleFd = await consoleWriter;
+      lap('console_wait_ms');
+      await network;
+      lap('network_wait_ms');
+      return {
+        root,
+        cgroupProcs: host.cgroups.procsFiles(s.name),
+        uidBase: s.uid_base,
+        veth: s.veth,
+        bridge: s.bridge,
+        mac: s.mac,
+        ip: s.ip,
+        prefixLen: host.subnet.prefixLen,
+        gateway: host.subnet.gateway,
+        hostname: s.name,
+        consoleFd,
+        hook: host.criuHook,
+        emptyDir: await emptyDir,
+      };
+    })();
+    targetReady.catch(() => undefined);
     let pid: number;
     for (let attempt = 1; ; attempt++) {
       try {
-        pid = await restoreTree(criu, cpDir, meta, target, join(host.checkpoints.staging, scratch), pager, host.restoreDeadlineMs);
+        const staged = join(host.checkpoints.staging, scratch);
+        pid = await restoreTree(criu, cpDir, meta, s.uid_base, targetReady, staged, pager, host.restoreDeadlineMs);
         break;
       } catch (err) {
         if (!(err instanceof RestoreTimedOut)) throw err;
@@ -197,9 +207,10 @@ export async function restoreInto(
       s.init_start = start;
       // From here the daemon is the sandbox's: its failure kills this init, and a memory capture waits for it.
       if (pagers.local) host.paging.track(s.name, pagers.local);
-      // CRIU binds the masked directories without their flags: read-only, nosuid, nodev, noexec again.
-      const masks = (await externalMounts(pid, target.emptyDir)).empty;
-      if (masks.length > 0) await mustRun(host.tools.helper, ['mask-ro', String(pid), ...masks]);
+      // CRIU binds the masked directories without their flags; the helper (its action script) set them again before
+      // any restored task ran. A restore that left one writable is not this sandbox's.
+      const { writable } = await externalMounts(pid, (await targetReady).emptyDir);
+      if (writable.length > 0) throw sandboxFailed(`the restore left masked directories without their flags: ${writable.join(', ')}`);
       // The veth's sysctls were set by the helper (CRIU's action script) before it came up.
     } catch (err) {
       // Not the sandbox's then: the restored tree goes (without its daemon its missing pages would be zeros).
@@ -212,12 +223,14 @@ export async function restoreInto(
     }
     lap('harden_ms');
   } finally {
-    // Settled before the caller cleans up (an early failure leaves it in flight).
+    // Settled before the caller cleans up (an early failure leaves them in flight: a root mounted after the unmount
+    // below would stay mounted).
+    await targetReady?.catch(() => undefined);
     await network.catch(() => undefined);
     const consoleFd = await consoleWriter.catch(() => undefined);
     if (consoleFd !== undefined) closeSync(consoleFd);
     // A restore that ran detached it already (the helper, at CRIU's post-resume).
-    if (mounted && (await isMounted(root))) await runTool('umount', ['-l', root]);
+    if (mounted.root && (await isMounted(root))) await runTool('umount', ['-l', root]);
     // A daemon still paging in reads its images and writes its log there: prune leaves it until the daemon ends.
     if (pagers.any) void pagers.any.exited.finally(() => host.scratch.delete(scratch));
     else host.scratch.delete(scratch);

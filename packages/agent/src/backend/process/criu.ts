@@ -325,7 +325,12 @@ export function rewriteUsernsImage(img: Buffer, from: number, to: number): Buffe
 export async function externalMounts(
   pid: number,
   emptyDir: string,
-): Promise<{ devices: Array<{ mountpoint: string; source: string }>; empty: string[] }> {
+): Promise<{
+  devices: Array<{ mountpoint: string; source: string }>;
+  empty: string[];
+  /** Of `empty`, those missing any of ro, nosuid, nodev, noexec. */
+  writable: string[];
+}> {
   const text = await readFile(`/proc/${pid}/mountinfo`, 'utf8');
   const unescape = (f: string | undefined): string =>
     (f ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
@@ -333,6 +338,7 @@ export async function externalMounts(
   const wantDev = want ? `${Math.floor(want.dev / 256) & 0xfff}:${(want.dev & 0xff) | ((want.dev >> 12) & 0xfff00)}` : '';
   const devices: Array<{ mountpoint: string; source: string }> = [];
   const empty: string[] = [];
+  const writable: string[] = [];
   for (const line of text.split('\n')) {
     const [pre, post] = line.split(' - ');
     if (!pre || !post) continue;
@@ -340,9 +346,13 @@ export async function externalMounts(
     const root = unescape(f[3]);
     const mountpoint = unescape(f[4]);
     if (post.split(' ')[0] === 'devtmpfs') devices.push({ mountpoint, source: `/dev${root}` });
-    else if (want && f[2] === wantDev && root.endsWith(`/${basename(emptyDir)}`)) empty.push(mountpoint);
+    else if (want && f[2] === wantDev && root.endsWith(`/${basename(emptyDir)}`)) {
+      empty.push(mountpoint);
+      const flags = new Set((f[5] ?? '').split(','));
+      if (!['ro', 'nosuid', 'nodev', 'noexec'].every((x) => flags.has(x))) writable.push(mountpoint);
+    }
   }
-  return { devices, empty };
+  return { devices, empty, writable };
 }
 
 const mountKey = (mountpoint: string): string => `m${mountpoint.replace(/[^A-Za-z0-9]/g, '_')}`;
@@ -563,7 +573,10 @@ export async function restoreTree(
   criu: CriuFeatures,
   imagesDir: string,
   meta: CriuMeta,
-  target: RestoreTarget,
+  /** The id block the tree is restored into (the target's, known before the rest of it). */
+  uidBase: number,
+  /** Awaited once the images and any daemon are ready: the caller mounts the root meanwhile. */
+  targetReady: RestoreTarget | Promise<RestoreTarget>,
   scratch: string,
   lazy?: (dir: string) => Promise<Pager | undefined>,
   deadlineMs?: number,
@@ -574,17 +587,30 @@ export async function restoreTree(
   // Searchable by the restored tasks (the sandbox's root is not host root): its parent stays closed to host users.
   await chmod(scratch, 0o755);
   try {
-    for (const name of await readdir(imagesDir)) {
-      if (!name.startsWith(MEMORY_FILE_PREFIX) || name === CRIU_META) continue;
-      const f = name.slice(MEMORY_FILE_PREFIX.length);
-      if (f.startsWith('userns-') && meta.uid_base !== target.uidBase) {
-        await writeFile(join(scratch, f), rewriteUsernsImage(await readFile(join(imagesDir, name)), meta.uid_base, target.uidBase));
-      } else await link(join(imagesDir, name), join(scratch, f));
-      // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
-      await chmod(join(scratch, f), 0o644);
-    }
+    await Promise.all(
+      (await readdir(imagesDir)).map(async (name) => {
+        if (!name.startsWith(MEMORY_FILE_PREFIX) || name === CRIU_META) return;
+        const f = name.slice(MEMORY_FILE_PREFIX.length);
+        if (f.startsWith('userns-') && meta.uid_base !== uidBase) {
+          await writeFile(join(scratch, f), rewriteUsernsImage(await readFile(join(imagesDir, name)), meta.uid_base, uidBase));
+        } else await link(join(imagesDir, name), join(scratch, f));
+        // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
+        await chmod(join(scratch, f), 0o644);
+      }),
+    );
     // Lazy: memory comes from a `criu lazy-pages` daemon that reads the images in scratch until every page is in.
     const daemon = lazy ? await lazy(scratch) : undefined;
+    let target: RestoreTarget;
+    try {
+      target = await targetReady;
+    } catch (err) {
+      daemon?.kill();
+      throw err;
+    }
+    if (target.uidBase !== uidBase) {
+      daemon?.kill();
+      throw sandboxFailed(`restore target id block ${target.uidBase} is not ${uidBase}`);
+    }
     // A restore waits on pages that will never come once the daemon is gone: it must not outlive it.
     const abort = new AbortController();
     void daemon?.exited.then((code) => {
@@ -640,6 +666,8 @@ export async function restoreTree(
         FLEET_PREFIX: String(target.prefixLen),
         FLEET_GW: target.gateway,
         FLEET_ROOT: target.root,
+        FLEET_EMPTY_DIR: target.emptyDir,
+        FLEET_HOSTNAME: target.hostname,
       },
     }).finally(() => clearTimeout(timer));
     if (code !== 0) {
@@ -652,9 +680,6 @@ export async function restoreTree(
     try {
       pid = Number((await readFile(pidfile, 'utf8')).trim());
       if (!Number.isInteger(pid) || pid <= 0) throw sandboxFailed('criu restore wrote no pid');
-      if (meta.hostname !== target.hostname) {
-        await runTool('nsenter', ['-t', String(pid), '-u', 'hostname', target.hostname]);
-      }
       if (daemon) {
         keepScratch = true;
         void daemon.exited.finally(() => rm(scratch, { recursive: true, force: true }).catch(() => undefined));

@@ -228,12 +228,12 @@ export class Spawner implements HostRunner {
   }
 
   request(cmd: string, args: readonly string[]): string[] | undefined {
-    if (cmd === this.helper) return args[0] === 'mount-root' || args[0] === 'mask-ro' ? [...args] : undefined;
+    if (cmd === this.helper) return args[0] === 'mount-root' ? [...args] : undefined;
     const path = this.tools.get(cmd);
     return path === undefined ? undefined : ['run', path, ...args];
   }
 
-  /** A host tool or the helper's mount-root or mask-ro, forked by the spawner; rejects only when it could not be started. */
+  /** A host tool or the helper's mount-root, forked by the spawner; rejects only when it could not be started. */
   run(request: readonly string[], opts: { input?: string; timeoutMs?: number } = {}): Promise<RunResult> {
     return runThrough(this.socketPath, request, opts);
   }
