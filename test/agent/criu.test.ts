@@ -302,6 +302,11 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       const info = await b.resume('hang');
       assert.equal(info.state, 'running');
       assert.ok(existsSync(marker), 'the first try did hang');
+      // Its whole criu log is kept for whoever looks into why.
+      const hungDir = join((b as unknown as { host: { opts: { dataDir: string } } }).host.opts.dataDir, 'criu-hung');
+      const kept = (await readdir(hungDir)).filter((f) => f.endsWith('-hang-try1.log'));
+      assert.equal(kept.length, 1, kept.join(', '));
+      assert.notEqual(await readFile(join(hungDir, kept[0]!), 'utf8'), '');
     } finally {
       host.criuHook = real;
       host.restoreDeadlineMs = saved;

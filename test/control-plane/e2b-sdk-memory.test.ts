@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { after, before, describe, it, type TestContext } from 'node:test';
 import { CommandExitError, InvalidArgumentError, RateLimitError, Sandbox, SandboxError, SandboxNotFoundError } from 'e2b';
 import { pino } from 'pino';
@@ -480,6 +481,12 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
         // What the agent did meanwhile (a restore that never ends shows its last step here).
         const log = agent.output().split('\n');
         t.diagnostic(`agent log, last 80 of ${log.length} lines:\n${log.slice(-80).join('\n')}`);
+        // The whole criu log of each restore that hung (the agent keeps them; a retry's is -v4, with timestamps).
+        const hung = join(agent.opts.dataDir, 'criu-hung');
+        for (const f of existsSync(hung) ? readdirSync(hung).sort() : []) {
+          const lines = readFileSync(join(hung, f), 'utf8').split('\n');
+          t.diagnostic(`${f}, last 150 of ${lines.length} lines:\n${lines.slice(-150).join('\n')}`);
+        }
         throw err;
       });
       assert.equal(forks.length, 2);

@@ -1,5 +1,5 @@
 import { closeSync, existsSync, fchownSync } from 'node:fs';
-import { mkdir, readFile, rm, stat } from 'node:fs/promises';
+import { mkdir, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
@@ -180,12 +180,13 @@ export async function restoreInto(
     for (let attempt = 1; ; attempt++) {
       try {
         const staged = join(host.checkpoints.staging, scratch);
-        pid = await restoreTree(criu, cpDir, meta, s.uid_base, targetReady, staged, pager, host.restoreDeadlineMs);
+        pid = await restoreTree(criu, cpDir, meta, s.uid_base, targetReady, staged, pager, host.restoreDeadlineMs, attempt > 1);
         break;
       } catch (err) {
         if (!(err instanceof RestoreTimedOut)) throw err;
+        const kept = await keepHungLog(host.opts.dataDir, s.name, attempt, err.log);
         host.log?.warn(
-          { sandbox: s.name, checkpoint: cp.id, attempt, deadline_ms: err.deadlineMs, criu_log: err.logTail },
+          { sandbox: s.name, checkpoint: cp.id, attempt, deadline_ms: err.deadlineMs, criu_log: err.logTail, criu_log_file: kept },
           'criu restore hung: killed',
         );
         // What the killed restore left: its half-restored tasks (in the sandbox's cgroups) and the veth its hook made.
@@ -240,6 +241,24 @@ export async function restoreInto(
     { sandbox: s.name, checkpoint: cp.id, lazy: lazy !== undefined, paged_in_after: pagers.local !== undefined, ...steps },
     'criu restore',
   );
+}
+
+/** Where the logs of restores that hung are kept (HUNG_LOGS_KEPT newest), for whoever looks into why. */
+export const HUNG_LOG_DIR = 'criu-hung';
+const HUNG_LOGS_KEPT = 10;
+
+async function keepHungLog(dataDir: string, sandbox: string, attempt: number, log: string): Promise<string | undefined> {
+  try {
+    const dir = join(dataDir, HUNG_LOG_DIR);
+    await mkdir(dir, { recursive: true, mode: 0o700 });
+    const file = join(dir, `${new Date().toISOString().replace(/[:.]/g, '-')}-${sandbox}-try${attempt}.log`);
+    await writeFile(file, log, { mode: 0o600 });
+    const all = (await readdir(dir)).sort();
+    for (const old of all.slice(0, Math.max(0, all.length - HUNG_LOGS_KEPT))) await rm(join(dir, old), { force: true });
+    return file;
+  } catch {
+    return undefined;
+  }
 }
 
 /** Whether `path` is a mount point (its device is not its parent's). */

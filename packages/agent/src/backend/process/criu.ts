@@ -379,11 +379,14 @@ export interface DumpResult {
 
 /** `criu restore` did not finish by its deadline and was killed; `logTail`: the last lines of its log. */
 export class RestoreTimedOut extends Error {
+  readonly logTail: string;
   constructor(
     readonly deadlineMs: number,
-    readonly logTail: string,
+    /** The whole criu log of the killed restore. */
+    readonly log: string,
   ) {
     super(`criu restore did not finish within ${deadlineMs} ms`);
+    this.logTail = log.split('\n').filter(Boolean).slice(-8).join(' | ');
   }
 }
 
@@ -580,6 +583,8 @@ export async function restoreTree(
   scratch: string,
   lazy?: (dir: string) => Promise<Pager | undefined>,
   deadlineMs?: number,
+  /** criu's most detailed log (-v4, with timestamps): a retry of a restore that hung. */
+  verbose = false,
 ): Promise<number> {
   let keepScratch = false;
   await rm(scratch, { recursive: true, force: true });
@@ -625,6 +630,7 @@ export async function restoreTree(
       scratch,
       '-o',
       'restore.log',
+      ...(verbose ? ['-v4'] : []),
       '--root',
       target.root,
       '--restore-detached',
@@ -673,7 +679,7 @@ export async function restoreTree(
     if (code !== 0) {
       daemon?.kill();
       const log = await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => '');
-      if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log.split('\n').filter(Boolean).slice(-8).join(' | '));
+      if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log);
       throw criuError('criu restore failed', log);
     }
     let pid = 0;
