@@ -95,6 +95,8 @@ export class SnapshotCommands implements SeedArtifacts {
       { type: 'DeleteSnapshot', data: { snapshot_id: snapshotId, reason: opts.reason ?? 'client', forced: opts.force ?? false } },
       actor,
     );
+    // Deleted meanwhile by a racing call (nothing appended): that call releases the quota and drops the copies.
+    if (r.position === undefined) return r;
     if (s.quota_counted || s.mode === 'build') await this.quota.release(s.tenant_id, snapshotId, actor);
     const dropped = await this.dropCopies(r.snapshot, actor);
     return dropped ?? r;

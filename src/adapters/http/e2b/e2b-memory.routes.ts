@@ -240,12 +240,15 @@ export function registerE2bMemoryRoutes(app: E2bApp, deps: E2bMemoryDeps, scope:
     { schema: { hide: true, params: z.object({ templateID: z.string().min(1).max(256) }) } },
     async (req, reply) => {
       const actor = scope.actorOf(req);
+      const notFound = () =>
+        reply.status(404).send({ code: 404, message: `template ${req.params.templateID} not found`, error_code: 'TEMPLATE_NOT_FOUND' });
+      // The caller's own writes first (a snapshot it just made is found), and whether it is already deleted from its
+      // stream, not the read model: a second delete right after the first is a 404 (the SDK's false), never a 204.
+      await scope.caughtUp(actor);
       const snap = await getSnapshot(deps.pool, req.params.templateID, req.caller.admin ? undefined : req.caller.tenantId);
-      if (!snap || snap.state === 'deleted')
-        return reply
-          .status(404)
-          .send({ code: 404, message: `template ${req.params.templateID} not found`, error_code: 'TEMPLATE_NOT_FOUND' });
+      if (!snap || snap.state === 'deleted') return notFound();
       const r = await deps.snapshots.delete(snap.id, actor);
+      if (r.position === undefined) return notFound();
       scope.remember(actor, r.position);
       return reply.status(204).send();
     },
