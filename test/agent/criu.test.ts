@@ -162,6 +162,8 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       await rejectsWithCode(b.spawn('pr', { argv: ['true'], stdin: false }), 'SANDBOX_NOT_FOUND');
       const again = await b.pause('pr');
       assert.equal(again.id, cp.id, 'a second pause answers the first');
+      // A host firewall reload while it is paused: the resume (whose own rules are unchanged) has the tables put back.
+      if (i === 1) spawnSync('nft', ['delete', 'table', 'bridge', `fleet_${prefixes[0]}`]);
       if (i === 0) {
         // The masked directories are binds of the agent's empty directory, which CRIU leaves out: /dev is the one
         // tmpfs it archives (a tmpfs mask would add a tar and a gzip to every dump and restore).
@@ -175,6 +177,15 @@ describe('criu: memory checkpoints of real sandboxes', { skip: skip ? `missing: 
       assert.ok(now >= last, `counter went back: ${now} < ${last}`);
       assert.ok(now < last + 200, `counter restarted or jumped: ${last} -> ${now}`);
       assert.match(await answer(url), /^count \d+/);
+      if (i === 1) {
+        const { veth } = JSON.parse(await readFile(join(b.sandboxDir('pr'), 'state.json'), 'utf8')) as { veth: string };
+        let chain = '';
+        for (let k = 0; k < 100 && !chain.includes(`ether saddr != ${info.mac} drop`); k++) {
+          await new Promise((r) => setTimeout(r, 30));
+          chain = spawnSync('nft', ['list', 'chain', 'bridge', `fleet_${prefixes[0]}`, `port_${veth}`], { encoding: 'utf8' }).stdout;
+        }
+        assert.match(chain, new RegExp(`ether saddr != ${info.mac} drop`), 'the deleted table is back after the resume');
+      }
       if (i === 0) {
         // Its layer-2 rules stayed through the pause (the resume applies no new ruleset when nothing changed): only its
         // own MAC and address may leave its port.

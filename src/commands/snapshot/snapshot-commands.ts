@@ -99,7 +99,9 @@ export class SnapshotCommands implements SeedArtifacts {
     if (r.position === undefined) return r;
     if (s.quota_counted || s.mode === 'build') await this.quota.release(s.tenant_id, snapshotId, actor);
     const dropped = await this.dropCopies(r.snapshot, actor);
-    return dropped ?? r;
+    // The last position this call appended: a drop that appended nothing (the GC dropped that copy first) does not
+    // hide the delete's (a caller tells "deleted now" from "already deleted" by it).
+    return dropped ? { ...dropped, position: dropped.position ?? r.position } : r;
   }
 
   async requestExport(snapshotId: string, destination: string, actor: Actor): Promise<SnapshotResult> {

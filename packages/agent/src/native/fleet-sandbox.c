@@ -54,7 +54,8 @@
  *       fatal signal is re-raised), so a caller sees the guest's status.
  *   fleet-sandbox (no argument, CRTOOLS_SCRIPT_ACTION set)
  *       CRIU's action script at a restore (criu.ts restoreTree; cmd_criu_hook): at setup-namespaces, the restored
- *       tree's empty network namespace gets its eth0 (the veth, its address, routes, ping range, over rtnetlink);
+ *       tree's empty network namespace gets its eth0 (the veth, its address and routes over rtnetlink; the ping
+ *       range);
  *       at post-restore, before any restored task runs, the hostname is set and the masked directories (binds of EMPTYDIR, which CRIU
  *       restores as external mounts without their flags) are made read-only, nosuid, nodev and noexec again; at
  *       post-resume, the agent's mount of the root for CRIU is detached. Its environment is the one the agent
@@ -1344,7 +1345,10 @@ static void nest_end(struct nlmsghdr *h, struct rtattr *a) { a->rta_len = (unsig
 
 static const char *must_env(const char *name) {
   const char *v = getenv(name);
-  if (!v || !*v) fail("read the environment variable", name);
+  if (!v || !*v) {
+    dprintf(2, "fleet-sandbox: the environment variable %s is missing\n", name);
+    _exit(125);
+  }
   return v;
 }
 
@@ -1459,11 +1463,13 @@ static void configure_guest_net(int pid, const char *cidr, const char *gw) {
   pid_t child = fork();
   if (child < 0) fail("fork", NULL);
   if (child == 0) {
-    /* Host root's uid with the sandbox's namespace: nothing in the sandbox (its root holds CAP_SYS_PTRACE there) may
-       attach to it, though no task of the tree runs before CRIU resumes it. */
+    /* Host root's uid in the sandbox's user namespace: not dumpable, so nothing of the sandbox's could attach to it
+       (no task of the tree runs before CRIU resumes it, and the guest has no CAP_SYS_PTRACE: a third wall). Set
+       before the joins and checked after them, in case a credential change ever resets it. */
     if (prctl(PR_SET_DUMPABLE, 0) < 0) fail("prctl", "dumpable");
     if (setns(userns, CLONE_NEWUSER) < 0) fail("setns", "user");
     if (setns(netns, CLONE_NEWNET) < 0) fail("setns", "net");
+    if (prctl(PR_GET_DUMPABLE) != 0 && prctl(PR_SET_DUMPABLE, 0) < 0) fail("prctl", "dumpable");
     int ioc = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (ioc < 0) fail("socket", NULL);
     link_up(ioc, "lo");
@@ -1565,7 +1571,7 @@ static int cmd_criu_hook(const char *action) {
     mask_empty_binds(pid, must_env("FLEET_EMPTY_DIR"));
   } else if (strcmp(action, "post-resume") == 0) {
     const char *root = getenv("FLEET_ROOT");
-    if (root && *root && umount2(root, MNT_DETACH) < 0 && errno != EINVAL) fail("detach", root);
+    if (root && *root && umount2(root, MNT_DETACH | UMOUNT_NOFOLLOW) < 0 && errno != EINVAL) fail("detach", root);
   }
   return 0;
 }

@@ -1,5 +1,5 @@
 import { closeSync, existsSync, fchownSync } from 'node:fs';
-import { mkdir, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
+import { mkdir, readdir, readFile, rm, writeFile } from 'node:fs/promises';
 import { randomBytes } from 'node:crypto';
 import { dirname, join } from 'node:path';
 import { AppError } from '@fleet/agent-protocol';
@@ -146,14 +146,17 @@ export async function restoreInto(
   let targetReady: Promise<RestoreTarget> | undefined;
   try {
     // The root, console and network are readied while restoreTree links the images and starts a lazy daemon.
+    // PID 0: the helper maps the ids through a user namespace of its own making (the record's id block), and mounts
+    // the root in the agent's mount namespace, where CRIU takes it from.
+    const mountRoot = async (): Promise<void> => {
+      const imagePath = await resolveImage(host.opts.imageDir, s.image);
+      await mustRun(host.tools.helper, ['mount-root', '0', String(s.uid_base), imagePath, dirname(layer.upper), root]);
+      mounted.root = true;
+    };
     targetReady = (async (): Promise<RestoreTarget> => {
       const emptyDir = ensureEmptyDir(host.emptyDir(s.name));
       emptyDir.catch(() => undefined);
-      const imagePath = await resolveImage(host.opts.imageDir, s.image);
-      // PID 0: the helper maps the ids through a user namespace of its own making (the record's id block), and
-      // mounts the root in the agent's mount namespace, where CRIU takes it from.
-      await mustRun(host.tools.helper, ['mount-root', '0', String(s.uid_base), imagePath, dirname(layer.upper), root]);
-      mounted.root = true;
+      await mountRoot();
       lap('mount_root_ms');
       const consoleFd = await consoleWriter;
       lap('console_wait_ms');
@@ -184,7 +187,7 @@ export async function restoreInto(
         break;
       } catch (err) {
         if (!(err instanceof RestoreTimedOut)) throw err;
-        const kept = await keepHungLog(host.opts.dataDir, s.name, attempt, err.log);
+        const kept = await keepHungLog(host.opts.dataDir, s.name, attempt, err.kept);
         host.log?.warn(
           { sandbox: s.name, checkpoint: cp.id, attempt, deadline_ms: err.deadlineMs, criu_log: err.logTail, criu_log_file: kept },
           'criu restore hung: killed',
@@ -197,6 +200,8 @@ export async function restoreInto(
         // A lazy restore is not tried again: its pages come from a source page server that served the first try.
         if (attempt >= (lazy ? 1 : RESTORE_ATTEMPTS))
           throw sandboxFailed(`${err.message}, ${attempt} times (the criu log ends: ${err.logTail})`);
+        // A try killed after its post-resume step had the helper detach the root: the next one needs it again.
+        if (!(await isMounted(root))) await mountRoot();
       }
     }
     lap('criu_restore_ms');
@@ -261,10 +266,13 @@ async function keepHungLog(dataDir: string, sandbox: string, attempt: number, lo
   }
 }
 
-/** Whether `path` is a mount point (its device is not its parent's). */
+/** Whether something is mounted at `path` in the agent's mount namespace (its mountinfo; true when unreadable). */
 async function isMounted(path: string): Promise<boolean> {
-  const [own, parent] = await Promise.all([stat(path), stat(dirname(path))]).catch(() => [null, null]);
-  return own !== null && parent !== null && own.dev !== parent.dev;
+  const text = await readFile('/proc/self/mountinfo', 'utf8').catch(() => null);
+  if (text === null) return true;
+  return text
+    .split('\n')
+    .some((line) => line.split(' ')[4]?.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8))) === path);
 }
 
 /** A restore's scratch directory in the staging directory (its images, and a lazy daemon's log): one per attempt. */

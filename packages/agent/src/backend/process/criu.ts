@@ -7,7 +7,7 @@ import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
 import { CRIU_ENV, spawnUntilReady } from './criu-lazy.js';
-import { runTool, sigkill } from './exec-util.js';
+import { eachLimited, runTool, sigkill } from './exec-util.js';
 
 /**
  * Memory checkpoints of a sandbox with CRIU (criu.org): the sandbox's whole
@@ -388,6 +388,11 @@ export class RestoreTimedOut extends Error {
     super(`criu restore did not finish within ${deadlineMs} ms`);
     this.logTail = log.split('\n').filter(Boolean).slice(-8).join(' | ');
   }
+
+  /** The log to keep: its last 4 MiB (a -v4 log of a large tree can be far more). */
+  get kept(): string {
+    return this.log.length > 4 * 1024 * 1024 ? this.log.slice(-4 * 1024 * 1024) : this.log;
+  }
 }
 
 function criuError(what: string, log: string): AppError {
@@ -592,17 +597,15 @@ export async function restoreTree(
   // Searchable by the restored tasks (the sandbox's root is not host root): its parent stays closed to host users.
   await chmod(scratch, 0o755);
   try {
-    await Promise.all(
-      (await readdir(imagesDir)).map(async (name) => {
-        if (!name.startsWith(MEMORY_FILE_PREFIX) || name === CRIU_META) return;
-        const f = name.slice(MEMORY_FILE_PREFIX.length);
-        if (f.startsWith('userns-') && meta.uid_base !== uidBase) {
-          await writeFile(join(scratch, f), rewriteUsernsImage(await readFile(join(imagesDir, name)), meta.uid_base, uidBase));
-        } else await link(join(imagesDir, name), join(scratch, f));
-        // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
-        await chmod(join(scratch, f), 0o644);
-      }),
-    );
+    const images = (await readdir(imagesDir)).filter((name) => name.startsWith(MEMORY_FILE_PREFIX) && name !== CRIU_META);
+    await eachLimited(images, 8, async (name) => {
+      const f = name.slice(MEMORY_FILE_PREFIX.length);
+      if (f.startsWith('userns-') && meta.uid_base !== uidBase) {
+        await writeFile(join(scratch, f), rewriteUsernsImage(await readFile(join(imagesDir, name)), meta.uid_base, uidBase));
+      } else await link(join(imagesDir, name), join(scratch, f));
+      // Readable by the restored tasks (a pulled checkpoint's files are 0600); the checkpoint directory stays 0700.
+      await chmod(join(scratch, f), 0o644);
+    });
     // Lazy: memory comes from a `criu lazy-pages` daemon that reads the images in scratch until every page is in.
     const daemon = lazy ? await lazy(scratch) : undefined;
     let target: RestoreTarget;

@@ -119,6 +119,30 @@ export class KeyedMutex {
 
 export const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
+/**
+ * `fn` over `items`, at most `limit` at a time (a checkpoint's fifty-odd files: the thread pool has four threads, and
+ * other sandboxes' file work waits behind them); every call started has settled before it answers, and it rejects
+ * with the first failure (so a caller's cleanup never races calls still in flight).
+ */
+export async function eachLimited<T, R>(items: readonly T[], limit: number, fn: (item: T) => Promise<R>): Promise<R[]> {
+  const out: R[] = new Array<R>(items.length);
+  let next = 0;
+  let failed: { err: unknown } | undefined;
+  const worker = async (): Promise<void> => {
+    while (failed === undefined && next < items.length) {
+      const i = next++;
+      try {
+        out[i] = await fn(items[i] as T);
+      } catch (err) {
+        failed ??= { err };
+      }
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(limit, items.length) }, worker));
+  if (failed) throw failed.err;
+  return out;
+}
+
 /** Start time (clock ticks since boot) of a pid, or null if it is gone: guards against pid reuse. */
 export async function processStartTime(pid: number): Promise<string | null> {
   if (!Number.isInteger(pid) || pid <= 0) return null;

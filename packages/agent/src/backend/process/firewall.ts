@@ -83,6 +83,8 @@ export class Firewall {
   private expected: string | undefined;
   /** The script of the last apply that succeeded (undefined while one runs or after one failed). */
   private applied: string | undefined;
+  /** What the reassert behind an apply with nothing to apply repaired (the owner logs it). */
+  onRepairs: ((repairs: string[]) => void) | undefined;
 
   private constructor(
     private readonly nft: string,
@@ -125,9 +127,18 @@ export class Firewall {
   apply(state: () => FirewallState): Promise<void> {
     return this.locked(async () => {
       const want = state();
-      // What was applied last, unchanged (a resume: a paused sandbox's rules stay): no nft run. Tables changed
-      // behind the agent's back since are the reassert's to find and repair, as between any two applies.
-      if (this.applied !== undefined && this.script(want) === this.applied) return;
+      // What was applied last, unchanged (a resume: a paused sandbox's rules stay): no nft run for the caller to
+      // wait on. The tables may have been changed behind the agent's back since (a host firewall reload): a
+      // reassert, queued behind this call and not waited for, puts them back and reports what it repaired.
+      if (this.applied !== undefined && this.script(want) === this.applied) {
+        void this.reassert(state).then(
+          (repairs) => {
+            if (repairs.length > 0) this.onRepairs?.(repairs);
+          },
+          () => undefined,
+        );
+        return;
+      }
       this.expected = undefined;
       await this.applyNow(want);
     });

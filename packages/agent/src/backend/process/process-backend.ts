@@ -95,6 +95,7 @@ export class ProcessBackend implements Backend {
     await chmod(join(opts.dataDir, 'sandboxes'), 0o700);
     await mkdir(opts.imageDir, { recursive: true });
     const firewall = await Firewall.open(opts.bridgePrefix);
+    firewall.onRepairs = (repairs) => logger?.warn({ repairs }, 'sandbox firewall changed behind the agent: put back');
     const host = new SandboxHost(opts, subnet, cgroups, tools, firewall, logger);
     const backend = new ProcessBackend(host);
     await host.checkpoints.init();

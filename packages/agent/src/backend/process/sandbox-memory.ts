@@ -103,6 +103,8 @@ export async function pauseSandbox(host: SandboxHost, name: string, opts: { id?:
         },
       });
     } catch (err) {
+      // Within the lock: a later restore of this sandbox must not have its new veth deleted by this teardown.
+      await progress.detached?.catch(() => undefined);
       // A failed dump leaves the tree running (CRIU resumes it); thaw it, nothing else changed.
       if (!progress.dumped) await host.cgroups.setFrozen(name, false).catch(() => undefined);
       else host.log?.error({ err, sandbox: name }, 'the sandbox was dumped but its checkpoint could not be kept');
