@@ -486,8 +486,17 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
         // The whole criu log of each restore that hung (the agent keeps them; a retry's is -v4, with timestamps).
         const hung = join(agent.opts.dataDir, 'criu-hung');
         for (const f of existsSync(hung) ? readdirSync(hung).sort() : []) {
-          const lines = readFileSync(join(hung, f), 'utf8').split('\n');
+          const [restore = '', daemon = ''] = readFileSync(join(hung, f), 'utf8').split('\n---- lazy-pages.log ----\n');
+          const lines = restore.split('\n');
+          // Where each restored task got to (a -v4 line names its task: "(ts) pie: 5: ..." or "(ts)      5: ...").
+          const lastOf = new Map<string, string>();
+          for (const l of lines) {
+            const task = /^\(\s*[\d.]+\)\s+(?:pie: )?(\d+): /.exec(l)?.[1];
+            if (task !== undefined) lastOf.set(task, l);
+          }
+          t.diagnostic(`${f}: the last line of each task:\n${[...lastOf.values()].join('\n')}`);
           t.diagnostic(`${f}, last 150 of ${lines.length} lines:\n${lines.slice(-150).join('\n')}`);
+          if (daemon !== '') t.diagnostic(`its lazy-pages daemon, last 60 lines:\n${daemon.split('\n').slice(-60).join('\n')}`);
         }
         throw err;
       });

@@ -6,7 +6,7 @@ import { basename, delimiter, dirname, join } from 'node:path';
 import { z } from 'zod';
 import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
-import { CRIU_ENV, spawnUntilReady } from './criu-lazy.js';
+import { CRIU_ENV, LAZY_LOG, spawnUntilReady } from './criu-lazy.js';
 import { eachLimited, runTool, sigkill } from './exec-util.js';
 
 /**
@@ -384,14 +384,18 @@ export class RestoreTimedOut extends Error {
     readonly deadlineMs: number,
     /** The whole criu log of the killed restore. */
     readonly log: string,
+    /** The log of its lazy-pages daemon, if it had one. */
+    readonly daemonLog = '',
   ) {
     super(`criu restore did not finish within ${deadlineMs} ms`);
     this.logTail = log.split('\n').filter(Boolean).slice(-8).join(' | ');
   }
 
-  /** The log to keep: its last 4 MiB (a -v4 log of a large tree can be far more). */
+  /** The logs to keep: the restore's last 4 MiB (a -v4 log of a large tree can be far more), then the daemon's last 1 MiB. */
   get kept(): string {
-    return this.log.length > 4 * 1024 * 1024 ? this.log.slice(-4 * 1024 * 1024) : this.log;
+    const tail = (text: string, max: number): string => (text.length > max ? text.slice(-max) : text);
+    const restore = tail(this.log, 4 * 1024 * 1024);
+    return this.daemonLog === '' ? restore : `${restore}\n---- ${LAZY_LOG} ----\n${tail(this.daemonLog, 1024 * 1024)}`;
   }
 }
 
@@ -682,7 +686,10 @@ export async function restoreTree(
     if (code !== 0) {
       daemon?.kill();
       const log = await readFile(join(scratch, 'restore.log'), 'utf8').catch(() => '');
-      if (deadline.passed) throw new RestoreTimedOut(deadlineMs ?? 0, log);
+      if (deadline.passed) {
+        const daemonLog = daemon ? await readFile(join(scratch, LAZY_LOG), 'utf8').catch(() => '') : '';
+        throw new RestoreTimedOut(deadlineMs ?? 0, log, daemonLog);
+      }
       throw criuError('criu restore failed', log);
     }
     let pid = 0;
