@@ -211,7 +211,7 @@ describe('exec spawner', { skip, concurrency: false }, () => {
     assert.match(ran.stdout, /ip/);
     const tree = await run(spawnViaSpawner(sock, ['run', '/bin/busybox', 'sh', '-c', 'true'], {}, false));
     assert.equal(tree.exitCode, null, 'a tool not allowed at the serve start is refused (the relay exits without a status)');
-    for (const verb of ['boot', 'serve', 'wait-root', 'start', 'reap']) {
+    for (const verb of ['boot', 'serve', 'wait-root', 'start', 'reap', 'mask-ro']) {
       const refused = await run(spawnViaSpawner(sock, [verb, 'x', 'y'], {}, false));
       assert.deepEqual([refused.exitCode, refused.stdout.length], [null, 0], `${verb} is not served`);
     }

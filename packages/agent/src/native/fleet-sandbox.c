@@ -392,6 +392,35 @@ static void rta_add(struct nlmsghdr *h, unsigned short type, const void *data, u
   h->nlmsg_len = NLMSG_ALIGN(h->nlmsg_len) + RTA_ALIGN(a->rta_len);
 }
 
+/* One rtnetlink request: its header, the message's own header, room for its attributes. */
+struct rtnl_req {
+  struct nlmsghdr h;
+  union {
+    struct ifinfomsg ifi;
+    struct ifaddrmsg ifa;
+    struct rtmsg rt;
+  } u;
+  char attrs[512];
+};
+
+/* REQ emptied and begun as a TYPE request with FLAGS whose own header is LEN bytes. */
+static void rtnl_begin(struct rtnl_req *req, unsigned short type, unsigned short flags, size_t len) {
+  memset(req, 0, sizeof *req);
+  req->h.nlmsg_len = NLMSG_LENGTH(len);
+  req->h.nlmsg_type = type;
+  req->h.nlmsg_flags = flags;
+}
+
+/* REQ begun as an IPv4 unicast route of the main table, protocol boot (as ip(8) adds one), in SCOPE. */
+static void rtnl_begin_route(struct rtnl_req *req, unsigned short flags, unsigned char scope) {
+  rtnl_begin(req, RTM_NEWROUTE, flags, sizeof req->u.rt);
+  req->u.rt.rtm_family = AF_INET;
+  req->u.rt.rtm_table = RT_TABLE_MAIN;
+  req->u.rt.rtm_protocol = RTPROT_BOOT;
+  req->u.rt.rtm_scope = scope;
+  req->u.rt.rtm_type = RTN_UNICAST;
+}
+
 static void link_up(int ioc, const char *name) {
   struct ifreq ifr;
   memset(&ifr, 0, sizeof ifr);
@@ -419,18 +448,8 @@ static void configure_eth0(const char *cidr, const char *gw) {
   if (ioc < 0 || nl < 0) fail("socket", NULL);
   unsigned idx = if_nametoindex("eth0");
   if (!idx) fail("find", "eth0");
-  struct {
-    struct nlmsghdr h;
-    union {
-      struct ifaddrmsg ifa;
-      struct rtmsg rt;
-    } u;
-    char attrs[256];
-  } req;
-  memset(&req, 0, sizeof req);
-  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifa);
-  req.h.nlmsg_type = RTM_NEWADDR;
-  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  struct rtnl_req req;
+  rtnl_begin(&req, RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, sizeof req.u.ifa);
   req.u.ifa.ifa_family = AF_INET;
   req.u.ifa.ifa_prefixlen = (unsigned char)len;
   req.u.ifa.ifa_index = idx;
@@ -439,15 +458,7 @@ static void configure_eth0(const char *cidr, const char *gw) {
   int e = rtnl(nl, &req.h);
   if (e < 0) errno = -e, fail("add the address of", "eth0");
   link_up(ioc, "eth0");
-  memset(&req, 0, sizeof req);
-  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.rt);
-  req.h.nlmsg_type = RTM_NEWROUTE;
-  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
-  req.u.rt.rtm_family = AF_INET;
-  req.u.rt.rtm_table = RT_TABLE_MAIN;
-  req.u.rt.rtm_protocol = RTPROT_BOOT;
-  req.u.rt.rtm_scope = RT_SCOPE_UNIVERSE;
-  req.u.rt.rtm_type = RTN_UNICAST;
+  rtnl_begin_route(&req, NLM_F_CREATE | NLM_F_EXCL, RT_SCOPE_UNIVERSE);
   rta_add(&req.h, RTA_GATEWAY, &g, 4);
   rta_add(&req.h, RTA_OIF, &idx, 4);
   e = rtnl(nl, &req.h);
@@ -626,6 +637,8 @@ static int reap(int sfd, pid_t init) {
 
 #include <linux/openat2.h>
 
+static int open_ns(int pid, const char *ns);
+
 /* Makes each of PATHS (mount points in PID's root, resolved with no symlink followed) read-only, nosuid, nodev and
    noexec, in PID's mount namespace, which this process joins. */
 static void mask_ro(int pid, char **paths, int n) {
@@ -633,11 +646,9 @@ static void mask_ro(int pid, char **paths, int n) {
   snprintf(path, sizeof path, "/proc/%d/root", pid);
   int root = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (root < 0) fail("open", path);
-  snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
-  int ns = open(path, O_RDONLY | O_CLOEXEC);
-  if (ns < 0) fail("open", path);
+  int ns = open_ns(pid, "ns/mnt");
   /* mount_setattr changes only mounts of the caller's own mount namespace. */
-  if (setns(ns, CLONE_NEWNS) < 0) fail("setns", path);
+  if (setns(ns, CLONE_NEWNS) < 0) fail("setns", "mnt");
   for (int i = 0; i < n; i++) {
     struct open_how how;
     memset(&how, 0, sizeof how);
@@ -1388,18 +1399,8 @@ static void attach_veth(int pid, const char *veth, const char *mac_text, const c
   if (!br) fail("find the bridge", bridge);
   int nl = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
   if (nl < 0) fail("socket", NULL);
-  struct {
-    struct nlmsghdr h;
-    union {
-      struct ifinfomsg ifi;
-      struct rtmsg rt;
-    } u;
-    char attrs[512];
-  } req;
-  memset(&req, 0, sizeof req);
-  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifi);
-  req.h.nlmsg_type = RTM_NEWLINK;
-  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_EXCL;
+  struct rtnl_req req;
+  rtnl_begin(&req, RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, sizeof req.u.ifi);
   req.u.ifi.ifi_family = AF_UNSPEC;
   rta_add(&req.h, IFLA_IFNAME, veth, (unsigned short)(strlen(veth) + 1));
   struct rtattr *info = nest_begin(&req.h, IFLA_LINKINFO);
@@ -1420,9 +1421,7 @@ static void attach_veth(int pid, const char *veth, const char *mac_text, const c
   if (!idx) fail("find the veth", veth);
   link_sysctl(veth, "disable_ipv6", "1");
   link_sysctl(veth, "accept_ra", "0");
-  memset(&req, 0, sizeof req);
-  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.ifi);
-  req.h.nlmsg_type = RTM_NEWLINK;
+  rtnl_begin(&req, RTM_NEWLINK, 0, sizeof req.u.ifi);
   req.u.ifi.ifi_family = AF_UNSPEC;
   req.u.ifi.ifi_index = (int)idx;
   req.u.ifi.ifi_flags = IFF_UP;
@@ -1430,16 +1429,8 @@ static void attach_veth(int pid, const char *veth, const char *mac_text, const c
   rta_add(&req.h, IFLA_MASTER, &br, 4);
   e = rtnl(nl, &req.h);
   if (e < 0) errno = -e, fail("attach the veth to", bridge);
-  memset(&req, 0, sizeof req);
-  req.h.nlmsg_len = NLMSG_LENGTH(sizeof req.u.rt);
-  req.h.nlmsg_type = RTM_NEWROUTE;
-  req.h.nlmsg_flags = NLM_F_CREATE | NLM_F_REPLACE;
-  req.u.rt.rtm_family = AF_INET;
+  rtnl_begin_route(&req, NLM_F_CREATE | NLM_F_REPLACE, RT_SCOPE_LINK);
   req.u.rt.rtm_dst_len = 32;
-  req.u.rt.rtm_table = RT_TABLE_MAIN;
-  req.u.rt.rtm_protocol = RTPROT_BOOT;
-  req.u.rt.rtm_scope = RT_SCOPE_LINK;
-  req.u.rt.rtm_type = RTN_UNICAST;
   rta_add(&req.h, RTA_DST, &dst, 4);
   rta_add(&req.h, RTA_PREFSRC, &src, 4);
   rta_add(&req.h, RTA_OIF, &br, 4);
@@ -1453,13 +1444,7 @@ static void attach_veth(int pid, const char *veth, const char *mac_text, const c
  * network namespace: lo and eth0 up, eth0's address and default route (as stage 2 does at a start), the ping range.
  */
 static void configure_guest_net(int pid, const char *cidr, const char *gw) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%d/ns/user", pid);
-  int userns = open(path, O_RDONLY | O_CLOEXEC);
-  if (userns < 0) fail("open", path);
-  snprintf(path, sizeof path, "/proc/%d/ns/net", pid);
-  int netns = open(path, O_RDONLY | O_CLOEXEC);
-  if (netns < 0) fail("open", path);
+  int userns = open_ns(pid, "ns/user"), netns = open_ns(pid, "ns/net");
   pid_t child = fork();
   if (child < 0) fail("fork", NULL);
   if (child == 0) {
@@ -1535,11 +1520,8 @@ static void mask_empty_binds(int pid, const char *empty_dir) {
 
 /* The hostname of PID's uts namespace (a fork's is its own name, not its source's), joined by this process. */
 static void set_hostname(int pid, const char *name) {
-  char path[64];
-  snprintf(path, sizeof path, "/proc/%d/ns/uts", pid);
-  int ns = open(path, O_RDONLY | O_CLOEXEC);
-  if (ns < 0) fail("open", path);
-  if (setns(ns, CLONE_NEWUTS) < 0) fail("setns", path);
+  int ns = open_ns(pid, "ns/uts");
+  if (setns(ns, CLONE_NEWUTS) < 0) fail("setns", "uts");
   if (sethostname(name, strlen(name)) < 0) fail("sethostname", name);
   close(ns);
 }

@@ -24,7 +24,7 @@ import { openConsoleWriter } from './launch.js';
 import { deleteLink } from './network.js';
 import type { SandboxHost } from './sandbox-host.js';
 import type { SandboxRecord } from './sandbox-state.js';
-import { layerDirs } from './storage.js';
+import { layerDirs, mountPoints } from './storage.js';
 
 /* CRIU on a sandbox: a dump of its process tree, a restore of one as a given sandbox. */
 
@@ -165,7 +165,6 @@ export async function restoreInto(
       return {
         root,
         cgroupProcs: host.cgroups.procsFiles(s.name),
-        uidBase: s.uid_base,
         veth: s.veth,
         bridge: s.bridge,
         mac: s.mac,
@@ -249,7 +248,7 @@ export async function restoreInto(
 }
 
 /** Where the logs of restores that hung are kept (HUNG_LOGS_KEPT newest), for whoever looks into why. */
-export const HUNG_LOG_DIR = 'criu-hung';
+const HUNG_LOG_DIR = 'criu-hung';
 const HUNG_LOGS_KEPT = 10;
 
 async function keepHungLog(dataDir: string, sandbox: string, attempt: number, log: string): Promise<string | undefined> {
@@ -266,13 +265,11 @@ async function keepHungLog(dataDir: string, sandbox: string, attempt: number, lo
   }
 }
 
-/** Whether something is mounted at `path` in the agent's mount namespace (its mountinfo; true when unreadable). */
+/** Whether something is mounted at `path` in the agent's mount namespace (true when its mountinfo cannot be read). */
 async function isMounted(path: string): Promise<boolean> {
-  const text = await readFile('/proc/self/mountinfo', 'utf8').catch(() => null);
-  if (text === null) return true;
-  return text
-    .split('\n')
-    .some((line) => line.split(' ')[4]?.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8))) === path);
+  const mounts = await mountPoints();
+  // Never empty when read: "/" is always mounted.
+  return mounts.size === 0 || mounts.has(path);
 }
 
 /** A restore's scratch directory in the staging directory (its images, and a lazy daemon's log): one per attempt. */

@@ -8,6 +8,7 @@ import { AppError } from '@fleet/agent-protocol';
 import { sandboxFailed } from '../../backend.js';
 import { CRIU_ENV, LAZY_LOG, spawnUntilReady } from './criu-lazy.js';
 import { eachLimited, runTool, sigkill } from './exec-util.js';
+import { unescapeMountField } from './storage.js';
 
 /**
  * Memory checkpoints of a sandbox with CRIU (criu.org): the sandbox's whole
@@ -332,8 +333,7 @@ export async function externalMounts(
   writable: string[];
 }> {
   const text = await readFile(`/proc/${pid}/mountinfo`, 'utf8');
-  const unescape = (f: string | undefined): string =>
-    (f ?? '').replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+  const unescape = (f: string | undefined): string => unescapeMountField(f ?? '');
   const want = await lstat(emptyDir).catch(() => null);
   const wantDev = want ? `${Math.floor(want.dev / 256) & 0xfff}:${(want.dev & 0xff) | ((want.dev >> 12) & 0xfff00)}` : '';
   const devices: Array<{ mountpoint: string; source: string }> = [];
@@ -553,7 +553,6 @@ export interface RestoreTarget {
   /** The overlay root, mounted (in the agent's namespace) for the time of the restore. */
   readonly root: string;
   readonly cgroupProcs: readonly string[];
-  readonly uidBase: number;
   readonly veth: string;
   readonly bridge: string;
   readonly mac: string;
@@ -618,10 +617,6 @@ export async function restoreTree(
     } catch (err) {
       daemon?.kill();
       throw err;
-    }
-    if (target.uidBase !== uidBase) {
-      daemon?.kill();
-      throw sandboxFailed(`restore target id block ${target.uidBase} is not ${uidBase}`);
     }
     // A restore waits on pages that will never come once the daemon is gone: it must not outlive it.
     const abort = new AbortController();

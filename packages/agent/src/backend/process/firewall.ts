@@ -126,11 +126,11 @@ export class Firewall {
   /** Replaces both tables with what `state()` (read under the lock, so the newest wins) asks for. */
   apply(state: () => FirewallState): Promise<void> {
     return this.locked(async () => {
-      const want = state();
+      const script = this.script(state());
       // What was applied last, unchanged (a resume: a paused sandbox's rules stay): no nft run for the caller to
       // wait on. The tables may have been changed behind the agent's back since (a host firewall reload): a
       // reassert, queued behind this call and not waited for, puts them back and reports what it repaired.
-      if (this.applied !== undefined && this.script(want) === this.applied) {
+      if (script === this.applied) {
         void this.reassert(state).then(
           (repairs) => {
             if (repairs.length > 0) this.onRepairs?.(repairs);
@@ -140,7 +140,7 @@ export class Firewall {
         return;
       }
       this.expected = undefined;
-      await this.applyNow(want);
+      await this.applyNow(script);
     });
   }
 
@@ -161,7 +161,7 @@ export class Firewall {
       // No expectation (an apply since the last check): apply anyway, uncounted. A table edited in that
       // window is repaired here but not counted; a missing one is always counted.
       if (repairs.length > 0 || (this.expected === undefined && !empty)) {
-        await this.applyNow(want);
+        await this.applyNow(this.script(want));
         this.expected = await this.listOurs();
       } else {
         this.expected = listing;
@@ -255,8 +255,7 @@ export class Firewall {
     return empty ? this.replace().join('\n') + '\n' : this.render(state);
   }
 
-  private async applyNow(state: FirewallState): Promise<void> {
-    const script = this.script(state);
+  private async applyNow(script: string): Promise<void> {
     this.applied = undefined;
     const res = await runTool(this.nft, ['-f', '-'], { input: script });
     if (res.code !== 0) throw sandboxFailed(`applying the sandbox firewall (nft) failed: ${res.stderr.trim().slice(0, 500)}`);

@@ -164,13 +164,17 @@ export async function layerUsage(sandboxDir: string, storageGb: number): Promise
   return { used_bytes: used, entries, limit_bytes: storageGb * GIB };
 }
 
-/** Mount points of this mount namespace (mountinfo's octal escapes undone). */
+/** A path field of a mountinfo line with its octal escapes (`\\040` for a space, ...) undone. */
+export const unescapeMountField = (field: string): string =>
+  field.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+
+/** Mount points of this mount namespace (mountinfo's octal escapes undone); empty when mountinfo cannot be read. */
 export async function mountPoints(): Promise<Set<string>> {
   const text = await readFile('/proc/self/mountinfo', 'utf8').catch(() => '');
   const out = new Set<string>();
   for (const line of text.split('\n')) {
     const m = line.split(' ')[4];
-    if (m) out.add(m.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8))));
+    if (m) out.add(unescapeMountField(m));
   }
   return out;
 }
