@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the CRIU the agent's memory checkpoints use and prints its path on the last line (CI: CRIU_PATH=$(... | tail -1)).
-#   CRIU 4.1.1 (the shared vendored tarball, as ../shared/tools/build-criu.sh builds it) plus two patches:
+#   CRIU 4.1.1 (the shared vendored tarball, as ../shared/tools/build-criu.sh builds it) plus four patches:
 #   criu-4.1.1-sockopt-6.16.patch. Linux 6.16 answers EOPNOTSUPP to SO_PASSCRED/SO_PASSSEC on inet sockets, and 4.1.1
 #   then refuses to dump any TCP socket (upstream criu issue #2718): a sandbox with a listening server could not be
 #   checkpointed at all.
@@ -12,12 +12,17 @@
 #   criu-4.1.1-lazy-pipe-size.patch. The lazy page server sizes its tee pipe past fs.pipe-max-size, which needs
 #   CAP_SYS_RESOURCE (these hosts run without it): EPERM, ignored, and every page request then failed (splice EBADF,
 #   the target saw "connection reset"). It now falls back to pipe-max-size, which the page pipes it reads never exceed.
+#   criu-4.1.1-zombie-reparent.patch. A zombie of a dead session leader's session is restored under a helper and must
+#   then be reparented to its real parent (often the init), which waits for it; 4.1.1 waits for that by waiting for
+#   the stage's count of tasks to change, which never happens when every other task finished the stage first: the
+#   restore hung for good (a fork right after an envd command ended, about one in two). It polls for the reparenting.
 #   Installed to $CRIU_PREFIX (default /opt/criu-4.1.1-fleet), apart from an unpatched build.
 # Needs root for apt-get (Debian 12 build dependencies). Idempotent.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 prefix=${CRIU_PREFIX:-/opt/criu-4.1.1-fleet}
-patches=("$here/criu-4.1.1-sockopt-6.16.patch" "$here/criu-4.1.1-uffd-dev.patch" "$here/criu-4.1.1-lazy-pipe-size.patch")
+patches=("$here/criu-4.1.1-sockopt-6.16.patch" "$here/criu-4.1.1-uffd-dev.patch" "$here/criu-4.1.1-lazy-pipe-size.patch"
+  "$here/criu-4.1.1-zombie-reparent.patch")
 stamp="$prefix/patch.sha256"
 want=$(cat "${patches[@]}" | sha256sum | cut -d' ' -f1)
 if [ -x "$prefix/sbin/criu" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$prefix/sbin/criu" check >/dev/null 2>&1; then
