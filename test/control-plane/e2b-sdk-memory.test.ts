@@ -214,43 +214,37 @@ describe('e2b SDK memory verbs (stock npm SDK, real agent with CRIU)', { timeout
     assert.ok(end instanceof Error || (end as { exitCode: number }).exitCode !== 0);
   });
 
-  it(
-    'stdin across a pause: sendStdin and closeStdin after Sandbox.connect reach the same process',
-    {
-      skip: 'stdin commands are host-attached again: a CRIU restore of a tree holding a task on the guest stdin FIFO hung now and then (resume timed out after 20 s in CI); see processes.ts',
-    },
-    async (t) => {
-      if (guard(t)) return;
-      const out: string[] = [];
-      const h = await sbx.commands.run('n=0; while read -r l; do n=$((n+1)); echo "got $l"; done; echo "eof after $n lines"', {
-        background: true,
-        stdin: true,
-        timeoutMs: 0,
-        onStdout: (d) => void out.push(d),
-      });
-      await sbx.commands.sendStdin(h.pid, 'one\n');
-      await until('the first line back', () => out.join('').includes('got one'));
-      // Sent while no client follows: it waits in the FIFO the pause keeps.
-      await h.disconnect();
-      await sbx.commands.sendStdin(h.pid, 'two\n');
-      assert.equal(await sbx.pause(), true);
-      const resumed = await Sandbox.connect(sbx.sandboxId);
-      sbx = resumed;
-      assert.ok(
-        (await resumed.commands.list()).some((p) => p.pid === h.pid),
-        'the stdin process is still listed',
-      );
-      const after: string[] = [];
-      const again = await resumed.commands.connect(h.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
-      await resumed.commands.sendStdin(h.pid, 'three\n');
-      await until('the line sent after the resume', () => after.join('').includes('got three'));
-      await resumed.commands.closeStdin(h.pid);
-      const r = await again.wait();
-      assert.equal(r.exitCode, 0);
-      // The line sent before the pause was read too (its echo went to no client: nothing is replayed).
-      assert.ok(after.join('').endsWith('eof after 3 lines\n'), `EOF after the close: ${after.join('')}`);
-    },
-  );
+  it('stdin across a pause: sendStdin and closeStdin after Sandbox.connect reach the same process', async (t) => {
+    if (guard(t)) return;
+    const out: string[] = [];
+    const h = await sbx.commands.run('n=0; while read -r l; do n=$((n+1)); echo "got $l"; done; echo "eof after $n lines"', {
+      background: true,
+      stdin: true,
+      timeoutMs: 0,
+      onStdout: (d) => void out.push(d),
+    });
+    await sbx.commands.sendStdin(h.pid, 'one\n');
+    await until('the first line back', () => out.join('').includes('got one'));
+    // Sent while no client follows: it waits in the FIFO the pause keeps.
+    await h.disconnect();
+    await sbx.commands.sendStdin(h.pid, 'two\n');
+    assert.equal(await sbx.pause(), true);
+    const resumed = await Sandbox.connect(sbx.sandboxId);
+    sbx = resumed;
+    assert.ok(
+      (await resumed.commands.list()).some((p) => p.pid === h.pid),
+      'the stdin process is still listed',
+    );
+    const after: string[] = [];
+    const again = await resumed.commands.connect(h.pid, { timeoutMs: 0, onStdout: (d) => void after.push(d) });
+    await resumed.commands.sendStdin(h.pid, 'three\n');
+    await until('the line sent after the resume', () => after.join('').includes('got three'));
+    await resumed.commands.closeStdin(h.pid);
+    const r = await again.wait();
+    assert.equal(r.exitCode, 0);
+    // The line sent before the pause was read too (its echo went to no client: nothing is replayed).
+    assert.ok(after.join('').endsWith('eof after 3 lines\n'), `EOF after the close: ${after.join('')}`);
+  });
 
   it('a chatty durable process: what it wrote stays bounded on the sandbox disk while all of it arrives in order', async (t) => {
     if (guard(t)) return;

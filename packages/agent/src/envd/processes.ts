@@ -337,11 +337,10 @@ export class ProcessTable {
     checkSize(req);
     const env = { HOME: ENVD_HOME, ...(req.pty ? { TERM: 'xterm-256color' } : {}), ...req.config.envs };
     const cwd = req.config.cwd ?? ENVD_HOME;
-    // Without a pty or stdin, nothing of the process needs the host: where a pause would otherwise end it, it runs in
-    // the sandbox's own tree (durable.ts; slower to start and to relay, so only there). A stdin FIFO in the guest is
-    // built (durable.ts) but not used: a CRIU restore of a tree with a task on it hung now and then (20 s resume
-    // timeouts in CI), so stdin commands stay on the host-attached path and end at a pause, as pty sessions do.
-    const attached = req.pty !== undefined || req.stdin || !(await this.pausable());
+    // Without a pty, nothing of the process needs the host: where a pause would otherwise end it, it runs in the
+    // sandbox's own tree (durable.ts; slower to start and to relay, so only there), its stdin a FIFO in the guest.
+    // A pty session stays host-attached and ends at a pause.
+    const attached = req.pty !== undefined || !(await this.pausable());
     const spawned = attached
       ? this.backend.spawn(sandbox, {
           argv: ['/bin/sh', '-c', WRAPPER, 'envd', req.config.cmd, ...req.config.args],
