@@ -461,6 +461,8 @@ function fifoWriter(
       cb();
     },
     final(cb) {
+      // Once in flight or done. A close the sandbox did not run to its end (paused meanwhile) is tried again at the
+      // next kick (revive after the resume): otherwise the holder would keep the FIFO open and the command never see EOF.
       let done = false;
       closing = () => {
         const dir = dirOf();
@@ -469,7 +471,14 @@ function fifoWriter(
         void backend
           .spawn(sandbox, { argv: ['/bin/sh', '-c', CLOSE_STDIN, 'envd-close', dir], stdin: false })
           .then((h) => h.wait())
-          .catch(() => undefined);
+          .then(
+            (st) => {
+              if (st.exitCode !== 0) done = false;
+            },
+            () => {
+              done = false;
+            },
+          );
       };
       pump();
       cb();
