@@ -57,9 +57,9 @@ export class PlacementView {
     return this.current();
   }
 
-  /** Reloads from the directory when the cache is older than maxAgeMs. */
+  /** Reloads from the directory when the cache is maxAgeMs old or older (0: always; a reload within the same millisecond counts). */
   async fresh(): Promise<void> {
-    if (Date.now() - this.loadedAt > this.maxAgeMs) await this.reload();
+    if (Date.now() - this.loadedAt >= this.maxAgeMs) await this.reload();
   }
 
   /** The view as it stands, with the holds of decisions in flight counted as allocated. */
