@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import { startControlPlane, type ControlPlane, type RequestOptions } from '../support/control-plane.js';
+import { eventually, startControlPlane, type ControlPlane, type RequestOptions } from '../support/control-plane.js';
 import { startStubAgents, type StubAgents } from './stub-agent.js';
 
 /**
@@ -881,11 +881,14 @@ describe('bad input on every route: 4xx problem with a stable code, never a 500'
     // A read model stopped at the failure event would never show it. Not waitFor(headPosition()): the head is the
     // last event every reader can see, and the failure, committed, stays unseen while a transaction with an older
     // txid (a projection's, the host's release) is still open, so that head can be the one before it.
-    let failed = await cp.request('GET', '/v1/vms?state=failed', { as: 'acme' });
-    for (const deadline = Date.now() + 10_000; failed.body.vms.length === 0 && Date.now() < deadline;) {
-      await new Promise((r) => setTimeout(r, 50));
-      failed = await cp.request('GET', '/v1/vms?state=failed', { as: 'acme' });
-    }
+    const failed = await eventually(
+      async () => {
+        const listed = await cp.request('GET', '/v1/vms?state=failed', { as: 'acme' });
+        return listed.body.vms.length > 0 && listed;
+      },
+      10_000,
+      'the failed VM listed',
+    );
     assert.equal(failed.body.vms.length, 1, JSON.stringify(failed.body));
     assert.match(failed.body.vms[0].error, /disk said \uFFFD and stopped/);
   });

@@ -13,6 +13,7 @@ import {
 import { AppError, ConflictError } from '@fleet/agent-protocol';
 import type { Backend, Checkpoint } from './backend.js';
 import { chunkFile, patchFromBase } from './artifact-chunks.js';
+import { eachLimited } from './backend/process/exec-util.js';
 
 /** The checkpoint's rootfs archive; its sha256 is the checkpoint's digest (see backend.ts). */
 export const ROOTFS_FILE = 'rootfs.tar';
@@ -198,11 +199,8 @@ export async function pullArtifact(backend: Backend, req: PullRequest): Promise<
       }
       total += got.size;
     };
-    await Promise.all(
-      Array.from({ length: Math.min(4, queue.length) }, async () => {
-        for (let f = queue.shift(); f; f = queue.shift()) await fetchOne(f);
-      }),
-    );
+    // Every fetch started has ended before a failure reaches the cleanup below, which removes their directory.
+    await eachLimited(queue, 4, fetchOne);
     const cp = manifest.checkpoint;
     const kind = cp.kind === 'live' && Object.keys(cp.files).length > 0 ? 'live' : 'disk';
     await writeFile(
